@@ -1,0 +1,58 @@
+# gpuguard: the two quick-start targets are `sudo make demo` and `sudo make test`.
+# Everything runs from a virtual environment built with the system Python, so that
+# the non-root test users (and researchers, for `gpuguard whoami`) can execute it.
+
+PYTHON ?= /usr/bin/python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+APT_PACKAGES = python3-venv gcc make libpam0g-dev pamtester acl openssh-server openssh-client util-linux passwd
+
+.PHONY: all deps venv pam test demo bench install clean
+
+all: venv pam
+
+# Debian/Ubuntu packages the build, the tests and the demo need (installed only when missing).
+deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+$(PY): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(PY)
+
+venv: $(PY)
+
+pam:
+	$(MAKE) -C pam
+
+test: deps venv pam
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: deps venv pam
+	$(PY) -m gpuguard.demo
+
+bench: venv
+	$(PY) bench/run.py
+
+# Install on a real server: package into /opt/gpuguard, module into the PAM directory,
+# example configuration into /etc/gpuguard (never overwriting an admin's files).
+install: deps
+	$(PYTHON) -m venv /opt/gpuguard
+	/opt/gpuguard/bin/pip install -q .
+	ln -sf /opt/gpuguard/bin/gpuguard /usr/local/sbin/gpuguard
+	$(MAKE) -C pam install
+	install -d -m 0755 /etc/gpuguard
+	[ -e /etc/gpuguard/gpuguard.toml ] || install -m 0644 etc/gpuguard.toml /etc/gpuguard/gpuguard.toml
+	[ -e /etc/gpuguard/quotas.toml ] || install -m 0644 etc/quotas.toml /etc/gpuguard/quotas.toml
+	install -m 0644 etc/gpuguard.service /etc/systemd/system/gpuguard.service
+	install -m 0644 etc/modprobe.d/gpuguard.conf /etc/modprobe.d/gpuguard.conf
+	install -m 0644 udev/70-gpuguard.rules /etc/udev/rules.d/70-gpuguard.rules
+
+clean:
+	rm -rf $(VENV) *.egg-info
+	$(MAKE) -C pam clean

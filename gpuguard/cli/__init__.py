@@ -1,0 +1,72 @@
+"""The `gpuguard` command: argparse front end, one module per command group.
+
+Each `*_cmd` module in this package has `register(subparsers)`, which adds its commands and
+sets `func(args) -> int` on them. Exit codes are the same everywhere: 0 ok, 1 refused or
+failed, 2 bad usage or input, 3 daemon unreachable. Errors are one line, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+from typing import Any
+
+from gpuguard import __version__, config
+from gpuguard.client import DaemonUnreachable, Refused
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+class CommandError(Exception):
+    """A one-line failure with the exit code to use."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED):
+        super().__init__(message)
+        self.code = code
+
+
+def load_config(args: argparse.Namespace) -> config.Config:
+    """The config named by --config, $GPUGUARD_CONFIG or the default path (errors exit 2)."""
+    return config.load(args.config)
+
+
+def print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
+    sys.stdout.write("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuguard", description="Fair, kernel-enforced GPU sharing.")
+    parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
+    parser.add_argument("--config", metavar="PATH",
+                        help=f"config file (default: $GPUGUARD_CONFIG or {config.DEFAULT_PATH})")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Every `*_cmd` module in this package contributes its commands.
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.endswith("_cmd"):
+            importlib.import_module(f"{__name__}.{info.name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except config.ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except DaemonUnreachable as exc:
+        return _fail(str(exc), EXIT_UNREACHABLE)
+    except Refused as exc:
+        return _fail(str(exc), exc.code)
+    except CommandError as exc:
+        return _fail(str(exc), exc.code)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"gpuguard: {message}", file=sys.stderr)
+    return code

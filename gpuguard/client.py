@@ -1,0 +1,53 @@
+"""Talking to the daemon from the CLI and the pam_exec hook."""
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from gpuguard import protocol
+
+
+class DaemonUnreachable(Exception):
+    """No daemon answered on the socket (not running, wrong path, or too slow)."""
+
+
+class Refused(Exception):
+    """The daemon answered with an error."""
+
+    def __init__(self, error: str, code: int = 1):
+        super().__init__(error)
+        self.code = code
+
+
+def call(socket_path: str, op: str, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:
+    """Send one request, return the daemon's reply fields; raise Refused on `ok: false`."""
+    request = protocol.encode({"op": op, **fields})
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(socket_path)
+            sock.sendall(request)
+            reply = _read_line(sock)
+    except (OSError, TimeoutError) as exc:
+        raise DaemonUnreachable(f"gpuguard daemon not reachable at {socket_path}: {exc.strerror or exc}") from None
+    try:
+        message = protocol.decode(reply)
+    except protocol.ProtocolError as exc:
+        raise DaemonUnreachable(f"bad reply from gpuguard daemon: {exc}") from None
+    if not message.get("ok"):
+        raise Refused(str(message.get("error", "refused")), int(message.get("code", 1)))
+    return message
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if chunk.endswith(b"\n") or size > protocol.MAX_REPLY:
+            break
+    return b"".join(chunks)

@@ -1,0 +1,276 @@
+"""Load and validate /etc/gpuguard/gpuguard.toml and its quotas file.
+
+Validation is strict and total: unknown keys, wrong types, bad units and absurd values are
+all refused with one line naming the file, the key and the problem. A daemon keeps its
+last good configuration when a reload fails, so refusing is always safe.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gpuguard.model import Quota
+from gpuguard.units import UnitError, parse_duration, parse_size
+
+DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
+MAX_GPUS = 64  # per machine; more is a typo
+
+
+class ConfigError(ValueError):
+    """One line: `file: key: problem`."""
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    group: str = "gpugroup"
+    exempt_users: tuple[str, ...] = ()
+    exempt_groups: tuple[str, ...] = ()
+    mode: str = "gate"  # "gate": BPF program + ACLs; "acl": ACLs only, by explicit choice
+
+
+@dataclass(frozen=True)
+class WatcherConfig:
+    interval: float = 2.0
+    grace: float = 30.0      # over quota this long before the first SIGTERM
+    kill_wait: float = 10.0  # SIGTERM this long before SIGKILL
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    state_dir: Path = Path("/var/lib/gpuguard")
+    socket: Path = Path("/run/gpuguard/gpuguard.sock")
+    device_dir: Path = Path("/dev")
+    quotas: Path = Path("/etc/gpuguard/quotas.toml")
+
+
+@dataclass(frozen=True)
+class SimulatedConfig:
+    count: int = 4
+    memory: int = 80 << 30
+    name: str = "NVIDIA H100 80GB HBM3"
+    nvlink_groups: tuple[tuple[int, ...], ...] | None = None  # None: consecutive pairs
+    pcie_switches: tuple[tuple[int, ...], ...] | None = None  # None: groups of four
+    numa_nodes: tuple[tuple[int, ...], ...] | None = None     # None: two halves
+
+    def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
+        """The declared grouping of GPU minors, or the default shape of a typical 8-GPU box."""
+        declared = getattr(self, kind)
+        if declared is not None:
+            return declared
+        size = {"nvlink_groups": 2, "pcie_switches": 4, "numa_nodes": max(1, (self.count + 1) // 2)}[kind]
+        return tuple(tuple(range(i, min(i + size, self.count))) for i in range(0, self.count, size))
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    backend: str = "nvml"
+    simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
+
+
+@dataclass(frozen=True)
+class QuotaOverrides:
+    """Per-user and per-group quota fields from quotas.toml; only the keys written there."""
+
+    users: dict[str, dict[str, Any]] = field(default_factory=dict)
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Config:
+    source: Path | None = None
+    access: AccessConfig = field(default_factory=AccessConfig)
+    defaults: Quota = field(default_factory=Quota)
+    watcher: WatcherConfig = field(default_factory=WatcherConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
+
+
+# --- value parsers: each takes the raw TOML value and returns the typed one or raises ValueError
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"expected a list of names, got {value!r}")
+    return tuple(value)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _count(low: int, high: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected a whole number, got {value!r}")
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low} and {high}, got {value}")
+        return value
+    return parse
+
+
+def _size(value: Any) -> int | None:
+    return parse_size(value)
+
+
+def _positive_size(value: Any) -> int:
+    size = parse_size(value)
+    if not size:
+        raise ValueError(f"expected a positive size, got {value!r}")
+    return size
+
+
+def _duration(value: Any) -> float | None:
+    return parse_duration(value)
+
+
+def _positive_duration(minimum: float) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        seconds = parse_duration(value)
+        if seconds is None or seconds < minimum:
+            raise ValueError(f"must be a duration of at least {minimum:g}s, got {value!r}")
+        return seconds
+    return parse
+
+
+def _path(value: Any) -> Path:
+    return Path(_string(value))
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, got {value!r}")
+        return value
+    return parse
+
+
+def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(value, list) or not all(
+            isinstance(g, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in g) for g in value):
+        raise ValueError(f"expected a list of lists of GPU minors, got {value!r}")
+    return tuple(tuple(g) for g in value)
+
+
+QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
+    "gpus": _count(0, MAX_GPUS),
+    "gpu_memory": _size,
+    "max_time": _duration,
+    "idle_timeout": _duration,
+    "sharing": _bool,
+}
+
+SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
+    "access": {"group": _string, "exempt_users": _names, "exempt_groups": _names,
+               "mode": _choice("gate", "acl")},
+    "defaults": QUOTA_KEYS,
+    "watcher": {"interval": _positive_duration(0.1), "grace": _positive_duration(0),
+                "kill_wait": _positive_duration(0)},
+    "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
+    "gpu": {"backend": _choice("nvml", "simulated"), "simulated": dict},
+    "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
+                      "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups},
+}
+
+
+def _parse_table(source: Path, section: str, table: Any, keys: dict[str, Callable[[Any], Any]]) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: {section}: expected a table, got {table!r}")
+    parsed: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in keys:
+            raise ConfigError(f"{source}: {section}.{key}: unknown key (known: {', '.join(keys)})")
+        try:
+            parsed[key] = keys[key](value)
+        except (ValueError, UnitError) as exc:
+            raise ConfigError(f"{source}: {section}.{key}: {exc}") from None
+    return parsed
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _check_topology(source: Path, sim: SimulatedConfig) -> None:
+    for kind in ("nvlink_groups", "pcie_switches", "numa_nodes"):
+        seen: set[int] = set()
+        for group in sim.groups(kind):
+            for minor in group:
+                if not 0 <= minor < sim.count:
+                    raise ConfigError(f"{source}: gpu.simulated.{kind}: GPU {minor} does not exist (count = {sim.count})")
+                if minor in seen:
+                    raise ConfigError(f"{source}: gpu.simulated.{kind}: GPU {minor} is listed twice")
+                seen.add(minor)
+
+
+def load_quotas(path: Path) -> QuotaOverrides:
+    """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none."""
+    if not path.exists():
+        return QuotaOverrides()
+    data = _read_toml(path)
+    tables: dict[str, dict[str, dict[str, Any]]] = {"users": {}, "groups": {}}
+    for kind, entries in data.items():
+        if kind not in tables:
+            raise ConfigError(f"{path}: {kind}: unknown table (known: users, groups)")
+        if not isinstance(entries, dict):
+            raise ConfigError(f"{path}: {kind}: expected tables like [{kind}.NAME]")
+        for name, table in entries.items():
+            tables[kind][name] = _parse_table(path, f"{kind}.{name}", table, QUOTA_KEYS)
+    return QuotaOverrides(users=tables["users"], groups=tables["groups"])
+
+
+def load(path: Path | str | None = None) -> Config:
+    """Load and validate a config file (and the quotas file it names). Raises ConfigError."""
+    source = Path(path) if path else default_path()
+    data = _read_toml(source)
+    sections: dict[str, dict[str, Any]] = {}
+    for section, table in data.items():
+        if section not in SCHEMA:
+            raise ConfigError(f"{source}: {section}: unknown section (known: {', '.join(s for s in SCHEMA if '.' not in s)})")
+        sections[section] = _parse_table(source, section, table, SCHEMA[section])
+    gpu_section = sections.get("gpu", {})
+    simulated = SimulatedConfig(**_parse_table(source, "gpu.simulated", gpu_section.pop("simulated", {}),
+                                               SCHEMA["gpu.simulated"]))
+    _check_topology(source, simulated)
+
+    paths_section = sections.get("paths", {})
+    # The quotas file sits next to the config file unless the admin names another one.
+    paths = replace(PathsConfig(**paths_section),
+                    quotas=source.parent / paths_section.get("quotas", "quotas.toml"))
+
+    config = Config(
+        source=source,
+        access=AccessConfig(**sections.get("access", {})),
+        defaults=Quota(**sections.get("defaults", {})),
+        watcher=WatcherConfig(**sections.get("watcher", {})),
+        paths=paths,
+        gpu=GpuConfig(simulated=simulated, **gpu_section),
+        quotas=load_quotas(paths.quotas),
+    )
+    if config.gpu.backend == "nvml" and config.watcher.interval < 1.0:
+        # NVML process queries serialize on the driver lock; faster polling slows every CUDA call.
+        raise ConfigError(f"{source}: watcher.interval: must be at least 1s with the nvml backend")
+    return config
+
+
+def default_path() -> Path:
+    return Path(os.environ.get("GPUGUARD_CONFIG") or DEFAULT_PATH)

@@ -1,0 +1,94 @@
+"""The nouns of gpuguard as frozen dataclasses, shared by the pure core and the backends.
+
+GPUs are identified by their minor number (the N of /dev/nvidiaN), never by NVML index:
+the index can differ from the minor and is not what the kernel checks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+NVIDIA_MAJOR = 195
+
+
+class Link(IntEnum):
+    """How well two GPUs are connected; lower is better (the allocator minimises it)."""
+
+    NVLINK = 0
+    PCIE_SWITCH = 1   # behind the same PCIe switch
+    NUMA_NODE = 2     # same CPU socket / host bridge
+    SYSTEM = 3        # across sockets
+
+
+@dataclass(frozen=True)
+class Quota:
+    gpus: int = 1
+    gpu_memory: int | None = None       # bytes per GPU; None = unlimited
+    max_time: float | None = None       # seconds a grant lasts; None = no limit
+    idle_timeout: float | None = None   # seconds without a process before release
+    sharing: bool = False               # may share GPUs with other sharing users
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int               # NVML index (for display only)
+    minor: int               # /dev/nvidia<minor>: the identity gpuguard uses
+    uuid: str
+    name: str
+    pci_bus_id: str
+    memory_total: int
+    memory_used: int
+    numa_node: int | None
+    utilization: int | None  # percent, None when NVML cannot tell
+
+    @property
+    def device(self) -> tuple[int, int]:
+        return (NVIDIA_MAJOR, self.minor)
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    minor: int
+    used_memory: int | None  # bytes; None = NVML does not know (never read as 0)
+
+
+@dataclass(frozen=True)
+class Grant:
+    uid: int
+    user: str
+    minor: int
+    granted_at: float
+    expires_at: float | None
+    last_active: float       # last time a process of the user was seen on it (idle release)
+    shared: bool = False
+
+
+@dataclass(frozen=True)
+class Session:
+    id: int
+    uid: int
+    user: str
+    service: str
+    rhost: str
+    tty: str
+    pid: int
+    opened_at: float
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something users and admins should be able to look back on (warnings, kills, releases)."""
+
+    time: float
+    uid: int | None
+    user: str
+    kind: str                 # warning | kill | release | grant | revoke | error | unkillable
+    message: str
+    minor: int | None = None
+    pid: int | None = None
+    command: str = ""
+    rule: str = ""            # memory | time | idle | stray | admin | login ...
+    action: str = ""          # warn | term | kill | revoke | release ...
+    numbers: dict = field(default_factory=dict)
+    id: int | None = None

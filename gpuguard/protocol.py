@@ -1,0 +1,57 @@
+"""The daemon's wire format: one JSON object per line, one request per connection.
+
+A request is `{"v": 1, "op": "<operation>", ...fields}`; the reply is
+`{"v": 1, "ok": true, ...}` or `{"v": 1, "ok": false, "error": "<one line>", "code": N}`
+where N is the CLI exit code the caller should use. Identity is never part of a
+message: the server takes it from SO_PEERCRED. JSON only, never pickle.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+VERSION = 1
+MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile
+MAX_REPLY = 16 * 1024 * 1024  # status of a busy server, with its event history
+
+OPERATIONS = frozenset({
+    "session_open", "session_close", "whoami", "status", "request", "release",
+    "grant", "revoke", "reload",
+})
+
+
+class ProtocolError(ValueError):
+    """A message that is not valid protocol (bad JSON, too large, unknown op or version)."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps({"v": VERSION, **message}, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes, limit: int = MAX_REPLY) -> dict[str, Any]:
+    if len(line) > limit:
+        raise ProtocolError(f"message exceeds {limit} bytes")
+    try:
+        message = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message is not a JSON object")
+    if message.get("v") != VERSION:
+        raise ProtocolError(f"unsupported protocol version {message.get('v')!r} (this is {VERSION})")
+    return message
+
+
+def decode_request(line: bytes) -> dict[str, Any]:
+    message = decode(line, MAX_REQUEST)
+    if message.get("op") not in OPERATIONS:
+        raise ProtocolError(f"unknown operation {message.get('op')!r}")
+    return message
+
+
+def ok(**fields: Any) -> dict[str, Any]:
+    return {"ok": True, **fields}
+
+
+def refused(error: str, code: int = 1) -> dict[str, Any]:
+    return {"ok": False, "error": error, "code": code}

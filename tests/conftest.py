@@ -1,0 +1,107 @@
+"""Shared fixtures: real users, real groups, a world-traversable sandbox directory.
+
+Everything created here carries a `ggt-` prefix and is removed afterwards, so a test
+run leaves the machine as it found it.
+"""
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too
+
+
+@dataclass(frozen=True)
+class TestUser:
+    name: str
+    uid: int
+    gid: int
+    home: Path
+
+
+def unique(prefix: str = "ggt") -> str:
+    return f"{prefix}-{secrets.token_hex(3)}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.exit("gpuguard's tests use real users, PAM and BPF: run them as root (sudo make test)", 2)
+    # Test users run the venv's Python from this checkout: every directory above it must be
+    # searchable by them, or their processes fail in ways that look like gate denials.
+    for parent in [REPO, *REPO.parents]:
+        if not os.stat(parent).st_mode & 0o001:
+            pytest.exit(f"{parent} is not searchable by other users; clone gpuguard elsewhere (e.g. /opt or /srv)", 2)
+
+
+@pytest.fixture
+def make_group() -> Iterator:
+    created: list[str] = []
+
+    def make(name: str | None = None) -> str:
+        name = name or unique("ggt-g")
+        subprocess.run(["groupadd", name], check=True)
+        created.append(name)
+        return name
+
+    yield make
+    for name in created:
+        subprocess.run(["groupdel", name], check=False, capture_output=True)
+
+
+@pytest.fixture
+def make_user() -> Iterator:
+    """Factory for real login users (`ggt-xxxxxx`, with a home), deleted afterwards."""
+    created: list[str] = []
+
+    def make(groups: list[str] | tuple[str, ...] = ()) -> TestUser:
+        name = unique()
+        cmd = ["useradd", "--create-home", "--shell", "/bin/bash", name]
+        if groups:
+            cmd[1:1] = ["--groups", ",".join(groups)]
+        subprocess.run(cmd, check=True)
+        created.append(name)
+        entry = pwd.getpwnam(name)
+        return TestUser(name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir))
+
+    yield make
+    for name in created:
+        subprocess.run(["pkill", "-KILL", "-u", name], check=False)
+        subprocess.run(["userdel", "--remove", "--force", name], check=False, capture_output=True)
+
+
+def run_as(user: TestUser, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run argv as a real non-root user (uid, gid and supplementary groups of that user)."""
+    groups = [g.gr_gid for g in grp.getgrall() if user.name in g.gr_mem]
+    kwargs.setdefault("capture_output", True)
+    kwargs.setdefault("text", True)
+    kwargs.setdefault("timeout", 60)
+    return subprocess.run(argv, user=user.uid, group=user.gid, extra_groups=groups,
+                          cwd="/", **kwargs)
+
+
+def popen_as(user: TestUser, argv: list[str], **kwargs) -> subprocess.Popen:
+    groups = [g.gr_gid for g in grp.getgrall() if user.name in g.gr_mem]
+    return subprocess.Popen(argv, user=user.uid, group=user.gid, extra_groups=groups,
+                            cwd="/", **kwargs)
+
+
+@pytest.fixture
+def sandbox() -> Iterator[Path]:
+    """A directory test users can traverse (pytest's tmp_path is root-only)."""
+    path = Path("/tmp") / unique()
+    path.mkdir(mode=0o755)
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

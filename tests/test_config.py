@@ -1,0 +1,156 @@
+"""Config loading and validation, including every kind of bad input, through the real CLI too."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuguard import config
+from gpuguard.config import ConfigError
+from gpuguard.model import Quota
+
+GOOD = """
+[access]
+group = "ml"
+exempt_users = ["admin"]
+
+[defaults]
+gpus = 2
+gpu_memory = "20GiB"
+max_time = "24h"
+idle_timeout = "1h"
+sharing = false
+
+[watcher]
+interval = "2s"
+grace = "30s"
+kill_wait = "10s"
+
+[paths]
+state_dir = "/var/lib/gpuguard"
+
+[gpu]
+backend = "simulated"
+
+[gpu.simulated]
+count = 8
+memory = "80GiB"
+nvlink_groups = [[0, 1], [2, 3]]
+"""
+
+QUOTAS = """
+[users.alice]
+gpus = 4
+gpu_memory = "unlimited"
+
+[groups.interns]
+max_time = "4h"
+"""
+
+
+def write(tmp_path: Path, text: str, quotas: str | None = None) -> Path:
+    path = tmp_path / "gpuguard.toml"
+    path.write_text(text)
+    if quotas is not None:
+        (tmp_path / "quotas.toml").write_text(quotas)
+    return path
+
+
+def test_good_config_is_typed(tmp_path):
+    loaded = config.load(write(tmp_path, GOOD, QUOTAS))
+    assert loaded.access.group == "ml" and loaded.access.exempt_users == ("admin",)
+    assert loaded.defaults == Quota(gpus=2, gpu_memory=20 << 30, max_time=86400, idle_timeout=3600, sharing=False)
+    assert loaded.watcher.interval == 2 and loaded.watcher.kill_wait == 10
+    assert loaded.gpu.simulated.count == 8
+    assert loaded.gpu.simulated.groups("nvlink_groups") == ((0, 1), (2, 3))
+    assert loaded.gpu.simulated.groups("pcie_switches") == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert loaded.paths.quotas == tmp_path / "quotas.toml"
+    assert loaded.quotas.users == {"alice": {"gpus": 4, "gpu_memory": None}}
+    assert loaded.quotas.groups == {"interns": {"max_time": 14400}}
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    loaded = config.load(write(tmp_path, ""))
+    assert loaded.access.group == "gpugroup"
+    assert loaded.defaults == Quota()
+    assert loaded.gpu.backend == "nvml"
+
+
+def test_environment_variable_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUGUARD_CONFIG", str(write(tmp_path, GOOD)))
+    assert config.load().access.group == "ml"
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('[access]\ngroup = "ml"\ncolour = "red"', "access.colour: unknown key"),
+    ('[acess]\ngroup = "ml"', "acess: unknown section"),
+    ('[defaults]\ngpus = "two"', "defaults.gpus: expected a whole number"),
+    ('[defaults]\ngpus = -1', "defaults.gpus: must be between 0 and 64"),
+    ('[defaults]\ngpus = 1000', "defaults.gpus: must be between 0 and 64"),
+    ('[defaults]\ngpus = true', "defaults.gpus: expected a whole number"),
+    ('[defaults]\ngpu_memory = "20G"', "defaults.gpu_memory: not a size"),
+    ('[defaults]\ngpu_memory = "-5GiB"', "defaults.gpu_memory: not a size"),
+    ('[defaults]\nmax_time = "8 hours"', "defaults.max_time: not a duration"),
+    ('[defaults]\nmax_time = "999d"', "defaults.max_time: duration '999d' is absurdly long"),
+    ('[defaults]\nsharing = "yes"', "defaults.sharing: expected true or false"),
+    ('[watcher]\ninterval = "0s"', "watcher.interval: must be a duration of at least 0.1s"),
+    ('[watcher]\ninterval = "500ms"', "watcher.interval"),
+    ('[gpu]\nbackend = "cuda"', "gpu.backend: must be one of nvml, simulated"),
+    ('[watcher]\ninterval = 0.5', "watcher.interval: must be at least 1s with the nvml backend"),
+    ('[gpu]\nbackend = "simulated"\n[gpu.simulated]\ncount = 2\nnvlink_groups = [[0, 5]]',
+     "gpu.simulated.nvlink_groups: GPU 5 does not exist"),
+    ('[gpu]\nbackend = "simulated"\n[gpu.simulated]\nnuma_nodes = [[0, 1], [1, 2]]',
+     "gpu.simulated.numa_nodes: GPU 1 is listed twice"),
+    ('[access]\nexempt_users = "root"', "access.exempt_users: expected a list of names"),
+    ("[access\ngroup = 1", "not valid TOML"),
+    ('access = 3', "access: expected a table"),
+])
+def test_bad_config_names_file_key_and_problem(tmp_path, text, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as error:
+        config.load(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ")
+    assert fragment in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("quotas, fragment", [
+    ('[users.bob]\ngpus = "x"', "users.bob.gpus: expected a whole number"),
+    ('[users.bob]\nwalltime = "1h"', "users.bob.walltime: unknown key"),
+    ('[teams.x]\ngpus = 1', "teams: unknown table"),
+    ('users = 1', "users: expected tables like [users.NAME]"),
+])
+def test_bad_quotas_file(tmp_path, quotas, fragment):
+    write(tmp_path, GOOD, quotas)
+    with pytest.raises(ConfigError, match=r"quotas\.toml: ") as error:
+        config.load(tmp_path / "gpuguard.toml")
+    assert fragment in str(error.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        config.load(tmp_path / "absent.toml")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuguard", *args], capture_output=True, text=True)
+
+
+def test_config_check_command(tmp_path):
+    path = write(tmp_path, GOOD, QUOTAS)
+    result = cli("config", "check", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout and "1 user and 1 group quotas" in result.stdout
+
+    path.write_text('[defaults]\ngpu_memory = "lots"')
+    result = cli("--config", str(path), "config", "check")
+    assert result.returncode == 2
+    assert result.stderr.startswith("gpuguard: ") and result.stderr.count("\n") == 1
+    assert "defaults.gpu_memory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_version_and_usage_errors():
+    result = cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("gpuguard ")
+    assert cli("no-such-command").returncode == 2

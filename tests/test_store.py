@@ -1,0 +1,131 @@
+"""The SQLite store: schema versioning, round trips, and surviving SIGKILL mid-write."""
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gpuguard.model import Event
+from gpuguard.store import MIGRATIONS, Store, StoreError
+
+
+@pytest.fixture
+def store(tmp_path):
+    opened = Store(tmp_path / "state.db")
+    yield opened
+    opened.close()
+
+
+def test_fresh_store_is_at_latest_schema_with_wal(store):
+    assert store.schema_version == len(MIGRATIONS)
+    db = sqlite3.connect(store.path)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    db.close()
+
+
+def test_reopening_keeps_data_and_does_not_remigrate(tmp_path):
+    first = Store(tmp_path / "state.db")
+    first.add_grants(1001, "alice", [2], now=100.0, expires_at=None)
+    first.close()
+    second = Store(tmp_path / "state.db")
+    assert [g.minor for g in second.grants()] == [2]
+    assert second.schema_version == len(MIGRATIONS)
+    second.close()
+
+
+def test_newer_schema_is_refused(tmp_path):
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute(f"PRAGMA user_version={len(MIGRATIONS) + 1}")
+    db.close()
+    with pytest.raises(StoreError, match="newer than this gpuguard"):
+        Store(tmp_path / "state.db")
+
+
+def test_grants_round_trip_and_removal_history(store):
+    store.add_grants(1001, "alice", [0, 1], now=10.0, expires_at=3610.0)
+    store.add_grants(1002, "bob", [2], now=20.0, expires_at=None, shared=True)
+    alice = store.grants(1001)
+    assert [(g.minor, g.expires_at, g.last_active, g.shared) for g in alice] == [(0, 3610.0, 10.0, False),
+                                                                             (1, 3610.0, 10.0, False)]
+    store.mark_active(1001, [1], now=50.0)
+    assert [g.last_active for g in store.grants(1001)] == [10.0, 50.0]
+    removed = store.remove_grants(1001, [1], now=60.0)
+    assert [g.minor for g in removed] == [1]
+    assert [g.minor for g in store.grants()] == [0, 2]
+    assert store.last_released() == {1: 60.0}
+    assert [g.minor for g in store.remove_grants(1001, None, now=70.0)] == [0]
+    assert store.last_released() == {0: 70.0, 1: 60.0}
+
+
+def test_sessions_close_by_caller_pid(store):
+    first = store.open_session(1001, "alice", "sshd", "10.0.0.5", "ssh", pid=500, now=1.0)
+    store.open_session(1001, "alice", "su", "", "pts/3", pid=600, now=2.0)
+    assert [s.pid for s in store.sessions(1001)] == [500, 600]
+    assert store.close_session(1001, 500) == first
+    assert store.close_session(1001, 500) is None
+    assert [s.pid for s in store.sessions()] == [600]
+
+
+def test_events_newest_first_limit_oldest_first_order(store):
+    for i in range(5):
+        store.add_event(Event(time=float(i), uid=1001, user="alice", kind="warning", message=f"m{i}",
+                              minor=3, pid=42, command="python", rule="memory", action="warn",
+                              numbers={"used": i}))
+    store.add_event(Event(time=9.0, uid=1002, user="bob", kind="kill", message="other"))
+    events = store.events(1001, limit=2)
+    assert [e.message for e in events] == ["m3", "m4"]
+    assert events[1].numbers == {"used": 4} and events[1].id is not None
+    assert len(store.events()) == 6
+
+
+def test_usage_accumulates(store):
+    store.add_usage(1001, "alice", 0, granted=2.0, busy=1.5, idle=0.5)
+    store.add_usage(1001, "alice", 0, granted=2.0, idle=2.0, kills=1)
+    [row] = store.usage(1001)
+    assert (row["granted_seconds"], row["busy_seconds"], row["idle_seconds"], row["kills"]) == (4.0, 1.5, 2.5, 1)
+
+
+def test_failed_transaction_rolls_back(store):
+    with pytest.raises(RuntimeError):
+        with store.transaction() as db:
+            db.execute("INSERT INTO grants (uid, user, minor, granted_at, last_active) VALUES (1, 'x', 1, 0, 0)")
+            raise RuntimeError("boom")
+    assert store.grants() == []
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from gpuguard.store import Store
+    store = Store(sys.argv[1])
+    print("ready", flush=True)
+    uid = 10000
+    while True:  # each transaction grants one user four GPUs; killed from outside
+        store.add_grants(uid, f"user{uid}", range(4), now=float(uid), expires_at=None)
+        uid += 1
+""")
+
+
+def test_sigkill_mid_transaction_loses_nothing_committed(tmp_path):
+    path = tmp_path / "state.db"
+    Store(path).close()
+    for round_ in range(3):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+        assert writer.stdout.readline().strip() == "ready"
+        time.sleep(0.3 + 0.1 * round_)  # let it commit a good number of transactions, then kill mid-stream
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        writer.stdout.close()
+
+        store = Store(path)
+        assert store.integrity_ok()
+        grants = store.grants()
+        per_user: dict[int, list[int]] = {}
+        for grant in grants:
+            per_user.setdefault(grant.uid, []).append(grant.minor)
+        assert per_user, "the writer committed nothing before it was killed"
+        # atomic: every user has all four GPUs or none; never a half-written grant
+        assert all(sorted(minors) == [0, 1, 2, 3] for minors in per_user.values())
+        store.close()
