@@ -1,0 +1,130 @@
+"""What /proc says about processes and devices: who holds a node open, and who a process is.
+
+The gate only checks at open(), so revoking a device means finding the processes that already
+hold it; and before signalling one of them the watcher re-checks its identity (uid and start
+time), because a pid can be reused. Every reader here tolerates processes exiting mid-scan.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import NamedTuple
+
+PROC = Path("/proc")
+
+
+class ProcessIdentity(NamedTuple):
+    """A process as the kernel knows it: the pid is reused, the (pid, start_time) pair is not."""
+
+    pid: int
+    uid: int         # real uid: the one the gate's bpf_get_current_uid_gid() sees
+    start_time: int  # clock ticks after boot, /proc/<pid>/stat field 22
+
+
+def char_major(name: str) -> int | None:
+    """The major number of a character driver in /proc/devices (e.g. "nvidia-caps"), if loaded."""
+    in_char = False
+    for line in (PROC / "devices").read_text().splitlines():
+        if line.endswith(":"):
+            in_char = line == "Character devices:"
+        elif in_char and line.split()[1:] == [name]:
+            return int(line.split()[0])
+    return None
+
+
+def process_identity(pid: int) -> ProcessIdentity | None:
+    """uid and start time of pid, or None when it has exited.
+
+    Both files are read through one open /proc/<pid> directory, so they describe the same
+    process even if the pid is reused in between (reads then fail with ESRCH).
+    """
+    try:
+        dirfd = os.open(PROC / str(pid), os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return None
+    try:
+        stat_line = _read(dirfd, "stat")
+        status = _read(dirfd, "status")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    finally:
+        os.close(dirfd)
+    # comm (field 2) may hold spaces and parentheses: fields after the last ')' start at 3.
+    start_time = int(stat_line.rpartition(")")[2].split()[22 - 3])
+    uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
+    return ProcessIdentity(pid, uid, start_time)
+
+
+def user_of(pid: int) -> int | None:
+    """Real uid of pid, or None when it has exited."""
+    identity = process_identity(pid)
+    return identity.uid if identity else None
+
+
+def holders(dev: tuple[int, int]) -> list[int]:
+    """Pids that hold the character device `dev` open, through a descriptor or a mapping.
+
+    Matched by st_rdev, so the node's path does not matter (containers, bind mounts,
+    copies made with mknod). A mapping keeps the device open after its fd is closed,
+    which CUDA does, so /proc/<pid>/map_files is checked too.
+    """
+    rdev = os.makedev(*dev)
+    mapped: dict[tuple[str, str], int | None] = {}  # (fs dev, inode) -> st_rdev, shared across pids
+    pids = []
+    for entry in PROC.iterdir():
+        if entry.name.isdigit() and (_fds_hold(entry, rdev) or _maps_hold(entry, rdev, mapped)):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _fds_hold(proc: Path, rdev: int) -> bool:
+    try:
+        fds = os.listdir(proc / "fd")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    for fd in fds:
+        link = proc / "fd" / fd
+        try:
+            # Sockets, pipes and anon inodes have no path: skip them without a stat.
+            if os.readlink(link).startswith("/") and _is_chr(os.stat(link), rdev):
+                return True
+        except OSError:
+            continue  # closed or exited meanwhile
+    return False
+
+
+def _maps_hold(proc: Path, rdev: int, seen: dict[tuple[str, str], int | None]) -> bool:
+    try:
+        lines = (proc / "maps").read_text().splitlines()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[4] == "0":
+            continue  # anonymous mapping
+        key = (fields[3], fields[4])
+        if key not in seen:
+            # One stat per distinct file: shared libraries repeat in every process.
+            # map_files names are the range without the zero padding that maps uses.
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                st = os.stat(proc / "map_files" / f"{start:x}-{end:x}")
+            except OSError:
+                continue
+            seen[key] = st.st_rdev if stat.S_ISCHR(st.st_mode) else None
+        if seen[key] == rdev:
+            return True
+    return False
+
+
+def _is_chr(st: os.stat_result, rdev: int) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == rdev
+
+
+def _read(dirfd: int, name: str) -> str:
+    fd = os.open(name, os.O_RDONLY, dir_fd=dirfd)
+    try:
+        return os.read(fd, 65536).decode(errors="replace")
+    finally:
+        os.close(fd)
