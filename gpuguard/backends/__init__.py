@@ -1,0 +1,22 @@
+"""The only code that touches hardware or the kernel. This module stays light (no pynvml
+import) because every CLI command imports it for `GpuError`; backends load on demand."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuguard.backends.nvml import NvmlBackend
+    from gpuguard.config import Config
+
+
+class GpuError(Exception):
+    """An NVML call failed; one line naming the call, the GPU and NVML's error string."""
+
+
+def open_gpu_backend(config: Config) -> NvmlBackend:
+    """The GPU backend the config asks for: real NVML or simulated GPUs. Raises GpuError."""
+    if config.gpu.backend == "simulated":
+        from gpuguard.backends.simulated import SimulatedBackend
+        return SimulatedBackend(config.gpu.simulated, config.paths.device_dir)
+    from gpuguard.backends.nvml import NvmlBackend
+    return NvmlBackend()

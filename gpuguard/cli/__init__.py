@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from gpuguard import __version__, config
+from gpuguard.backends import GpuError
 from gpuguard.client import DaemonUnreachable, Refused
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc), exc.code)
     except CommandError as exc:
         return _fail(str(exc), exc.code)
+    except GpuError as exc:
+        return _fail(str(exc), EXIT_FAILED)
     except KeyboardInterrupt:
         return 130
 

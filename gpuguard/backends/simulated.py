@@ -1,0 +1,486 @@
+"""Simulated GPUs: NVIDIA's pynvml wrappers running over a fake NVML library.
+
+Only the GPU is simulated. `SimulatedBackend` is `NvmlBackend` with `pynvml.nvmlLib` swapped
+for `FakeNvmlLibrary`, whose C functions pynvml calls through ctypes exactly as it calls
+libnvidia-ml.so: results are written through the same pointers into the same structs, errors
+are nvmlReturn_t codes. So the code that runs against real GPUs is the code under test.
+
+Device nodes are real: `paths.device_dir` gets `nvidia<minor>` (195:minor) per GPU and
+`nvidiactl` (195:255), created mode 0666 like a freshly loaded driver does; existing nodes
+keep their mode. With no driver behind major 195, an open() the kernel allows fails with
+ENXIO, and one it refuses (file mode, ACL, the BPF gate) fails with EPERM or EACCES. Like
+real NVML, the fake opens a GPU's node when asked for its handle, so a process that may not
+open the node gets NVML_ERROR_NO_PERMISSION for that GPU (and GpuError from NvmlBackend).
+
+The shape comes from `[gpu.simulated]`: count, memory, name, and topology groups of minors.
+NVML numbers GPUs in PCI bus order and the driver numbers nodes in probe order; here the
+two are deliberately rotated (index = (minor - count//2) mod count), so code that mixes up
+NVML index and minor number fails in simulation instead of on a real server.
+
+Processes. `gpuguard sim burn` stands in for a CUDA program: after opening its GPU's node it
+registers itself in `device_dir/.gpuguard-sim/` (mode 1777, created by the backend), one
+file `<pid>-<random>.json` per process:
+    {"pid": 123, "uid": 1000, "start_time": 4567, "minor": 2,
+     "memory": 4294967296 or null (NVML cannot tell), "util": 100, "type": "C" | "G" | "C+G"}
+`start_time` is field 22 of /proc/<pid>/stat. Any process (the root daemon included) reads
+the directory; a record counts only while the file owner, the record's uid and the real uid
+of the live process all agree and the start time still matches, so dead processes, reused
+pids and records planted for someone else's process are ignored (and removed when the
+reader may). The fake reports the memory of live processes as used on their GPU and the
+sum of their utilization (capped at 100%) as the GPU's utilization.
+
+Fault injection. While `device_dir/.gpuguard-sim/fail` exists, is owned by root, and holds
+an NVML error name (e.g. `NVML_ERROR_GPU_IS_LOST`, `NVML_ERROR_UNKNOWN`), every process
+query (nvmlDeviceGet{Compute,Graphics}RunningProcesses_v3) returns that code: pynvml raises
+and NvmlBackend raises GpuError. Remove the file to heal. It persists rather than firing
+once so that a watcher's confirming re-sample sees the same failure.
+
+pynvml's library is process-wide: use one SimulatedBackend at a time per process.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import logging
+import os
+import secrets
+import stat
+import uuid
+from collections.abc import Callable
+from ctypes import CFUNCTYPE, POINTER, c_int, c_uint, c_void_p
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pynvml
+
+from gpuguard.backends import GpuError
+from gpuguard.backends.nvml import NvmlBackend
+from gpuguard.config import SimulatedConfig
+from gpuguard.model import NVIDIA_MAJOR
+
+log = logging.getLogger(__name__)
+
+REGISTRY_DIR = ".gpuguard-sim"
+FAIL_FILE = "fail"
+PROCESS_TYPES = ("C", "G", "C+G")   # as nvidia-smi shows them: compute, graphics, both
+CTL_MINOR = 255                     # /dev/nvidiactl
+
+_UUID_NAMESPACE = uuid.UUID("5f0c3c8e-6a51-4b7e-9a0e-7c2f9b1d4e21")  # fixed: stable UUIDs
+_PCI_DEVICE_ID = 0x233010DE      # device 0x2330 (H100 SXM5), vendor 0x10DE (NVIDIA)
+_PCI_SUBSYSTEM_ID = 0x16C110DE
+_NO_MIG = 0xFFFFFFFF             # gpuInstanceId/computeInstanceId of a process on a non-MIG GPU
+_MAX_RECORD = 4096               # bytes; records are tiny, anything bigger is not ours
+
+_ERROR_NAMES = {value: name for name, value in vars(pynvml).items()
+                if name.startswith("NVML_ERROR_") and isinstance(value, int)}
+
+
+# --- process registry: written by simulated CUDA programs, read by the fake library
+
+@dataclass(frozen=True)
+class SimProcess:
+    pid: int
+    uid: int
+    start_time: int           # clock ticks after boot, /proc/<pid>/stat field 22
+    minor: int
+    memory: int | None        # bytes; None = NVML cannot tell
+    util: int                 # percent of the GPU this process keeps busy
+    type: str = "C"
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of a running process; None when it is gone or a zombie (NVML drops a
+    process as soon as it exits, before its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()  # the command name may hold anything
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def _real_uid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return next(int(line.split()[1]) for line in handle if line.startswith("Uid:"))
+    except OSError:
+        return None
+
+
+def register_process(device_dir: Path, pid: int, minor: int, memory: int | None,
+                     util: int, type: str = "C") -> Path:
+    """Announce that process `pid` uses GPU `minor`; the record lives until the process does.
+    Raises OSError (FileNotFoundError: no simulated GPUs in device_dir)."""
+    uid, start_time = _real_uid(pid), _start_time(pid)
+    if uid is None or start_time is None:
+        raise ProcessLookupError(f"no running process {pid}")
+    record = SimProcess(pid, uid, start_time, minor, memory, util, type)
+    directory = device_dir / REGISTRY_DIR
+    path = directory / f"{pid}-{secrets.token_hex(4)}.json"  # unguessable: nobody can pre-create it
+    temp = directory / f".{path.name}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as handle:
+        os.fchmod(fd, 0o644)  # whatever the umask: every reader must see it
+        json.dump(asdict(record), handle)
+    os.rename(temp, path)  # readers only ever see complete records
+    return path
+
+
+def _parse_record(entry: os.DirEntry) -> SimProcess | None:
+    """The record in this file if it is well formed and really describes its writer's process."""
+    try:
+        owner = entry.stat(follow_symlinks=False).st_uid
+        with open(entry.path, "rb") as handle:
+            data = json.loads(handle.read(_MAX_RECORD))
+        record = SimProcess(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    numbers = (record.pid, record.uid, record.start_time, record.minor, record.util)
+    if not (all(type(n) is int for n in numbers)
+            and (record.memory is None or type(record.memory) is int and record.memory >= 0)
+            and record.type in PROCESS_TYPES and 0 <= record.util <= 100):
+        return None
+    # The directory is world-writable: a record counts only for its writer's own process,
+    # or anyone could make the watcher blame (and kill) another user's process.
+    if not owner == record.uid == _real_uid(record.pid):
+        return None
+    return record
+
+
+class _Registry:
+    """Live simulated processes, read from the registry directory on every query.
+
+    Parsed records are cached by (name, inode): a record is written once and renamed into
+    place, so the pair identifies its content. Liveness is checked on every read."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._parsed: dict[tuple[str, int], SimProcess] = {}
+
+    def processes(self, minor: int) -> list[SimProcess]:
+        live, parsed = [], {}
+        for entry in os.scandir(self.directory):
+            if entry.name.startswith(".") or not entry.name.endswith(".json"):
+                continue
+            key = (entry.name, entry.inode())
+            record = self._parsed.get(key) or _parse_record(entry)
+            if record is not None and record.minor != minor:
+                parsed[key] = record  # the query for its own GPU checks that it still runs
+            elif record is not None and _start_time(record.pid) == record.start_time:
+                parsed[key] = record
+                live.append(record)
+            else:
+                with contextlib.suppress(OSError):  # dead, reused pid or bogus; root may remove any
+                    os.unlink(entry.path)
+        self._parsed = parsed  # every scan sees every file: forget the ones that went away
+        return sorted(live, key=lambda p: p.pid)
+
+    def fault(self) -> int:
+        """The NVML error process queries should return, or NVML_SUCCESS."""
+        path = self.directory / FAIL_FILE
+        try:
+            if path.lstat().st_uid != 0:  # world-writable directory: only root injects faults
+                return pynvml.NVML_SUCCESS
+            name = path.read_text().strip()
+        except FileNotFoundError:
+            return pynvml.NVML_SUCCESS
+        if not name.startswith("NVML_ERROR_") or not hasattr(pynvml, name):
+            raise ValueError(f"{path}: not an NVML error name: {name!r}")
+        return getattr(pynvml, name)
+
+
+# --- the fake libnvidia-ml.so
+
+@dataclass(frozen=True)
+class _FakeGpu:
+    index: int
+    minor: int
+    uuid: str
+    name: str
+    bus: int
+    memory: int
+    numa: int | None      # numbers of the config groups this GPU is in (None: in none)
+    nvlink: int | None
+    switch: int | None
+
+
+def _fake_gpus(sim: SimulatedConfig) -> list[_FakeGpu]:
+    def group_of(kind: str) -> dict[int, int]:
+        return {minor: number for number, group in enumerate(sim.groups(kind)) for minor in group}
+
+    numa, nvlink, switch = group_of("numa_nodes"), group_of("nvlink_groups"), group_of("pcie_switches")
+    gpus = []
+    for index in range(sim.count):
+        minor = (index + sim.count // 2) % sim.count
+        gpus.append(_FakeGpu(
+            index=index, minor=minor, name=sim.name, memory=sim.memory,
+            uuid=f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{sim.name}/{minor}')}",
+            bus=0x18 + 3 * index,  # ascending: NVML enumerates in PCI bus order
+            numa=numa.get(minor), nvlink=nvlink.get(minor), switch=switch.get(minor)))
+    return gpus
+
+
+class _Return(Exception):
+    """Raised inside a fake C function to make it return this nvmlReturn_t."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def _c_function(*argtypes: Any, restype: Any = c_int) -> Callable:
+    """Mark a FakeNvmlLibrary method as a C function with this prototype."""
+    def mark(method: Callable) -> Callable:
+        method.c_prototype = CFUNCTYPE(restype, *argtypes)  # type: ignore[attr-defined]
+        return method
+    return mark
+
+
+def _write_string(buffer: int, length: int, value: str) -> None:
+    data = value.encode() + b"\0"
+    if len(data) > length:
+        raise _Return(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+    ctypes.memmove(buffer, data, len(data))
+
+
+_HANDLE = c_void_p  # nvmlDevice_t as received: the opaque pointer's address (None for NULL)
+_NEEDS_NO_INIT = {"nvmlInitWithFlags", "nvmlErrorString"}
+
+
+class FakeNvmlLibrary:
+    """Stands in for libnvidia-ml.so: each exported function is a ctypes callback with the C
+    prototype, so pynvml's byref() arguments and buffers arrive as real pointers."""
+
+    def __init__(self, gpus: list[_FakeGpu], device_dir: Path, registry: _Registry):
+        self._gpus = gpus  # in NVML index order
+        self._device_dir = device_dir
+        self._registry = registry
+        self._init_count = 0
+        # Handles point at real (1-byte) objects, so they are never NULL and never reused.
+        self._handle_memory = [ctypes.create_string_buffer(1) for _ in gpus]
+        self._by_handle = {ctypes.addressof(memory): gpu for memory, gpu in zip(self._handle_memory, gpus)}
+        self._messages: dict[int, ctypes.Array] = {}
+        for name, member in vars(FakeNvmlLibrary).items():
+            if hasattr(member, "c_prototype"):
+                # The callback objects must stay referenced as long as pynvml may call them.
+                setattr(self, name, member.c_prototype(self._guarded(name, getattr(self, name))))
+
+    def _guarded(self, name: str, function: Callable[..., int]) -> Callable[..., int]:
+        def call(*args: Any) -> int:
+            if not self._init_count and name not in _NEEDS_NO_INIT:
+                return pynvml.NVML_ERROR_UNINITIALIZED
+            try:
+                return function(*args)
+            except _Return as exc:
+                return exc.code
+            except Exception:  # must not reach ctypes: it would print it and return 0, NVML_SUCCESS
+                log.exception("simulated %s failed", name)
+                return pynvml.NVML_ERROR_UNKNOWN
+        return call
+
+    def _gpu(self, handle: int | None) -> _FakeGpu:
+        gpu = self._by_handle.get(handle or 0)
+        if gpu is None:
+            raise _Return(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu
+
+    @_c_function(c_uint)
+    def nvmlInitWithFlags(self, flags: int) -> int:
+        self._init_count += 1
+        return pynvml.NVML_SUCCESS
+
+    @_c_function()
+    def nvmlShutdown(self) -> int:
+        self._init_count -= 1
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(c_int, restype=c_void_p)
+    def nvmlErrorString(self, code: int) -> int:
+        if code not in self._messages:
+            name = "NVML_SUCCESS" if code == pynvml.NVML_SUCCESS else _ERROR_NAMES.get(code, "NVML_ERROR_UNKNOWN")
+            text = name.removeprefix("NVML_ERROR_").removeprefix("NVML_").replace("_", " ").capitalize()
+            self._messages[code] = ctypes.create_string_buffer(text.encode())  # static, like the C strings
+        return ctypes.addressof(self._messages[code])
+
+    @_c_function(POINTER(c_uint))
+    def nvmlDeviceGetCount_v2(self, count: Any) -> int:
+        count[0] = len(self._gpus)
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(c_uint, POINTER(pynvml.c_nvmlDevice_t))
+    def nvmlDeviceGetHandleByIndex_v2(self, index: int, device: Any) -> int:
+        if index >= len(self._gpus):
+            return pynvml.NVML_ERROR_INVALID_ARGUMENT
+        # Real NVML opens the GPU's node here and answers NO_PERMISSION when it may not,
+        # while nvmlDeviceGetCount_v2 still counts every GPU.
+        try:
+            os.close(os.open(self._device_dir / f"nvidia{self._gpus[index].minor}", os.O_RDWR | os.O_CLOEXEC))
+        except PermissionError:  # EPERM (the gate) or EACCES (file mode, ACL)
+            return pynvml.NVML_ERROR_NO_PERMISSION
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: allowed, and no driver behind the node
+                raise
+        device[0] = ctypes.cast(self._handle_memory[index], pynvml.c_nvmlDevice_t)
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, POINTER(c_uint))
+    def nvmlDeviceGetMinorNumber(self, handle: int, minor: Any) -> int:
+        minor[0] = self._gpu(handle).minor
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, c_void_p, c_uint)
+    def nvmlDeviceGetUUID(self, handle: int, buffer: int, length: int) -> int:
+        _write_string(buffer, length, self._gpu(handle).uuid)
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, c_void_p, c_uint)
+    def nvmlDeviceGetName(self, handle: int, buffer: int, length: int) -> int:
+        _write_string(buffer, length, self._gpu(handle).name)
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, POINTER(pynvml.nvmlPciInfo_t))
+    def nvmlDeviceGetPciInfo_v3(self, handle: int, pci: Any) -> int:
+        gpu, info = self._gpu(handle), pci.contents
+        info.domain, info.bus, info.device = 0, gpu.bus, 0
+        info.pciDeviceId, info.pciSubSystemId = _PCI_DEVICE_ID, _PCI_SUBSYSTEM_ID
+        info.busIdLegacy = f"0000:{gpu.bus:02X}:00.0".encode()
+        info.busId = f"00000000:{gpu.bus:02X}:00.0".encode()
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, POINTER(pynvml.c_nvmlMemory_t))
+    def nvmlDeviceGetMemoryInfo(self, handle: int, memory: Any) -> int:
+        gpu, info = self._gpu(handle), memory.contents
+        used = min(gpu.memory, sum(p.memory or 0 for p in self._registry.processes(gpu.minor)))
+        info.total, info.used, info.free = gpu.memory, used, gpu.memory - used
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, POINTER(pynvml.c_nvmlUtilization_t))
+    def nvmlDeviceGetUtilizationRates(self, handle: int, utilization: Any) -> int:
+        gpu, info = self._gpu(handle), utilization.contents
+        busy = min(100, sum(p.util for p in self._registry.processes(gpu.minor)))
+        info.gpu = info.memory = busy
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, POINTER(c_int))
+    def nvmlDeviceGetNumaNodeId(self, handle: int, node: Any) -> int:
+        gpu = self._gpu(handle)
+        if gpu.numa is None:
+            return pynvml.NVML_ERROR_NOT_SUPPORTED
+        node[0] = gpu.numa
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, _HANDLE, POINTER(c_uint))
+    def nvmlDeviceGetTopologyCommonAncestor(self, handle_a: int, handle_b: int, level: Any) -> int:
+        a, b = self._gpu(handle_a), self._gpu(handle_b)
+        if a is b:
+            level[0] = pynvml.NVML_TOPOLOGY_INTERNAL
+        elif a.switch is not None and a.switch == b.switch:
+            level[0] = pynvml.NVML_TOPOLOGY_SINGLE
+        elif a.numa is not None and a.numa == b.numa:
+            level[0] = pynvml.NVML_TOPOLOGY_NODE
+        else:
+            level[0] = pynvml.NVML_TOPOLOGY_SYSTEM
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, _HANDLE, c_uint, POINTER(c_uint))
+    def nvmlDeviceGetP2PStatus(self, handle_a: int, handle_b: int, caps: int, status: Any) -> int:
+        a, b = self._gpu(handle_a), self._gpu(handle_b)
+        nvlinked = a.nvlink is not None and a.nvlink == b.nvlink
+        # Peer access over PCIe works between any two simulated GPUs; NVLink only within a group.
+        ok = nvlinked or caps != pynvml.NVML_P2P_CAPS_INDEX_NVLINK
+        status[0] = pynvml.NVML_P2P_STATUS_OK if ok else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
+        return pynvml.NVML_SUCCESS
+
+    @_c_function(_HANDLE, POINTER(c_uint), POINTER(pynvml.c_nvmlProcessInfo_v3_t))
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: int, count: Any, infos: Any) -> int:
+        return self._running(handle, count, infos, "C")
+
+    @_c_function(_HANDLE, POINTER(c_uint), POINTER(pynvml.c_nvmlProcessInfo_v3_t))
+    def nvmlDeviceGetGraphicsRunningProcesses_v3(self, handle: int, count: Any, infos: Any) -> int:
+        return self._running(handle, count, infos, "G")
+
+    def _running(self, handle: int, count: Any, infos: Any, kind: str) -> int:
+        """The C contract: report the needed size if the caller's array is too small."""
+        gpu = self._gpu(handle)
+        fault = self._registry.fault()
+        if fault != pynvml.NVML_SUCCESS:
+            return fault
+        processes = [p for p in self._registry.processes(gpu.minor) if kind in p.type]
+        if count[0] < len(processes):
+            count[0] = len(processes)
+            return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+        if processes and not infos:
+            return pynvml.NVML_ERROR_INVALID_ARGUMENT
+        for slot, process in enumerate(processes):
+            info = infos[slot]
+            info.pid = process.pid
+            info.usedGpuMemory = (pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+                                  if process.memory is None else process.memory)
+            info.gpuInstanceId = info.computeInstanceId = _NO_MIG
+        count[0] = len(processes)
+        return pynvml.NVML_SUCCESS
+
+
+# --- the backend
+
+def _make_node(path: Path, minor: int) -> None:
+    """The character device 195:minor, created mode 0666 as a freshly loaded driver does.
+    An existing node keeps its mode: an admin or gpuguard's ACLs may have set it."""
+    rdev = os.makedev(NVIDIA_MAJOR, minor)
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, rdev)
+        os.chmod(path, 0o666)  # mknod applied the umask
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise GpuError(f"cannot create simulated GPU node {path}: {exc.strerror}") from None
+    st = os.lstat(path)
+    if not stat.S_ISCHR(st.st_mode) or st.st_rdev != rdev:
+        raise GpuError(f"{path} exists but is not the device node {NVIDIA_MAJOR}:{minor}")
+
+
+def _make_registry(device_dir: Path) -> Path:
+    directory = device_dir / REGISTRY_DIR
+    try:
+        directory.mkdir()
+        os.chmod(directory, 0o1777)  # like /tmp: every user registers, nobody removes others' records
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise GpuError(f"cannot create {directory}: {exc.strerror}") from None
+    return directory
+
+
+class SimulatedBackend(NvmlBackend):
+    """NvmlBackend over simulated GPUs described by `[gpu.simulated]`, with device nodes in
+    `device_dir` (a directory of its own: never /dev)."""
+
+    def __init__(self, sim: SimulatedConfig, device_dir: Path):
+        if device_dir.resolve() == Path("/dev"):
+            raise GpuError("simulated GPUs need a paths.device_dir of their own, not /dev")
+        try:
+            device_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise GpuError(f"cannot create {device_dir}: {exc.strerror}") from None
+        gpus = _fake_gpus(sim)
+        for gpu in gpus:
+            _make_node(device_dir / f"nvidia{gpu.minor}", gpu.minor)
+        _make_node(device_dir / "nvidiactl", CTL_MINOR)
+        self.library = FakeNvmlLibrary(gpus, device_dir, _Registry(_make_registry(device_dir)))
+        with pynvml.libLoadLock:
+            pynvml.nvmlLib = self.library
+            pynvml._nvmlGetFunctionPointer_cache.clear()
+        super().__init__()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            with pynvml.libLoadLock:  # let a later NvmlBackend load the real library
+                if pynvml.nvmlLib is self.library:
+                    pynvml.nvmlLib = None
+                    pynvml._nvmlGetFunctionPointer_cache.clear()

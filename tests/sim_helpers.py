@@ -1,0 +1,102 @@
+"""Helpers for tests on simulated GPUs: a config file, the backend, `gpuguard sim burn` processes.
+
+    config = write_config(sandbox, count=4)
+    with open_backend(config) as gpus:           # creates sandbox/dev/nvidia0..3
+        with burn(config, gpu=2, mem="4GiB", user=alice) as proc:
+            assert GpuProcess(proc.pid, 2, 4 << 30) in gpus.processes()
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from conftest import PYTHON, TestUser, popen_as
+from gpuguard import config as gpuguard_config
+from gpuguard.backends import open_gpu_backend
+from gpuguard.backends.gate import cgroup2_root
+from gpuguard.backends.nvml import NvmlBackend
+
+
+def write_config(directory: Path, count: int = 4, memory: str = "80GiB", extra: str = "") -> Path:
+    """`directory/gpuguard.toml` for simulated GPUs, with device nodes (`directory/dev`), state
+    and socket inside `directory`. `extra` is appended: more [gpu.simulated] keys, then tables."""
+    path = directory / "gpuguard.toml"
+    path.write_text(
+        f'[paths]\ndevice_dir = "{directory / "dev"}"\nstate_dir = "{directory / "state"}"\n'
+        f'socket = "{directory / "run" / "gpuguard.sock"}"\n\n'
+        f'[gpu]\nbackend = "simulated"\n\n[gpu.simulated]\ncount = {count}\nmemory = "{memory}"\n{extra}')
+    path.chmod(0o644)  # test users read it too
+    return path
+
+
+def gpuguard(config: Path, *args: str) -> list[str]:
+    """argv running the gpuguard CLI from this checkout with this config."""
+    return [PYTHON, "-m", "gpuguard", "--config", str(config), *args]
+
+
+def open_backend(config: Path) -> NvmlBackend:
+    """The simulated backend of this config (creates its device nodes); close it, or use `with`."""
+    return open_gpu_backend(gpuguard_config.load(config))
+
+
+def start_burn(config: Path, gpu: int, mem: str = "1GiB", *, user: TestUser | None = None,
+               util: int | None = None, seconds: float | None = None, ignore_term: bool = False,
+               timeout: float = 15) -> subprocess.Popen:
+    """Start `gpuguard sim burn` (as `user`, or root) and return once it is registered;
+    raises AssertionError with its stderr if it fails to start. Stop it with stop_burn."""
+    argv = gpuguard(config, "sim", "burn", "--gpu", str(gpu), "--mem", mem)
+    if util is not None:
+        argv += ["--util", str(util)]
+    if seconds is not None:
+        argv += ["--seconds", str(seconds)]
+    if ignore_term:
+        argv.append("--ignore-term")
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    proc = popen_as(user, argv, **pipes) if user else subprocess.Popen(argv, cwd="/", **pipes)
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith(f"burn: pid {proc.pid} "):
+        proc.kill()
+        _, errors = proc.communicate(timeout=timeout)
+        raise AssertionError(f"burn did not start: {line!r} {errors.strip()!r}")
+    return proc
+
+
+def stop_burn(proc: subprocess.Popen, timeout: float = 15) -> int:
+    """SIGKILL the burn if it still runs, reap it and close its pipes; its exit status."""
+    if proc.poll() is None:
+        proc.kill()
+    status = proc.wait(timeout)
+    proc.stdout.close()
+    proc.stderr.close()
+    return status
+
+
+@contextmanager
+def burn(config: Path, gpu: int, mem: str = "1GiB", **options) -> Iterator[subprocess.Popen]:
+    """A running burn for the duration of the block (options as for start_burn)."""
+    proc = start_burn(config, gpu, mem, **options)
+    try:
+        yield proc
+    finally:
+        stop_burn(proc)
+
+
+
+@contextmanager
+def no_gate_attached() -> Iterator[None]:
+    """Keep gate-attaching tests (gate_lock.gate_test_lock: an exclusive flock) waiting while
+    test users open simulated nodes without a daemon: a gate attached by any test run on this
+    machine would deny them (EPERM). Shared, so such tests still run in parallel with each other.
+    Never use it inside gate_test_lock: the same process would wait for itself."""
+    fd = os.open(cgroup2_root(), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
