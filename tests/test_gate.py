@@ -338,3 +338,45 @@ def test_object_names_fit_the_kernel() -> None:
         Gate("ggt-x", managed=[])
     with pytest.raises(ValueError):
         DeviceRange(195, 10, 2)
+
+
+# --- the admin commands: gpuguard gate status|attach|detach
+
+
+def gpuguard_cli(*args: str, user: TestUser | None = None) -> subprocess.CompletedProcess:
+    argv = [PYTHON, "-m", "gpuguard", *args]
+    if user is not None:
+        return run_as(user, argv)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_gate_commands_attach_status_detach(gate_name: str, sandbox: Path) -> None:
+    config = sandbox / "gpuguard.toml"
+    config.write_text("")
+    assert gpuguard_cli("gate", "status", "--name", gate_name).returncode == 1  # not attached: says so
+
+    attached = gpuguard_cli("--config", str(config), "gate", "attach", "--name", gate_name)
+    assert attached.returncode == 0, attached.stderr
+    Gate(gate_name).grant(4242, GPU1)
+
+    status = json.loads(gpuguard_cli("gate", "status", "--json", "--name", gate_name).stdout)
+    assert status["attached"] is True and status["prog_id"] == Gate(gate_name).prog_id()
+    assert status["users"] == {"4242": ["195:1"]} and status["entries"] == 1 and 0 in status["exempt"]
+    assert ours_attached(gate_name) == 1
+
+    again = gpuguard_cli("--config", str(config), "gate", "attach", "--name", gate_name)
+    assert again.returncode == 0 and ours_attached(gate_name) == 1  # never attached twice
+
+    detached = gpuguard_cli("gate", "detach", "--name", gate_name)
+    assert detached.returncode == 0, detached.stderr
+    assert ours_attached(gate_name) == 0
+    assert gpuguard_cli("gate", "detach", "--name", gate_name).returncode == 1
+
+
+def test_gate_commands_refuse_non_root(make_user, gate: Gate) -> None:
+    user = make_user()
+    for action in ("status", "attach", "detach"):
+        result = gpuguard_cli("gate", action, "--name", gate.name, user=user)
+        assert result.returncode == 1
+        assert result.stderr.strip() == f"gpuguard: gate {action} needs root"
+    assert ours_attached(gate.name) == 1

@@ -1,0 +1,101 @@
+"""`gpuguard gate status|attach|detach` and `gpuguard acl apply`: the kernel side, by hand.
+
+The daemon attaches the gate and keeps the nodes right by itself; these are for checking,
+for emergencies and uninstall, and for udev when the driver loads.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from gpuguard import client
+from gpuguard.backends import accounts, devnodes
+from gpuguard.backends.gate import Gate, GateError
+from gpuguard.cli import EXIT_OK, CommandError, load_config, print_json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    gate = subparsers.add_parser("gate", help="the kernel gate: status, attach, detach (root)")
+    actions = gate.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, func, text in (
+            ("status", gate_status, "is the gate attached, and who may open which GPU"),
+            ("attach", gate_attach, "attach the gate (closes every GPU to all but exempt users)"),
+            ("detach", gate_detach, "detach the gate: every user may open every GPU again")):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("--name", default="gpuguard", help=argparse.SUPPRESS)  # tests run gates of their own
+        action.set_defaults(func=func)
+    actions.choices["status"].add_argument("--json", action="store_true", help="print JSON")
+
+    acl = subparsers.add_parser("acl", help="device nodes and their ACLs (root; run by udev)")
+    acl_actions = acl.add_subparsers(dest="action", metavar="ACTION", required=True)
+    acl_actions.add_parser("apply", help="create missing driver nodes and have the daemon re-apply ACLs") \
+        .set_defaults(func=acl_apply)
+
+
+def _require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise CommandError(f"{what} needs root")
+
+
+def _gate(args: argparse.Namespace, what: str) -> Gate:
+    _require_root(what)
+    return Gate(args.name)
+
+
+def gate_status(args: argparse.Namespace) -> int:
+    try:
+        status = _gate(args, "gate status").status()
+    except GateError as exc:
+        raise CommandError(str(exc).splitlines()[0]) from None
+    if args.json:
+        print_json(status)
+        return EXIT_OK
+    if not status["attached"]:
+        print(f"gate {status['name']}: NOT attached (cgroup {status['cgroup']}): GPU nodes are not enforced by the kernel")
+        return 1
+    print(f"gate {status['name']}: attached to {status['cgroup']} as program {status['prog_id']}, "
+          f"{status['entries']} entries, exempt uids {', '.join(map(str, status['exempt']))}")
+    for uid, devices in sorted(status["users"].items(), key=lambda item: int(item[0])):
+        print(f"  {_user_name(int(uid))}: {' '.join(devices)}")
+    return EXIT_OK
+
+
+def gate_attach(args: argparse.Namespace) -> int:
+    gate = _gate(args, "gate attach")
+    exempt = accounts.exempt_uids(load_config(args).access)
+    try:
+        gate.attach(exempt)
+    except GateError as exc:
+        raise CommandError(str(exc).splitlines()[0]) from None
+    print(f"gate {args.name}: attached as program {gate.prog_id()}; start the daemon to restore grants")
+    return EXIT_OK
+
+
+def gate_detach(args: argparse.Namespace) -> int:
+    gate = _gate(args, "gate detach")
+    if not gate.find():
+        raise CommandError(f"gate {args.name}: not attached")
+    gate.detach()
+    print(f"gate {args.name}: detached: GPU nodes are now open to whoever their file permissions allow")
+    return EXIT_OK
+
+
+def acl_apply(args: argparse.Namespace) -> int:
+    _require_root("acl apply")
+    config = load_config(args)
+    made = devnodes.ensure_driver_nodes(config.paths.device_dir, devnodes.driver_minors())
+    if made:
+        print(f"created {', '.join(str(path) for path in made)}")
+    # The daemon also sees new nodes through inotify; asking it covers a changed node too.
+    try:
+        client.call(str(config.paths.socket), "reload", timeout=10)
+    except client.DaemonUnreachable:
+        print("gpuguard daemon not running: GPU nodes stay closed (0660 root:root) until it starts")
+    return EXIT_OK
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"{accounts.by_uid(uid).name} ({uid})"
+    except accounts.UnknownUser:
+        return str(uid)
