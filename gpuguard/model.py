@@ -62,6 +62,7 @@ class Grant:
     expires_at: float | None
     last_active: float       # last time a process of the user was seen on it (idle release)
     shared: bool = False
+    origin: str = "session"  # session: ends with the user's last session; request, admin: until released
 
 
 @dataclass(frozen=True)

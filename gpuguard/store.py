@@ -40,6 +40,12 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (uid, minor));
     CREATE TABLE gpu_history (minor INTEGER PRIMARY KEY, last_released REAL NOT NULL);
     """,
+    # Where a grant came from. "session": made while the user had a session (at login, or a
+    # request from a login shell); it ends with the user's last session once no process holds
+    # it. "request" (asked with no session open) and "admin" last until released, revoked or expired.
+    """
+    ALTER TABLE grants ADD COLUMN origin TEXT NOT NULL DEFAULT 'session';
+    """,
 )
 
 
@@ -94,12 +100,12 @@ class Store:
     # --- grants
 
     def add_grants(self, uid: int, user: str, minors: Iterable[int], now: float,
-                   expires_at: float | None, shared: bool = False) -> None:
+                   expires_at: float | None, shared: bool = False, origin: str = "session") -> None:
         with self.transaction() as db:
             db.executemany(
-                "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(uid, user, minor, now, expires_at, now, int(shared)) for minor in minors])
+                "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(uid, user, minor, now, expires_at, now, int(shared), origin) for minor in minors])
 
     def grants(self, uid: int | None = None) -> list[Grant]:
         query, params = "SELECT * FROM grants", ()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["daemon_fixture"]  # start_daemon / gg_daemon: a real daemon (tests/daemon_fixture.py)
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too
 
@@ -43,6 +45,20 @@ def require_root() -> None:
     for parent in [REPO, *REPO.parents]:
         if not os.stat(parent).st_mode & 0o001:
             pytest.exit(f"{parent} is not searchable by other users; clone gpuguard elsewhere (e.g. /opt or /srv)", 2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def restore_bpffs() -> Iterator[None]:
+    """The gate mounts bpffs when absent; unmount it again if the run left nothing pinned there."""
+    from gpuguard.backends.gate import BPFFS, PIN_ROOT, _mounts
+
+    mounted_before = (str(BPFFS), "bpf") in _mounts()
+    yield
+    if not mounted_before and (str(BPFFS), "bpf") in _mounts():
+        if PIN_ROOT.is_dir() and not any(PIN_ROOT.iterdir()):
+            PIN_ROOT.rmdir()
+        if not any(BPFFS.iterdir()):
+            subprocess.run(["umount", str(BPFFS)], check=False)
 
 
 @pytest.fixture

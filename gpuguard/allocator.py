@@ -1,0 +1,70 @@
+"""Which GPUs a user gets: a pure function of the inventory, topology and current grants.
+
+Order of preference, most important first:
+1. free GPUs before shared ones (sharing only when the caller allows it, onto GPUs whose
+   holders all share too), and among shared ones the least crowded;
+2. for several GPUs, the best-connected set: the smallest worst pairwise link, then the
+   smallest sum of links (NVLink < PCIe switch < NUMA node < system), counting the GPUs
+   the user already holds, so a top-up lands next to them;
+3. fewest NUMA nodes;
+4. least recently released (spreads wear; a just-released GPU may still be draining);
+5. lowest minors, so the answer is deterministic.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import combinations
+from math import comb
+
+from gpuguard.model import Gpu, Grant, Link
+
+# Beyond this many candidate sets (e.g. 8 of 64 GPUs) a greedy search replaces the exhaustive one.
+EXHAUSTIVE_LIMIT = 5000
+
+Topology = Mapping[tuple[int, int], Link]
+
+
+def link(topology: Topology, a: int, b: int) -> Link:
+    """The link between two GPUs; an undeclared pair counts as the worst, never the best."""
+    return topology.get((a, b), topology.get((b, a), Link.SYSTEM))
+
+
+def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], last_released: Mapping[int, float],
+           uid: int, count: int, share: bool = False) -> tuple[int, ...]:
+    """Up to `count` more GPU minors for `uid` (fewer when fewer are available; () when none)."""
+    grants = list(grants)
+    own = {g.minor for g in grants if g.uid == uid}
+    holders = Counter(g.minor for g in grants if g.uid != uid)
+    exclusive = {g.minor for g in grants if g.uid != uid and not g.shared}
+    candidates = [gpu.minor for gpu in gpus if gpu.minor not in own
+                  and (holders[gpu.minor] == 0 or (share and gpu.minor not in exclusive))]
+    want = min(count, len(candidates))
+    if want <= 0:
+        return ()
+    numa = {gpu.minor: gpu.numa_node for gpu in gpus}
+
+    def key(chosen: tuple[int, ...]) -> tuple:
+        together = (*chosen, *sorted(own))
+        links = [link(topology, a, b) for a, b in combinations(together, 2)]
+        return (sum(1 for m in chosen if holders[m]),
+                sum(holders[m] for m in chosen),
+                max(links, default=Link.NVLINK),
+                sum(links),
+                len({numa[m] for m in together}),
+                sorted((last_released.get(m, 0.0) for m in chosen), reverse=True),
+                sorted(chosen))
+
+    if comb(len(candidates), want) <= EXHAUSTIVE_LIMIT:
+        best = min(combinations(candidates, want), key=key)
+    else:
+        best = min((_grow(start, candidates, want, key) for start in candidates), key=key)
+    return tuple(sorted(best))
+
+
+def _grow(start: int, candidates: list[int], want: int, key) -> tuple[int, ...]:
+    """Greedy: from one GPU, keep adding whichever candidate makes the best set so far."""
+    chosen = (start,)
+    while len(chosen) < want:
+        chosen = min(((*chosen, c) for c in candidates if c not in chosen), key=key)
+    return chosen

@@ -1,0 +1,355 @@
+"""The daemon's operations, one method each, with the caller's identity from SO_PEERCRED.
+
+Root may do everything. Any other user may look at the machine (status) and query,
+request and release for themself only. A login (session_open) always gets an ok reply:
+whatever fails inside is logged and the session opens without GPUs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+from gpuguard import config as configuration, policy, protocol, sampling
+from gpuguard.backends import accounts
+from gpuguard.logs import event
+from gpuguard.messages import grant_message, number_list
+from gpuguard.model import Grant
+from gpuguard.server import Peer
+from gpuguard.units import UnitError, format_duration, parse_duration
+
+ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload"})
+WHOAMI_EVENTS = 20
+NO_GPU_FREE = "gpuguard: no GPU is free right now; run gpuguard request later to get one"
+LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
+
+
+class Refusal(Exception):
+    """A request that cannot be done, with the CLI exit code the caller should use."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+_REQUIRED = object()
+
+
+def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -> Any:
+    value = request.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise Refusal(f"missing field {key!r}", 2)
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise Refusal(f"field {key!r}: expected {kind.__name__}, got {value!r}", 2)
+    return value
+
+
+class Api:
+    def __init__(self, daemon):
+        self.daemon = daemon
+
+    async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        op = request["op"]
+        if op in ROOT_ONLY and peer.uid != 0:
+            return protocol.refused(f"{op} is for root only")
+        try:
+            return await getattr(self, op)(request, peer)
+        except Refusal as exc:
+            return protocol.refused(str(exc), exc.code)
+
+    # --- logins
+
+    async def session_open(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        user, pid = _field(request, "user", str), _field(request, "pid", int)
+        service, rhost, tty = (_field(request, key, str, "") for key in ("service", "rhost", "tty"))
+        try:
+            return self._open_session(user, service, rhost, tty, pid)
+        except Exception:
+            event(logging.ERROR, "session_open_failed", exc_info=True, user=user, pid=pid)
+            return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
+
+    def _open_session(self, user: str, service: str, rhost: str, tty: str, pid: int) -> dict[str, Any]:
+        daemon, store = self.daemon, self.daemon.store
+        now = time.time()
+        account = accounts.by_name(user)
+        session = store.open_session(account.uid, account.name, service, rhost, tty, pid, now)
+        event(logging.INFO, "session_open", user=account.name, session=session.id, service=service,
+              rhost=rhost or None, tty=tty or None, pid=pid)
+        reply = protocol.ok(session=session.id, gpus=[], cuda_visible_devices="", message="")
+        access = daemon.config.access
+        if policy.is_exempt(account.uid, account.name, account.groups, access):
+            if account.uid not in daemon.exempt:  # joined an exempt group since the last reload
+                daemon.refresh_exempt()
+            return reply
+        if not policy.is_member(account.groups, access):
+            return reply
+        held = store.grants(account.uid)
+        if held:  # a second session reuses the grant it already has
+            return {**reply, **self._grant_reply(held)}
+        quota = policy.quota_for(account.name, account.groups, daemon.config)
+        if quota.gpus == 0:
+            return {**reply, "message": "gpuguard: your quota allows no GPUs - run gpuguard whoami for details"}
+        daemon.allocate(account, quota, quota.gpus, now, origin="session",
+                        message=f"granted at login ({service or 'pam'})")
+        held = store.grants(account.uid)
+        if not held:
+            event(logging.INFO, "no_gpu_free", user=account.name, wanted=quota.gpus)
+            return {**reply, "message": NO_GPU_FREE}
+        return {**reply, **self._grant_reply(held, wanted=quota.gpus)}
+
+    async def session_close(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        user, pid = _field(request, "user", str), _field(request, "pid", int)
+        daemon, store = self.daemon, self.daemon.store
+        account = _account_named(user)
+        held = {g.minor for g in store.grants(account.uid)}
+        closed = store.close_session(account.uid, pid)
+        event(logging.INFO, "session_close", user=account.name, pid=pid,
+              session=closed.id if closed else "unknown")
+        if held and not store.sessions(account.uid):
+            try:
+                sample = await sampling.take(daemon.backend)
+            except Exception as exc:  # no data, no release: the tick tries again
+                event(logging.ERROR, "sample_failed", error=str(exc), action="grants kept until a good sample")
+            else:
+                await daemon.release_unused(sample, [account.uid])
+        # Compared with before, not taken from release_unused: a tick may release them meanwhile.
+        kept = {g.minor for g in store.grants(account.uid)}
+        return protocol.ok(closed=closed is not None, released=sorted(held - kept), kept=sorted(kept))
+
+    # --- looking
+
+    async def whoami(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        account = _subject(request, peer)
+        daemon, store = self.daemon, self.daemon.store
+        access = daemon.config.access
+        quota = policy.quota_for(account.name, account.groups, daemon.config)
+        return protocol.ok(
+            user=account.name, uid=account.uid, group=access.group,
+            member=policy.is_member(account.groups, access),
+            exempt=policy.is_exempt(account.uid, account.name, account.groups, access),
+            quota=asdict(quota),
+            grants=[self._grant_info(g) for g in store.grants(account.uid)],
+            sessions=[asdict(s) for s in store.sessions(account.uid)],
+            events=[asdict(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
+            usage=store.usage(account.uid))
+
+    async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        daemon = self.daemon
+        grants = daemon.store.grants()
+        sample = daemon.sample
+        gpus = []
+        for minor, gpu in sorted(daemon.gpus.items()):
+            gpus.append({
+                "minor": minor, "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
+                "memory_total": gpu.memory_total,
+                "holders": [{"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
+                             "expires_at": g.expires_at} for g in grants if g.minor == minor],
+                "processes": sum(1 for p in sample.processes if p.minor == minor) if sample else None,
+            })
+        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None,
+                            group=daemon.config.access.group)
+        if peer.uid == 0:
+            reply.update(sessions=[asdict(s) for s in daemon.store.sessions()],
+                         exempt=sorted(daemon.exempt), mode=daemon.config.access.mode,
+                         gate=daemon.gate_name if daemon.gate else None)
+        return reply
+
+    # --- a user's own GPUs
+
+    async def request(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        daemon, store = self.daemon, self.daemon.store
+        account = _account_of(peer)
+        access = daemon.config.access
+        if policy.is_exempt(account.uid, account.name, account.groups, access):
+            raise Refusal("you are exempt: every GPU is open to you without a grant")
+        if not policy.is_member(account.groups, access):
+            raise Refusal(f"only members of group {access.group} get GPUs; ask your admin")
+        quota = policy.quota_for(account.name, account.groups, daemon.config)
+        wanted = _field(request, "gpus", int, quota.gpus)
+        if wanted < 1:
+            raise Refusal("gpus must be at least 1", 2)
+        if wanted > quota.gpus:
+            raise Refusal(f"your quota is {quota.gpus} GPU{'s' if quota.gpus != 1 else ''} (gpuguard whoami)")
+        more = wanted - len(store.grants(account.uid))
+        granted: tuple[int, ...] = ()
+        if more > 0:
+            # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
+            origin = "session" if store.sessions(account.uid) else "request"
+            granted = daemon.allocate(account, quota, more, time.time(), origin, "requested with gpuguard request")
+        held = store.grants(account.uid)
+        if not held:
+            raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
+        return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted))
+
+    async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Give GPUs back. It kills nothing: while a process of the user still uses one of
+        them, the release is refused with the pids, so no job loses its GPU by surprise."""
+        daemon, store = self.daemon, self.daemon.store
+        account = _account_of(peer)
+        held = {g.minor for g in store.grants(account.uid)}
+        minors = self._minors(request)
+        if not held:
+            raise Refusal("you hold no GPU")
+        if minors is not None and set(minors) - held:
+            raise Refusal(f"you do not hold GPU {number_list(set(minors) - held)} (you hold {number_list(held)})")
+        targets = set(minors) if minors is not None else held
+        busy = await self._users_processes(account.uid, targets)
+        if busy:
+            pids = sorted({pid for pid, _ in busy})
+            raise Refusal(f"GPU {number_list({m for _, m in busy})} still in use by your process"
+                          f"{'es' if len(pids) > 1 else ''} {number_list(pids)}: stop them, then release")
+        removed = daemon.grants.remove(account.uid, targets, time.time(), kind="release", rule="user",
+                                       message="released with gpuguard release")
+        return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
+
+    async def _users_processes(self, uid: int, minors: set[int]) -> set[tuple[int, int]]:
+        """(pid, minor) of uid's processes on these GPUs, per NVML and /proc. Raises Refusal when NVML fails."""
+        try:
+            sample = await sampling.take(self.daemon.backend)
+        except Exception as exc:
+            raise Refusal(f"cannot see the GPUs' processes right now ({exc}); try again") from None
+        busy = {(p.pid, p.minor) for p in sample.processes if p.minor in minors and sample.uid_of(p.pid) == uid}
+        holders = await asyncio.to_thread(sampling.node_holders, minors)
+        return busy | {(h.pid, h.minor) for h in holders if h.uid == uid}
+
+    # --- admin
+
+    async def grant(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        daemon, store = self.daemon, self.daemon.store
+        account = _account_named(_field(request, "user", str))
+        count, minors = _field(request, "gpus", int, None), self._minors(request)
+        if (count is None) == (minors is None):
+            raise Refusal("give either gpus (a number) or minors (a list)", 2)
+        if count is not None and count < 1:
+            raise Refusal("gpus must be at least 1", 2)
+        duration = _duration(request.get("for"))
+        access = daemon.config.access
+        if policy.is_exempt(account.uid, account.name, account.groups, access):
+            raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
+        if not policy.is_member(account.groups, access):
+            raise Refusal(f"{account.name} is not in group {access.group}: only members get GPUs")
+        quota = policy.quota_for(account.name, account.groups, daemon.config)
+        share = policy.may_share(quota)
+        if minors is not None:
+            others = [g for g in store.grants() if g.minor in minors and g.uid != account.uid]
+            blocked = [g for g in others if not (share and g.shared)]
+            if blocked:
+                raise Refusal(f"GPU {number_list({g.minor for g in blocked})} is held by "
+                              f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
+            chosen = tuple(minors)
+        else:
+            chosen = daemon.choose(account.uid, count, share)
+            if len(chosen) < count:
+                raise Refusal(f"only {len(chosen)} more GPU{'s' if len(chosen) != 1 else ''} free for "
+                              f"{account.name}, {count} asked")
+        now = time.time()
+        expires_at = now + duration if duration is not None else policy.expires_at(quota, now)
+        term = f" for {format_duration(duration)}" if duration is not None else ""
+        daemon.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
+                          origin="admin", message=f"granted by root{term}")
+        return protocol.ok(user=account.name, gpus=sorted(chosen), expires_at=expires_at,
+                           message=f"granted GPU {number_list(chosen)} to {account.name}{term}")
+
+    async def revoke(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Take GPUs back. The gate stops new opens at once; processes that opened a GPU
+        before are reported (ending them is the watcher's: issue 5)."""
+        daemon, store = self.daemon, self.daemon.store
+        name = _field(request, "user", str)
+        minors = self._minors(request)
+        try:
+            uid = accounts.by_name(name).uid
+        except accounts.UnknownUser:  # an account deleted while holding GPUs can still be revoked
+            uid = next((g.uid for g in store.grants() if g.user == name), None)
+            if uid is None:
+                raise Refusal(f"no such user: {name}", 2) from None
+        removed = daemon.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root")
+        if not removed:
+            raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + number_list(minors)}")
+        revoked = {g.minor for g in removed}
+        try:
+            holders = sorted(await self._users_processes(uid, revoked))
+        except Refusal as exc:
+            holders, note = [], f"; {exc}"
+        else:
+            note = (f"; still open in process {number_list(sorted({pid for pid, _ in holders}))}, which keep access until "
+                    "they exit" if holders else "")
+        return protocol.ok(user=name, revoked=sorted(revoked),
+                           holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
+                           message=f"revoked GPU {number_list(revoked)} from {name}{note}")
+
+    async def reload(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        try:
+            loaded = self.daemon.reload()
+        except configuration.ConfigError as exc:
+            event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
+            raise Refusal(f"{exc} (the previous config stays in force)", 2) from None
+        return protocol.ok(message=f"reloaded {loaded.source}")
+
+    # --- shared pieces
+
+    def _minors(self, request: dict[str, Any]) -> list[int] | None:
+        minors = request.get("minors")
+        if minors is None:
+            return None
+        if not isinstance(minors, list) or not minors or not all(
+                isinstance(m, int) and not isinstance(m, bool) for m in minors):
+            raise Refusal(f"field 'minors': expected a non-empty list of GPU numbers, got {minors!r}", 2)
+        unknown = set(minors) - set(self.daemon.gpus)
+        if unknown:
+            raise Refusal(f"no GPU {number_list(unknown)} on this machine (GPUs: {number_list(self.daemon.gpus)})", 2)
+        return sorted(set(minors))
+
+    def _grant_info(self, grant: Grant) -> dict[str, Any]:
+        gpu = self.daemon.gpus.get(grant.minor)
+        return {**asdict(grant), "uuid": gpu.uuid if gpu else None, "name": gpu.name if gpu else None}
+
+    def _grant_reply(self, held: list[Grant], wanted: int | None = None) -> dict[str, Any]:
+        """gpus, cuda_visible_devices and the one-line message for what a user holds."""
+        gpus = [self.daemon.gpus[g.minor] for g in held if g.minor in self.daemon.gpus]
+        if not gpus:
+            return {"gpus": [], "cuda_visible_devices": "", "message": ""}
+        expiries = [g.expires_at for g in held if g.expires_at is not None]
+        return {"gpus": [gpu.minor for gpu in gpus],
+                "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
+                "message": grant_message(gpus, min(expiries, default=None), any(g.shared for g in held), wanted)}
+
+
+def _duration(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = parse_duration(value)
+    except UnitError as exc:
+        raise Refusal(f"field 'for': {exc}", 2) from None
+    if not seconds:
+        raise Refusal("field 'for': must be a positive duration like 8h", 2)
+    return seconds
+
+
+def _account_named(name: str) -> accounts.Account:
+    try:
+        return accounts.by_name(name)
+    except accounts.UnknownUser as exc:
+        raise Refusal(str(exc), 2) from None
+
+
+def _account_of(peer: Peer) -> accounts.Account:
+    try:
+        return accounts.by_uid(peer.uid)
+    except accounts.UnknownUser as exc:
+        raise Refusal(str(exc)) from None
+
+
+def _subject(request: dict[str, Any], peer: Peer) -> accounts.Account:
+    """The caller, or (root only) the user the request names."""
+    name = _field(request, "user", str, None)
+    own = _account_of(peer) if name is None or peer.uid != 0 else None
+    if name is None:
+        return own
+    if own is not None and own.name != name:
+        raise Refusal("only root may look at another user's GPUs")
+    return _account_named(name)

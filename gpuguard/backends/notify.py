@@ -1,0 +1,108 @@
+"""Telling a user something on their terminals, the way `write` does, without ever hanging.
+
+The terminals are the user's utmp entries (psutil.users(): who is logged in where) plus the
+ttys of their gpuguard sessions. A terminal is written to only if, checked on the open
+descriptor (no race with a swapped path), it is a character device that is a tty and is
+owned by that uid. Opens and writes are non-blocking (a terminal stopped with ^S or whose
+reader is gone gets EAGAIN, and its line is dropped), and all of it happens on one
+background thread fed by a bounded queue, so a strange device can at worst stall that
+thread, never the watcher. The log line and the stored event are the record; the
+terminal is a courtesy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import stat
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+
+from gpuguard.logs import event
+
+DEV = Path("/dev")
+QUEUE_SIZE = 1000  # lines waiting for terminals; more than this and new ones are dropped (and logged)
+
+
+def terminals(user: str, extra: Iterable[str] = ()) -> list[Path]:
+    """Device paths of the user's terminals: utmp entries plus `extra` (session ttys), deduplicated.
+
+    Only names under /dev are accepted ("pts/3", "/dev/pts/3"); "ssh", ":0" and the like are
+    not terminals and are skipped.
+    """
+    names: list[str] = []
+    try:
+        names += [u.terminal for u in psutil.users() if u.name == user and u.terminal]
+    except OSError:
+        pass  # no utmp: session ttys only
+    names += [name for name in extra if name]
+    paths: list[Path] = []
+    for name in names:
+        path = Path(name) if name.startswith("/") else DEV / name
+        try:
+            path.relative_to(DEV)
+        except ValueError:
+            continue
+        if ".." in path.parts or path in paths:
+            continue
+        paths.append(path)
+    return paths
+
+
+def write_tty(path: Path, uid: int, text: str) -> bool:
+    """Write text to one terminal of uid; False (and nothing written) when it is not theirs or not ready."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISCHR(st.st_mode) or st.st_uid != uid or not os.isatty(fd):
+            return False
+        data = text.encode(errors="replace")
+        os.write(fd, data)  # a partial write (full buffer) is acceptable: the event is the record
+        return True
+    except OSError:
+        return False  # EAGAIN (terminal not reading), EIO (hung up): drop this line
+    finally:
+        os.close(fd)
+
+
+def format_line(message: str) -> str:
+    # \r\n: the terminal may be in raw mode (an editor, a REPL); \a gets attention like write(1).
+    return "\r\n\a" + message + "\r\n"
+
+
+class Notifier:
+    """Delivers lines to users' terminals on a background thread; `tell` never blocks."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[str, int, tuple[str, ...], str] | None] = queue.Queue(QUEUE_SIZE)
+        self._thread = threading.Thread(target=self._run, name="gpuguard-notify", daemon=True)
+        self._thread.start()
+
+    def tell(self, user: str, uid: int, message: str, ttys: Iterable[str] = ()) -> None:
+        try:
+            self._queue.put_nowait((user, uid, tuple(ttys), message))
+        except queue.Full:
+            event(logging.WARNING, "notify_dropped", user=user, reason="queue full")
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Deliver what is queued (for up to `timeout`), then stop the thread."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            user, uid, ttys, message = item
+            try:
+                written = [str(path) for path in terminals(user, ttys) if write_tty(path, uid, format_line(message))]
+                event(logging.DEBUG, "notified", user=user, ttys=written or "none")
+            except Exception:
+                event(logging.ERROR, "notify_failed", exc_info=True, user=user)

@@ -1,0 +1,51 @@
+"""What admins run: `gpuguard grant`, `revoke`, `reload` (the daemon refuses them to anyone but root)."""
+from __future__ import annotations
+
+import argparse
+
+from gpuguard.cli import EXIT_OK, print_json
+from gpuguard.cli.calls import ask
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    grant = subparsers.add_parser("grant", help="give a user GPUs (beyond login grants; root)")
+    grant.add_argument("user")
+    which = grant.add_mutually_exclusive_group(required=True)
+    which.add_argument("--gpus", type=int, metavar="N", help="this many GPUs, chosen by the allocator")
+    which.add_argument("--gpu", type=int, action="append", dest="minors", metavar="MINOR",
+                       help="this GPU (repeatable)")
+    grant.add_argument("--for", dest="duration", metavar="DURATION",
+                       help="how long, e.g. 8h (default: the user's max_time)")
+    grant.add_argument("--json", action="store_true", help="print JSON")
+    grant.set_defaults(func=run_grant)
+
+    revoke = subparsers.add_parser("revoke", help="take GPUs back from a user (root)")
+    revoke.add_argument("user")
+    revoke.add_argument("--gpu", type=int, action="append", dest="minors", metavar="MINOR",
+                        help="only this GPU (repeatable; default: all of the user's)")
+    revoke.add_argument("--json", action="store_true", help="print JSON")
+    revoke.set_defaults(func=run_revoke)
+
+    reload = subparsers.add_parser("reload", help="make the daemon read its config again (root)")
+    reload.set_defaults(func=run_reload)
+
+
+def run_grant(args: argparse.Namespace) -> int:
+    return _show(args, ask(args, "grant", user=args.user, gpus=args.gpus, minors=args.minors, **{"for": args.duration}))
+
+
+def run_revoke(args: argparse.Namespace) -> int:
+    return _show(args, ask(args, "revoke", user=args.user, minors=args.minors))
+
+
+def run_reload(args: argparse.Namespace) -> int:
+    print(f"gpuguard: {ask(args, 'reload')['message']}")
+    return EXIT_OK
+
+
+def _show(args: argparse.Namespace, reply: dict) -> int:
+    if args.json:
+        print_json(reply)
+    else:
+        print(f"gpuguard: {reply['message']}")
+    return EXIT_OK

@@ -1,0 +1,36 @@
+"""`gpuguard daemon`: the root agent, in the foreground (systemd Type=notify; see etc/gpuguard.service)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from gpuguard import logs
+from gpuguard.backends import GpuError
+from gpuguard.backends.gate import GateError
+from gpuguard.cli import EXIT_OK, CommandError, load_config
+from gpuguard.server import ServerError
+from gpuguard.store import StoreError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("daemon", help="run the gpuguard agent (root, foreground)",
+                                   description="Hand out GPUs at login and enforce them. Logs go to stderr.")
+    parser.add_argument("--gate-name", default="gpuguard", metavar="NAME",
+                        help="instance name of the BPF gate (default gpuguard; tests run gates of their own)")
+    parser.add_argument("--debug", action="store_true", help="log debug events too")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        raise CommandError("the daemon runs as root: it attaches the gate and writes device ACLs")
+    config = load_config(args)
+    logs.setup(logging.DEBUG if args.debug else logging.INFO)
+    from gpuguard import daemon  # the daemon's imports (pyroute2, pynvml) only for this command
+
+    try:
+        daemon.run(config, args.gate_name)
+    except (GateError, GpuError, StoreError, ServerError, OSError) as exc:
+        raise CommandError(f"cannot start: {exc}") from None
+    return EXIT_OK

@@ -1,0 +1,109 @@
+"""What every user runs: `gpuguard whoami`, `status`, `request`, `release`."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gpuguard.cli import EXIT_OK, print_json
+from gpuguard.cli.calls import ask
+from gpuguard.cli.gpus_cmd import _print_rows as print_rows
+from gpuguard.messages import clock, number_list
+from gpuguard.units import format_duration, format_size
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    whoami = subparsers.add_parser("whoami", help="your GPUs, quota, sessions and recent events")
+    whoami.add_argument("--user", metavar="NAME", help="another user's (root only)")
+    whoami.add_argument("--json", action="store_true", help="print JSON")
+    whoami.set_defaults(func=show_whoami)
+
+    status = subparsers.add_parser("status", help="who holds which GPU")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(func=show_status)
+
+    request = subparsers.add_parser("request", help="get GPUs now, up to your quota")
+    request.add_argument("--gpus", type=int, metavar="N", help="how many GPUs in all (default: your quota)")
+    request.add_argument("--json", action="store_true", help="print JSON")
+    request.set_defaults(func=run_request)
+
+    release = subparsers.add_parser("release", help="give GPUs back (refused while your processes use them)")
+    release.add_argument("--gpu", type=int, action="append", dest="minors", metavar="MINOR",
+                         help="only this GPU (repeatable; default: all of yours)")
+    release.add_argument("--json", action="store_true", help="print JSON")
+    release.set_defaults(func=run_release)
+
+
+def show_whoami(args: argparse.Namespace) -> int:
+    reply = ask(args, "whoami", user=args.user)
+    if args.json:
+        print_json(reply)
+        return EXIT_OK
+    standing = ("exempt: every GPU is open to you" if reply["exempt"] else
+                f"member of {reply['group']}" if reply["member"] else
+                f"not in {reply['group']}: no GPUs (ask your admin)")
+    print(f"{reply['user']} (uid {reply['uid']}): {standing}")
+    quota = reply["quota"]
+    print(f"quota: {quota['gpus']} GPU{'s' if quota['gpus'] != 1 else ''}, memory {format_size(quota['gpu_memory'])}"
+          f" per GPU, time {format_duration(quota['max_time'])}, idle release {format_duration(quota['idle_timeout'])}"
+          f", sharing {'yes' if quota['sharing'] else 'no'}")
+    if reply["grants"]:
+        print("GPUs:")
+        print_rows([["  GPU", "NAME", "UUID", "SINCE", "UNTIL", "HOW"]] + [
+            [f"  {g['minor']}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
+             clock(g["expires_at"]) if g["expires_at"] else "-",
+             g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
+        print(f"export CUDA_VISIBLE_DEVICES={','.join(g['uuid'] for g in reply['grants'] if g['uuid'])}")
+    elif reply["member"]:
+        print("GPUs: none (gpuguard request gets one when one is free)")
+    if reply["sessions"]:
+        print("sessions:")
+        for s in reply["sessions"]:
+            origin = " ".join(part for part in (s["service"], s["tty"], s["rhost"] and f"from {s['rhost']}") if part)
+            print(f"  {clock(s['opened_at'])}  {origin}")
+    if reply["events"]:
+        print("recent events:")
+        for e in reply["events"]:
+            where = f" GPU {e['minor']}" if e["minor"] is not None else ""
+            print(f"  {clock(e['time'])}  {e['kind']}{where}: {e['message']}")
+    return EXIT_OK
+
+
+def show_status(args: argparse.Namespace) -> int:
+    reply = ask(args, "status")
+    if args.json:
+        print_json(reply)
+        return EXIT_OK
+    rows = [["GPU", "NAME", "HELD BY", "PROCS"]]
+    for gpu in reply["gpus"]:
+        held = ", ".join(_holder(h) for h in gpu["holders"]) or "free"
+        rows.append([str(gpu["minor"]), gpu["name"], held, "?" if gpu["processes"] is None else str(gpu["processes"])])
+    print_rows(rows)
+    if "sessions" in reply:
+        print(f"\n{len(reply['sessions'])} open session(s); exempt uids {number_list(reply['exempt'])}; "
+              f"enforcement: {'gate ' + reply['gate'] if reply['gate'] else 'ACLs only'}")
+    return EXIT_OK
+
+
+def _holder(holder: dict[str, Any]) -> str:
+    until = f" until {clock(holder['expires_at'])}" if holder["expires_at"] else ""
+    return f"{holder['user']}{until}{' (shared)' if holder['shared'] else ''}"
+
+
+def run_request(args: argparse.Namespace) -> int:
+    reply = ask(args, "request", gpus=args.gpus)
+    if args.json:
+        print_json(reply)
+        return EXIT_OK
+    print(reply["message"])
+    print(f"export CUDA_VISIBLE_DEVICES={reply['cuda_visible_devices']}")
+    return EXIT_OK
+
+
+def run_release(args: argparse.Namespace) -> int:
+    reply = ask(args, "release", minors=args.minors)
+    if args.json:
+        print_json(reply)
+        return EXIT_OK
+    left = f"; you still hold GPU {number_list(reply['gpus'])}" if reply["gpus"] else ""
+    print(f"gpuguard: released GPU {number_list(reply['released'])}{left}")
+    return EXIT_OK

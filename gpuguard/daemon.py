@@ -1,0 +1,234 @@
+"""`gpuguard daemon`: the composition root and the event loop.
+
+Start: claim the socket path (refused while another daemon serves) -> store -> GPU backend ->
+gate (attach or find) -> exemptions -> reconcile the gate map and node ACLs from the store ->
+watch the device directory -> serve the socket -> READY=1. One asyncio loop in the main thread runs the server and a periodic tick; the
+store is touched only from that thread, and blocking NVML and /proc work runs in worker
+threads (asyncio.to_thread). Decisions that read state and then change it never await in
+between, so concurrent requests cannot interleave inside one.
+
+SIGHUP reloads the config (a broken one is logged and the old one stays); SIGTERM stops
+cleanly and leaves the gate attached, so GPU access stays closed while no daemon runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+
+from gpuguard import allocator, config as configuration, policy, sampling
+from gpuguard.api import Api
+from gpuguard.backends import accounts, acl, open_gpu_backend, procfs, systemd
+from gpuguard.backends.gate import Gate
+from gpuguard.config import Config
+from gpuguard.grants import Grants
+from gpuguard.logs import event
+from gpuguard.model import Gpu, Quota, Session
+from gpuguard.sampling import Sample
+from gpuguard.server import Server
+from gpuguard.store import Store
+from gpuguard.watcher import Watcher
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class Daemon:
+    def __init__(self, config: Config, gate_name: str = "gpuguard"):
+        self.config = config
+        self.gate_name = gate_name
+        self.exempt: set[int] = {0}
+        self.sample: Sample | None = None  # the latest tick's, for status
+        self._stop = asyncio.Event()
+
+    # --- life cycle
+
+    def start(self) -> None:
+        """Everything before serving; raises ServerError, StoreError, GpuError, GateError or OSError."""
+        _raise_nofile()
+        self.server = Server(self.config.paths.socket, Api(self).handle)
+        self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
+        self.store = Store(self.config.paths.state_dir / "state.db")
+        self.backend = open_gpu_backend(self.config)
+        # The inventory and topology are fixed while the driver stays loaded; a GPU that
+        # falls off the bus shows as NVML errors in the tick, not as a smaller inventory.
+        self.gpus: dict[int, Gpu] = {gpu.minor: gpu for gpu in self.backend.gpus()}
+        self.topology = self.backend.topology()
+        self.gate = Gate(self.gate_name) if self.config.access.mode == "gate" else None
+        self.exempt = accounts.exempt_uids(self.config.access)
+        if self.gate:
+            self.gate.attach(self.exempt)
+        self.grants = Grants(self.store, self.gate, self.config.paths.device_dir, self.gpus)
+        self.grants.reconcile()
+        self.nodes = acl.NodeWatcher(self.config.paths.device_dir, self.grants.node_changed)
+        self.watcher = Watcher(self)
+        self._boot_time = _boot_time()
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, self._reload_on_signal)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._stop.set)
+        # The node watcher's callback touches the store: run it on this loop, not in its thread.
+        loop.add_reader(self.nodes.fileno(), self.nodes.process)
+        await self.server.start()
+        ticker = asyncio.create_task(self._ticker())
+        systemd.notify("READY=1")
+        event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=sorted(self.gpus),
+              gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
+        try:
+            await self._stop.wait()
+        finally:
+            systemd.notify("STOPPING=1")
+            ticker.cancel()
+            loop.remove_reader(self.nodes.fileno())
+            await self.server.close()
+            self.close()
+        event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
+
+    def close(self) -> None:
+        self.watcher.close()
+        self.nodes.close()
+        self.backend.close()
+        self.store.close()
+        if self.gate:
+            self.gate.close()  # our descriptors only: the program stays attached and pinned
+
+    def reload(self) -> Config:
+        """Load the config again; raises ConfigError and keeps the old one when it is broken."""
+        new = configuration.load(self.config.source)
+        # The backend, the socket, the nodes and the gate were built from these: they need a restart.
+        fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu,
+                        access=replace(new.access, mode=self.config.access.mode))
+        if fixed != new:
+            event(logging.WARNING, "reload_partial", reason="paths, gpu and access.mode change at restart")
+        self.config = fixed
+        self.refresh_exempt()
+        event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
+        return fixed
+
+    def _reload_on_signal(self) -> None:
+        try:
+            self.reload()
+        except configuration.ConfigError as exc:
+            event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
+
+    def refresh_exempt(self) -> None:
+        self.exempt = accounts.exempt_uids(self.config.access)
+        if self.gate:
+            self.gate.set_exempt(self.exempt)
+
+    # --- allocation
+
+    def choose(self, uid: int, count: int, share: bool) -> tuple[int, ...]:
+        return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
+                                self.store.last_released(), uid, count, share)
+
+    def allocate(self, account: accounts.Account, quota: Quota, count: int, now: float, origin: str,
+                 message: str) -> tuple[int, ...]:
+        """Up to `count` more GPUs for the user on the terms of their quota (none when none is free)."""
+        share = policy.may_share(quota)
+        chosen = self.choose(account.uid, count, share)
+        self.grants.add(account.uid, account.name, chosen, now, expires_at=policy.expires_at(quota, now),
+                        shared=share, origin=origin, message=message)
+        return chosen
+
+    # --- the tick
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.watcher.interval)
+            try:
+                await self.tick()
+            except Exception:
+                event(logging.ERROR, "tick_failed", exc_info=True)  # the next tick tries again
+
+    async def tick(self) -> None:
+        try:
+            sample = await sampling.take(self.backend)
+        except Exception as exc:  # GpuError and anything a broken driver throws: no action on no data
+            event(logging.ERROR, "sample_failed", error=str(exc), action="skipped this tick")
+            return
+        self.sample = sample
+        self.drop_dead_sessions()
+        await self.release_unused(sample)
+        await self.watcher.check(sample, time.time())
+
+    def drop_dead_sessions(self) -> None:
+        """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost message)."""
+        gone = [s for s in self.store.sessions() if not self._caller_alive(s)]
+        if gone:
+            self.store.remove_sessions(s.id for s in gone)
+            for session in gone:
+                event(logging.INFO, "session_gone", user=session.user, session=session.id, pid=session.pid)
+
+    def _caller_alive(self, session: Session) -> bool:
+        identity = procfs.process_identity(session.pid)
+        if identity is None:
+            return False
+        # A process that started after the session opened holds a reused pid. /proc/stat's
+        # btime has whole-second precision, hence the one second of slack.
+        return self._boot_time + identity.start_time / _CLOCK_TICKS <= session.opened_at + 1
+
+    async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None) -> None:
+        """Release session grants of users with no open session and no process on any of their GPUs.
+
+        A nohup or tmux job keeps its user's GPUs after logout: they go once it has exited.
+        """
+        candidates = self._unused(sample, uids)
+        if not candidates:
+            return
+        # NVML only lists processes with a CUDA context; one that merely holds the node open
+        # shows up in /proc. This full scan runs only for grants about to be released.
+        held: dict[int, set[int]] = {}
+        for holder in await asyncio.to_thread(sampling.node_holders, set().union(*candidates.values())):
+            held.setdefault(holder.uid, set()).add(holder.minor)
+        now = time.time()
+        # Re-checked after the await: a login or a grant may have come in meanwhile.
+        for uid, minors in self._unused(sample, candidates).items():
+            if minors == candidates[uid] and not held.get(uid, set()) & minors:
+                bound = [g.minor for g in self.store.grants(uid) if g.origin == "session"]
+                self.grants.remove(uid, bound, now, kind="release", rule="logout",
+                                   message="released: your last session ended and no process of yours used it")
+
+    def _unused(self, sample: Sample, uids: Iterable[int] | None) -> dict[int, frozenset[int]]:
+        """uid -> all of its granted minors, for users holding session grants, with no open session
+        and no process in the sample on any of their GPUs."""
+        by_uid: dict[int, list] = {}
+        for grant in self.store.grants():
+            by_uid.setdefault(grant.uid, []).append(grant)
+        if uids is not None:
+            by_uid = {uid: by_uid[uid] for uid in uids if uid in by_uid}
+        unused = {}
+        for uid, held in by_uid.items():
+            minors = frozenset(g.minor for g in held)
+            if (any(g.origin == "session" for g in held) and not self.store.sessions(uid)
+                    and not sample.busy_minors(uid) & minors):
+                unused[uid] = minors
+        return unused
+
+
+def _boot_time() -> float:
+    with open("/proc/stat") as stat:
+        return float(next(line.split()[1] for line in stat if line.startswith("btime ")))
+
+
+def _raise_nofile() -> None:
+    """Many clients at once (a burst of logins) each hold a descriptor for a moment."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run(config: Config, gate_name: str) -> None:
+    """Start and serve until SIGTERM; start-up failures raise with their cause."""
+    async def main() -> None:
+        daemon = Daemon(config, gate_name)
+        daemon.start()
+        await daemon.serve()
+
+    asyncio.run(main())

@@ -1,0 +1,104 @@
+"""Giving and taking GPUs: the store records it, the gate and the device ACLs follow from the store.
+
+Order is chosen so that what the kernel enforces never exceeds what the store says: a grant
+is written to the store before the gate opens, a release closes the gate before the store
+forgets. A crash in between therefore leaves, at worst, a grant the gate does not honour
+yet, which reconcile() at the next start repairs.
+
+Used by the daemon (logins, requests, admin commands) and by the watcher (expiry, idle
+release); all calls come from the event-loop thread, as the store requires.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Collection, Iterable
+from pathlib import Path
+
+from gpuguard.backends import acl
+from gpuguard.backends.gate import Gate
+from gpuguard.logs import event
+from gpuguard.model import NVIDIA_MAJOR, Event, Grant
+from gpuguard.store import Store
+
+_NODE = re.compile(r"nvidia(\d+)")
+
+
+class Grants:
+    def __init__(self, store: Store, gate: Gate | None, device_dir: Path, minors: Collection[int]):
+        self.store = store
+        self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
+        self.device_dir = Path(device_dir)
+        self.minors = frozenset(minors)  # the GPUs this machine has: only their nodes are managed
+
+    def node(self, minor: int) -> Path:
+        return self.device_dir / f"nvidia{minor}"
+
+    def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,
+            shared: bool, origin: str, message: str) -> None:
+        minors = sorted(minors)
+        if not minors:
+            return
+        self.store.add_grants(uid, user, minors, now, expires_at, shared=shared, origin=origin)
+        try:
+            for minor in minors:
+                if self.gate:
+                    self.gate.grant(uid, (NVIDIA_MAJOR, minor))
+                self.sync_node(minor)
+        except Exception:
+            # Not enforceable: take it back, so the store never claims what the kernel does not do.
+            self.remove(uid, minors, now, kind="error", rule=origin, message="grant could not be applied")
+            raise
+        for minor in minors:
+            self.store.add_event(Event(now, uid, user, "grant", message, minor=minor, rule=origin, action="grant"))
+        event(logging.INFO, "grant", user=user, uid=uid, gpus=minors, origin=origin, expires_at=expires_at,
+              shared=shared or None)
+
+    def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: str, rule: str,
+               message: str) -> list[Grant]:
+        """Take back a user's GPUs (all, or these minors). kind: release (the user's or an
+        idle/logout release), revoke (an admin or a time limit), error. Returns what was held."""
+        wanted = None if minors is None else set(minors)
+        held = [g for g in self.store.grants(uid) if wanted is None or g.minor in wanted]
+        if not held:
+            return []
+        if self.gate:
+            for grant in held:
+                self.gate.revoke(uid, (NVIDIA_MAJOR, grant.minor))
+        self.store.remove_grants(uid, [g.minor for g in held], now)
+        for grant in held:
+            self.sync_node(grant.minor)
+            self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
+                                       action=kind))
+        event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=[g.minor for g in held], rule=rule)
+        return held
+
+    def sync_node(self, minor: int) -> None:
+        """Make /dev/nvidia<minor> exist, 0660 root:root, with an ACL entry for exactly its grantees."""
+        if minor not in self.minors:
+            return  # a grant for a GPU this machine no longer has: no node to manage
+        path = self.node(minor)
+        acl.ensure_node(path, (NVIDIA_MAJOR, minor))
+        acl.set_base_mode(path)
+        acl.apply_acls(path, {g.uid for g in self.store.grants() if g.minor == minor})
+
+    def node_changed(self, path: Path | None) -> None:
+        """NodeWatcher callback: a node was (re)created or changed; None means check them all."""
+        if path is None:
+            for minor in sorted(self.minors):
+                self.sync_node(minor)
+        elif match := _NODE.fullmatch(path.name):
+            self.sync_node(int(match[1]))
+
+    def reconcile(self) -> None:
+        """Rebuild the derived state from the store: gate entries exactly as granted, every node synced."""
+        if self.gate:
+            wanted = {(g.uid, (NVIDIA_MAJOR, g.minor)) for g in self.store.grants()}
+            present = self.gate.entries()
+            for uid, dev in present - wanted:
+                self.gate.revoke(uid, dev)
+            for uid, dev in wanted - present:
+                self.gate.grant(uid, dev)
+            if present != wanted:
+                event(logging.INFO, "reconcile", removed=len(present - wanted), added=len(wanted - present))
+        self.node_changed(None)

@@ -1,0 +1,32 @@
+"""Text people read: the login line and the times and lists in it (shared by daemon and CLI)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from gpuguard.model import Gpu
+
+
+def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wanted: int | None = None) -> str:
+    """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`"""
+    names = ", ".join(sorted({gpu.name for gpu in gpus})) + (", shared" if shared else "")
+    several = len(gpus) > 1
+    subject = f"GPU{'s' if several else ''} {number_list(gpu.minor for gpu in gpus)} ({names})"
+    until = f" until {clock(expires_at)}" if expires_at is not None else ""
+    short = f" ({len(gpus)} of {wanted}: no more free)" if wanted and len(gpus) < wanted else ""
+    return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short} - run gpuguard whoami for details"
+
+
+def clock(timestamp: float) -> str:
+    """`20:00` today, `Tue 20:00` within six days either way, else `2025-03-04 20:00` (local time)."""
+    moment = time.localtime(timestamp)
+    if moment[:3] == time.localtime()[:3]:
+        return time.strftime("%H:%M", moment)
+    if abs(timestamp - time.time()) < 6 * 86400:
+        return time.strftime("%a %H:%M", moment)
+    return time.strftime("%Y-%m-%d %H:%M", moment)
+
+
+def number_list(numbers: Iterable[int]) -> str:
+    """`1,3,4`: GPU minors and pids as people type them."""
+    return ",".join(str(n) for n in sorted(numbers))

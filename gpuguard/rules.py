@@ -1,0 +1,370 @@
+"""The watcher's decisions, pure: what to do about one sample of GPU processes. No I/O.
+
+`decide(view, state, now, timing)` looks at one moment (who runs what where, the grants,
+each user's quota) and the watcher's memory of earlier ticks, and returns actions: warn,
+term, kill, unkillable, revoke, release, report. `advance(...)` folds the actions the
+watcher actually carried out into the next state. Keeping the two apart lets the watcher
+decide twice on two samples and act only on what both agree on (re-sample to confirm),
+and lets every boundary below be unit-tested without a process or a clock.
+
+The rules, with their boundaries:
+
+- Memory (rule "memory"). For each user and GPU with a `gpu_memory` quota, `known` is the
+  sum of the memory NVML reports for that user's processes there. Over means known > quota:
+  exactly at the quota is fine. Memory NVML reports as unknown (None) counts neither as 0
+  nor as over: it is left out of the sum, and a process whose memory is unknown (or 0) is
+  never chosen to be stopped by this rule, since stopping it cannot be shown to help. So a
+  user whose only processes are of unknown memory is never acted on by this rule, and a
+  user with known usage at or under the quota plus any number of unknown processes is left
+  alone. First seen over: one warning at once. Still over once `grace` has passed since
+  that warning: SIGTERM the newest process (latest start time; the larger pid breaks a tie)
+  with known memory > 0 on that GPU, one at a time: while a signalled process of that user
+  is still on that GPU (and not yet declared unkillable), no further one is signalled. Back
+  at or under the quota ends the episode; going over again warns again.
+- Time (rule "time"). A grant with `expires_at`: one warning when at most 10 minutes are
+  left and one when at most 1 minute is left (a grant first seen with less left gets only
+  the one for the smallest threshold crossed). At `now >= expires_at`: revoke, and SIGTERM
+  every process of the user on that GPU, whatever its memory.
+- Idle (rule "idle"). A grant is active while any process of its user is on its GPU (known
+  memory or not). Not active for `idle_timeout` since the later of the grant's stored
+  `last_active` and the last tick the watcher saw a process there: release. `now - last >=
+  idle_timeout` releases (the boundary releases). Sessions are not the watcher's business.
+- Stray (rule "stray"). A process on a GPU its user holds no grant for: reported once. For
+  an exempt user (root is always exempt) that report is all. Otherwise it is warned at once
+  and SIGTERMed once `grace` has passed, unless it left or got a grant meanwhile.
+- Ending (all rules). A SIGTERMed process still on a GPU `kill_wait` after the SIGTERM gets
+  SIGKILL; still there `kill_wait` after the SIGKILL, it is reported unkillable, once, and
+  stops blocking the next SIGTERM of the memory rule. A process never gets a second SIGTERM.
+- Never: no action ever targets a process of root or of an exempt uid, and no rule signals a
+  process it did not see in the sample it was given.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from gpuguard.model import Grant, Quota
+from gpuguard.units import format_duration, format_size
+
+ROOT_UID = 0
+TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0)  # seconds before expires_at, largest first
+
+# Action kinds.
+WARN, TERM, KILL, UNKILLABLE, REVOKE, RELEASE, REPORT = (
+    "warn", "term", "kill", "unkillable", "revoke", "release", "report")
+# Rules.
+MEMORY, TIME, IDLE, STRAY = "memory", "time", "idle", "stray"
+
+ProcKey = tuple[int, int]          # (pid, start_time): a pid is reused, this pair is not
+Slot = tuple[int, int]             # (uid, minor)
+GrantKey = tuple[int, int, float]  # (uid, minor, granted_at): a new grant starts afresh
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process on one GPU, with its owner. A process on two GPUs is two Procs."""
+
+    pid: int
+    uid: int
+    start_time: int            # clock ticks after boot (/proc/<pid>/stat field 22)
+    minor: int
+    used_memory: int | None    # bytes; None = NVML does not know
+
+    @property
+    def key(self) -> ProcKey:
+        return (self.pid, self.start_time)
+
+
+@dataclass(frozen=True)
+class Timing:
+    grace: float      # over quota (or stray) this long after the warning before SIGTERM
+    kill_wait: float  # SIGTERM (or SIGKILL) this long before the next step
+
+
+@dataclass(frozen=True)
+class View:
+    """One moment as the watcher saw it."""
+
+    procs: Sequence[Proc]
+    grants: Sequence[Grant]
+    quotas: Mapping[int, Quota]   # uid -> resolved quota, for every uid holding a grant
+    exempt: Collection[int] = ()  # root is exempt whether listed or not
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """A process the watcher has sent SIGTERM to, and what happened since."""
+
+    uid: int
+    minor: int
+    rule: str
+    term_at: float
+    kill_at: float | None = None
+    unkillable: bool = False  # reported as surviving SIGKILL
+
+
+@dataclass(frozen=True)
+class State:
+    """What the watcher remembers between ticks (in memory: a restart starts afresh, which
+    only means warnings are given again and grace restarts: the safe direction)."""
+
+    over: Mapping[Slot, float] = field(default_factory=dict)           # memory warning sent at
+    stray: Mapping[tuple[int, int, int], float] = field(default_factory=dict)  # (pid, start, minor) -> reported at
+    stopping: Mapping[ProcKey, Stopping] = field(default_factory=dict)
+    time_warned: Mapping[GrantKey, float] = field(default_factory=dict)  # smallest threshold warned
+    seen: Mapping[Slot, float] = field(default_factory=dict)            # last tick a process was there
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    rule: str
+    uid: int
+    minor: int
+    proc: Proc | None = None
+    # The numbers behind the action, for the message, the event and the log (bytes, seconds).
+    numbers: Mapping[str, float | int | None] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def key(self) -> tuple:
+        """What makes two decisions on two samples 'the same action' (numbers may differ)."""
+        return (self.kind, self.rule, self.uid, self.minor, self.proc.key if self.proc else None)
+
+    @property
+    def signal(self) -> str | None:
+        return {TERM: "SIGTERM", KILL: "SIGKILL"}.get(self.kind)
+
+
+def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]:
+    exempt = {ROOT_UID, *view.exempt}
+    on_slot: dict[Slot, list[Proc]] = {}
+    for proc in view.procs:
+        on_slot.setdefault((proc.uid, proc.minor), []).append(proc)
+
+    actions: list[Action] = []
+    signalled: set[ProcKey] = set()  # one signal per process per tick, whatever its GPUs
+
+    def term(proc: Proc, rule: str, **numbers: float | int | None) -> None:
+        if proc.uid in exempt or proc.key in signalled or proc.key in state.stopping:
+            return
+        signalled.add(proc.key)
+        actions.append(Action(TERM, rule, proc.uid, proc.minor, proc,
+                              {**numbers, "kill_wait": timing.kill_wait}))
+
+    # Ending: processes already signalled move on to SIGKILL, then to "unkillable".
+    for proc in view.procs:
+        stop = state.stopping.get(proc.key)
+        if stop is None or proc.key in signalled or proc.uid in exempt:
+            continue
+        if stop.kill_at is None and now - stop.term_at >= timing.kill_wait:
+            signalled.add(proc.key)
+            actions.append(Action(KILL, stop.rule, proc.uid, proc.minor, proc,
+                                  {"term_at": stop.term_at, "kill_wait": timing.kill_wait}))
+        elif stop.kill_at is not None and not stop.unkillable and now - stop.kill_at >= timing.kill_wait:
+            signalled.add(proc.key)
+            actions.append(Action(UNKILLABLE, stop.rule, proc.uid, proc.minor, proc,
+                                  {"kill_at": stop.kill_at, "waited": now - stop.kill_at}))
+
+    granted: set[Slot] = set()
+    for grant in view.grants:
+        slot = (grant.uid, grant.minor)
+        procs = on_slot.get(slot, [])
+        quota = view.quotas.get(grant.uid)
+        if grant.expires_at is not None and now >= grant.expires_at:
+            # Revoked now: its processes are ended here, not reported as strays.
+            actions.append(Action(REVOKE, TIME, grant.uid, grant.minor, None, {
+                "expires_at": grant.expires_at, "max_time": grant.expires_at - grant.granted_at,
+                "processes": len({p.key for p in procs}), "kill_wait": timing.kill_wait}))
+            for proc in _newest_first(procs):
+                term(proc, TIME, expires_at=grant.expires_at)
+            granted.add(slot)
+            continue
+        granted.add(slot)
+        if grant.expires_at is not None:
+            actions.extend(_time_warning(grant, state, now))
+        if quota is None:
+            continue
+        if not procs:
+            last = max(grant.last_active, state.seen.get(slot, grant.last_active))
+            if quota.idle_timeout is not None and now - last >= quota.idle_timeout:
+                actions.append(Action(RELEASE, IDLE, grant.uid, grant.minor, None, {
+                    "idle": now - last, "idle_timeout": quota.idle_timeout, "last_active": last}))
+            continue
+        if grant.uid not in exempt:
+            actions.extend(_memory(grant, quota, procs, state, now, timing, term))
+
+    for proc in view.procs:
+        if (proc.uid, proc.minor) in granted or proc.key in state.stopping or proc.key in signalled:
+            continue
+        reported = state.stray.get((proc.pid, proc.start_time, proc.minor))
+        if proc.uid in exempt:
+            if reported is None:
+                actions.append(Action(REPORT, STRAY, proc.uid, proc.minor, proc, {"used": proc.used_memory}))
+        elif reported is None:
+            actions.append(Action(WARN, STRAY, proc.uid, proc.minor, proc,
+                                  {"used": proc.used_memory, "grace": timing.grace}))
+        elif now - reported >= timing.grace:
+            term(proc, STRAY, used=proc.used_memory, reported_at=reported)
+    return actions
+
+
+def _newest_first(procs: Iterable[Proc]) -> list[Proc]:
+    return sorted(procs, key=lambda p: (p.start_time, p.pid), reverse=True)
+
+
+def known_memory(procs: Iterable[Proc]) -> int:
+    """The sum of the memory NVML knows; unknown entries are left out (never read as 0 or as over)."""
+    return sum(p.used_memory for p in procs if p.used_memory is not None)
+
+
+def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: float, timing: Timing,
+            term: Callable[..., None]) -> list[Action]:
+    limit = quota.gpu_memory
+    used = known_memory(procs)
+    if limit is None or used <= limit:
+        return []
+    # Only processes with known, nonzero memory are candidates: stopping one is sure to help.
+    candidates = [p for p in _newest_first(procs) if p.used_memory and p.key not in state.stopping]
+    numbers = {"used": used, "quota": limit, "grace": timing.grace, "processes": len({p.key for p in procs}),
+               "unknown": sum(1 for p in procs if p.used_memory is None)}
+    warned = state.over.get((grant.uid, grant.minor))
+    if warned is None:
+        return [Action(WARN, MEMORY, grant.uid, grant.minor, candidates[0] if candidates else None, numbers)]
+    pending = any(p.key in state.stopping and not state.stopping[p.key].unkillable for p in procs)
+    if now - warned >= timing.grace and not pending and candidates:
+        term(candidates[0], MEMORY, **numbers, warned_at=warned)
+    return []
+
+
+def _time_warning(grant: Grant, state: State, now: float) -> list[Action]:
+    left = grant.expires_at - now
+    crossed = [t for t in TIME_WARNINGS if left <= t]
+    if not crossed:
+        return []
+    threshold = min(crossed)
+    if threshold >= state.time_warned.get((grant.uid, grant.minor, grant.granted_at), float("inf")):
+        return []
+    return [Action(WARN, TIME, grant.uid, grant.minor, None, {
+        "left": left, "expires_at": grant.expires_at, "threshold": threshold})]
+
+
+def advance(view: View, state: State, done: Iterable[Action], now: float) -> State:
+    """The state after the actions the watcher carried out (attempted) on this view."""
+    over = dict(state.over)
+    stray = dict(state.stray)
+    stopping = dict(state.stopping)
+    time_warned = dict(state.time_warned)
+    seen = dict(state.seen)
+    for proc in view.procs:
+        seen[(proc.uid, proc.minor)] = now
+
+    grant_keys = {(g.uid, g.minor, g.granted_at) for g in view.grants}
+    for action in done:
+        proc = action.proc
+        if action.kind == WARN and action.rule == MEMORY:
+            over[(action.uid, action.minor)] = now
+        elif action.kind == WARN and action.rule == TIME:
+            gkey = next((k for k in grant_keys if k[:2] == (action.uid, action.minor)), None)
+            if gkey is not None:
+                time_warned[gkey] = float(action.numbers["threshold"])
+        elif action.kind in (WARN, REPORT) and action.rule == STRAY and proc is not None:
+            stray[(proc.pid, proc.start_time, proc.minor)] = now
+        elif action.kind == TERM and proc is not None:
+            stopping[proc.key] = Stopping(proc.uid, proc.minor, action.rule, now)
+        elif action.kind == KILL and proc is not None and proc.key in stopping:
+            stopping[proc.key] = replace(stopping[proc.key], kill_at=now)
+        elif action.kind == UNKILLABLE and proc is not None and proc.key in stopping:
+            stopping[proc.key] = replace(stopping[proc.key], unkillable=True)
+
+    # Forget what no longer applies: processes gone, episodes over, grants ended.
+    present = {p.key for p in view.procs}
+    owner_on = {(p.pid, p.start_time, p.minor): (p.uid, p.minor) for p in view.procs}
+    granted = {(g.uid, g.minor) for g in view.grants}
+    on_slot: dict[Slot, list[Proc]] = {}
+    for proc in view.procs:
+        on_slot.setdefault((proc.uid, proc.minor), []).append(proc)
+
+    def still_over(slot: Slot) -> bool:
+        quota = view.quotas.get(slot[0])
+        limit = quota.gpu_memory if quota else None
+        return slot in granted and limit is not None and known_memory(on_slot.get(slot, [])) > limit
+
+    return State(
+        over={slot: t for slot, t in over.items() if still_over(slot)},
+        stray={k: t for k, t in stray.items() if k in owner_on and owner_on[k] not in granted},
+        stopping={k: s for k, s in stopping.items() if k in present},
+        time_warned={k: t for k, t in time_warned.items() if k in grant_keys},
+        seen={slot: t for slot, t in seen.items() if slot in granted},
+    )
+
+
+def confirmed(first: Sequence[Action], second: Sequence[Action]) -> list[Action]:
+    """The actions both decisions agree on (by kind, rule, user, GPU and process), with the
+    second decision's numbers: the fresher sample speaks, the older one only vetoes."""
+    keys = {a.key for a in first}
+    return [a for a in second if a.key in keys]
+
+
+def usage(view: View, seconds: float) -> dict[Slot, tuple[float, float, float]]:
+    """(granted, busy, idle) seconds to add per user and GPU for `seconds` of this view."""
+    busy_slots = {(p.uid, p.minor) for p in view.procs}
+    return {(g.uid, g.minor): (seconds, seconds, 0.0) if (g.uid, g.minor) in busy_slots else (seconds, 0.0, seconds)
+            for g in view.grants}
+
+
+# --- what the user is told: one line that says what happened, why, and what to do
+
+HINT = "see gpuguard whoami"
+
+
+def message(action: Action, command: str = "") -> str:
+    """The line for the user's terminals and for `gpuguard whoami`."""
+    n = action.numbers
+    gpu = f"GPU {action.minor}"
+    proc = action.proc
+    who = f"process {proc.pid}" + (f" ({command})" if command else "") if proc else ""
+    if action.rule == MEMORY and action.kind == WARN:
+        over = f"over your {format_size(n['quota'])} quota"
+        if proc is None:  # only processes of unknown memory: nothing can be chosen to stop
+            return f"gpuguard: your processes on {gpu} use {format_size(n['used'])}, {over}; reduce usage - {HINT}"
+        stop_in = format_duration(round(n["grace"]))
+        if n.get("processes", 1) == 1:
+            return (f"gpuguard: your {who} on {gpu} uses {format_size(n['used'])}, {over}; "
+                    f"it will be stopped in {stop_in} unless usage drops - {HINT}")
+        return (f"gpuguard: your {n['processes']} processes on {gpu} use {format_size(n['used'])} together, "
+                f"{over}; the newest, {who}, will be stopped in {stop_in} unless usage drops - {HINT}")
+    if action.kind == TERM:
+        why = {
+            MEMORY: f"your processes on {gpu} used {format_size(n.get('used'))}, over your "
+                    f"{format_size(n.get('quota'))} quota, for {format_duration(round(n.get('grace', 0)))}",
+            TIME: f"your time on {gpu} is over",
+            STRAY: f"{gpu} is not granted to you",
+        }.get(action.rule, action.rule)
+        return (f"gpuguard: stopping your {who} on {gpu} with SIGTERM: {why}; it will be killed if still "
+                f"running in {format_duration(round(n.get('kill_wait', 0)))} - {HINT}")
+    if action.kind == KILL:
+        return (f"gpuguard: killed your {who} on {gpu} with SIGKILL: it was still running "
+                f"{format_duration(round(n.get('kill_wait', 0)))} after SIGTERM ({action.rule} rule) - {HINT}")
+    if action.kind == UNKILLABLE:
+        return (f"gpuguard: your {who} on {gpu} survives SIGKILL (stuck in the kernel); an administrator "
+                f"must look at it - {HINT}")
+    if action.kind == WARN and action.rule == TIME:
+        at = time.strftime("%H:%M:%S", time.localtime(n["expires_at"]))
+        return (f"gpuguard: your grant of {gpu} ends in {format_duration(max(0, round(n['left'])))} (at {at}); "
+                f"save your work: processes still on it then will be stopped - {HINT}")
+    if action.kind == REVOKE:
+        count = int(n.get("processes") or 0)
+        ending = f"; your {count} process{'es' if count != 1 else ''} on it will be stopped" if count else ""
+        return (f"gpuguard: your time on {gpu} is over (limit {format_duration(round(n['max_time']))}); access is "
+                f"revoked{ending} - run gpuguard request for a new grant")
+    if action.kind == RELEASE:
+        return (f"gpuguard: released {gpu}: none of your processes used it for "
+                f"{format_duration(round(n['idle_timeout']))}; your sessions are untouched - run gpuguard request "
+                f"to get a GPU again")
+    if action.rule == STRAY and action.kind == WARN:
+        return (f"gpuguard: your {who} uses {gpu}, which is not granted to you; it will be stopped in "
+                f"{format_duration(round(n['grace']))} - {HINT} or gpuguard request")
+    if action.kind == REPORT:
+        return f"gpuguard: {who} of an exempt user uses {gpu} without a grant (left alone)"
+    return f"gpuguard: {action.kind} {action.rule} on {gpu}"

@@ -1,0 +1,129 @@
+"""The daemon's unix socket: one JSON request line per connection, one reply line, identity from SO_PEERCRED.
+
+Every connection is its own task with a read deadline, so a client that connects and
+sends nothing (or sends slowly) costs one file descriptor for a moment and never delays
+a login. Requests are bounded by protocol.MAX_REQUEST. Access control is by the kernel's
+peer credentials, not by file modes: the socket is 0666 on purpose.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuguard import protocol
+from gpuguard.logs import event
+
+READ_TIMEOUT = 2.0    # a PAM request is one small line; a client this slow is broken or hostile
+WRITE_TIMEOUT = 10.0  # replies can be large (status of a busy server) and readers slow
+MAX_CONNECTIONS_PER_USER = 64  # a user flooding the socket runs out of slots, root (logins) never does
+
+
+class ServerError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+
+Handler = Callable[[dict[str, Any], Peer], Awaitable[dict[str, Any]]]
+
+
+class Server:
+    def __init__(self, path: Path, handler: Handler, read_timeout: float = READ_TIMEOUT):
+        self.path = Path(path)
+        self.handler = handler
+        self.read_timeout = read_timeout
+        self._open: Counter[int] = Counter()  # connections in progress per uid
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.path.parent, 0o755)
+        self.claim()
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
+                                                       limit=protocol.MAX_REQUEST)
+        os.chmod(self.path, 0o666)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+            self.path.unlink(missing_ok=True)
+
+    def claim(self) -> None:
+        """Remove a socket left by a crashed daemon; raise ServerError when a live one answers on it."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise ServerError(f"{self.path} exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(self.path))
+            except OSError as exc:
+                if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                    raise ServerError(f"{self.path}: {exc.strerror}") from None
+            else:
+                raise ServerError(f"another gpuguard daemon is serving on {self.path}")
+        self.path.unlink(missing_ok=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = _peer(writer.get_extra_info("socket"))
+        self._open[peer.uid] += 1
+        try:
+            if peer.uid != 0 and self._open[peer.uid] > MAX_CONNECTIONS_PER_USER:
+                event(logging.WARNING, "refused", reason="too many connections", uid=peer.uid, pid=peer.pid)
+                reply = protocol.refused(f"more than {MAX_CONNECTIONS_PER_USER} connections at once from your user")
+            else:
+                reply = await self._reply(reader, peer)
+            if reply is not None:
+                writer.write(protocol.encode(reply))
+                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+        except (TimeoutError, ConnectionError):
+            pass  # the client went away or stopped reading: nothing to tell it
+        finally:
+            self._open[peer.uid] -= 1
+            if not self._open[peer.uid]:
+                del self._open[peer.uid]
+            writer.close()
+
+    async def _reply(self, reader: asyncio.StreamReader, peer: Peer) -> dict[str, Any] | None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), self.read_timeout)
+        except TimeoutError:
+            event(logging.DEBUG, "client_timeout", uid=peer.uid, pid=peer.pid)
+            return None
+        except ValueError:  # StreamReader's limit: the line is longer than MAX_REQUEST
+            return protocol.refused(f"request exceeds {protocol.MAX_REQUEST} bytes", 2)
+        if not line:
+            return None
+        try:
+            request = protocol.decode_request(line)
+        except protocol.ProtocolError as exc:
+            return protocol.refused(str(exc), 2)
+        try:
+            return await self.handler(request, peer)
+        except Exception:
+            event(logging.ERROR, "internal_error", exc_info=True, op=request.get("op"), uid=peer.uid)
+            return protocol.refused("internal error in the gpuguard daemon (see its log)")
+
+
+def _peer(sock: socket.socket) -> Peer:
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return Peer(pid, uid, gid)

@@ -1,0 +1,217 @@
+"""The watcher: memory quotas, time limits, idle release and stray use, enforced each tick.
+
+The daemon's tick samples the GPUs (gpuguard.sampling) and awaits `check(sample, now)`.
+The decisions are gpuguard.rules (pure); this module is the edge around them:
+
+    view of the sample -> decide -> (anything to do?) re-sample -> decide again -> act on
+    what both decisions agree on -> remember (rules.advance) -> account usage
+
+Acting means: signals through pidfds with the identity re-checked (backends.signals),
+revoking and releasing through the daemon's grant manager (which closes the gate, rewrites
+the ACLs and records the revoke/release event), telling the user on their terminals
+(backends.notify), a log line, and an event in the store that `gpuguard whoami` shows.
+
+Everything here runs on the daemon's event-loop thread, as the store requires; the only
+await is the confirming re-sample (NVML and /proc in a worker thread), after which the
+grants are read again, so a login or release during the re-sample is seen.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from gpuguard import policy, rules, sampling
+from gpuguard.backends import accounts, notify, signals
+from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.logs import event
+from gpuguard.model import Event, Quota
+from gpuguard.rules import Action
+from gpuguard.sampling import Sample
+
+if TYPE_CHECKING:
+    from gpuguard.daemon import Daemon
+
+ACTIVE_WRITE_EVERY = 30.0  # seconds: how stale grants.last_active may get in the store (memory is exact)
+USAGE_FLUSH_EVERY = 60.0   # seconds of usage accounting kept in memory before it is written
+ACCOUNT_CACHE = 60.0       # seconds a user's groups (hence quota) are reused; a reload clears it
+GAP_TICKS = 3              # a check this many intervals after the last one follows a gap in observation
+
+# Event kinds (model.Event.kind) for each action kind.
+_EVENT_KIND = {rules.WARN: "warning", rules.REPORT: "warning", rules.TERM: "kill", rules.KILL: "kill",
+               rules.UNKILLABLE: "unkillable", rules.REVOKE: "revoke", rules.RELEASE: "release"}
+_LEVEL = {rules.WARN: logging.WARNING, rules.REPORT: logging.WARNING, rules.TERM: logging.WARNING,
+          rules.KILL: logging.WARNING, rules.UNKILLABLE: logging.ERROR}
+_SIGNAL = {rules.TERM: signal.SIGTERM, rules.KILL: signal.SIGKILL}
+
+
+class Watcher:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.state = rules.State()
+        self.notifier = notify.Notifier()
+        self._last_check: float | None = None
+        self._usage: dict[rules.Slot, list[float]] = {}  # (uid, minor) -> [granted, busy, idle] unwritten
+        self._usage_flushed = time.monotonic()
+        self._accounts: dict[int, tuple[float, object, str, Quota]] = {}  # uid -> (at, config, name, quota)
+
+    # --- the tick
+
+    async def check(self, sample: Sample, now: float) -> list[Action]:
+        """Decide on `sample`, confirm with a fresh one if anything would change, act. Returns
+        the actions carried out. A failing re-sample means no action this tick (logged)."""
+        started = time.monotonic()
+        timing = rules.Timing(self.daemon.config.watcher.grace, self.daemon.config.watcher.kill_wait)
+        self._after_gap(now)
+        view = self._view(sample)
+        actions = rules.decide(view, self.state, now, timing)
+        if actions:  # rare (changes only), so every one is confirmed, warnings included
+            try:
+                confirming = await sampling.take(self.daemon.backend)
+            except Exception as exc:  # GpuError or a broken driver: no data, no action
+                event(logging.ERROR, "sample_failed", error=str(exc), action="no action this tick",
+                      pending=len(actions))
+                return []
+            view = self._view(confirming)  # grants read again: a request may have come in meanwhile
+            actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
+        done = []
+        for action in actions:
+            try:
+                if self._act(action, now):
+                    done.append(action)
+            except Exception:  # one failing action (a gate error, a full disk) must not stop the others
+                event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
+                      uid=action.uid, gpu=action.minor, pid=action.proc.pid if action.proc else None)
+        self.state = rules.advance(view, self.state, done, now)
+        self._account(view, now)
+        self._mark_active(view, now)
+        self._last_check = now
+        elapsed = time.monotonic() - started
+        if elapsed > self.daemon.config.watcher.interval / 2:
+            event(logging.WARNING, "watcher_slow", seconds=round(elapsed, 3), processes=len(view.procs))
+        return done
+
+    def _after_gap(self, now: float) -> None:
+        """Ticks that failed (NVML errors) or were missed observed nothing: not being seen then is
+        no evidence of idleness, so every grant's idle clock restarts after such a gap."""
+        interval = self.daemon.config.watcher.interval
+        if self._last_check is not None and now - self._last_check > GAP_TICKS * interval:
+            slots = {(g.uid, g.minor) for g in self.daemon.store.grants()}
+            self.state = replace(self.state, seen={**self.state.seen, **{slot: now for slot in slots}})
+            event(logging.INFO, "watcher_gap", seconds=round(now - self._last_check, 1),
+                  note="idle clocks restarted")
+
+    def _view(self, sample: Sample) -> rules.View:
+        procs = []
+        for process in sample.processes:
+            identity = sample.owners.get(process.pid)
+            if identity is None:
+                continue  # exited between NVML and /proc: nothing to judge
+            procs.append(rules.Proc(process.pid, identity.uid, identity.start_time, process.minor,
+                                    process.used_memory))
+        grants = self.daemon.store.grants()
+        quotas = {g.uid: self._account_of(g.uid)[1] for g in grants}
+        return rules.View(procs, grants, quotas, frozenset(self.daemon.exempt))
+
+    def _account_of(self, uid: int) -> tuple[str, Quota]:
+        """Name and resolved quota of uid, from NSS at most once a minute (and after a reload)."""
+        config = self.daemon.config
+        cached = self._accounts.get(uid)
+        if cached and cached[1] is config and time.monotonic() - cached[0] < ACCOUNT_CACHE:
+            return cached[2], cached[3]
+        try:
+            account = accounts.by_uid(uid)
+            name, quota = account.name, policy.quota_for(account.name, account.groups, config)
+        except accounts.UnknownUser:
+            name, quota = str(uid), config.defaults  # deleted meanwhile: the defaults still bound it
+        self._accounts[uid] = (time.monotonic(), config, name, quota)
+        return name, quota
+
+    # --- acting
+
+    def _act(self, action: Action, now: float) -> bool:
+        """Carry out one action; True when it happened (a signal to a process that already left
+        did not), for rules.advance."""
+        user = self._account_of(action.uid)[0]
+        proc = action.proc
+        command = signals.command(proc.pid) if proc else ""
+        text = rules.message(action, command)
+        numbers: dict = dict(action.numbers)
+        if action.kind in _SIGNAL:
+            identity = ProcessIdentity(proc.pid, proc.uid, proc.start_time)
+            result = signals.send(identity, _SIGNAL[action.kind], self.daemon.exempt)
+            if not result.sent:
+                event(logging.INFO if result.outcome is signals.Outcome.GONE else logging.WARNING,
+                      f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=action.minor,
+                      outcome=result.outcome.value, detail=result.detail)
+                return False
+            numbers["signal"] = action.signal
+            if action.kind == rules.TERM:
+                self.daemon.store.add_usage(action.uid, user, action.minor, kills=1)
+        elif action.kind == rules.UNKILLABLE:
+            numbers["state"] = signals.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
+        elif action.kind in (rules.REVOKE, rules.RELEASE):
+            kind = "revoke" if action.kind == rules.REVOKE else "release"
+            removed = self.daemon.grants.remove(action.uid, [action.minor], now, kind=kind, rule=action.rule,
+                                                message=text)
+            if not removed:
+                return False  # released by someone else meanwhile
+        self._record(action, user, command, text, numbers, now)
+        return True
+
+    def _record(self, action: Action, user: str, command: str, text: str, numbers: Mapping, now: float) -> None:
+        proc = action.proc
+        if action.kind not in (rules.REVOKE, rules.RELEASE):  # the grant manager logged and stored those
+            event(_LEVEL.get(action.kind, logging.INFO), action.kind, rule=action.rule, user=user, uid=action.uid,
+                  gpu=action.minor, pid=proc.pid if proc else None, command=command or None,
+                  **{k: _log_value(k, v) for k, v in numbers.items()})
+            self.daemon.store.add_event(Event(
+                now, action.uid, user, _EVENT_KIND[action.kind], text, minor=action.minor,
+                pid=proc.pid if proc else None, command=command, rule=action.rule, action=action.kind,
+                numbers=dict(numbers)))
+        if action.kind != rules.REPORT and action.uid not in self.daemon.exempt:
+            ttys = [s.tty for s in self.daemon.store.sessions(action.uid)]
+            self.notifier.tell(user, action.uid, text, ttys)
+
+    # --- bookkeeping
+
+    def _account(self, view: rules.View, now: float) -> None:
+        """Seconds granted / busy / idle per user and GPU since the last check, written once a minute."""
+        if self._last_check is not None:
+            # A long pause (a stalled loop, failed samples) was not observed: count at most a few ticks.
+            seconds = min(now - self._last_check, GAP_TICKS * self.daemon.config.watcher.interval)
+            for slot, added in rules.usage(view, max(0.0, seconds)).items():
+                totals = self._usage.setdefault(slot, [0.0, 0.0, 0.0])
+                for i, value in enumerate(added):
+                    totals[i] += value
+        if time.monotonic() - self._usage_flushed >= USAGE_FLUSH_EVERY:
+            self.flush_usage()
+
+    def flush_usage(self) -> None:
+        for (uid, minor), (granted, busy, idle) in self._usage.items():
+            self.daemon.store.add_usage(uid, self._account_of(uid)[0], minor, granted=granted, busy=busy, idle=idle)
+        self._usage.clear()
+        self._usage_flushed = time.monotonic()
+
+    def _mark_active(self, view: rules.View, now: float) -> None:
+        """grants.last_active follows the watcher's exact memory (state.seen) within ACTIVE_WRITE_EVERY."""
+        stale: dict[int, list[int]] = {}
+        for grant in view.grants:
+            seen = self.state.seen.get((grant.uid, grant.minor))
+            if seen is not None and seen - grant.last_active >= ACTIVE_WRITE_EVERY:
+                stale.setdefault(grant.uid, []).append(grant.minor)
+        for uid, minors in stale.items():
+            self.daemon.store.mark_active(uid, minors, now)
+
+    def close(self) -> None:
+        self.flush_usage()
+        self.notifier.close()
+
+
+def _log_value(key: str, value: object) -> object:
+    if isinstance(value, float):
+        return round(value, 3)
+    return value

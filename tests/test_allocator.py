@@ -1,0 +1,162 @@
+"""The allocator on its own: pure choices over an inventory, a topology and the current grants."""
+from __future__ import annotations
+
+import random
+from itertools import combinations
+from math import comb
+
+import pytest
+
+from gpuguard import allocator
+from gpuguard.model import Gpu, Grant, Link
+
+ALICE, BOB, CAROL = 1001, 1002, 1003
+
+
+def gpus(count: int, numa: dict[int, int] | None = None) -> list[Gpu]:
+    numa = numa if numa is not None else {m: 0 if m < count // 2 else 1 for m in range(count)}
+    return [Gpu(index=m, minor=m, uuid=f"GPU-{m}", name="H100", pci_bus_id=f"0:{m}", memory_total=80 << 30,
+                memory_used=0, numa_node=numa.get(m), utilization=0) for m in range(count)]
+
+
+def box(count: int = 8) -> dict[tuple[int, int], Link]:
+    """A typical 8-GPU machine: NVLink pairs, PCIe switches of four, two NUMA nodes (as the simulator)."""
+    links = {}
+    for a, b in combinations(range(count), 2):
+        if a // 2 == b // 2:
+            links[(a, b)] = Link.NVLINK
+        elif a // 4 == b // 4:
+            links[(a, b)] = Link.PCIE_SWITCH
+        else:
+            links[(a, b)] = Link.SYSTEM
+    return links
+
+
+def held(uid: int, *minors: int, shared: bool = False) -> list[Grant]:
+    return [Grant(uid=uid, user=str(uid), minor=m, granted_at=0.0, expires_at=None, last_active=0.0, shared=shared)
+            for m in minors]
+
+
+def choose(count: int = 1, grants=(), uid: int = ALICE, share: bool = False, last_released=None,
+           inventory=None, topology=None) -> tuple[int, ...]:
+    return allocator.choose(inventory or gpus(8), box() if topology is None else topology, list(grants),
+                            last_released or {}, uid, count, share)
+
+
+def test_one_gpu_is_a_free_one_lowest_first():
+    assert choose() == (0,)
+    assert choose(grants=held(BOB, 0, 1, 2)) == (3,)
+
+
+def test_no_gpu_free_gives_nothing():
+    assert choose(grants=held(BOB, *range(8))) == ()
+    assert choose(count=0) == ()
+
+
+def test_fewer_free_than_wanted_gives_what_is_free():
+    assert choose(count=3, grants=held(BOB, *range(6))) == (6, 7)
+
+
+def test_two_gpus_are_an_nvlink_pair():
+    assert choose(count=2) == (0, 1)
+    # 0 taken: the next whole NVLink pair, not 1 + 2 (PCIe switch)
+    assert choose(count=2, grants=held(BOB, 0)) == (2, 3)
+
+
+def test_four_gpus_stay_behind_one_switch():
+    assert choose(count=4, grants=held(BOB, 1)) == (4, 5, 6, 7)
+
+
+def test_worst_link_counts_before_the_sum():
+    # {0,1,2}: links NV, PIX, PIX (worst PIX). {0,1,4}: NV, SYS, SYS (worst SYS), despite 0,1 being NVLinked.
+    free = held(BOB, 3, 5, 6, 7)
+    assert choose(count=3, grants=free) == (0, 1, 2)
+
+
+def test_a_top_up_lands_next_to_the_gpus_already_held():
+    assert choose(count=1, grants=held(ALICE, 4)) == (5,)
+    assert choose(count=1, grants=held(ALICE, 3)) == (2,)
+
+
+def test_equal_links_prefer_one_numa_node():
+    flat = {pair: Link.SYSTEM for pair in combinations(range(4), 2)}
+    inventory = gpus(4, numa={0: 0, 1: 1, 2: 0, 3: 1})
+    assert choose(count=2, inventory=inventory, topology=flat) == (0, 2)
+
+
+def test_least_recently_released_first():
+    # Never released counts as longest ago.
+    assert choose(last_released={0: 50.0, 1: 10.0}) == (2,)
+    everything = {m: 100.0 + m for m in range(8)}
+    assert choose(last_released=everything) == (0,)
+    assert choose(last_released={**everything, 0: 500.0}) == (1,)
+
+
+def test_connectivity_counts_before_recency():
+    recent = {0: 900.0, 1: 900.0}
+    assert choose(count=2, last_released=recent, grants=held(BOB, 2, 4, 6)) == (0, 1)
+
+
+def test_undeclared_links_count_as_the_worst():
+    partial = {(0, 1): Link.NVLINK}
+    assert allocator.link(partial, 1, 0) is Link.NVLINK
+    assert allocator.link(partial, 0, 2) is Link.SYSTEM
+    assert choose(count=2, inventory=gpus(4), topology=partial) == (0, 1)
+
+
+def test_exclusive_users_never_get_a_held_gpu():
+    assert choose(grants=held(BOB, *range(7))) == (7,)
+    assert choose(grants=held(BOB, *range(8), shared=True)) == ()
+
+
+def test_sharing_only_onto_gpus_whose_holders_all_share():
+    grants = held(BOB, 0, 1, 2, 3, shared=True) + held(CAROL, 4, 5, 6, 7) + held(CAROL, 1)
+    # free ones first: none; then shared ones that no exclusive holder is on (1 has carol, exclusive)
+    assert choose(grants=grants, share=True) == (0,)
+    assert choose(count=8, grants=grants, share=True) == (0, 2, 3)
+
+
+def test_sharing_users_still_prefer_free_gpus_then_the_least_crowded():
+    grants = held(BOB, 0, 1, shared=True) + held(CAROL, 0, shared=True)
+    assert choose(grants=grants, share=True) == (2,)
+    crowded = grants + held(CAROL, *range(2, 8))
+    assert choose(grants=crowded, share=True) == (1,)
+
+
+def test_a_user_never_gets_a_gpu_twice():
+    assert choose(count=8, grants=held(ALICE, 0, 1)) == (2, 3, 4, 5, 6, 7)
+
+
+def test_many_gpus_use_the_greedy_search_and_still_find_a_whole_nvlink_domain():
+    count = 64
+    domains = {(a, b): Link.NVLINK if a // 8 == b // 8 else Link.SYSTEM for a, b in combinations(range(count), 2)}
+    inventory = gpus(count, numa={m: m // 32 for m in range(count)})
+    assert comb(count, 8) > allocator.EXHAUSTIVE_LIMIT
+    grants = held(BOB, 0, 9)
+    chosen = allocator.choose(inventory, domains, grants, {}, ALICE, 8, False)
+    assert chosen == tuple(range(16, 24))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_machines_never_break_the_invariants(seed):
+    rng = random.Random(seed)
+    count = rng.choice([2, 4, 8, 10])
+    inventory = gpus(count)
+    topology = {pair: rng.choice(list(Link)) for pair in combinations(range(count), 2)}
+    grants = []
+    for uid in (BOB, CAROL):
+        grants += held(uid, *rng.sample(range(count), rng.randint(0, count // 2)), shared=rng.random() < 0.5)
+    share = rng.random() < 0.5
+    want = rng.randint(1, count)
+    chosen = allocator.choose(inventory, topology, grants, {}, ALICE, want, share)
+    exclusive = {g.minor for g in grants if not g.shared}
+    taken = {g.minor for g in grants}
+    assert len(chosen) == len(set(chosen)) <= want
+    assert not set(chosen) & exclusive
+    if not share:
+        assert not set(chosen) & taken
+    available = [m for m in range(count) if m not in (exclusive if share else taken)]
+    assert len(chosen) == min(want, len(available))
+    # free GPUs are used up before any shared one
+    free = set(range(count)) - taken
+    assert set(chosen) >= free or set(chosen) <= free

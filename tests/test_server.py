@@ -1,0 +1,205 @@
+"""The unix socket server on its own: peer identity, bounds, bad input, slow and flooding clients."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, run_as
+from gpuguard import client, protocol
+from gpuguard.server import MAX_CONNECTIONS_PER_USER, Server, ServerError
+
+# A client run as a test user: open N silent connections, then make one call; print the reply.
+FLOOD = """
+import json, socket, sys
+from gpuguard import client
+path, silent = sys.argv[1], int(sys.argv[2])
+held = []
+for _ in range(silent):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    held.append(s)
+try:
+    print(json.dumps(client.call(path, "status", timeout=30)))
+except client.Refused as exc:
+    print(json.dumps({"ok": False, "error": str(exc), "code": exc.code}))
+"""
+
+
+class Running:
+    """A Server on its own event loop in a thread, answering with `handler`."""
+
+    def __init__(self, path: Path, handler, read_timeout: float = 2.0):
+        self.path = path
+        self.loop = asyncio.new_event_loop()
+        self.server = Server(path, handler, read_timeout=read_timeout)
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.start())
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+
+    def close(self) -> None:
+        async def shutdown() -> None:  # as asyncio.run ends the daemon: the server, then every client task
+            await self.server.close()
+            clients = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in clients:
+                task.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+async def echo(request: dict, peer) -> dict:
+    if request.get("boom"):
+        raise RuntimeError("boom")
+    return protocol.ok(op=request["op"], uid=peer.uid, gid=peer.gid, pid=peer.pid)
+
+
+@pytest.fixture
+def serve(sandbox) -> Iterator:
+    running: list[Running] = []
+
+    def start(handler=echo, read_timeout: float = 2.0, name: str = "s.sock") -> Running:
+        server = Running(sandbox / "run" / name, handler, read_timeout)
+        running.append(server)
+        return server
+
+    yield start
+    for server in running:
+        server.close()
+
+
+def raw(path: Path, data: bytes) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(path))
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b"".join(iter(lambda: sock.recv(65536), b""))
+    return json.loads(reply)
+
+
+def test_identity_comes_from_the_kernel_not_the_message(serve, make_user):
+    server = serve()
+    alice = make_user()
+    code = "import json,sys; from gpuguard import client; print(json.dumps(client.call(sys.argv[1], 'status', uid=0)))"
+    result = run_as(alice, [PYTHON, "-c", code, str(server.path)])
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert (reply["uid"], reply["gid"]) == (alice.uid, alice.gid)
+    assert client.call(str(server.path), "whoami")["uid"] == 0
+
+
+def test_socket_is_open_to_everyone_and_its_directory_traversable(serve):
+    server = serve()
+    assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o666
+    assert stat.S_IMODE(os.stat(server.path.parent).st_mode) == 0o755
+
+
+@pytest.mark.parametrize("data, fragment", [
+    (b"not json\n", "not JSON"),
+    (b"[1, 2]\n", "not a JSON object"),
+    (b'{"v": 2, "op": "status"}\n', "unsupported protocol version 2"),
+    (b'{"v": 1, "op": "shutdown"}\n', "unknown operation 'shutdown'"),
+    (b'{"v": 1, "op": "status", "pad": "' + b"x" * protocol.MAX_REQUEST + b'"}\n', "exceeds 65536 bytes"),
+])
+def test_bad_requests_are_refused_with_code_2(serve, data, fragment):
+    reply = raw(serve().path, data)
+    assert reply["ok"] is False and reply["code"] == 2
+    assert fragment in reply["error"]
+
+
+def test_a_handler_failure_is_an_error_reply_not_a_dead_server(serve):
+    server = serve()
+    reply = raw(server.path, protocol.encode({"op": "status", "boom": True}))
+    assert reply == {"v": 1, "ok": False, "error": "internal error in the gpuguard daemon (see its log)", "code": 1}
+    assert client.call(str(server.path), "status")["ok"]
+
+
+def test_silent_clients_never_delay_others(serve):
+    # A read timeout of an hour: if a silent client could hold the server up, the calls below
+    # would hang and fail on their own client timeout.
+    server = serve(read_timeout=3600)
+    silent = []
+    try:
+        for _ in range(20):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(server.path))
+            silent.append(sock)
+        sock = silent[0]
+        sock.sendall(b'{"v": 1, "op": "sta')  # half a request, never finished
+        replies = [client.call(str(server.path), "status", timeout=10) for _ in range(50)]
+        assert all(reply["ok"] for reply in replies)
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_a_silent_client_is_dropped_after_the_read_timeout(serve):
+    server = serve(read_timeout=0.2)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(server.path))
+        assert sock.recv(100) == b""  # closed by the server, with no reply
+
+
+def test_a_user_flooding_the_socket_runs_out_of_connections_but_root_does_not(serve, make_user):
+    server = serve(read_timeout=3600)
+    mallory = make_user()
+    result = run_as(mallory, [PYTHON, "-c", FLOOD, str(server.path), str(MAX_CONNECTIONS_PER_USER)])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"ok": False, "code": 1,
+                                         "error": f"more than {MAX_CONNECTIONS_PER_USER} connections at once "
+                                                  "from your user"}
+    # below the cap a user is served (another one: mallory's closed connections may still be counted
+    # for a moment), and root is never capped
+    alice = make_user()
+    result = run_as(alice, [PYTHON, "-c", FLOOD, str(server.path), str(MAX_CONNECTIONS_PER_USER - 1)])
+    assert json.loads(result.stdout)["uid"] == alice.uid
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS_PER_USER + 10):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(server.path))
+            held.append(sock)
+        assert client.call(str(server.path), "status", timeout=10)["uid"] == 0
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_stale_socket_is_replaced_but_a_live_one_is_not_taken_over(serve, sandbox):
+    path = sandbox / "run" / "stale.sock"
+    path.parent.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(path))  # bound, never listening: what a crashed daemon leaves
+    server = serve(name="stale.sock")
+    assert client.call(str(server.path), "status")["ok"]
+    with pytest.raises(ServerError, match="another gpuguard daemon is serving"):
+        asyncio.run(Server(server.path, echo).start())
+    assert client.call(str(server.path), "status")["ok"]
+
+
+def test_something_else_at_the_socket_path_is_refused(sandbox):
+    path = sandbox / "file.sock"
+    path.write_text("not a socket")
+    with pytest.raises(ServerError, match="exists and is not a socket"):
+        asyncio.run(Server(path, echo).start())
+    assert path.read_text() == "not a socket"
