@@ -1,0 +1,606 @@
+/*
+ * pam_gpuguard: hand a session its GPUs at login.
+ *
+ *   session optional pam_gpuguard.so [socket=PATH] [quiet] [debug]
+ *
+ * open_session sends one JSON line to the gpuguard daemon, for example
+ *   {"v":1,"op":"session_open","user":"alice","service":"sshd","rhost":"10.0.0.7","tty":"ssh","pid":1234}
+ * and reads one JSON line back:
+ *   {"v":1,"ok":true,"cuda_visible_devices":"GPU-...","message":"gpuguard: GPU 3 (...) is yours ...",...}
+ * A non-empty cuda_visible_devices becomes CUDA_VISIBLE_DEVICES in the session's
+ * environment (pam_putenv; sshd, login and su copy it into the user's shell) and the
+ * message is shown with pam_info unless `quiet` or PAM_SILENT. close_session sends
+ * {"op":"session_close",...} so the daemon can release the grant.
+ *
+ * The pid is getpid(): sshd runs session modules in its privileged process before the
+ * shell exists, so the PAM caller is what identifies the session, at open and at close.
+ *
+ * This module never blocks or fails a login. Whatever goes wrong (no daemon, a slow
+ * daemon, a refusal, a garbled reply) it writes one syslog line and returns PAM_SUCCESS;
+ * GPU access then simply stays closed, because the gate denies by default. The whole
+ * exchange is bounded by a 2 s deadline. All policy lives in the daemon.
+ */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <syslog.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PAM_SM_SESSION
+#include <security/pam_ext.h>
+#include <security/pam_modules.h>
+
+#define DEFAULT_SOCKET "/run/gpuguard/gpuguard.sock"
+#define TIMEOUT_MS 2000
+#define MAX_REQUEST 8192        /* user, service, rhost and tty: far less in practice */
+#define MAX_REPLY (64 * 1024)   /* a session reply is a few hundred bytes */
+#define MAX_DEPTH 32            /* nesting we are willing to skip over in a reply */
+
+struct options {
+    const char *socket;
+    int quiet;
+    int debug;
+};
+
+struct reply {
+    int ok;                     /* 1 true, 0 false or absent */
+    char cuda[4096];
+    int cuda_truncated;
+    char message[1024];         /* one line for the user; truncated if longer */
+    char error[512];
+};
+
+static void parse_options(pam_handle_t *pamh, int argc, const char **argv, struct options *opt)
+{
+    opt->socket = DEFAULT_SOCKET;
+    opt->quiet = 0;
+    opt->debug = 0;
+    for (int i = 0; i < argc; i++) {
+        if (strncmp(argv[i], "socket=", 7) == 0 && argv[i][7] != '\0')
+            opt->socket = argv[i] + 7;
+        else if (strcmp(argv[i], "quiet") == 0)
+            opt->quiet = 1;
+        else if (strcmp(argv[i], "debug") == 0)
+            opt->debug = 1;
+        else
+            pam_syslog(pamh, LOG_ERR, "unknown option: %s", argv[i]);
+    }
+}
+
+/* ---------------------------------------------------------------- request */
+
+struct buf {
+    char data[MAX_REQUEST];
+    size_t len;
+    int overflow;
+};
+
+static void put(struct buf *b, const char *s, size_t n)
+{
+    if (b->overflow || n >= sizeof b->data - b->len) {
+        b->overflow = 1;
+        return;
+    }
+    memcpy(b->data + b->len, s, n);
+    b->len += n;
+    b->data[b->len] = '\0';
+}
+
+static void put_literal(struct buf *b, const char *s)
+{
+    put(b, s, strlen(s));
+}
+
+/* A JSON string: quotes, backslashes and control characters escaped; other bytes
+ * (UTF-8) pass through. A missing PAM item is sent as "". */
+static void put_string(struct buf *b, const char *s)
+{
+    put_literal(b, "\"");
+    for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
+        char esc[8];
+        if (*p == '"' || *p == '\\') {
+            esc[0] = '\\';
+            esc[1] = (char)*p;
+            put(b, esc, 2);
+        } else if (*p < 0x20 || *p == 0x7f) {
+            snprintf(esc, sizeof esc, "\\u%04x", *p);
+            put(b, esc, 6);
+        } else {
+            put(b, (const char *)p, 1);
+        }
+    }
+    put_literal(b, "\"");
+}
+
+static void put_field(struct buf *b, const char *name, const char *value)
+{
+    put_literal(b, ",\"");
+    put_literal(b, name);
+    put_literal(b, "\":");
+    put_string(b, value);
+}
+
+static const char *item(pam_handle_t *pamh, int type)
+{
+    const void *value = NULL;
+    if (pam_get_item(pamh, type, &value) != PAM_SUCCESS)
+        return NULL;
+    return value;
+}
+
+/* ---------------------------------------------------------------- socket */
+
+static long ms_left(const struct timespec *deadline)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (deadline->tv_sec - now.tv_sec) * 1000L + (deadline->tv_nsec - now.tv_nsec) / 1000000L;
+}
+
+/* Wait until fd is ready for `events` or the deadline passes (errno ETIMEDOUT). */
+static int wait_fd(int fd, short events, const struct timespec *deadline)
+{
+    for (;;) {
+        long left = ms_left(deadline);
+        if (left <= 0) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+        struct pollfd pfd = {.fd = fd, .events = events};
+        int n = poll(&pfd, 1, (int)left);
+        if (n > 0)
+            return 0;
+        if (n < 0 && errno != EINTR)
+            return -1;
+    }
+}
+
+/*
+ * Connect, send `request`, read one reply line into reply[cap] (NUL-terminated).
+ * Everything shares one deadline. On failure returns -1 with errno set and *step
+ * naming what failed.
+ */
+static int exchange(const char *path, const char *request, size_t len,
+                    char *reply, size_t cap, const char **step)
+{
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    struct timespec deadline;
+    size_t done = 0;
+    int fd, saved;
+
+    *step = "socket path";
+    if (strlen(path) >= sizeof addr.sun_path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    strcpy(addr.sun_path, path);
+
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += TIMEOUT_MS / 1000;
+    deadline.tv_nsec += (TIMEOUT_MS % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) {
+        deadline.tv_sec++;
+        deadline.tv_nsec -= 1000000000L;
+    }
+
+    *step = "socket";
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return -1;
+
+    *step = "connect";
+    while (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN) {          /* listen backlog full: try again shortly */
+            long left = ms_left(&deadline);
+            if (left <= 0) {
+                errno = ETIMEDOUT;
+                goto fail;
+            }
+            poll(NULL, 0, left < 10 ? (int)left : 10);
+            continue;
+        }
+        if (errno == EINPROGRESS) {     /* not for AF_UNIX today, but cheap to handle */
+            int err = 0;
+            socklen_t size = sizeof err;
+            if (wait_fd(fd, POLLOUT, &deadline) < 0)
+                goto fail;
+            if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &size) < 0)
+                goto fail;
+            if (err) {
+                errno = err;
+                goto fail;
+            }
+            break;
+        }
+        goto fail;
+    }
+
+    *step = "send";
+    while (done < len) {
+        ssize_t n = send(fd, request + done, len - done, MSG_NOSIGNAL);
+        if (n > 0) {
+            done += (size_t)n;
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            if (wait_fd(fd, POLLOUT, &deadline) < 0)
+                goto fail;
+        } else if (n < 0 && errno != EINTR) {
+            goto fail;
+        }
+    }
+
+    *step = "receive";
+    done = 0;
+    for (;;) {
+        ssize_t n;
+        if (done >= cap - 1) {
+            errno = EMSGSIZE;
+            goto fail;
+        }
+        n = recv(fd, reply + done, cap - 1 - done, 0);
+        if (n > 0) {
+            int end = memchr(reply + done, '\n', (size_t)n) != NULL;
+            done += (size_t)n;
+            if (end)
+                break;
+        } else if (n == 0) {
+            break;                      /* EOF: the daemon closed after its line */
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            if (wait_fd(fd, POLLIN, &deadline) < 0)
+                goto fail;
+        } else if (errno != EINTR) {
+            goto fail;
+        }
+    }
+    reply[done] = '\0';
+    if (done == 0) {
+        errno = ECONNRESET;
+        goto fail;
+    }
+    close(fd);
+    return 0;
+
+fail:
+    saved = errno;
+    close(fd);
+    errno = saved;
+    return -1;
+}
+
+/* ---------------------------------------------------------------- reply */
+
+static const char *skip_ws(const char *p)
+{
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')
+        p++;
+    return p;
+}
+
+static int hex4(const char *p, unsigned *out)
+{
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        v <<= 4;
+        if (c >= '0' && c <= '9')
+            v |= (unsigned)(c - '0');
+        else if (c >= 'a' && c <= 'f')
+            v |= (unsigned)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F')
+            v |= (unsigned)(c - 'A' + 10);
+        else
+            return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* Append n bytes to out[cap] at *len if they all fit; otherwise mark truncated. */
+static void emit(char *out, size_t cap, size_t *len, int *truncated, const char *s, size_t n)
+{
+    if (!out)
+        return;
+    if (*truncated || *len + n >= cap) {
+        *truncated = 1;
+        return;
+    }
+    memcpy(out + *len, s, n);
+    *len += n;
+    out[*len] = '\0';
+}
+
+/*
+ * Parse the JSON string starting at p (which points at its opening quote) into
+ * out[cap], decoding escapes (\uXXXX, surrogate pairs included, to UTF-8). out may
+ * be NULL to skip the string. Returns the position after the closing quote, or NULL
+ * if the string is malformed.
+ */
+static const char *parse_string(const char *p, char *out, size_t cap, int *truncated)
+{
+    size_t len = 0;
+    int dummy = 0;
+
+    if (!truncated)
+        truncated = &dummy;
+    if (out && cap)
+        out[0] = '\0';
+    if (*p++ != '"')
+        return NULL;
+    for (;;) {
+        unsigned char c = (unsigned char)*p;
+        if (c == '"')
+            return p + 1;
+        if (c == '\0' || c < 0x20)
+            return NULL;
+        if (c != '\\') {
+            emit(out, cap, &len, truncated, p, 1);
+            p++;
+            continue;
+        }
+        p++;
+        switch (*p) {
+        case '"':  emit(out, cap, &len, truncated, "\"", 1); p++; break;
+        case '\\': emit(out, cap, &len, truncated, "\\", 1); p++; break;
+        case '/':  emit(out, cap, &len, truncated, "/", 1); p++; break;
+        case 'b':  emit(out, cap, &len, truncated, "\b", 1); p++; break;
+        case 'f':  emit(out, cap, &len, truncated, "\f", 1); p++; break;
+        case 'n':  emit(out, cap, &len, truncated, "\n", 1); p++; break;
+        case 'r':  emit(out, cap, &len, truncated, "\r", 1); p++; break;
+        case 't':  emit(out, cap, &len, truncated, "\t", 1); p++; break;
+        case 'u': {
+            unsigned cp, low;
+            char utf8[4];
+            size_t n;
+            if (hex4(p + 1, &cp) < 0)
+                return NULL;
+            p += 5;
+            if (cp >= 0xD800 && cp <= 0xDBFF && p[0] == '\\' && p[1] == 'u'
+                && hex4(p + 2, &low) == 0 && low >= 0xDC00 && low <= 0xDFFF) {
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+                p += 6;
+            } else if (cp >= 0xD800 && cp <= 0xDFFF) {
+                cp = '?';               /* a lone surrogate is not a character */
+            }
+            if (cp < 0x80) {
+                utf8[0] = (char)cp;
+                n = 1;
+            } else if (cp < 0x800) {
+                utf8[0] = (char)(0xC0 | (cp >> 6));
+                utf8[1] = (char)(0x80 | (cp & 0x3F));
+                n = 2;
+            } else if (cp < 0x10000) {
+                utf8[0] = (char)(0xE0 | (cp >> 12));
+                utf8[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+                utf8[2] = (char)(0x80 | (cp & 0x3F));
+                n = 3;
+            } else {
+                utf8[0] = (char)(0xF0 | (cp >> 18));
+                utf8[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+                utf8[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+                utf8[3] = (char)(0x80 | (cp & 0x3F));
+                n = 4;
+            }
+            emit(out, cap, &len, truncated, utf8, n);
+            break;
+        }
+        default:
+            return NULL;
+        }
+    }
+}
+
+/* Skip one JSON value of any kind; returns the position after it or NULL. */
+static const char *skip_value(const char *p, int depth)
+{
+    p = skip_ws(p);
+    if (*p == '"')
+        return parse_string(p, NULL, 0, NULL);
+    if (*p == '{' || *p == '[') {
+        char close = *p == '{' ? '}' : ']';
+        if (depth >= MAX_DEPTH)
+            return NULL;
+        p = skip_ws(p + 1);
+        if (*p == close)
+            return p + 1;
+        for (;;) {
+            if (close == '}') {
+                p = parse_string(skip_ws(p), NULL, 0, NULL);
+                if (!p)
+                    return NULL;
+                p = skip_ws(p);
+                if (*p++ != ':')
+                    return NULL;
+            }
+            p = skip_value(p, depth + 1);
+            if (!p)
+                return NULL;
+            p = skip_ws(p);
+            if (*p == close)
+                return p + 1;
+            if (*p++ != ',')
+                return NULL;
+        }
+    }
+    /* number, true, false, null */
+    if (!strchr("-0123456789tfn", *p) || *p == '\0')
+        return NULL;
+    while (*p && strchr("+-.0123456789eEtruefalsn", *p))
+        p++;
+    return p;
+}
+
+/* Read the fields we use from the reply's top-level object; others are skipped. */
+static int parse_reply(const char *json, struct reply *r)
+{
+    const char *p = skip_ws(json);
+
+    memset(r, 0, sizeof *r);
+    if (*p++ != '{')
+        return -1;
+    p = skip_ws(p);
+    if (*p == '}')
+        return 0;
+    for (;;) {
+        char key[32];
+        int key_truncated = 0;
+
+        p = parse_string(skip_ws(p), key, sizeof key, &key_truncated);
+        if (!p)
+            return -1;
+        p = skip_ws(p);
+        if (*p++ != ':')
+            return -1;
+        p = skip_ws(p);
+        if (key_truncated) {
+            p = skip_value(p, 0);
+        } else if (strcmp(key, "ok") == 0 && strncmp(p, "true", 4) == 0) {
+            r->ok = 1;
+            p += 4;
+        } else if (strcmp(key, "cuda_visible_devices") == 0 && *p == '"') {
+            p = parse_string(p, r->cuda, sizeof r->cuda, &r->cuda_truncated);
+        } else if (strcmp(key, "message") == 0 && *p == '"') {
+            p = parse_string(p, r->message, sizeof r->message, NULL);
+        } else if (strcmp(key, "error") == 0 && *p == '"') {
+            p = parse_string(p, r->error, sizeof r->error, NULL);
+        } else {
+            p = skip_value(p, 0);
+        }
+        if (!p)
+            return -1;
+        p = skip_ws(p);
+        if (*p == '}')
+            return 0;
+        if (*p++ != ',')
+            return -1;
+    }
+}
+
+/* GPU UUIDs (GPU-..., MIG-...), indices and separators only. */
+static int valid_devices(const char *s)
+{
+    for (; *s; s++)
+        if (!isalnum((unsigned char)*s) && !strchr("-_,:/.", *s))
+            return 0;
+    return 1;
+}
+
+/* One printable line: control characters (C0, DEL, and C1 in UTF-8) become spaces. */
+static void sanitize(char *s)
+{
+    for (unsigned char *p = (unsigned char *)s; *p; p++) {
+        if (*p < 0x20 || *p == 0x7f)
+            *p = ' ';
+        else if (*p == 0xC2 && p[1] >= 0x80 && p[1] <= 0x9F)
+            p[0] = p[1] = ' ';
+    }
+}
+
+/* ---------------------------------------------------------------- PAM */
+
+/* Build and send one request; parse the reply into r. Logs and returns -1 on failure. */
+static int ask_daemon(pam_handle_t *pamh, const struct options *opt, const char *op,
+                      int with_details, struct reply *r)
+{
+    const char *user = item(pamh, PAM_USER);
+    const char *service = item(pamh, PAM_SERVICE);
+    const char *step;
+    struct buf request = {.len = 0};
+    char *answer;
+    char pid[32];
+    int rc = -1;
+
+    if (!user || !*user) {
+        pam_syslog(pamh, LOG_WARNING, "gpuguard %s skipped: no user name", op);
+        return -1;
+    }
+    snprintf(pid, sizeof pid, "%ld", (long)getpid());
+    put_literal(&request, "{\"v\":1");
+    put_field(&request, "op", op);
+    put_field(&request, "user", user);
+    put_field(&request, "service", service);
+    if (with_details) {
+        put_field(&request, "rhost", item(pamh, PAM_RHOST));
+        put_field(&request, "tty", item(pamh, PAM_TTY));
+    }
+    put_literal(&request, ",\"pid\":");
+    put_literal(&request, pid);
+    put_literal(&request, "}\n");
+    if (request.overflow) {
+        pam_syslog(pamh, LOG_WARNING, "gpuguard %s for %s skipped: request too large", op, user);
+        return -1;
+    }
+    if (opt->debug)
+        pam_syslog(pamh, LOG_DEBUG, "gpuguard request to %s: %.*s", opt->socket,
+                   (int)request.len - 1, request.data);
+
+    answer = malloc(MAX_REPLY);
+    if (!answer) {
+        pam_syslog(pamh, LOG_WARNING, "gpuguard %s for %s: out of memory", op, user);
+        return -1;
+    }
+    if (exchange(opt->socket, request.data, request.len, answer, MAX_REPLY, &step) < 0) {
+        pam_syslog(pamh, LOG_WARNING, "gpuguard %s for %s: daemon not reachable at %s (%s: %m); "
+                   "no GPUs for this session", op, user, opt->socket, step);
+    } else if (parse_reply(answer, r) < 0) {
+        pam_syslog(pamh, LOG_WARNING, "gpuguard %s for %s: unreadable reply from daemon", op, user);
+    } else if (!r->ok) {
+        sanitize(r->error);
+        pam_syslog(pamh, LOG_WARNING, "gpuguard %s for %s refused: %s", op, user,
+                   r->error[0] ? r->error : "no reason given");
+    } else {
+        if (opt->debug)
+            pam_syslog(pamh, LOG_DEBUG, "gpuguard %s for %s: CUDA_VISIBLE_DEVICES=\"%s\"",
+                       op, user, r->cuda);
+        rc = 0;
+    }
+    free(answer);
+    return rc;
+}
+
+PAM_EXTERN int pam_sm_open_session(pam_handle_t *pamh, int flags, int argc, const char **argv)
+{
+    struct options opt;
+    struct reply *r;
+
+    parse_options(pamh, argc, argv, &opt);
+    r = calloc(1, sizeof *r);
+    if (!r)
+        return PAM_SUCCESS;
+    if (ask_daemon(pamh, &opt, "session_open", 1, r) == 0) {
+        if (r->cuda_truncated || !valid_devices(r->cuda)) {
+            pam_syslog(pamh, LOG_WARNING, "gpuguard: ignoring malformed cuda_visible_devices from daemon");
+        } else if (r->cuda[0]) {
+            char env[sizeof r->cuda + 32];
+            snprintf(env, sizeof env, "CUDA_VISIBLE_DEVICES=%s", r->cuda);
+            if (pam_putenv(pamh, env) != PAM_SUCCESS)
+                pam_syslog(pamh, LOG_WARNING, "gpuguard: pam_putenv failed");
+        }
+        sanitize(r->message);
+        if (r->message[0] && !opt.quiet && !(flags & PAM_SILENT))
+            pam_info(pamh, "%s", r->message);
+    }
+    free(r);
+    return PAM_SUCCESS;
+}
+
+PAM_EXTERN int pam_sm_close_session(pam_handle_t *pamh, int flags, int argc, const char **argv)
+{
+    struct options opt;
+    struct reply *r;
+
+    (void)flags;
+    parse_options(pamh, argc, argv, &opt);
+    r = calloc(1, sizeof *r);
+    if (r)
+        ask_daemon(pamh, &opt, "session_close", 0, r);
+    free(r);
+    return PAM_SUCCESS;
+}
