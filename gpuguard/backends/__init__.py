@@ -1,5 +1,5 @@
-"""The only code that touches hardware or the kernel. This module stays light (no pynvml
-import) because every CLI command imports it for `GpuError`; backends load on demand."""
+"""The only code that touches hardware or the kernel. This module stays light (no pynvml,
+no ctypes) because every CLI command imports it for the backends' errors; backends load on demand."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -11,6 +11,10 @@ if TYPE_CHECKING:
 
 class GpuError(Exception):
     """An NVML call failed; one line naming the call, the GPU and NVML's error string."""
+
+
+class GateError(Exception):
+    """The gate cannot be set up or changed; the message names the cause in its first line."""
 
 
 def open_gpu_backend(config: Config) -> NvmlBackend:

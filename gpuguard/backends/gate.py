@@ -29,12 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuguard.backends import GateError
 from gpuguard.backends.procfs import char_major
 from gpuguard.model import NVIDIA_MAJOR
-
-
-class GateError(Exception):
-    """The gate cannot be set up or changed; the message names the cause in its first line."""
 
 
 # --- the bpf() system call -------------------------------------------------------------------

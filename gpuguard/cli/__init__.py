@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from gpuguard import __version__, config
-from gpuguard.backends import GpuError
+from gpuguard.backends import GateError, GpuError
 from gpuguard.client import DaemonUnreachable, Refused
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc), exc.code)
     except CommandError as exc:
         return _fail(str(exc), exc.code)
-    except GpuError as exc:
-        return _fail(str(exc), EXIT_FAILED)
+    except (GpuError, GateError) as exc:
+        return _fail(str(exc).splitlines()[0], EXIT_FAILED)  # a verifier log goes to the daemon's log
     except KeyboardInterrupt:
         return 130
 

@@ -6,11 +6,7 @@ import logging
 import os
 
 from gpuguard import logs
-from gpuguard.backends import GpuError
-from gpuguard.backends.gate import GateError
 from gpuguard.cli import EXIT_OK, CommandError, load_config
-from gpuguard.server import ServerError
-from gpuguard.store import StoreError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +23,12 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("the daemon runs as root: it attaches the gate and writes device ACLs")
     config = load_config(args)
     logs.setup(logging.DEBUG if args.debug else logging.INFO)
-    from gpuguard import daemon  # the daemon's imports (pyroute2, pynvml) only for this command
+    # The daemon's imports (asyncio, pyroute2, pynvml, the gate) only for this command: every
+    # other command, the pam_exec hook above all, starts faster without them.
+    from gpuguard import daemon
+    from gpuguard.backends import GateError, GpuError
+    from gpuguard.server import ServerError
+    from gpuguard.store import StoreError
 
     try:
         daemon.run(config, args.gate_name)

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from gpuguard import client
 from gpuguard.backends import accounts, devnodes
-from gpuguard.backends.gate import Gate, GateError
 from gpuguard.cli import EXIT_OK, CommandError, load_config, print_json
+
+if TYPE_CHECKING:
+    from gpuguard.backends.gate import Gate
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,14 +42,12 @@ def _require_root(what: str) -> None:
 
 def _gate(args: argparse.Namespace, what: str) -> Gate:
     _require_root(what)
+    from gpuguard.backends.gate import Gate  # ctypes and the assembler: only for these commands
     return Gate(args.name)
 
 
 def gate_status(args: argparse.Namespace) -> int:
-    try:
-        status = _gate(args, "gate status").status()
-    except GateError as exc:
-        raise CommandError(str(exc).splitlines()[0]) from None
+    status = _gate(args, "gate status").status()
     if args.json:
         print_json(status)
         return EXIT_OK
@@ -62,11 +63,7 @@ def gate_status(args: argparse.Namespace) -> int:
 
 def gate_attach(args: argparse.Namespace) -> int:
     gate = _gate(args, "gate attach")
-    exempt = accounts.exempt_uids(load_config(args).access)
-    try:
-        gate.attach(exempt)
-    except GateError as exc:
-        raise CommandError(str(exc).splitlines()[0]) from None
+    gate.attach(accounts.exempt_uids(load_config(args).access))
     print(f"gate {args.name}: attached as program {gate.prog_id()}; start the daemon to restore grants")
     return EXIT_OK
 
