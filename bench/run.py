@@ -24,7 +24,6 @@ Rows:
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import shutil
@@ -35,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack

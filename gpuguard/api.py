@@ -275,8 +275,10 @@ class Api:
         except Refusal as exc:
             holders, note = [], f"; {exc}"
         else:
-            note = (f"; still open in process {number_list(sorted({pid for pid, _ in holders}))}, which keep access until "
-                    "they exit" if holders else "")
+            # The gate only checks at open(): the watcher warns these as stray use and ends them.
+            grace = format_duration(daemon.config.watcher.grace)
+            note = (f"; still open in process {number_list(sorted({pid for pid, _ in holders}))}: warned now, "
+                    f"stopped in {grace} by the watcher" if holders else "")
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
                            message=f"revoked GPU {number_list(revoked)} from {name}{note}")

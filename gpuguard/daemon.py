@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from gpuguard import allocator, config as configuration, policy, sampling
 from gpuguard.api import Api
-from gpuguard.backends import accounts, acl, open_gpu_backend, procfs, systemd
+from gpuguard.backends import accounts, acl, devnodes, open_gpu_backend, procfs, systemd
 from gpuguard.backends.gate import Gate
 from gpuguard.config import Config
 from gpuguard.grants import Grants
@@ -53,6 +53,9 @@ class Daemon:
         self.server = Server(self.config.paths.socket, Api(self).handle)
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
         self.store = Store(self.config.paths.state_dir / "state.db")
+        if self.config.gpu.backend == "nvml":
+            # NVML needs the nodes that nvidia-modprobe no longer makes (etc/modprobe.d/gpuguard.conf).
+            devnodes.ensure_driver_nodes(self.config.paths.device_dir, devnodes.driver_minors())
         self.backend = open_gpu_backend(self.config)
         # The inventory and topology are fixed while the driver stays loaded; a GPU that
         # falls off the bus shows as NVML errors in the tick, not as a smaller inventory.
@@ -108,6 +111,7 @@ class Daemon:
             event(logging.WARNING, "reload_partial", reason="paths, gpu and access.mode change at restart")
         self.config = fixed
         self.refresh_exempt()
+        self.grants.node_changed(None)  # `gpuguard acl apply` (udev) asks for this after making nodes
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         return fixed
 

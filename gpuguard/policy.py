@@ -24,23 +24,29 @@ def is_member(groups: Collection[str], access: AccessConfig) -> bool:
     return access.group in groups
 
 
-def quota_for(user: str, groups: Collection[str], config: Config) -> Quota:
-    """The user's quota, field by field: the user's own entry, else a group's, else the defaults.
+def _layers(user: str, groups: Collection[str], config: Config) -> list[tuple[str, dict]]:
+    """The quota entries that apply to a user, strongest first, each with where it comes from.
 
-    When several of the user's groups set the same field, the group written first in
-    quotas.toml wins, so the admin decides by the order of the file (deterministic, unlike
-    the order NSS happens to return groups in).
+    The user's own entry, then the entries of their groups in the order of quotas.toml: when
+    several groups set the same field, the one written first wins, so the admin decides by the
+    order of the file (deterministic, unlike the order NSS happens to return groups in).
     """
-    layers = [config.quotas.groups[name] for name in config.quotas.groups if name in groups]
-    if user in config.quotas.users:
-        layers.insert(0, config.quotas.users[user])
-    merged = {}
-    for quota_field in fields(Quota):
-        for layer in layers:
-            if quota_field.name in layer:
-                merged[quota_field.name] = layer[quota_field.name]
-                break
-    return replace(config.defaults, **merged)
+    own = [(f"user {user}", config.quotas.users[user])] if user in config.quotas.users else []
+    return own + [(f"group {name}", entry) for name, entry in config.quotas.groups.items() if name in groups]
+
+
+def quota_sources(user: str, groups: Collection[str], config: Config) -> dict[str, str]:
+    """For each quota field, where the user's value comes from: "user NAME", "group NAME" or "defaults"."""
+    layers = _layers(user, groups, config)
+    return {f.name: next((label for label, entry in layers if f.name in entry), "defaults") for f in fields(Quota)}
+
+
+def quota_for(user: str, groups: Collection[str], config: Config) -> Quota:
+    """The user's quota, field by field: the user's own entry, else a group's, else the defaults."""
+    layers = dict(_layers(user, groups, config))
+    return replace(config.defaults, **{name: layers[source][name]
+                                       for name, source in quota_sources(user, groups, config).items()
+                                       if source != "defaults"})
 
 
 def may_share(quota: Quota) -> bool:

@@ -12,9 +12,11 @@ import secrets
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -22,6 +24,7 @@ pytest_plugins = ["daemon_fixture"]  # start_daemon / gg_daemon: a real daemon (
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,17 @@ def make_user() -> Iterator:
     for name in created:
         subprocess.run(["pkill", "-KILL", "-u", name], check=False)
         subprocess.run(["userdel", "--remove", "--force", name], check=False, capture_output=True)
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 20.0, step: float = 0.05) -> T:
+    """Poll until `predicate` returns something truthy, and return it (its last value after
+    `timeout`). A bound on waiting for what a daemon or a process does, not a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(step)
+    return predicate()
 
 
 def run_as(user: TestUser, argv: list[str], **kwargs) -> subprocess.CompletedProcess:

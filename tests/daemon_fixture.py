@@ -40,7 +40,7 @@ The handle (RunningDaemon):
     node(minor)                   -> Path of /dev/nvidia<minor> in the sandbox
     write_config(**same as start_daemon) and reload() -> change the config of the running daemon
     stop() -> exit status (SIGTERM; idempotent); restart() -> start it again on the same state
-wait_until(predicate, timeout=15) polls for what the daemon's tick does.
+conftest.wait_for(predicate) polls for what the daemon's tick does.
 One daemon per test; `paths` and `gpu` are set by the fixture (not overridable).
 """
 from __future__ import annotations
@@ -195,13 +195,6 @@ class RunningDaemon:
         Gate(self.gate_name).detach()
         return status
 
-
-def wait_until(predicate, timeout: float = 15, interval: float = 0.05) -> bool:
-    """Poll `predicate` until it is true or `timeout` seconds pass (a bound, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()) and time.monotonic() < deadline:
-        time.sleep(interval)
-    return bool(result)
 
 
 def _detach_leftover_test_gates() -> None:

@@ -15,10 +15,23 @@ from gpuguard.backends.gate import cgroup2_root
 
 
 @contextmanager
-def gate_test_lock() -> Iterator[None]:
+def _locked(mode: int) -> Iterator[None]:
     fd = os.open(cgroup2_root(), os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, mode)
         yield
     finally:
         os.close(fd)
+
+
+def gate_test_lock():
+    """Held (exclusively) by every test that attaches a gate, for as long as it is attached."""
+    return _locked(fcntl.LOCK_EX)
+
+
+def no_gate_attached():
+    """Keep gate-attaching tests waiting while test users open simulated nodes without a daemon:
+    a gate attached by any test run on this machine would deny them (EPERM). Shared, so such
+    tests still run in parallel with each other. Never use it inside gate_test_lock: the same
+    process would wait for itself."""
+    return _locked(fcntl.LOCK_SH)

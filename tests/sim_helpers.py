@@ -7,8 +7,6 @@
 """
 from __future__ import annotations
 
-import fcntl
-import os
 import select
 import subprocess
 from collections.abc import Iterator
@@ -18,7 +16,6 @@ from pathlib import Path
 from conftest import PYTHON, TestUser, popen_as
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import open_gpu_backend
-from gpuguard.backends.gate import cgroup2_root
 from gpuguard.backends.nvml import NvmlBackend
 
 
@@ -87,16 +84,3 @@ def burn(config: Path, gpu: int, mem: str = "1GiB", **options) -> Iterator[subpr
         stop_burn(proc)
 
 
-
-@contextmanager
-def no_gate_attached() -> Iterator[None]:
-    """Keep gate-attaching tests (gate_lock.gate_test_lock: an exclusive flock) waiting while
-    test users open simulated nodes without a daemon: a gate attached by any test run on this
-    machine would deny them (EPERM). Shared, so such tests still run in parallel with each other.
-    Never use it inside gate_test_lock: the same process would wait for itself."""
-    fd = os.open(cgroup2_root(), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)

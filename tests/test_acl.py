@@ -12,12 +12,11 @@ import select
 import stat
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, run_as
+from conftest import PYTHON, run_as, wait_for
 from gpuguard.backends.acl import (
     XATTR, NodeWatcher, acl_users, apply_acls, ensure_node, grant_acl, revoke_acl, set_base_mode,
 )
@@ -37,14 +36,6 @@ def getfacl(path: Path) -> list[str]:
                          capture_output=True, text=True, check=True).stdout
     return [line for line in out.splitlines() if line]
 
-
-def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.fixture

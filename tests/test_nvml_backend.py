@@ -22,7 +22,8 @@ from gpuguard.backends import GpuError
 from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBackend, register_process
 from gpuguard.config import SimulatedConfig
 from gpuguard.model import GpuProcess, Link
-from sim_helpers import burn, gpuguard, no_gate_attached, open_backend, write_config
+from gate_lock import no_gate_attached
+from sim_helpers import burn, gpuguard, open_backend, write_config
 
 GiB = 1 << 30
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_as
+from conftest import run_as, wait_for
 from gpuguard import config, pam_hook
-from daemon_fixture import RunningDaemon, wait_until
+from daemon_fixture import RunningDaemon
 from sim_helpers import gpuguard, start_burn, stop_burn
 from ssh_harness import (MODULE, REPO, PamSession, PamStacks, StubDaemon, build_module, env_probe,
                          hook_line, info_lines, module_line, pamtester, probed_devices, reply_json)
@@ -384,7 +384,7 @@ def test_grant_outlives_the_session_while_a_job_runs(gg_daemon, stacks, path):
         assert job.poll() is None
     finally:
         stop_burn(job)
-    assert wait_until(lambda: grants_of(gg_daemon, alice) == [], 30), gg_daemon.log()  # the watcher's next tick
+    assert wait_for(lambda: grants_of(gg_daemon, alice) == [], 30), gg_daemon.log()  # the watcher's next tick
 
 
 @pytest.mark.gate

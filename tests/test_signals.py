@@ -10,21 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, popen_as, unique
+from conftest import PYTHON, popen_as, unique, wait_for
 from gpuguard.backends import signals
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.backends.signals import Outcome
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
-
-def wait_for(predicate, timeout: float = 10.0, step: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(step)
-    return predicate()
 
 
 def identity_of(proc: subprocess.Popen) -> ProcessIdentity:
@@ -72,7 +64,7 @@ def test_exited_process_is_gone(spawn):
 def test_zombie_is_gone_not_signalled(spawn):
     proc = spawn(["true"])
     identity = identity_of(proc)  # read before it exits: a zombie keeps its identity
-    wait_for(lambda: (signals.inspect(proc.pid) or signals.ProcessInfo(0, 0, 0, 0, "Z", "")).state == "Z")
+    wait_for(lambda: (info := signals.inspect(proc.pid)) is None or info.state == "Z")
     assert signals.send(identity, signal.SIGKILL).outcome is Outcome.GONE
 
 

@@ -17,7 +17,8 @@ from conftest import run_as
 from gpuguard.backends.nvml import NvmlBackend
 from gpuguard.backends.simulated import REGISTRY_DIR
 from gpuguard.model import GpuProcess
-from sim_helpers import burn, gpuguard, no_gate_attached, open_backend, start_burn, stop_burn, write_config
+from gate_lock import no_gate_attached
+from sim_helpers import burn, gpuguard, open_backend, start_burn, stop_burn, write_config
 
 if TYPE_CHECKING:
     from conftest import TestUser  # not at run time: pytest would try to collect it

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from daemon_fixture import wait_until
+from conftest import wait_for
 from sim_helpers import gpuguard
 from ssh_harness import PERMIT, Sshd, StubDaemon, build_module, hook_line, module_line, reply_json
 
@@ -74,7 +74,7 @@ def test_ssh_login_gets_the_environment_from_the_module(start_sshd, make_user, s
         # side: the session's pid is the shell's grandparent, not the shell.
         assert opened["pid"] == int(seen["grandparent"])
         assert opened["pid"] not in (int(seen["shell"]), int(seen["parent"]))
-        assert wait_until(lambda: len(daemon.requests) == 2, 30), sshd.log
+        assert wait_for(lambda: len(daemon.requests) == 2, 30), sshd.log
         assert daemon.requests[1] == {"v": 1, "op": "session_close", "user": user.name,
                                       "service": "sshd", "pid": opened["pid"]}
     finally:
@@ -141,7 +141,7 @@ def test_ssh_login_sees_exactly_its_gpus(gg_daemon, start_sshd, make_user):
     minor = int(message.split()[2])
     (cvd,) = [line for line in lines if line.startswith("cvd=")]
     assert cvd == f"cvd={_uuid(gg_daemon, minor)}"
-    assert wait_until(lambda: _released(gg_daemon, alice), 30), sshd.log
+    assert wait_for(lambda: _released(gg_daemon, alice), 30), sshd.log
 
     # A command over ssh: environment, whoami and the gate, all in one session.
     seen, whoami, burns = _run_session(sshd, gg_daemon, alice)
@@ -151,7 +151,7 @@ def test_ssh_login_sees_exactly_its_gpus(gg_daemon, start_sshd, make_user):
     assert [s["service"] for s in whoami["sessions"]] == ["sshd"]
     assert burns == {n: 0 if n == grant["minor"] else 1 for n in _gpus(gg_daemon)}
     # sshd closes the PAM session when the connection ends; nothing of alice's runs: released
-    assert wait_until(lambda: _released(gg_daemon, alice), 30), sshd.log
+    assert wait_for(lambda: _released(gg_daemon, alice), 30), sshd.log
 
     seen, whoami, burns = _run_session(sshd, gg_daemon, bob)  # a non-member: in, with nothing
     assert seen["cvd"] == "<unset>"
@@ -169,7 +169,7 @@ def test_ssh_login_through_the_pam_exec_hook(gg_daemon, start_sshd):
     assert seen["cvd"] == "<unset>"
     assert [s["service"] for s in whoami["sessions"]] == ["sshd"]
     assert burns == {n: 0 if n == grant["minor"] else 1 for n in _gpus(gg_daemon)}
-    assert wait_until(lambda: _released(gg_daemon, alice), 30), sshd.log
+    assert wait_for(lambda: _released(gg_daemon, alice), 30), sshd.log
 
 
 def _uuid(daemon, minor: int) -> str:

@@ -129,3 +129,22 @@ def test_sigkill_mid_transaction_loses_nothing_committed(tmp_path):
         # atomic: every user has all four GPUs or none; never a half-written grant
         assert all(sorted(minors) == [0, 1, 2, 3] for minors in per_user.values())
         store.close()
+
+
+def test_version_one_database_is_upgraded_in_place(tmp_path):
+    """A state.db written by the first schema (before grants had an origin) keeps its grants."""
+    path = tmp_path / "state.db"
+    old = sqlite3.connect(path)
+    old.executescript(MIGRATIONS[0] + "PRAGMA user_version=1;")
+    old.execute("INSERT INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared)"
+                " VALUES (1001, 'alice', 3, 10.0, NULL, 10.0, 0)")
+    old.commit()
+    old.close()
+
+    store = Store(path)
+    assert store.schema_version == len(MIGRATIONS) > 1
+    [grant] = store.grants()
+    assert (grant.uid, grant.minor, grant.origin) == (1001, 3, "session")
+    store.add_grants(1002, "bob", [1], now=20.0, expires_at=None, origin="admin")
+    assert [g.origin for g in store.grants()] == ["session", "admin"]
+    store.close()

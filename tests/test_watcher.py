@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, run_as, unique
+from conftest import PYTHON, run_as, unique, wait_for
 from gpuguard.store import Store
 from sim_helpers import start_burn, stop_burn
 
@@ -25,14 +25,6 @@ MARGIN = 20.0  # seconds of slack on a slow or busy machine; the tests never ass
 WATCHER = {"interval": f"{INTERVAL}s", "grace": f"{GRACE}s", "kill_wait": f"{KILL_WAIT}s"}
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
-
-def wait_for(predicate, timeout: float = MARGIN, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(step)
-    return predicate()
 
 
 def whoami_json(d, user) -> dict:

@@ -53,6 +53,14 @@ def _group_names(entry: pwd.struct_passwd) -> frozenset[str]:
     return frozenset(names)
 
 
+def group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def group_members(name: str) -> set[str]:
     """Users in a group: its listed members plus users whose primary group it is."""
     try:

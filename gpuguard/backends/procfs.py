@@ -33,15 +33,32 @@ def char_major(name: str) -> int | None:
     return None
 
 
-def process_identity(pid: int) -> ProcessIdentity | None:
-    """uid and start time of pid, or None when it has exited.
+class ProcessInfo(NamedTuple):
+    pid: int
+    uid: int          # real uid
+    euid: int
+    start_time: int   # clock ticks after boot
+    state: str        # one letter: R S D Z T ...
+    comm: str
 
-    Both files are read through one open /proc/<pid> directory, so they describe the same
-    process even if the pid is reused in between (reads then fail with ESRCH).
+    @property
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.uid, self.start_time)
+
+
+STATE_NAMES = {"R": "running", "S": "sleeping", "D": "uninterruptible sleep", "Z": "zombie",
+               "T": "stopped", "t": "traced", "X": "dead", "I": "idle"}
+
+
+def inspect(pid: int) -> ProcessInfo | None:
+    """What /proc says about pid now, or None when there is no such process.
+
+    stat and status are read through one open /proc/<pid> directory: if the pid is
+    reused in between, the second read fails (ESRCH) instead of describing another process.
     """
     try:
         dirfd = os.open(PROC / str(pid), os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     try:
         stat_line = _read(dirfd, "stat")
@@ -50,10 +67,17 @@ def process_identity(pid: int) -> ProcessIdentity | None:
         return None
     finally:
         os.close(dirfd)
-    # comm (field 2) may hold spaces and parentheses: fields after the last ')' start at 3.
-    start_time = int(stat_line.rpartition(")")[2].split()[22 - 3])
-    uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
-    return ProcessIdentity(pid, uid, start_time)
+    # comm (field 2) may hold spaces and parentheses: the fields after the last ')' start at 3.
+    comm = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
+    rest = stat_line.rpartition(")")[2].split()
+    uids = next(line.split()[1:3] for line in status.splitlines() if line.startswith("Uid:"))
+    return ProcessInfo(pid, int(uids[0]), int(uids[1]), int(rest[22 - 3]), rest[0], comm)
+
+
+def process_identity(pid: int) -> ProcessIdentity | None:
+    """uid and start time of pid, or None when it has exited."""
+    info = inspect(pid)
+    return info.identity if info else None
 
 
 def user_of(pid: int) -> int | None:

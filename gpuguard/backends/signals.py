@@ -25,9 +25,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
-from gpuguard.backends.procfs import ProcessIdentity
-
-PROC = "/proc"
+from gpuguard.backends.procfs import STATE_NAMES, ProcessIdentity, inspect
 
 
 class Outcome(str, Enum):
@@ -44,48 +42,6 @@ class Result:
     @property
     def sent(self) -> bool:
         return self.outcome is Outcome.SENT
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    pid: int
-    uid: int          # real uid
-    euid: int
-    start_time: int   # clock ticks after boot
-    state: str        # one letter: R S D Z T ...
-    comm: str
-
-    @property
-    def identity(self) -> ProcessIdentity:
-        return ProcessIdentity(self.pid, self.uid, self.start_time)
-
-
-STATE_NAMES = {"R": "running", "S": "sleeping", "D": "uninterruptible sleep", "Z": "zombie",
-               "T": "stopped", "t": "traced", "X": "dead", "I": "idle"}
-
-
-def inspect(pid: int) -> ProcessInfo | None:
-    """What /proc says about pid now, or None when there is no such process.
-
-    stat and status are read through one open /proc/<pid> directory: if the pid is
-    reused in between, the second read fails (ESRCH) instead of describing another process.
-    """
-    try:
-        dirfd = os.open(f"{PROC}/{pid}", os.O_RDONLY | os.O_DIRECTORY)
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    try:
-        stat_line = _read(dirfd, "stat")
-        status = _read(dirfd, "status")
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    finally:
-        os.close(dirfd)
-    # comm (field 2) may hold spaces and parentheses: the fields after the last ')' start at 3.
-    comm = stat_line[stat_line.index("(") + 1:stat_line.rindex(")")]
-    rest = stat_line.rpartition(")")[2].split()
-    uids = next(line.split()[1:3] for line in status.splitlines() if line.startswith("Uid:"))
-    return ProcessInfo(pid, int(uids[0]), int(uids[1]), int(rest[22 - 3]), rest[0], comm)
 
 
 def command(pid: int) -> str:
@@ -132,10 +88,3 @@ def state(identity: ProcessIdentity) -> str | None:
         return None
     return f"{info.state} ({STATE_NAMES.get(info.state, 'unknown')})"
 
-
-def _read(dirfd: int, name: str) -> str:
-    fd = os.open(name, os.O_RDONLY, dir_fd=dirfd)
-    try:
-        return os.read(fd, 65536).decode(errors="replace")
-    finally:
-        os.close(fd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import sys
 from typing import Any
@@ -36,6 +37,13 @@ def load_config(args: argparse.Namespace) -> config.Config:
 def print_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
+
+
+def print_rows(rows: list[list[str]]) -> None:
+    """A plain aligned table, first row the header, like ps and nvidia-smi print."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc).splitlines()[0], EXIT_FAILED)  # a verifier log goes to the daemon's log
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `gpuguard status | head`: the reader left; say nothing more, like other tools.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _fail(message: str, code: int) -> int:

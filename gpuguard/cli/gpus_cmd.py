@@ -9,7 +9,7 @@ import argparse
 from collections import Counter
 from typing import Any
 
-from gpuguard.cli import EXIT_OK, load_config, print_json
+from gpuguard.cli import EXIT_OK, load_config, print_json, print_rows
 from gpuguard.model import Gpu, Link
 from gpuguard.units import format_size
 
@@ -63,16 +63,10 @@ def _print_table(gpus: list[Gpu], processes: Counter, matrix: dict[int, dict[int
                      format_size(gpu.memory_total), "-" if gpu.utilization is None else f"{gpu.utilization}%",
                      "-" if gpu.numa_node is None else str(gpu.numa_node), str(processes[gpu.minor]),
                      gpu.pci_bus_id, gpu.uuid])
-    _print_rows(rows)
+    print_rows(rows)
     if len(gpus) > 1:
         print()
         short = {link.name: abbreviation for link, abbreviation in _SHORT.items()} | {"X": "X"}
-        _print_rows([[""] + [f"GPU{b}" for b in matrix]] +
+        print_rows([[""] + [f"GPU{b}" for b in matrix]] +
                     [[f"GPU{a}"] + [short[name] for name in row.values()] for a, row in matrix.items()])
         print(_LEGEND)
-
-
-def _print_rows(rows: list[list[str]]) -> None:
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

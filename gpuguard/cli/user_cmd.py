@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpuguard.cli import EXIT_OK, print_json
+from gpuguard.cli import EXIT_OK, print_json, print_rows
 from gpuguard.cli.calls import ask
-from gpuguard.cli.gpus_cmd import _print_rows as print_rows
 from gpuguard.messages import clock, number_list
 from gpuguard.units import format_duration, format_size
 
