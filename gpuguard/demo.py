@@ -16,7 +16,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from gpuguard import client
@@ -153,6 +154,24 @@ class Tour:
             time.sleep(0.25)
 
 
+@contextmanager
+def searchable(path: Path) -> Iterator[None]:
+    """Let other users reach `path` (search permission on each directory above it) while inside.
+
+    The demo's users and the tests' users run gpuguard from this checkout's virtual environment;
+    a checkout under /root (mode 0700) would otherwise fail for them in ways that look like
+    denials. Only o+x is added (no listing), and only where missing; it is taken back after.
+    """
+    opened = [parent for parent in [path, *path.parents] if not os.stat(parent).st_mode & 0o001]
+    for parent in opened:
+        os.chmod(parent, os.stat(parent).st_mode | 0o001)
+    try:
+        yield
+    finally:
+        for parent in opened:
+            os.chmod(parent, os.stat(parent).st_mode & ~0o001)
+
+
 def run(argv: list[str], check: bool = True) -> None:
     subprocess.run(argv, check=check, capture_output=True)
 
@@ -226,6 +245,7 @@ def main() -> int:
         print(f"demo: {PAM_MODULE} is missing: run make pam (sudo make demo does)")
         return 2
     with ExitStack() as stack:
+        stack.enter_context(searchable(REPO))
         t = Tour(stack)
         t.setup()
         tour(t)
