@@ -36,15 +36,16 @@ test: deps venv pam
 demo: deps venv pam
 	$(PY) -m gpuguard.demo
 
-bench: venv
+bench: deps venv pam
 	$(PY) bench/run.py
 
 # Install on a real server: package into /opt/gpuguard, module into the PAM directory,
-# example configuration into /etc/gpuguard (never overwriting an admin's files).
+# example configuration into /etc/gpuguard (never overwriting an admin's files). The command
+# goes into /usr/local/bin, not sbin: users run `gpuguard whoami` too.
 install: deps
 	$(PYTHON) -m venv /opt/gpuguard
 	/opt/gpuguard/bin/pip install -q .
-	ln -sf /opt/gpuguard/bin/gpuguard /usr/local/sbin/gpuguard
+	ln -sf /opt/gpuguard/bin/gpuguard /usr/local/bin/gpuguard
 	$(MAKE) -C pam install
 	install -d -m 0755 /etc/gpuguard
 	[ -e /etc/gpuguard/gpuguard.toml ] || install -m 0644 etc/gpuguard.toml /etc/gpuguard/gpuguard.toml

@@ -1,6 +1,6 @@
 """The pam_exec fallback for sites that cannot build pam_gpuguard.so.
 
-    session optional pam_exec.so quiet stdout /usr/local/sbin/gpuguard pam-hook
+    session optional pam_exec.so quiet stdout /usr/local/bin/gpuguard pam-hook
     session optional pam_exec.so quiet stdout /opt/gpuguard/bin/python3 -I -m gpuguard.pam_hook
 
 pam_exec runs this as a child of the PAM application with PAM_TYPE, PAM_USER,

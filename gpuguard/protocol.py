@@ -35,6 +35,8 @@ def decode(line: bytes, limit: int = MAX_REPLY) -> dict[str, Any]:
         message = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"not JSON: {exc}") from None
+    except RecursionError:  # [[[[...]]]] within the size limit: hostile, not an internal error
+        raise ProtocolError("not JSON: nested too deeply") from None
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     if message.get("v") != VERSION:

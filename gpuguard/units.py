@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import math
 import re
 
 _SIZE_UNITS = {
@@ -24,7 +25,7 @@ class UnitError(ValueError):
 
 def parse_size(value: str | int) -> int | None:
     """`512MiB`, `20GiB`, `80GB`, a plain byte count, or `unlimited` (None)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise UnitError(f"expected a size like 20GiB, got {value!r}")
     if isinstance(value, int):
         number, unit = value, ""
@@ -46,9 +47,11 @@ def parse_size(value: str | int) -> int | None:
 
 def parse_duration(value: str | int | float) -> float | None:
     """`90s`, `30m`, `8h`, `2d`, plain seconds, or `none` (None)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise UnitError(f"expected a duration like 30m, got {value!r}")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):  # TOML allows nan and inf; a sleep(nan) would stop the watcher
+            raise UnitError(f"expected a duration like 30m, got {value!r}")
         seconds = float(value)
     else:
         text = value.strip()

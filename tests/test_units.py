@@ -37,3 +37,15 @@ def test_formatting_round_trips():
     for seconds in (90.0, 1800.0, 28800.0, 172800.0):
         assert parse_duration(format_duration(seconds)) == seconds
     assert format_size(None) == "unlimited" and format_duration(None) == "none"
+
+
+@pytest.mark.parametrize("value", [20.5, float("nan"), [1], {"a": 1}])
+def test_sizes_of_the_wrong_kind_are_unit_errors(value):
+    with pytest.raises(UnitError):
+        parse_size(value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), [1], {"a": 1}])
+def test_durations_of_the_wrong_kind_are_unit_errors(value):
+    with pytest.raises(UnitError):
+        parse_duration(value)
