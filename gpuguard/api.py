@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from dataclasses import asdict
 from typing import Any
 
 from gpuguard import config as configuration, policy, protocol, sampling
-from gpuguard.backends import accounts
+from gpuguard.backends import accounts, procfs, signals
 from gpuguard.logs import event
 from gpuguard.messages import grant_message, number_list
 from gpuguard.model import Grant
 from gpuguard.server import Peer
 from gpuguard.units import UnitError, format_duration, parse_duration
 
-ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload"})
+ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes"})
 WHOAMI_EVENTS = 20
 NO_GPU_FREE = "gpuguard: no GPU is free right now; run gpuguard request later to get one"
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
@@ -76,14 +77,16 @@ class Api:
         daemon, store = self.daemon, self.daemon.store
         now = time.time()
         account = accounts.by_name(user)
-        session = store.open_session(account.uid, account.name, service, rhost, tty, pid, now)
+        caller = procfs.process_identity(pid)  # None: gone already, and the next tick drops the session
+        session = store.open_session(account.uid, account.name, service, rhost, tty, pid, now,
+                                     caller.start_time if caller else None)
         event(logging.INFO, "session_open", user=account.name, session=session.id, service=service,
               rhost=rhost or None, tty=tty or None, pid=pid)
         reply = protocol.ok(session=session.id, gpus=[], cuda_visible_devices="", message="")
         access = daemon.config.access
         if policy.is_exempt(account.uid, account.name, account.groups, access):
-            if account.uid not in daemon.exempt:  # joined an exempt group since the last reload
-                daemon.refresh_exempt()
+            if account.uid not in daemon.exempt:  # joined since, or missed by NSS member lists
+                daemon.add_exempt(account.uid)
             return reply
         if not policy.is_member(account.groups, access):
             return reply
@@ -110,11 +113,8 @@ class Api:
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
         if held and not store.sessions(account.uid):
-            try:
-                sample = await sampling.take(daemon.backend)
-            except Exception as exc:  # no data, no release: the tick tries again
-                event(logging.ERROR, "sample_failed", error=str(exc), action="grants kept until a good sample")
-            else:
+            sample = await daemon.sampler.take_or_log("grants kept until a good sample")
+            if sample is not None:  # no data, no release: the tick tries again
                 await daemon.release_unused(sample, [account.uid])
         # Compared with before, not taken from release_unused: a tick may release them meanwhile.
         kept = {g.minor for g in store.grants(account.uid)}
@@ -148,7 +148,8 @@ class Api:
                 "memory_total": gpu.memory_total,
                 "holders": [{"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
                              "expires_at": g.expires_at} for g in grants if g.minor == minor],
-                "processes": sum(1 for p in sample.processes if p.minor == minor) if sample else None,
+                "processes": (sum(1 for p in sample.processes if p.minor == minor)
+                              if sample and sample.ok(minor) else None),  # None: unknown (not sampled, or failed)
             })
         reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None,
                             group=daemon.config.access.group)
@@ -197,7 +198,8 @@ class Api:
         if minors is not None and set(minors) - held:
             raise Refusal(f"you do not hold GPU {number_list(set(minors) - held)} (you hold {number_list(held)})")
         targets = set(minors) if minors is not None else held
-        busy = await self._users_processes(account.uid, targets)
+        listed, unlisted = await self._users_processes(account.uid, targets)
+        busy = listed | unlisted
         if busy:
             pids = sorted({pid for pid, _ in busy})
             raise Refusal(f"GPU {number_list({m for _, m in busy})} still in use by your process"
@@ -206,15 +208,21 @@ class Api:
                                        message="released with gpuguard release")
         return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
 
-    async def _users_processes(self, uid: int, minors: set[int]) -> set[tuple[int, int]]:
-        """(pid, minor) of uid's processes on these GPUs, per NVML and /proc. Raises Refusal when NVML fails."""
+    async def _users_processes(self, uid: int, minors: set[int], max_age: float = sampling.MAX_AGE,
+                               ) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+        """(pid, minor) of uid's processes on these GPUs: those NVML lists (a CUDA context there),
+        and those only /proc shows (the node open, no context on it). Refusal when NVML fails.
+
+        /proc is scanned first: a process NVML does not list in the later sample had no context then."""
+        holders = await asyncio.to_thread(sampling.node_holders, minors)
         try:
-            sample = await sampling.take(self.daemon.backend)
+            sample = await self.daemon.sampler.take(max_age)
         except Exception as exc:
             raise Refusal(f"cannot see the GPUs' processes right now ({exc}); try again") from None
-        busy = {(p.pid, p.minor) for p in sample.processes if p.minor in minors and sample.uid_of(p.pid) == uid}
-        holders = await asyncio.to_thread(sampling.node_holders, minors)
-        return busy | {(h.pid, h.minor) for h in holders if h.uid == uid}
+        if unread := sorted(m for m in minors if not sample.ok(m)):  # an NVML error is not "no process"
+            raise Refusal(f"cannot see the processes on GPU {number_list(unread)} right now (NVML error); try again")
+        listed = {(p.pid, p.minor) for p in sample.processes if p.minor in minors and sample.uid_of(p.pid) == uid}
+        return listed, {(h.pid, h.minor) for h in holders if h.uid == uid} - listed
 
     # --- admin
 
@@ -255,8 +263,9 @@ class Api:
                            message=f"granted GPU {number_list(chosen)} to {account.name}{term}")
 
     async def revoke(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        """Take GPUs back. The gate stops new opens at once; processes that opened a GPU
-        before are reported (ending them is the watcher's: issue 5)."""
+        """Take GPUs back. The gate stops new opens at once, and the processes that opened a
+        GPU before are ended: the watcher warns and stops those NVML lists (stray use), and
+        those only /proc shows, which the watcher never sees, get SIGTERM here."""
         daemon, store = self.daemon, self.daemon.store
         name = _field(request, "user", str)
         minors = self._minors(request)
@@ -271,17 +280,46 @@ class Api:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + number_list(minors)}")
         revoked = {g.minor for g in removed}
         try:
-            holders = sorted(await self._users_processes(uid, revoked))
+            # A fresh sample: a process that created its CUDA context a moment ago is the watcher's.
+            listed, unlisted = await self._users_processes(uid, revoked, max_age=0)
         except Refusal as exc:
-            holders, note = [], f"; {exc}"
+            listed, unlisted, note = set(), set(), f"; {exc}"
         else:
-            # The gate only checks at open(): the watcher warns these as stray use and ends them.
+            # The gate only checks at open(): the watcher warns the listed ones as stray use and ends them.
             grace = format_duration(daemon.config.watcher.grace)
-            note = (f"; still open in process {number_list(sorted({pid for pid, _ in holders}))}: warned now, "
-                    f"stopped in {grace} by the watcher" if holders else "")
+            note = (f"; still open in process {number_list({pid for pid, _ in listed})}: warned now, "
+                    f"stopped in {grace} by the watcher" if listed else "")
+            stopped = self._stop_unlisted(uid, {pid for pid, _ in unlisted})
+            if stopped:
+                note += f"; process {number_list(stopped)} held the node open (no CUDA context): sent SIGTERM"
+        holders = sorted(listed | unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
                            message=f"revoked GPU {number_list(revoked)} from {name}{note}")
+
+    def _stop_unlisted(self, uid: int, pids: set[int]) -> list[int]:
+        """SIGTERM uid's processes that hold a revoked node without NVML listing them; the pids signalled.
+
+        The identity is read right after the /proc scan and re-checked through a pidfd
+        (backends.signals), which also refuses root and exempt processes."""
+        stopped = []
+        for pid in sorted(pids):
+            identity = procfs.process_identity(pid)
+            if identity is None or identity.uid != uid:
+                continue  # exited since the scan
+            command = signals.command(pid)
+            result = signals.send(identity, signal.SIGTERM, self.daemon.exempt)
+            event(logging.WARNING if result.sent else logging.INFO, "revoke_term", uid=uid, pid=pid,
+                  command=command or None, outcome=result.outcome.value, detail=result.detail or None)
+            if result.sent:
+                stopped.append(pid)
+        return stopped
+
+    async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Make missing driver nodes and re-apply every node's ACL; run by udev through
+        `gpuguard acl apply`. Reads no config, so an admin's half-edited file blocks nothing."""
+        self.daemon.sync_nodes()
+        return protocol.ok(message="device nodes and ACLs re-applied")
 
     async def reload(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         try:

@@ -2,10 +2,10 @@
 
 Start: claim the socket path (refused while another daemon serves) -> store -> GPU backend ->
 gate (attach or find) -> exemptions -> reconcile the gate map and node ACLs from the store ->
-watch the device directory -> serve the socket -> READY=1. One asyncio loop in the main thread runs the server and a periodic tick; the
-store is touched only from that thread, and blocking NVML and /proc work runs in worker
-threads (asyncio.to_thread). Decisions that read state and then change it never await in
-between, so concurrent requests cannot interleave inside one.
+watch the device directory -> serve the socket -> READY=1. One asyncio loop in the main thread
+runs the server and a periodic tick; the store is touched only from that thread, and blocking
+NVML and /proc work runs in worker threads (asyncio.to_thread). Decisions that read state and
+then change it never await in between, so concurrent requests cannot interleave inside one.
 
 SIGHUP reloads the config (a broken one is logged and the old one stays); SIGTERM stops
 cleanly and leaves the gate attached, so GPU access stays closed while no daemon runs.
@@ -14,27 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import resource
 import signal
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from pathlib import Path
 
 from gpuguard import allocator, config as configuration, policy, sampling
 from gpuguard.api import Api
-from gpuguard.backends import accounts, acl, devnodes, open_gpu_backend, procfs, systemd
+from gpuguard.backends import GateError, accounts, acl, devnodes, open_gpu_backend, procfs, systemd
 from gpuguard.backends.gate import Gate
 from gpuguard.config import Config
 from gpuguard.grants import Grants
 from gpuguard.logs import event
-from gpuguard.model import Gpu, Quota, Session
+from gpuguard.model import Gpu, Quota
 from gpuguard.sampling import Sample
 from gpuguard.server import Server
 from gpuguard.store import Store
 from gpuguard.watcher import Watcher
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class Daemon:
@@ -52,24 +50,26 @@ class Daemon:
         _raise_nofile()
         self.server = Server(self.config.paths.socket, Api(self).handle)
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
+        if self.config.access.mode == "acl":
+            _refuse_stale_gate(self.gate_name)
         self.store = Store(self.config.paths.state_dir / "state.db")
-        if self.config.gpu.backend == "nvml":
-            # NVML needs the nodes that nvidia-modprobe no longer makes (etc/modprobe.d/gpuguard.conf).
-            devnodes.ensure_driver_nodes(self.config.paths.device_dir, devnodes.driver_minors())
+        self._ensure_driver_nodes()  # NVML needs them to start
         self.backend = open_gpu_backend(self.config)
+        self.sampler = sampling.Sampler(self.backend)
         # The inventory and topology are fixed while the driver stays loaded; a GPU that
         # falls off the bus shows as NVML errors in the tick, not as a smaller inventory.
         self.gpus: dict[int, Gpu] = {gpu.minor: gpu for gpu in self.backend.gpus()}
         self.topology = self.backend.topology()
+        for error in self.backend.unavailable:  # GPUs NVML cannot read at start: the others are still guarded
+            event(logging.ERROR, "gpu_unavailable", error=error, action="left out until a restart")
         self.gate = Gate(self.gate_name) if self.config.access.mode == "gate" else None
-        self.exempt = accounts.exempt_uids(self.config.access)
+        self.exempt = self._exempt_uids()
         if self.gate:
             self.gate.attach(self.exempt)
-        self.grants = Grants(self.store, self.gate, self.config.paths.device_dir, self.gpus)
+        self.grants = Grants(self.store, self.gate, self.config.paths.device_dir, self.gpus, self.exempt)
         self.grants.reconcile()
-        self.nodes = acl.NodeWatcher(self.config.paths.device_dir, self.grants.node_changed)
+        self.nodes = acl.NodeWatcher(self.config.paths.device_dir, self._node_changed)
         self.watcher = Watcher(self)
-        self._boot_time = _boot_time()
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -111,7 +111,7 @@ class Daemon:
             event(logging.WARNING, "reload_partial", reason="paths, gpu and access.mode change at restart")
         self.config = fixed
         self.refresh_exempt()
-        self.grants.node_changed(None)  # `gpuguard acl apply` (udev) asks for this after making nodes
+        self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         return fixed
 
@@ -122,9 +122,58 @@ class Daemon:
             event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
 
     def refresh_exempt(self) -> None:
-        self.exempt = accounts.exempt_uids(self.config.access)
+        """Recompute the exempt uids (blocking NSS lookups: at reload, never per login)."""
+        self._set_exempt(self._exempt_uids())
+
+    def add_exempt(self, uid: int) -> None:
+        """A login policy calls exempt that the last computation missed (see _exempt_uids)."""
+        self._set_exempt(self.exempt | {uid})
+
+    def _exempt_uids(self) -> set[int]:
+        """accounts.exempt_uids (the exempt groups' member lists), plus the users with an open
+        session whom policy.is_exempt (their own groups) calls exempt.
+
+        The two can differ: SSSD/LDAP often list no members whose primary group it is, so a
+        login finds exempt someone the member lists missed, and adds them (add_exempt). Asking
+        again for the users with sessions keeps such logins exempt across a reload, while a user
+        taken out of the exempt groups still loses it.
+        """
+        exempt = accounts.exempt_uids(self.config.access)
+        for uid in {s.uid for s in self.store.sessions()} - exempt:
+            try:
+                account = accounts.by_uid(uid)
+            except accounts.UnknownUser:
+                continue
+            if policy.is_exempt(uid, account.name, account.groups, self.config.access):
+                exempt.add(uid)
+        return exempt
+
+    def _set_exempt(self, uids: set[int]) -> None:
+        self.exempt = uids
         if self.gate:
-            self.gate.set_exempt(self.exempt)
+            self.gate.set_exempt(uids)
+        self.grants.set_exempt(uids)  # exempt users need ACL entries too: the nodes are 0660 root:root
+
+    # --- device nodes
+
+    def sync_nodes(self) -> None:
+        """Make missing driver nodes and re-apply every GPU node's mode and ACL from the store.
+        The reply to a driver (re)load: needs no config reload, so a config mid-edit blocks nothing."""
+        self._ensure_driver_nodes()
+        self.grants.node_changed(None)
+
+    def _node_changed(self, path: Path | None) -> None:
+        """NodeWatcher callback: None (driver loaded, GPU bound, events lost) means all nodes."""
+        if path is None:
+            self.sync_nodes()
+        else:
+            self.grants.node_changed(path)
+
+    def _ensure_driver_nodes(self) -> None:
+        # With NVreg_ModifyDeviceFiles=0 (etc/modprobe.d/gpuguard.conf) nothing else makes them,
+        # nvidia-uvm included, whose module usually loads after boot.
+        if self.config.gpu.backend == "nvml":
+            devnodes.ensure_driver_nodes(self.config.paths.device_dir, devnodes.driver_minors())
 
     # --- allocation
 
@@ -152,10 +201,8 @@ class Daemon:
                 event(logging.ERROR, "tick_failed", exc_info=True)  # the next tick tries again
 
     async def tick(self) -> None:
-        try:
-            sample = await sampling.take(self.backend)
-        except Exception as exc:  # GpuError and anything a broken driver throws: no action on no data
-            event(logging.ERROR, "sample_failed", error=str(exc), action="skipped this tick")
+        sample = await self.sampler.take_or_log("skipped this tick", max_age=0)  # the tick paces NVML polling
+        if sample is None:
             return
         self.sample = sample
         self.drop_dead_sessions()
@@ -164,19 +211,12 @@ class Daemon:
 
     def drop_dead_sessions(self) -> None:
         """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost message)."""
-        gone = [s for s in self.store.sessions() if not self._caller_alive(s)]
+        starts = self.store.caller_starts()
+        gone = [s for s in self.store.sessions() if not _caller_alive(s.pid, starts.get(s.id))]
         if gone:
             self.store.remove_sessions(s.id for s in gone)
             for session in gone:
                 event(logging.INFO, "session_gone", user=session.user, session=session.id, pid=session.pid)
-
-    def _caller_alive(self, session: Session) -> bool:
-        identity = procfs.process_identity(session.pid)
-        if identity is None:
-            return False
-        # A process that started after the session opened holds a reused pid. /proc/stat's
-        # btime has whole-second precision, hence the one second of slack.
-        return self._boot_time + identity.start_time / _CLOCK_TICKS <= session.opened_at + 1
 
     async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None) -> None:
         """Release session grants of users with no open session and no process on any of their GPUs.
@@ -201,7 +241,7 @@ class Daemon:
 
     def _unused(self, sample: Sample, uids: Iterable[int] | None) -> dict[int, frozenset[int]]:
         """uid -> all of its granted minors, for users holding session grants, with no open session
-        and no process in the sample on any of their GPUs."""
+        and no process in the sample on any of their GPUs (all of them read: an error is not idleness)."""
         by_uid: dict[int, list] = {}
         for grant in self.store.grants():
             by_uid.setdefault(grant.uid, []).append(grant)
@@ -211,14 +251,29 @@ class Daemon:
         for uid, held in by_uid.items():
             minors = frozenset(g.minor for g in held)
             if (any(g.origin == "session" for g in held) and not self.store.sessions(uid)
-                    and not sample.busy_minors(uid) & minors):
+                    and not sample.busy_minors(uid) & minors and all(sample.ok(m) for m in minors)):
                 unused[uid] = minors
         return unused
 
 
-def _boot_time() -> float:
-    with open("/proc/stat") as stat:
-        return float(next(line.split()[1] for line in stat if line.startswith("btime ")))
+def _caller_alive(pid: int, start: int | None) -> bool:
+    """The caller lives while a process with its pid and start time does. Start times count
+    clock ticks since boot, so a stepped wall clock (chrony at boot) changes nothing. A session
+    from before the store kept start times has none: then any process with the pid will do."""
+    identity = procfs.process_identity(pid)
+    return identity is not None and (start is None or identity.start_time == start)
+
+
+def _refuse_stale_gate(name: str) -> None:
+    """In acl mode a gate left attached from gate mode would go on enforcing grants nobody updates."""
+    try:
+        with Gate(name) as gate:
+            attached = gate.is_attached()
+    except (GateError, OSError):
+        return  # no BPF or no cgroup v2 here: then no gate can be attached either
+    if attached:
+        raise GateError(f"gate {name} is still attached from gate mode: run gpuguard gate detach, "
+                        "or set access.mode = gate")
 
 
 def _raise_nofile() -> None:

@@ -25,11 +25,21 @@ _NODE = re.compile(r"nvidia(\d+)")
 
 
 class Grants:
-    def __init__(self, store: Store, gate: Gate | None, device_dir: Path, minors: Collection[int]):
+    def __init__(self, store: Store, gate: Gate | None, device_dir: Path, minors: Collection[int],
+                 exempt: Collection[int] = ()):
         self.store = store
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
         self.device_dir = Path(device_dir)
         self.minors = frozenset(minors)  # the GPUs this machine has: only their nodes are managed
+        # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
+        self.exempt = frozenset(exempt) - {0}
+
+    def set_exempt(self, uids: Collection[int]) -> None:
+        """Change the exempt users; every node's ACL follows at once."""
+        uids = frozenset(uids) - {0}
+        if uids != self.exempt:
+            self.exempt = uids
+            self.node_changed(None)
 
     def node(self, minor: int) -> Path:
         return self.device_dir / f"nvidia{minor}"
@@ -62,10 +72,18 @@ class Grants:
         held = [g for g in self.store.grants(uid) if wanted is None or g.minor in wanted]
         if not held:
             return []
-        if self.gate:
-            for grant in held:
-                self.gate.revoke(uid, (NVIDIA_MAJOR, grant.minor))
-        self.store.remove_grants(uid, [g.minor for g in held], now)
+        closed: list[Grant] = []
+        try:
+            if self.gate:
+                for grant in held:
+                    self.gate.revoke(uid, (NVIDIA_MAJOR, grant.minor))
+                    closed.append(grant)
+            self.store.remove_grants(uid, [g.minor for g in held], now)
+        except Exception:
+            # The store still has these grants: reopen the gate for them, so both agree again.
+            for grant in closed:
+                self.gate.grant(uid, (NVIDIA_MAJOR, grant.minor))
+            raise
         for grant in held:
             self.sync_node(grant.minor)
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
@@ -74,13 +92,14 @@ class Grants:
         return held
 
     def sync_node(self, minor: int) -> None:
-        """Make /dev/nvidia<minor> exist, 0660 root:root, with an ACL entry for exactly its grantees."""
+        """Make /dev/nvidia<minor> exist, 0660 root:root, with an ACL entry for exactly its
+        grantees and the exempt users."""
         if minor not in self.minors:
             return  # a grant for a GPU this machine no longer has: no node to manage
         path = self.node(minor)
         acl.ensure_node(path, (NVIDIA_MAJOR, minor))
         acl.set_base_mode(path)
-        acl.apply_acls(path, {g.uid for g in self.store.grants() if g.minor == minor})
+        acl.apply_acls(path, {g.uid for g in self.store.grants() if g.minor == minor} | self.exempt)
 
     def node_changed(self, path: Path | None) -> None:
         """NodeWatcher callback: a node was (re)created or changed; None means check them all."""

@@ -2,11 +2,13 @@
 
 One `key=value` line per event on stderr (the journal under systemd adds time and unit),
 so that admins can grep and machines can parse them. Values with spaces are quoted.
+An exception's traceback goes on the same line, its newlines escaped as \\n.
 """
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
 
 logger = logging.getLogger("gpuguard")
 
@@ -15,8 +17,10 @@ class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = f"gpuguard level={record.levelname.lower()} {record.getMessage()}"
         if record.exc_info:
-            # A traceback spans lines; keep the log one line per event and name the exception.
-            line += " " + pairs(exception=f"{record.exc_info[0].__name__}: {record.exc_info[1]}")
+            # One line per event: the traceback's newlines are escaped like any value's.
+            kind, exc, trace = record.exc_info
+            line += " " + pairs(exception=f"{kind.__name__}: {exc}",
+                                traceback="".join(traceback.format_exception(kind, exc, trace)).rstrip())
         return line
 
 

@@ -35,6 +35,10 @@ The rules, with their boundaries:
 - Ending (all rules). A SIGTERMed process still on a GPU `kill_wait` after the SIGTERM gets
   SIGKILL; still there `kill_wait` after the SIGKILL, it is reported unkillable, once, and
   stops blocking the next SIGTERM of the memory rule. A process never gets a second SIGTERM.
+- Failed GPUs (`View.failed`: NVML could not read their processes). Nothing is decided about
+  them, not even a time revoke: an error must never read as "no processes". What the watcher
+  remembers about them is kept, and their grants' idle clocks restart (not being seen while
+  unread is no evidence of idleness), so after the GPU answers again nothing fires at once.
 - Never: no action ever targets a process of root or of an exempt uid, and no rule signals a
   process it did not see in the sample it was given.
 """
@@ -45,9 +49,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpuguard.model import Grant, Quota
+from gpuguard.policy import ROOT_UID
 from gpuguard.units import format_duration, format_size
 
-ROOT_UID = 0
 TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0)  # seconds before expires_at, largest first
 
 # Action kinds.
@@ -90,6 +94,14 @@ class View:
     grants: Sequence[Grant]
     quotas: Mapping[int, Quota]   # uid -> resolved quota, for every uid holding a grant
     exempt: Collection[int] = ()  # root is exempt whether listed or not
+    failed: Collection[int] = ()  # minors whose processes could not be read: nothing is known there
+
+    def readable(self) -> View:
+        """This view without the failed GPUs' grants and processes."""
+        if not self.failed:
+            return self
+        return replace(self, procs=[p for p in self.procs if p.minor not in self.failed],
+                       grants=[g for g in self.grants if g.minor not in self.failed], failed=())
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,7 @@ class Action:
 
 
 def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]:
+    view = view.readable()
     exempt = {ROOT_UID, *view.exempt}
     on_slot: dict[Slot, list[Proc]] = {}
     for proc in view.procs:
@@ -256,8 +269,12 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     stopping = dict(state.stopping)
     time_warned = dict(state.time_warned)
     seen = dict(state.seen)
+    failed = frozenset(view.failed)
     for proc in view.procs:
         seen[(proc.uid, proc.minor)] = now
+    for grant in view.grants:
+        if grant.minor in failed:
+            seen[(grant.uid, grant.minor)] = now  # unread: possibly busy, so its idle clock restarts
 
     grant_keys = {(g.uid, g.minor, g.granted_at) for g in view.grants}
     for action in done:
@@ -277,7 +294,8 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
         elif action.kind == UNKILLABLE and proc is not None and proc.key in stopping:
             stopping[proc.key] = replace(stopping[proc.key], unkillable=True)
 
-    # Forget what no longer applies: processes gone, episodes over, grants ended.
+    # Forget what no longer applies: processes gone, episodes over, grants ended; about failed
+    # GPUs nothing is known, so what is remembered about them stays.
     present = {p.key for p in view.procs}
     owner_on = {(p.pid, p.start_time, p.minor): (p.uid, p.minor) for p in view.procs}
     granted = {(g.uid, g.minor) for g in view.grants}
@@ -291,9 +309,9 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
         return slot in granted and limit is not None and known_memory(on_slot.get(slot, [])) > limit
 
     return State(
-        over={slot: t for slot, t in over.items() if still_over(slot)},
-        stray={k: t for k, t in stray.items() if k in owner_on and owner_on[k] not in granted},
-        stopping={k: s for k, s in stopping.items() if k in present},
+        over={slot: t for slot, t in over.items() if slot[1] in failed or still_over(slot)},
+        stray={k: t for k, t in stray.items() if k[2] in failed or (k in owner_on and owner_on[k] not in granted)},
+        stopping={k: s for k, s in stopping.items() if k in present or s.minor in failed},
         time_warned={k: t for k, t in time_warned.items() if k in grant_keys},
         seen={slot: t for slot, t in seen.items() if slot in granted},
     )
@@ -307,10 +325,15 @@ def confirmed(first: Sequence[Action], second: Sequence[Action]) -> list[Action]
 
 
 def usage(view: View, seconds: float) -> dict[Slot, tuple[float, float, float]]:
-    """(granted, busy, idle) seconds to add per user and GPU for `seconds` of this view."""
+    """(granted, busy, idle) seconds to add per user and GPU for `seconds` of this view; on a
+    failed GPU neither busy nor idle is known, so only the granted time counts."""
     busy_slots = {(p.uid, p.minor) for p in view.procs}
-    return {(g.uid, g.minor): (seconds, seconds, 0.0) if (g.uid, g.minor) in busy_slots else (seconds, 0.0, seconds)
-            for g in view.grants}
+
+    def split(grant: Grant) -> tuple[float, float, float]:
+        if grant.minor in view.failed:
+            return (seconds, 0.0, 0.0)
+        return (seconds, seconds, 0.0) if (grant.uid, grant.minor) in busy_slots else (seconds, 0.0, seconds)
+    return {(g.uid, g.minor): split(g) for g in view.grants}
 
 
 # --- what the user is told: one line that says what happened, why, and what to do

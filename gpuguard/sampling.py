@@ -2,45 +2,103 @@
 
 Taken off the event loop (NVML calls block on the driver lock and /proc reads add up),
 once per tick, and shared by the release rule and the watcher so both judge the same moment.
+
+A sample covers the GPUs whose processes NVML could read. A GPU that failed is unknown, not
+idle: nobody decides anything about it (`Sample.ok`). Only when no GPU answers does taking a
+sample fail. All samples go through the daemon's Sampler, which logs GPUs failing and
+recovering once per change, and hands a user's request a sample younger than MAX_AGE instead
+of a new one, so a looped command cannot make gpuguard poll NVML faster than once a second.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from gpuguard.backends import procfs
+from gpuguard.logs import event
 from gpuguard.model import NVIDIA_MAJOR, GpuProcess
+
+MAX_AGE = 1.0  # seconds a sample is reused: process queries serialize on the driver lock
 
 
 @dataclass(frozen=True)
 class Sample:
     time: float
-    processes: tuple[GpuProcess, ...]
+    processes: tuple[GpuProcess, ...]  # on the GPUs in `minors`
     owners: Mapping[int, procfs.ProcessIdentity]  # pid -> identity; pids that exited meanwhile are absent
+    minors: frozenset[int] = frozenset()  # GPUs whose processes were read
+    failed: Mapping[int, str] = field(default_factory=dict)  # minor -> NVML error, for GPUs not read
+
+    def ok(self, minor: int) -> bool:
+        """Whether this sample read GPU `minor`'s processes: about any other GPU it knows nothing."""
+        return minor in self.minors
 
     def uid_of(self, pid: int) -> int | None:
         identity = self.owners.get(pid)
         return identity.uid if identity else None
 
     def busy_minors(self, uid: int) -> set[int]:
-        """GPUs on which NVML sees a process of uid."""
+        """GPUs on which NVML sees a process of uid (of the GPUs it could read)."""
         return {p.minor for p in self.processes if self.uid_of(p.pid) == uid}
 
 
-async def take(backend) -> Sample:
-    """Raises the backend's GpuError: an NVML failure must never read as 'no processes'."""
-    return await asyncio.to_thread(_take, backend)
+class Sampler:
+    """Samples of one backend, taken in a worker thread and one at a time."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.last: Sample | None = None
+        self._taken_at = 0.0  # time.monotonic() when `last` was taken
+        self._lock = asyncio.Lock()
+        self._failed: Mapping[int, str] = {}  # GPUs failing as last logged
+
+    async def take(self, max_age: float = MAX_AGE) -> Sample:
+        """A sample whose NVML query is at most max_age seconds old (0: a new one). Raises the
+        backend's GpuError when NVML fails as a whole: that must never read as 'no processes'."""
+        async with self._lock:  # concurrent requests wait for one sample rather than each taking one
+            if self.last is None or time.monotonic() - self._taken_at >= max_age:
+                started = time.monotonic()
+                self.last = await asyncio.to_thread(_take, self.backend)
+                self._taken_at = started
+                self._log_changes(self.last.failed)
+                return self.last
+            # Reused, less the processes that exited since: a job stopped a moment ago must not
+            # block its user's release. /proc answers that cheaply; NVML is not asked again.
+            return await asyncio.to_thread(_without_exited, self.last)
+
+    async def take_or_log(self, action: str, max_age: float = MAX_AGE, **fields: object) -> Sample | None:
+        """take(), or None after logging why there is no sample and `action`, what the caller does instead."""
+        try:
+            return await self.take(max_age)
+        except Exception as exc:  # GpuError and anything a broken driver throws: no data, no action
+            event(logging.ERROR, "sample_failed", error=str(exc), action=action, **fields)
+            return None
+
+    def _log_changes(self, failed: Mapping[int, str]) -> None:
+        """One line when a GPU starts failing (or fails differently) and one when it answers again."""
+        for minor, error in failed.items():
+            if self._failed.get(minor) != error:
+                event(logging.ERROR, "gpu_failed", gpu=minor, error=error, action="left alone until it answers")
+        for minor in sorted(self._failed.keys() - failed.keys()):
+            event(logging.INFO, "gpu_recovered", gpu=minor)
+        self._failed = failed
 
 
 def _take(backend) -> Sample:
     now = time.time()
-    processes = tuple(backend.processes())
-    owners = {pid: identity for pid in {p.pid for p in processes}
+    query = backend.query_processes()
+    owners = {pid: identity for pid in {p.pid for p in query.processes}
               if (identity := procfs.process_identity(pid)) is not None}
-    return Sample(now, processes, owners)
+    return Sample(now, tuple(query.processes), owners, query.read, query.failed)
+
+
+def _without_exited(sample: Sample) -> Sample:
+    alive = {pid: identity for pid, identity in sample.owners.items() if procfs.process_identity(pid) == identity}
+    return replace(sample, processes=tuple(p for p in sample.processes if p.pid in alive), owners=alive)
 
 
 class Holder(NamedTuple):
@@ -50,15 +108,15 @@ class Holder(NamedTuple):
 
 
 def node_holders(minors: Iterable[int]) -> list[Holder]:
-    """Processes holding these GPUs' nodes open per /proc (blocking: a full /proc scan per GPU).
+    """Processes holding these GPUs' nodes open per /proc (blocking: one scan of /proc for all).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
     (or before creating it) shows up only here.
     """
     found = []
-    for minor in sorted(minors):
-        for pid in procfs.holders((NVIDIA_MAJOR, minor)):
+    for (_, minor), pids in procfs.holders_of([(NVIDIA_MAJOR, minor) for minor in minors]).items():
+        for pid in pids:
             uid = procfs.user_of(pid)
             if uid is not None:
                 found.append(Holder(pid, uid, minor))
-    return found
+    return sorted(found, key=lambda h: (h.minor, h.pid))

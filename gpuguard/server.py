@@ -51,12 +51,17 @@ class Server:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.path.parent, 0o755)
-        self.claim()
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
-                                                       limit=protocol.MAX_REQUEST)
-        os.chmod(self.path, 0o666)
+        """Serve on the path that claim() freed. Bound here rather than by asyncio, which would
+        silently replace a socket someone else created at the path meanwhile."""
+        _make_directory(self.path.parent)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(self.path))
+            os.chmod(self.path, 0o666)  # before listen(): nobody can connect yet
+            self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=protocol.MAX_REQUEST)
+        except OSError as exc:
+            sock.close()
+            raise ServerError(f"cannot serve on {self.path}: {exc.strerror}") from None
 
     async def close(self) -> None:
         if self._server is not None:
@@ -66,7 +71,8 @@ class Server:
             self.path.unlink(missing_ok=True)
 
     def claim(self) -> None:
-        """Remove a socket left by a crashed daemon; raise ServerError when a live one answers on it."""
+        """Remove a socket left by a crashed daemon; raise ServerError when a live one answers on it.
+        Call it before start(), as early as possible: the daemon does, before it touches anything."""
         try:
             mode = os.lstat(self.path).st_mode
         except FileNotFoundError:
@@ -122,6 +128,17 @@ class Server:
         except Exception:
             event(logging.ERROR, "internal_error", exc_info=True, op=request.get("op"), uid=peer.uid)
             return protocol.refused("internal error in the gpuguard daemon (see its log)")
+
+
+def _make_directory(directory: Path) -> None:
+    """Create the socket's directory, traversable by every user (clients connect as themselves).
+    One that exists keeps its mode: it is someone else's, /tmp (sticky, world-writable) or
+    systemd's RuntimeDirectory."""
+    try:
+        directory.mkdir(parents=True)
+    except FileExistsError:
+        return
+    os.chmod(directory, 0o755)  # mkdir applied the umask
 
 
 def _peer(sock: socket.socket) -> Peer:

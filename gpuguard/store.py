@@ -46,6 +46,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE grants ADD COLUMN origin TEXT NOT NULL DEFAULT 'session';
     """,
+    # The PAM caller's start time (clock ticks after boot, /proc/<pid>/stat field 22): with the
+    # pid it names one process for good, whatever the wall clock does. NULL for sessions opened
+    # before this column existed, and when the caller was gone by the time the daemon looked.
+    """
+    ALTER TABLE sessions ADD COLUMN caller_start INTEGER;
+    """,
 )
 
 
@@ -136,11 +142,12 @@ class Store:
     # --- sessions
 
     def open_session(self, uid: int, user: str, service: str, rhost: str, tty: str, pid: int,
-                     now: float) -> Session:
+                     now: float, caller_start: int | None = None) -> Session:
         with self.transaction() as db:
             cursor = db.execute(
-                "INSERT INTO sessions (uid, user, service, rhost, tty, pid, opened_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (uid, user, service, rhost, tty, pid, now))
+                "INSERT INTO sessions (uid, user, service, rhost, tty, pid, opened_at, caller_start)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (uid, user, service, rhost, tty, pid, now, caller_start))
         return Session(cursor.lastrowid, uid, user, service, rhost, tty, pid, now)
 
     def close_session(self, uid: int, pid: int) -> Session | None:
@@ -150,7 +157,7 @@ class Store:
                              (uid, pid)).fetchone()
             if row is not None:
                 db.execute("DELETE FROM sessions WHERE id = ?", (row["id"],))
-        return Session(**dict(row)) if row is not None else None
+        return _session(row) if row is not None else None
 
     def remove_sessions(self, ids: Iterable[int]) -> None:
         with self.transaction() as db:
@@ -160,7 +167,11 @@ class Store:
         query, params = "SELECT * FROM sessions", ()
         if uid is not None:
             query, params = query + " WHERE uid = ?", (uid,)
-        return [Session(**dict(row)) for row in self._db.execute(query + " ORDER BY id", params)]
+        return [_session(row) for row in self._db.execute(query + " ORDER BY id", params)]
+
+    def caller_starts(self) -> dict[int, int | None]:
+        """Session id -> the start time of its PAM caller (None when unknown)."""
+        return {row[0]: row[1] for row in self._db.execute("SELECT id, caller_start FROM sessions")}
 
     # --- events
 
@@ -203,3 +214,8 @@ class Store:
 
 def _grant(row: sqlite3.Row) -> Grant:
     return Grant(**{**dict(row), "shared": bool(row["shared"])})
+
+
+def _session(row: sqlite3.Row) -> Session:
+    # caller_start is the daemon's own business (liveness), not part of what a session shows.
+    return Session(**{key: row[key] for key in row.keys() if key != "caller_start"})

@@ -14,6 +14,9 @@ the ACLs and records the revoke/release event), telling the user on their termin
 Everything here runs on the daemon's event-loop thread, as the store requires; the only
 await is the confirming re-sample (NVML and /proc in a worker thread), after which the
 grants are read again, so a login or release during the re-sample is seen.
+
+A GPU whose processes a sample could not read is passed to the rules as failed: nothing is
+decided about it (the sampler logs it failing and recovering).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpuguard import policy, rules, sampling
+from gpuguard import policy, rules
 from gpuguard.backends import accounts, notify, signals
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.logs import event
@@ -69,11 +72,9 @@ class Watcher:
         view = self._view(sample)
         actions = rules.decide(view, self.state, now, timing)
         if actions:  # rare (changes only), so every one is confirmed, warnings included
-            try:
-                confirming = await sampling.take(self.daemon.backend)
-            except Exception as exc:  # GpuError or a broken driver: no data, no action
-                event(logging.ERROR, "sample_failed", error=str(exc), action="no action this tick",
-                      pending=len(actions))
+            confirming = await self.daemon.sampler.take_or_log("no action this tick", max_age=0,
+                                                               pending=len(actions))
+            if confirming is None:
                 return []
             view = self._view(confirming)  # grants read again: a request may have come in meanwhile
             actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
@@ -114,7 +115,9 @@ class Watcher:
                                     process.used_memory))
         grants = self.daemon.store.grants()
         quotas = {g.uid: self._account_of(g.uid)[1] for g in grants}
-        return rules.View(procs, grants, quotas, frozenset(self.daemon.exempt))
+        # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
+        failed = frozenset(sample.failed) | {g.minor for g in grants if not sample.ok(g.minor)}
+        return rules.View(procs, grants, quotas, frozenset(self.daemon.exempt), failed)
 
     def _account_of(self, uid: int) -> tuple[str, Quota]:
         """Name and resolved quota of uid, from NSS at most once a minute (and after a reload)."""

@@ -22,10 +22,12 @@ import pytest
 
 from gpuguard.demo import searchable
 
-pytest_plugins = ["daemon_fixture"]  # start_daemon / gg_daemon: a real daemon (tests/daemon_fixture.py)
+# start_daemon / gg_daemon: a real daemon (tests/daemon_fixture.py); pam_module (tests/ssh_harness.py).
+pytest_plugins = ["daemon_fixture", "ssh_harness"]
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too
+BIN = Path(PYTHON).parent  # that venv's scripts (`gpuguard`), wherever the Makefile's VENV put it
 T = TypeVar("T")
 
 
@@ -47,6 +49,26 @@ def require_root() -> Iterator[None]:
         pytest.exit("gpuguard's tests use real users, PAM and BPF: run them as root (sudo make test)", 2)
     # Test users run the venv's Python from this checkout, wherever it was cloned (/root too).
     with searchable(REPO):
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sweep_leftovers(require_root, request) -> Iterator[None]:
+    """At the start of the session, remove what an aborted run left (tests/leftovers.py): ggt- users,
+    groups, PAM files, sandboxes and gates. Reported on the terminal, so a leftover does not pass
+    unnoticed."""
+    import leftovers
+
+    with leftovers.session() as lines:
+        if lines:
+            report = "\n".join(lines)
+            capture = request.config.pluginmanager.get_plugin("capturemanager")
+            terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+            if capture is not None and terminal is not None:
+                with capture.global_and_fixture_disabled():
+                    terminal.write_line(report)
+            else:
+                print(report, file=sys.__stderr__)
         yield
 
 
@@ -83,7 +105,7 @@ def make_group() -> Iterator:
 @pytest.fixture
 def make_user() -> Iterator:
     """Factory for real login users (`ggt-xxxxxx`, with a home), deleted afterwards."""
-    created: list[str] = []
+    created: list[TestUser] = []
 
     def make(groups: list[str] | tuple[str, ...] = ()) -> TestUser:
         name = unique()
@@ -91,14 +113,16 @@ def make_user() -> Iterator:
         if groups:
             cmd[1:1] = ["--groups", ",".join(groups)]
         subprocess.run(cmd, check=True)
-        created.append(name)
         entry = pwd.getpwnam(name)
-        return TestUser(name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir))
+        created.append(TestUser(name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir)))
+        return created[-1]
 
     yield make
-    for name in created:
-        subprocess.run(["pkill", "-KILL", "-u", name], check=False)
-        subprocess.run(["userdel", "--remove", "--force", name], check=False, capture_output=True)
+    from leftovers import kill_processes_of
+
+    for user in created:
+        kill_processes_of(user.uid)  # psutil: procps (pkill) is not among the Makefile's packages
+        subprocess.run(["userdel", "--remove", "--force", user.name], check=False, capture_output=True)
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 20.0, step: float = 0.05) -> T:

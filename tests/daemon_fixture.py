@@ -37,6 +37,9 @@ The handle (RunningDaemon):
                                      caller() when pid is None)
     close_session(user, pid)      -> session_close reply
     whoami(user)                  -> whoami reply for user (asked as root)
+    grants(user)                  -> the user's grants, as whoami lists them (dicts)
+    granted_minors(user)          -> the minors of those grants, in order
+    uuid(minor)                   -> the UUID of GPU `minor`, as status lists it
     node(minor)                   -> Path of /dev/nvidia<minor> in the sandbox
     write_config(**same as start_daemon) and reload() -> change the config of the running daemon
     stop() -> exit status (SIGTERM; idempotent); restart() -> start it again on the same state
@@ -61,8 +64,9 @@ import tomlkit
 from conftest import PYTHON, TestUser, run_as, unique
 from gate_lock import gate_test_lock
 from gpuguard import client, config as gpuguard_config
-from gpuguard.backends.gate import PIN_ROOT, Gate
-from sim_helpers import gpuguard, write_config
+from gpuguard.backends.gate import Gate
+from leftovers import sweep_gates
+from sim_helpers import cli, gpuguard, write_config
 
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0
@@ -156,11 +160,10 @@ class RunningDaemon:
         return json.loads(result.stdout)
 
     def cli(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
-        return subprocess.run(gpuguard(self.config_path, *args), capture_output=True, text=True, cwd="/",
-                              timeout=60, **kwargs)
+        return cli(self.config_path, *args, **kwargs)
 
     def cli_as(self, user: TestUser, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
-        return run_as(user, gpuguard(self.config_path, *args), **kwargs)
+        return cli(self.config_path, *args, user=user, **kwargs)
 
     # --- people and sessions
 
@@ -184,6 +187,16 @@ class RunningDaemon:
     def whoami(self, user: TestUser) -> dict:
         return self.call("whoami", user=user.name)
 
+    def grants(self, user: TestUser) -> list[dict]:
+        return self.whoami(user)["grants"]
+
+    def granted_minors(self, user: TestUser) -> list[int]:
+        return [grant["minor"] for grant in self.grants(user)]
+
+    def uuid(self, minor: int) -> str:
+        (gpu,) = [g for g in self.call("status")["gpus"] if g["minor"] == minor]
+        return gpu["uuid"]
+
     def node(self, minor: int) -> Path:
         return self.device_dir / f"nvidia{minor}"
 
@@ -195,14 +208,6 @@ class RunningDaemon:
         Gate(self.gate_name).detach()
         return status
 
-
-
-def _detach_leftover_test_gates() -> None:
-    """A test gate left by an aborted run would deny test users every GPU node: remove it
-    (only under the gate test lock, when no other test's gate can be live)."""
-    if PIN_ROOT.is_dir():
-        for pinned in PIN_ROOT.glob("ggt-*"):
-            Gate(pinned.name).detach()
 
 
 @pytest.fixture
@@ -219,7 +224,9 @@ def start_daemon(sandbox, make_group, make_user) -> Iterator:
         return daemon
 
     with gate_test_lock():  # any other test's gate would deny our users too
-        _detach_leftover_test_gates()
+        # The session sweep (conftest) ran at the start; a run aborted since may have left a gate.
+        for removed in sweep_gates():
+            print(f"removed a leftover: {removed}")
         yield start
         for daemon in started:
             running = daemon.proc is not None and daemon.proc.poll() is None

@@ -1,19 +1,22 @@
-"""Helpers for tests on simulated GPUs: a config file, the backend, `gpuguard sim burn` processes.
+"""Helpers for tests on simulated GPUs: a config file, the CLI, the backend, `gpuguard sim burn` processes.
 
     config = write_config(sandbox, count=4)
+    result = cli(config, "whoami", "--json", user=alice)   # CompletedProcess (text, 60 s limit)
     with open_backend(config) as gpus:           # creates sandbox/dev/nvidia0..3
         with burn(config, gpu=2, mem="4GiB", user=alice) as proc:
             assert GpuProcess(proc.pid, 2, 4 << 30) in gpus.processes()
 """
 from __future__ import annotations
 
+import json
 import select
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from conftest import PYTHON, TestUser, popen_as
+from conftest import PYTHON, TestUser, popen_as, run_as
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import open_gpu_backend
 from gpuguard.backends.nvml import NvmlBackend
@@ -31,9 +34,34 @@ def write_config(directory: Path, count: int = 4, memory: str = "80GiB", extra: 
     return path
 
 
-def gpuguard(config: Path, *args: str) -> list[str]:
-    """argv running the gpuguard CLI from this checkout with this config."""
-    return [PYTHON, "-m", "gpuguard", "--config", str(config), *args]
+def gpuguard(config: Path | None, *args: str) -> list[str]:
+    """argv running the gpuguard CLI from this checkout with this config (None: no --config)."""
+    return [PYTHON, "-m", "gpuguard", *(["--config", str(config)] if config is not None else []), *args]
+
+
+def cli(config: Path | None, *args: str, user: TestUser | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """Run `gpuguard [--config config] args` as root, or as `user`; output as text, 60 s at most.
+    kwargs go to subprocess.run (env=..., input=...)."""
+    if user is not None:
+        return run_as(user, gpuguard(config, *args), **kwargs)
+    kwargs.setdefault("capture_output", True)
+    kwargs.setdefault("text", True)
+    kwargs.setdefault("timeout", 60)
+    return subprocess.run(gpuguard(config, *args), cwd="/", **kwargs)
+
+
+def run_with_proc_devices(devices: str, code: str, directory: Path) -> Any:
+    """Run Python `code` (as root) where /proc/devices reads `devices`, as it would with other
+    drivers loaded: a private mount namespace with a file from `directory` bind-mounted over it,
+    gone with the process. Returns what the code prints, decoded as JSON."""
+    fake = directory / "proc-devices"
+    fake.write_text(devices)
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount --bind "$1" /proc/devices && exec "$2" -c "$3"', "sh", str(fake), PYTHON, code],
+        capture_output=True, text=True, cwd="/", timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 def open_backend(config: Path) -> NvmlBackend:

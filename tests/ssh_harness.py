@@ -6,7 +6,10 @@
   namespace in which a test PAM stack is bind-mounted over /etc/pam.d/sshd, so the host's
   own /etc/pam.d/sshd is never touched. Stopping it kills every process in that namespace.
 - `StubDaemon`: a scripted stand-in for the daemon's socket, for the module's protocol
-  edge cases (escaping, odd replies, a daemon that never answers).
+  edge cases (escaping, odd replies, a daemon that never answers); `UUIDS` and `MESSAGE`
+  are what a stub answers a session_open with.
+- `pam_module`: a fixture (conftest loads this file as a plugin) that builds pam_gpuguard.so
+  once per session.
 """
 from __future__ import annotations
 
@@ -22,7 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+
+from conftest import BIN, PYTHON, REPO
+
 MODULE = REPO / "pam" / "pam_gpuguard.so"
 PAM_DIR = Path("/etc/pam.d")
 SSHD = "/usr/sbin/sshd"
@@ -36,9 +42,20 @@ session  required pam_permit.so
 """
 
 
+# What a stub daemon answers a session_open with (two GPUs), and the line the user sees.
+UUIDS = "GPU-0a1b2c3d-0000-4000-8000-000000000001,GPU-0a1b2c3d-0000-4000-8000-000000000002"
+MESSAGE = "gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details"
+
+
 def build_module() -> Path:
     subprocess.run(["make", "-s", "-C", str(REPO / "pam")], check=True, capture_output=True)
     return MODULE
+
+
+@pytest.fixture(scope="session")
+def pam_module() -> Path:
+    """pam_gpuguard.so, built (or found up to date) once per session."""
+    return build_module()
 
 
 def module_line(socket_path: str | os.PathLike, *options: str, control: str = "optional") -> str:
@@ -47,11 +64,9 @@ def module_line(socket_path: str | os.PathLike, *options: str, control: str = "o
 
 def hook_line(*hook_args: str, stdout: bool = True, direct: bool = False,
               control: str = "optional") -> str:
-    """pam_exec running `gpuguard pam-hook` from this checkout's venv (direct: the lighter
+    """pam_exec running `gpuguard pam-hook` from the tests' venv (direct: the lighter
     `python -I -m gpuguard.pam_hook` form, which skips loading the whole CLI)."""
-    venv = REPO / ".venv" / "bin"
-    command = [str(venv / "python"), "-I", "-m", "gpuguard.pam_hook"] if direct \
-        else [str(venv / "gpuguard"), "pam-hook"]
+    command = [PYTHON, "-I", "-m", "gpuguard.pam_hook"] if direct else [str(BIN / "gpuguard"), "pam-hook"]
     return " ".join(["session", control, "pam_exec.so quiet", *(["stdout"] if stdout else []),
                      *command, *hook_args])
 
@@ -141,7 +156,7 @@ class PamSession:
 
     def __init__(self, service: str, user: str, timeout: float = 30):
         self.process = subprocess.Popen(
-            [str(REPO / ".venv" / "bin" / "python"), "-c", _SESSION_SCRIPT, service, user],
+            [PYTHON, "-c", _SESSION_SCRIPT, service, user],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
         opened = self._read(timeout)
         self.pid: int = opened["pid"]

@@ -1,6 +1,7 @@
 """Config loading and validation, including every kind of bad input, through the real CLI too."""
+import os
+import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from gpuguard import config
 from gpuguard.config import ConfigError
 from gpuguard.model import Quota
+from sim_helpers import cli, write_config
 
 GOOD = """
 [access]
@@ -136,24 +138,65 @@ def test_missing_file(tmp_path):
         config.load(tmp_path / "absent.toml")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpuguard", *args], capture_output=True, text=True)
-
-
 def test_config_check_command(tmp_path):
     path = write(tmp_path, GOOD, QUOTAS)
-    result = cli("config", "check", str(path))
+    result = cli(None, "config", "check", str(path))
     assert result.returncode == 0, result.stderr
     assert "ok" in result.stdout and "1 user and 1 group quotas" in result.stdout
 
     path.write_text('[defaults]\ngpu_memory = "lots"')
-    result = cli("--config", str(path), "config", "check")
+    result = cli(path, "config", "check")
     assert result.returncode == 2
     assert result.stderr.startswith("gpuguard: ") and result.stderr.count("\n") == 1
     assert "defaults.gpu_memory" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_version_and_usage_errors():
-    result = cli("--version")
+    result = cli(None, "--version")
     assert result.returncode == 0 and result.stdout.startswith("gpuguard ")
-    assert cli("no-such-command").returncode == 2
+    assert cli(None, "no-such-command").returncode == 2
+
+
+def unreachable(result: subprocess.CompletedProcess, socket_path: Path) -> bool:
+    """Exit status 3 with one line naming the socket: what every command says with no daemon."""
+    return (result.returncode == 3 and result.stdout == ""
+            and result.stderr.startswith(f"gpuguard: gpuguard daemon not reachable at {socket_path}: ")
+            and result.stderr.count("\n") == 1)
+
+
+def test_no_daemon_on_the_socket_exits_3(sandbox, make_user):
+    config_path = write_config(sandbox)  # its socket is in the sandbox, and nothing listens there
+    socket_path = config.load(config_path).paths.socket
+    assert not socket_path.exists()
+    for args in (["whoami"], ["status"], ["whoami", "--json"]):
+        result = cli(config_path, *args)
+        assert unreachable(result, socket_path), result
+    assert unreachable(cli(config_path, "whoami", user=make_user()), socket_path)  # as a researcher
+
+    # A socket file that nobody listens on any more (a daemon that died): refused, also 3.
+    socket_path.parent.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+        stale.bind(str(socket_path))
+    result = cli(config_path, "whoami")
+    assert unreachable(result, socket_path) and "Connection refused" in result.stderr, result
+
+
+def test_config_option_overrides_the_environment(sandbox):
+    """--config beats $GPUGUARD_CONFIG, which beats the default path; the socket named in the
+    error shows which file was read."""
+    first = sandbox / "first"
+    second = sandbox / "second"
+    first.mkdir()
+    second.mkdir()
+    first_socket = config.load(write_config(first)).paths.socket
+    second_socket = config.load(write_config(second)).paths.socket
+    env = {**os.environ, "GPUGUARD_CONFIG": str(first / "gpuguard.toml")}
+
+    assert unreachable(cli(None, "whoami", env=env), first_socket)
+    assert unreachable(cli(second / "gpuguard.toml", "whoami", env=env), second_socket)
+    # Also for files that do not load: the one named by --config is the one reported.
+    (second / "gpuguard.toml").write_text("[acess]\n")
+    result = cli(second / "gpuguard.toml", "config", "check", env=env)
+    assert result.returncode == 2 and result.stderr.startswith(f"gpuguard: {second / 'gpuguard.toml'}: ")
+    result = cli(None, "config", "check", env=env)
+    assert result.returncode == 0 and str(first / "gpuguard.toml") in result.stdout, result

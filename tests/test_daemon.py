@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -19,12 +20,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from conftest import PYTHON, REPO, run_as, wait_for
+import probes
+from conftest import PYTHON, popen_as, wait_for
 from gpuguard import client
 from gpuguard.api import NO_GPU_FREE
 from gpuguard.backends import acl
 from gpuguard.backends.gate import Gate
 from gpuguard.model import NVIDIA_MAJOR
+from probes import ALLOWED, FILE_DENIED, GATE_DENIED, opens
 from sim_helpers import gpuguard, start_burn, stop_burn
 
 if TYPE_CHECKING:
@@ -32,29 +35,9 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.gate
 
-PROBE = str(REPO / "tests" / "gate_probe.py")
-ALLOWED, GATE_DENIED, FILE_DENIED = "ENXIO", "EPERM", "EACCES"
-
-
 def bare_nodes(d) -> dict[int, Path]:
     """0666 nodes for every GPU, where only the gate can say no."""
-    directory = d.sandbox / "bare"
-    directory.mkdir(mode=0o755, exist_ok=True)
-    nodes = {}
-    for minor in range(d.config.gpu.simulated.count):
-        path = directory / f"nvidia{minor}"
-        if not path.exists():
-            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(NVIDIA_MAJOR, minor))
-            os.chmod(path, 0o666)
-        nodes[minor] = path
-    return nodes
-
-
-def opens(user: TestUser, paths: dict[int, Path]) -> dict[int, str]:
-    result = run_as(user, [PYTHON, "-I", "-S", PROBE, *map(str, paths.values())])
-    assert result.returncode == 0, result.stderr
-    answers = json.loads(result.stdout)["results"]
-    return {minor: answers[str(path)] for minor, path in paths.items()}
+    return probes.bare_nodes(d.sandbox / "bare", range(d.config.gpu.simulated.count))
 
 
 def access(d, user: TestUser) -> dict[int, tuple[str, str]]:
@@ -68,10 +51,6 @@ def access(d, user: TestUser) -> dict[int, tuple[str, str]]:
 def only(d, *granted: int) -> dict[int, tuple[str, str]]:
     return {m: (ALLOWED, ALLOWED) if m in granted else (FILE_DENIED, GATE_DENIED)
             for m in range(d.config.gpu.simulated.count)}
-
-
-def grants_of(d, user: TestUser) -> list[int]:
-    return [g["minor"] for g in d.whoami(user)["grants"]]
 
 
 # --- logins
@@ -115,14 +94,29 @@ def test_a_non_member_gets_nothing_and_no_message(gg_daemon, make_user):
     assert d.whoami(bob)["member"] is False
 
 
-def test_an_exempt_user_needs_no_grant(start_daemon, make_user):
+def test_an_exempt_user_needs_no_grant_and_opens_every_gpu(start_daemon, make_user):
     ops = make_user()
     d = start_daemon(access={"exempt_users": [ops.name]})
+    alice = d.add_member()
     opened = d.open_session(ops)
     assert (opened["gpus"], opened["message"]) == ([], "")
     assert Gate(d.gate_name).exempt() == {0, ops.uid}
-    # the gate lets them through everywhere; file permissions still apply to the managed nodes
-    assert set(opens(ops, bare_nodes(d)).values()) == {ALLOWED}
+    # the gate lets them through, and the nodes' ACLs name them: every GPU opens
+    assert access(d, ops) == only(d, 0, 1, 2, 3)
+    assert access(d, alice) == only(d)  # a member with no grant gets no such entry
+    d.write_config(access={"exempt_users": []})
+    d.reload()
+    assert access(d, ops) == only(d)
+    assert not any(ops.uid in acl.acl_users(d.node(m)) for m in range(4))
+
+
+def test_a_login_exempt_by_its_groups_is_exempt_at_once(start_daemon, make_group, make_user):
+    admins = make_group()
+    d = start_daemon(access={"exempt_groups": [admins]})
+    ops = make_user(groups=[admins])  # joined after the daemon computed the exempt uids
+    assert d.open_session(ops)["gpus"] == []
+    assert ops.uid in Gate(d.gate_name).exempt() and ops.uid in d.call("status")["exempt"]
+    assert access(d, ops) == only(d, 0, 1, 2, 3)
 
 
 def test_a_second_session_reuses_the_grant_and_the_last_close_releases_it(gg_daemon):
@@ -151,10 +145,10 @@ def test_a_running_job_keeps_its_gpu_after_logout_until_it_exits(gg_daemon):
         closed = d.close_session(alice, opened["pid"])
         assert (closed["released"], closed["kept"]) == ([], [minor])
         assert wait_for(lambda: d.call("status")["gpus"][minor]["processes"] == 1)
-        assert grants_of(d, alice) == [minor]  # seen by the tick, and kept
+        assert d.granted_minors(alice) == [minor]  # seen by the tick, and kept
     finally:
         stop_burn(burn)
-    assert wait_for(lambda: not grants_of(d, alice))
+    assert wait_for(lambda: not d.granted_minors(alice))
     assert access(d, alice) == only(d)
 
 
@@ -166,8 +160,24 @@ def test_a_session_whose_pam_caller_died_is_dropped_and_its_grant_released(gg_da
     assert opened["gpus"]
     caller.kill()
     caller.wait()
-    assert wait_for(lambda: not d.whoami(alice)["sessions"] and not grants_of(d, alice))
+    assert wait_for(lambda: not d.whoami(alice)["sessions"] and not d.granted_minors(alice))
     assert "event=session_gone" in d.log()
+
+
+def test_a_caller_is_judged_by_its_start_time_not_the_wall_clock(gg_daemon):
+    d = gg_daemon
+    alice, bob = d.add_member(), d.add_member()
+    stepped = d.open_session(alice)
+    reused = d.open_session(bob)
+    with sqlite3.connect(d.config.paths.state_dir / "state.db") as db:
+        # alice's session opened while the wall clock read 1970 (stepped back at boot): her caller
+        # "started after it", which never mattered. bob's caller pid now names another process.
+        db.execute("UPDATE sessions SET opened_at = 0 WHERE id = ?", (stepped["session"],))
+        db.execute("UPDATE sessions SET caller_start = caller_start + 1 WHERE id = ?", (reused["session"],))
+    db.close()
+    assert wait_for(lambda: not d.whoami(bob)["sessions"])  # a tick judged both sessions
+    assert [s["id"] for s in d.whoami(alice)["sessions"]] == [stepped["session"]]
+    assert d.granted_minors(alice) == stepped["gpus"]
 
 
 def test_no_free_gpu_still_opens_the_session_and_request_gets_one_later(gg_daemon):
@@ -222,7 +232,7 @@ def test_a_login_never_fails_even_when_the_grant_cannot_be_applied(gg_daemon):
     opened = d.open_session(alice)
     assert opened["ok"] and opened["gpus"] == [] and opened["cuda_visible_devices"] == ""
     assert opened["message"] == "gpuguard: no GPU for this session (an internal error, logged for your admin)"
-    assert grants_of(d, alice) == [] and Gate(d.gate_name).entries() == set()
+    assert d.granted_minors(alice) == [] and Gate(d.gate_name).entries() == set()
     assert "event=session_open_failed" in d.log()
     for minor in range(4):
         d.node(minor).rmdir()
@@ -301,7 +311,7 @@ def test_request_and_release_by_the_user(start_daemon, make_user):
         busy = d.cli_as(alice, "release")
         assert busy.returncode == 1
         assert f"GPU {first} still in use by your process {burn.pid}: stop them, then release" in busy.stderr
-        assert grants_of(d, alice) == [first, second]  # nothing released, nothing killed
+        assert d.granted_minors(alice) == [first, second]  # nothing released, nothing killed
         assert burn.poll() is None
         partial = d.cli_as(alice, "release", "--gpu", str(second))
         assert partial.returncode == 0 and f"released GPU {second}; you still hold GPU {first}" in partial.stdout
@@ -353,6 +363,28 @@ def test_admin_grant_and_revoke(gg_daemon):
     assert kinds == ["grant", "grant", "revoke", "revoke"]  # (the watcher adds its warning about the holder)
 
 
+def test_revoke_stops_processes_that_hold_the_node_without_a_cuda_context(gg_daemon):
+    d = gg_daemon
+    alice = d.add_member()
+    (minor,) = d.open_session(alice)["gpus"]
+    # An open descriptor that NVML never lists (the simulated node opens no further than O_PATH).
+    code = "import os, sys, time; os.open(sys.argv[1], os.O_PATH); print('held', flush=True); time.sleep(600)"
+    holder = popen_as(alice, [PYTHON, "-c", code, str(d.node(minor))], stdout=subprocess.PIPE, text=True)
+    bystander = popen_as(alice, ["sleep", "600"])
+    try:
+        assert holder.stdout.readline() == "held\n"
+        reply = d.call("revoke", user=alice.name)
+        assert reply["holders"] == [{"pid": holder.pid, "minor": minor}]
+        assert reply["message"].endswith(f"; process {holder.pid} held the node open (no CUDA context): sent SIGTERM")
+        assert holder.wait(10) == -signal.SIGTERM
+        assert bystander.poll() is None  # alice's other processes are left alone
+    finally:
+        for proc in (holder, bystander):
+            proc.kill()
+            proc.wait()
+        holder.stdout.close()
+
+
 def test_admin_commands_check_their_input(gg_daemon, make_user):
     d = gg_daemon
     alice, outsider = d.add_member(), make_user()
@@ -375,12 +407,12 @@ def test_users_cannot_act_for_others_or_as_root(gg_daemon):
     d.open_session(alice)
     for op, fields in [("grant", {"user": mallory.name, "gpus": 1}), ("revoke", {"user": alice.name}),
                        ("session_open", {"user": mallory.name, "pid": 1}),
-                       ("session_close", {"user": alice.name, "pid": 1}), ("reload", {})]:
+                       ("session_close", {"user": alice.name, "pid": 1}), ("reload", {}), ("sync_nodes", {})]:
         assert d.call_as(mallory, op, **fields) == {"ok": False, "code": 1, "error": f"{op} is for root only"}
     assert d.call_as(mallory, "whoami", user=alice.name) == {
         "ok": False, "code": 1, "error": "only root may look at another user's GPUs"}
     assert d.call_as(mallory, "whoami", user=mallory.name)["user"] == mallory.name
-    assert grants_of(d, mallory) == [] and grants_of(d, alice) != []
+    assert d.granted_minors(mallory) == [] and d.granted_minors(alice) != []
     assert d.cli_as(mallory, "revoke", alice.name).returncode == 1
     assert d.cli_as(mallory, "whoami", "--user", alice.name).returncode == 1
 
@@ -405,7 +437,7 @@ def test_restart_keeps_grants_and_reconciles_the_gate_and_acls(gg_daemon):
     assert Gate(d.gate_name).entries() == {(alice.uid, (NVIDIA_MAJOR, minor))}
     assert access(d, alice) == only(d, minor) and access(d, bob) == only(d)
     assert stat.S_IMODE(os.stat(d.node(stray)).st_mode) == 0o660
-    assert grants_of(d, alice) == [minor]
+    assert d.granted_minors(alice) == [minor]
 
 
 def test_a_recreated_node_gets_its_mode_and_acl_back(gg_daemon):
@@ -413,10 +445,28 @@ def test_a_recreated_node_gets_its_mode_and_acl_back(gg_daemon):
     alice = d.add_member()
     (minor,) = d.open_session(alice)["gpus"]
     d.node(minor).unlink()  # what nvidia-modprobe does: a fresh node, no uevent
-    os.mknod(d.node(minor), stat.S_IFCHR | 0o666, os.makedev(NVIDIA_MAJOR, minor))
+    probes.open_node(d.node(minor), (NVIDIA_MAJOR, minor))
     assert wait_for(lambda: acl.acl_users(d.node(minor)) == {alice.uid}
                       and stat.S_IMODE(os.stat(d.node(minor)).st_mode) == 0o660)
     assert access(d, alice) == only(d, minor)
+
+
+def test_acl_apply_remakes_nodes_and_acls_even_while_the_config_is_broken(gg_daemon):
+    d = gg_daemon
+    alice = d.add_member()
+    (minor,) = d.open_session(alice)["gpus"]
+    applied = d.cli("acl", "apply")
+    assert (applied.returncode, applied.stdout) == (0, "device nodes and ACLs re-applied\n")
+    good = d.config_path.read_text()
+    d.config_path.write_text(good + "\n[access\n")  # an admin in the middle of an edit
+    for m in range(4):
+        d.node(m).unlink()  # a removal sends no event the daemon watches
+    assert d.call("sync_nodes")["ok"]  # what acl apply asks for: no config involved
+    assert access(d, alice) == only(d, minor)
+    assert all(stat.S_IMODE(os.stat(d.node(m)).st_mode) == 0o660 for m in range(4))
+    with pytest.raises(client.Refused, match="the previous config stays in force"):
+        d.reload()
+    d.config_path.write_text(good)
 
 
 def test_sighup_reloads_and_a_broken_config_keeps_the_old_one(gg_daemon):
@@ -446,6 +496,19 @@ def test_acl_mode_runs_without_a_gate(start_daemon):
     assert not Gate(d.gate_name).is_attached()
     managed = opens(alice, {m: d.node(m) for m in range(4)})
     assert managed == {m: ALLOWED if m == minor else FILE_DENIED for m in range(4)}
+    assert d.call("status")["gate"] is None
+
+
+def test_acl_mode_refuses_to_start_while_a_gate_from_gate_mode_is_attached(start_daemon):
+    d = start_daemon()
+    assert d.stop() == 0  # the gate stays attached, enforcing grants
+    d.write_config(gate=False)
+    refused = d.cli("daemon", "--gate-name", d.gate_name)
+    assert refused.returncode == 1
+    assert refused.stderr == (f"gpuguard: cannot start: gate {d.gate_name} is still attached from gate mode: "
+                              "run gpuguard gate detach, or set access.mode = gate\n")
+    Gate(d.gate_name).detach()
+    d.start()
     assert d.call("status")["gate"] is None
 
 

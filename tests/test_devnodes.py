@@ -4,6 +4,14 @@ import stat
 from pathlib import Path
 
 from gpuguard.backends import devnodes
+from sim_helpers import run_with_proc_devices
+
+
+def uvm_major() -> int | None:
+    """nvidia-uvm's character major in /proc/devices (read here, not through procfs), if loaded."""
+    chars = Path("/proc/devices").read_text().split("Block devices:")[0].splitlines()
+    majors = [int(line.split()[0]) for line in chars if line.split()[1:] == ["nvidia-uvm"]]
+    return majors[0] if majors else None
 
 
 def fake_driver(root: Path, minors: dict[str, int]) -> Path:
@@ -26,10 +34,33 @@ def test_missing_nodes_are_made_with_their_modes_and_wrong_ones_replaced(sandbox
     dev.mkdir()
     os.mknod(dev / "nvidia1", stat.S_IFCHR | 0o666, os.makedev(1, 3))  # wrong device behind the name
     made = devnodes.ensure_driver_nodes(dev, [0, 1])
-    assert {p.name for p in made} >= {"nvidiactl", "nvidia-modeset", "nvidia0", "nvidia1"}
-    for name, rdev, mode in (("nvidiactl", (195, 255), 0o666), ("nvidia-modeset", (195, 254), 0o666),
-                             ("nvidia0", (195, 0), 0o660), ("nvidia1", (195, 1), 0o660)):
+    expected = [("nvidiactl", (195, 255), 0o666), ("nvidia-modeset", (195, 254), 0o666),
+                ("nvidia0", (195, 0), 0o660), ("nvidia1", (195, 1), 0o660)]
+    uvm = uvm_major()  # nvidia-uvm's nodes only while its module is loaded
+    if uvm is not None:
+        expected += [("nvidia-uvm", (uvm, 0), 0o666), ("nvidia-uvm-tools", (uvm, 1), 0o666)]
+    assert sorted(made) == sorted(dev / name for name, _, _ in expected)
+    assert sorted(p.name for p in dev.iterdir()) == sorted(name for name, _, _ in expected)
+    for name, rdev, mode in expected:
         st = os.stat(dev / name)
         assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == rdev
         assert stat.S_IMODE(st.st_mode) == mode and (st.st_uid, st.st_gid) == (0, 0)
     assert devnodes.ensure_driver_nodes(dev, [0, 1]) == []  # all right already: nothing made
+
+
+def test_uvm_nodes_are_made_when_its_module_is_loaded(sandbox: Path) -> None:
+    """nvidia-uvm's major is dynamic: it is read from /proc/devices (here one of our own, in a
+    private mount namespace, saying nvidia-uvm is loaded as 508)."""
+    dev = sandbox / "dev"
+    dev.mkdir()
+    code = ("import json, sys\nfrom pathlib import Path\nfrom gpuguard.backends import devnodes\n"
+            f"made = devnodes.ensure_driver_nodes(Path({str(dev)!r}), [3])\n"
+            "print(json.dumps(sorted(p.name for p in made)))")
+    loaded = "Character devices:\n  1 mem\n195 nvidia-frontend\n508 nvidia-uvm\n\nBlock devices:\n  7 loop\n"
+    made = run_with_proc_devices(loaded, code, sandbox)
+    assert made == sorted(["nvidiactl", "nvidia-modeset", "nvidia-uvm", "nvidia-uvm-tools", "nvidia3"])
+    for name, rdev, mode in (("nvidia-uvm", (508, 0), 0o666), ("nvidia-uvm-tools", (508, 1), 0o666),
+                             ("nvidia3", (195, 3), 0o660)):
+        st = os.stat(dev / name)
+        assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == rdev
+        assert stat.S_IMODE(st.st_mode) == mode and (st.st_uid, st.st_gid) == (0, 0)

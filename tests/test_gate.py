@@ -10,13 +10,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from subprocess import PIPE
-from typing import TYPE_CHECKING
 
 import pytest
 
@@ -27,13 +25,10 @@ from gpuguard.backends.gate import (
     R0, DeviceRange, Gate, GateError, assemble, attach_program, attached_ids, attached_programs,
     cgroup2_root, detach_program, exit_, load_device_program, mov_imm, object_name, prog_info,
 )
+from probes import ALLOWED, GATE_DENIED as DENIED, bare_nodes, holding, probe, probe_argv
+from sim_helpers import cli
 
-if TYPE_CHECKING:
-    from conftest import TestUser
-
-PROBE = str(Path(__file__).with_name("gate_probe.py"))
 GPU0, GPU1, GPU2, GPU3, MODESET, CTL = (195, 0), (195, 1), (195, 2), (195, 3), (195, 254), (195, 255)
-ALLOWED, DENIED = "ENXIO", "EPERM"  # what an open of a 195:N node gives without a driver
 
 
 def ours_attached(name: str) -> int:
@@ -63,23 +58,13 @@ def gate(gate_name: str) -> Iterator[Gate]:
 
 @pytest.fixture
 def nodes(sandbox: Path) -> dict[tuple[int, int], str]:
-    """0666 nodes for nvidia0..3, nvidia-modeset and nvidiactl."""
-    paths = {}
-    for dev in (GPU0, GPU1, GPU2, GPU3, MODESET, CTL):
-        path = sandbox / f"nvidia{dev[1]}"
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(*dev))
-        os.chmod(path, 0o666)
-        paths[dev] = str(path)
-    return paths
-
-
-def probe(user: TestUser, paths: list[str], *flags: str, wrap: tuple[str, ...] = ()) -> dict:
-    proc = run_as(user, [*wrap, PYTHON, "-I", "-S", PROBE, *flags, *paths])
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    """0666 nodes for nvidia0..3, nvidia-modeset (254) and nvidiactl (255), by device number."""
+    made = bare_nodes(sandbox, [dev[1] for dev in (GPU0, GPU1, GPU2, GPU3, MODESET, CTL)])
+    return {(195, minor): str(path) for minor, path in made.items()}
 
 
 def opens(report: dict, nodes: dict[tuple[int, int], str]) -> dict[tuple[int, int], str]:
+    """A probe report's results by device number."""
     return {dev: report["results"][path] for dev, path in nodes.items()}
 
 
@@ -134,17 +119,14 @@ def test_revoke_stops_new_opens_and_holders_finds_earlier_ones(gate_name, make_u
     gate.attach()
     user = make_user()
     gate.grant(user.uid, full)
-    holder = popen_as(user, [PYTHON, "-I", "-S", PROBE, "--hold", "/dev/full"], stdin=PIPE, stdout=PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "held"
-        gate.revoke(user.uid, full)
-        assert probe(user, ["/dev/full"])["results"]["/dev/full"] == DENIED
-        # The gate only checks open(): the earlier holder is still there, and holders() finds it.
-        assert holder.pid in procfs.holders(full)
-        assert procfs.user_of(holder.pid) == user.uid
+        with holding(user, "/dev/full") as holder:
+            gate.revoke(user.uid, full)
+            assert probe(user, ["/dev/full"])["results"]["/dev/full"] == DENIED
+            # The gate only checks open(): the earlier holder is still there, and holders() finds it.
+            assert holder.pid in procfs.holders(full)
+            assert procfs.user_of(holder.pid) == user.uid
     finally:
-        holder.stdin.close()
-        holder.wait(timeout=30)
         gate.detach()
     assert holder.pid not in procfs.holders(full)
 
@@ -175,20 +157,53 @@ def test_child_cgroup_with_its_own_allow_all_program(gate, nodes, make_user) -> 
     child.mkdir()
     cgroup_fd = os.open(child, os.O_RDONLY | os.O_DIRECTORY)
     allow_all = load_device_program(assemble([mov_imm(R0, 1), exit_()]), "ggt_allow_all")
+    proc = None
     try:
         attach_program(cgroup_fd, allow_all)
         assert prog_info(allow_all).id in attached_ids(child)
-        proc = popen_as(user, [PYTHON, "-I", "-S", PROBE, "--wait", *nodes.values()],
-                        stdin=PIPE, stdout=PIPE, text=True)
+        proc = popen_as(user, probe_argv("--wait", *nodes.values()), stdin=PIPE, stdout=PIPE, text=True)
         (child / "cgroup.procs").write_text(str(proc.pid))
         report = json.loads(proc.communicate("go\n", timeout=60)[0])
         assert report["cgroup"] == f"/{child.name}"
         assert opens(report, nodes) == only({GPU0})
     finally:
+        if proc is not None and proc.poll() is None:  # one that timed out keeps the cgroup busy (EBUSY)
+            proc.kill()
+            proc.communicate()
         detach_program(cgroup_fd, allow_all)
         os.close(allow_all)
         os.close(cgroup_fd)
         child.rmdir()
+
+
+@pytest.mark.gate
+def test_a_foreign_program_on_the_root_survives_our_attach_swap_and_detach(gate_name) -> None:
+    """Another tool's device program (systemd's, a container runtime's) attached with
+    BPF_F_ALLOW_MULTI to the cgroup v2 root is never detached or replaced by ours."""
+    root = cgroup2_root()
+    foreign = load_device_program(assemble([mov_imm(R0, 1), exit_()]), "ggt_foreign")  # allows all
+    foreign_id = prog_info(foreign).id
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        attach_program(root_fd, foreign)
+        with Gate(gate_name) as gate:
+            gate.attach()
+            ours = gate.prog_id()
+            assert attached_ids(root).count(foreign_id) == 1 and ours_attached(gate_name) == 1
+        # New managed ranges: ours is swapped in one step (F_REPLACE names our program only).
+        with Gate(gate_name, managed=[*Gate(gate_name).managed, DeviceRange(1, 7, 7)]) as wider:
+            wider.attach()
+            assert wider.prog_id() != ours and ours not in attached_ids(root)
+            assert attached_ids(root).count(foreign_id) == 1 and ours_attached(gate_name) == 1
+        Gate(gate_name).detach()
+        assert ours_attached(gate_name) == 0
+        assert attached_ids(root).count(foreign_id) == 1
+    finally:
+        if foreign_id in attached_ids(root):
+            detach_program(root_fd, foreign)
+        os.close(foreign)
+        os.close(root_fd)
+    assert foreign_id not in attached_ids(root)
 
 
 @pytest.mark.gate
@@ -223,17 +238,22 @@ def test_a_later_process_finds_and_reuses_the_gate(gate_name) -> None:
     first = subprocess.run([PYTHON, "-c", script, gate_name], capture_output=True, text=True, check=True, cwd=REPO)
     prog_id = int(first.stdout)
 
-    gate = Gate(gate_name)
-    assert gate.find() and gate.is_attached()
-    assert gate.prog_id() == prog_id
-    assert gate.entries() == {(1000, GPU1)}
-    assert gate.exempt() == {0, 4242}
+    with Gate(gate_name) as gate:
+        assert gate.find() and ours_attached(gate_name) == 1
+        assert gate.prog_id() == prog_id
+        assert gate.entries() == {(1000, GPU1)}
+        assert gate.exempt() == {0, 4242}
 
     # Several processes attaching at once still leave one program, the same one.
     racers = [subprocess.Popen([PYTHON, "-c", script, gate_name], stdout=PIPE, text=True, cwd=REPO) for _ in range(4)]
-    assert {int(racer.communicate(timeout=60)[0]) for racer in racers} == {prog_id}
+    try:
+        assert {int(racer.communicate(timeout=60)[0]) for racer in racers} == {prog_id}
+    finally:
+        for racer in racers:
+            if racer.poll() is None:
+                racer.kill()
+                racer.communicate()
     assert ours_attached(gate_name) == 1
-    gate.close()
 
 
 @pytest.mark.gate
@@ -243,13 +263,12 @@ def test_found_by_name_when_the_pins_are_gone(gate) -> None:
     for pin in ("prog", "grants", "exempt"):
         (gate.pin_dir / pin).unlink()
 
-    again = Gate(gate.name)
-    assert again.find() and again.prog_id() == prog_id
-    assert again.entries() == {(1000, GPU2)}
-    again.attach()  # re-pins, attaches nothing new
-    assert (gate.pin_dir / "prog").exists()
-    assert ours_attached(gate.name) == 1
-    again.close()
+    with Gate(gate.name) as again:
+        assert again.find() and again.prog_id() == prog_id
+        assert again.entries() == {(1000, GPU2)}
+        again.attach()  # re-pins, attaches nothing new
+        assert (gate.pin_dir / "prog").exists()
+        assert ours_attached(gate.name) == 1
 
 
 @pytest.mark.gate
@@ -261,18 +280,16 @@ def test_attach_swaps_in_a_program_for_new_managed_ranges(gate, nodes, make_user
     assert gate.prog_id() == old_id  # same ranges: the same program
 
     # A driver appeared since (nvidia-caps in real life; /dev/full here): one program, swapped.
-    wider = Gate(gate.name, managed=[*gate.managed, DeviceRange(1, 7, 7)])
-    wider.attach()
-    assert wider.prog_id() != old_id
-    assert ours_attached(gate.name) == 1
-    assert wider.entries() == {(user.uid, GPU1)}  # the maps, and so the grants, are kept
-    report = probe(user, [*nodes.values(), "/dev/full"])
-    assert opens(report, nodes) == only({GPU1})
-    assert report["results"]["/dev/full"] == DENIED
-    again = Gate(gate.name)
-    assert again.find() and again.prog_id() == wider.prog_id()  # the pin follows
-    again.close()
-    wider.close()
+    with Gate(gate.name, managed=[*gate.managed, DeviceRange(1, 7, 7)]) as wider:
+        wider.attach()
+        assert wider.prog_id() != old_id
+        assert ours_attached(gate.name) == 1
+        assert wider.entries() == {(user.uid, GPU1)}  # the maps, and so the grants, are kept
+        report = probe(user, [*nodes.values(), "/dev/full"])
+        assert opens(report, nodes) == only({GPU1})
+        assert report["results"]["/dev/full"] == DENIED
+        with Gate(gate.name) as again:
+            assert again.find() and again.prog_id() == wider.prog_id()  # the pin follows
 
 
 @pytest.mark.gate
@@ -294,6 +311,7 @@ def test_status_of_a_gate_that_does_not_exist() -> None:
     assert status["attached"] is False and status["prog_id"] is None and status["entries"] == 0
 
 
+@pytest.mark.gate  # gate_name holds the gate test lock
 def test_grant_outside_the_managed_range_is_a_bug(gate_name) -> None:
     with pytest.raises(ValueError, match="not managed"):
         Gate(gate_name).grant(1000, CTL)
@@ -307,6 +325,7 @@ def test_refused_load_carries_the_verifier_log() -> None:
     assert "verifier log:" in message and "R0 !read_ok" in message
 
 
+@pytest.mark.gate
 def test_no_cgroup2_mount_is_named(gate_name) -> None:
     root = cgroup2_root()
     script = "import sys; from gpuguard.backends.gate import Gate; Gate(sys.argv[1]).attach()"
@@ -317,6 +336,7 @@ def test_no_cgroup2_mount_is_named(gate_name) -> None:
     assert "GateError: no cgroup v2 mount" in proc.stderr
 
 
+@pytest.mark.gate
 def test_non_root_is_refused_with_the_cause(gate_name, make_user) -> None:
     user = make_user()
     script = ("import sys; from gpuguard.backends.gate import Gate, GateError\n"
@@ -343,40 +363,35 @@ def test_object_names_fit_the_kernel() -> None:
 # --- the admin commands: gpuguard gate status|attach|detach
 
 
-def gpuguard_cli(*args: str, user: TestUser | None = None) -> subprocess.CompletedProcess:
-    argv = [PYTHON, "-m", "gpuguard", *args]
-    if user is not None:
-        return run_as(user, argv)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
-
-
+@pytest.mark.gate
 def test_gate_commands_attach_status_detach(gate_name: str, sandbox: Path) -> None:
     config = sandbox / "gpuguard.toml"
     config.write_text("")
-    assert gpuguard_cli("gate", "status", "--name", gate_name).returncode == 1  # not attached: says so
+    assert cli(None, "gate", "status", "--name", gate_name).returncode == 1  # not attached: says so
 
-    attached = gpuguard_cli("--config", str(config), "gate", "attach", "--name", gate_name)
+    attached = cli(config, "gate", "attach", "--name", gate_name)
     assert attached.returncode == 0, attached.stderr
     Gate(gate_name).grant(4242, GPU1)
 
-    status = json.loads(gpuguard_cli("gate", "status", "--json", "--name", gate_name).stdout)
+    status = json.loads(cli(None, "gate", "status", "--json", "--name", gate_name).stdout)
     assert status["attached"] is True and status["prog_id"] == Gate(gate_name).prog_id()
     assert status["users"] == {"4242": ["195:1"]} and status["entries"] == 1 and 0 in status["exempt"]
     assert ours_attached(gate_name) == 1
 
-    again = gpuguard_cli("--config", str(config), "gate", "attach", "--name", gate_name)
+    again = cli(config, "gate", "attach", "--name", gate_name)
     assert again.returncode == 0 and ours_attached(gate_name) == 1  # never attached twice
 
-    detached = gpuguard_cli("gate", "detach", "--name", gate_name)
+    detached = cli(None, "gate", "detach", "--name", gate_name)
     assert detached.returncode == 0, detached.stderr
     assert ours_attached(gate_name) == 0
-    assert gpuguard_cli("gate", "detach", "--name", gate_name).returncode == 1
+    assert cli(None, "gate", "detach", "--name", gate_name).returncode == 1
 
 
+@pytest.mark.gate
 def test_gate_commands_refuse_non_root(make_user, gate: Gate) -> None:
     user = make_user()
     for action in ("status", "attach", "detach"):
-        result = gpuguard_cli("gate", action, "--name", gate.name, user=user)
+        result = cli(None, "gate", action, "--name", gate.name, user=user)
         assert result.returncode == 1
         assert result.stderr.strip() == f"gpuguard: gate {action} needs root"
     assert ours_attached(gate.name) == 1

@@ -18,7 +18,7 @@ import pynvml
 import pytest
 
 from conftest import run_as
-from gpuguard.backends import GpuError
+from gpuguard.backends import GpuError, procfs
 from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBackend, register_process
 from gpuguard.config import SimulatedConfig
 from gpuguard.model import GpuProcess, Link
@@ -63,7 +63,7 @@ def plant_record(device_dir: Path, owner: int = 0, **fields) -> Path:
 
 
 def start_ticks(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return procfs.process_identity(pid).start_time
 
 
 class LibraryWith:
@@ -210,6 +210,49 @@ def test_nvml_error_raises_instead_of_reading_as_no_processes(backend: Simulated
     assert backend.processes() == [GpuProcess(proc.pid, 2, GiB)]
 
 
+def test_one_failing_gpu_fails_alone(backend: SimulatedBackend, device_dir: Path, sleepers) -> None:
+    on_1, on_2 = sleepers(), sleepers()
+    register_process(device_dir, on_1.pid, 1, GiB, util=100)
+    register_process(device_dir, on_2.pid, 2, GiB, util=100)
+    fail = device_dir / REGISTRY_DIR / FAIL_FILE
+    fail.write_text("NVML_ERROR_GPU_IS_LOST 2\n")
+    query = backend.query_processes()
+    assert query.processes == [GpuProcess(on_1.pid, 1, GiB)]  # never "GPU 2 has no processes"
+    assert query.read == {0, 1, 3}
+    assert query.failed == {2: "NVML nvmlDeviceGetComputeRunningProcesses_v3 failed on GPU 2: GPU is lost"}
+    with pytest.raises(GpuError, match="on GPU 2: GPU is lost"):
+        backend.processes()  # the all-or-nothing view, for `gpuguard gpus`
+    fail.write_text("NVML_ERROR_GPU_IS_LOST 0 1 2 3\n")  # no GPU answers: NVML itself is failing
+    with pytest.raises(GpuError, match="on GPU 2: GPU is lost"):
+        backend.query_processes()
+    fail.unlink()
+    assert backend.query_processes().read == {0, 1, 2, 3}
+
+
+def test_a_gpu_lost_before_start_is_left_out(device_dir: Path) -> None:
+    SimulatedBackend(SimulatedConfig(count=4), device_dir).close()  # makes the registry directory
+    (device_dir / REGISTRY_DIR / FAIL_FILE).write_text("NVML_ERROR_GPU_IS_LOST 2\n")
+    with SimulatedBackend(SimulatedConfig(count=4), device_dir) as backend:
+        assert [gpu.minor for gpu in backend.gpus()] == [3, 0, 1]  # NVML order; GPU 2 is NVML index 0
+        assert backend.unavailable == ["NVML cannot reach the GPU at NVML index 0: GPU is lost"]
+        assert sorted(backend.topology()) == [(0, 1), (0, 3), (1, 3)]
+        assert backend.query_processes().read == {0, 1, 3}
+        with pytest.raises(GpuError, match="NVML index 0: GPU is lost"):
+            backend.processes()
+    (device_dir / REGISTRY_DIR / FAIL_FILE).write_text("NVML_ERROR_GPU_IS_LOST 0 1 2 3\n")
+    with pytest.raises(GpuError, match="NVML index 0: GPU is lost"):
+        SimulatedBackend(SimulatedConfig(count=4), device_dir)  # not one GPU: NVML itself fails
+
+
+def test_a_gpu_whose_inventory_fails_is_left_out(backend: SimulatedBackend, device_dir: Path) -> None:
+    (device_dir / REGISTRY_DIR / FAIL_FILE).write_text("NVML_ERROR_UNKNOWN 3\n")  # lost after NVML started
+    assert [gpu.minor for gpu in backend.gpus()] == [2, 0, 1]
+    assert backend.unavailable == ["NVML nvmlDeviceGetMemoryInfo failed on GPU 3: Unknown Error"]
+    assert sorted(backend.topology()) == [(0, 1), (0, 2), (1, 2)]
+    (device_dir / REGISTRY_DIR / FAIL_FILE).unlink()
+    assert len(backend.gpus()) == 4 and backend.unavailable == []
+
+
 def test_values_nvml_cannot_tell_are_none(backend: SimulatedBackend, swap_library) -> None:
     swap_library(LibraryWith(backend.library, missing=("nvmlDeviceGetNumaNodeId",),
                              returning={"nvmlDeviceGetUtilizationRates": pynvml.NVML_ERROR_NOT_SUPPORTED}))
@@ -286,4 +329,4 @@ def test_gpus_fails_for_a_user_who_may_not_open_a_gpu_like_nvml(sandbox: Path, m
     with no_gate_attached():
         result = run_as(make_user(), gpuguard(config, "gpus"))
     assert result.returncode == 1
-    assert result.stderr == "gpuguard: NVML nvmlDeviceGetHandleByIndex failed: Insufficient Permissions\n"
+    assert result.stderr == "gpuguard: NVML cannot reach the GPU at NVML index 0: Insufficient Permissions\n"

@@ -17,24 +17,17 @@ import json
 import os
 import secrets
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from conftest import run_as, wait_for
+from conftest import BIN, run_as, wait_for
 from gpuguard import config, pam_hook
 from daemon_fixture import RunningDaemon
 from sim_helpers import gpuguard, start_burn, stop_burn
-from ssh_harness import (MODULE, REPO, PamSession, PamStacks, StubDaemon, build_module, env_probe,
+from ssh_harness import (MESSAGE, MODULE, UUIDS, PamSession, PamStacks, StubDaemon, env_probe,
                          hook_line, info_lines, module_line, pamtester, probed_devices, reply_json)
 
-UUIDS = "GPU-0a1b2c3d-0000-4000-8000-000000000001,GPU-0a1b2c3d-0000-4000-8000-000000000002"
-MESSAGE = "gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def module() -> Path:
-    return build_module()
+pytestmark = pytest.mark.usefixtures("pam_module")  # built once per session (tests/ssh_harness.py)
 
 
 @pytest.fixture
@@ -175,7 +168,7 @@ def test_module_ignores_unknown_options(stacks, stub, sandbox):
     assert probed_devices(result.stdout) == UUIDS
 
 
-def test_module_exports_only_the_session_functions(module):
+def test_module_exports_only_the_session_functions(pam_module):
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(MODULE)], capture_output=True,
                              text=True, check=True).stdout.split()
     assert {"pam_sm_open_session", "pam_sm_close_session"} <= set(symbols)
@@ -243,7 +236,7 @@ def test_hook_module_form_sends_the_same_requests(stacks, stub):
 
 
 def test_hook_outside_pam_does_nothing(sandbox):
-    hook = str(REPO / ".venv" / "bin" / "gpuguard")
+    hook = str(BIN / "gpuguard")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAM_")}
     result = subprocess.run([hook, "pam-hook", "--socket", str(sandbox / "x.sock")],
                             capture_output=True, text=True, env=env, timeout=30)
@@ -310,15 +303,6 @@ def usable_gpus(daemon: RunningDaemon, user) -> list[int]:
     return [minor for minor in range(daemon.config.gpu.simulated.count) if burn_status(daemon, user, minor) == 0]
 
 
-def grants_of(daemon: RunningDaemon, user) -> list[dict]:
-    return daemon.whoami(user)["grants"]
-
-
-def uuid_of(daemon: RunningDaemon, minor: int) -> str:
-    (gpu,) = [g for g in daemon.call("status")["gpus"] if g["minor"] == minor]
-    return gpu["uuid"]
-
-
 @pytest.mark.gate
 @pytest.mark.parametrize("path", PATHS)
 def test_member_gets_a_gpu_and_only_that_gpu(gg_daemon, stacks, path):
@@ -326,7 +310,7 @@ def test_member_gets_a_gpu_and_only_that_gpu(gg_daemon, stacks, path):
     service = stacks.make(session_line(gg_daemon, path))
     assert usable_gpus(gg_daemon, alice) == []  # before login: the gate is closed
     with PamSession(service, alice.name) as session:
-        (grant,) = grants_of(gg_daemon, alice)
+        (grant,) = gg_daemon.grants(alice)
         sessions = gg_daemon.whoami(alice)["sessions"]
         assert [(s["pid"], s["service"]) for s in sessions] == [(session.pid, service)]
         if path == "module":
@@ -335,7 +319,7 @@ def test_member_gets_a_gpu_and_only_that_gpu(gg_daemon, stacks, path):
             assert "CUDA_VISIBLE_DEVICES" not in session.env
         assert usable_gpus(gg_daemon, alice) == [grant["minor"]]
     # closed, and no process of alice's holds the GPU: released at once
-    assert grants_of(gg_daemon, alice) == []
+    assert gg_daemon.grants(alice) == []
     assert gg_daemon.whoami(alice)["sessions"] == []
     assert usable_gpus(gg_daemon, alice) == []
 
@@ -347,7 +331,7 @@ def test_non_member_gets_nothing(gg_daemon, stacks, make_user, path):
     service = stacks.make(session_line(gg_daemon, path))
     with PamSession(service, bob.name) as session:
         assert "CUDA_VISIBLE_DEVICES" not in session.env
-        assert grants_of(gg_daemon, bob) == []
+        assert gg_daemon.grants(bob) == []
         assert usable_gpus(gg_daemon, bob) == []
 
 
@@ -357,16 +341,16 @@ def test_second_session_reuses_the_grant(gg_daemon, stacks, path):
     alice = gg_daemon.add_member()
     service = stacks.make(session_line(gg_daemon, path))
     with PamSession(service, alice.name) as first:
-        (grant,) = grants_of(gg_daemon, alice)
+        (grant,) = gg_daemon.grants(alice)
         with PamSession(service, alice.name) as second:
-            assert grants_of(gg_daemon, alice) == [grant]
+            assert gg_daemon.grants(alice) == [grant]
             assert first.env.get("CUDA_VISIBLE_DEVICES") == second.env.get("CUDA_VISIBLE_DEVICES")
             pids = {s["pid"] for s in gg_daemon.whoami(alice)["sessions"]}
             assert pids == {first.pid, second.pid}
         # one session still open: the grant stays
-        assert grants_of(gg_daemon, alice) == [grant]
+        assert gg_daemon.grants(alice) == [grant]
         assert usable_gpus(gg_daemon, alice) == [grant["minor"]]
-    assert grants_of(gg_daemon, alice) == []
+    assert gg_daemon.grants(alice) == []
 
 
 @pytest.mark.gate
@@ -376,15 +360,15 @@ def test_grant_outlives_the_session_while_a_job_runs(gg_daemon, stacks, path):
     alice = gg_daemon.add_member()
     service = stacks.make(session_line(gg_daemon, path))
     with PamSession(service, alice.name):
-        (grant,) = grants_of(gg_daemon, alice)
+        (grant,) = gg_daemon.grants(alice)
         job = start_burn(gg_daemon.config_path, grant["minor"], user=alice)
     try:
         assert gg_daemon.whoami(alice)["sessions"] == []
-        assert [g["minor"] for g in grants_of(gg_daemon, alice)] == [grant["minor"]]
+        assert [g["minor"] for g in gg_daemon.grants(alice)] == [grant["minor"]]
         assert job.poll() is None
     finally:
         stop_burn(job)
-    assert wait_for(lambda: grants_of(gg_daemon, alice) == [], 30), gg_daemon.log()  # the watcher's next tick
+    assert wait_for(lambda: gg_daemon.grants(alice) == [], 30), gg_daemon.log()  # the watcher's next tick
 
 
 @pytest.mark.gate
@@ -397,8 +381,8 @@ def test_login_message_and_environment_through_pamtester(gg_daemon, stacks, sand
     (line,) = info_lines(result.stdout)
     assert line.startswith("gpuguard: GPU ") and " is yours" in line and "gpuguard whoami" in line, line
     minor = int(line.split()[2])
-    assert probed_devices(result.stdout) == uuid_of(gg_daemon, minor)
-    assert grants_of(gg_daemon, alice) == []  # pamtester closed the session
+    assert probed_devices(result.stdout) == gg_daemon.uuid(minor)
+    assert gg_daemon.grants(alice) == []  # pamtester closed the session
 
     bob = make_user()  # not a member: silence, nothing set
     result = pamtester(service, bob.name)
@@ -416,7 +400,7 @@ def test_hook_message_through_pamtester(gg_daemon, stacks, sandbox):
     (line,) = info_lines(result.stdout)
     assert line.startswith("gpuguard: GPU ") and " is yours" in line, line
     assert probed_devices(result.stdout) is None
-    assert grants_of(gg_daemon, alice) == []
+    assert gg_daemon.grants(alice) == []
 
 
 @pytest.mark.gate

@@ -1,19 +1,21 @@
-"""holders() and process identity against real processes of real users."""
+"""holders() and process identity against real processes of real users; driver majors from
+/proc/devices, the real one and (in a private mount namespace) one with NVIDIA's drivers loaded."""
 from __future__ import annotations
 
 import os
 import shutil
-import stat
 import subprocess
 from pathlib import Path
-from subprocess import PIPE
 
 import psutil
 
-from conftest import PYTHON, popen_as
+from conftest import popen_as
+from gate_lock import no_gate_attached
+from gpuguard.backends.gate import DeviceRange, default_managed
 from gpuguard.backends.procfs import char_major, holders, process_identity, user_of
-
-PROBE = str(Path(__file__).with_name("gate_probe.py"))
+from gpuguard.model import NVIDIA_MAJOR
+from probes import holding, open_node
+from sim_helpers import run_with_proc_devices
 
 
 def psutil_ticks(pid: int) -> int:
@@ -23,18 +25,12 @@ def psutil_ticks(pid: int) -> int:
 
 def test_holders_match_the_device_not_the_path(sandbox, make_user) -> None:
     # A private copy of /dev/full: the holder opens it by a path nobody else uses.
-    node = sandbox / "full"
-    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 7))
-    os.chmod(node, 0o666)
+    node = open_node(sandbox / "full", (1, 7))
     user = make_user()
-    holder = popen_as(user, [PYTHON, "-I", "-S", PROBE, "--hold", str(node)], stdin=PIPE, stdout=PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    # test_gate has gates manage 1:7 too: while one is attached (in any test run), the open fails.
+    with no_gate_attached(), holding(user, node) as holder:
         assert holder.pid in holders((1, 7))
         assert holder.pid not in holders((1, 3))
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=30)
     assert holder.pid not in holders((1, 7))
 
 
@@ -68,6 +64,54 @@ def test_identity_survives_an_awkward_command_name(sandbox) -> None:
         proc.wait()
 
 
+def proc_devices_chars() -> dict[str, int]:
+    """Character drivers in the real /proc/devices, read here independently of procfs.char_major."""
+    section, chars = "", {}
+    for line in Path("/proc/devices").read_text().splitlines():
+        if line.endswith(":"):
+            section = line
+        elif line.strip() and section == "Character devices:":
+            number, name = line.split(None, 1)
+            chars.setdefault(name, int(number))
+    return chars
+
+
 def test_char_major() -> None:
     assert char_major("mem") == 1
     assert char_major("ggt-no-such-driver") is None
+    for name, major in proc_devices_chars().items():
+        assert char_major(name) == major
+
+
+def test_default_managed_has_nvidia_caps_only_when_its_driver_is_loaded() -> None:
+    caps = proc_devices_chars().get("nvidia-caps")
+    expected = [DeviceRange(NVIDIA_MAJOR, 0, 253), *([DeviceRange(caps)] if caps is not None else [])]
+    assert list(default_managed()) == expected
+
+
+LOADED = """Character devices:
+  1 mem
+195 nvidia-frontend
+234 nvidia-caps
+508 nvidia-uvm
+
+Block devices:
+  7 loop
+259 blkext
+"""
+
+
+def test_majors_come_from_proc_devices_as_the_driver_registers_them(sandbox) -> None:
+    """With NVIDIA's drivers loaded (a /proc/devices of our own, in a private mount namespace):
+    the caps major is whatever the kernel gave nvidia-caps, and only character devices count."""
+    code = ("import json\nfrom gpuguard.backends import gate, procfs\n"
+            "print(json.dumps({'caps': procfs.char_major('nvidia-caps'), 'uvm': procfs.char_major('nvidia-uvm'),"
+            " 'loop': procfs.char_major('loop'), 'mem': procfs.char_major('mem'),"
+            " 'managed': [[r.major, r.first, r.last] for r in gate.default_managed()]}))")
+    seen = run_with_proc_devices(LOADED, code, sandbox)
+    assert seen == {"caps": 234, "uvm": 508, "loop": None, "mem": 1,
+                    "managed": [[NVIDIA_MAJOR, 0, 253], [234, 0, (1 << 20) - 1]]}
+    # nvidia-caps as a block device name is not the caps driver.
+    unloaded = LOADED.replace("234 nvidia-caps\n", "").replace("259 blkext", "234 nvidia-caps")
+    seen = run_with_proc_devices(unloaded, code, sandbox)
+    assert seen["caps"] is None and seen["managed"] == [[NVIDIA_MAJOR, 0, 253]]

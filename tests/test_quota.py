@@ -10,20 +10,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 
-from conftest import REPO, run_as
+from conftest import REPO
 from gpuguard import config
 from gpuguard.quota_file import edit
-from sim_helpers import gpuguard
-
-if TYPE_CHECKING:
-    from conftest import TestUser  # imported for real, pytest would try to collect it as a test class
+from sim_helpers import cli
 
 ENTRIES = """
 [groups.ggt-interns]   # summer interns
@@ -52,13 +47,6 @@ def make_files(directory: Path, entries: str = ENTRIES) -> Path:
     for name in ("gpuguard.toml", "quotas.toml"):
         (directory / name).chmod(0o644)  # world-readable, as installed
     return path
-
-
-def cli(config_path: Path, *args: str, user: TestUser | None = None) -> subprocess.CompletedProcess:
-    argv = gpuguard(config_path, *args)
-    if user is not None:
-        return run_as(user, argv)
-    return subprocess.run(argv, capture_output=True, text=True, cwd="/", timeout=60)
 
 
 def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:

@@ -44,6 +44,7 @@ class Running:
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
+            self.server.claim()  # as the daemon does, first thing
             self.loop.run_until_complete(self.server.start())
             started.set()
             self.loop.run_forever()
@@ -111,6 +112,18 @@ def test_socket_is_open_to_everyone_and_its_directory_traversable(serve):
     server = serve()
     assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o666
     assert stat.S_IMODE(os.stat(server.path.parent).st_mode) == 0o755
+
+
+def test_a_directory_the_server_did_not_make_keeps_its_mode(sandbox):
+    shared = sandbox / "tmp"  # like /tmp: sticky and world-writable
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    server = Running(shared / "s.sock", echo)
+    try:
+        assert client.call(str(server.path), "status")["ok"]
+        assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("data, fragment", [
@@ -193,6 +206,9 @@ def test_a_stale_socket_is_replaced_but_a_live_one_is_not_taken_over(serve, sand
     server = serve(name="stale.sock")
     assert client.call(str(server.path), "status")["ok"]
     with pytest.raises(ServerError, match="another gpuguard daemon is serving"):
+        Server(server.path, echo).claim()
+    # Skipping the claim takes nothing over either (asyncio alone would replace the socket).
+    with pytest.raises(ServerError, match="Address already in use"):
         asyncio.run(Server(server.path, echo).start())
     assert client.call(str(server.path), "status")["ok"]
 
@@ -201,5 +217,5 @@ def test_something_else_at_the_socket_path_is_refused(sandbox):
     path = sandbox / "file.sock"
     path.write_text("not a socket")
     with pytest.raises(ServerError, match="exists and is not a socket"):
-        asyncio.run(Server(path, echo).start())
+        Server(path, echo).claim()
     assert path.read_text() == "not a socket"

@@ -12,17 +12,9 @@ import pytest
 
 from conftest import wait_for
 from sim_helpers import gpuguard
-from ssh_harness import PERMIT, Sshd, StubDaemon, build_module, hook_line, module_line, reply_json
+from ssh_harness import MESSAGE, PERMIT, UUIDS, Sshd, StubDaemon, hook_line, module_line, reply_json
 
-pytestmark = pytest.mark.ssh
-
-UUIDS = "GPU-0a1b2c3d-0000-4000-8000-000000000003"
-MESSAGE = "gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def module():
-    return build_module()
+pytestmark = [pytest.mark.ssh, pytest.mark.usefixtures("pam_module")]  # tests/ssh_harness.py
 
 
 @pytest.fixture
@@ -140,7 +132,7 @@ def test_ssh_login_sees_exactly_its_gpus(gg_daemon, start_sshd, make_user):
     assert message.startswith("gpuguard: GPU ") and message.endswith("run gpuguard whoami for details")
     minor = int(message.split()[2])
     (cvd,) = [line for line in lines if line.startswith("cvd=")]
-    assert cvd == f"cvd={_uuid(gg_daemon, minor)}"
+    assert cvd == f"cvd={gg_daemon.uuid(minor)}"
     assert wait_for(lambda: _released(gg_daemon, alice), 30), sshd.log
 
     # A command over ssh: environment, whoami and the gate, all in one session.
@@ -170,8 +162,3 @@ def test_ssh_login_through_the_pam_exec_hook(gg_daemon, start_sshd):
     assert [s["service"] for s in whoami["sessions"]] == ["sshd"]
     assert burns == {n: 0 if n == grant["minor"] else 1 for n in _gpus(gg_daemon)}
     assert wait_for(lambda: _released(gg_daemon, alice), 30), sshd.log
-
-
-def _uuid(daemon, minor: int) -> str:
-    (gpu,) = [g for g in daemon.call("status")["gpus"] if g["minor"] == minor]
-    return gpu["uuid"]

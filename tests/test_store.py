@@ -1,10 +1,10 @@
 """The SQLite store: schema versioning, round trips, and surviving SIGKILL mid-write."""
+import select
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -97,37 +97,110 @@ def test_failed_transaction_rolls_back(store):
 
 
 WRITER = textwrap.dedent("""
-    import sys
+    import os, sys
+    from gpuguard.model import Event
     from gpuguard.store import Store
-    store = Store(sys.argv[1])
-    print("ready", flush=True)
-    uid = 10000
-    while True:  # each transaction grants one user four GPUs; killed from outside
+    path, uid, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    store = Store(path)
+    while True:  # each transaction grants one user four GPUs, and says so once it is committed
         store.add_grants(uid, f"user{uid}", range(4), now=float(uid), expires_at=None)
+        print(uid, flush=True)
         uid += 1
+        if mode == "open" and uid % 10 == 0:
+            break
+    # mode "open": stop inside a transaction, half of it written, more than the page cache holds,
+    # so SQLite has spilled uncommitted pages into the WAL file.
+    wal = path + "-wal"
+    before = os.path.getsize(wal)
+    with store.transaction() as db:
+        db.executemany("INSERT INTO grants (uid, user, minor, granted_at, expires_at, last_active)"
+                       " VALUES (?, ?, ?, ?, NULL, ?)", [(uid, "half", minor, float(uid), float(uid)) for minor in (0, 1)])
+        for i in range(3000):
+            db.execute("INSERT INTO events (time, uid, user, kind, message, command, rule, action, numbers)"
+                       " VALUES (?, ?, 'half', 'padding', ?, '', '', '', '{}')", (float(i), uid, "x" * 4000))
+        print("open", uid, before, os.path.getsize(wal), flush=True)
+        sys.stdin.readline()  # killed here
 """)
 
 
-def test_sigkill_mid_transaction_loses_nothing_committed(tmp_path):
+def read_line(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The writer's next line ("" if it ended); a bound on waiting, not a timing assertion."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, "the writer printed nothing for a minute"
+    return proc.stdout.readline().strip()
+
+
+def rows_by_uid(path) -> dict[int, list[tuple]]:
+    """(minor, granted_at) of every grant, by uid, read with plain sqlite3."""
+    db = sqlite3.connect(path)
+    try:
+        rows: dict[int, list[tuple]] = {}
+        for uid, minor, granted_at in db.execute("SELECT uid, minor, granted_at FROM grants ORDER BY uid, minor"):
+            rows.setdefault(uid, []).append((minor, granted_at))
+        return rows
+    finally:
+        db.close()
+
+
+def start_writer(path, first_uid: int, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(first_uid), mode],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def kill(writer: subprocess.Popen) -> None:
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    writer.stdin.close()
+    writer.stdout.close()
+
+
+def test_sigkill_while_writing_loses_nothing_committed_and_leaves_no_half_grant(tmp_path):
     path = tmp_path / "state.db"
     Store(path).close()
+    before: dict[int, list[tuple]] = {}
     for round_ in range(3):
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
-        assert writer.stdout.readline().strip() == "ready"
-        time.sleep(0.3 + 0.1 * round_)  # let it commit a good number of transactions, then kill mid-stream
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
-        writer.stdout.close()
+        first = 10_000 + round_ * 1_000_000  # a range of its own: nothing is overwritten
+        writer = start_writer(path, first, "stream")
+        try:
+            committed = [int(read_line(writer)) for _ in range(25)]
+        finally:
+            kill(writer)  # while it goes on writing: mostly inside a transaction, at no chosen point
+        assert committed == list(range(first, first + 25))
 
         store = Store(path)
         assert store.integrity_ok()
-        grants = store.grants()
-        per_user: dict[int, list[int]] = {}
-        for grant in grants:
-            per_user.setdefault(grant.uid, []).append(grant.minor)
-        assert per_user, "the writer committed nothing before it was killed"
-        # atomic: every user has all four GPUs or none; never a half-written grant
-        assert all(sorted(minors) == [0, 1, 2, 3] for minors in per_user.values())
+        store.close()
+        rows = rows_by_uid(path)
+        assert {uid: rows[uid] for uid in before} == before  # earlier rounds untouched
+        new = sorted(set(rows) - set(before))
+        # Every transaction reported committed is there; any after it is there whole or not at all.
+        assert new == list(range(first, first + len(new))) and len(new) >= len(committed)
+        for uid in new:
+            assert rows[uid] == [(minor, float(uid)) for minor in range(4)]  # four rows, one granted_at
+        before = rows
+
+
+def test_sigkill_inside_a_transaction_leaves_nothing_of_it(tmp_path):
+    path = tmp_path / "state.db"
+    writer = start_writer(path, 20_000, "open")
+    try:
+        committed = []
+        while not (line := read_line(writer)).startswith("open"):
+            committed.append(int(line))
+        _, open_uid, wal_before, wal_now = line.split()
+        # Uncommitted pages of the open transaction are in the WAL file when the kill lands.
+        assert int(wal_now) > int(wal_before) + (1 << 20)
+    finally:
+        kill(writer)
+    assert committed == list(range(20_000, 20_010))
+
+    store = Store(path)
+    try:
+        assert store.integrity_ok()
+        assert store.grants(int(open_uid)) == [] and store.events() == []
+        assert [g.uid for g in store.grants()] == [uid for uid in committed for _ in range(4)]
+        assert all(g.granted_at == g.uid for g in store.grants())
+    finally:
         store.close()
 
 

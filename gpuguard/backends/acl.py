@@ -15,7 +15,6 @@ import select
 import socket
 import stat
 import struct
-import threading
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
@@ -101,14 +100,6 @@ def apply_acls(path: str | os.PathLike, uids: Iterable[int]) -> None:
         os.setxattr(path, XATTR, _HEADER.pack(VERSION) + b"".join(_ENTRY.pack(*e) for e in wanted))
 
 
-def grant_acl(path: str | os.PathLike, uid: int) -> None:
-    apply_acls(path, acl_users(path) | {uid})
-
-
-def revoke_acl(path: str | os.PathLike, uid: int) -> None:
-    apply_acls(path, acl_users(path) - {uid})
-
-
 def _minimal(mode: int) -> list[Entry]:
     """The ACL that a mode alone stands for."""
     return [(USER_OBJ, mode >> 6 & 7, UNDEFINED_ID), (GROUP_OBJ, mode >> 3 & 7, UNDEFINED_ID),
@@ -119,18 +110,31 @@ def _minimal(mode: int) -> list[Entry]:
 
 IN_ATTRIB, IN_MOVED_TO, IN_CREATE = 0x4, 0x80, 0x100
 NETLINK_KOBJECT_UEVENT, UEVENT_KERNEL_GROUP = 15, 1
+# The driver's modules: loading any of them means nodes to make or re-check (nvidia-uvm's and
+# nvidia-modeset's modules usually load after the daemon started, often on first use).
+DRIVER_MODULES = frozenset({"/module/nvidia", "/module/nvidia_uvm", "/module/nvidia_modeset"})
+
+
+def is_driver_event(uevent: bytes, majors: Collection[str]) -> bool:
+    """Whether a kernel uevent means nodes to re-check: a managed node (by major), a device the
+    nvidia driver binds or unbinds, or one of its modules loading or unloading."""
+    # "ACTION@DEVPATH\0KEY=VALUE\0...": keep the KEY=VALUE part.
+    fields = dict(item.split("=", 1) for item in uevent.decode(errors="replace").split("\0") if "=" in item)
+    return (fields.get("MAJOR") in majors or fields.get("DRIVER") == "nvidia"
+            or fields.get("DEVPATH") in DRIVER_MODULES)
 
 
 class NodeWatcher:
     """Calls `callback(path)` when a node matching `pattern` in `device_dir` is created or changed,
-    and `callback(None)` ("re-apply everything") when the NVIDIA driver loads, binds or unbinds a
-    device, a managed node's uevent arrives, or inotify overflowed.
+    and `callback(None)` ("re-apply everything") when one of the NVIDIA driver's modules loads or
+    unloads (DRIVER_MODULES), the driver binds or unbinds a device, a managed node's uevent
+    arrives, or inotify overflowed.
 
     nvidia-modprobe and admins create nodes with mknod, which sends no uevent: hence inotify on
     the directory (IN_CREATE, IN_MOVED_TO; IN_ATTRIB catches a reset mode or a flushed ACL).
     The callback must be idempotent and write nothing when the node is right (set_base_mode and
     apply_acls are): its own writes come back as IN_ATTRIB. A failing callback is logged and the
-    watch goes on. Run it in a thread (start/close) or poll fileno() and call process().
+    watch goes on. Poll fileno() and call process() (the daemon's event loop does).
     """
 
     def __init__(self, device_dir: str | os.PathLike, callback: Callable[[Path | None], None],
@@ -143,7 +147,6 @@ class NodeWatcher:
         self._callback = callback
         self._pattern = pattern
         self._majors = {str(m) for m in majors}
-        self._thread: threading.Thread | None = None
         self._inotify = Inotify(path=[])
         self._inotify.bind()
         if self._inotify.fd < 0:
@@ -156,44 +159,27 @@ class NodeWatcher:
             self._uevents = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK,
                                           NETLINK_KOBJECT_UEVENT)
             self._uevents.bind((0, UEVENT_KERNEL_GROUP))
-        self._wake_r, self._wake_w = os.pipe()
         self._epoll = select.epoll()
-        for fd in (self._inotify.fd, self._wake_r, *([self._uevents.fileno()] if self._uevents else [])):
+        for fd in (self._inotify.fd, *([self._uevents.fileno()] if self._uevents else [])):
             self._epoll.register(fd, select.EPOLLIN)
 
     def fileno(self) -> int:
         """Readable when process() has something to do."""
         return self._epoll.fileno()
 
-    def process(self, timeout: float | None = 0) -> bool:
-        """Handle what is pending (waiting up to timeout seconds, None: forever); False once closed."""
-        for fd, _ in self._epoll.poll(-1 if timeout is None else timeout):
-            if fd == self._wake_r:
-                return False
+    def process(self) -> None:
+        """Handle what is pending, without waiting."""
+        for fd, _ in self._epoll.poll(0):
             if fd == self._inotify.fd:
                 self._read_inotify()
             else:
                 self._read_uevents()
-        return True
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="gpuguard-nodes", daemon=True)
-        self._thread.start()
 
     def close(self) -> None:
-        os.write(self._wake_w, b"x")
-        if self._thread:
-            self._thread.join()
         self._epoll.close()
         self._inotify.close()
         if self._uevents:
             self._uevents.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def _run(self) -> None:
-        while self.process(None):
-            pass
 
     def _read_inotify(self) -> None:
         data = os.read(self._inotify.fd, 65536)
@@ -218,10 +204,7 @@ class NodeWatcher:
                     raise
                 relevant = True
                 continue
-            # "ACTION@DEVPATH\0KEY=VALUE\0...": keep the KEY=VALUE part.
-            fields = dict(item.split("=", 1) for item in data.decode(errors="replace").split("\0") if "=" in item)
-            relevant |= (fields.get("MAJOR") in self._majors or fields.get("DRIVER") == "nvidia"
-                         or fields.get("DEVPATH") == "/module/nvidia")
+            relevant |= is_driver_event(data, self._majors)
         if relevant:
             self._call(None)
 

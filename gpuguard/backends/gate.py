@@ -325,7 +325,6 @@ def device_program(managed: Sequence[DeviceRange], grants_fd: int, exempt_fd: in
 
 def load_device_program(code: bytes, name: str) -> int:
     """PROG_LOAD a cgroup device program; returns its fd. The verifier log comes with a refusal."""
-    _raise_memlock()
     insns = ctypes.create_string_buffer(code, len(code))
     license = ctypes.create_string_buffer(b"Dual MIT/GPL")
     log = ctypes.create_string_buffer(1 << 16)
@@ -531,6 +530,7 @@ class Gate:
         """
         root = cgroup2_root()
         _ensure_bpffs()
+        _raise_memlock()  # before any map or program is made, here or swapped in below
         with self._locked():
             if not self._fds and not self.find():
                 self._create()
@@ -667,7 +667,6 @@ class Gate:
             raise ValueError(f"{dev[0]}:{dev[1]} is not managed by gate {self.name!r}")
 
     def _create(self) -> None:
-        _raise_memlock()
         try:
             self._fds["grants"] = _map_create(_GRANT_KEY.size, GRANTS_MAX, self.object_name + "_gr")
             self._fds["exempt"] = _map_create(_EXEMPT_KEY.size, EXEMPT_MAX, self.object_name + "_ex")

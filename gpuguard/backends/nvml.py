@@ -3,8 +3,12 @@
 Rules that matter here:
 - A GPU is its minor number (nvmlDeviceGetMinorNumber, the N of /dev/nvidiaN), never its
   NVML index: NVML orders GPUs by PCI bus id, the driver numbers nodes in probe order.
-- Every NVML failure raises GpuError. A failed process query must never look like an idle
-  GPU: the watcher would release or hand out a GPU that is in use.
+- Every NVML failure raises GpuError or is reported per GPU. A failed process query must
+  never look like an idle GPU: the watcher would release or hand out a GPU that is in use.
+- One failing GPU must not blind gpuguard to the others: GPUs are queried one by one, a GPU
+  that cannot be read at start is left out (its error in `unavailable`), and
+  query_processes() names the GPUs it could not read. Only when no GPU answers is NVML
+  itself taken to be failing, and that raises.
 - A process's used memory may be unknown (NVML_VALUE_NOT_AVAILABLE); that is None, never 0.
 - Process queries take milliseconds and serialize on the driver lock: callers poll them
   no faster than once a second.
@@ -14,14 +18,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
 from gpuguard.backends import GpuError
 from gpuguard.model import Gpu, GpuProcess, Link
 
-__all__ = ["GpuError", "NvmlBackend"]
+__all__ = ["GpuError", "NvmlBackend", "ProcessQuery"]
 
 T = TypeVar("T")
 
@@ -62,6 +66,20 @@ def _link_for_level(level: int | None) -> Link:
     return Link.SYSTEM                           # across the CPU interconnect
 
 
+def _processes_of(handle: Any, minor: int) -> list[GpuProcess]:
+    """Compute and graphics processes of one GPU, one entry per pid."""
+    found: dict[int, GpuProcess] = {}
+    for query in _PROCESS_QUERIES:
+        for info in _call(query, handle, minor=minor):
+            used = _known_memory(info.usedGpuMemory)
+            seen = found.get(info.pid)
+            if seen is not None and seen.used_memory is not None:
+                # Listed as compute and graphics: both report the process's memory.
+                used = max(seen.used_memory, used or 0)
+            found[info.pid] = GpuProcess(pid=info.pid, minor=minor, used_memory=used)
+    return list(found.values())
+
+
 def _known_memory(used: int | None) -> int | None:
     # pynvml already maps NVML_VALUE_NOT_AVAILABLE to None in its process wrappers;
     # checking again keeps us right if a pynvml version stops doing so.
@@ -70,46 +88,76 @@ def _known_memory(used: int | None) -> int | None:
     return used
 
 
+class ProcessQuery(NamedTuple):
+    processes: list[GpuProcess]  # of the GPUs in `read` only
+    read: frozenset[int]         # minors whose processes were read
+    failed: dict[int, str]       # minor -> NVML error, for GPUs whose processes could not be read
+
+
 class NvmlBackend:
     """One NVML session. Device handles and minors are read once: they are fixed while
-    NVML stays initialized (a GPU that falls off the bus makes calls fail, which raises)."""
+    NVML stays initialized (a GPU that falls off the bus makes calls on it fail)."""
 
     def __init__(self) -> None:
         _call(pynvml.nvmlInit)
+        self._devices: list[tuple[int, Any, int]] = []  # (NVML index, handle, minor) per GPU, in NVML order
+        self._unreachable: list[str] = []  # errors of the GPUs NVML gives no handle or minor for
+        self._left_out: dict[int, str] = {}  # minor -> error, for the GPUs gpus() could not read
         try:
-            count = _call(pynvml.nvmlDeviceGetCount)
-            handles = [_call(pynvml.nvmlDeviceGetHandleByIndex, index) for index in range(count)]
-            # (NVML index, handle, minor) per GPU, in NVML order
-            self._devices = [(index, handle, _call(pynvml.nvmlDeviceGetMinorNumber, handle))
-                             for index, handle in enumerate(handles)]
+            for index in range(_call(pynvml.nvmlDeviceGetCount)):
+                try:
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                    self._devices.append((index, handle, pynvml.nvmlDeviceGetMinorNumber(handle)))
+                except pynvml.NVMLError as exc:
+                    self._unreachable.append(f"NVML cannot reach the GPU at NVML index {index}: {exc}")
+            if self._unreachable and not self._devices:
+                raise GpuError(self._unreachable[0])  # not one GPU answers: NVML itself fails
         except GpuError:
             with contextlib.suppress(pynvml.NVMLError):  # the first error is the one to report
                 pynvml.nvmlShutdown()
             raise
 
+    @property
+    def unavailable(self) -> list[str]:
+        """One error per GPU left out: not reachable at start, or not readable by gpus()."""
+        return [*self._unreachable, *self._left_out.values()]
+
     def gpus(self) -> list[Gpu]:
+        """The GPUs NVML can read. One it cannot is left out (see `unavailable`) and topology()
+        skips it; raises GpuError only when no GPU can be read."""
         gpus = []
+        self._left_out = {}
         for index, handle, minor in self._devices:
-            memory = _call(pynvml.nvmlDeviceGetMemoryInfo, handle, minor=minor)
-            utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle, minor=minor)
-            numa = _optional(pynvml.nvmlDeviceGetNumaNodeId, handle, minor=minor)
-            gpus.append(Gpu(
-                index=index,
-                minor=minor,
-                uuid=_call(pynvml.nvmlDeviceGetUUID, handle, minor=minor),
-                name=_call(pynvml.nvmlDeviceGetName, handle, minor=minor),
-                pci_bus_id=_call(pynvml.nvmlDeviceGetPciInfo, handle, minor=minor).busId,  # pynvml decodes char arrays
-                memory_total=memory.total,
-                memory_used=memory.used,
-                numa_node=numa if numa is not None and numa >= 0 else None,  # -1: no NUMA affinity
-                utilization=utilization.gpu if utilization is not None else None,
-            ))
+            try:
+                gpus.append(self._gpu(index, handle, minor))
+            except GpuError as exc:
+                self._left_out[minor] = str(exc)
+        if self._devices and not gpus:
+            raise GpuError(next(iter(self._left_out.values())))  # not one GPU answers: NVML itself fails
         return gpus
 
+    def _gpu(self, index: int, handle: Any, minor: int) -> Gpu:
+        memory = _call(pynvml.nvmlDeviceGetMemoryInfo, handle, minor=minor)
+        utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle, minor=minor)
+        numa = _optional(pynvml.nvmlDeviceGetNumaNodeId, handle, minor=minor)
+        return Gpu(
+            index=index,
+            minor=minor,
+            uuid=_call(pynvml.nvmlDeviceGetUUID, handle, minor=minor),
+            name=_call(pynvml.nvmlDeviceGetName, handle, minor=minor),
+            pci_bus_id=_call(pynvml.nvmlDeviceGetPciInfo, handle, minor=minor).busId,  # pynvml decodes char arrays
+            memory_total=memory.total,
+            memory_used=memory.used,
+            numa_node=numa if numa is not None and numa >= 0 else None,  # -1: no NUMA affinity
+            utilization=utilization.gpu if utilization is not None else None,
+        )
+
     def topology(self) -> dict[tuple[int, int], Link]:
-        """How each pair of GPUs is connected, keyed (minor_a, minor_b) with minor_a < minor_b."""
+        """How each pair of GPUs is connected, keyed (minor_a, minor_b) with minor_a < minor_b
+        (GPUs that gpus() left out are skipped)."""
         links = {}
-        for (_, handle_a, minor_a), (_, handle_b, minor_b) in itertools.combinations(self._devices, 2):
+        devices = [d for d in self._devices if d[2] not in self._left_out]
+        for (_, handle_a, minor_a), (_, handle_b, minor_b) in itertools.combinations(devices, 2):
             # P2P-over-NVLink status also sees links through NVSwitches, where the remote end
             # of each link is the switch rather than the peer GPU.
             p2p = _optional(pynvml.nvmlDeviceGetP2PStatus, handle_a, handle_b,
@@ -123,18 +171,28 @@ class NvmlBackend:
         return dict(sorted(links.items()))
 
     def processes(self) -> list[GpuProcess]:
-        """Compute and graphics processes of every GPU, one entry per (pid, GPU)."""
-        found: dict[tuple[int, int], GpuProcess] = {}
+        """Compute and graphics processes of every GPU, one entry per (pid, GPU). Raises
+        GpuError when any GPU cannot be read (one NVML could not reach at start included)."""
+        query = self.query_processes()
+        errors = [*query.failed.values(), *self._unreachable]
+        if errors:
+            raise GpuError(errors[0])
+        return query.processes
+
+    def query_processes(self) -> ProcessQuery:
+        """Each GPU's processes, queried GPU by GPU, with the GPUs that failed. Raises GpuError
+        when none could be read: then NVML itself is failing."""
+        found: list[GpuProcess] = []
+        failed: dict[int, str] = {}
         for _, handle, minor in self._devices:
-            for query in _PROCESS_QUERIES:
-                for info in _call(query, handle, minor=minor):
-                    used = _known_memory(info.usedGpuMemory)
-                    seen = found.get((info.pid, minor))
-                    if seen is not None and seen.used_memory is not None:
-                        # Listed as compute and graphics: both report the process's memory.
-                        used = max(seen.used_memory, used or 0)
-                    found[(info.pid, minor)] = GpuProcess(pid=info.pid, minor=minor, used_memory=used)
-        return sorted(found.values(), key=lambda p: (p.minor, p.pid))
+            try:
+                found += _processes_of(handle, minor)
+            except GpuError as exc:
+                failed[minor] = str(exc)
+        if self._devices and len(failed) == len(self._devices):
+            raise GpuError(next(iter(failed.values())))  # not one GPU answers: NVML itself fails
+        read = frozenset(minor for _, _, minor in self._devices) - failed.keys()
+        return ProcessQuery(sorted(found, key=lambda p: (p.minor, p.pid)), read, failed)
 
     def close(self) -> None:
         _call(pynvml.nvmlShutdown)

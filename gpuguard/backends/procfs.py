@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
@@ -93,36 +94,52 @@ def holders(dev: tuple[int, int]) -> list[int]:
     copies made with mknod). A mapping keeps the device open after its fd is closed,
     which CUDA does, so /proc/<pid>/map_files is checked too.
     """
-    rdev = os.makedev(*dev)
+    return holders_of([dev])[dev]
+
+
+def holders_of(devices: Collection[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """holders() for several character devices in one scan of /proc: each device's pids.
+
+    Each process's descriptors and mappings are read once whatever the number of devices,
+    instead of once per device.
+    """
+    wanted = {os.makedev(*dev): dev for dev in devices}
+    found: dict[tuple[int, int], list[int]] = {dev: [] for dev in wanted.values()}
+    if not wanted:
+        return found
     mapped: dict[tuple[str, str], int | None] = {}  # (fs dev, inode) -> st_rdev, shared across pids
-    pids = []
     for entry in PROC.iterdir():
-        if entry.name.isdigit() and (_fds_hold(entry, rdev) or _maps_hold(entry, rdev, mapped)):
-            pids.append(int(entry.name))
-    return sorted(pids)
+        if entry.name.isdigit():
+            for rdev in (_open_devices(entry) | _mapped_devices(entry, mapped)) & wanted.keys():
+                found[wanted[rdev]].append(int(entry.name))
+    return {dev: sorted(pids) for dev, pids in found.items()}
 
 
-def _fds_hold(proc: Path, rdev: int) -> bool:
+def _open_devices(proc: Path) -> set[int]:
+    """st_rdev of the character devices the process holds a descriptor of."""
     try:
         fds = os.listdir(proc / "fd")
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return False
+        return set()
+    devices = set()
     for fd in fds:
         link = proc / "fd" / fd
         try:
             # Sockets, pipes and anon inodes have no path: skip them without a stat.
-            if os.readlink(link).startswith("/") and _is_chr(os.stat(link), rdev):
-                return True
+            if os.readlink(link).startswith("/") and stat.S_ISCHR((st := os.stat(link)).st_mode):
+                devices.add(st.st_rdev)
         except OSError:
             continue  # closed or exited meanwhile
-    return False
+    return devices
 
 
-def _maps_hold(proc: Path, rdev: int, seen: dict[tuple[str, str], int | None]) -> bool:
+def _mapped_devices(proc: Path, seen: dict[tuple[str, str], int | None]) -> set[int]:
+    """st_rdev of the character devices the process has mapped (CUDA keeps them after closing the fd)."""
     try:
         lines = (proc / "maps").read_text().splitlines()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return False
+        return set()
+    devices = set()
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) < 6 or fields[4] == "0":
@@ -137,13 +154,9 @@ def _maps_hold(proc: Path, rdev: int, seen: dict[tuple[str, str], int | None]) -
             except OSError:
                 continue
             seen[key] = st.st_rdev if stat.S_ISCHR(st.st_mode) else None
-        if seen[key] == rdev:
-            return True
-    return False
-
-
-def _is_chr(st: os.stat_result, rdev: int) -> bool:
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == rdev
+        if seen[key] is not None:
+            devices.add(seen[key])
+    return devices
 
 
 def _read(dirfd: int, name: str) -> str:

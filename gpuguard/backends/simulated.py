@@ -29,11 +29,14 @@ pids and records planted for someone else's process are ignored (and removed whe
 reader may). The fake reports the memory of live processes as used on their GPU and the
 sum of their utilization (capped at 100%) as the GPU's utilization.
 
-Fault injection. While `device_dir/.gpuguard-sim/fail` exists, is owned by root, and holds
-an NVML error name (e.g. `NVML_ERROR_GPU_IS_LOST`, `NVML_ERROR_UNKNOWN`), every process
-query (nvmlDeviceGet{Compute,Graphics}RunningProcesses_v3) returns that code: pynvml raises
-and NvmlBackend raises GpuError. Remove the file to heal. It persists rather than firing
-once so that a watcher's confirming re-sample sees the same failure.
+Fault injection. While `device_dir/.gpuguard-sim/fail` exists and is owned by root, it
+holds an NVML error name, optionally followed by minors:
+    NVML_ERROR_UNKNOWN          every process query (nvmlDeviceGet{Compute,Graphics}RunningProcesses_v3)
+                                returns that code: NVML itself fails, NvmlBackend raises GpuError
+    NVML_ERROR_GPU_IS_LOST 2 3  every call on GPUs 2 and 3 (anything taking their handle) returns
+                                it, as for GPUs that fell off the bus; the others answer
+Remove the file to heal. It persists rather than firing once so that a watcher's confirming
+re-sample sees the same failure.
 
 pynvml's library is process-wide: use one SimulatedBackend at a time per process.
 """
@@ -56,7 +59,7 @@ from typing import Any
 
 import pynvml
 
-from gpuguard.backends import GpuError
+from gpuguard.backends import GpuError, procfs
 from gpuguard.backends.nvml import NvmlBackend
 from gpuguard.config import SimulatedConfig
 from gpuguard.model import NVIDIA_MAJOR
@@ -90,34 +93,27 @@ class SimProcess:
     util: int                 # percent of the GPU this process keeps busy
     type: str = "C"
 
-
-def _start_time(pid: int) -> int | None:
-    """Start time of a running process; None when it is gone or a zombie (NVML drops a
-    process as soon as it exits, before its parent reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()  # the command name may hold anything
-    except OSError:
-        return None
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+    def running(self) -> bool:
+        """Whether the process this record describes still runs (not a later one with its pid)."""
+        identity = _running(self.pid)
+        return identity is not None and identity.start_time == self.start_time
 
 
-def _real_uid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as handle:
-            return next(int(line.split()[1]) for line in handle if line.startswith("Uid:"))
-    except OSError:
-        return None
+def _running(pid: int) -> procfs.ProcessIdentity | None:
+    """uid and start time of a running process; None when it is gone or a zombie (NVML drops
+    a process as soon as it exits, before its parent reaps it)."""
+    info = procfs.inspect(pid)
+    return info.identity if info is not None and info.state not in ("Z", "X") else None
 
 
 def register_process(device_dir: Path, pid: int, minor: int, memory: int | None,
                      util: int, type: str = "C") -> Path:
     """Announce that process `pid` uses GPU `minor`; the record lives until the process does.
     Raises OSError (FileNotFoundError: no simulated GPUs in device_dir)."""
-    uid, start_time = _real_uid(pid), _start_time(pid)
-    if uid is None or start_time is None:
+    identity = _running(pid)
+    if identity is None:
         raise ProcessLookupError(f"no running process {pid}")
-    record = SimProcess(pid, uid, start_time, minor, memory, util, type)
+    record = SimProcess(pid, identity.uid, identity.start_time, minor, memory, util, type)
     directory = device_dir / REGISTRY_DIR
     path = directory / f"{pid}-{secrets.token_hex(4)}.json"  # unguessable: nobody can pre-create it
     temp = directory / f".{path.name}"
@@ -145,7 +141,7 @@ def _parse_record(entry: os.DirEntry) -> SimProcess | None:
         return None
     # The directory is world-writable: a record counts only for its writer's own process,
     # or anyone could make the watcher blame (and kill) another user's process.
-    if not owner == record.uid == _real_uid(record.pid):
+    if not owner == record.uid == procfs.user_of(record.pid):
         return None
     return record
 
@@ -169,7 +165,7 @@ class _Registry:
             record = self._parsed.get(key) or _parse_record(entry)
             if record is not None and record.minor != minor:
                 parsed[key] = record  # the query for its own GPU checks that it still runs
-            elif record is not None and _start_time(record.pid) == record.start_time:
+            elif record is not None and record.running():
                 parsed[key] = record
                 live.append(record)
             else:
@@ -178,18 +174,19 @@ class _Registry:
         self._parsed = parsed  # every scan sees every file: forget the ones that went away
         return sorted(live, key=lambda p: p.pid)
 
-    def fault(self) -> int:
-        """The NVML error process queries should return, or NVML_SUCCESS."""
+    def fault(self) -> tuple[int, frozenset[int] | None]:
+        """The injected NVML error (NVML_SUCCESS: none) and the minors it hits (None: NVML itself)."""
         path = self.directory / FAIL_FILE
         try:
             if path.lstat().st_uid != 0:  # world-writable directory: only root injects faults
-                return pynvml.NVML_SUCCESS
-            name = path.read_text().strip()
+                return pynvml.NVML_SUCCESS, None
+            words = path.read_text().split()
         except FileNotFoundError:
-            return pynvml.NVML_SUCCESS
-        if not name.startswith("NVML_ERROR_") or not hasattr(pynvml, name):
-            raise ValueError(f"{path}: not an NVML error name: {name!r}")
-        return getattr(pynvml, name)
+            return pynvml.NVML_SUCCESS, None
+        name, minors = (words[0], words[1:]) if words else ("", [])
+        if not name.startswith("NVML_ERROR_") or not hasattr(pynvml, name) or not all(m.isdigit() for m in minors):
+            raise ValueError(f"{path}: expected an NVML error name and optional GPU minors, got {words}")
+        return getattr(pynvml, name), frozenset(map(int, minors)) if minors else None
 
 
 # --- the fake libnvidia-ml.so
@@ -285,6 +282,9 @@ class FakeNvmlLibrary:
         gpu = self._by_handle.get(handle or 0)
         if gpu is None:
             raise _Return(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        code, minors = self._registry.fault()
+        if minors is not None and gpu.minor in minors:  # this GPU is lost: every call on it fails
+            raise _Return(code)
         return gpu
 
     @_c_function(c_uint)
@@ -405,9 +405,9 @@ class FakeNvmlLibrary:
     def _running(self, handle: int, count: Any, infos: Any, kind: str) -> int:
         """The C contract: report the needed size if the caller's array is too small."""
         gpu = self._gpu(handle)
-        fault = self._registry.fault()
-        if fault != pynvml.NVML_SUCCESS:
-            return fault
+        code, minors = self._registry.fault()
+        if minors is None and code != pynvml.NVML_SUCCESS:  # NVML itself fails
+            return code
         processes = [p for p in self._registry.processes(gpu.minor) if kind in p.type]
         if count[0] < len(processes):
             count[0] = len(processes)

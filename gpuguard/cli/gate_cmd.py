@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
-from gpuguard import client
+from gpuguard import client, config as configuration
 from gpuguard.backends import accounts, devnodes
 from gpuguard.cli import EXIT_OK, CommandError, load_config, print_json
 
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     acl = subparsers.add_parser("acl", help="device nodes and their ACLs (root; run by udev)")
     acl_actions = acl.add_subparsers(dest="action", metavar="ACTION", required=True)
-    acl_actions.add_parser("apply", help="create missing driver nodes and have the daemon re-apply ACLs") \
+    acl_actions.add_parser("apply", help="have the daemon create missing driver nodes and re-apply ACLs") \
         .set_defaults(func=acl_apply)
 
 
@@ -78,15 +79,23 @@ def gate_detach(args: argparse.Namespace) -> int:
 
 
 def acl_apply(args: argparse.Namespace) -> int:
+    """Run by udev when the driver or one of its modules loads, or a GPU binds."""
     _require_root("acl apply")
-    config = load_config(args)
-    made = devnodes.ensure_driver_nodes(config.paths.device_dir, devnodes.driver_minors())
-    if made:
-        print(f"created {', '.join(str(path) for path in made)}")
-    # The daemon also sees new nodes through inotify; asking it covers a changed node too.
     try:
-        client.call(str(config.paths.socket), "reload", timeout=10)
+        paths = load_config(args).paths
+    except configuration.ConfigError as exc:
+        # A config in the middle of an edit must not leave new nodes unmade: the paths are
+        # nearly always the defaults, and the daemon needs no config for this.
+        paths = configuration.PathsConfig()
+        print(f"gpuguard: {exc}; using the default paths", file=sys.stderr)
+    try:
+        print(client.call(str(paths.socket), "sync_nodes", timeout=10)["message"])
     except client.DaemonUnreachable:
+        # NVML needs these nodes to start, and nothing else makes them (etc/modprobe.d/gpuguard.conf).
+        # GPU nodes come out 0660 root:root: making them opens no GPU to anyone.
+        made = devnodes.ensure_driver_nodes(paths.device_dir, devnodes.driver_minors())
+        if made:
+            print(f"created {', '.join(str(path) for path in made)}")
         print("gpuguard daemon not running: GPU nodes stay closed (0660 root:root) until it starts")
     return EXIT_OK
 

@@ -1,0 +1,42 @@
+"""Is a session's PAM caller still alive? Judged by pid and start time, never by the wall clock."""
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+
+from gpuguard.backends.procfs import process_identity
+from gpuguard.daemon import _caller_alive
+from gpuguard.store import MIGRATIONS, Store
+
+
+def test_the_caller_start_time_column_is_added_to_an_existing_store(tmp_path):
+    path = tmp_path / "state.db"
+    old = sqlite3.connect(path)
+    old.executescript(MIGRATIONS[0] + MIGRATIONS[1] + "PRAGMA user_version=2;")
+    old.execute("INSERT INTO sessions (uid, user, service, rhost, tty, pid, opened_at)"
+                " VALUES (1001, 'alice', 'sshd', '', '', 500, 1.0)")
+    old.commit()
+    old.close()
+    store = Store(path)
+    try:
+        assert store.schema_version == 3
+        (before,) = store.sessions()
+        assert (before.user, before.pid) == ("alice", 500)
+        after = store.open_session(1002, "bob", "sshd", "", "pts/1", 600, 2.0, caller_start=12345)
+        assert store.caller_starts() == {before.id: None, after.id: 12345}
+        assert store.close_session(1002, 600) == after  # the start time is not part of what a session shows
+    finally:
+        store.close()
+
+
+def test_a_caller_is_alive_while_a_process_with_its_pid_and_start_time_runs():
+    caller = subprocess.Popen(["sleep", "infinity"])
+    try:
+        start = process_identity(caller.pid).start_time
+        assert _caller_alive(caller.pid, start)
+        assert not _caller_alive(caller.pid, start + 1)  # the pid now names another process
+        assert _caller_alive(caller.pid, None)  # a session from before start times were kept
+    finally:
+        caller.kill()
+        caller.wait()
+    assert not _caller_alive(caller.pid, start) and not _caller_alive(caller.pid, None)
