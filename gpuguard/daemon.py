@@ -76,7 +76,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_signal)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
-        # The node watcher's callback touches the store: run it on this loop, not in its thread.
+        # The node watcher's callback touches the store, so it runs on this loop like everything else.
         loop.add_reader(self.nodes.fileno(), self.nodes.process)
         await self.server.start()
         ticker = asyncio.create_task(self._ticker())
