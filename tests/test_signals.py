@@ -154,7 +154,7 @@ REUSE_SCRIPT = r"""
 import json, os, select, signal, subprocess, sys
 from gpuguard.backends import signals
 
-uid, reporter, probe = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+(uid, gid), reporter, probe = map(int, sys.argv[1].split(":")), sys.argv[2], int(sys.argv[3])
 
 def line_of(child):
     if not select.select([child.stdout], [], [], 60)[0]:
@@ -165,7 +165,9 @@ def spawn(pid=None):
     if pid is not None:  # in this fresh pid namespace nobody else forks: the next pid is pid
         with open("/proc/sys/kernel/ns_last_pid", "w") as handle:
             handle.write(str(pid - 1))
-    child = subprocess.Popen([sys.executable, "-c", reporter], user=uid, stdout=subprocess.PIPE, bufsize=0)
+    # The user's own group, not root's: gid 0 would be denied by group bits on a 0700 /root checkout.
+    child = subprocess.Popen([sys.executable, "-c", reporter], user=uid, group=gid, extra_groups=[],
+                             stdout=subprocess.PIPE, bufsize=0)
     assert pid is None or child.pid == pid, (child.pid, pid)
     assert line_of(child) == "ready"
     return child
@@ -218,8 +220,9 @@ def test_reused_pid_is_never_signalled(user, sandbox):
     Everything the script starts dies with it: it is the namespace's init."""
     script = sandbox / "reuse.py"
     script.write_text(REUSE_SCRIPT)
-    run = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PYTHON, str(script), str(user.uid),
-                          REPORTER, str(int(PROBE))], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PYTHON, str(script),
+                          f"{user.uid}:{user.gid}", REPORTER, str(int(PROBE))],
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out == {"reuse": "gone", "reuse_pid_same": True, "newcomer_received": [],
