@@ -16,10 +16,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import PYTHON, TestUser, popen_as, run_as
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import open_gpu_backend
 from gpuguard.backends.nvml import NvmlBackend
+from gpuguard.backends.simulated import SimulatedBackend
+from gpuguard.config import SimulatedConfig
+
+GiB = 1 << 30
 
 
 def write_config(directory: Path, count: int = 4, memory: str = "80GiB", extra: str = "") -> Path:
@@ -112,3 +118,13 @@ def burn(config: Path, gpu: int, mem: str = "1GiB", **options) -> Iterator[subpr
         stop_burn(proc)
 
 
+@pytest.fixture
+def device_dir(sandbox: Path) -> Path:
+    return sandbox / "dev"
+
+
+@pytest.fixture
+def backend(device_dir: Path) -> Iterator[SimulatedBackend]:
+    """Four simulated 16 GiB GPUs, their nodes in device_dir."""
+    with SimulatedBackend(SimulatedConfig(count=4, memory=16 * GiB), device_dir) as opened:
+        yield opened

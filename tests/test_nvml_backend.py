@@ -23,20 +23,9 @@ from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBacken
 from gpuguard.config import SimulatedConfig
 from gpuguard.model import GpuProcess, Link
 from gate_lock import no_gate_attached
-from sim_helpers import burn, gpuguard, open_backend, write_config
-
-GiB = 1 << 30
+from sim_helpers import GiB, burn, gpuguard, open_backend, write_config
 
 
-@pytest.fixture
-def device_dir(sandbox: Path) -> Path:
-    return sandbox / "dev"
-
-
-@pytest.fixture
-def backend(device_dir: Path) -> Iterator[SimulatedBackend]:
-    with SimulatedBackend(SimulatedConfig(count=4, memory=16 * GiB), device_dir) as opened:
-        yield opened
 
 
 @pytest.fixture

@@ -12,24 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBackend, register_process
-from gpuguard.config import SimulatedConfig
-from gpuguard.model import GpuProcess
 from gpuguard.backends.procfs import holders_of
+from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, register_process
+from gpuguard.model import GpuProcess
 from gpuguard.sampling import Sampler, node_holders
-
-GiB = 1 << 30
-
-
-@pytest.fixture
-def device_dir(sandbox: Path) -> Path:
-    return sandbox / "dev"
+from sim_helpers import GiB
 
 
-@pytest.fixture
-def backend(device_dir: Path) -> Iterator[SimulatedBackend]:
-    with SimulatedBackend(SimulatedConfig(count=4), device_dir) as opened:
-        yield opened
 
 
 @pytest.fixture
