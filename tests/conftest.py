@@ -22,9 +22,10 @@ import pytest
 
 from gpuguard.demo import searchable
 
-# start_daemon / gg_daemon: a real daemon (tests/daemon_fixture.py); pam_module (tests/ssh_harness.py);
-# device_dir / backend: simulated GPUs (tests/sim_helpers.py).
-pytest_plugins = ["daemon_fixture", "ssh_harness", "sim_helpers"]
+# Shared fixtures: device_dir / backend, simulated GPUs (tests/sim_helpers.py, first: the others
+# import it); start_daemon / gg_daemon, a real daemon (tests/daemon_fixture.py); pam_module
+# (tests/ssh_harness.py).
+pytest_plugins = ["sim_helpers", "daemon_fixture", "ssh_harness"]
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too
