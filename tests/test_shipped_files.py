@@ -234,18 +234,15 @@ def test_pam_install_stays_inside_destdir(sandbox, pam_module) -> None:
     assert result.returncode == 0, result.stderr
     module = stage / pamdir.lstrip("/") / "pam_gpuguard.so"
     profile = stage / "usr/share/pam-configs/gpuguard"
-    staged = {module: pam_module}
-    # The Makefile installs the pam-auth-update profile where the build machine has pam-auth-update.
-    if Path("/usr/share/pam-configs").is_dir():
-        staged[profile] = PAM / "gpuguard"
+    staged = {module: pam_module, profile: PAM / "gpuguard"}  # a staged install carries the profile
     assert sorted(p for p in stage.rglob("*") if p.is_file()) == sorted(staged)
     for installed, source in staged.items():
         st = installed.stat()
         assert stat.S_IMODE(st.st_mode) == 0o644 and (st.st_uid, st.st_gid) == (0, 0)
         assert installed.read_bytes() == source.read_bytes()
-    if profile in staged:  # the profile names the module that was installed
-        fields = re.findall(r"^Session:\n((?:\s.*\n)+)", profile.read_text(), re.MULTILINE)
-        assert [line.split() for line in fields[0].splitlines()] == [["optional", module.name]]
+    # The profile names the module that was installed.
+    fields = re.findall(r"^Session:\n((?:\s.*\n)+)", profile.read_text(), re.MULTILINE)
+    assert [line.split() for line in fields[0].splitlines()] == [["optional", module.name]]
 
     result = subprocess.run([*make, "uninstall"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
