@@ -66,7 +66,10 @@ class Daemon:
         self.exempt = self._exempt_uids()
         if self.gate:
             self.gate.attach(self.exempt)
-        self.grants = Grants(self.store, self.gate, self.config.paths.device_dir, self.gpus, self.exempt)
+        # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
+        # alone, its node would stay as the driver made it (0666), open to all in acl mode.
+        self.grants = Grants(self.store, self.gate, self.config.paths.device_dir,
+                             set(self.gpus) | self._driver_minors(), self.exempt)
         self.grants.reconcile()
         self.nodes = acl.NodeWatcher(self.config.paths.device_dir, self._node_changed)
         self.watcher = Watcher(self)
@@ -173,7 +176,13 @@ class Daemon:
         # With NVreg_ModifyDeviceFiles=0 (etc/modprobe.d/gpuguard.conf) nothing else makes them,
         # nvidia-uvm included, whose module usually loads after boot.
         if self.config.gpu.backend == "nvml":
-            devnodes.ensure_driver_nodes(self.config.paths.device_dir, devnodes.driver_minors())
+            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(self._driver_minors()))
+
+    def _driver_minors(self) -> set[int]:
+        """The GPUs the driver has, whether or not NVML can read them."""
+        if self.config.gpu.backend == "simulated":
+            return set(range(self.config.gpu.simulated.count))
+        return set(devnodes.driver_minors())
 
     # --- allocation
 

@@ -5,7 +5,9 @@ Every wait is a poll with a generous deadline; the tests never assert speed.
 """
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import wait_for
+from probes import FILE_DENIED, open_result
 from sim_helpers import start_burn, stop_burn
 
 pytestmark = pytest.mark.gate
@@ -102,3 +105,15 @@ def test_a_gpu_lost_at_start_is_left_out(start_daemon):
     assert [gpu["minor"] for gpu in d.call("status")["gpus"]] == [0, 1, 3]
     assert "event=gpu_unavailable" in d.log() and "GPU is lost" in d.log()
     assert d.open_session(d.add_member())["gpus"] != [2]
+
+
+def test_a_gpu_lost_at_start_keeps_a_closed_node_in_acl_mode(start_daemon):
+    """Without the gate, the node's mode is all that stands between users and a GPU NVML cannot read."""
+    d = start_daemon(gate=False)
+    d.stop()
+    fail(d, f"{LOST} 2")
+    os.chmod(d.node(2), 0o666)  # as a driver (re)load would leave it
+    d.start()
+    assert [gpu["minor"] for gpu in d.call("status")["gpus"]] == [0, 1, 3]
+    assert stat.S_IMODE(os.stat(d.node(2)).st_mode) == 0o660
+    assert open_result(d.add_member(), d.node(2)) == FILE_DENIED
