@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpuguard import allocator, client, config as configuration, rules  # noqa: E402
-from gpuguard.backends.gate import Gate  # noqa: E402
+from gpuguard.backends.gate import Gate, bpffs_restored  # noqa: E402
 from gpuguard.backends.simulated import SimulatedBackend, register_process  # noqa: E402
 from gpuguard.model import Grant, Quota  # noqa: E402
 from gpuguard.store import Store  # noqa: E402
@@ -273,6 +273,7 @@ def main() -> int:
     bench_watcher_rules()
     bench_store()
     with ExitStack() as stack:
+        stack.enter_context(bpffs_restored())
         bench_daemon(stack)
     width = max(len(name) for name, *_ in ROWS)
     print(f"{'benchmark':<{width}}  {'ours':>12}  {'baseline':>12}  {'ratio':>8}  {'target':>8}")

@@ -21,7 +21,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from gpuguard import client
-from gpuguard.backends.gate import Gate
+from gpuguard.backends.gate import Gate, bpffs_restored
 
 REPO = Path(__file__).resolve().parent.parent
 PAM_MODULE = REPO / "pam" / "pam_gpuguard.so"
@@ -246,6 +246,7 @@ def main() -> int:
         return 2
     with ExitStack() as stack:
         stack.enter_context(searchable(REPO))
+        stack.enter_context(bpffs_restored())
         t = Tour(stack)
         t.setup()
         tour(t)

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import pytest
 
+from gpuguard.backends.gate import bpffs_restored
 from gpuguard.demo import searchable
 
 # Shared fixtures: device_dir / backend, simulated GPUs (tests/sim_helpers.py, first: the others
@@ -77,16 +78,8 @@ def sweep_leftovers(require_root, request) -> Iterator[None]:
 @pytest.fixture(scope="session", autouse=True)
 def restore_bpffs() -> Iterator[None]:
     """The gate mounts bpffs when absent; unmount it again if the run left nothing pinned there."""
-    from gpuguard.backends.gate import BPFFS, PIN_ROOT, _mounts
-
-    mounted_before = (str(BPFFS), "bpf") in _mounts()
-    yield
-    if not mounted_before and (str(BPFFS), "bpf") in _mounts():
-        if PIN_ROOT.is_dir() and not any(PIN_ROOT.iterdir()):
-            PIN_ROOT.rmdir()
-        # maps.debug and progs.debug are the kernel's own (bpf_preload), in every new bpffs.
-        if not {entry.name for entry in BPFFS.iterdir()} - {"maps.debug", "progs.debug"}:
-            subprocess.run(["umount", str(BPFFS)], check=False)
+    with bpffs_restored():
+        yield
 
 
 @pytest.fixture

@@ -466,12 +466,32 @@ def cgroup2_root() -> Path:
                     "(systemd.unified_cgroup_hierarchy, or mount -t cgroup2 none /sys/fs/cgroup/unified)")
 
 
+def _bpffs_mounted() -> bool:
+    return (str(BPFFS), "bpf") in _mounts()
+
+
 def _ensure_bpffs() -> None:
-    if (str(BPFFS), "bpf") in _mounts():
+    if _bpffs_mounted():
         return
     if _libc.mount(b"bpf", str(BPFFS).encode(), b"bpf", 0, b"mode=0700") != 0:
         err = ctypes.get_errno()
         raise GateError(f"cannot mount bpffs at {BPFFS}: {os.strerror(err)}")
+
+
+@contextmanager
+def bpffs_restored() -> Iterator[None]:
+    """For the tests, the demo and the bench: a bpffs that gates mounted inside is unmounted again
+    if nothing is pinned there any more. (The daemon keeps its mount, as systemd would.)"""
+    mounted_before = _bpffs_mounted()
+    try:
+        yield
+    finally:
+        if not mounted_before and _bpffs_mounted():
+            if PIN_ROOT.is_dir() and not any(PIN_ROOT.iterdir()):
+                PIN_ROOT.rmdir()
+            # maps.debug and progs.debug are the kernel's own (bpf_preload), in every new bpffs.
+            if not {entry.name for entry in BPFFS.iterdir()} - {"maps.debug", "progs.debug"}:
+                _libc.umount(str(BPFFS).encode())
 
 
 def object_name(name: str) -> str:
