@@ -58,6 +58,17 @@ def assert_closed_to(d, user, minor: int) -> None:
     assert open_result(user, d.node(minor)) == FILE_DENIED
 
 
+def usage_after_stop(d, user, minor: int) -> dict:
+    """Stop the daemon (which writes its usage counters) and read the user's row for that GPU."""
+    assert d.stop() == 0
+    store = Store(d.config.paths.state_dir / "state.db")
+    try:
+        [row] = [u for u in store.usage(user.uid) if u["minor"] == minor]
+    finally:
+        store.close()
+    return row
+
+
 def session_gpu(d, user) -> int:
     opened = d.open_session(user)
     assert len(opened["gpus"]) == 1, opened
@@ -112,13 +123,7 @@ def test_over_quota_burn_is_warned_then_terminated(start_daemon, burns):
     assert [g["minor"] for g in whoami_json(d, alice)["grants"]] == [minor]
     assert len(log_lines(d, event="term", rule="memory", user=alice.name, pid=proc.pid, gpu=minor)) == 1
     # Usage is written once a minute and when the daemon stops: one kill, for that GPU.
-    assert d.stop() == 0
-    store = Store(d.config.paths.state_dir / "state.db")
-    try:
-        [row] = [u for u in store.usage(alice.uid) if u["minor"] == minor]
-    finally:
-        store.close()
-    assert row["kills"] == 1
+    assert usage_after_stop(d, alice, minor)["kills"] == 1
 
 
 def test_burn_ignoring_sigterm_gets_sigkill(start_daemon, burns):
@@ -238,12 +243,7 @@ def test_idle_grant_is_released_and_can_be_requested_again(start_daemon, burns):
     again = json.loads(requested.stdout)["gpus"]
     assert len(again) == 1 and open_result(alice, d.node(again[0])) == ALLOWED
     # Usage is written once a minute and at shutdown: busy while the burn ran, idle after.
-    assert d.stop() == 0
-    store = Store(d.config.paths.state_dir / "state.db")
-    try:
-        [first] = [u for u in store.usage(alice.uid) if u["minor"] == minor]
-    finally:
-        store.close()
+    first = usage_after_stop(d, alice, minor)
     assert first["granted_seconds"] > 0 and first["busy_seconds"] > 0 and first["idle_seconds"] > 0
     assert first["kills"] == 0
 
