@@ -51,10 +51,10 @@ class Grants:
             return
         self.store.add_grants(uid, user, minors, now, expires_at, shared=shared, origin=origin)
         try:
-            for minor in minors:
-                if self.gate:
+            if self.gate:
+                for minor in minors:
                     self.gate.grant(uid, (NVIDIA_MAJOR, minor))
-                self.sync_node(minor)
+            self.sync_nodes(minors)
         except Exception:
             # Not enforceable: take it back, so the store never claims what the kernel does not do.
             self.remove(uid, minors, now, kind="error", rule=origin, message="grant could not be applied")
@@ -84,30 +84,31 @@ class Grants:
             for grant in closed:
                 self.gate.grant(uid, (NVIDIA_MAJOR, grant.minor))
             raise
+        self.sync_nodes(g.minor for g in held)
         for grant in held:
-            self.sync_node(grant.minor)
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
                                        action=kind))
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=[g.minor for g in held], rule=rule)
         return held
 
-    def sync_node(self, minor: int) -> None:
-        """Make /dev/nvidia<minor> exist, 0660 root:root, with an ACL entry for exactly its
-        grantees and the exempt users."""
-        if minor not in self.minors:
-            return  # a grant for a GPU this machine no longer has: no node to manage
-        path = self.node(minor)
-        acl.ensure_node(path, (NVIDIA_MAJOR, minor))
-        acl.set_base_mode(path)
-        acl.apply_acls(path, {g.uid for g in self.store.grants() if g.minor == minor} | self.exempt)
+    def sync_nodes(self, minors: Iterable[int]) -> None:
+        """Make each /dev/nvidia<minor> exist, 0660 root:root, with an ACL entry for exactly its
+        grantees and the exempt users. GPUs this machine no longer has are skipped: no node to manage."""
+        grantees: dict[int, set[int]] = {}
+        for grant in self.store.grants():  # one read, however many nodes
+            grantees.setdefault(grant.minor, set()).add(grant.uid)
+        for minor in sorted(set(minors) & self.minors):
+            path = self.node(minor)
+            acl.ensure_node(path, (NVIDIA_MAJOR, minor))
+            acl.set_base_mode(path)
+            acl.apply_acls(path, grantees.get(minor, set()) | self.exempt)
 
     def node_changed(self, path: Path | None) -> None:
         """NodeWatcher callback: a node was (re)created or changed; None means check them all."""
         if path is None:
-            for minor in sorted(self.minors):
-                self.sync_node(minor)
+            self.sync_nodes(self.minors)
         elif match := _NODE.fullmatch(path.name):
-            self.sync_node(int(match[1]))
+            self.sync_nodes([int(match[1])])
 
     def reconcile(self) -> None:
         """Rebuild the derived state from the store: gate entries exactly as granted, every node synced."""
