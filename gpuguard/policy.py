@@ -35,18 +35,24 @@ def _layers(user: str, groups: Collection[str], config: Config) -> list[tuple[st
     return own + [(f"group {name}", entry) for name, entry in config.quotas.groups.items() if name in groups]
 
 
+def _chosen(user: str, groups: Collection[str], config: Config) -> dict[str, tuple[str, object]]:
+    """For each quota field the user's entries set: (where it comes from, its value), strongest layer first."""
+    chosen: dict[str, tuple[str, object]] = {}
+    for label, entry in _layers(user, groups, config):
+        for name, value in entry.items():
+            chosen.setdefault(name, (label, value))
+    return chosen
+
+
 def quota_sources(user: str, groups: Collection[str], config: Config) -> dict[str, str]:
     """For each quota field, where the user's value comes from: "user NAME", "group NAME" or "defaults"."""
-    layers = _layers(user, groups, config)
-    return {f.name: next((label for label, entry in layers if f.name in entry), "defaults") for f in fields(Quota)}
+    chosen = _chosen(user, groups, config)
+    return {f.name: chosen[f.name][0] if f.name in chosen else "defaults" for f in fields(Quota)}
 
 
 def quota_for(user: str, groups: Collection[str], config: Config) -> Quota:
     """The user's quota, field by field: the user's own entry, else a group's, else the defaults."""
-    layers = dict(_layers(user, groups, config))
-    return replace(config.defaults, **{name: layers[source][name]
-                                       for name, source in quota_sources(user, groups, config).items()
-                                       if source != "defaults"})
+    return replace(config.defaults, **{name: value for name, (_, value) in _chosen(user, groups, config).items()})
 
 
 def may_share(quota: Quota) -> bool:
