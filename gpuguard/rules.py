@@ -151,9 +151,7 @@ class Action:
 def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]:
     view = view.readable()
     exempt = {ROOT_UID, *view.exempt}
-    on_slot: dict[Slot, list[Proc]] = {}
-    for proc in view.procs:
-        on_slot.setdefault((proc.uid, proc.minor), []).append(proc)
+    on_slot = _by_slot(view.procs)
 
     actions: list[Action] = []
     signalled: set[ProcKey] = set()  # one signal per process per tick, whatever its GPUs
@@ -220,6 +218,14 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         elif now - reported >= timing.grace:
             term(proc, STRAY, used=proc.used_memory, reported_at=reported)
     return actions
+
+
+def _by_slot(procs: Iterable[Proc]) -> dict[Slot, list[Proc]]:
+    """Each user's processes on each GPU."""
+    on_slot: dict[Slot, list[Proc]] = {}
+    for proc in procs:
+        on_slot.setdefault((proc.uid, proc.minor), []).append(proc)
+    return on_slot
 
 
 def _newest_first(procs: Iterable[Proc]) -> list[Proc]:
@@ -299,9 +305,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     present = {p.key for p in view.procs}
     owner_on = {(p.pid, p.start_time, p.minor): (p.uid, p.minor) for p in view.procs}
     granted = {(g.uid, g.minor) for g in view.grants}
-    on_slot: dict[Slot, list[Proc]] = {}
-    for proc in view.procs:
-        on_slot.setdefault((proc.uid, proc.minor), []).append(proc)
+    on_slot = _by_slot(view.procs)
 
     def still_over(slot: Slot) -> bool:
         quota = view.quotas.get(slot[0])
