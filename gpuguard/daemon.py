@@ -256,10 +256,11 @@ class Daemon:
             by_uid.setdefault(grant.uid, []).append(grant)
         if uids is not None:
             by_uid = {uid: by_uid[uid] for uid in uids if uid in by_uid}
+        logged_in = {session.uid for session in self.store.sessions()}
         unused = {}
         for uid, held in by_uid.items():
             minors = frozenset(g.minor for g in held)
-            if (any(g.origin == "session" for g in held) and not self.store.sessions(uid)
+            if (any(g.origin == "session" for g in held) and uid not in logged_in
                     and not sample.busy_minors(uid) & minors and all(sample.ok(m) for m in minors)):
                 unused[uid] = minors
         return unused

@@ -23,7 +23,7 @@ _MINOR_LINE = re.compile(r"^Device Minor:\s*(\d+)", re.MULTILINE)
 def driver_minors(gpus_dir: Path = DRIVER_GPUS) -> list[int]:
     """Minor numbers of the GPUs bound to the nvidia driver (empty when it is not loaded)."""
     minors = []
-    for info in sorted(gpus_dir.glob("*/information")):
+    for info in gpus_dir.glob("*/information"):
         if match := _MINOR_LINE.search(info.read_text()):
             minors.append(int(match[1]))
     return sorted(minors)
