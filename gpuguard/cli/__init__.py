@@ -29,6 +29,11 @@ class CommandError(Exception):
         self.code = code
 
 
+def require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise CommandError(f"{what} needs root")
+
+
 def load_config(args: argparse.Namespace) -> config.Config:
     """The config named by --config, $GPUGUARD_CONFIG or the default path (errors exit 2)."""
     return config.load(args.config)

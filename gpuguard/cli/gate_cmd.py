@@ -6,13 +6,12 @@ for emergencies and uninstall, and for udev when the driver loads.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import TYPE_CHECKING
 
 from gpuguard import client, config as configuration
 from gpuguard.backends import accounts, devnodes
-from gpuguard.cli import EXIT_OK, CommandError, load_config, print_json
+from gpuguard.cli import EXIT_OK, CommandError, load_config, print_json, require_root
 
 if TYPE_CHECKING:
     from gpuguard.backends.gate import Gate
@@ -36,13 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         .set_defaults(func=acl_apply)
 
 
-def _require_root(what: str) -> None:
-    if os.geteuid() != 0:
-        raise CommandError(f"{what} needs root")
-
-
 def _gate(args: argparse.Namespace, what: str) -> Gate:
-    _require_root(what)
+    require_root(what)
     from gpuguard.backends.gate import Gate  # ctypes and the assembler: only for these commands
     return Gate(args.name)
 
@@ -80,7 +74,7 @@ def gate_detach(args: argparse.Namespace) -> int:
 
 def acl_apply(args: argparse.Namespace) -> int:
     """Run by udev when the driver or one of its modules loads, or a GPU binds."""
-    _require_root("acl apply")
+    require_root("acl apply")
     try:
         paths = load_config(args).paths
     except configuration.ConfigError as exc:

@@ -8,7 +8,6 @@ themselves, so it needs no daemon and shows what the daemon will use after its n
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -17,7 +16,8 @@ from typing import Any
 
 from gpuguard import config, quota_file
 from gpuguard.backends import accounts
-from gpuguard.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, load_config, print_json, print_rows
+from gpuguard.cli import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, load_config, print_json, print_rows,
+                          require_root)
 from gpuguard.cli.calls import ask
 from gpuguard.client import DaemonUnreachable, Refused
 from gpuguard.policy import quota_for, quota_sources
@@ -52,8 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # --- quota set
 
 def run_set(args: argparse.Namespace) -> int:
-    if os.geteuid() != 0:
-        raise CommandError("quota set needs root")
+    require_root("quota set")
     changes = _changes(args.assignments, args.unset)
     # The current configuration must load: it names the quotas file, and the edit is checked against it.
     current = load_config(args)
