@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import socket
 import sqlite3
 import statistics
@@ -43,8 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpuguard import allocator, client, config as configuration, rules  # noqa: E402
-from gpuguard.backends.gate import Gate, bpffs_restored  # noqa: E402
+from gpuguard.backends.gate import bpffs_restored  # noqa: E402
 from gpuguard.backends.simulated import SimulatedBackend, register_process  # noqa: E402
+from gpuguard.demo import start_daemon  # noqa: E402
 from gpuguard.model import Grant, Quota  # noqa: E402
 from gpuguard.store import Store  # noqa: E402
 
@@ -192,24 +192,8 @@ def bench_daemon(stack: ExitStack) -> None:
         f'[gpu]\nbackend = "simulated"\n[gpu.simulated]\ncount = 8\n')
     config_path.chmod(0o644)
     gate_name = f"ggt-bench-{tag}"
-    stack.callback(lambda: Gate(gate_name).detach())
-    daemon = subprocess.Popen([PYTHON, "-m", "gpuguard", "--config", str(config_path), "daemon",
-                               "--gate-name", gate_name], stderr=subprocess.DEVNULL)
-
-    def stop_daemon() -> None:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(15)
-    stack.callback(stop_daemon)
+    daemon = start_daemon(stack, config_path, gate_name)
     sock = str(base / "run" / "gpuguard.sock")
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.call(sock, "status", timeout=1)
-            break
-        except client.DaemonUnreachable:
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise SystemExit("bench: the daemon did not start")
-            time.sleep(0.1)
 
     caller = subprocess.Popen(["sleep", "infinity"])  # stands in for sshd's [priv] process
     stack.callback(caller.kill)

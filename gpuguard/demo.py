@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from gpuguard import client
+from gpuguard import client, config as configuration
 from gpuguard.backends.gate import Gate, bpffs_restored
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,26 +98,10 @@ class Tour:
         self.pam_stack = stack_file
 
     def start_daemon(self) -> None:
-        log = open(self.dir / "daemon.log", "wb")
-        self.stack.callback(log.close)
-        self.daemon = subprocess.Popen(self.gpuguard_argv("daemon", "--gate-name", self.gate),
-                                       stdout=log, stderr=log)
-        self.stack.callback(lambda: Gate(self.gate).detach())
-        self.stack.callback(self.stop_daemon)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.call(str(self.socket), "status", timeout=1)
-                return
-            except client.DaemonUnreachable:
-                if self.daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"demo: the daemon did not start; see {self.dir}/daemon.log")
-                time.sleep(0.1)
+        self.daemon = start_daemon(self.stack, self.config, self.gate, self.dir / "daemon.log")
 
     def stop_daemon(self) -> None:
-        if self.daemon and self.daemon.poll() is None:
-            self.daemon.send_signal(signal.SIGTERM)
-            self.daemon.wait(15)
+        stop_daemon(self.daemon)
 
     # --- acting
 
@@ -152,6 +136,32 @@ class Tour:
             if any(e["kind"] == kind for e in events):
                 return
             time.sleep(0.25)
+
+
+def start_daemon(stack: ExitStack, config: Path, gate: str, log: Path | None = None) -> subprocess.Popen:
+    """`gpuguard daemon` with a gate of its own, once it answers on its socket (the demo's and the
+    bench's). Closing the stack stops it and detaches its gate."""
+    out = stack.enter_context(open(log, "wb")) if log else subprocess.DEVNULL
+    daemon = subprocess.Popen([str(VENV_BIN / "gpuguard"), "--config", str(config), "daemon", "--gate-name", gate],
+                              stdout=out, stderr=out)
+    stack.callback(lambda: Gate(gate).detach())
+    stack.callback(stop_daemon, daemon)
+    socket = str(configuration.load(config).paths.socket)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.call(socket, "status", timeout=1)
+            return daemon
+        except client.DaemonUnreachable:
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the gpuguard daemon did not start{f'; see {log}' if log else ''}") from None
+            time.sleep(0.1)
+
+
+def stop_daemon(daemon: subprocess.Popen | None) -> None:
+    if daemon and daemon.poll() is None:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(15)
 
 
 @contextmanager
