@@ -114,9 +114,7 @@ class Store:
                 [(uid, user, minor, now, expires_at, now, int(shared), origin) for minor in minors])
 
     def grants(self, uid: int | None = None) -> list[Grant]:
-        query, params = "SELECT * FROM grants", ()
-        if uid is not None:
-            query, params = query + " WHERE uid = ?", (uid,)
+        query, params = _rows_of("grants", uid)
         return [_grant(row) for row in self._db.execute(query + " ORDER BY uid, minor", params)]
 
     def remove_grants(self, uid: int, minors: Iterable[int] | None, now: float) -> list[Grant]:
@@ -164,9 +162,7 @@ class Store:
             db.executemany("DELETE FROM sessions WHERE id = ?", [(i,) for i in ids])
 
     def sessions(self, uid: int | None = None) -> list[Session]:
-        query, params = "SELECT * FROM sessions", ()
-        if uid is not None:
-            query, params = query + " WHERE uid = ?", (uid,)
+        query, params = _rows_of("sessions", uid)
         return [_session(row) for row in self._db.execute(query + " ORDER BY id", params)]
 
     def caller_starts(self) -> dict[int, int | None]:
@@ -186,9 +182,7 @@ class Store:
 
     def events(self, uid: int | None = None, limit: int = 50) -> list[Event]:
         """The newest events (of one user, or all), oldest first."""
-        query, params = "SELECT * FROM events", ()
-        if uid is not None:
-            query, params = query + " WHERE uid = ?", (uid,)
+        query, params = _rows_of("events", uid)
         rows = self._db.execute(query + " ORDER BY id DESC LIMIT ?", (*params, limit)).fetchall()
         return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
 
@@ -206,9 +200,7 @@ class Store:
                 (uid, user, minor, granted, busy, idle, kills))
 
     def usage(self, uid: int | None = None) -> list[dict]:
-        query, params = "SELECT * FROM usage", ()
-        if uid is not None:
-            query, params = query + " WHERE uid = ?", (uid,)
+        query, params = _rows_of("usage", uid)
         return [dict(row) for row in self._db.execute(query + " ORDER BY uid, minor", params)]
 
 
@@ -219,3 +211,10 @@ def _grant(row: sqlite3.Row) -> Grant:
 def _session(row: sqlite3.Row) -> Session:
     # caller_start is the daemon's own business (liveness), not part of what a session shows.
     return Session(**{key: row[key] for key in row.keys() if key != "caller_start"})
+
+
+def _rows_of(table: str, uid: int | None) -> tuple[str, tuple]:
+    """SELECT of a table's rows, of one user's only when uid is given; the caller adds the order."""
+    if uid is None:
+        return f"SELECT * FROM {table}", ()
+    return f"SELECT * FROM {table} WHERE uid = ?", (uid,)
