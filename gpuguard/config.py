@@ -120,19 +120,11 @@ def _count(low: int, high: int) -> Callable[[Any], int]:
     return parse
 
 
-def _size(value: Any) -> int | None:
-    return parse_size(value)
-
-
 def _positive_size(value: Any) -> int:
     size = parse_size(value)
     if not size:
         raise ValueError(f"expected a positive size, got {value!r}")
     return size
-
-
-def _duration(value: Any) -> float | None:
-    return parse_duration(value)
 
 
 def _positive_duration(minimum: float) -> Callable[[Any], float]:
@@ -165,9 +157,9 @@ def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
 
 QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "gpus": _count(0, MAX_GPUS),
-    "gpu_memory": _size,
-    "max_time": _duration,
-    "idle_timeout": _duration,
+    "gpu_memory": parse_size,
+    "max_time": parse_duration,
+    "idle_timeout": parse_duration,
     "sharing": _bool,
 }
 
