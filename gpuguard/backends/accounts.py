@@ -61,21 +61,21 @@ def group_exists(name: str) -> bool:
     return True
 
 
-def group_members(name: str) -> set[str]:
-    """Users in a group: its listed members plus users whose primary group it is."""
-    try:
-        group = grp.getgrnam(name)
-    except KeyError:
-        return set()
-    return set(group.gr_mem) | {p.pw_name for p in pwd.getpwall() if p.pw_gid == group.gr_gid}
-
-
 def exempt_uids(access: AccessConfig) -> set[int]:
-    """root, the configured exempt users and every member of the exempt groups (unknown names skipped)."""
+    """root, the configured exempt users and every member of the exempt groups (unknown names
+    skipped): a group's listed members plus the users whose primary group it is."""
     names = set(access.exempt_users)
-    for group in access.exempt_groups:
-        names |= group_members(group)
+    primary_gids = set()
+    for name in access.exempt_groups:
+        try:
+            group = grp.getgrnam(name)
+        except KeyError:
+            continue
+        names |= set(group.gr_mem)
+        primary_gids.add(group.gr_gid)
     uids = {0}
+    if primary_gids:  # one walk of the user database, however many groups (slow on LDAP)
+        uids |= {entry.pw_uid for entry in pwd.getpwall() if entry.pw_gid in primary_gids}
     for name in names:
         try:
             uids.add(pwd.getpwnam(name).pw_uid)
