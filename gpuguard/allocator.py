@@ -13,7 +13,7 @@ Order of preference, most important first:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import combinations
 from math import comb
 
@@ -30,15 +30,20 @@ def link(topology: Topology, a: int, b: int) -> Link:
     return topology.get((a, b), topology.get((b, a), Link.SYSTEM))
 
 
+def blocking(grants: Iterable[Grant], uid: int, minors: Collection[int], share: bool) -> list[Grant]:
+    """Other users' grants that keep `uid` off these GPUs: all of them, unless `uid` may share
+    and they share too."""
+    return [g for g in grants if g.minor in minors and g.uid != uid and not (share and g.shared)]
+
+
 def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], last_released: Mapping[int, float],
            uid: int, count: int, share: bool = False) -> tuple[int, ...]:
     """Up to `count` more GPU minors for `uid` (fewer when fewer are available; () when none)."""
     grants = list(grants)
     own = {g.minor for g in grants if g.uid == uid}
     holders = Counter(g.minor for g in grants if g.uid != uid)
-    exclusive = {g.minor for g in grants if g.uid != uid and not g.shared}
-    candidates = [gpu.minor for gpu in gpus if gpu.minor not in own
-                  and (holders[gpu.minor] == 0 or (share and gpu.minor not in exclusive))]
+    blocked = {g.minor for g in blocking(grants, uid, {gpu.minor for gpu in gpus}, share)}
+    candidates = [gpu.minor for gpu in gpus if gpu.minor not in own and gpu.minor not in blocked]
     want = min(count, len(candidates))
     if want <= 0:
         return ()

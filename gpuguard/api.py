@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from gpuguard import config as configuration, policy, protocol, sampling
+from gpuguard import allocator, config as configuration, policy, protocol, sampling
 from gpuguard.backends import accounts, procfs, signals
 from gpuguard.logs import event
 from gpuguard.messages import grant_message, number_list
@@ -243,8 +243,7 @@ class Api:
         quota = policy.quota_for(account.name, account.groups, daemon.config)
         share = policy.may_share(quota)
         if minors is not None:
-            others = [g for g in store.grants() if g.minor in minors and g.uid != account.uid]
-            blocked = [g for g in others if not (share and g.shared)]
+            blocked = allocator.blocking(store.grants(), account.uid, minors, share)
             if blocked:
                 raise Refusal(f"GPU {number_list({g.minor for g in blocked})} is held by "
                               f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
