@@ -22,7 +22,7 @@ from conftest import PYTHON, TestUser, popen_as, run_as
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import open_gpu_backend
 from gpuguard.backends.nvml import NvmlBackend
-from gpuguard.backends.simulated import SimulatedBackend
+from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBackend
 from gpuguard.config import SimulatedConfig
 
 GiB = 1 << 30
@@ -128,3 +128,13 @@ def backend(device_dir: Path) -> Iterator[SimulatedBackend]:
     """Four simulated 16 GiB GPUs, their nodes in device_dir."""
     with SimulatedBackend(SimulatedConfig(count=4, memory=16 * GiB), device_dir) as opened:
         yield opened
+
+
+def set_fault(device_dir: Path, text: str | None) -> None:
+    """Make the simulated NVML fail ("NVML_ERROR_GPU_IS_LOST", or "... 2" for GPU 2 alone) until
+    called again with None (see gpuguard/backends/simulated.py)."""
+    path = device_dir / REGISTRY_DIR / FAIL_FILE
+    if text is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_text(text + "\n")

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import wait_for
 from probes import FILE_DENIED, open_result
-from sim_helpers import start_burn, stop_burn
+from sim_helpers import set_fault, start_burn, stop_burn
 
 pytestmark = pytest.mark.gate
 
@@ -39,14 +39,6 @@ def burns() -> Iterator:
         stop_burn(proc)
 
 
-def fail(d, text: str | None) -> None:
-    path = d.device_dir / ".gpuguard-sim" / "fail"
-    if text is None:
-        path.unlink()
-    else:
-        path.write_text(text + "\n")
-
-
 def events(d, user, **match) -> list[dict]:
     return [e for e in d.whoami(user)["events"] if all(e.get(k) == v for k, v in match.items())]
 
@@ -63,7 +55,7 @@ def test_a_failing_gpu_stops_no_enforcement_elsewhere(start_daemon, burns):
     alice, bob = d.add_member(), d.add_member()
     d.call("grant", user=alice.name, minors=[1])
     d.call("grant", user=bob.name, minors=[2])
-    fail(d, f"{LOST} 2")
+    set_fault(d.device_dir, f"{LOST} 2")
     over_2 = burns(d.config_path, 2, "6GiB", user=bob)
     over_1 = burns(d.config_path, 1, "6GiB", user=alice)
     # GPU 1 is enforced as usual ...
@@ -76,7 +68,7 @@ def test_a_failing_gpu_stops_no_enforcement_elsewhere(start_daemon, burns):
     assert "gpu=2" in d.log() and "event=sample_failed" not in d.log()
     status = {gpu["minor"]: gpu["processes"] for gpu in d.call("status")["gpus"]}
     assert status[2] is None and status[0] == 0  # unknown, never "no processes"
-    fail(d, None)
+    set_fault(d.device_dir, None)
     assert over_2.wait(timeout=INTERVAL + GRACE + KILL_WAIT + MARGIN) == -signal.SIGTERM
     assert "event=gpu_recovered gpu=2" in d.log()
 
@@ -86,13 +78,13 @@ def test_no_logout_release_while_the_gpu_fails(start_daemon):
     alice = d.add_member()
     opened = d.open_session(alice)
     [minor] = opened["gpus"]
-    fail(d, f"{LOST} {minor}")
+    set_fault(d.device_dir, f"{LOST} {minor}")
     assert wait_for(lambda: "event=gpu_failed" in d.log(), timeout=MARGIN)  # no earlier sample is reused now
     closed = d.close_session(alice, opened["pid"])
     assert closed["kept"] == [minor]  # no process seen there is no evidence of none
     wait_ticks(d)
     assert d.granted_minors(alice) == [minor]
-    fail(d, None)
+    set_fault(d.device_dir, None)
     assert wait_for(lambda: d.granted_minors(alice) == [], timeout=MARGIN)
     assert [e["rule"] for e in events(d, alice, kind="release")] == ["logout"]
 
@@ -100,7 +92,7 @@ def test_no_logout_release_while_the_gpu_fails(start_daemon):
 def test_a_gpu_lost_at_start_is_left_out(start_daemon):
     d = start_daemon(defaults={"gpus": 1})
     d.stop()
-    fail(d, f"{LOST} 2")
+    set_fault(d.device_dir, f"{LOST} 2")
     d.start()  # starts: the other GPUs are still guarded
     assert [gpu["minor"] for gpu in d.call("status")["gpus"]] == [0, 1, 3]
     assert "event=gpu_unavailable" in d.log() and "GPU is lost" in d.log()
@@ -111,7 +103,7 @@ def test_a_gpu_lost_at_start_keeps_a_closed_node_in_acl_mode(start_daemon):
     """Without the gate, the node's mode is all that stands between users and a GPU NVML cannot read."""
     d = start_daemon(gate=False)
     d.stop()
-    fail(d, f"{LOST} 2")
+    set_fault(d.device_dir, f"{LOST} 2")
     os.chmod(d.node(2), 0o666)  # as a driver (re)load would leave it
     d.start()
     assert [gpu["minor"] for gpu in d.call("status")["gpus"]] == [0, 1, 3]

@@ -8,15 +8,14 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from gpuguard.backends.procfs import holders_of
-from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, register_process
+from gpuguard.backends.simulated import register_process
 from gpuguard.model import GpuProcess
 from gpuguard.sampling import Sampler, node_holders
-from sim_helpers import GiB
+from sim_helpers import GiB, set_fault
 
 
 
@@ -27,14 +26,6 @@ def sleeper() -> Iterator[subprocess.Popen]:
     yield proc
     proc.kill()
     proc.wait()
-
-
-def fault(device_dir: Path, text: str | None) -> None:
-    path = device_dir / REGISTRY_DIR / FAIL_FILE
-    if text is None:
-        path.unlink()
-    else:
-        path.write_text(text + "\n")
 
 
 def test_a_young_sample_is_reused_less_the_processes_that_exited(backend, device_dir) -> None:
@@ -72,11 +63,11 @@ def test_a_failing_gpu_is_unknown_and_logged_once_per_change(backend, device_dir
         return asyncio.run(sampler.take_or_log("test", max_age=0))
 
     with caplog.at_level(logging.INFO, logger="gpuguard"):
-        fault(device_dir, "NVML_ERROR_GPU_IS_LOST 2")
+        set_fault(device_dir, "NVML_ERROR_GPU_IS_LOST 2")
         samples = [take() for _ in range(3)]
-        fault(device_dir, "NVML_ERROR_UNKNOWN 2")  # failing differently is a change too
+        set_fault(device_dir, "NVML_ERROR_UNKNOWN 2")  # failing differently is a change too
         take()
-        fault(device_dir, None)
+        set_fault(device_dir, None)
         healed = take()
     lines = [r.getMessage() for r in caplog.records]
     failed = [line for line in lines if "event=gpu_failed" in line]
@@ -89,7 +80,7 @@ def test_a_failing_gpu_is_unknown_and_logged_once_per_change(backend, device_dir
 
 def test_nvml_failing_as_a_whole_is_logged_every_time(backend, device_dir, caplog) -> None:
     sampler = Sampler(backend)
-    fault(device_dir, "NVML_ERROR_UNKNOWN")
+    set_fault(device_dir, "NVML_ERROR_UNKNOWN")
     with caplog.at_level(logging.ERROR, logger="gpuguard"):
         assert asyncio.run(sampler.take_or_log("skipped", max_age=0)) is None
         assert asyncio.run(sampler.take_or_log("skipped", max_age=0)) is None

@@ -18,12 +18,11 @@ from gpuguard.backends.nvml import NvmlBackend
 from gpuguard.backends.simulated import REGISTRY_DIR
 from gpuguard.model import GpuProcess
 from gate_lock import no_gate_attached
-from sim_helpers import burn, gpuguard, open_backend, start_burn, stop_burn, write_config
+from sim_helpers import GiB, burn, gpuguard, open_backend, start_burn, stop_burn, write_config
 
 if TYPE_CHECKING:
     from conftest import TestUser  # not at run time: pytest would try to collect it
 
-GiB = 1 << 30
 
 
 @pytest.fixture(autouse=True)

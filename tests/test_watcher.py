@@ -20,11 +20,10 @@ from conftest import wait_for
 from freezer import frozen
 from gpuguard.store import Store
 from probes import ALLOWED, FILE_DENIED, GATE_DENIED, bare_nodes, open_result
-from sim_helpers import start_burn, stop_burn
+from sim_helpers import GiB, set_fault, start_burn, stop_burn
 
 pytestmark = pytest.mark.gate
 
-GiB = 1 << 30
 INTERVAL, GRACE, KILL_WAIT = 0.2, 1.0, 1.0
 MARGIN = 20.0  # seconds of slack on a slow or busy machine; the tests never assert speed
 WATCHER = {"interval": f"{INTERVAL}s", "grace": f"{GRACE}s", "kill_wait": f"{KILL_WAIT}s"}
@@ -264,8 +263,7 @@ def test_nvml_error_is_logged_and_nothing_is_done_until_it_heals(start_daemon, b
     d = start_daemon(defaults={"gpus": 1, "gpu_memory": "4GiB"}, watcher=WATCHER)
     alice = d.add_member()
     minor = session_gpu(d, alice)
-    fault = d.device_dir / ".gpuguard-sim" / "fail"
-    fault.write_text("NVML_ERROR_GPU_IS_LOST\n")
+    set_fault(d.device_dir, "NVML_ERROR_GPU_IS_LOST")
     try:
         proc = burns(d.config_path, minor, "6GiB", user=alice)
         # Long enough for warn + grace + TERM + kill_wait + KILL had the samples been good.
@@ -275,7 +273,7 @@ def test_nvml_error_is_logged_and_nothing_is_done_until_it_heals(start_daemon, b
         assert proc.poll() is None
         assert events(d, alice, pid=proc.pid) == []
     finally:
-        fault.unlink(missing_ok=True)
+        set_fault(d.device_dir, None)
     # Healed: the loop went on and now acts.
     assert proc.wait(timeout=INTERVAL + GRACE + KILL_WAIT + MARGIN) == -signal.SIGTERM
     assert [e["action"] for e in events(d, alice, pid=proc.pid)] == ["warn", "term"]

@@ -18,10 +18,9 @@ import pytest
 
 from gate_lock import no_gate_attached
 from gpuguard import config as configuration
-from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR
 from gpuguard.daemon import Daemon
 from gpuguard.sampling import Sample
-from sim_helpers import start_burn, stop_burn, write_config
+from sim_helpers import set_fault, start_burn, stop_burn, write_config
 
 
 @pytest.fixture(autouse=True)
@@ -62,10 +61,6 @@ def alice(daemon: Daemon, make_user):
     return user
 
 
-def fault(daemon: Daemon, text: str) -> None:
-    (daemon.config.paths.device_dir / REGISTRY_DIR / FAIL_FILE).write_text(text + "\n")
-
-
 def sample(daemon: Daemon) -> Sample:
     return asyncio.run(daemon.sampler.take(max_age=0))
 
@@ -93,7 +88,7 @@ def test_acts_only_when_the_confirming_sample_agrees(daemon, alice, burns):
 def test_nvml_error_in_the_confirming_sample_means_no_action(daemon, alice, burns, caplog):
     burns(1, "6GiB", alice)
     over = sample(daemon)
-    fault(daemon, "NVML_ERROR_GPU_IS_LOST")
+    set_fault(daemon.config.paths.device_dir, "NVML_ERROR_GPU_IS_LOST")
     with caplog.at_level(logging.ERROR, logger="gpuguard"):
         assert check(daemon, time.time(), over) == []
     assert "event=sample_failed" in caplog.text and "GPU is lost" in caplog.text
@@ -104,7 +99,7 @@ def test_nvml_error_in_the_confirming_sample_means_no_action(daemon, alice, burn
 def test_the_gpu_failing_in_the_confirming_sample_is_left_alone(daemon, alice, burns, caplog):
     burns(1, "6GiB", alice)
     over = sample(daemon)
-    fault(daemon, "NVML_ERROR_GPU_IS_LOST 1")
+    set_fault(daemon.config.paths.device_dir, "NVML_ERROR_GPU_IS_LOST 1")
     with caplog.at_level(logging.INFO, logger="gpuguard"):
         assert check(daemon, time.time(), over) == []
     assert "event=gpu_failed gpu=1" in caplog.text and "event=sample_failed" not in caplog.text
