@@ -30,6 +30,7 @@ from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
 from gpuguard.store import Store
 from gpuguard.units import UnitError, format_duration, parse_duration
+from gpuguard.errors import GpuguardError
 
 ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes"})
 WHOAMI_EVENTS = 20
@@ -37,12 +38,8 @@ NO_GPU_FREE = "gpuguard: no GPU is free right now; run gpuguard request later to
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
 
 
-class Refusal(Exception):
+class Refusal(GpuguardError):
     """A request that cannot be done, with the CLI exit code the caller should use."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
 
 
 _REQUIRED = object()
