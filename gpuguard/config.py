@@ -41,6 +41,15 @@ class WatcherConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """The queue for GPUs (gpuguard.scheduler)."""
+
+    half_life: float = 7 * 86400.0  # recent usage (fair share) halves in this time
+    reserve_after: float = 300.0    # a waiter this long in the queue has free GPUs held for it (no backfill past it)
+    soft_max_time: bool = False     # true: a grant past max_time is taken only when someone waits
+
+
+@dataclass(frozen=True)
 class PathsConfig:
     state_dir: Path = Path("/var/lib/gpuguard")
     socket: Path = Path("/run/gpuguard/gpuguard.sock")
@@ -86,6 +95,7 @@ class Config:
     access: AccessConfig = field(default_factory=AccessConfig)
     defaults: Quota = field(default_factory=Quota)
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
@@ -111,13 +121,18 @@ def _bool(value: Any) -> bool:
     return value
 
 
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected a whole number, got {value!r}")
+    return value
+
+
 def _count(low: int, high: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected a whole number, got {value!r}")
-        if not low <= value <= high:
-            raise ValueError(f"must be between {low} and {high}, got {value}")
-        return value
+        number = _integer(value)
+        if not low <= number <= high:
+            raise ValueError(f"must be between {low} and {high}, got {number}")
+        return number
     return parse
 
 
@@ -135,6 +150,12 @@ def _positive_duration(minimum: float) -> Callable[[Any], float]:
             raise ValueError(f"must be a duration of at least {minimum:g}s, got {value!r}")
         return seconds
     return parse
+
+
+def _weight(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"expected a positive number, got {value!r}")
+    return float(value)
 
 
 def _path(value: Any) -> Path:
@@ -162,6 +183,9 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "max_time": parse_duration,
     "idle_timeout": parse_duration,
     "sharing": _bool,
+    "priority": _integer,
+    "share": _weight,
+    "reclaim_after": parse_duration,
 }
 
 SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
@@ -170,6 +194,8 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "defaults": QUOTA_KEYS,
     "watcher": {"interval": _positive_duration(0.1), "grace": _positive_duration(0),
                 "kill_wait": _positive_duration(0)},
+    "scheduler": {"half_life": _positive_duration(1), "reserve_after": _positive_duration(0),
+                  "soft_max_time": _bool},
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _choice("nvml", "simulated"), "simulated": dict},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
@@ -255,6 +281,7 @@ def load(path: Path | str | None = None) -> Config:
         access=AccessConfig(**sections.get("access", {})),
         defaults=Quota(**sections.get("defaults", {})),
         watcher=WatcherConfig(**sections.get("watcher", {})),
+        scheduler=SchedulerConfig(**sections.get("scheduler", {})),
         paths=paths,
         gpu=GpuConfig(simulated=simulated, **gpu_section),
         quotas=load_quotas(paths.quotas),

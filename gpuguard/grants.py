@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -51,6 +51,9 @@ class Grants:
         self.topology: Topology = dict(topology or {})
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
+        # Told of every grant taken back, whatever took it (the queue: fair-share charge, then
+        # the freed GPUs go to the waiters first).
+        self.on_removed: list[Callable[[list[Grant], float], None]] = []
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -118,6 +121,8 @@ class Grants:
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
                                        action=kind))
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=[g.minor for g in held], rule=rule)
+        for listener in self.on_removed:
+            listener(held, now)
         return held
 
     def sync_nodes(self, minors: Iterable[int]) -> None:

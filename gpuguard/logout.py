@@ -33,14 +33,16 @@ class LogoutRelease:
         logged_in = {session.uid for session in self.store.sessions()}
         return rules.unused_after_logout(grants, logged_in, sample.busy_slots(), sample.minors)
 
-    async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None) -> None:
+    async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None,
+                             now: float | None = None) -> None:
+        """Release what rules.unused_after_logout finds (now: the clock, wall time by default)."""
         candidates = self.unused(sample, uids)
         if not candidates:
             return
         held: dict[int, set[int]] = {}
         for holder in await asyncio.to_thread(self.find_holders, set().union(*candidates.values())):
             held.setdefault(holder.uid, set()).add(holder.minor)
-        now = time.time()
+        now = time.time() if now is None else now
         # Re-checked after the await: a login or a grant may have come in meanwhile.
         for uid, minors in self.unused(sample, candidates).items():
             if minors == candidates[uid] and not held.get(uid, set()) & minors:

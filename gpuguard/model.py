@@ -27,6 +27,9 @@ class Quota:
     max_time: float | None = None       # seconds a grant lasts; None = no limit
     idle_timeout: float | None = None   # seconds without a process before release
     sharing: bool = False               # may share GPUs with other sharing users
+    priority: int = 0                   # the queue serves higher first (gpuguard.scheduler)
+    share: float = 1.0                  # fair-share weight: recent usage counts divided by it
+    reclaim_after: float | None = None  # seconds without a process before release, only while someone waits
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,12 @@ The rules, with their boundaries:
   memory or not). Not active for `idle_timeout` since the later of the grant's stored
   `last_active` and the last tick the watcher saw a process there: release. `now - last >=
   idle_timeout` releases (the boundary releases). Sessions are not the watcher's business.
+- Reclaim on demand (rule "reclaim"). Like idle with `reclaim_after`, but only while the queue
+  wants GPUs (`View.demand`: how many more it needs than are free), and only that many: the
+  grants idle longest go first. Nobody waiting, nothing is reclaimed.
+- Soft time (`Timing.soft_max_time`). A grant past `expires_at` is not revoked at once: its user
+  is warned once that the time is over, and it is revoked (as above) only while the queue wants
+  GPUs that reclaim did not cover, the longest over first.
 - Stray (rule "stray"). A process on a GPU its user holds no grant for: reported once. For
   an exempt user (root is always exempt) that report is all. Otherwise it is warned at once
   and SIGTERMed once `grace` has passed, unless it left or got a grant meanwhile.
@@ -52,13 +58,14 @@ from gpuguard.model import Grant, Quota
 from gpuguard.policy import ROOT_UID
 from gpuguard.units import format_duration, format_size
 
-TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0)  # seconds before expires_at, largest first
+TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0, 0.0)  # seconds before expires_at, largest first; 0: over
+# (only a soft max_time reaches 0 with the grant still held)
 
 # Action kinds.
 WARN, TERM, KILL, UNKILLABLE, REVOKE, RELEASE, REPORT = (
     "warn", "term", "kill", "unkillable", "revoke", "release", "report")
 # Rules.
-MEMORY, TIME, IDLE, STRAY = "memory", "time", "idle", "stray"
+MEMORY, TIME, IDLE, STRAY, RECLAIM = "memory", "time", "idle", "stray", "reclaim"
 
 ProcKey = tuple[int, int]          # (pid, start_time): a pid is reused, this pair is not
 Slot = tuple[int, int]             # (uid, minor)
@@ -84,6 +91,7 @@ class Proc:
 class Timing:
     grace: float      # over quota (or stray) this long after the warning before SIGTERM
     kill_wait: float  # SIGTERM (or SIGKILL) this long before the next step
+    soft_max_time: bool = False  # past expires_at, revoke only while the queue wants GPUs
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,7 @@ class View:
     quotas: Mapping[int, Quota]   # uid -> resolved quota, for every uid holding a grant
     exempt: Collection[int] = ()  # root is exempt whether listed or not
     failed: Collection[int] = ()  # minors whose processes could not be read: nothing is known there
+    demand: int = 0               # GPUs the queue needs beyond the free ones (reclaim on demand)
 
     def readable(self) -> View:
         """This view without the failed GPUs' grants and processes."""
@@ -177,21 +186,27 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             actions.append(Action(UNKILLABLE, stop.rule, proc.uid, proc.minor, proc,
                                   {"kill_at": stop.kill_at, "waited": now - stop.kill_at}))
 
+    def revoke(grant: Grant, procs: list[Proc]) -> None:
+        # Its processes are ended here, not reported as strays.
+        actions.append(Action(REVOKE, TIME, grant.uid, grant.minor, None, {
+            "expires_at": grant.expires_at, "max_time": grant.expires_at - grant.granted_at,
+            "processes": len({p.key for p in procs}), "kill_wait": timing.kill_wait}))
+        for proc in _newest_first(procs):
+            term(proc, TIME, expires_at=grant.expires_at)
+
     granted: set[Slot] = set()
+    reclaimable: list[tuple[float, Grant, float]] = []  # (idle since, grant, reclaim_after)
+    overtime: list[tuple[Grant, list[Proc]]] = []
     for grant in view.grants:
         slot = (grant.uid, grant.minor)
         procs = on_slot.get(slot, [])
         quota = view.quotas.get(grant.uid)
-        if grant.expires_at is not None and now >= grant.expires_at:
-            # Revoked now: its processes are ended here, not reported as strays.
-            actions.append(Action(REVOKE, TIME, grant.uid, grant.minor, None, {
-                "expires_at": grant.expires_at, "max_time": grant.expires_at - grant.granted_at,
-                "processes": len({p.key for p in procs}), "kill_wait": timing.kill_wait}))
-            for proc in _newest_first(procs):
-                term(proc, TIME, expires_at=grant.expires_at)
-            granted.add(slot)
-            continue
         granted.add(slot)
+        if grant.expires_at is not None and now >= grant.expires_at:
+            if not timing.soft_max_time:
+                revoke(grant, procs)
+                continue
+            overtime.append((grant, procs))
         if grant.expires_at is not None:
             actions.extend(_time_warning(grant, state, now))
         if quota is None:
@@ -201,9 +216,21 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             if quota.idle_timeout is not None and now - last >= quota.idle_timeout:
                 actions.append(Action(RELEASE, IDLE, grant.uid, grant.minor, None, {
                     "idle": now - last, "idle_timeout": quota.idle_timeout, "last_active": last}))
+            elif quota.reclaim_after is not None and now - last >= quota.reclaim_after:
+                reclaimable.append((last, grant, quota.reclaim_after))
             continue
         if grant.uid not in exempt:
             actions.extend(_memory(grant, quota, procs, state, now, timing, term))
+
+    wanted = view.demand
+    reclaimed = set()
+    for last, grant, after in sorted(reclaimable, key=lambda r: (r[0], r[1].uid, r[1].minor))[:wanted]:
+        reclaimed.add((grant.uid, grant.minor))
+        actions.append(Action(RELEASE, RECLAIM, grant.uid, grant.minor, None, {
+            "idle": now - last, "reclaim_after": after, "last_active": last, "waiting": view.demand}))
+    overtime = [(g, p) for g, p in overtime if (g.uid, g.minor) not in reclaimed]
+    for grant, procs in sorted(overtime, key=lambda o: (o[0].expires_at, o[0].uid, o[0].minor))[:wanted - len(reclaimed)]:
+        revoke(grant, procs)
 
     for proc in view.procs:
         if (proc.uid, proc.minor) in granted or proc.key in state.stopping or proc.key in signalled:
@@ -321,6 +348,28 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     )
 
 
+def next_change(view: View, state: State, timing: Timing, now: float) -> float | None:
+    """The earliest moment after `now` at which decide() on this same view could act differently
+    (None: never). A replay sleeps until then instead of ticking through moments when nothing can
+    happen; tests hold it against decide()."""
+    view = view.readable()
+    on_slot = _by_slot(view.procs)
+    times: list[float] = []
+    for stop in state.stopping.values():
+        times.append((stop.kill_at if stop.kill_at is not None else stop.term_at) + timing.kill_wait)
+    times.extend(t + timing.grace for t in (*state.over.values(), *state.stray.values()))
+    for grant in view.grants:
+        if grant.expires_at is not None:
+            times.extend(grant.expires_at - t for t in TIME_WARNINGS)
+        quota = view.quotas.get(grant.uid)
+        slot = (grant.uid, grant.minor)
+        if quota is not None and slot not in on_slot:
+            last = max(grant.last_active, state.seen.get(slot, grant.last_active))
+            times.extend(last + after for after in (quota.idle_timeout, quota.reclaim_after) if after is not None)
+    later = [t for t in times if t > now]
+    return min(later, default=None)
+
+
 def confirmed(first: Sequence[Action], second: Sequence[Action]) -> list[Action]:
     """The actions both decisions agree on (by kind, rule, user, GPU and process), with the
     second decision's numbers: the fresher sample speaks, the older one only vetoes."""
@@ -395,6 +444,9 @@ def message(action: Action, command: str = "") -> str:
     if action.kind == UNKILLABLE:
         return (f"gpuguard: your {who} on {gpu} survives SIGKILL (stuck in the kernel); an administrator "
                 f"must look at it - {HINT}")
+    if action.kind == WARN and action.rule == TIME and n["threshold"] == 0:
+        return (f"gpuguard: your time on {gpu} is over; you keep it while nobody waits for a GPU, and it "
+                f"will be taken (processes on it stopped) as soon as someone does - {HINT}")
     if action.kind == WARN and action.rule == TIME:
         at = time.strftime("%H:%M:%S", time.localtime(n["expires_at"]))
         return (f"gpuguard: your grant of {gpu} ends in {format_duration(max(0, round(n['left'])))} (at {at}); "
@@ -404,6 +456,10 @@ def message(action: Action, command: str = "") -> str:
         ending = f"; your {count} process{'es' if count != 1 else ''} on it will be stopped" if count else ""
         return (f"gpuguard: your time on {gpu} is over (limit {format_duration(round(n['max_time']))}); access is "
                 f"revoked{ending} - run gpuguard request for a new grant")
+    if action.kind == RELEASE and action.rule == RECLAIM:
+        return (f"gpuguard: released {gpu} for someone waiting: none of your processes used it for "
+                f"{format_duration(round(n['reclaim_after']))}; your sessions are untouched - run gpuguard "
+                f"request to get a GPU again")
     if action.kind == RELEASE:
         return (f"gpuguard: released {gpu}: none of your processes used it for "
                 f"{format_duration(round(n['idle_timeout']))}; your sessions are untouched - run gpuguard request "

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from dataclasses import asdict, dataclass
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gpuguard.model import Event, Grant, Session
+from gpuguard.model import Event, Grant, Quota, Session
+from gpuguard.scheduler import Waiter
 from gpuguard.errors import GpuguardError
 
 # Ordered migrations: index i brings the schema from version i to i + 1. Never edit a
@@ -53,6 +55,18 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN caller_start INTEGER;
     """,
+    # The queue for GPUs (gpuguard.queue) and each user's recent usage for its fair-share order:
+    # `value` GPU-seconds as counted at time `at` (gpuguard.scheduler.decay brings it to any later time).
+    # A waiter keeps the quota terms it asked with, so the queue serves it without a lookup;
+    # origin "session" (a login) waits while its user has a session, "request" while its
+    # client (pid, start time) lives.
+    """
+    CREATE TABLE queue (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, uid INTEGER NOT NULL, user TEXT NOT NULL,
+        gpus INTEGER NOT NULL, since REAL NOT NULL, priority INTEGER NOT NULL, share REAL NOT NULL,
+        quota TEXT NOT NULL, origin TEXT NOT NULL, pid INTEGER, pid_start INTEGER);
+    CREATE TABLE fairshare (uid INTEGER PRIMARY KEY, value REAL NOT NULL, at REAL NOT NULL);
+    """,
 )
 
 
@@ -60,15 +74,27 @@ class StoreError(GpuguardError):
     """The state database cannot be opened or is from a newer gpuguard."""
 
 
+@dataclass(frozen=True)
+class Queued:
+    """A queue row: the waiter, the quota terms it is served on, and what keeps it waiting."""
+
+    waiter: Waiter
+    quota: Quota
+    origin: str            # session | request
+    pid: int | None        # the client (request) or PAM caller (session)
+    pid_start: int | None  # its start time (clock ticks after boot), None when unknown
+
+
 class Store:
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, durable: bool = True):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        # durable=False (a replay's scratch store): nothing to keep across a crash, so no fsync.
+        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._migrate()
 
@@ -187,6 +213,11 @@ class Store:
         rows = self._db.execute(query + " ORDER BY id DESC LIMIT ?", (*params, limit)).fetchall()
         return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
 
+    def event_counts(self) -> dict[tuple[str, str], int]:
+        """(kind, rule) -> how many events of it were recorded."""
+        return {(row[0], row[1]): row[2] for row in
+                self._db.execute("SELECT kind, rule, COUNT(*) FROM events GROUP BY kind, rule")}
+
     # --- usage accounting
 
     def add_usage(self, uid: int, user: str, minor: int, granted: float = 0.0, busy: float = 0.0,
@@ -203,6 +234,42 @@ class Store:
     def usage(self, uid: int | None = None) -> list[dict]:
         query, params = _rows_of("usage", uid)
         return [dict(row) for row in self._db.execute(query + " ORDER BY uid, minor", params)]
+
+
+    # --- the queue
+
+    def join_queue(self, uid: int, user: str, gpus: int, now: float, quota: Quota, origin: str,
+                   pid: int | None = None, pid_start: int | None = None) -> Queued:
+        with self.transaction() as db:
+            cursor = db.execute(
+                "INSERT INTO queue (uid, user, gpus, since, priority, share, quota, origin, pid, pid_start)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (uid, user, gpus, now, quota.priority, quota.share, json.dumps(asdict(quota)), origin, pid,
+                 pid_start))
+        return Queued(Waiter(cursor.lastrowid, uid, user, gpus, now, quota.priority, quota.share), quota, origin,
+                      pid, pid_start)
+
+    def queue(self, uid: int | None = None) -> list[Queued]:
+        query, params = _rows_of("queue", uid)
+        return [_queued(row) for row in self._db.execute(query + " ORDER BY id", params)]
+
+    def leave_queue(self, ids: Iterable[int]) -> int:
+        """Remove these queue rows; how many were there."""
+        with self.transaction() as db:
+            return sum(db.execute("DELETE FROM queue WHERE id = ?", (i,)).rowcount for i in ids)
+
+    def fairshare(self) -> dict[int, tuple[float, float]]:
+        """uid -> (GPU-seconds, the time they are counted at) charged for ended grants."""
+        return {row[0]: (row[1], row[2]) for row in self._db.execute("SELECT uid, value, at FROM fairshare")}
+
+    def set_fairshare(self, uid: int, value: float, at: float) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO fairshare (uid, value, at) VALUES (?, ?, ?)", (uid, value, at))
+
+
+def _queued(row: sqlite3.Row) -> Queued:
+    waiter = Waiter(row["id"], row["uid"], row["user"], row["gpus"], row["since"], row["priority"], row["share"])
+    return Queued(waiter, Quota(**json.loads(row["quota"])), row["origin"], row["pid"], row["pid_start"])
 
 
 def _grant(row: sqlite3.Row) -> Grant:

@@ -55,7 +55,8 @@ _SIGNAL = {rules.TERM: signal.SIGTERM, rules.KILL: signal.SIGKILL}
 
 class Watcher:
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
-                 sampler: Sampler, lookup: AccountLookup, notifier: notify.Notifier) -> None:
+                 sampler: Sampler, lookup: AccountLookup, notifier: notify.Notifier,
+                 demand: Callable[[], int] = lambda: 0) -> None:
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
@@ -63,6 +64,7 @@ class Watcher:
         self.sampler = sampler
         self.lookup = lookup
         self.notifier = notifier
+        self.demand = demand  # GPUs the queue needs beyond the free ones: what reclaim may take
         self.state = rules.State()
         self._last_check: float | None = None
         self._usage: dict[rules.Slot, list[float]] = {}  # (uid, minor) -> [granted, busy, idle] unwritten
@@ -78,7 +80,7 @@ class Watcher:
         the actions carried out. A failing re-sample means no action this tick (logged)."""
         started = time.monotonic()
         settings = self.config().watcher
-        timing = rules.Timing(settings.grace, settings.kill_wait)
+        timing = timing_of(self.config())
         self._after_gap(now)
         await self._resolve_accounts(self._users(sample))
         view = self._view(sample)
@@ -130,7 +132,7 @@ class Watcher:
         quotas = {g.uid: self._account_of(g.uid)[1] for g in grants}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
         failed = frozenset(sample.failed) | {g.minor for g in grants if not sample.ok(g.minor)}
-        return rules.View(procs, grants, quotas, self.exempt.uids, failed)
+        return rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=self.demand())
 
     def _users(self, sample: Sample) -> set[int]:
         """Everyone the rules may judge: grant holders and the owners of the GPU processes."""
@@ -241,6 +243,11 @@ class Watcher:
 
     def close(self) -> None:
         self.flush_usage()
+
+
+def timing_of(config: Config) -> rules.Timing:
+    """The rules' timing from the config (the daemon's watcher and `gpuguard simulate` alike)."""
+    return rules.Timing(config.watcher.grace, config.watcher.kill_wait, config.scheduler.soft_max_time)
 
 
 def _log_value(key: str, value: object) -> object:

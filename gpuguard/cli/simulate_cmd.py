@@ -1,0 +1,111 @@
+"""`gpuguard simulate TRACE`: replay a workload through gpuguard's policy and static reservation;
+`gpuguard trace convert|generate`: make trace files. Any user, no root, no daemon."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gpuguard import config as configuration, simulate, trace
+from gpuguard.cli import CommandError, print_json, print_rows
+from gpuguard.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.units import format_duration
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("simulate", help="replay a workload trace: the configured policy beside static reservation")
+    parser.add_argument("trace", type=Path, metavar="TRACE", help="a trace CSV, or the Adobe notebook JSON as published")
+    parser.add_argument("--gpus", type=int, metavar="N", help="GPUs in the pool (default: the config's GPU count)")
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="the policy to replay (default: as for the daemon; gpuguard's defaults if none)")
+    parser.add_argument("--json", action="store_true", help="print JSON (durations in seconds)")
+    parser.set_defaults(func=run_simulate)
+
+    tracing = subparsers.add_parser("trace", help="make trace files for gpuguard simulate")
+    actions = tracing.add_subparsers(dest="action", metavar="ACTION", required=True)
+    convert = actions.add_parser("convert", help="write a trace (e.g. the Adobe JSON) as trace CSV on stdout")
+    convert.add_argument("trace", type=Path, metavar="TRACE")
+    convert.set_defaults(func=run_convert)
+    generate = actions.add_parser("generate", help="write a synthetic trace CSV on stdout")
+    generate.add_argument("--jobs", type=int, default=1000, metavar="N")
+    generate.add_argument("--users", type=int, default=20, metavar="N")
+    generate.add_argument("--seed", type=int, default=1, metavar="N")
+    generate.set_defaults(func=run_generate)
+
+
+def policy_config(path: str | None) -> configuration.Config:
+    """The config a replay uses: the one named, else the daemon's; with none at all, gpuguard's
+    defaults, except that a user may have as many GPUs as a job asks (else nothing of interest runs)."""
+    if path is None and not configuration.default_path().exists():
+        from dataclasses import replace
+        defaults = configuration.Config()
+        return replace(defaults, defaults=replace(defaults.defaults, gpus=configuration.MAX_GPUS))
+    return configuration.load(path)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    config = policy_config(getattr(args, "config", None))
+    gpus = args.gpus if args.gpus is not None else config.gpu.simulated.count
+    if not 1 <= gpus <= simulate.MAX_POOL:
+        raise CommandError(f"--gpus must be between 1 and {simulate.MAX_POOL}, got {gpus}", EXIT_USAGE)
+    report = simulate.compare(lambda: trace.read(args.trace), config, gpus)
+    if args.json:
+        print_json(report)
+        return EXIT_OK
+    print_report(report)
+    return EXIT_OK
+
+
+ROWS = [
+    ("GPU-time granted", "gpu_seconds_granted", "hours"),
+    ("GPU-time busy", "gpu_seconds_busy", "hours"),
+    ("busy / granted", "busy_of_granted", "percent"),
+    ("pool busy", "pool_busy", "percent"),
+    ("time to GPU p50", "wait_p50", "duration"),
+    ("time to GPU p95", "wait_p95", "duration"),
+    ("time to GPU max", "wait_max", "duration"),
+    ("jobs that ran", "jobs_ran", "count"),
+    ("jobs never ran", "jobs_never_ran", "count"),
+    ("  of them over quota", "jobs_over_quota", "count"),
+    ("Jain fairness (granted/demanded)", "jain", "ratio"),
+    ("releases (idle, logout)", "releases", "count"),
+    ("reclaims", "reclaims", "count"),
+    ("time revokes", "revokes", "count"),
+    ("jobs killed", "kills", "count"),
+]
+
+
+def _cell(value: float | int | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "hours":
+        return f"{value / 3600:,.0f} GPU-h"
+    if unit == "percent":
+        return f"{100 * value:.1f}%"
+    if unit == "duration":
+        return format_duration(round(value)) if value >= 1 else "0s"
+    if unit == "ratio":
+        return f"{value:.3f}"
+    return str(value)
+
+
+def print_report(report: dict) -> None:
+    print(f"{report['trace']['sessions']} sessions, {report['trace']['jobs']} jobs, "
+          f"{report['trace']['hours']:.1f} hours, on {report['gpus']} GPUs; replayed in {report['seconds']:.1f}s")
+    rows = [["", "gpuguard (configured)", "static reservation"]]
+    for label, key, unit in ROWS:
+        rows.append([label, _cell(report["policy"][key], unit), _cell(report["static"][key], unit)])
+    print_rows(rows)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    jobs = trace.write_csv(trace.read(args.trace), sys.stdout)
+    print(f"gpuguard: {jobs} jobs written", file=sys.stderr)
+    return EXIT_OK
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if args.jobs < 1 or args.users < 1:
+        raise CommandError("--jobs and --users must be at least 1", EXIT_USAGE)
+    trace.write_csv(trace.generate(args.jobs, args.users, args.seed), sys.stdout)
+    return EXIT_OK

@@ -1,0 +1,153 @@
+"""The queue for GPUs as a service: the store's queue rows, served in gpuguard.scheduler's order.
+
+The daemon and `gpuguard simulate` both run it. Every grant taken back (Grants.on_removed:
+release, idle release, reclaim, logout, expiry, revoke) is charged to its user's fair share and
+then offered to the waiters first, so a freed GPU never goes to whoever asks next outside the queue.
+Listeners (the daemon: terminals and blocked `request --wait` clients) hear of each grant it makes.
+All calls come from the event-loop thread, as the store requires.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from gpuguard import policy, scheduler
+from gpuguard.config import Config
+from gpuguard.grants import Grants
+from gpuguard.model import Grant, Quota
+from gpuguard.store import Queued, Store
+
+Listener = Callable[[Queued, tuple[int, ...]], None]
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where a user's request stands, for whoami, status and the waiting client."""
+
+    position: int                    # 1-based
+    waiting: int                     # how many requests wait in all
+    gpus: int
+    since: float
+    ahead: list[tuple[str, str]]     # (user, why they go first), nearest first
+    estimate: float | None           # when the GPUs should be free (from grant expiries), None: unknown
+
+
+class Queue:
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants):
+        self.config = config
+        self.store = store
+        self.grants = grants
+        self.listeners: list[Listener] = []
+        self._dispatching = False
+        grants.on_removed.append(self._freed)
+
+    # --- the order
+
+    def usage(self, now: float, uids: Iterable[int]) -> dict[int, float]:
+        """uid -> recent usage (decayed GPU-seconds) of these users."""
+        half_life = self.config().scheduler.half_life
+        stored = self.store.fairshare()
+        held: dict[int, list[Grant]] = {uid: [] for uid in uids}
+        for grant in self.store.grants():
+            if grant.uid in held:
+                held[grant.uid].append(grant)
+        return {uid: scheduler.recent_usage(stored.get(uid), grants, now, half_life) for uid, grants in held.items()}
+
+    def ordered(self, now: float) -> list[Queued]:
+        entries = {q.waiter.id: q for q in self.store.queue()}
+        if not entries:
+            return []
+        usage = self.usage(now, {q.waiter.uid for q in entries.values()})
+        return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage)]
+
+    def standing(self, uid: int, now: float) -> Standing | None:
+        ordered = self.ordered(now)
+        waiters = [q.waiter for q in ordered]
+        place = scheduler.position(waiters, uid)
+        if place is None:
+            return None
+        mine, usage = waiters[place - 1], self.usage(now, {w.uid for w in waiters})
+        ahead = [(w.user, scheduler.why_ahead(w, mine, usage)) for w in reversed(waiters[:place - 1])]
+        need = sum(w.gpus for w in waiters[:place]) - self.free()
+        expiries = [g.expires_at for g in self.store.grants() if g.expires_at is not None]
+        return Standing(place, len(waiters), mine.gpus, mine.since, ahead, scheduler.estimate(need, expiries, now))
+
+    # --- joining and leaving
+
+    def join(self, uid: int, user: str, gpus: int, quota: Quota, now: float, origin: str,
+             pid: int | None = None, pid_start: int | None = None) -> Queued | None:
+        """Queue a request and serve the queue at once; the row when it still waits, None when granted."""
+        queued = self.store.join_queue(uid, user, gpus, now, quota, origin, pid, pid_start)
+        self.dispatch(now)
+        return queued if self.waits(queued.waiter.id) else None
+
+    def waits(self, waiter_id: int) -> bool:
+        return any(q.waiter.id == waiter_id for q in self.store.queue())
+
+    def leave(self, ids: Iterable[int]) -> int:
+        return self.store.leave_queue(ids)
+
+    def gone(self, logged_in: set[int], alive: Callable[[int | None, int | None], bool]) -> list[Queued]:
+        """Waiters nobody waits for any more: a login's, once its user has no session; a request's,
+        once its client process is gone."""
+        return [q for q in self.store.queue()
+                if (q.origin == "session" and q.waiter.uid not in logged_in)
+                or (q.origin == "request" and not alive(q.pid, q.pid_start))]
+
+    # --- serving
+
+    def free(self) -> int:
+        """GPUs nobody holds."""
+        return len(set(self.grants.gpus) - {g.minor for g in self.store.grants()})
+
+    def demand(self) -> int:
+        """GPUs the queue needs beyond the free ones (what reclaim on demand may take)."""
+        return scheduler.demand((q.waiter for q in self.store.queue()), self.free())
+
+    def dispatch(self, now: float) -> list[tuple[Queued, tuple[int, ...]]]:
+        """Grant what the order admits now; each grant is announced to the listeners."""
+        if self._dispatching:  # a grant that failed and was taken back calls in again: the outer walk goes on
+            return []
+        self._dispatching = True
+        try:
+            ordered = self.ordered(now)
+            entries = {q.waiter.id: q for q in ordered}
+            free = self.free()  # counted again after each grant: the cheap answer for a long queue
+
+            def fits(waiter: scheduler.Waiter) -> bool:
+                share = policy.may_share(entries[waiter.id].quota)
+                if not share and waiter.gpus > free:
+                    return False
+                return len(self.grants.choose(waiter.uid, waiter.gpus, share)) >= waiter.gpus
+
+            served = []
+            for waiter in scheduler.admit([q.waiter for q in ordered], fits, now,
+                                          self.config().scheduler.reserve_after):
+                queued = entries[waiter.id]
+                # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
+                origin = "session" if queued.origin == "session" or self.store.sessions(waiter.uid) else "request"
+                minors = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
+                                              "granted from the queue")
+                self.store.leave_queue([waiter.id])
+                free = self.free()
+                served.append((queued, minors))
+                for listener in self.listeners:
+                    listener(queued, minors)
+            return served
+        finally:
+            self._dispatching = False
+
+    def _freed(self, removed: list[Grant], now: float) -> None:
+        self.charge(removed, now)
+        self.dispatch(now)
+
+    def charge(self, removed: list[Grant], now: float) -> None:
+        """Add ended grants to their users' recent usage."""
+        half_life = self.config().scheduler.half_life
+        stored = self.store.fairshare()
+        by_uid: dict[int, list[Grant]] = {}
+        for grant in removed:
+            by_uid.setdefault(grant.uid, []).append(grant)
+        for uid, grants in by_uid.items():
+            value = scheduler.recent_usage(stored.get(uid), grants, now, half_life)
+            self.store.set_fairshare(uid, value, now)

@@ -1,0 +1,116 @@
+"""The queue for GPUs, pure: who goes first, who is served now, and the fair-share arithmetic. No I/O.
+
+When no GPU is free, a request waits. The waiters are served in this order:
+
+1. priority (the quota key `priority`), higher first;
+2. fair share: the user's recent usage divided by their `share`, less first. Recent usage is the
+   GPU-seconds they were granted, each second counting less the longer ago it was: its weight
+   halves every `[scheduler] half_life` (a second granted one half-life ago counts 1/2, two ago 1/4);
+3. arrival: who asked first.
+
+A request is served whole or not at all (a job asking for 4 GPUs cannot start on 3). Walking the
+order, every waiter whose GPUs are free gets them. A waiter whose GPUs are not free does not stop
+the walk at first: later, smaller requests may use what it cannot fill yet (backfill). Once it
+has waited `[scheduler] reserve_after`, it does stop the walk: the free GPUs are held for it and
+nobody behind it is served before it. So a request for several GPUs waits at most
+`reserve_after` plus the time until enough grants end (release, idle release, reclaim, expiry),
+however many single-GPU requests keep arriving. Priority is the one exception, by design: a
+higher-priority request that arrives meanwhile goes ahead of it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpuguard.model import Grant
+
+
+@dataclass(frozen=True)
+class Waiter:
+    id: int             # the queue's own number, increasing with arrival: the last tie-break
+    uid: int
+    user: str
+    gpus: int           # GPUs wanted on top of those already held, all at once
+    since: float        # when it joined the queue
+    priority: int = 0
+    share: float = 1.0
+
+
+# --- fair share: decayed GPU-seconds
+
+def decay(value: float, elapsed: float, half_life: float) -> float:
+    """`value` GPU-seconds counted `elapsed` seconds later."""
+    return value * 0.5 ** (max(0.0, elapsed) / half_life)
+
+
+def decayed_seconds(start: float, end: float, now: float, half_life: float) -> float:
+    """One GPU held from start to end, as counted at `now`: the integral of 2^-((now - t) / half_life)
+    over [start, end], i.e. half_life / ln 2 * (2^-((now - end) / half_life) - 2^-((now - start) / half_life))."""
+    if end <= start:
+        return 0.0
+    scale = half_life / math.log(2)
+    return scale * (0.5 ** ((now - end) / half_life) - 0.5 ** ((now - start) / half_life))
+
+
+def recent_usage(stored: tuple[float, float] | None, held: Iterable[Grant], now: float, half_life: float) -> float:
+    """A user's recent usage at `now`: what was charged for ended grants (value, as counted at `at`),
+    decayed since, plus the grants still held, each from when it was granted until now."""
+    past = decay(stored[0], now - stored[1], half_life) if stored else 0.0
+    return past + sum(decayed_seconds(g.granted_at, now, now, half_life) for g in held)
+
+
+# --- the order
+
+def order_key(waiter: Waiter, usage: Mapping[int, float]) -> tuple[int, float, float, int]:
+    return (-waiter.priority, usage.get(waiter.uid, 0.0) / waiter.share, waiter.since, waiter.id)
+
+
+def order(waiters: Iterable[Waiter], usage: Mapping[int, float]) -> list[Waiter]:
+    """The waiters in the order they are served (usage: uid -> recent usage)."""
+    return sorted(waiters, key=lambda w: order_key(w, usage))
+
+
+def why_ahead(first: Waiter, second: Waiter, usage: Mapping[int, float]) -> str:
+    """Why `first` is served before `second`, in words for `gpuguard whoami`."""
+    if first.priority != second.priority:
+        return f"higher priority ({first.priority} > {second.priority})"
+    mine, theirs = (usage.get(w.uid, 0.0) / w.share for w in (first, second))
+    if mine != theirs:
+        return (f"less recent GPU usage ({mine / 3600:.1f} < {theirs / 3600:.1f} GPU-hours"
+                f"{', after share weights' if first.share != 1 or second.share != 1 else ''})")
+    return "asked earlier"
+
+
+# --- who is served now
+
+def admit(ordered: Sequence[Waiter], fits: Callable[[Waiter], bool], now: float,
+          reserve_after: float) -> Iterator[Waiter]:
+    """The waiters to serve now, in order. `fits(waiter)` says whether its GPUs are free now; the
+    caller grants each yielded waiter before asking for the next, so `fits` sees those grants.
+    A waiter that does not fit and has waited `reserve_after` stops the walk: what is free is
+    held for it."""
+    for waiter in ordered:
+        if fits(waiter):
+            yield waiter
+        elif now - waiter.since >= reserve_after:
+            return
+
+
+def demand(waiters: Iterable[Waiter], free: int) -> int:
+    """How many more GPUs the queue needs than are free: what reclaim on demand may take back."""
+    return max(0, sum(w.gpus for w in waiters) - free)
+
+
+def position(ordered: Sequence[Waiter], uid: int) -> int | None:
+    """1-based place of uid's first request in the order, None when it does not wait."""
+    return next((i for i, w in enumerate(ordered, start=1) if w.uid == uid), None)
+
+
+def estimate(need: int, expiries: Iterable[float], now: float) -> float | None:
+    """When `need` more GPUs should be free, if grants ending at `expiries` are all that frees them:
+    the need-th earliest expiry; None when nothing is needed or too few grants have an end."""
+    if need <= 0:
+        return now
+    ends = sorted(expiries)
+    return max(now, ends[need - 1]) if len(ends) >= need else None

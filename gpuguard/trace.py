@@ -1,0 +1,172 @@
+"""Workload traces for `gpuguard simulate`: the CSV format, the Adobe notebook trace as published,
+and a small synthetic generator.
+
+The CSV format, one line per job, times in seconds from any origin, after a header line
+(lines starting with # are comments):
+
+    user,session_start,session_end,job_start,duration,gpus,gpu_memory
+    alice,0,7200,300,600,2,17179869184
+
+A session is a user logged in from session_start to session_end (the user's GPUs that came from
+it go back when their last session ends); its jobs start inside it (job_start in [session_start,
+session_end)), run `duration` > 0 seconds on `gpus` >= 1 GPUs and use `gpu_memory` bytes on each
+(0: unknown). A session's lines come together, and sessions come in order of session_start, so a
+replay reads the file as it goes (memory stays flat however long the trace).
+
+The Adobe file (../shared/data/adobe-notebook-sessions-2021-06-01.json, a JSON object with a
+`sessions` list, ticks of one minute) is read as it is: each session is one user named after
+the first 8 characters of its id, each training burst with GPUs is one job, `vram` (GB) its
+memory per GPU; bursts without GPUs are left out.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from gpuguard.errors import UsageError
+
+HEADER = ("user", "session_start", "session_end", "job_start", "duration", "gpus", "gpu_memory")
+ADOBE_TICK = 60.0  # seconds per tick in the Adobe file
+GB = 10 ** 9
+
+
+class TraceError(UsageError):
+    """A trace that cannot be read: one line naming the file and the line."""
+
+
+@dataclass(frozen=True)
+class Job:
+    start: float
+    duration: float
+    gpus: int
+    memory: int  # bytes per GPU, 0: unknown
+
+
+@dataclass(frozen=True)
+class Session:
+    user: str
+    start: float
+    end: float
+    jobs: tuple[Job, ...]
+
+
+def read(path: Path) -> Iterator[Session]:
+    """The sessions of a trace file, in order of start: the Adobe JSON (recognised by its layout) or CSV."""
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"{path}: {exc.strerror}") from None
+    with handle:
+        first = handle.read(1)
+        while first.isspace():
+            first = handle.read(1)
+        handle.seek(0)
+        if first == "{":
+            yield from _adobe(path, handle)
+        else:
+            yield from _csv(path, handle)
+
+
+def _csv(path: Path, handle: TextIO) -> Iterator[Session]:
+    rows = ((number, line) for number, line in enumerate(handle, start=1) if line.strip() and not line.startswith("#"))
+    header = next(rows, None)
+    if header is None or tuple(c.strip() for c in header[1].strip().split(",")) != HEADER:
+        raise TraceError(f"{path}: line {header[0] if header else 1}: expected the header {','.join(HEADER)}")
+    current: tuple[str, float, float] | None = None
+    jobs: list[Job] = []
+    seen: set[tuple[str, float, float]] = set()  # finished sessions, to refuse one split in two
+    last_start = float("-inf")
+    for number, line in rows:
+        user, session_start, session_end, job = _csv_line(path, number, line)
+        key = (user, session_start, session_end)
+        if key != current:
+            if current is not None:
+                yield Session(*current, tuple(jobs))
+                seen.add(current)
+            if key in seen:
+                raise TraceError(f"{path}: line {number}: session {user}@{session_start:g} appears again "
+                                 "after other sessions (keep a session's lines together)")
+            if session_start < last_start:
+                raise TraceError(f"{path}: line {number}: sessions must come in order of session_start")
+            current, jobs, last_start = key, [], session_start
+        jobs.append(job)
+    if current is not None:
+        yield Session(*current, tuple(jobs))
+
+
+def _csv_line(path: Path, number: int, line: str) -> tuple[str, float, float, Job]:
+    def bad(why: str) -> TraceError:
+        return TraceError(f"{path}: line {number}: {why}")
+    cells = next(csv.reader([line]))
+    if len(cells) != len(HEADER):
+        raise bad(f"expected {len(HEADER)} fields ({','.join(HEADER)}), got {len(cells)}")
+    user = cells[0].strip()
+    if not user:
+        raise bad("empty user")
+    try:
+        session_start, session_end, job_start, duration = (float(c) for c in cells[1:5])
+        gpus, memory = int(cells[5]), int(cells[6])
+    except ValueError:
+        raise bad("times must be numbers of seconds, gpus and gpu_memory whole numbers") from None
+    if not session_start <= job_start < session_end:
+        raise bad(f"job_start {job_start:g} is outside its session [{session_start:g}, {session_end:g})")
+    if duration <= 0 or gpus < 1 or memory < 0:
+        raise bad("duration must be > 0, gpus >= 1 and gpu_memory >= 0")
+    return user, session_start, session_end, Job(job_start, duration, gpus, memory)
+
+
+def _adobe(path: Path, handle: TextIO) -> Iterator[Session]:
+    try:
+        data = json.load(handle)
+        raw = data["sessions"]
+        sessions = []
+        for entry in raw:
+            jobs = tuple(Job(t["start_tick"] * ADOBE_TICK, t["duration_in_ticks"] * ADOBE_TICK, int(t["gpus"]),
+                             int(float(t["vram"]) * GB))
+                         for t in sorted(entry["trainings"], key=lambda t: t["start_tick"])
+                         if t["gpus"] > 0 and t["duration_in_ticks"] > 0)
+            sessions.append(Session(str(entry["id"])[:8], entry["start_tick"] * ADOBE_TICK,
+                                    entry["stop_tick"] * ADOBE_TICK, jobs))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TraceError(f"{path}: not a trace: JSON without the Adobe layout (sessions with trainings): {exc}") from None
+    yield from sorted(sessions, key=lambda s: s.start)
+
+
+def write_csv(sessions: Iterable[Session], out: TextIO) -> int:
+    """The CSV form of sessions (e.g. the Adobe file converted); returns the number of jobs written."""
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(HEADER)
+    count = 0
+    for session in sessions:
+        for job in session.jobs:
+            writer.writerow([session.user, f"{session.start:g}", f"{session.end:g}", f"{job.start:g}",
+                             f"{job.duration:g}", job.gpus, job.memory])
+            count += 1
+    return count
+
+
+def generate(jobs: int, users: int = 20, seed: int = 1, max_gpus: int = 4) -> Iterator[Session]:
+    """A synthetic interactive workload: users log in for a few hours and run bursts of 1-`max_gpus`
+    GPUs with think time between them; each user logs in about every 4 hours, which keeps about
+    0.7 GPUs per user busy. The same arguments always give the same trace."""
+    rng = random.Random(seed)
+    clock = 0.0
+    made = 0
+    while made < jobs:
+        clock += rng.expovariate(users / 14400.0)
+        user = f"u{rng.randrange(users):03d}"
+        start = round(clock)
+        t = start + rng.randrange(60, 900)
+        batch: list[Job] = []
+        for _ in range(min(jobs - made, rng.randrange(1, 12))):
+            duration = float(round(rng.expovariate(1 / 900.0)) + 30)
+            gpus = rng.choice([1, 1, 1, 2, max_gpus] if max_gpus > 2 else [1])
+            batch.append(Job(float(t), duration, gpus, rng.randrange(1, 40) * GB))
+            t += int(duration) + rng.randrange(60, 1800)
+        made += len(batch)
+        yield Session(user, float(start), float(t + rng.randrange(60, 1800)), tuple(batch))
