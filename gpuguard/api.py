@@ -24,8 +24,11 @@ from gpuguard.grants import Grants
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
-from gpuguard.messages import grant_message, number_list
-from gpuguard.model import Grant
+from gpuguard.messages import grant_message, number_list, queue_message
+from gpuguard.model import Grant, Quota
+from gpuguard.backends.notify import Notifier
+from gpuguard.queueing import Queue, Standing
+from gpuguard.store import Queued
 from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
 from gpuguard.store import Store
@@ -34,7 +37,7 @@ from gpuguard.errors import GpuguardError
 
 ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes"})
 WHOAMI_EVENTS = 20
-NO_GPU_FREE = "gpuguard: no GPU is free right now; run gpuguard request later to get one"
+NO_GPU_FREE = "gpuguard: no GPU is free right now; you are in the queue for one (gpuguard whoami)"
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
 
 
@@ -61,7 +64,8 @@ class Api:
 
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
                  sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, gate: Gate | None,
-                 reload: Callable[[], Config], sync_nodes: Callable[[], None]):
+                 reload: Callable[[], Config], sync_nodes: Callable[[], None], queue: Queue,
+                 notifier: Notifier):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
@@ -72,6 +76,13 @@ class Api:
         self.gate = gate
         self._reload = reload
         self._sync_nodes = sync_nodes
+        self.queue = queue
+        self.notifier = notifier
+        # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
+        # `request` reply (a grant may come before the client's `wait` call arrives).
+        self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
+        self._served: dict[int, tuple[int, ...]] = {}
+        queue.listeners.append(self._queue_served)
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         op = request["op"]
@@ -116,11 +127,22 @@ class Api:
         quota = policy.quota_for(account.name, account.groups, config)
         if quota.gpus == 0:
             return {**reply, "message": "gpuguard: your quota allows no GPUs - run gpuguard whoami for details"}
-        self.grants.allocate(account.uid, account.name, quota, quota.gpus, now, origin="session",
-                             message=f"granted at login ({service or 'pam'})")
+        if not store.queue():  # with others waiting, a login takes its turn like them
+            self.grants.allocate(account.uid, account.name, quota, quota.gpus, now, origin="session",
+                                 message=f"granted at login ({service or 'pam'})")
         held = store.grants(account.uid)
+        if not held and not store.queue(account.uid):
+            _, waits = self.queue.join(account.uid, account.name, quota.gpus, quota, now, "session", pid,
+                                       caller.start_time if caller else None)
+            held = store.grants(account.uid)
+            if waits:
+                standing = self.queue.standing(account.uid, now)
+                event(logging.INFO, "queued", user=account.name, wanted=quota.gpus,
+                      position=standing.position if standing else None)
+                return {**reply, "queue": _standing_info(standing),
+                        "message": queue_message(standing.position, standing.waiting, standing.gpus,
+                                                 standing.estimate) if standing else NO_GPU_FREE}
         if not held:
-            event(logging.INFO, "no_gpu_free", user=account.name, wanted=quota.gpus)
             return {**reply, "message": NO_GPU_FREE}
         return {**reply, **self._grant_reply(held, wanted=quota.gpus)}
 
@@ -132,6 +154,8 @@ class Api:
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
+        if not store.sessions(account.uid):  # a login's place in the queue ends with its last session
+            self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == "session")
         if held and not store.sessions(account.uid):
             sample = await self.sampler.take_or_log("grants kept until a good sample")
             if sample is not None:  # no data, no release: the tick tries again
@@ -155,7 +179,8 @@ class Api:
             grants=[self._grant_info(g) for g in store.grants(account.uid)],
             sessions=[asdict(s) for s in store.sessions(account.uid)],
             events=[asdict(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
-            usage=store.usage(account.uid))
+            usage=store.usage(account.uid),
+            queue=_standing_info(self.queue.standing(account.uid, time.time())))
 
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         config = self.config()
@@ -172,7 +197,10 @@ class Api:
                               if sample and sample.ok(minor) else None),  # None: unknown (not sampled, or failed)
             })
         reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None,
-                            group=config.access.group)
+                            group=config.access.group,
+                            queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,
+                                    "since": q.waiter.since, "priority": q.waiter.priority}
+                                   for i, q in enumerate(self.queue.ordered(time.time()), start=1)])
         if peer.uid == 0:
             reply.update(sessions=[asdict(s) for s in self.store.sessions()],
                          exempt=sorted(self.exempt.uids), mode=config.access.mode,
@@ -195,17 +223,80 @@ class Api:
             raise Refusal("gpus must be at least 1", 2)
         if wanted > quota.gpus:
             raise Refusal(f"your quota is {quota.gpus} GPU{'s' if quota.gpus != 1 else ''} (gpuguard whoami)")
+        wait = _field(request, "wait", bool, False)
         more = wanted - len(store.grants(account.uid))
         granted: tuple[int, ...] = ()
-        if more > 0:
+        now = time.time()
+        if more > 0 and not store.queue():
             # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
             origin = "session" if store.sessions(account.uid) else "request"
-            granted = self.grants.allocate(account.uid, account.name, quota, more, time.time(), origin,
+            granted = self.grants.allocate(account.uid, account.name, quota, more, now, origin,
                                            "requested with gpuguard request")
+            more -= len(granted)
+        if more > 0 and (wait or not store.grants(account.uid)):
+            # Not all of it free (or others wait first): the queue decides, whole requests only.
+            caller = procfs.process_identity(peer.pid)
+            queued, waits = self.queue.join(account.uid, account.name, more, quota, now, "request", peer.pid,
+                                            caller.start_time if caller else None)
+            if waits:
+                if wait:
+                    return protocol.ok(queued=True, ticket=queued.waiter.id,
+                                       **_standing_info(self.queue.standing(account.uid, now)))
+                self.queue.leave([queued.waiter.id])
+                raise Refusal("no GPU is free right now; gpuguard request --wait queues for one "
+                              "(gpuguard status shows who holds them and who waits)")
+            granted += self._served.pop(queued.waiter.id, ())
         held = store.grants(account.uid)
         if not held:
             raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
         return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted))
+
+    async def wait(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Block until a queued request (`ticket`, from request --wait) is granted, or `timeout`
+        seconds pass (then it leaves the queue). A client that hangs up leaves it too: the
+        server cancels this call."""
+        ticket = _field(request, "ticket", int)
+        timeout = request.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0):
+            raise Refusal(f"field 'timeout': expected seconds >= 0, got {timeout!r}", 2)
+        if ticket in self._served:
+            return self._served_reply(peer.uid, self._served.pop(ticket))
+        if not any(q.waiter.id == ticket for q in self.store.queue(peer.uid)):
+            raise Refusal(f"request {ticket} is not in the queue (left it, or not yours)")
+        future = self._waiting.setdefault(ticket, asyncio.get_running_loop().create_future())
+        try:
+            minors = await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            self.queue.leave([ticket])
+            raise Refusal(f"no GPU within {format_duration(timeout)}; you left the queue", 1) from None
+        except asyncio.CancelledError:
+            self.queue.leave([ticket])  # the client hung up
+            event(logging.INFO, "queue_left", uid=peer.uid, ticket=ticket, reason="client gone")
+            raise
+        finally:
+            self._waiting.pop(ticket, None)
+        self._served.pop(ticket, None)
+        return self._served_reply(peer.uid, minors)
+
+    def _served_reply(self, uid: int, minors: tuple[int, ...]) -> dict[str, Any]:
+        return protocol.ok(queued=False, granted=list(minors), **self._grant_reply(self.store.grants(uid)))
+
+    def _queue_served(self, queued: Queued, minors: tuple[int, ...]) -> None:
+        """Queue listener: wake the blocked client, and tell the user on their terminals."""
+        waiter = queued.waiter
+        self._served[waiter.id] = minors
+        if len(self._served) > 1000:  # tickets nobody came back for: forget the oldest
+            self._served.pop(next(iter(self._served)))
+        future = self._waiting.get(waiter.id)
+        if future is not None and not future.done():
+            future.set_result(minors)
+        held = self.store.grants(waiter.uid)
+        reply = self._grant_reply(held)
+        waited = format_duration(max(0, round(time.time() - waiter.since)))
+        text = (f"{reply['message'].replace(' - run gpuguard whoami for details', '')} (from the queue, after "
+                f"{waited})\r\nexport CUDA_VISIBLE_DEVICES={reply['cuda_visible_devices']}")
+        self.notifier.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
     async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Give GPUs back. It kills nothing: while a process of the user still uses one of
@@ -401,6 +492,13 @@ class Api:
         if own is not None and own.name != name:
             raise Refusal("only root may look at another user's GPUs")
         return await self._account_named(name)
+
+
+def _standing_info(standing: Standing | None) -> dict[str, Any] | None:
+    """A user's place in the queue as the protocol carries it (None: not waiting)."""
+    if standing is None:
+        return None
+    return {**asdict(standing), "ahead": [{"user": user, "why": why} for user, why in standing.ahead]}
 
 
 def _duration(value: Any) -> float | None:

@@ -30,6 +30,7 @@ from gpuguard.config import Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.logout import LogoutRelease
+from gpuguard.queueing import Queue
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.server import Server
@@ -52,7 +53,7 @@ class Daemon:
     def start(self) -> None:
         """Everything before serving; raises ServerError, StoreError, GpuError, GateError or OSError."""
         _raise_nofile()
-        self.server = Server(self.config.paths.socket, self._handle)
+        self.server = Server(self.config.paths.socket, self._handle, abandoned_on_hangup=frozenset({"wait"}))
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
         if self.config.access.mode == "acl":
             _refuse_stale_gate(self.gate_name)
@@ -78,10 +79,12 @@ class Daemon:
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
         self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders)
+        self.queue = Queue(self.current_config, self.store, self.grants)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
-                               self.lookup, self.notifier)
+                               self.lookup, self.notifier, demand=self.queue.demand)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
-                       self.logout, self.gate, reload=self.reload, sync_nodes=self.sync_nodes)
+                       self.logout, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
+                       queue=self.queue, notifier=self.notifier)
 
     async def _handle(self, request: dict, peer) -> dict:
         return await self.api.handle(request, peer)
@@ -185,8 +188,21 @@ class Daemon:
         if sample is None:
             return
         self.drop_dead_sessions()
+        self.drop_gone_waiters()
         await self.logout.release_unused(sample)
         await self.watcher.check(sample, time.time())
+        self.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
+
+    def drop_gone_waiters(self) -> None:
+        """Queued requests nobody waits for: a login's whose user has no session left, a request's
+        whose client is gone (also one that died while no daemon ran)."""
+        logged_in = {s.uid for s in self.store.sessions()}
+        gone = self.queue.gone(logged_in, lambda pid, start: pid is not None and _caller_alive(pid, start))
+        if gone:
+            self.queue.leave(q.waiter.id for q in gone)
+            for queued in gone:
+                event(logging.INFO, "queue_left", user=queued.waiter.user, ticket=queued.waiter.id,
+                      reason="no session left" if queued.origin == "session" else "client gone")
 
     def drop_dead_sessions(self) -> None:
         """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost message)."""

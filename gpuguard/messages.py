@@ -30,3 +30,11 @@ def clock(timestamp: float) -> str:
 def number_list(numbers: Iterable[int]) -> str:
     """`1,3,4`: GPU minors and pids as people type them."""
     return ",".join(str(n) for n in sorted(numbers))
+
+
+def queue_message(position: int, waiting: int, gpus: int, estimate: float | None) -> str:
+    """`gpuguard: no GPU is free right now; you are number 2 of 3 in the queue for 1 GPU ...`"""
+    when = f" (expected by {clock(estimate)})" if estimate is not None else ""
+    return (f"gpuguard: no GPU is free right now; you are number {position} of {waiting} in the queue for "
+            f"{gpus} GPU{'s' if gpus != 1 else ''}{when}; you will be told here when it is yours - "
+            "gpuguard whoami shows the queue")

@@ -75,11 +75,11 @@ class Queue:
     # --- joining and leaving
 
     def join(self, uid: int, user: str, gpus: int, quota: Quota, now: float, origin: str,
-             pid: int | None = None, pid_start: int | None = None) -> Queued | None:
-        """Queue a request and serve the queue at once; the row when it still waits, None when granted."""
+             pid: int | None = None, pid_start: int | None = None) -> tuple[Queued, bool]:
+        """Queue a request and serve the queue at once: the row, and whether it still waits."""
         queued = self.store.join_queue(uid, user, gpus, now, quota, origin, pid, pid_start)
         self.dispatch(now)
-        return queued if self.waits(queued.waiter.id) else None
+        return queued, self.waits(queued.waiter.id)
 
     def waits(self, waiter_id: int) -> bool:
         return any(q.waiter.id == waiter_id for q in self.store.queue())

@@ -44,9 +44,13 @@ Handler = Callable[[dict[str, Any], Peer], Awaitable[dict[str, Any]]]
 
 
 class Server:
-    def __init__(self, path: Path, handler: Handler, read_timeout: float = READ_TIMEOUT):
+    def __init__(self, path: Path, handler: Handler, read_timeout: float = READ_TIMEOUT,
+                 abandoned_on_hangup: frozenset[str] = frozenset()):
         self.path = Path(path)
         self.handler = handler
+        # Ops that only wait for something (a queued GPU): a client that hangs up cancels them.
+        # Every other op runs to its end whatever the client does, so no change stops halfway.
+        self.abandoned_on_hangup = abandoned_on_hangup
         self.read_timeout = read_timeout
         self._open: Counter[int] = Counter()  # connections in progress per uid
         self._server: asyncio.AbstractServer | None = None
@@ -125,10 +129,26 @@ class Server:
         except protocol.ProtocolError as exc:
             return protocol.refused(str(exc), 2)
         try:
+            if request.get("op") in self.abandoned_on_hangup:
+                return await _unless_hung_up(self.handler(request, peer), reader)
             return await self.handler(request, peer)
         except Exception:
             event(logging.ERROR, "internal_error", exc_info=True, op=request.get("op"), uid=peer.uid)
             return protocol.refused("internal error in the gpuguard daemon (see its log)")
+
+
+async def _unless_hung_up(call: Awaitable[dict[str, Any]], reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """The call's reply, or None after cancelling it when the client closes its end first."""
+    handling = asyncio.ensure_future(call)
+    hangup = asyncio.ensure_future(reader.read(1))  # a client sends one line, then only closes
+    try:
+        await asyncio.wait({handling, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+        if not handling.done():
+            handling.cancel()
+            await asyncio.gather(handling, return_exceptions=True)
+    return handling.result() if not handling.cancelled() else None
 
 
 def _make_directory(directory: Path) -> None:

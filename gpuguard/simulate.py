@@ -99,17 +99,31 @@ def jain(values: list[float]) -> float:
 
 
 class _ScratchStore(Store):
-    """The store with its grants read once per change: a replay is its only writer, and reads
-    them far more often than it changes them."""
+    """The store with its grants and queue read once per change: a replay is its only writer,
+    and reads them far more often than it changes them."""
 
     def __init__(self, path: Path):
         super().__init__(path, durable=False)
         self._grants: list[Grant] | None = None
+        self._queue: list[Queued] | None = None
 
     def grants(self, uid: int | None = None) -> list[Grant]:
         if self._grants is None:
             self._grants = super().grants()
         return self._grants if uid is None else [g for g in self._grants if g.uid == uid]
+
+    def queue(self, uid: int | None = None) -> list[Queued]:
+        if self._queue is None:
+            self._queue = super().queue()
+        return self._queue if uid is None else [q for q in self._queue if q.waiter.uid == uid]
+
+    def join_queue(self, *args, **kwargs) -> Queued:  # type: ignore[no-untyped-def]
+        self._queue = None
+        return super().join_queue(*args, **kwargs)
+
+    def leave_queue(self, ids: Iterable[int]) -> int:
+        self._queue = None
+        return super().leave_queue(ids)
 
     def add_grants(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         self._grants = None
@@ -229,10 +243,10 @@ class Replay:
             return
         self._joining = (job, session)
         try:
-            queued = self.queue.join(uid, name, more, quota, self.now, "session", pid=session)
+            queued, waits = self.queue.join(uid, name, more, quota, self.now, "session", pid=session)
         finally:
             self._joining = None
-        if queued is not None:
+        if waits:
             self.pending[queued.waiter.id] = (job, session)
 
     async def _on_end(self, pid: int) -> None:

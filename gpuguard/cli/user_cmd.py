@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from typing import Any
 
-from gpuguard.cli import print_json, print_rows
-from gpuguard.errors import EXIT_OK
+from gpuguard import client
+from gpuguard.cli import CommandError, load_config, print_json, print_rows
 from gpuguard.cli.calls import ask
-from gpuguard.messages import clock, number_list
-from gpuguard.units import format_duration, format_size
+from gpuguard.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.messages import clock, number_list, queue_message
+from gpuguard.units import UnitError, format_duration, format_size, parse_duration
+
+RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while waiting
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,8 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=show_status)
 
-    request = subparsers.add_parser("request", help="get GPUs now, up to your quota")
+    request = subparsers.add_parser("request", help="get GPUs now, up to your quota (--wait: queue for them)")
     request.add_argument("--gpus", type=int, metavar="N", help="how many GPUs in all (default: your quota)")
+    request.add_argument("--wait", action="store_true",
+                         help="when they are not free, wait in the queue until they are (exit 0 once granted)")
+    request.add_argument("--timeout", metavar="DURATION",
+                         help="with --wait: give up after this long, e.g. 30m (exit 1, leaving the queue)")
     request.add_argument("--json", action="store_true", help="print JSON")
     request.set_defaults(func=run_request)
 
@@ -54,7 +63,14 @@ def show_whoami(args: argparse.Namespace) -> int:
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(f"export CUDA_VISIBLE_DEVICES={','.join(g['uuid'] for g in reply['grants'] if g['uuid'])}")
     elif reply["member"]:
-        print("GPUs: none (gpuguard request gets one when one is free)")
+        print("GPUs: none (gpuguard request --wait queues for one)")
+    if reply.get("queue"):
+        q = reply["queue"]
+        when = f"; expected by {clock(q['estimate'])}" if q["estimate"] is not None else ""
+        print(f"queue: number {q['position']} of {q['waiting']}, for {q['gpus']} GPU{'s' if q['gpus'] != 1 else ''}, "
+              f"since {clock(q['since'])}{when}")
+        for ahead in q["ahead"]:
+            print(f"  ahead of you: {ahead['user']}: {ahead['why']}")
     if reply["sessions"]:
         print("sessions:")
         for s in reply["sessions"]:
@@ -78,6 +94,11 @@ def show_status(args: argparse.Namespace) -> int:
         held = ", ".join(_holder(h) for h in gpu["holders"]) or "free"
         rows.append([str(gpu["minor"]), gpu["name"], held, "?" if gpu["processes"] is None else str(gpu["processes"])])
     print_rows(rows)
+    if reply.get("queue"):
+        print("\nqueue (served in this order):")
+        print_rows([["  #", "USER", "GPUS", "SINCE", "PRIORITY"]] + [
+            [f"  {q['position']}", q["user"], str(q["gpus"]), clock(q["since"]), str(q["priority"])]
+            for q in reply["queue"]])
     if "sessions" in reply:
         print(f"\n{len(reply['sessions'])} open session(s); exempt uids {number_list(reply['exempt'])}; "
               f"enforcement: {'gate ' + reply['gate'] if reply['gate'] else 'ACLs only'}")
@@ -90,13 +111,51 @@ def _holder(holder: dict[str, Any]) -> str:
 
 
 def run_request(args: argparse.Namespace) -> int:
-    reply = ask(args, "request", gpus=args.gpus)
+    timeout = _timeout(args)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    reply = ask(args, "request", gpus=args.gpus, wait=args.wait or None)
+    if reply.get("queued"):
+        print(queue_message(reply["position"], reply["waiting"], reply["gpus"], reply["estimate"])
+              .replace("you will be told here when it is yours", "waiting"), file=sys.stderr, flush=True)
+        reply = _wait(args, reply["ticket"], deadline)
     if args.json:
         print_json(reply)
         return EXIT_OK
     print(reply["message"])
     print(f"export CUDA_VISIBLE_DEVICES={reply['cuda_visible_devices']}")
     return EXIT_OK
+
+
+def _timeout(args: argparse.Namespace) -> float | None:
+    if args.timeout is None:
+        return None
+    if not args.wait:
+        raise CommandError("--timeout goes with --wait", EXIT_USAGE)
+    try:
+        seconds = parse_duration(args.timeout)
+    except UnitError as exc:
+        raise CommandError(f"--timeout: {exc}", EXIT_USAGE) from None
+    if seconds is None:
+        raise CommandError("--timeout: expected a duration like 30m (leave it out to wait without limit)",
+                           EXIT_USAGE)
+    return seconds
+
+
+def _wait(args: argparse.Namespace, ticket: int, deadline: float | None) -> dict[str, Any]:
+    """Block on the daemon until the queued request is granted; across a daemon restart the
+    queue is kept, so the call is made again until the deadline."""
+    socket = str(load_config(args).paths.socket)
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            # The socket's own timeout outlasts the daemon's answer to `timeout`.
+            reply = client.call(socket, "wait", timeout=None if left is None else left + 10, ticket=ticket,
+                                **({} if left is None else {"timeout": left}))
+            return {key: value for key, value in reply.items() if key not in ("v", "ok")}
+        except client.DaemonUnreachable:
+            if left is not None and left <= 0:
+                raise
+            time.sleep(RECONNECT)  # a daemon restart: the queue survives it
 
 
 def run_release(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.logout import LogoutRelease
 from gpuguard.model import Gpu, GpuProcess, Quota
+from gpuguard.queueing import Queue
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.sampling import Holder, Sample
 from gpuguard.server import Peer
@@ -113,10 +114,12 @@ class World:
         self.notifier = FakeNotifier()
         self.logout = LogoutRelease(self.store, self.grants, lambda minors: [h for h in self.holders if h.minor in minors])
         self.reloads = 0
+        self.queue = Queue(lambda: self.config, self.store, self.grants)
         self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
-                       self.lookup, self.logout, None, reload=self._reload, sync_nodes=lambda: None)
+                       self.lookup, self.logout, None, reload=self._reload, sync_nodes=lambda: None,
+                       queue=self.queue, notifier=self.notifier)  # type: ignore[arg-type]
         self.watcher = Watcher(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
-                               self.lookup, self.notifier)
+                               self.lookup, self.notifier, demand=self.queue.demand)
 
     def _reload(self) -> Config:
         self.reloads += 1
