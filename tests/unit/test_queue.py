@@ -1,0 +1,125 @@
+"""The queue in the daemon's services, driven with fakes (tests/unit/fakes.py): logins and
+`request --wait` join it, freed GPUs go to it first, the waiter is told, and it leaves when it should."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gpuguard.server import Peer
+from fakes import GROUP, World
+
+
+@pytest.fixture
+def world(tmp_path) -> World:
+    w = World(tmp_path)
+    yield w
+    w.store.close()
+
+
+def fill(world: World) -> list:
+    """Four members holding the four GPUs."""
+    holders = [world.lookup.add(f"h{i}", 2000 + i, GROUP) for i in range(4)]
+    for i, account in enumerate(holders):
+        assert world.login(account, pid=5000 + i)["gpus"] == [i]
+    return holders
+
+
+def test_a_login_that_finds_no_gpu_joins_the_queue_and_is_granted_when_one_is_released(world):
+    holders = fill(world)
+    eve = world.lookup.add("eve", 1005, GROUP)
+    opened = world.login(eve, pid=6000)
+    assert opened["gpus"] == []
+    assert "number 1 of 1 in the queue for 1 GPU" in opened["message"]
+    assert world.call("whoami", uid=1005)["queue"]["position"] == 1
+    assert [q["user"] for q in world.call("status", uid=1005)["queue"]] == ["eve"]
+
+    world.call("release", uid=holders[2].uid)  # no process on it: released, and straight to eve
+    assert world.held(1005) == [2]
+    assert world.store.queue() == []
+    user, told = world.notifier.told[-1]
+    assert user == "eve" and "export CUDA_VISIBLE_DEVICES=GPU-0002" in told
+    mine = world.call("whoami", uid=1005)
+    assert [g["minor"] for g in mine["grants"]] == [2] and mine["queue"] is None
+
+
+def test_a_queued_login_leaves_the_queue_with_its_last_session(world):
+    fill(world)
+    eve = world.lookup.add("eve", 1005, GROUP)
+    world.login(eve, pid=6000)
+    world.login(eve, pid=6001)
+    world.call("session_close", user="eve", pid=6000)
+    assert len(world.store.queue()) == 1  # one session still open
+    world.call("session_close", user="eve", pid=6001)
+    assert world.store.queue() == []
+
+
+def test_whoami_says_why_someone_is_ahead(world):
+    fill(world)
+    eve, fred = world.lookup.add("eve", 1005, GROUP), world.lookup.add("fred", 1006, GROUP)
+    world.login(eve, pid=6000)
+    world.login(fred, pid=6001)
+    ahead = world.call("whoami", uid=1006)["queue"]["ahead"]
+    assert ahead == [{"user": "eve", "why": "asked earlier"}]
+
+
+async def _request_then_wait(world: World, uid: int, release_uid: int | None, timeout: float | None) -> tuple:
+    peer = Peer(pid=1, uid=uid, gid=uid)
+    queued = await world.api.handle({"op": "request", "wait": True}, peer)
+    waiting = asyncio.ensure_future(world.api.handle({"op": "wait", "ticket": queued["ticket"], "timeout": timeout},
+                                                     peer))
+    await asyncio.sleep(0)
+    if release_uid is not None:
+        await world.api.handle({"op": "release"}, Peer(pid=1, uid=release_uid, gid=release_uid))
+    return queued, await waiting
+
+
+def test_request_wait_blocks_until_a_gpu_is_freed(world):
+    holders = fill(world)
+    world.lookup.add("eve", 1005, GROUP)
+    queued, granted = asyncio.run(_request_then_wait(world, 1005, holders[1].uid, timeout=30))
+    assert queued["queued"] is True and queued["position"] == 1
+    assert granted["ok"] and granted["gpus"] == [1]
+    assert granted["cuda_visible_devices"] == "GPU-0001"
+
+
+def test_request_wait_times_out_and_leaves_the_queue(world):
+    fill(world)
+    world.lookup.add("eve", 1005, GROUP)
+    _, reply = asyncio.run(_request_then_wait(world, 1005, None, timeout=0.05))
+    assert reply["ok"] is False and reply["code"] == 1 and "left the queue" in reply["error"]
+    assert world.store.queue() == []
+
+
+def test_a_plain_request_does_not_jump_the_queue(world):
+    holders = fill(world)
+    eve, fred = world.lookup.add("eve", 1005, GROUP), world.lookup.add("fred", 1006, GROUP)
+    world.login(eve, pid=6000)  # queued
+    world.call("release", uid=holders[0].uid)  # GPU 0 goes to eve, not to whoever asks next
+    assert world.held(1005) == [0]
+    refused = world.call("request", uid=fred.uid)
+    assert refused["ok"] is False and "request --wait" in refused["error"]
+    assert world.store.queue() == []  # a plain request does not stay queued
+
+
+def test_an_idle_grant_is_reclaimed_for_a_waiter_and_goes_to_it(world):
+    world.quota(reclaim_after=60.0)
+    holders = fill(world)
+    eve = world.lookup.add("eve", 1005, GROUP)
+    world.login(eve, pid=6000)
+    busy = [(100 + i, holders[i].uid, i, 1 << 30) for i in (0, 1, 3)]  # GPU 2 idle
+    world.sampler.set(busy)
+    later = time.time() + 120
+    asyncio.run(world.watcher.check(world.sampler.last, later))
+    assert world.held(holders[2].uid) == []
+    assert world.held(1005) == [2]
+    assert any("for someone waiting" in told for _, told in world.notifier.told)
+
+
+def test_nothing_is_reclaimed_while_nobody_waits(world):
+    world.quota(reclaim_after=60.0)
+    holders = fill(world)
+    world.sampler.set([])
+    asyncio.run(world.watcher.check(world.sampler.last, time.time() + 3600))
+    assert all(world.held(h.uid) for h in holders)

@@ -1,0 +1,84 @@
+"""Reclaim on demand and soft max_time (gpuguard.rules), and next_change held against decide."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gpuguard import rules
+from gpuguard.model import Grant, Quota
+from gpuguard.rules import RECLAIM, RELEASE, REVOKE, TERM, TIME, WARN, Proc, State, Timing, View
+
+ALICE, BOB = 1001, 1002
+T = Timing(grace=30.0, kill_wait=10.0)
+SOFT = replace(T, soft_max_time=True)
+NOW = 100_000.0
+RECLAIMING = Quota(reclaim_after=600.0)
+
+
+def grant(uid: int, minor: int, last_active: float, expires_at: float | None = None) -> Grant:
+    return Grant(uid, f"u{uid}", minor, last_active, expires_at, last_active)
+
+
+def view(grants, procs=(), demand=0, quota=RECLAIMING) -> View:
+    return View(list(procs), list(grants), {g.uid: quota for g in grants}, demand=demand)
+
+
+def kinds(actions):
+    return [(a.kind, a.rule, a.uid, a.minor) for a in actions]
+
+
+def test_an_idle_grant_is_kept_while_nobody_waits():
+    v = view([grant(ALICE, 0, last_active=NOW - 3600)], demand=0)
+    assert rules.decide(v, State(), NOW, T) == []
+
+
+def test_only_as_many_as_the_queue_wants_are_reclaimed_the_longest_idle_first():
+    grants = [grant(ALICE, 0, last_active=NOW - 700), grant(BOB, 1, last_active=NOW - 5000),
+              grant(ALICE, 2, last_active=NOW - 100)]  # this one not idle long enough
+    actions = rules.decide(view(grants, demand=1), State(), NOW, T)
+    assert kinds(actions) == [(RELEASE, RECLAIM, BOB, 1)]
+    assert "for someone waiting" in rules.message(actions[0])
+    actions = rules.decide(view(grants, demand=5), State(), NOW, T)
+    assert kinds(actions) == [(RELEASE, RECLAIM, BOB, 1), (RELEASE, RECLAIM, ALICE, 0)]
+
+
+def test_a_grant_in_use_is_never_reclaimed_and_the_boundary_reclaims():
+    busy = grant(ALICE, 0, last_active=NOW - 5000)
+    v = view([busy], procs=[Proc(7, ALICE, 70, 0, None)], demand=3)
+    assert rules.decide(v, State(), NOW, T) == []
+    assert kinds(rules.decide(view([grant(BOB, 1, NOW - 600)], demand=1), State(), NOW, T)) == [
+        (RELEASE, RECLAIM, BOB, 1)]
+    assert rules.decide(view([grant(BOB, 1, NOW - 599)], demand=1), State(), NOW, T) == []
+
+
+def test_soft_max_time_warns_once_and_revokes_only_when_someone_waits():
+    over = grant(ALICE, 0, last_active=NOW, expires_at=NOW - 1)
+    running = [Proc(7, ALICE, 70, 0, None)]
+    hard = rules.decide(view([over], running, quota=Quota()), State(), NOW, T)
+    assert [(a.kind, a.rule) for a in hard] == [(REVOKE, TIME), (TERM, TIME)]
+    soft = rules.decide(view([over], running, quota=Quota()), State(), NOW, SOFT)
+    assert [(a.kind, a.rule) for a in soft] == [(WARN, TIME)]
+    assert "you keep it while nobody waits" in rules.message(soft[0])
+    state = rules.advance(view([over], running, quota=Quota()), State(), soft, NOW)
+    assert rules.decide(view([over], running, quota=Quota()), state, NOW + 5, SOFT) == []  # warned once
+    wanted = rules.decide(view([over], running, demand=1, quota=Quota()), state, NOW + 5, SOFT)
+    assert [(a.kind, a.rule) for a in wanted] == [(REVOKE, TIME), (TERM, TIME)]
+
+
+def test_reclaim_goes_before_revoking_an_over_time_grant():
+    idle = grant(BOB, 1, last_active=NOW - 5000)
+    over = grant(ALICE, 0, last_active=NOW, expires_at=NOW - 1)
+    v = View([Proc(7, ALICE, 70, 0, None)], [over, idle], {ALICE: Quota(), BOB: RECLAIMING}, demand=1)
+    actions = [a for a in rules.decide(v, State(), NOW, SOFT) if a.kind != WARN]
+    assert kinds(actions) == [(RELEASE, RECLAIM, BOB, 1)]
+
+
+def test_next_change_is_when_decide_first_acts():
+    v = view([grant(ALICE, 0, last_active=NOW)], demand=1, quota=Quota(idle_timeout=3600.0, reclaim_after=600.0))
+    at = rules.next_change(v, State(), T, NOW)
+    assert at == NOW + 600
+    assert rules.decide(v, State(), at - 0.001, T) == []
+    assert kinds(rules.decide(v, State(), at, T)) == [(RELEASE, RECLAIM, ALICE, 0)]
+    timed = view([grant(ALICE, 0, last_active=NOW, expires_at=NOW + 900)], procs=[Proc(7, ALICE, 70, 0, None)],
+                 quota=Quota())
+    assert rules.next_change(timed, State(), T, NOW) == NOW + 300  # the 10-minute warning
+    assert rules.next_change(view([], quota=Quota()), State(), T, NOW) is None

@@ -1,0 +1,144 @@
+"""`gpuguard simulate` and its traces: the replay through the daemon's code, static reservation,
+the metrics, and bad input. The Adobe file is used when ../shared/data has it."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpuguard import config as configuration, simulate, trace
+from gpuguard.model import Quota
+
+REPO = Path(__file__).resolve().parents[2]
+# CI clones shared/ beside the repository; GPUGUARD_DATA names another copy of shared/data.
+DATA = Path(os.environ.get("GPUGUARD_DATA") or REPO.parent / "shared" / "data")
+ADOBE = DATA / "adobe-notebook-sessions-2021-06-01.json"
+needs_adobe = pytest.mark.skipif(not ADOBE.exists(), reason=f"{ADOBE} is not there")
+
+
+def policy(**quota) -> configuration.Config:
+    base = configuration.Config()
+    return replace(base, defaults=replace(base.defaults, gpus=8, **quota))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    return path
+
+
+def gpuguard(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPUGUARD_CONFIG": "/nonexistent/gpuguard.toml"}
+    return subprocess.run([sys.executable, "-m", "gpuguard", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO)
+
+
+def test_jain_and_percentile_on_known_numbers():
+    assert simulate.jain([1.0, 1.0, 1.0]) == 1.0
+    assert simulate.jain([1.0, 0.0]) == 0.5
+    assert simulate.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
+    assert simulate.percentile(list(map(float, range(1, 101))), 0.95) == 95.0
+    assert simulate.percentile([], 0.5) is None
+
+
+def test_two_users_on_one_gpu_take_turns_through_the_queue(tmp_path):
+    path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
+                           "a,0,1000,0,100,1,0\n"
+                           "b,10,1000,10,100,1,0\n")
+    ours = simulate.replay(trace.read(path), policy(reclaim_after=5.0), 1)
+    summary = ours.summary(1)
+    assert summary["jobs_ran"] == 2 and summary["jobs_never_ran"] == 0
+    # b waits for a's job to end (100) and its grant to be reclaimed 5 s later, at the 2 s tick.
+    assert summary["wait_max"] == pytest.approx(96.0)
+    assert summary["reclaims"] == 1
+    assert summary["gpu_seconds_busy"] == 200.0
+    static = simulate.static_reservation(trace.read(path), 1).summary(1)
+    assert static["wait_max"] == 990.0  # b's session waits for all of a's
+
+
+def test_without_reclaim_a_grant_stays_until_logout(tmp_path):
+    path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
+                           "a,0,500,0,100,1,0\n"
+                           "b,10,1000,10,100,1,0\n")
+    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    assert summary["wait_max"] == 490.0  # a's logout at 500 releases it
+    assert summary["releases"] == 2 and summary["reclaims"] == 0
+
+
+def test_a_job_over_the_quota_never_runs(tmp_path):
+    path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
+                           "a,0,500,0,100,4,0\n")
+    base = configuration.Config()
+    summary = simulate.replay(trace.read(path), replace(base, defaults=Quota(gpus=2)), 8).summary(8)
+    assert summary["jobs_never_ran"] == 1 and summary["jobs_over_quota"] == 1
+
+
+def test_a_generated_trace_replays_with_every_job_run_on_a_large_pool():
+    sessions = list(trace.generate(300, users=10, seed=3))
+    assert sum(len(s.jobs) for s in sessions) == 300
+    summary = simulate.replay(sessions, policy(idle_timeout=60.0), 64).summary(64)
+    assert summary["jobs_ran"] == 300 and summary["wait_max"] == 0.0
+    assert summary["gpu_seconds_busy"] == pytest.approx(sum(j.gpus * j.duration for s in sessions for j in s.jobs))
+
+
+def test_generated_trace_round_trips_through_csv(tmp_path):
+    out = io.StringIO()
+    sessions = list(trace.generate(50, users=5, seed=9))
+    assert trace.write_csv(sessions, out) == 50
+    assert list(trace.read(write(tmp_path, out.getvalue()))) == sessions
+
+
+@pytest.mark.parametrize("line, why", [
+    ("a,0,100,50,10,1", "expected 7 fields"),
+    ("a,0,100,500,10,1,0", "outside its session"),
+    ("a,0,100,50,ten,1,0", "must be numbers"),
+    ("a,0,100,50,10,0,0", "gpus >= 1"),
+])
+def test_a_malformed_line_is_named_by_its_number(tmp_path, line, why):
+    path = write(tmp_path, f"# a comment\n{','.join(trace.HEADER)}\nb,0,100,5,10,1,0\n{line}\n")
+    with pytest.raises(trace.TraceError, match=f"line 4: .*{why}"):
+        list(trace.read(path))
+    result = gpuguard("simulate", str(path), "--gpus", "2")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "line 4" in result.stderr
+
+
+def test_bad_pool_sizes_and_missing_files_exit_2(tmp_path):
+    path = write(tmp_path, f"{','.join(trace.HEADER)}\na,0,100,5,10,1,0\n")
+    for args in (["--gpus", "0"], ["--gpus", "-3"]):
+        result = gpuguard("simulate", str(path), *args)
+        assert result.returncode == 2 and "--gpus must be between 1" in result.stderr
+    assert gpuguard("simulate", str(tmp_path / "none.csv")).returncode == 2
+
+
+def test_simulate_prints_both_columns_and_json(tmp_path):
+    path = write(tmp_path, f"{','.join(trace.HEADER)}\na,0,100,5,10,1,0\n")
+    table = gpuguard("simulate", str(path), "--gpus", "2")
+    assert table.returncode == 0 and "static reservation" in table.stdout and "time to GPU p95" in table.stdout
+    data = json.loads(gpuguard("simulate", str(path), "--gpus", "2", "--json").stdout)
+    assert data["policy"]["jobs_ran"] == 1 and data["static"]["gpu_seconds_granted"] == 100.0
+
+
+@needs_adobe
+def test_the_adobe_figures_under_static_reservation():
+    """The data README's figures: 304,219 GPU-minutes reserved, 78,255 busy, a 142-GPU peak."""
+    at_peak = simulate.static_reservation(trace.read(ADOBE), 142).summary(142)
+    assert at_peak["gpu_seconds_granted"] == 304_219 * 60
+    assert at_peak["gpu_seconds_busy"] == 78_255 * 60
+    assert at_peak["wait_max"] == 0.0
+    assert simulate.static_reservation(trace.read(ADOBE), 141).summary(141)["wait_max"] > 0
+
+
+@needs_adobe
+def test_the_adobe_file_is_read_as_it_is_and_converts_to_the_same_trace(tmp_path):
+    sessions = list(trace.read(ADOBE))
+    assert len(sessions) == 59 and sum(len(s.jobs) for s in sessions) == 518
+    out = io.StringIO()
+    trace.write_csv(sessions, out)
+    assert list(trace.read(write(tmp_path, out.getvalue()))) == sessions
