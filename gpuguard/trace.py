@@ -16,7 +16,7 @@ replay reads the file as it goes (memory stays flat however long the trace).
 The Adobe file (../shared/data/adobe-notebook-sessions-2021-06-01.json, a JSON object with a
 `sessions` list, ticks of one minute) is read as it is: each session is one user named after
 the first 8 characters of its id, each training burst with GPUs is one job, `vram` (GB) its
-memory per GPU; bursts without GPUs are left out.
+memory per GPU; bursts without GPUs are left out, and so are the 8 sessions that have no other.
 """
 from __future__ import annotations
 
@@ -130,8 +130,9 @@ def _adobe(path: Path, handle: TextIO) -> Iterator[Session]:
                              int(float(t["vram"]) * GB))
                          for t in sorted(entry["trainings"], key=lambda t: t["start_tick"])
                          if t["gpus"] > 0 and t["duration_in_ticks"] > 0)
-            sessions.append(Session(str(entry["id"])[:8], entry["start_tick"] * ADOBE_TICK,
-                                    entry["stop_tick"] * ADOBE_TICK, jobs))
+            if jobs:  # a session that never asks for a GPU plays no part (and a CSV has no line for it)
+                sessions.append(Session(str(entry["id"])[:8], entry["start_tick"] * ADOBE_TICK,
+                                        entry["stop_tick"] * ADOBE_TICK, jobs))
     except (ValueError, KeyError, TypeError) as exc:
         raise TraceError(f"{path}: not a trace: JSON without the Adobe layout (sessions with trainings): {exc}") from None
     yield from sorted(sessions, key=lambda s: s.start)
