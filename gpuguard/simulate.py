@@ -61,6 +61,7 @@ class Result:
     reclaims: int = 0
     revokes: int = 0                 # time limit
     kills: int = 0                   # jobs ended by a rule
+    most_sharers: int = 0            # the most jobs seen on one GPU at once (1 unless users share)
     per_user: dict[str, list[float]] = field(default_factory=dict)  # user -> [granted, demanded]
 
     def summary(self, gpus: int) -> dict[str, float | int | None]:
@@ -82,6 +83,7 @@ class Result:
             "reclaims": self.reclaims,
             "revokes": self.revokes,
             "kills": self.kills,
+            "most_sharers": self.most_sharers,
         }
 
 
@@ -282,6 +284,8 @@ class Replay:
         minors = tuple(sorted(self._idle_held(uid)))[:job.gpus]
         pid = next(self._pids)
         self.running[pid] = _Running(job, uid, minors, pid, self.now, self.now + job.duration)
+        on = [m for r in self.running.values() for m in r.minors]
+        self.result.most_sharers = max(self.result.most_sharers, *(on.count(m) for m in minors))
         self.result.waits.append(self.now - arrived)
         self._at(self.now + job.duration, "end", pid)
 
@@ -416,6 +420,7 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
         result.busy += demanded
         result.waits.extend([delay] * len(session.jobs))
         result.releases += 1
+        result.most_sharers = 1
     result.span = last_end - (first or 0.0)
     return result
 

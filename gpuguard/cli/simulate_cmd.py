@@ -72,6 +72,7 @@ ROWS = [
     ("reclaims", "reclaims", "count"),
     ("time revokes", "revokes", "count"),
     ("jobs killed", "kills", "count"),
+    ("most jobs on one GPU", "most_sharers", "count"),
 ]
 
 
@@ -83,7 +84,7 @@ def _cell(value: float | int | None, unit: str) -> str:
     if unit == "percent":
         return f"{100 * value:.1f}%"
     if unit == "duration":
-        return format_duration(round(value)) if value >= 1 else "0s"
+        return f"{value / 3600:.1f}h" if value >= 3600 else format_duration(round(value)) if value >= 1 else "0s"
     if unit == "ratio":
         return f"{value:.3f}"
     return str(value)
