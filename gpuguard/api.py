@@ -252,14 +252,14 @@ class Api:
         return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted))
 
     async def wait(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        """Block until a queued request (`ticket`, from request --wait) is granted, or `timeout`
+        """Block until a queued request (`ticket`, from request --wait) is granted, or `limit`
         seconds pass (then it leaves the queue). A client that hangs up leaves it too: the
         server cancels this call."""
         ticket = _field(request, "ticket", int)
-        timeout = request.get("timeout")
+        timeout = request.get("limit")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or timeout < 0):
-            raise Refusal(f"field 'timeout': expected seconds >= 0, got {timeout!r}", 2)
+            raise Refusal(f"field 'limit': expected seconds >= 0, got {timeout!r}", 2)
         if ticket in self._served:
             return self._served_reply(peer.uid, self._served.pop(ticket))
         if not any(q.waiter.id == ticket for q in self.store.queue(peer.uid)):

@@ -150,7 +150,7 @@ def _wait(args: argparse.Namespace, ticket: int, deadline: float | None) -> dict
         try:
             # The socket's own timeout outlasts the daemon's answer to `timeout`.
             reply = client.call(socket, "wait", timeout=None if left is None else left + 10, ticket=ticket,
-                                **({} if left is None else {"timeout": left}))
+                                **({} if left is None else {"limit": left}))
             return {key: value for key, value in reply.items() if key not in ("v", "ok")}
         except client.DaemonUnreachable:
             if left is not None and left <= 0:

@@ -67,7 +67,7 @@ def test_whoami_says_why_someone_is_ahead(world):
 async def _request_then_wait(world: World, uid: int, release_uid: int | None, timeout: float | None) -> tuple:
     peer = Peer(pid=1, uid=uid, gid=uid)
     queued = await world.api.handle({"op": "request", "wait": True}, peer)
-    waiting = asyncio.ensure_future(world.api.handle({"op": "wait", "ticket": queued["ticket"], "timeout": timeout},
+    waiting = asyncio.ensure_future(world.api.handle({"op": "wait", "ticket": queued["ticket"], "limit": timeout},
                                                      peer))
     await asyncio.sleep(0)
     if release_uid is not None:

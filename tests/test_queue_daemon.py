@@ -1,0 +1,118 @@
+"""The queue in a real daemon (tests/daemon_fixture.py): it survives SIGKILL, a waiting client that
+hangs up leaves it, and a login that queues is told on its terminal when the GPU comes."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from pathlib import Path
+
+from conftest import popen_as, wait_for
+from sim_helpers import gpuguard
+
+
+def queue_users(d) -> list[str]:
+    return [q["user"] for q in d.call("status")["queue"]]
+
+
+def test_the_queue_survives_a_daemon_sigkill_and_is_served_after_it(start_daemon):
+    d = start_daemon(count=1, gate=False)
+    alice, bob = d.add_member(), d.add_member()
+    held = d.open_session(alice)
+    assert held["gpus"] == [0]
+    queued = d.open_session(bob)
+    assert queued["gpus"] == [] and "number 1 of 1 in the queue" in queued["message"]
+
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    d.start()
+    assert queue_users(d) == [bob.name]
+    assert d.whoami(bob)["queue"]["position"] == 1
+
+    d.close_session(alice, held["pid"])  # no process on GPU 0: released at logout, and straight to bob
+    assert wait_for(lambda: d.granted_minors(bob) == [0])
+    assert queue_users(d) == []
+
+
+def test_a_waiting_client_that_hangs_up_leaves_the_queue(start_daemon):
+    d = start_daemon(count=1, gate=False)
+    alice, bob = d.add_member(), d.add_member()
+    d.open_session(alice)
+    waiting = popen_as(bob, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
+    try:
+        assert wait_for(lambda: queue_users(d) == [bob.name])
+        waiting.send_signal(signal.SIGKILL)  # its connection closes with it
+        waiting.wait()
+        assert wait_for(lambda: queue_users(d) == [])
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+
+
+def test_request_wait_times_out_with_exit_1_and_leaves(start_daemon):
+    d = start_daemon(count=1, gate=False)
+    alice, bob = d.add_member(), d.add_member()
+    d.open_session(alice)
+    result = d.cli_as(bob, "request", "--wait", "--timeout", "1s")
+    assert result.returncode == 1 and "left the queue" in result.stderr
+    assert queue_users(d) == []
+    bad = d.cli_as(bob, "request", "--wait", "--timeout", "-1")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_request_wait_returns_the_grant_when_a_gpu_is_released(start_daemon):
+    d = start_daemon(count=1, gate=False)
+    alice, bob = d.add_member(), d.add_member()
+    d.call_as(alice, "request")
+    waiting = popen_as(bob, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
+    try:
+        assert wait_for(lambda: queue_users(d) == [bob.name])
+        assert d.cli_as(alice, "release").returncode == 0
+        out, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, err
+        assert "number 1 of 1 in the queue" in err
+        assert f"export CUDA_VISIBLE_DEVICES={d.uuid(0)}" in out
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+
+
+def _read_until(master: int, needle: bytes, timeout: float = 20.0) -> bytes:
+    data = b""
+    deadline = time.monotonic() + timeout
+    while needle not in data and time.monotonic() < deadline:
+        if select.select([master], [], [], 0.05)[0]:
+            try:
+                data += os.read(master, 65536)
+            except BlockingIOError:
+                pass
+    return data
+
+
+def test_a_login_that_queues_is_told_on_its_terminal_when_granted(start_daemon):
+    d = start_daemon(count=1, gate=False)
+    alice, bob = d.add_member(), d.add_member()
+    held = d.open_session(alice)
+    master, slave = os.openpty()
+    try:
+        tty = Path(os.ttyname(slave))
+        os.chown(tty, bob.uid, -1)
+        os.set_blocking(master, False)
+        caller = d.caller()
+        opened = d.call("session_open", user=bob.name, service="ggt-test", rhost="127.0.0.1",
+                        tty=str(tty.relative_to("/dev")), pid=caller.pid)
+        assert opened["gpus"] == [] and "you will be told here when it is yours" in opened["message"]
+        d.close_session(alice, held["pid"])
+        line = f"export CUDA_VISIBLE_DEVICES={d.uuid(0)}".encode()
+        told = _read_until(master, line)
+        assert line in told and b"from the queue" in told
+        mine = d.whoami(bob)
+        assert [g["minor"] for g in mine["grants"]] == [0] and mine["queue"] is None
+        shown = d.cli_as(bob, "whoami").stdout
+        assert f"export CUDA_VISIBLE_DEVICES={d.uuid(0)}" in shown
+    finally:
+        os.close(master)
+        os.close(slave)
