@@ -23,7 +23,6 @@ import pytest
 import probes
 from conftest import PYTHON, popen_as, wait_for
 from gpuguard import client
-from gpuguard.api import NO_GPU_FREE
 from gpuguard.backends import acl
 from gpuguard.backends.gate import Gate
 from gpuguard.model import NVIDIA_MAJOR
@@ -180,21 +179,23 @@ def test_a_caller_is_judged_by_its_start_time_not_the_wall_clock(gg_daemon):
     assert d.granted_minors(alice) == stepped["gpus"]
 
 
-def test_no_free_gpu_still_opens_the_session_and_request_gets_one_later(gg_daemon):
+def test_no_free_gpu_still_opens_the_session_queued_and_the_queue_gets_the_next_one(gg_daemon):
     d = gg_daemon
     users = [d.add_member() for _ in range(5)]
     opened = [d.open_session(u) for u in users]
     assert sorted(m for o in opened[:4] for m in o["gpus"]) == [0, 1, 2, 3]
     late = opened[4]
-    assert (late["gpus"], late["cuda_visible_devices"], late["message"]) == ([], "", NO_GPU_FREE)
+    assert (late["gpus"], late["cuda_visible_devices"]) == ([], "")
+    assert late["message"].startswith("gpuguard: no GPU is free right now; you are number 1 of 1 in the queue")
     assert isinstance(late["session"], int)
     refused = d.cli_as(users[4], "request")
     assert refused.returncode == 1 and "no GPU is free right now" in refused.stderr
-    d.close_session(users[0], opened[0]["pid"])
+    d.close_session(users[0], opened[0]["pid"])  # released at logout, and given to the queue first
+    assert wait_for(lambda: d.granted_minors(users[4]) == opened[0]["gpus"])
     got = d.cli_as(users[4], "request", "--json")
     assert got.returncode == 0, got.stderr
     reply = json.loads(got.stdout)
-    assert reply["granted"] == opened[0]["gpus"] == reply["gpus"]
+    assert reply["granted"] == [] and reply["gpus"] == opened[0]["gpus"]
     assert reply["cuda_visible_devices"] in got.stdout
     assert access(d, users[4]) == only(d, *reply["gpus"])
 
@@ -214,8 +215,8 @@ def test_group_quota_and_sharing(start_daemon, make_group):
     for user in alone:
         d.open_session(user)
     a, b = d.add_member([sharers]), d.add_member([sharers])
-    assert d.open_session(a)["message"] == NO_GPU_FREE  # exclusive holders everywhere
-    d.call("revoke", user=alone[0].name)
+    assert "in the queue" in d.open_session(a)["message"]  # exclusive holders everywhere
+    d.call("revoke", user=alone[0].name)  # the freed GPU goes to a, who waits for it
     freed = d.open_session(a)["gpus"]
     shared = d.open_session(b)
     assert shared["gpus"] == freed and ", shared)" in shared["message"]
@@ -270,7 +271,7 @@ def test_fifty_parallel_logins_for_twenty_users_never_share_a_gpu(gg_daemon):
     assert all(len(names) == 1 for names in grants.values())
     entries = Gate(d.gate_name).entries()
     assert len(entries) == 4 and {dev for _, dev in entries} == {(NVIDIA_MAJOR, m) for m in range(4)}
-    assert sum(1 for r in replies if r["message"] == NO_GPU_FREE) == sum(
+    assert sum(1 for r in replies if r["message"].startswith("gpuguard: no GPU is free right now")) == sum(
         1 for i, r in enumerate(replies) if not r["gpus"])
 
 
