@@ -202,10 +202,17 @@ class Replay:
                 following = next(upcoming, None)
             when = self._events[0][0]
             self.now = when
+            kinds = set()
             while self._events and self._events[0][0] == when:
                 _, _, kind, payload = heapq.heappop(self._events)
+                kinds.add(kind)
                 await getattr(self, f"_on_{kind}")(payload)
-            await self._tick()
+            if kinds == {"end"}:
+                # Jobs ending change no grant and no demand, and no rule acts the moment a GPU
+                # falls idle: only the time at which one may act (idle, reclaim) moves.
+                self._wake_for(self._view())
+            else:
+                self._tick()
         self._finish()
         return self.result
 
@@ -316,13 +323,14 @@ class Replay:
         quotas = {g.uid: self._quota(g.user) for g in grants}
         return rules.View(self._procs(), grants, quotas, demand=self.queue.demand())
 
-    async def _tick(self) -> None:
+    def _tick(self) -> None:
         view = self._view()
         actions = rules.decide(view, self.state, self.now, self.timing)
         done = [action for action in actions if self._act(action)]
         self.state = rules.advance(view, self.state, done, self.now)
-        if done:
-            view = self._view()
+        self._wake_for(self._view() if done else view)
+
+    def _wake_for(self, view: rules.View) -> None:
         wake = rules.next_change(view, self.state, self.timing, self.now)
         if wake is not None:
             interval = self.config.watcher.interval

@@ -3,13 +3,12 @@ hangs up leaves it, and a login that queues is told on its terminal when the GPU
 from __future__ import annotations
 
 import os
-import select
 import signal
-import time
 from pathlib import Path
 
 from conftest import popen_as, wait_for
 from sim_helpers import gpuguard
+from test_notify import read_until  # a pty's output up to a needle
 
 
 def queue_users(d) -> list[str]:
@@ -80,18 +79,6 @@ def test_request_wait_returns_the_grant_when_a_gpu_is_released(start_daemon):
             waiting.wait()
 
 
-def _read_until(master: int, needle: bytes, timeout: float = 20.0) -> bytes:
-    data = b""
-    deadline = time.monotonic() + timeout
-    while needle not in data and time.monotonic() < deadline:
-        if select.select([master], [], [], 0.05)[0]:
-            try:
-                data += os.read(master, 65536)
-            except BlockingIOError:
-                pass
-    return data
-
-
 def test_a_login_that_queues_is_told_on_its_terminal_when_granted(start_daemon):
     d = start_daemon(count=1, gate=False)
     alice, bob = d.add_member(), d.add_member()
@@ -107,7 +94,7 @@ def test_a_login_that_queues_is_told_on_its_terminal_when_granted(start_daemon):
         assert opened["gpus"] == [] and "you will be told here when it is yours" in opened["message"]
         d.close_session(alice, held["pid"])
         line = f"export CUDA_VISIBLE_DEVICES={d.uuid(0)}".encode()
-        told = _read_until(master, line)
+        told = read_until(master, line)
         assert line in told and b"from the queue" in told
         mine = d.whoami(bob)
         assert [g["minor"] for g in mine["grants"]] == [0] and mine["queue"] is None
