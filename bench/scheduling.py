@@ -4,7 +4,7 @@ reservation on the same pool in the same run, and the replay's own speed and mem
     rows() -> [(name, value, target, ok)]   for the `make bench` runner
     python bench/scheduling.py              the rows alone (exit 1 when one misses its target)
 
-Rows (policies: bench/scheduling-shared.toml, bench/scheduling-exclusive.toml):
+Rows, for each policy (bench/scheduling-{shared,exclusive,timed}.toml; the files say what they are):
 - adobe 47 GPUs: every job runs, p95 time to GPU <= 60 s, Jain >= 0.9; static reservation's p95 beside it.
 - adobe 40 GPUs: p95 time to GPU <= 15 min.
 - replay speed: the 48-hour trace in < 10 s; a generated 30,000-job trace in < 60 s, and its peak
@@ -24,8 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("GPUGUARD_DATA") or REPO.parent / "shared" / "data")
 ADOBE = DATA / "adobe-notebook-sessions-2021-06-01.json"
-POLICIES = {"shared": REPO / "bench" / "scheduling-shared.toml",
-            "exclusive": REPO / "bench" / "scheduling-exclusive.toml"}
+POLICIES = {name: REPO / "bench" / f"scheduling-{name}.toml" for name in ("shared", "exclusive", "timed")}
 
 Row = tuple[str, str, str, bool]
 
@@ -60,6 +59,7 @@ def adobe_rows() -> list[Row]:
                      f"{ours['jain']:.3f}", ">= 0.9", ours["jain"] >= 0.9))
         rows.append((f"adobe 47 GPUs {name}: pool busy (static {100 * static['pool_busy']:.1f}%)",
                      f"{100 * ours['pool_busy']:.1f}%", "report", True))
+        rows.append((f"adobe 47 GPUs {name}: jobs stopped by a rule", str(ours["kills"]), "report", True))
         on40, _, _ = simulate(ADOBE, 40, policy)
         ours, static = on40["policy"], on40["static"]
         rows.append((f"adobe 40 GPUs {name}: p95 time to GPU (static {minutes(static['wait_p95'])})",

@@ -227,6 +227,12 @@ class Api:
         more = wanted - len(store.grants(account.uid))
         granted: tuple[int, ...] = ()
         now = time.time()
+        if more > 0 and (mine := store.queue(account.uid)):
+            # One place per user: a second one could bring them more than their quota.
+            if not wait:
+                raise Refusal("you are in the queue already (gpuguard whoami); gpuguard request --wait waits for it")
+            return protocol.ok(queued=True, ticket=mine[0].waiter.id,
+                               **_standing_info(self.queue.standing(account.uid, now)))
         if more > 0 and not store.queue():
             # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
             origin = "session" if store.sessions(account.uid) else "request"
@@ -268,16 +274,24 @@ class Api:
         try:
             minors = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
-            self.queue.leave([ticket])
-            raise Refusal(f"no GPU within {format_duration(timeout)}; you left the queue", 1) from None
+            left = self._leave_unless_login(ticket)
+            raise Refusal(f"no GPU within {format_duration(timeout)}"
+                          f"{'; you left the queue' if left else '; your login keeps its place'}", 1) from None
         except asyncio.CancelledError:
-            self.queue.leave([ticket])  # the client hung up
-            event(logging.INFO, "queue_left", uid=peer.uid, ticket=ticket, reason="client gone")
+            if self._leave_unless_login(ticket):  # the client hung up
+                event(logging.INFO, "queue_left", uid=peer.uid, ticket=ticket, reason="client gone")
             raise
         finally:
             self._waiting.pop(ticket, None)
         self._served.pop(ticket, None)
         return self._served_reply(peer.uid, minors)
+
+    def _leave_unless_login(self, ticket: int) -> bool:
+        """A client that stops waiting takes its request out of the queue; a login's place (one
+        `request --wait` may wait on) stays until its last session ends. True when it left."""
+        if any(q.waiter.id == ticket and q.origin == "session" for q in self.store.queue()):
+            return False
+        return self.queue.leave([ticket]) > 0
 
     def _served_reply(self, uid: int, minors: tuple[int, ...]) -> dict[str, Any]:
         return protocol.ok(queued=False, granted=list(minors), **self._grant_reply(self.store.grants(uid)))

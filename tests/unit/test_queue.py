@@ -123,3 +123,25 @@ def test_nothing_is_reclaimed_while_nobody_waits(world):
     world.sampler.set([])
     asyncio.run(world.watcher.check(world.sampler.last, time.time() + 3600))
     assert all(world.held(h.uid) for h in holders)
+
+
+def test_one_place_per_user_and_a_login_keeps_its_place_when_a_waiting_client_gives_up(world):
+    fill(world)
+    eve = world.lookup.add("eve", 1005, GROUP)
+    world.login(eve, pid=6000)
+    refused = world.call("request", uid=eve.uid)
+    assert refused["ok"] is False and "in the queue already" in refused["error"]
+    _, reply = asyncio.run(_request_then_wait(world, eve.uid, None, timeout=0.05))
+    assert reply["ok"] is False and "your login keeps its place" in reply["error"]
+    assert [q.waiter.user for q in world.store.queue()] == ["eve"]
+
+
+def test_fair_share_puts_the_user_who_just_had_a_gpu_behind(world):
+    holders = fill(world)
+    eve, fred = world.lookup.add("eve", 1005, GROUP), world.lookup.add("fred", 1006, GROUP)
+    world.login(fred, pid=6001)                   # fred asked first...
+    world.store.set_fairshare(fred.uid, 36000.0, time.time())  # ...but had 10 GPU-hours lately
+    world.login(eve, pid=6000)
+    assert world.call("whoami", uid=fred.uid)["queue"]["ahead"][0]["why"].startswith("less recent GPU usage")
+    world.call("release", uid=holders[3].uid)
+    assert world.held(eve.uid) == [3] and world.held(fred.uid) == []
