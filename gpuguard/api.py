@@ -18,6 +18,7 @@ from collections.abc import Callable
 from gpuguard import allocator, config as configuration, policy, protocol, sampling
 from gpuguard.backends import accounts, procfs, signals
 from gpuguard.backends.gate import Gate
+from gpuguard.backends.notify import Notifier
 from gpuguard.config import Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
@@ -25,13 +26,11 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.messages import grant_message, number_list, queue_message
-from gpuguard.model import Grant, Quota
-from gpuguard.backends.notify import Notifier
+from gpuguard.model import Grant
 from gpuguard.queueing import Queue, Standing
-from gpuguard.store import Queued
 from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
-from gpuguard.store import Store
+from gpuguard.store import Queued, Store
 from gpuguard.units import UnitError, format_duration, parse_duration
 from gpuguard.errors import GpuguardError
 
@@ -232,7 +231,7 @@ class Api:
             if not wait:
                 raise Refusal("you are in the queue already (gpuguard whoami); gpuguard request --wait waits for it")
             return protocol.ok(queued=True, ticket=mine[0].waiter.id,
-                               **_standing_info(self.queue.standing(account.uid, now)))
+                               **(_standing_info(self.queue.standing(account.uid, now)) or {}))
         if more > 0 and not store.queue():
             # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
             origin = "session" if store.sessions(account.uid) else "request"
@@ -247,7 +246,7 @@ class Api:
             if waits:
                 if wait:
                     return protocol.ok(queued=True, ticket=queued.waiter.id,
-                                       **_standing_info(self.queue.standing(account.uid, now)))
+                                       **(_standing_info(self.queue.standing(account.uid, now)) or {}))
                 self.queue.leave([queued.waiter.id])
                 raise Refusal("no GPU is free right now; gpuguard request --wait queues for one "
                               "(gpuguard status shows who holds them and who waits)")

@@ -18,7 +18,7 @@ class Refused(GpuguardError):
     """The daemon answered with an error, and the exit code it asked for."""
 
 
-def call(socket_path: str, op: str, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:
+def call(socket_path: str, op: str, timeout: float | None = 5.0, **fields: Any) -> dict[str, Any]:
     """Send one request, return the daemon's reply fields; raise Refused on `ok: false`."""
     request = protocol.encode({"op": op, **fields})
     try:

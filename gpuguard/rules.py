@@ -229,7 +229,8 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         actions.append(Action(RELEASE, RECLAIM, grant.uid, grant.minor, None, {
             "idle": now - last, "reclaim_after": after, "last_active": last, "waiting": view.demand}))
     overtime = [(g, p) for g, p in overtime if (g.uid, g.minor) not in reclaimed]
-    for grant, procs in sorted(overtime, key=lambda o: (o[0].expires_at, o[0].uid, o[0].minor))[:wanted - len(reclaimed)]:
+    longest_over = sorted(overtime, key=lambda o: (o[0].expires_at, o[0].uid, o[0].minor))
+    for grant, procs in longest_over[:wanted - len(reclaimed)]:
         revoke(grant, procs)
 
     for proc in view.procs:

@@ -119,7 +119,7 @@ class _ScratchStore(Store):
             self._queue = super().queue()
         return self._queue if uid is None else [q for q in self._queue if q.waiter.uid == uid]
 
-    def join_queue(self, *args, **kwargs) -> Queued:  # type: ignore[no-untyped-def]
+    def join_queue(self, *args, **kwargs) -> Queued:
         self._queue = None
         return super().join_queue(*args, **kwargs)
 
@@ -127,15 +127,15 @@ class _ScratchStore(Store):
         self._queue = None
         return super().leave_queue(ids)
 
-    def add_grants(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def add_grants(self, *args, **kwargs) -> None:
         self._grants = None
         super().add_grants(*args, **kwargs)
 
-    def remove_grants(self, *args, **kwargs) -> list[Grant]:  # type: ignore[no-untyped-def]
+    def remove_grants(self, *args, **kwargs) -> list[Grant]:
         self._grants = None
         return super().remove_grants(*args, **kwargs)
 
-    def mark_active(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def mark_active(self, *args, **kwargs) -> None:
         self._grants = None
         super().mark_active(*args, **kwargs)
 
@@ -365,7 +365,8 @@ class Replay:
             self._user_totals(grant.user)[0] += self.now - grant.granted_at
         self.result.never_ran += len(self.pending)
         counts = self.store.event_counts()
-        self.result.releases = sum(n for (kind, rule), n in counts.items() if kind == "release" and rule != rules.RECLAIM)
+        self.result.releases = sum(n for (kind, rule), n in counts.items()
+                                   if kind == "release" and rule != rules.RECLAIM)
         self.result.reclaims = counts.get(("release", rules.RECLAIM), 0)
         self.result.revokes = counts.get(("revoke", rules.TIME), 0)
         self.result.span = self.now - (self._first or 0.0)

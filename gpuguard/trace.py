@@ -134,7 +134,8 @@ def _adobe(path: Path, handle: TextIO) -> Iterator[Session]:
                 sessions.append(Session(str(entry["id"])[:8], entry["start_tick"] * ADOBE_TICK,
                                         entry["stop_tick"] * ADOBE_TICK, jobs))
     except (ValueError, KeyError, TypeError) as exc:
-        raise TraceError(f"{path}: not a trace: JSON without the Adobe layout (sessions with trainings): {exc}") from None
+        raise TraceError(f"{path}: not a trace: JSON without the Adobe layout (sessions with trainings): {exc}"
+                         ) from None
     yield from sorted(sessions, key=lambda s: s.start)
 
 

@@ -6,15 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpuguard import config as configuration, simulate, trace
+from gpuguard import config as configuration
+from gpuguard import simulate, trace
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.units import format_duration
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("simulate", help="replay a workload trace: the configured policy beside static reservation")
-    parser.add_argument("trace", type=Path, metavar="TRACE", help="a trace CSV, or the Adobe notebook JSON as published")
+    parser = subparsers.add_parser("simulate",
+                                   help="replay a workload trace: the configured policy beside static reservation")
+    parser.add_argument("trace", type=Path, metavar="TRACE",
+                        help="a trace CSV, or the Adobe notebook JSON as published")
     parser.add_argument("--gpus", type=int, metavar="N", help="GPUs in the pool (default: the config's GPU count)")
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="the policy to replay (default: as for the daemon; gpuguard's defaults if none)")

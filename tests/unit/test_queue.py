@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
+from fakes import GROUP, World
 
 from gpuguard.server import Peer
-from fakes import GROUP, World
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard import config as configuration, simulate, trace
+from gpuguard import config as configuration
+from gpuguard import simulate, trace
 from gpuguard.model import Quota
 
 REPO = Path(__file__).resolve().parents[2]
