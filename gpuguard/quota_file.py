@@ -34,6 +34,8 @@ _SHOWN: dict[str, Callable[[Any], str]] = {
     "max_time": format_duration,
     "idle_timeout": format_duration,
     "sharing": lambda value: "true" if value else "false",
+    "share": lambda value: f"{value:g}",
+    "reclaim_after": format_duration,
 }
 
 

@@ -12,8 +12,11 @@ for the GPUs it needs as `gpuguard request --wait` would (its user's idle grante
 runs once they are granted: the time between is its time to GPU. A job still waiting when its
 session ends never runs (its waiter leaves the queue, as a login's does). While it runs, its
 processes are on its GPUs, so the rules see them busy; a SIGTERM from a rule ends the job there.
-The rules are evaluated at every event and at the next moment one of them can fire
+The rules are evaluated after every batch of simultaneous events (one of job ends only, which no
+rule acts on at once, just moves the next wake) and at the next moment one of them can fire
 (rules.next_change), rounded up to the watcher's interval as the daemon's tick would see it.
+A grant freed there goes to the queue in the same instant, so a replay's time to GPU is up to
+one watcher interval shorter than a daemon's would be.
 
 Beside it, in the same run, static reservation: each session holds the GPUs of its largest job
 from its start to its end, sessions served first come first served, a session that waits is
