@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gpuguard.backends.gate import cgroup2_root
+from gpuguard.backends.mounts import cgroup2_root
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from devtools.harness import wait_for
 from gpuguard.backends.acl import (
     XATTR, NodeWatcher, acl_users, apply_acls, ensure_node, set_base_mode,
 )

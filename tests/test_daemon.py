@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 import probes
-from conftest import PYTHON, popen_as, wait_for
+from conftest import PYTHON, popen_as
+from devtools.harness import wait_for
 from gpuguard import client
 from gpuguard.api import NO_GPU_FREE
 from gpuguard.backends import acl

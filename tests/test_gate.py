@@ -21,10 +21,13 @@ import pytest
 from conftest import PYTHON, REPO, popen_as, run_as, unique
 from gate_lock import gate_test_lock
 from gpuguard.backends import procfs
-from gpuguard.backends.gate import (
-    R0, DeviceRange, Gate, GateError, assemble, attach_program, attached_ids, attached_programs,
-    cgroup2_root, detach_program, exit_, load_device_program, mov_imm, object_name, prog_info,
+from gpuguard.backends import GateError
+from gpuguard.backends.bpf import (
+    attach_program, attached_ids, attached_programs, detach_program, load_device_program, prog_info,
 )
+from gpuguard.backends.bpf_asm import R0, assemble, exit_, mov_imm
+from gpuguard.backends.gate import DeviceRange, Gate, object_name
+from gpuguard.backends.mounts import cgroup2_root
 from probes import ALLOWED, GATE_DENIED as DENIED, bare_nodes, holding, probe, probe_argv
 from sim_helpers import cli
 

@@ -20,7 +20,8 @@ import subprocess
 
 import pytest
 
-from conftest import BIN, run_as, wait_for
+from conftest import BIN, run_as
+from devtools.harness import wait_for
 from gpuguard import config, pam_hook
 from daemon_fixture import RunningDaemon
 from sim_helpers import gpuguard, start_burn, stop_burn

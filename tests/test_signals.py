@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, popen_as, wait_for
+from conftest import PYTHON, popen_as
+from devtools.harness import wait_for
 from freezer import frozen
 from gpuguard.backends import signals
 from gpuguard.backends.procfs import ProcessIdentity
