@@ -71,16 +71,16 @@ def test_grant_and_revoke(node, make_user) -> None:
 
 
 def test_apply_writes_exactly_the_set_and_nothing_when_unchanged(node) -> None:
-    apply_acls(node, {2001, 2002, 2003})
+    assert apply_acls(node, {2001, 2002, 2003}) is True
     assert acl_users(node) == {2001, 2002, 2003}
-    apply_acls(node, [2002])
+    assert apply_acls(node, [2002]) is True
     assert acl_users(node) == {2002}
 
     # Already right: no write, so no IN_ATTRIB for the watcher (a sentinel shows it looked).
     seen: list[Path | None] = []
     watcher = NodeWatcher(node.parent, seen.append, uevents=False)
     try:
-        apply_acls(node, [2002])
+        assert apply_acls(node, [2002]) is False
         sentinel = node.parent / "nvidia-sentinel"
         sentinel.touch()
         assert wait_for(lambda: handled(watcher, lambda: sentinel in seen))

@@ -28,6 +28,7 @@ from gpuguard.backends.bpf import (
 from gpuguard.backends.bpf_asm import R0, assemble, exit_, mov_imm
 from gpuguard.backends.gate import DeviceRange, Gate, object_name
 from gpuguard.backends.mounts import cgroup2_root
+from leftovers import detach_by_id
 from probes import ALLOWED, GATE_DENIED as DENIED, bare_nodes, holding, probe, probe_argv
 from sim_helpers import cli
 
@@ -296,6 +297,73 @@ def test_attach_swaps_in_a_program_for_new_managed_ranges(gate, nodes, make_user
 
 
 @pytest.mark.gate
+def test_a_gate_detached_behind_its_back_is_reported_and_reattached(gate, nodes, make_user) -> None:
+    user = make_user()
+    gate.grant(user.uid, GPU1)
+    assert gate.verify().problems == [] and gate.repair([]) == []
+    root = cgroup2_root()
+    detach_by_id(root, gate.prog_id())  # what `bpftool cgroup detach` would do
+    assert set(opens(probe(user, list(nodes.values())), nodes).values()) == {ALLOWED}  # really open
+
+    health = gate.verify()
+    assert (health.loaded, health.attached, health.current, health.pinned) == (True, False, True, True)
+    assert health.problems == [f"not attached to the cgroup v2 root {root}"]
+    status = gate.status()
+    assert status["attached"] is False and status["problems"] == health.problems
+    assert gate.repair([]) == health.problems
+    assert ours_attached(gate.name) == 1 and gate.verify().problems == []
+    assert opens(probe(user, list(nodes.values())), nodes) == only({GPU1})  # the same map, the same grant
+    assert gate.status()["attached"] is True
+
+
+@pytest.mark.gate
+def test_missing_pins_are_reported_and_pinned_again(gate) -> None:
+    prog_id = gate.prog_id()
+    (gate.pin_dir / "exempt").unlink()
+    assert gate.verify().problems == ["pins missing in bpffs"]
+    assert gate.repair([]) == ["pins missing in bpffs"]
+    assert (gate.pin_dir / "exempt").exists() and gate.prog_id() == prog_id
+    assert gate.verify().problems == []
+
+
+@pytest.mark.gate
+def test_repair_follows_a_gate_replaced_behind_its_back(gate) -> None:
+    gate.grant(1000, GPU1)
+    with Gate(gate.name) as other:  # an admin's `gpuguard gate detach` and `gate attach`
+        other.detach()
+        other.attach()
+        new_id = other.prog_id()
+    health = gate.verify()
+    assert not health.held and not health.attached
+    assert gate.repair([]) == health.problems
+    assert gate.prog_id() == new_id and ours_attached(gate.name) == 1
+    assert gate.entries() == set()  # the new gate's map: the store refills it (enforcement.check_and_repair)
+
+
+@pytest.mark.gate
+def test_repair_swaps_in_a_program_for_a_device_range_that_appeared(gate_name, nodes, make_user) -> None:
+    """nvidia-caps loaded after start: a new dynamic major (/dev/full, 1:7, stands in for it)."""
+    ranges = [DeviceRange(195, 0, 253)]
+    user = make_user()
+    with Gate(gate_name, managed=lambda: ranges) as gate:
+        gate.attach()
+        gate.grant(user.uid, GPU1)
+        old_id = gate.prog_id()
+        assert gate.repair([]) == []
+        assert probe(user, ["/dev/full"])["results"]["/dev/full"] == "ok"
+
+        ranges.append(DeviceRange(1, 7, 7))
+        health = gate.verify()
+        assert health.attached and not health.current
+        assert gate.repair([]) == ["program outdated: built for other device ranges than those managed now"]
+        assert gate.prog_id() != old_id and ours_attached(gate_name) == 1
+        assert gate.managed == (DeviceRange(195, 0, 253), DeviceRange(1, 7, 7))
+        report = probe(user, [*nodes.values(), "/dev/full"])
+        assert opens(report, nodes) == only({GPU1}) and report["results"]["/dev/full"] == DENIED
+        assert gate.verify().problems == []
+
+
+@pytest.mark.gate
 def test_status_reports_grants_per_user(gate) -> None:
     gate.grant(1000, GPU1)
     gate.grant(1000, GPU3)
@@ -312,6 +380,7 @@ def test_status_reports_grants_per_user(gate) -> None:
 def test_status_of_a_gate_that_does_not_exist() -> None:
     status = Gate(unique()).status()
     assert status["attached"] is False and status["prog_id"] is None and status["entries"] == 0
+    assert status["problems"] == ["not loaded: no program or maps of this gate exist"]
 
 
 @pytest.mark.gate  # gate_name holds the gate test lock

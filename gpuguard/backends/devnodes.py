@@ -42,8 +42,13 @@ def ensure_driver_nodes(device_dir: Path, minors: list[int]) -> list[Path]:
     uvm = char_major("nvidia-uvm")
     if uvm is not None:
         wanted += [("nvidia-uvm", (uvm, 0), SHARED_MODE), ("nvidia-uvm-tools", (uvm, 1), SHARED_MODE)]
-    wanted += [(f"nvidia{minor}", (NVIDIA_MAJOR, minor), BASE_MODE) for minor in minors]
-    return [device_dir / name for name, dev, mode in wanted if ensure_node(device_dir / name, dev, mode)]
+    made = [device_dir / name for name, dev, mode in wanted if ensure_node(device_dir / name, dev, mode)]
+    return made + [gpu_node(device_dir, minor) for minor in minors
+                   if ensure_node(gpu_node(device_dir, minor), (NVIDIA_MAJOR, minor))]
+
+
+def gpu_node(device_dir: Path, minor: int) -> Path:
+    return device_dir / f"nvidia{minor}"
 
 
 def ensure_node(path: str | os.PathLike, dev: tuple[int, int], mode: int = BASE_MODE) -> bool:
@@ -85,10 +90,10 @@ def sync_gpu_node(path: Path, dev: tuple[int, int], uids: Iterable[int]) -> list
     exactly `uids`. Idempotent, and writes nothing when the node is right (the node watcher
     sees every write). Returns what was wrong, as "<path>: <what it was>", empty when nothing."""
     uids = set(uids)
-    if ensure_node(path, dev):
-        wrong = ["missing or not the device"]
-    else:
-        wrong = set_base_mode(path)
+    if ensure_node(path, dev):  # made 0660 root:root: only its ACL is left to write
+        apply_acls(path, uids)
+        return [f"{path}: missing or not the device"]
+    wrong = set_base_mode(path)
     before = acl_users(path)
     if apply_acls(path, uids):
         wrong.append(f"ACL users {sorted(before)} instead of {sorted(uids)}" if before != uids

@@ -22,7 +22,7 @@ import hashlib
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -206,13 +206,19 @@ class Gate:
     grant, revoke or detach a gate that another process attached.
     """
 
-    def __init__(self, name: str = "gpuguard", managed: Sequence[DeviceRange] | None = None):
+    def __init__(self, name: str = "gpuguard",
+                 managed: Sequence[DeviceRange] | Callable[[], Sequence[DeviceRange]] = default_managed):
+        """managed: the device ranges only grantees may open, or where to ask for them. A callable
+        is asked again at every attach() and verify(): with default_managed, an nvidia-caps module
+        loaded after start (a new dynamic major) is managed from the next repair() on."""
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name.startswith("."):
             raise ValueError(f"bad gate name {name!r}: use letters, digits, '_', '.', '-'")
         self.name = name
-        # None: what the loaded drivers call for, asked again at every attach() and verify(),
-        # so an nvidia-caps module loaded after start is managed from the next repair on.
-        self._fixed_managed = tuple(managed) if managed is not None else None
+        if callable(managed):
+            self._managed_now = managed
+        else:
+            fixed = tuple(managed)
+            self._managed_now = lambda: fixed
         self.managed = self._wanted_managed()
         self.object_name = object_name(name)
         self.pin_dir = PIN_ROOT / name
@@ -405,7 +411,7 @@ class Gate:
     # internals
 
     def _wanted_managed(self) -> tuple[DeviceRange, ...]:
-        managed = self._fixed_managed if self._fixed_managed is not None else default_managed()
+        managed = tuple(self._managed_now())
         if not managed:
             raise ValueError("a gate must manage at least one device range")
         return managed
