@@ -453,6 +453,12 @@ def test_gate_commands_attach_status_detach(gate_name: str, sandbox: Path) -> No
     again = cli(config, "gate", "attach", "--name", gate_name)
     assert again.returncode == 0 and ours_attached(gate_name) == 1  # never attached twice
 
+    (Gate(gate_name).pin_dir / "grants").unlink()
+    broken = cli(None, "gate", "status", "--name", gate_name)
+    assert broken.returncode == 1 and "  problem: pins missing in bpffs" in broken.stdout.splitlines()
+    assert cli(config, "gate", "attach", "--name", gate_name).returncode == 0  # repairs
+    assert cli(None, "gate", "status", "--name", gate_name).returncode == 0
+
     detached = cli(None, "gate", "detach", "--name", gate_name)
     assert detached.returncode == 0, detached.stderr
     assert ours_attached(gate_name) == 0
