@@ -1,10 +1,12 @@
 """What the demo, the tests and the bench share to run gpuguard from this checkout: a daemon with
-a gate of its own, a checkout other users can reach, bpffs left as found, and a user's processes
-ended. Not part of the installed package (see devtools/__init__.py).
+a gate of its own, one gate-attaching run at a time on the machine, a checkout other users can
+reach, bpffs left as found, and a user's processes ended. Not part of the installed package
+(see devtools/__init__.py).
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -19,7 +21,7 @@ import psutil
 
 from gpuguard import client, config as configuration
 from gpuguard.backends.gate import PIN_ROOT, Gate
-from gpuguard.backends.mounts import BPFFS, bpffs_mounted, unmount_bpffs
+from gpuguard.backends.mounts import BPFFS, bpffs_mounted, cgroup2_root, unmount_bpffs
 
 VENV_BIN = Path(sys.executable).parent  # the venv's scripts (`gpuguard`), wherever the Makefile's VENV put it
 T = TypeVar("T")
@@ -36,9 +38,36 @@ def wait_for(predicate: Callable[[], T], timeout: float = 20.0, step: float = 0.
     return predicate()
 
 
+@contextmanager
+def _cgroup_root_locked(mode: int) -> Iterator[None]:
+    fd = os.open(cgroup2_root(), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)
+
+
+def gate_test_lock() -> contextlib.AbstractContextManager[None]:
+    """Held (exclusively) by every test, demo or bench that attaches a gate, for as long as it is
+    attached: two attached gates would both have to allow every open, so a run seeing another
+    run's gate (several people testing on one machine) fails with EPERM where it expects ENXIO.
+    A flock on the cgroup v2 root directory, which every gate shares and which leaves no file."""
+    return _cgroup_root_locked(fcntl.LOCK_EX)
+
+
+def no_gate_attached() -> contextlib.AbstractContextManager[None]:
+    """Keep gate-attaching runs waiting while test users open simulated nodes without a daemon:
+    a gate attached by any run on this machine would deny them (EPERM). Shared, so such tests
+    still run in parallel with each other. Never use it inside gate_test_lock: the same process
+    would wait for itself."""
+    return _cgroup_root_locked(fcntl.LOCK_SH)
+
+
 def start_daemon(stack: ExitStack, config: Path, gate: str, log: Path | None = None) -> subprocess.Popen:
     """`gpuguard daemon` with a gate of its own, once it answers on its socket (the demo's and the
-    bench's). Closing the stack stops it and detaches its gate."""
+    bench's). Closing the stack stops it, detaches its gate and lets other gates be attached."""
+    stack.enter_context(gate_test_lock())
     out = stack.enter_context(open(log, "wb")) if log else subprocess.DEVNULL
     daemon = subprocess.Popen([str(VENV_BIN / "gpuguard"), "--config", str(config), "daemon", "--gate-name", gate],
                               stdout=out, stderr=out)

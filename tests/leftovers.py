@@ -14,7 +14,7 @@ Only names of exactly that form are touched: `make demo` and bench/run.py name t
 gates and directories `ggt-demo-*`, `ggt-<user>-*`, `ggt-bench-*`, and may be running right now.
 
 A gate left attached denies every later test user their GPUs, so `sweep_gates` runs under
-gate_lock.gate_test_lock, when no live test of any run can have a gate attached. Users, groups,
+devtools.harness.gate_test_lock, when no live test of any run can have a gate attached. Users, groups,
 PAM files and sandboxes of a run that is still going look the same as leftovers, so
 `sweep_accounts_and_files` runs only when no other test run is alive: every session holds a
 shared flock for its whole length (on the /etc/pam.d directory, which leaves no file behind), and
@@ -34,9 +34,8 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from gate_lock import gate_test_lock
 
-from devtools.harness import kill_processes_of, wait_for
+from devtools.harness import gate_test_lock, kill_processes_of, wait_for
 from gpuguard.backends import bpf
 from gpuguard.backends.gate import PIN_ROOT, Gate
 from gpuguard.backends.mounts import cgroup2_root

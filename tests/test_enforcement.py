@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import unique
-from gate_lock import gate_test_lock
+from devtools.harness import gate_test_lock
 from gpuguard.backends.gate import DeviceRange, Gate
 from gpuguard.backends.mounts import cgroup2_root
 from gpuguard.backends.posix_acl import acl_users

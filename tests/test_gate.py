@@ -19,7 +19,7 @@ from subprocess import PIPE
 import pytest
 
 from conftest import PYTHON, REPO, popen_as, run_as, unique
-from gate_lock import gate_test_lock
+from devtools.harness import gate_test_lock
 from gpuguard.backends import procfs
 from gpuguard.backends import GateError
 from gpuguard.backends.bpf import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 
 from conftest import popen_as
-from gate_lock import no_gate_attached
+from devtools.harness import no_gate_attached
 from gpuguard.backends.gate import DeviceRange, default_managed
 from gpuguard.backends.procfs import char_major, holders, process_identity, user_of
 from gpuguard.model import NVIDIA_MAJOR
