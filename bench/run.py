@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from devtools.harness import bpffs_restored, start_daemon  # noqa: E402
-from gpuguard import allocator, client, config as configuration, rules  # noqa: E402
+from gpuguard import allocator, client, rules  # noqa: E402
+from gpuguard import config as configuration  # noqa: E402
 from gpuguard.backends.simulated import SimulatedBackend, register_process  # noqa: E402
 from gpuguard.model import Grant, Quota  # noqa: E402
 from gpuguard.store import Store  # noqa: E402

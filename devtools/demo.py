@@ -3,7 +3,8 @@
 Everything the tour creates is named `ggt-demo-*` (or `ggt-<name>-*` for its users) and removed at
 the end, even when a step fails: a group, three users, a sandbox under /tmp with the config and
 the simulated device nodes, a daemon with a gate of its own, and a PAM stack. Logins go through
-`su -` in a private mount namespace where that stack is bind-mounted over /etc/pam.d/su-l, so the system's own PAM files are never touched.
+`su -` in a private mount namespace where that stack is bind-mounted over /etc/pam.d/su-l, so the
+system's own PAM files are never touched.
 """
 from __future__ import annotations
 

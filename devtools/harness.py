@@ -19,7 +19,8 @@ from typing import TypeVar
 
 import psutil
 
-from gpuguard import client, config as configuration
+from gpuguard import client
+from gpuguard import config as configuration
 from gpuguard.backends.gate import PIN_ROOT, Gate
 from gpuguard.backends.mounts import BPFFS, bpffs_mounted, cgroup2_root, unmount_bpffs
 

@@ -1,36 +1,55 @@
-"""Giving and taking GPUs: the store records it, the gate and the device ACLs follow from the store.
+"""Giving and taking GPUs, choosing them included: the store records a grant, the gate and the
+device ACLs follow from the store, and the allocator (pure) picks which GPUs a user gets.
 
 Order is chosen so that what the kernel enforces never exceeds what the store says: a grant
 is written to the store before the gate opens, a release closes the gate before the store
 forgets. A crash in between therefore leaves, at worst, a grant the gate does not honour
 yet, which reconcile() at the next start repairs.
 
-Used by the daemon (logins, requests, admin commands) and by the watcher (expiry, idle
-release); all calls come from the event-loop thread, as the store requires.
+Used by the API (logins, requests, admin commands), the logout release and the watcher
+(expiry, idle release); all calls come from the event-loop thread, as the store requires.
 """
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 
-from gpuguard.backends import acl
-from gpuguard.backends.gate import Gate
+from gpuguard import allocator, policy
+from gpuguard.allocator import Topology
+from gpuguard.backends.gate import Entry, Gate
 from gpuguard.logs import event
-from gpuguard.model import NVIDIA_MAJOR, Event, Grant
+from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Quota
 from gpuguard.store import Store
 
 _NODE = re.compile(r"nvidia(\d+)")
 
 
+class Nodes(Protocol):
+    """The GPU device nodes (backends.gpu_nodes.AclNodes on a real machine)."""
+
+    def path(self, minor: int) -> Path: ...
+
+    def sync(self, minor: int, users: Collection[int]) -> list[str]:
+        """Make the node exist, 0660 root:root, with an ACL entry for exactly `users`;
+        returns what was wrong (empty when the node was right and nothing was written)."""
+
+
 class Grants:
-    def __init__(self, store: Store, gate: Gate | None, device_dir: Path, minors: Collection[int],
-                 exempt: Collection[int] = ()):
+    def __init__(self, store: Store, gate: Gate | None, nodes: Nodes, minors: Collection[int],
+                 exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
+                 topology: Topology | None = None):
         self.store = store
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
-        self.device_dir = Path(device_dir)
+        self.nodes = nodes
         self.minors = frozenset(minors)  # the GPUs this machine has: only their nodes are managed
+        # What can be handed out: the GPUs NVML could read at start, and how they are linked.
+        # Both are fixed while the driver stays loaded (a GPU that falls off the bus shows as
+        # NVML errors in the tick, not as a smaller inventory).
+        self.gpus: Mapping[int, Gpu] = dict(gpus or {})
+        self.topology: Topology = dict(topology or {})
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
 
@@ -41,8 +60,19 @@ class Grants:
             self.exempt = uids
             self.node_changed(None)
 
-    def node(self, minor: int) -> Path:
-        return self.device_dir / f"nvidia{minor}"
+    def choose(self, uid: int, count: int, share: bool) -> tuple[int, ...]:
+        """Up to `count` more GPUs for uid (allocator.choose over the current grants)."""
+        return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
+                                self.store.last_released(), uid, count, share)
+
+    def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: str,
+                 message: str) -> tuple[int, ...]:
+        """Up to `count` more GPUs for the user on the terms of their quota (none when none is free)."""
+        share = policy.may_share(quota)
+        chosen = self.choose(uid, count, share)
+        self.add(uid, user, chosen, now, expires_at=policy.expires_at(quota, now), shared=share,
+                 origin=origin, message=message)
+        return chosen
 
     def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,
             shared: bool, origin: str, message: str) -> None:
@@ -91,17 +121,17 @@ class Grants:
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=[g.minor for g in held], rule=rule)
         return held
 
-    def sync_nodes(self, minors: Iterable[int]) -> None:
+    def sync_nodes(self, minors: Iterable[int]) -> list[str]:
         """Make each /dev/nvidia<minor> exist, 0660 root:root, with an ACL entry for exactly its
-        grantees and the exempt users. GPUs this machine no longer has are skipped: no node to manage."""
+        grantees and the exempt users; returns what was wrong. GPUs this machine no longer has are
+        skipped: no node to manage."""
         grantees: dict[int, set[int]] = {}
         for grant in self.store.grants():  # one read, however many nodes
             grantees.setdefault(grant.minor, set()).add(grant.uid)
+        fixed = []
         for minor in sorted(set(minors) & self.minors):
-            path = self.node(minor)
-            acl.ensure_node(path, (NVIDIA_MAJOR, minor))
-            acl.set_base_mode(path)
-            acl.apply_acls(path, grantees.get(minor, set()) | self.exempt)
+            fixed += self.nodes.sync(minor, grantees.get(minor, set()) | self.exempt)
+        return fixed
 
     def node_changed(self, path: Path | None) -> None:
         """NodeWatcher callback: a node was (re)created or changed; None means check them all."""
@@ -110,15 +140,33 @@ class Grants:
         elif match := _NODE.fullmatch(path.name):
             self.sync_nodes([int(match[1])])
 
-    def reconcile(self) -> None:
-        """Rebuild the derived state from the store: gate entries exactly as granted, every node synced."""
+    def reconcile(self) -> list[str]:
+        """Rebuild the derived state from the store: gate entries exactly as granted, every node
+        synced. Returns what was wrong, one line each (empty: all was right)."""
+        repaired = []
         if self.gate:
-            wanted = {(g.uid, (NVIDIA_MAJOR, g.minor)) for g in self.store.grants()}
-            present = self.gate.entries()
-            for uid, dev in present - wanted:
-                self.gate.revoke(uid, dev)
-            for uid, dev in wanted - present:
-                self.gate.grant(uid, dev)
-            if present != wanted:
-                event(logging.INFO, "reconcile", removed=len(present - wanted), added=len(wanted - present))
-        self.node_changed(None)
+            removed, added = self.gate.set_entries({(g.uid, (NVIDIA_MAJOR, g.minor)) for g in self.store.grants()})
+            if removed:
+                repaired.append(f"gate {self.gate.name}: map held grants the store does not: {_entries(removed)}")
+            if added:
+                repaired.append(f"gate {self.gate.name}: map lacked grants the store has: {_entries(added)}")
+        return repaired + self.sync_nodes(self.minors)
+
+    def check_and_repair(self) -> list[str]:
+        """Enforcement that checks and repairs itself (the daemon calls this every few ticks and
+        logs each line): the gate loaded, attached to the cgroup v2 root, pinned and running the
+        program for the device ranges managed now (so an nvidia-caps module loaded since start is
+        managed: Gate.repair), its exempt and grants maps as configured and as the store says, and
+        every GPU node's owner, mode and ACL. Returns one line per thing that was wrong and is now
+        repaired; empty when everything was right. Raises GateError or OSError when a repair fails."""
+        repaired = []
+        if self.gate:
+            repaired += [f"gate {self.gate.name}: {problem}" for problem in self.gate.repair(self.exempt)]
+            if changed := self.gate.set_exempt(self.exempt):
+                repaired.append(f"gate {self.gate.name}: exempt uids differed from the configured ones: "
+                                f"{sorted(changed)}")
+        return repaired + self.reconcile()
+
+
+def _entries(entries: Iterable[Entry]) -> str:
+    return ", ".join(f"uid {uid} {major}:{minor}" for uid, (major, minor) in sorted(entries))

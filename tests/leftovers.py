@@ -34,7 +34,6 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-
 from devtools.harness import gate_test_lock, kill_processes_of, wait_for
 from gpuguard.backends import bpf
 from gpuguard.backends.gate import PIN_ROOT, Gate

@@ -4,9 +4,10 @@ import stat
 import subprocess
 from pathlib import Path
 
+from sim_helpers import run_with_proc_devices
+
 from gpuguard.backends import devnodes
 from gpuguard.backends.posix_acl import acl_users
-from sim_helpers import run_with_proc_devices
 
 
 def uvm_major() -> int | None:

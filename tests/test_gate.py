@@ -17,20 +17,25 @@ from pathlib import Path
 from subprocess import PIPE
 
 import pytest
-
 from conftest import PYTHON, REPO, popen_as, run_as, unique
+from leftovers import detach_by_id
+from probes import ALLOWED, bare_nodes, holding, probe, probe_argv
+from probes import GATE_DENIED as DENIED
+from sim_helpers import cli
+
 from devtools.harness import gate_test_lock
-from gpuguard.backends import procfs
-from gpuguard.backends import GateError
+from gpuguard.backends import GateError, procfs
 from gpuguard.backends.bpf import (
-    attach_program, attached_ids, attached_programs, detach_program, load_device_program, prog_info,
+    attach_program,
+    attached_ids,
+    attached_programs,
+    detach_program,
+    load_device_program,
+    prog_info,
 )
 from gpuguard.backends.bpf_asm import R0, assemble, exit_, mov_imm
 from gpuguard.backends.gate import DeviceRange, Gate, object_name
 from gpuguard.backends.mounts import cgroup2_root
-from leftovers import detach_by_id
-from probes import ALLOWED, GATE_DENIED as DENIED, bare_nodes, holding, probe, probe_argv
-from sim_helpers import cli
 
 GPU0, GPU1, GPU2, GPU3, MODESET, CTL = (195, 0), (195, 1), (195, 2), (195, 3), (195, 254), (195, 255)
 

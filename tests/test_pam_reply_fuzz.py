@@ -16,7 +16,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 PAM = REPO / "pam"
@@ -75,7 +74,8 @@ CASES: dict[str, tuple[bytes, Expected]] = {
     "100000 open objects": (b'{"a":' * 100_000, (-1, 0, 0, b"", b"", b"")),
     "loose number": (b'{"a":-,"ok":true}', None),
     "ok is not a string": (b'{"ok":"true"}', (0, 0, 0, b"", b"", b"")),
-    "fields of the wrong type": (b'{"ok":true,"cuda_visible_devices":7,"message":[1],"error":{}}', (0, 1, 0, b"", b"", b"")),
+    "fields of the wrong type": (b'{"ok":true,"cuda_visible_devices":7,"message":[1],"error":{}}',
+                                 (0, 1, 0, b"", b"", b"")),
     "missing colon": (b'{"ok" true}', (-1, 0, 0, b"", b"", b"")),
     "trailing comma": (b'{"ok":true,}', (-1, 1, 0, b"", b"", b"")),
     "not an object": (b'["ok",true]', (-1, 0, 0, b"", b"", b"")),
@@ -131,13 +131,13 @@ def test_hostile_replies_under_address_sanitizer(compiler, tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]  # a sanitizer report exits non-zero
     lines = result.stdout.splitlines()
     assert len(lines) == len(cases)
-    for (name, (_, expected)), line in zip(cases.items(), lines):
+    for (name, (_, expected)), line in zip(cases.items(), lines, strict=True):
         rc, ok, truncated, valid, *strings = line.split()
         cuda, message, error = (b"" if s == "-" else bytes.fromhex(s) for s in strings)
         got = (int(rc), int(ok), int(truncated), cuda, message, error)
         assert got[0] in (0, -1), name
         if expected is not None:
-            assert tuple(g for g, e in zip(got, expected) if e is not None) == \
+            assert tuple(g for g, e in zip(got, expected, strict=True) if e is not None) == \
                 tuple(e for e in expected if e is not None), name
         # Only UUID characters may pass as devices; the sanitized strings hold no controls.
         assert int(valid) == all(chr(c) in DEVICE_CHARACTERS for c in cuda), name

@@ -28,14 +28,43 @@ from dataclasses import dataclass
 
 from gpuguard.backends import GateError, bpf
 from gpuguard.backends.bpf_asm import (
-    ADD, AND, GET_CURRENT_UID_GID, JEQ, JGT, JLT, JNE, LSH, MAP_LOOKUP_ELEM_HELPER, OR, R0, R1, R2, R6,
-    R7, R8, R9, R10, Insn, Label, alu, alu_imm, assemble, call, exit_, goto, jump_imm, load32, load_map,
-    mov, mov32, mov_imm, store32,
+    ADD,
+    AND,
+    GET_CURRENT_UID_GID,
+    JEQ,
+    JGT,
+    JLT,
+    JNE,
+    LSH,
+    MAP_LOOKUP_ELEM_HELPER,
+    OR,
+    R0,
+    R1,
+    R2,
+    R6,
+    R7,
+    R8,
+    R9,
+    R10,
+    Insn,
+    Label,
+    alu,
+    alu_imm,
+    assemble,
+    call,
+    exit_,
+    goto,
+    jump_imm,
+    load32,
+    load_map,
+    mov,
+    mov32,
+    mov_imm,
+    store32,
 )
 from gpuguard.backends.mounts import BPFFS, cgroup2_root, ensure_bpffs
 from gpuguard.backends.procfs import char_major
 from gpuguard.model import NVIDIA_MAJOR
-
 
 # --- the device program ------------------------------------------------------------------------
 

@@ -82,8 +82,8 @@ class NodeWatcher:
         for fd, _ in self._epoll.poll(0):
             if fd == self._inotify.fd:
                 self._read_inotify()
-            else:
-                self._read_uevents()
+            elif self._uevents:  # the only other fd registered
+                self._read_uevents(self._uevents)
 
     def close(self) -> None:
         self._epoll.close()
@@ -102,11 +102,11 @@ class NodeWatcher:
         for name in sorted(paths):
             self._call(self.device_dir / name)
 
-    def _read_uevents(self) -> None:
+    def _read_uevents(self, uevents: socket.socket) -> None:
         relevant = False
         while True:
             try:
-                data = self._uevents.recv(65536)
+                data = uevents.recv(65536)
             except BlockingIOError:
                 break
             except OSError as exc:
