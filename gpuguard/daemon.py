@@ -37,6 +37,9 @@ from gpuguard.store import Store
 from gpuguard.watcher import Watcher
 
 
+CHECK_EVERY = 30.0  # seconds between checks that the gate, its maps and the node ACLs are as the store says
+
+
 class Daemon:
     def __init__(self, config: Config, gate_name: str = "gpuguard"):
         self.config = config
@@ -174,12 +177,26 @@ class Daemon:
     # --- the tick
 
     async def _ticker(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(self.config.watcher.interval)
+            ticks += 1
             try:
                 await self.tick()
             except Exception:
                 event(logging.ERROR, "tick_failed", exc_info=True)  # the next tick tries again
+            if ticks % max(1, round(CHECK_EVERY / self.config.watcher.interval)) == 0:
+                self.check_enforcement()
+
+    def check_enforcement(self) -> None:
+        """Enforcement that checks and repairs itself, as fail2ban re-checks its actions: the gate
+        attached and current, its maps equal to the store, every node's owner, mode and ACL.
+        Someone (a careless admin, a driver reload, another tool) may have changed any of them."""
+        try:
+            for line in self.grants.check_and_repair():
+                event(logging.WARNING, "repaired", what=line)
+        except (GateError, OSError) as exc:
+            event(logging.ERROR, "repair_failed", error=str(exc).splitlines()[0], action="retried next check")
 
     async def tick(self) -> None:
         sample = await self.sampler.take_or_log("skipped this tick", max_age=0)  # the tick paces NVML polling

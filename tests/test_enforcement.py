@@ -2,6 +2,7 @@
 everything it must notice broken behind its back the way an admin or a tool would break it."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from collections.abc import Iterator
@@ -11,12 +12,15 @@ import pytest
 from conftest import unique
 from leftovers import detach_by_id
 from probes import ALLOWED, FILE_DENIED, opens
+from sim_helpers import write_config
 
-from devtools.harness import gate_test_lock
+from devtools.harness import gate_test_lock, no_gate_attached
+from gpuguard import config as configuration
 from gpuguard.backends.gate import DeviceRange, Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.backends.mounts import cgroup2_root
 from gpuguard.backends.posix_acl import acl_users
+from gpuguard.daemon import Daemon
 from gpuguard.grants import Grants
 from gpuguard.store import Store
 
@@ -101,3 +105,27 @@ def test_acl_mode_checks_the_nodes_only(store, device_dir, make_user) -> None:
     assert grants.check_and_repair() == [f"{device_dir / 'nvidia0'}: missing or not the device"]
     assert acl_users(device_dir / "nvidia0") == {alice.uid}
     assert grants.check_and_repair() == []
+
+
+def test_the_daemon_logs_what_its_periodic_check_repaired(sandbox, make_user, caplog) -> None:
+    """Daemon.check_enforcement (run every CHECK_EVERY seconds by the ticker) on a real daemon
+    started in this process (acl mode, so no gate): a node's ACL changed by hand is put back."""
+    path = write_config(sandbox, count=2, extra='\n[access]\nmode = "acl"\n')
+    daemon = Daemon(configuration.load(path), gate_name=sandbox.name)
+    with no_gate_attached():
+        daemon.start()
+        try:
+            alice = make_user()
+            daemon.grants.add(alice.uid, alice.name, [1], 1.0, expires_at=None, shared=False, origin="admin",
+                              message="test")
+            node = daemon.grants.nodes.path(1)
+            os.chmod(node, 0o666)
+            with caplog.at_level(logging.INFO, logger="gpuguard"):
+                daemon.check_enforcement()
+            assert "event=repaired" in caplog.text and str(node) in caplog.text
+            assert oct(os.stat(node).st_mode & 0o777) == oct(0o660) and acl_users(node) == {alice.uid}
+            caplog.clear()
+            daemon.check_enforcement()
+            assert "event=repaired" not in caplog.text  # nothing left to repair
+        finally:
+            daemon.close()
