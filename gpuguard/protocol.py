@@ -40,15 +40,22 @@ def decode(line: bytes, limit: int = MAX_REPLY) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     if message.get("v") != VERSION:
-        raise ProtocolError(f"unsupported protocol version {message.get('v')!r} (this is {VERSION})")
+        raise ProtocolError(f"unsupported protocol version {shown(message.get('v'))} (this is {VERSION})")
     return message
 
 
 def decode_request(line: bytes) -> dict[str, Any]:
     message = decode(line, MAX_REQUEST)
-    if message.get("op") not in OPERATIONS:
-        raise ProtocolError(f"unknown operation {message.get('op')!r}")
+    op = message.get("op")
+    if not isinstance(op, str) or op not in OPERATIONS:  # a list or an object is not hashable
+        raise ProtocolError(f"unknown operation {shown(op)}")
     return message
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A client's value in an error message: its repr, cut short (the client chose its size)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def ok(**fields: Any) -> dict[str, Any]:
