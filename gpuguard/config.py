@@ -15,13 +15,14 @@ from typing import Any
 
 from gpuguard.model import Quota
 from gpuguard.units import UnitError, parse_duration, parse_size
+from gpuguard.errors import UsageError
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 MAX_GPUS = 64  # per machine; more is a typo
 MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """One line: `file: key: problem`."""
 
 

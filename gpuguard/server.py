@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard import protocol
+from gpuguard.errors import GpuguardError
 from gpuguard.logs import Throttle
 
 READ_TIMEOUT = 2.0    # a PAM request is one small line; a client this slow is broken or hostile
@@ -35,12 +36,8 @@ MAX_CONNECTIONS_PER_USER = 64  # a user flooding the socket runs out of slots, r
 READ_CHUNK = 64 * 1024
 
 
-class ClientError(Exception):
-    """What a client sent cannot be a request; the message is the reply's one line."""
-
-
-class ServerError(Exception):
-    pass
+class ServerError(GpuguardError):
+    """The socket cannot be served (another daemon holds it, or the path is unusable)."""
 
 
 @dataclass(frozen=True)
@@ -138,11 +135,8 @@ class Server:
             line = await self._read_line(reader)
             if line is None:  # connected and sent nothing: nothing to answer
                 return None
-            try:
-                request = protocol.decode_request(line)
-            except protocol.ProtocolError as exc:
-                raise ClientError(str(exc)) from None
-        except ClientError as exc:
+            request = protocol.decode_request(line)
+        except protocol.ProtocolError as exc:
             self.throttle.event(peer.uid, logging.INFO, "bad_request", pid=peer.pid, error=str(exc))
             return protocol.refused(str(exc), 2)
         try:
@@ -153,7 +147,7 @@ class Server:
 
     async def _read_line(self, reader: asyncio.StreamReader) -> bytes | None:
         """One request line, read within the read timeout; None when the client sent nothing
-        at all (it hung up, or stayed silent). Raises ClientError for anything else that is not
+        at all (it hung up, or stayed silent). Raises protocol.ProtocolError for anything else that is not
         a whole line: too long, cut off, or unfinished in time. A line too long is read on to its
         end but not kept: closing on unread data would reset the connection and lose the reply."""
         loop = asyncio.get_running_loop()
@@ -173,12 +167,12 @@ class Server:
                     break
                 if not data:
                     return None
-                raise ClientError("incomplete request: the connection closed before the end of the line"
+                raise protocol.ProtocolError("incomplete request: the connection closed before the end of the line"
                                   if chunk is not None else
                                   f"incomplete request: no end of line within {self.read_timeout:g}s")
             data += chunk
         if skipped or end + 1 > protocol.MAX_REQUEST:
-            raise ClientError(f"request exceeds {protocol.MAX_REQUEST} bytes")
+            raise protocol.ProtocolError(f"request exceeds {protocol.MAX_REQUEST} bytes")
         return bytes(data[:end + 1])
 
 
