@@ -43,6 +43,7 @@ class Refusal(GpuguardError):
 
 
 _REQUIRED = object()
+INT_RANGE = (-(1 << 63), (1 << 63) - 1)
 
 
 def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -> Any:
@@ -52,7 +53,9 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
             raise Refusal(f"missing field {key!r}", 2)
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise Refusal(f"field {key!r}: expected {kind.__name__}, got {value!r}", 2)
+        raise Refusal(f"field {key!r}: expected {kind.__name__}, got {protocol.shown(value)}", 2)
+    if kind is int and not INT_RANGE[0] <= value <= INT_RANGE[1]:  # SQLite's, and far beyond any pid or count
+        raise Refusal(f"field {key!r}: {protocol.shown(value)} is out of range", 2)
     return value
 
 
@@ -90,8 +93,11 @@ class Api:
         try:
             account = await self.lookup.by_name(user)  # before any state is read: the rest never awaits
             return self._open_session(account, service, rhost, tty, pid)
-        except Exception:
-            event(logging.ERROR, "session_open_failed", exc_info=True, user=user, pid=pid)
+        except Exception as exc:
+            # An unknown user is PAM's business, not a fault of ours: one line, no traceback.
+            known = isinstance(exc, GpuguardError)
+            event(logging.ERROR, "session_open_failed", exc_info=not known, user=user, pid=pid,
+                  error=exc.line() if known else None)
             return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
 
     def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,

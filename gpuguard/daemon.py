@@ -56,7 +56,7 @@ class Daemon:
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
         if self.config.access.mode == "acl":
             _refuse_stale_gate(self.gate_name)
-        self.store = Store(self.config.paths.state_dir / "state.db")
+        self.store = Store(self.config.paths.state_dir / "state.db", self.config.events)
         self._ensure_driver_nodes()  # NVML needs them to start
         self.backend = open_gpu_backend(self.config)
         self.sampler = sampling.Sampler(self.backend)
@@ -127,6 +127,7 @@ class Daemon:
         if fixed != new:
             event(logging.WARNING, "reload_partial", reason="paths, gpu and access.mode change at restart")
         self.config = fixed
+        self.store.retention = fixed.events
         self.exempt.refresh()
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 from gpuguard.errors import UsageError
+from gpuguard.messages import printable
 
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile
@@ -64,4 +65,6 @@ def ok(**fields: Any) -> dict[str, Any]:
 
 
 def refused(error: str, code: int = 1) -> dict[str, Any]:
-    return {"ok": False, "error": error, "code": code}
+    """An error reply. Errors quote what clients sent (a user name, a field), and the CLI prints
+    them on a terminal: control characters are escaped here, once for every refusal."""
+    return {"ok": False, "error": printable(error), "code": code}
