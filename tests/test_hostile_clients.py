@@ -79,3 +79,29 @@ def test_looping_request_and_release_keeps_the_event_history_bounded(start_daemo
     events = d.whoami(mallory)["events"]
     assert len(events) == 10  # 80 grants and releases happened; the newest 10 are kept
     assert [e["kind"] for e in events[-2:]] == ["grant", "release"]
+
+
+FORGED_TTY = "pts/3\r\x1b[2Kgpuguard level=crit event=grant user=root gpus=0,1,2,3"
+FORGED_RHOST = "\x1b]0;pwned\x07evil\u202e.example"
+
+
+def test_session_fields_never_reach_the_log_or_a_terminal_raw(start_daemon):
+    d = start_daemon(defaults={"gpus": 1})
+    alice = d.add_member()
+    caller = d.caller()
+    d.call("session_open", user=alice.name, service="sshd", rhost=FORGED_RHOST, tty=FORGED_TTY, pid=caller.pid)
+    log = d.log()
+    assert not any(c in log for c in "\r\x1b\x07\u202e")
+    assert not [line for line in log.splitlines() if not line.startswith("gpuguard level=")]
+    assert not [line for line in log.splitlines() if line.startswith("gpuguard level=crit")]
+    [opened] = [line for line in log.splitlines() if "event=session_open " in line]
+    assert r'tty="pts/3\r\x1b[2Kgpuguard level=crit event=grant user=root gpus=0,1,2,3"' in opened
+    assert r'rhost="\x1b]0;pwned\x07evil\u202e.example"' in opened
+    for argv in (("whoami", "--user", alice.name), ("status",)):
+        shown = d.cli(*argv)
+        assert shown.returncode == 0, shown.stderr
+        assert not any(c in shown.stdout for c in "\r\x1b\x07\u202e"), shown.stdout
+    assert r"pts/3\r\x1b[2Kgpuguard level=crit" in d.cli("whoami", "--user", alice.name).stdout
+    # An error quoting the client's own input is escaped too, on the wire and on stderr.
+    refused = d.cli("whoami", "--user", "\x1b[31mroot")
+    assert refused.returncode == 2 and refused.stderr == "gpuguard: no such user: \\x1b[31mroot\n"
