@@ -29,6 +29,7 @@ from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.config import Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
@@ -77,11 +78,14 @@ class Daemon:
         self.nodes = NodeWatcher(self.config.paths.device_dir, self._node_changed)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
+        self.holders = HolderEnder(sampling.node_holders, self.sampler, self.exempt, self.store,
+                                   lambda: self.config.watcher.kill_wait)
+        self.grants.holders = self.holders
         self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
-                       self.logout, self.gate, reload=self.reload, sync_nodes=self.sync_nodes)
+                       self.logout, self.holders, self.gate, reload=self.reload, sync_nodes=self.sync_nodes)
 
     async def _handle(self, request: dict, peer) -> dict:
         return await self.api.handle(request, peer)
@@ -109,6 +113,7 @@ class Daemon:
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
+        self.holders.close()
         self.watcher.close()
         self.notifier.close()
         self.lookup.close()

@@ -15,6 +15,7 @@ from gpuguard.backends.accounts import Account, UnknownUser
 from gpuguard.config import AccessConfig, Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.model import Gpu, GpuProcess, Quota
 from gpuguard.backends.procfs import ProcessIdentity
@@ -111,12 +112,19 @@ class World:
         self.lookup = FakeLookup()
         self.sampler = FakeSampler()
         self.notifier = FakeNotifier()
-        self.logout = LogoutRelease(self.store, self.grants, lambda minors: [h for h in self.holders if h.minor in minors])
+        self.logout = LogoutRelease(self.store, self.grants, self.find_holders)
+        self.holder_ender = HolderEnder(self.find_holders, self.sampler, self.exempt, self.store,  # type: ignore[arg-type]
+                                        lambda: self.config.watcher.kill_wait)
+        self.grants.holders = self.holder_ender
         self.reloads = 0
         self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
-                       self.lookup, self.logout, None, reload=self._reload, sync_nodes=lambda: None)
+                       self.lookup, self.logout, self.holder_ender, None, reload=self._reload, sync_nodes=lambda: None)
         self.watcher = Watcher(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
                                self.lookup, self.notifier)
+
+    def find_holders(self, minors: Collection[int]) -> list[Holder]:
+        """The /proc scan: the holders a test listed, on those GPUs."""
+        return [h for h in self.holders if h.minor in minors]
 
     def _reload(self) -> Config:
         self.reloads += 1
