@@ -138,7 +138,10 @@ class Api:
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
-        if held and not store.sessions(account.uid):
+        # Only the close that ended the user's last session tries the release: a close of a session
+        # already gone (dropped by the tick after its caller died, or never known) changes nothing
+        # the tick will not see, and each try costs a GPU sample and a /proc scan.
+        if held and closed is not None and not store.sessions(account.uid):
             sample = await self.sampler.take_or_log("grants kept until a good sample")
             if sample is not None:  # no data, no release: the tick tries again
                 await self.logout.release_unused(sample, [account.uid])

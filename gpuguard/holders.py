@@ -35,7 +35,8 @@ from gpuguard.sampling import Holder, Sampler
 from gpuguard.store import Store
 from gpuguard.units import format_duration
 
-FindHolders = Callable[[Collection[int]], list[Holder]]  # blocking (a /proc scan): runs in a worker thread
+# (minors, uids or None for everyone) -> holders; blocking (a /proc scan): runs in a worker thread
+FindHolders = Callable[[Collection[int], Collection[int] | None], list[Holder]]
 Pair = tuple[int, int]  # (pid, minor)
 
 
@@ -71,7 +72,7 @@ class HolderEnder:
         """uid's processes holding these GPUs' nodes. /proc is scanned first: a process NVML does
         not list in the later sample had no context when it was found."""
         minors = frozenset(minors)
-        found = await asyncio.to_thread(self.find_holders, minors)
+        found = await asyncio.to_thread(self.find_holders, minors, {uid})
         holding = frozenset((h.pid, h.minor) for h in found if h.uid == uid)
         try:
             sample = await self.sampler.take(max_age)
@@ -115,7 +116,8 @@ class HolderEnder:
 
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
         """Those of `termed` that are the same process as before and still hold one of their nodes."""
-        found = await asyncio.to_thread(self.find_holders, set().union(*termed.values()))
+        found = await asyncio.to_thread(self.find_holders, set().union(*termed.values()),
+                                        {identity.uid for identity in termed})
         holding = {(h.pid, h.minor) for h in found}
         return [identity for identity, minors in termed.items()
                 if any((identity.pid, m) in holding for m in minors)

@@ -103,6 +103,8 @@ class World:
     tmp: Path
     config: Config = field(default_factory=lambda: Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=1)))
     holders: list[Holder] = field(default_factory=list)
+    scans: int = 0  # /proc scans asked for
+    scanned_uids: list = field(default_factory=list)  # whose processes each scan read (None: everyone's)
 
     def __post_init__(self) -> None:
         self.store = Store(self.tmp / "state.db")
@@ -122,9 +124,11 @@ class World:
         self.watcher = Watcher(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
                                self.lookup, self.notifier)
 
-    def find_holders(self, minors: Collection[int]) -> list[Holder]:
-        """The /proc scan: the holders a test listed, on those GPUs."""
-        return [h for h in self.holders if h.minor in minors]
+    def find_holders(self, minors: Collection[int], uids: Collection[int] | None = None) -> list[Holder]:
+        """The /proc scan: the holders a test listed, on those GPUs (of those users); counted."""
+        self.scans += 1
+        self.scanned_uids.append(None if uids is None else frozenset(uids))
+        return [h for h in self.holders if h.minor in minors and (uids is None or h.uid in uids)]
 
     def _reload(self) -> Config:
         self.reloads += 1
