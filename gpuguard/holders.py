@@ -69,11 +69,15 @@ class HolderEnder:
         self._tasks: set[asyncio.Task] = set()
 
     async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE) -> Scan:
-        """uid's processes holding these GPUs' nodes. /proc is scanned first: a process NVML does
-        not list in the later sample had no context when it was found."""
+        """uid's processes holding these GPUs' nodes (only that user's processes are read). /proc is
+        scanned first: a process NVML does not list in the later sample had no context when it was found."""
         minors = frozenset(minors)
         found = await asyncio.to_thread(self.find_holders, minors, {uid})
         holding = frozenset((h.pid, h.minor) for h in found if h.uid == uid)
+        if not holding:
+            # A CUDA process holds its node open too: none in /proc, none for NVML to list. No
+            # sample then, so that releases (which can be looped) never make NVML poll faster.
+            return Scan(frozenset(), frozenset(), frozenset())
         try:
             sample = await self.sampler.take(max_age)
         except Exception as exc:  # GpuError and anything a broken driver throws
