@@ -19,6 +19,7 @@ from gpuguard.errors import UsageError
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 MAX_GPUS = 64  # per machine; more is a typo
+MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
 
 
 class ConfigError(UsageError):
@@ -38,6 +39,15 @@ class WatcherConfig:
     interval: float = 2.0
     grace: float = 30.0      # over quota this long before the first SIGTERM
     kill_wait: float = 10.0  # SIGTERM this long before SIGKILL
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """How much event history the store keeps: what `gpuguard whoami` shows and admins look back on.
+    Both bounds hold, so neither a long uptime nor a user looping request/release grows it without end."""
+
+    max_age: float | None = 90 * 86400.0  # seconds; None: no age limit
+    per_user: int = 1000                  # newest events kept per user (and for system events)
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,7 @@ class Config:
     access: AccessConfig = field(default_factory=AccessConfig)
     defaults: Quota = field(default_factory=Quota)
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
@@ -170,6 +181,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "defaults": QUOTA_KEYS,
     "watcher": {"interval": _positive_duration(0.1), "grace": _positive_duration(0),
                 "kill_wait": _positive_duration(0)},
+    "events": {"max_age": parse_duration, "per_user": _count(1, MAX_EVENTS_PER_USER)},
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _choice("nvml", "simulated"), "simulated": dict},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
@@ -255,6 +267,7 @@ def load(path: Path | str | None = None) -> Config:
         access=AccessConfig(**sections.get("access", {})),
         defaults=Quota(**sections.get("defaults", {})),
         watcher=WatcherConfig(**sections.get("watcher", {})),
+        events=EventsConfig(**sections.get("events", {})),
         paths=paths,
         gpu=GpuConfig(simulated=simulated, **gpu_section),
         quotas=load_quotas(paths.quotas),

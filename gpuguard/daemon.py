@@ -29,6 +29,7 @@ from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.config import Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
@@ -59,7 +60,7 @@ class Daemon:
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
         if self.config.access.mode == "acl":
             _refuse_stale_gate(self.gate_name)
-        self.store = Store(self.config.paths.state_dir / "state.db")
+        self.store = Store(self.config.paths.state_dir / "state.db", self.config.events)
         self._ensure_driver_nodes()  # NVML needs them to start
         self.backend = open_gpu_backend(self.config)
         self.sampler = sampling.Sampler(self.backend)
@@ -81,11 +82,14 @@ class Daemon:
         self.nodes = NodeWatcher(self.config.paths.device_dir, self._node_changed)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
+        self.holders = HolderEnder(sampling.node_holders, self.sampler, self.exempt, self.store,
+                                   lambda: self.config.watcher.kill_wait)
+        self.grants.holders = self.holders
         self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
-                       self.logout, self.gate, reload=self.reload, sync_nodes=self.sync_nodes)
+                       self.logout, self.holders, self.gate, reload=self.reload, sync_nodes=self.sync_nodes)
 
     async def _handle(self, request: dict, peer) -> dict:
         return await self.api.handle(request, peer)
@@ -113,6 +117,7 @@ class Daemon:
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
+        self.holders.close()
         self.watcher.close()
         self.notifier.close()
         self.lookup.close()
@@ -131,6 +136,7 @@ class Daemon:
         if fixed != new:
             event(logging.WARNING, "reload_partial", reason="paths, gpu and access.mode change at restart")
         self.config = fixed
+        self.store.retention = fixed.events
         self.exempt.refresh()
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))

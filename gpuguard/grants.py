@@ -15,7 +15,7 @@ import logging
 import re
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gpuguard import allocator, policy
 from gpuguard.allocator import Topology
@@ -23,6 +23,9 @@ from gpuguard.backends.gate import Entry, Gate
 from gpuguard.logs import event
 from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Quota
 from gpuguard.store import Store
+
+if TYPE_CHECKING:
+    from gpuguard.holders import HolderEnder
 
 _NODE = re.compile(r"nvidia(\d+)")
 
@@ -52,6 +55,9 @@ class Grants:
         self.topology: Topology = dict(topology or {})
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
+        # Ends the processes that still hold a node taken away (set by the daemon once built: it
+        # needs the sampler and the exempt set); None where nothing runs (unit tests of this class).
+        self.holders: HolderEnder | None = None
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -95,9 +101,13 @@ class Grants:
               shared=shared or None)
 
     def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: str, rule: str,
-               message: str) -> list[Grant]:
+               message: str, end_holders: bool = True) -> list[Grant]:
         """Take back a user's GPUs (all, or these minors). kind: release (the user's or an
-        idle/logout release), revoke (an admin or a time limit), error. Returns what was held."""
+        idle/logout release), revoke (an admin or a time limit), error. Returns what was held.
+
+        The processes of the user still holding one of those nodes are then ended in the
+        background (holders.HolderEnder), whichever path took the GPUs; a caller that wants to
+        report on them passes end_holders=False and awaits HolderEnder.end itself."""
         wanted = None if minors is None else set(minors)
         held = [g for g in self.store.grants(uid) if wanted is None or g.minor in wanted]
         if not held:
@@ -119,6 +129,8 @@ class Grants:
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
                                        action=kind))
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=[g.minor for g in held], rule=rule)
+        if self.holders is not None and end_holders and kind != "error":  # error: the gate never opened
+            self.holders.schedule(uid, held[0].user, [g.minor for g in held], rule)
         return held
 
     def sync_nodes(self, minors: Iterable[int]) -> list[str]:

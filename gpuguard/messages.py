@@ -30,3 +30,12 @@ def clock(timestamp: float) -> str:
 def number_list(numbers: Iterable[int]) -> str:
     """`1,3,4`: GPU minors and pids as people type them."""
     return ",".join(str(n) for n in sorted(numbers))
+
+
+def printable(text: str) -> str:
+    """`text` with every character that is not printable written as its escape (`\\r`, `\\x1b`,
+    `\\u202e`): a string a user chose (a TTY or remote host given to PAM, a process name) can
+    then neither move a terminal's cursor, recolour or erase a line, nor start a forged log line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -6,6 +6,7 @@ run leaves the machine as it found it.
 from __future__ import annotations
 
 import grp
+import logging
 import os
 import pwd
 import secrets
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from devtools.harness import bpffs_restored, kill_processes_of, searchable
+from gpuguard.logs import KeyValueFormatter, logger as gpuguard_logger
 
 # Shared fixtures: device_dir / backend, simulated GPUs (tests/sim_helpers.py, first: the others
 # import it); start_daemon / gg_daemon, a real daemon (tests/daemon_fixture.py); pam_module
@@ -138,3 +140,20 @@ def sandbox() -> Iterator[Path]:
     os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def gpuguard_log() -> Iterator[list[str]]:
+    """The gpuguard logger's lines, formatted as the daemon writes them."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(KeyValueFormatter().format(record))
+
+    handler, level = Collect(), gpuguard_logger.level
+    gpuguard_logger.addHandler(handler)
+    gpuguard_logger.setLevel(logging.DEBUG)
+    yield lines
+    gpuguard_logger.removeHandler(handler)
+    gpuguard_logger.setLevel(level)

@@ -376,7 +376,8 @@ def test_revoke_stops_processes_that_hold_the_node_without_a_cuda_context(gg_dae
         assert holder.stdout.readline() == "held\n"
         reply = d.call("revoke", user=alice.name)
         assert reply["holders"] == [{"pid": holder.pid, "minor": minor}]
-        assert reply["message"].endswith(f"; process {holder.pid} held the node open (no CUDA context): sent SIGTERM")
+        assert reply["message"].endswith(f"; process {holder.pid} held the node open (no CUDA context): sent SIGTERM, "
+                                         "SIGKILL in 10s if it still holds it")
         assert holder.wait(10) == -signal.SIGTERM
         assert bystander.poll() is None  # alice's other processes are left alone
     finally:
