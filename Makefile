@@ -34,7 +34,7 @@ test: deps venv pam
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: deps venv pam
-	$(PY) -m gpuguard.demo
+	$(PY) -m devtools.demo
 
 bench: deps venv pam
 	$(PY) bench/run.py

@@ -41,10 +41,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuguard import allocator, client, config as configuration, rules  # noqa: E402
-from gpuguard.backends.gate import bpffs_restored  # noqa: E402
+from devtools.harness import bpffs_restored, start_daemon  # noqa: E402
+from gpuguard import allocator, client, rules  # noqa: E402
+from gpuguard import config as configuration  # noqa: E402
 from gpuguard.backends.simulated import SimulatedBackend, register_process  # noqa: E402
-from gpuguard.demo import start_daemon  # noqa: E402
 from gpuguard.model import Grant, Quota  # noqa: E402
 from gpuguard.store import Store  # noqa: E402
 

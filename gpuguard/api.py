@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from dataclasses import asdict
 from typing import Any
 
 from collections.abc import Callable
 
-from gpuguard import allocator, config as configuration, policy, protocol, sampling
-from gpuguard.backends import accounts, procfs, signals
+from gpuguard import allocator, config as configuration, policy, protocol
+from gpuguard.backends import accounts, procfs
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.notify import Notifier
 from gpuguard.config import Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.holders import HolderEnder, Scan
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
@@ -45,6 +45,7 @@ class Refusal(GpuguardError):
 
 
 _REQUIRED = object()
+INT_RANGE = (-(1 << 63), (1 << 63) - 1)
 
 
 def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -> Any:
@@ -54,7 +55,9 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
             raise Refusal(f"missing field {key!r}", 2)
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise Refusal(f"field {key!r}: expected {kind.__name__}, got {value!r}", 2)
+        raise Refusal(f"field {key!r}: expected {kind.__name__}, got {protocol.shown(value)}", 2)
+    if kind is int and not INT_RANGE[0] <= value <= INT_RANGE[1]:  # SQLite's, and far beyond any pid or count
+        raise Refusal(f"field {key!r}: {protocol.shown(value)} is out of range", 2)
     return value
 
 
@@ -62,8 +65,8 @@ class Api:
     """The operations, built from exactly the services they use (the daemon composes them)."""
 
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
-                 sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, gate: Gate | None,
-                 reload: Callable[[], Config], sync_nodes: Callable[[], None], queue: Queue,
+                 sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, holders: HolderEnder,
+                 gate: Gate | None, reload: Callable[[], Config], sync_nodes: Callable[[], None], queue: Queue,
                  notifier: Notifier):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
@@ -72,6 +75,7 @@ class Api:
         self.sampler = sampler
         self.lookup = lookup
         self.logout = logout
+        self.holders = holders
         self.gate = gate
         self._reload = reload
         self._sync_nodes = sync_nodes
@@ -100,8 +104,11 @@ class Api:
         try:
             account = await self.lookup.by_name(user)  # before any state is read: the rest never awaits
             return self._open_session(account, service, rhost, tty, pid)
-        except Exception:
-            event(logging.ERROR, "session_open_failed", exc_info=True, user=user, pid=pid)
+        except Exception as exc:
+            # An unknown user is PAM's business, not a fault of ours: one line, no traceback.
+            known = isinstance(exc, GpuguardError)
+            event(logging.ERROR, "session_open_failed", exc_info=not known, user=user, pid=pid,
+                  error=exc.line() if known else None)
             return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
 
     def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,
@@ -155,7 +162,10 @@ class Api:
               session=closed.id if closed else "unknown")
         if not store.sessions(account.uid):  # a login's place in the queue ends with its last session
             self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == "session")
-        if held and not store.sessions(account.uid):
+        # Only the close that ended the user's last session tries the release: a close of a session
+        # already gone (dropped by the tick after its caller died, or never known) changes nothing
+        # the tick will not see, and each try costs a GPU sample and a /proc scan.
+        if held and closed is not None and not store.sessions(account.uid):
             sample = await self.sampler.take_or_log("grants kept until a good sample")
             if sample is not None:  # no data, no release: the tick tries again
                 await self.logout.release_unused(sample, [account.uid])
@@ -323,8 +333,8 @@ class Api:
         if minors is not None and set(minors) - held:
             raise Refusal(f"you do not hold GPU {number_list(set(minors) - held)} (you hold {number_list(held)})")
         targets = set(minors) if minors is not None else held
-        listed, unlisted = await self._users_processes(account.uid, targets)
-        busy = listed | unlisted
+        scan = _readable(await self.holders.scan(account.uid, targets))
+        busy = scan.listed | scan.unlisted
         if busy:
             pids = sorted({pid for pid, _ in busy})
             raise Refusal(f"GPU {number_list({m for _, m in busy})} still in use by your process"
@@ -332,22 +342,6 @@ class Api:
         removed = self.grants.remove(account.uid, targets, time.time(), kind="release", rule="user",
                                        message="released with gpuguard release")
         return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
-
-    async def _users_processes(self, uid: int, minors: set[int], max_age: float = sampling.MAX_AGE,
-                               ) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
-        """(pid, minor) of uid's processes on these GPUs: those NVML lists (a CUDA context there),
-        and those only /proc shows (the node open, no context on it). Refusal when NVML fails.
-
-        /proc is scanned first: a process NVML does not list in the later sample had no context then."""
-        holders = await asyncio.to_thread(sampling.node_holders, minors)
-        try:
-            sample = await self.sampler.take(max_age)
-        except Exception as exc:
-            raise Refusal(f"cannot see the GPUs' processes right now ({exc}); try again") from None
-        if unread := sorted(m for m in minors if not sample.ok(m)):  # an NVML error is not "no process"
-            raise Refusal(f"cannot see the processes on GPU {number_list(unread)} right now (NVML error); try again")
-        listed = {(p.pid, p.minor) for p in sample.processes if p.minor in minors and sample.uid_of(p.pid) == uid}
-        return listed, {(h.pid, h.minor) for h in holders if h.uid == uid} - listed
 
     # --- admin
 
@@ -389,7 +383,8 @@ class Api:
     async def revoke(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Take GPUs back. The gate stops new opens at once, and the processes that opened a
         GPU before are ended: the watcher warns and stops those NVML lists (stray use), and
-        those only /proc shows, which the watcher never sees, get SIGTERM here."""
+        those only /proc shows, which the watcher never sees, get SIGTERM here and SIGKILL
+        kill_wait later if they still hold it (holders.HolderEnder)."""
         store = self.store
         name = _field(request, "user", str)
         minors = self._minors(request)
@@ -399,45 +394,26 @@ class Api:
             uid = next((g.uid for g in store.grants() if g.user == name), None)
             if uid is None:
                 raise Refusal(f"no such user: {name}", 2) from None
-        removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root")
+        removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root",
+                                     end_holders=False)
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + number_list(minors)}")
         revoked = {g.minor for g in removed}
-        try:
-            # A fresh sample: a process that created its CUDA context a moment ago is the watcher's.
-            listed, unlisted = await self._users_processes(uid, revoked, max_age=0)
-        except Refusal as exc:
-            listed, unlisted, note = set(), set(), f"; {exc}"
-        else:
-            # The gate only checks at open(): the watcher warns the listed ones as stray use and ends them.
+        ending = await self.holders.end(uid, removed[0].user, revoked, "admin")
+        scan = ending.scan
+        note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
+        if scan.listed:  # the gate only checks at open(): the watcher warns these as stray use and ends them
             grace = format_duration(self.config().watcher.grace)
-            note = (f"; still open in process {number_list({pid for pid, _ in listed})}: warned now, "
-                    f"stopped in {grace} by the watcher" if listed else "")
-            stopped = self._stop_unlisted(uid, {pid for pid, _ in unlisted})
-            if stopped:
-                note += f"; process {number_list(stopped)} held the node open (no CUDA context): sent SIGTERM"
-        holders = sorted(listed | unlisted)
+            note += (f"; still open in process {number_list({pid for pid, _ in scan.listed})}: warned now, "
+                     f"stopped in {grace} by the watcher")
+        if ending.termed:
+            wait = format_duration(round(self.config().watcher.kill_wait))
+            note += (f"; process {number_list(ending.termed)} held the node open (no CUDA context): sent SIGTERM, "
+                     f"SIGKILL in {wait} if it still holds it")
+        holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
                            message=f"revoked GPU {number_list(revoked)} from {name}{note}")
-
-    def _stop_unlisted(self, uid: int, pids: set[int]) -> list[int]:
-        """SIGTERM uid's processes that hold a revoked node without NVML listing them; the pids signalled.
-
-        The identity is read right after the /proc scan and re-checked through a pidfd
-        (backends.signals), which also refuses root and exempt processes."""
-        stopped = []
-        for pid in sorted(pids):
-            identity = procfs.process_identity(pid)
-            if identity is None or identity.uid != uid:
-                continue  # exited since the scan
-            command = signals.command(pid)
-            result = signals.send(identity, signal.SIGTERM, self.exempt.uids)
-            event(logging.WARNING if result.sent else logging.INFO, "revoke_term", uid=uid, pid=pid,
-                  command=command or None, outcome=result.outcome.value, detail=result.detail or None)
-            if result.sent:
-                stopped.append(pid)
-        return stopped
 
     async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
@@ -505,6 +481,16 @@ class Api:
         if own is not None and own.name != name:
             raise Refusal("only root may look at another user's GPUs")
         return await self._account_named(name)
+
+
+def _readable(scan: Scan) -> Scan:
+    """The scan, or a Refusal when NVML could not say which processes use those GPUs: an NVML
+    error is not "no process"."""
+    if scan.error:
+        raise Refusal(f"cannot see the GPUs' processes right now ({scan.error}); try again")
+    if scan.unread:
+        raise Refusal(f"cannot see the processes on GPU {number_list(scan.unread)} right now (NVML error); try again")
+    return scan
 
 
 def _standing_info(standing: Standing | None) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from gpuguard.errors import UsageError
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 MAX_GPUS = 64  # per machine; more is a typo
+MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
 
 
 class ConfigError(UsageError):
@@ -38,6 +39,15 @@ class WatcherConfig:
     interval: float = 2.0
     grace: float = 30.0      # over quota this long before the first SIGTERM
     kill_wait: float = 10.0  # SIGTERM this long before SIGKILL
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """How much event history the store keeps: what `gpuguard whoami` shows and admins look back on.
+    Both bounds hold, so neither a long uptime nor a user looping request/release grows it without end."""
+
+    max_age: float | None = 90 * 86400.0  # seconds; None: no age limit
+    per_user: int = 1000                  # newest events kept per user (and for system events)
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,8 @@ class Config:
     access: AccessConfig = field(default_factory=AccessConfig)
     defaults: Quota = field(default_factory=Quota)
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
@@ -194,6 +206,8 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "defaults": QUOTA_KEYS,
     "watcher": {"interval": _positive_duration(0.1), "grace": _positive_duration(0),
                 "kill_wait": _positive_duration(0)},
+    "events": {"max_age": parse_duration, "per_user": _count(1, MAX_EVENTS_PER_USER)},
+
     "scheduler": {"half_life": _positive_duration(1), "reserve_after": _positive_duration(0),
                   "soft_max_time": _bool},
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
@@ -281,6 +295,8 @@ def load(path: Path | str | None = None) -> Config:
         access=AccessConfig(**sections.get("access", {})),
         defaults=Quota(**sections.get("defaults", {})),
         watcher=WatcherConfig(**sections.get("watcher", {})),
+        events=EventsConfig(**sections.get("events", {})),
+
         scheduler=SchedulerConfig(**sections.get("scheduler", {})),
         paths=paths,
         gpu=GpuConfig(simulated=simulated, **gpu_section),

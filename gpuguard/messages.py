@@ -32,6 +32,15 @@ def number_list(numbers: Iterable[int]) -> str:
     return ",".join(str(n) for n in sorted(numbers))
 
 
+def printable(text: str) -> str:
+    """`text` with every character that is not printable written as its escape (`\\r`, `\\x1b`,
+    `\\u202e`): a string a user chose (a TTY or remote host given to PAM, a process name) can
+    then neither move a terminal's cursor, recolour or erase a line, nor start a forged log line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def queue_message(position: int, waiting: int, gpus: int, estimate: float | None) -> str:
     """`gpuguard: no GPU is free right now; you are number 2 of 3 in the queue for 1 GPU ...`"""
     when = f" (expected by {clock(estimate)})" if estimate is not None else ""

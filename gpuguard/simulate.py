@@ -149,8 +149,8 @@ class _NoNodes:
     def path(self, minor: int) -> Path:
         return Path(f"/nonexistent/nvidia{minor}")
 
-    def sync(self, minor: int, users: Iterable[int]) -> None:
-        pass
+    def sync(self, minor: int, users: Iterable[int]) -> list[str]:
+        return []
 
 
 @dataclass
@@ -175,7 +175,7 @@ class Replay:
         self.queue = Queue(lambda: config, self.store, self.grants)
         self.queue.listeners.append(self._served)
         self.grants.on_removed.append(self._removed)
-        self.logout = LogoutRelease(self.store, self.grants, lambda minors: [])
+        self.logout = LogoutRelease(self.store, self.grants, lambda minors, uids: [])  # no /proc to scan
         self.timing = timing_of(config)
         self.state = rules.State()
         self.result = Result()

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from gpuguard.config import EventsConfig
 from gpuguard.model import Event, Grant, Quota, Session
 from gpuguard.scheduler import Waiter
 from gpuguard.errors import GpuguardError
@@ -55,7 +56,11 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN caller_start INTEGER;
     """,
-    # The queue for GPUs (gpuguard.queue) and each user's recent usage for its fair-share order:
+    # Events are pruned by age at every insert (config.EventsConfig): this keeps that a range scan.
+    """
+    CREATE INDEX events_by_time ON events (time);
+    """,
+    # The queue for GPUs (gpuguard.queueing) and each user's recent usage for its fair-share order:
     # `value` GPU-seconds as counted at time `at` (gpuguard.scheduler.decay brings it to any later time).
     # A waiter keeps the quota terms it asked with, so the queue serves it without a lookup;
     # origin "session" (a login) waits while its user has a session, "request" while its
@@ -86,8 +91,9 @@ class Queued:
 
 
 class Store:
-    def __init__(self, path: Path | str, durable: bool = True):
+    def __init__(self, path: Path | str, retention: EventsConfig = EventsConfig(), durable: bool = True):
         self.path = Path(path)
+        self.retention = retention  # a reload may replace it
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
@@ -199,13 +205,23 @@ class Store:
     # --- events
 
     def add_event(self, event: Event) -> int:
+        """Store an event, and drop what the retention no longer keeps: events older than
+        max_age, and this user's beyond their newest per_user. Each insert prunes, so the
+        table stays bounded whatever the rate (one index range per bound, no table scan)."""
         with self.transaction() as db:
             cursor = db.execute(
                 "INSERT INTO events (time, uid, user, kind, message, minor, pid, command, rule, action, numbers)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (event.time, event.uid, event.user, event.kind, event.message, event.minor, event.pid,
                  event.command, event.rule, event.action, json.dumps(event.numbers)))
+            if self.retention.max_age is not None:
+                db.execute("DELETE FROM events WHERE time < ?", (event.time - self.retention.max_age,))
+            db.execute("DELETE FROM events WHERE uid IS ? AND id <= (SELECT id FROM events WHERE uid IS ?"
+                       " ORDER BY id DESC LIMIT 1 OFFSET ?)", (event.uid, event.uid, self.retention.per_user))
         return cursor.lastrowid
+
+    def event_count(self) -> int:
+        return self._db.execute("SELECT count(*) FROM events").fetchone()[0]
 
     def events(self, uid: int | None = None, limit: int = 50) -> list[Event]:
         """The newest events (of one user, or all), oldest first."""

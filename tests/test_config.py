@@ -71,8 +71,15 @@ def test_good_config_is_typed(tmp_path):
     assert loaded.quotas.groups == {"interns": {"max_time": 14400}}
 
 
+def test_event_retention(tmp_path):
+    loaded = config.load(write(tmp_path, '[events]\nmax_age = "7d"\nper_user = 50'))
+    assert loaded.events == config.EventsConfig(max_age=7 * 86400, per_user=50)
+    assert config.load(write(tmp_path, '[events]\nmax_age = "none"')).events.max_age is None
+
+
 def test_empty_file_gives_defaults(tmp_path):
     loaded = config.load(write(tmp_path, ""))
+    assert loaded.events == config.EventsConfig(max_age=90 * 86400, per_user=1000)
     assert loaded.access.group == "gpugroup"
     assert loaded.defaults == Quota()
     assert loaded.gpu.backend == "nvml"
@@ -109,6 +116,8 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
     ('[access]\nexempt_users = "root"', "access.exempt_users: expected a list of names"),
     ("[access\ngroup = 1", "not valid TOML"),
     ('access = 3', "access: expected a table"),
+    ('[events]\nper_user = 0', "events.per_user: must be between 1 and 1000000"),
+    ('[events]\nmax_age = "forever"', "events.max_age: not a duration"),
 ])
 def test_bad_config_names_file_key_and_problem(tmp_path, text, fragment):
     path = write(tmp_path, text)

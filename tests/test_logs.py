@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 
-from gpuguard.logs import KeyValueFormatter, pairs
+from gpuguard.logs import KeyValueFormatter, Throttle, pairs
+
 
 
 def failing_step() -> None:
@@ -28,3 +30,39 @@ def test_an_exception_keeps_its_traceback_on_the_same_line():
     # where it failed, not just what: the frames, with newlines escaped
     assert r"Traceback (most recent call last):\n" in line
     assert "in failing_step" in line and r'raise KeyError(\"gpu 3\")' in line
+
+
+def test_control_characters_in_values_are_escaped_never_written():
+    forged = "pts/1\r\x1b[2Kgpuguard level=crit event=grant user=root\n"
+    line = pairs(event="session_open", tty=forged, rhost="\x1b]0;owned\x07host", name="\u202egnp.exe")
+    assert line.isprintable()  # no CR, LF, ESC, BEL or bidi override reaches the journal or a terminal
+    assert line == (r'event=session_open tty="pts/1\r\x1b[2Kgpuguard level=crit event=grant user=root\n" '
+                    r'rhost="\x1b]0;owned\x07host" name="\u202egnp.exe"')
+    # The forged text stays inside one quoted value: a parser sees exactly three keys.
+    assert [p.split("=", 1)[0] for p in shlex.split(line)] == ["event", "tty", "rhost", "name"]
+    assert pairs(path="C:\\temp") == r'path="C:\\temp"'
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_throttle_logs_a_burst_per_key_then_one_suppressed_line(gpuguard_log):
+    clock = FakeClock()
+    throttle = Throttle("uid", burst=3, window=60.0, clock=clock)
+    logged = [throttle.event(1001, logging.INFO, "bad_request", error="x") for _ in range(1000)]
+    assert logged == [True] * 3 + [False] * 997
+    assert throttle.event(1002, logging.INFO, "bad_request", error="y")  # another user has a burst of their own
+    clock.now = 59.0
+    throttle.flush()                                                    # the window has not ended yet
+    assert [line for line in gpuguard_log if "log_suppressed" in line] == []
+    clock.now = 60.0
+    throttle.flush()
+    assert [line for line in gpuguard_log if "log_suppressed" in line] == [
+        "gpuguard level=warning event=log_suppressed uid=1001 lines=997 seconds=60 burst=3"]
+    assert len(gpuguard_log) == 3 + 1 + 1
+    assert throttle.event(1001, logging.INFO, "bad_request", error="x")  # a new window, a new burst

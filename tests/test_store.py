@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.config import EventsConfig
 from gpuguard.model import Event
 from gpuguard.store import MIGRATIONS, Store, StoreError
 
@@ -81,6 +82,37 @@ def test_events_newest_first_limit_oldest_first_order(store):
     assert [e.message for e in events] == ["m3", "m4"]
     assert events[1].numbers == {"used": 4} and events[1].id is not None
     assert len(store.events()) == 6
+
+
+def event(time: float, uid: int | None, message: str = "") -> Event:
+    return Event(time=time, uid=uid, user=f"u{uid}", kind="grant", message=message)
+
+
+def test_events_beyond_the_newest_per_user_are_dropped_at_each_insert(tmp_path):
+    store = Store(tmp_path / "state.db", EventsConfig(max_age=None, per_user=5))
+    try:
+        store.add_event(event(0.0, 1002, "bob's only"))
+        for i in range(200):  # a user looping request/release
+            store.add_event(event(1.0 + i, 1001, f"m{i}"))
+            store.add_event(event(1.0 + i, None, f"system {i}"))
+        assert [e.message for e in store.events(1001)] == [f"m{i}" for i in range(195, 200)]
+        assert [e.message for e in store.events(1002)] == ["bob's only"]  # nobody else loses history
+        assert store.event_count() == 5 + 1 + 5
+    finally:
+        store.close()
+
+
+def test_events_older_than_max_age_are_dropped(tmp_path):
+    store = Store(tmp_path / "state.db", EventsConfig(max_age=100.0, per_user=1000))
+    try:
+        store.add_event(event(1000.0, 1002, "old"))
+        store.add_event(event(1050.0, 1001, "kept"))
+        store.add_event(event(1100.0, 1001, "at the bound"))   # "old" is now exactly max_age old: kept
+        assert store.event_count() == 3
+        store.add_event(event(1100.5, 1001, "new"))
+        assert [e.message for e in store.events()] == ["kept", "at the bound", "new"]
+    finally:
+        store.close()
 
 
 def test_usage_accumulates(store):

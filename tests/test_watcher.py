@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from devtools.harness import wait_for
 from freezer import frozen
 from gpuguard.store import Store
 from probes import ALLOWED, FILE_DENIED, GATE_DENIED, bare_nodes, open_result

@@ -3,29 +3,27 @@
 Everything the tour creates is named `ggt-demo-*` (or `ggt-<name>-*` for its users) and removed at
 the end, even when a step fails: a group, three users, a sandbox under /tmp with the config and
 the simulated device nodes, a daemon with a gate of its own, and a PAM stack. Logins go through
-`su -` in a private mount namespace where that stack is bind-mounted over /etc/pam.d/su-l, so the system's own PAM files are never touched.
+`su -` in a private mount namespace where that stack is bind-mounted over /etc/pam.d/su-l, so the
+system's own PAM files are never touched.
 """
 from __future__ import annotations
 
 import os
+import pwd
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
-import sys
 import textwrap
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
-from gpuguard import client, config as configuration
-from gpuguard.backends.gate import Gate, bpffs_restored
+from devtools.harness import VENV_BIN, bpffs_restored, kill_processes_of, searchable, start_daemon, stop_daemon
+from gpuguard import client
 
 REPO = Path(__file__).resolve().parent.parent
 PAM_MODULE = REPO / "pam" / "pam_gpuguard.so"
-VENV_BIN = Path(sys.executable).parent
 
 
 class Tour:
@@ -52,7 +50,7 @@ class Tour:
             groups = ["--groups", self.group] if name != "carol" else []
             run(["useradd", "--create-home", "--shell", "/bin/bash", *groups, user])
             self.stack.callback(run, ["userdel", "--remove", "--force", user], check=False)
-            self.stack.callback(run, ["pkill", "-KILL", "-u", user], check=False)
+            self.stack.callback(kill_processes_of, pwd.getpwnam(user).pw_uid)
         self.config.write_text(textwrap.dedent(f"""\
             # A lab server with four simulated H100s in two NVLink pairs.
             [access]
@@ -136,50 +134,6 @@ class Tour:
             if any(e["kind"] == kind for e in events):
                 return
             time.sleep(0.25)
-
-
-def start_daemon(stack: ExitStack, config: Path, gate: str, log: Path | None = None) -> subprocess.Popen:
-    """`gpuguard daemon` with a gate of its own, once it answers on its socket (the demo's and the
-    bench's). Closing the stack stops it and detaches its gate."""
-    out = stack.enter_context(open(log, "wb")) if log else subprocess.DEVNULL
-    daemon = subprocess.Popen([str(VENV_BIN / "gpuguard"), "--config", str(config), "daemon", "--gate-name", gate],
-                              stdout=out, stderr=out)
-    stack.callback(lambda: Gate(gate).detach())
-    stack.callback(stop_daemon, daemon)
-    socket = str(configuration.load(config).paths.socket)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.call(socket, "status", timeout=1)
-            return daemon
-        except client.DaemonUnreachable:
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the gpuguard daemon did not start{f'; see {log}' if log else ''}") from None
-            time.sleep(0.1)
-
-
-def stop_daemon(daemon: subprocess.Popen | None) -> None:
-    if daemon and daemon.poll() is None:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(15)
-
-
-@contextmanager
-def searchable(path: Path) -> Iterator[None]:
-    """Let other users reach `path` (search permission on each directory above it) while inside.
-
-    The demo's users and the tests' users run gpuguard from this checkout's virtual environment;
-    a checkout under /root (mode 0700) would otherwise fail for them in ways that look like
-    denials. Only o+x is added (no listing), and only where missing; it is taken back after.
-    """
-    opened = [parent for parent in [path, *path.parents] if not os.stat(parent).st_mode & 0o001]
-    for parent in opened:
-        os.chmod(parent, os.stat(parent).st_mode | 0o001)
-    try:
-        yield
-    finally:
-        for parent in opened:
-            os.chmod(parent, os.stat(parent).st_mode & ~0o001)
 
 
 def run(argv: list[str], check: bool = True) -> None:
