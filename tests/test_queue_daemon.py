@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from conftest import popen_as, wait_for
+from conftest import popen_as
+from devtools.harness import wait_for
 from sim_helpers import gpuguard
 from test_notify import read_until  # a pty's output up to a needle
 
 
 def queue_users(d) -> list[str]:
     return [q["user"] for q in d.call("status")["queue"]]
+
+
+@contextmanager
+def waiting_request(d, user) -> Iterator[subprocess.Popen]:
+    """`gpuguard request --wait` of `user`, running and in the queue, for the block."""
+    waiting = popen_as(user, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
+    try:
+        assert wait_for(lambda: queue_users(d) == [user.name])
+        yield waiting
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
 
 
 def test_the_queue_survives_a_daemon_sigkill_and_is_served_after_it(start_daemon):
@@ -38,16 +55,10 @@ def test_a_waiting_client_that_hangs_up_leaves_the_queue(start_daemon):
     d = start_daemon(count=1, gate=False)
     alice, bob = d.add_member(), d.add_member()
     d.open_session(alice)
-    waiting = popen_as(bob, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
-    try:
-        assert wait_for(lambda: queue_users(d) == [bob.name])
+    with waiting_request(d, bob) as waiting:
         waiting.send_signal(signal.SIGKILL)  # its connection closes with it
         waiting.wait()
         assert wait_for(lambda: queue_users(d) == [])
-    finally:
-        if waiting.poll() is None:
-            waiting.kill()
-            waiting.wait()
 
 
 def test_request_wait_times_out_with_exit_1_and_leaves(start_daemon):
@@ -65,18 +76,12 @@ def test_request_wait_returns_the_grant_when_a_gpu_is_released(start_daemon):
     d = start_daemon(count=1, gate=False)
     alice, bob = d.add_member(), d.add_member()
     d.call_as(alice, "request")
-    waiting = popen_as(bob, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
-    try:
-        assert wait_for(lambda: queue_users(d) == [bob.name])
+    with waiting_request(d, bob) as waiting:
         assert d.cli_as(alice, "release").returncode == 0
         out, err = waiting.communicate(timeout=60)
         assert waiting.returncode == 0, err
         assert "number 1 of 1 in the queue" in err
         assert f"export CUDA_VISIBLE_DEVICES={d.uuid(0)}" in out
-    finally:
-        if waiting.poll() is None:
-            waiting.kill()
-            waiting.wait()
 
 
 def test_a_login_that_queues_is_told_on_its_terminal_when_granted(start_daemon):
