@@ -1,8 +1,9 @@
 """Scheduling bench rows: the Adobe notebook trace replayed by `gpuguard simulate`, beside static
 reservation on the same pool in the same run, and the replay's own speed and memory.
 
-    rows() -> [(name, value, target, ok)]   for the `make bench` runner
-    python bench/scheduling.py              the rows alone (exit 1 when one misses its target)
+    rows() -> [(name, value, target, ok)]   for the `make bench` runner; report(rows) prints them
+                                            and returns how many missed
+    python bench/scheduling.py              the rows alone, no root needed (exit 1 when one misses)
 
 Rows, for each policy (bench/scheduling-{shared,exclusive,timed}.toml; the files say what they are):
 - adobe 47 GPUs: every job runs, p95 time to GPU <= 60 s, Jain >= 0.9; static reservation's p95 beside it.
@@ -92,12 +93,17 @@ def rows() -> list[Row]:
     return found + generated_rows()
 
 
-def main() -> int:
-    results = rows()
+def report(results: list[Row]) -> int:
+    """Print the rows as a table; how many missed their target."""
     width = max(len(name) for name, *_ in results)
+    print(f"{'scheduling':<{width}}  {'value':>18}  {'target':>12}")
     for name, value, target, ok in results:
-        print(f"{name.ljust(width)}  {value:>18}  {target:>12}  {'ok' if ok else 'MISSED'}")
-    return 0 if all(ok for *_, ok in results) else 1
+        print(f"{name.ljust(width)}  {value:>18}  {target:>12}{'' if ok else '  MISSED'}")
+    return sum(not ok for *_, ok in results)
+
+
+def main() -> int:
+    return 1 if report(rows()) else 0
 
 
 if __name__ == "__main__":
