@@ -239,7 +239,8 @@ class Api:
         if more > 0 and (mine := store.queue(account.uid)):
             # One place per user: a second one could bring them more than their quota.
             if not wait:
-                raise Refusal("you are in the queue already (gpuguard whoami); gpuguard request --wait waits for it")
+                raise Refusal("no GPU is free right now; you are in the queue already (gpuguard whoami shows your "
+                              "place); gpuguard request --wait waits for your turn")
             return protocol.ok(queued=True, ticket=mine[0].waiter.id,
                                **(_standing_info(self.queue.standing(account.uid, now)) or {}))
         if more > 0 and not store.queue():
