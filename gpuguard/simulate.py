@@ -343,6 +343,11 @@ class Replay:
                 self._at(wake, "wake")
 
     def _act(self, action: rules.Action) -> bool:
+        if action.kind == rules.RELEASE and any(
+                r.uid == action.uid and action.minor in r.minors for r in self.running.values()):
+            # A job of this user started on it since the decision (an earlier action of this tick
+            # freed a GPU the queue gave them): the daemon's confirming re-sample would see it busy.
+            return False
         if action.kind in (rules.RELEASE, rules.REVOKE):
             kind = "revoke" if action.kind == rules.REVOKE else "release"
             return bool(self.grants.remove(action.uid, [action.minor], self.now, kind=kind, rule=action.rule,
