@@ -30,6 +30,7 @@ import itertools
 import math
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,7 +40,7 @@ from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.config import Config
 from gpuguard.grants import Grants
 from gpuguard.logout import LogoutRelease
-from gpuguard.model import Gpu, GpuProcess, Grant, Quota
+from gpuguard.model import Event, Gpu, GpuProcess, Grant, Quota
 from gpuguard.queueing import Queue
 from gpuguard.sampling import Sample
 from gpuguard.store import Queued, Store
@@ -104,13 +105,19 @@ def jain(values: list[float]) -> float:
 
 
 class _ScratchStore(Store):
-    """The store with its grants and queue read once per change: a replay is its only writer,
-    and reads them far more often than it changes them."""
+    """The store with its grants and queue read once per change (a replay is its only writer, and
+    reads them far more often than it changes them), and events counted by kind and rule instead
+    of kept (a replay reports how many releases, reclaims and revokes there were, never a history)."""
 
     def __init__(self, path: Path):
         super().__init__(path, durable=False)
         self._grants: list[Grant] | None = None
         self._queue: list[Queued] | None = None
+        self.event_counts: Counter[tuple[str, str]] = Counter()
+
+    def add_event(self, event: Event) -> int:
+        self.event_counts[(event.kind, event.rule)] += 1
+        return 0
 
     def grants(self, uid: int | None = None) -> list[Grant]:
         if self._grants is None:
@@ -372,7 +379,7 @@ class Replay:
             self.result.granted += self.now - grant.granted_at
             self._user_totals(grant.user)[0] += self.now - grant.granted_at
         self.result.never_ran += len(self.pending)
-        counts = self.store.event_counts()
+        counts = self.store.event_counts
         self.result.releases = sum(n for (kind, rule), n in counts.items()
                                    if kind == "release" and rule != rules.RECLAIM)
         self.result.reclaims = counts.get(("release", rules.RECLAIM), 0)

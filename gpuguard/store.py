@@ -229,11 +229,6 @@ class Store:
         rows = self._db.execute(query + " ORDER BY id DESC LIMIT ?", (*params, limit)).fetchall()
         return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
 
-    def event_counts(self) -> dict[tuple[str, str], int]:
-        """(kind, rule) -> how many events of it were recorded."""
-        return {(row[0], row[1]): row[2] for row in
-                self._db.execute("SELECT kind, rule, COUNT(*) FROM events GROUP BY kind, rule")}
-
     # --- usage accounting
 
     def add_usage(self, uid: int, user: str, minor: int, granted: float = 0.0, busy: float = 0.0,
