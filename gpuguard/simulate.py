@@ -137,13 +137,18 @@ class _ScratchStore(Store):
         self._queue = None
         return super().leave_queue(ids)
 
-    def add_grants(self, *args, **kwargs) -> None:
-        self._grants = None
-        super().add_grants(*args, **kwargs)
+    def add_grants(self, uid: int, *args, **kwargs) -> None:
+        super().add_grants(uid, *args, **kwargs)
+        if self._grants is not None:  # only this user's rows are read again
+            others = [g for g in self._grants if g.uid != uid]
+            self._grants = sorted(others + super().grants(uid), key=lambda g: (g.uid, g.minor))
 
-    def remove_grants(self, *args, **kwargs) -> list[Grant]:
-        self._grants = None
-        return super().remove_grants(*args, **kwargs)
+    def remove_grants(self, uid: int, *args, **kwargs) -> list[Grant]:
+        removed = super().remove_grants(uid, *args, **kwargs)
+        if self._grants is not None:
+            gone = {(g.uid, g.minor) for g in removed}
+            self._grants = [g for g in self._grants if (g.uid, g.minor) not in gone]
+        return removed
 
     def mark_active(self, *args, **kwargs) -> None:
         self._grants = None
