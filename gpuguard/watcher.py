@@ -38,7 +38,7 @@ from gpuguard.lookups import AccountLookup
 from gpuguard.model import Event, Quota
 from gpuguard.rules import Action
 from gpuguard.sampling import Sample, Sampler
-from gpuguard.store import Store
+from gpuguard.store import Store, hour_of
 
 ACTIVE_WRITE_EVERY = 30.0  # seconds: how stale grants.last_active may get in the store (memory is exact)
 USAGE_FLUSH_EVERY = 60.0   # seconds of usage accounting kept in memory before it is written
@@ -65,7 +65,7 @@ class Watcher:
         self.notifier = notifier
         self.state = rules.State()
         self._last_check: float | None = None
-        self._usage: dict[rules.Slot, list[float]] = {}  # (uid, minor) -> [granted, busy, idle] unwritten
+        self._usage: dict[tuple[int, int, int], list[float]] = {}  # (hour, uid, minor) -> [granted, busy, idle] unwritten
         self._usage_flushed = time.monotonic()
         # uid -> (when, config, name, quota): NSS is asked at most once per ACCOUNT_CACHE per user,
         # and again after a reload (another config object).
@@ -183,7 +183,7 @@ class Watcher:
                 return False
             numbers["signal"] = action.signal
             if action.kind == rules.TERM:
-                self.store.add_usage(action.uid, user, action.minor, kills=1)
+                self.store.add_kill(action.uid, user, action.minor, hour_of(now), action.rule)
         elif action.kind == rules.UNKILLABLE:
             numbers["state"] = signals.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
@@ -212,20 +212,21 @@ class Watcher:
     # --- bookkeeping
 
     def _account(self, view: rules.View, now: float) -> None:
-        """Seconds granted / busy / idle per user and GPU since the last check, written once a minute."""
+        """Seconds granted / busy / idle per user and GPU since the last check, counted in the
+        hour of this check and written once a minute."""
         if self._last_check is not None:
             # A long pause (a stalled loop, failed samples) was not observed: count at most a few ticks.
             seconds = min(now - self._last_check, GAP_TICKS * self.config().watcher.interval)
-            for slot, added in rules.usage(view, max(0.0, seconds)).items():
-                totals = self._usage.setdefault(slot, [0.0, 0.0, 0.0])
+            for (uid, minor), added in rules.usage(view, max(0.0, seconds)).items():
+                totals = self._usage.setdefault((hour_of(now), uid, minor), [0.0, 0.0, 0.0])
                 for i, value in enumerate(added):
                     totals[i] += value
         if time.monotonic() - self._usage_flushed >= USAGE_FLUSH_EVERY:
             self.flush_usage()
 
     def flush_usage(self) -> None:
-        for (uid, minor), (granted, busy, idle) in self._usage.items():
-            self.store.add_usage(uid, self._account_of(uid)[0], minor, granted=granted, busy=busy, idle=idle)
+        for (hour, uid, minor), (granted, busy, idle) in self._usage.items():
+            self.store.add_usage(uid, self._account_of(uid)[0], minor, hour, granted=granted, busy=busy, idle=idle)
         self._usage.clear()
         self._usage_flushed = time.monotonic()
 
