@@ -217,9 +217,12 @@ class Store:
                                 (*params, limit)).fetchall()
         return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
 
+    def last_event_id(self) -> int:
+        return self._db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+
     def event_counts_since(self, after_id: int) -> tuple[int, list[tuple[str, str, str, int]]]:
         """(kind, rule, action, count) of the events newer than id `after_id`, and the newest id."""
-        newest = self._db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+        newest = self.last_event_id()
         rows = self._db.execute("SELECT kind, rule, action, count(*) FROM events WHERE id > ? AND id <= ?"
                                 " GROUP BY kind, rule, action", (after_id, newest)).fetchall()
         return max(newest, after_id), [tuple(row) for row in rows]

@@ -6,6 +6,7 @@ NSS, the GPU sample and the terminals are fakes that record what was asked of th
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -71,6 +72,7 @@ class FakeSampler:
 
     def __init__(self) -> None:
         self.last: Sample | None = None
+        self.errors: Counter[str] = Counter()  # NVML errors by GPU, as the real Sampler counts them
         self.set([])
 
     def set(self, processes: Iterable[tuple[int, int, int, int | None]], minors: Collection[int] = range(4)) -> Sample:
