@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server, write_to_textfile
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuguard.config import MetricsConfig
@@ -37,7 +37,8 @@ TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 EVENT_COUNTERS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     # kind: (metric, help, label for the event's rule, rules shown at 0)
     "warning": ("gpuguard_warnings", "Warnings given, by rule", "rule", ("memory", "time", "stray")),
-    "kill": ("gpuguard_kills", "Signals sent to stop processes, by rule and signal", "rule", ("memory", "time", "stray")),
+    "kill": ("gpuguard_kills", "Signals sent to stop processes, by rule and signal", "rule",
+             ("memory", "time", "stray")),
     "unkillable": ("gpuguard_unkillable", "Processes that survived SIGKILL, by rule", "rule", ()),
     "release": ("gpuguard_releases", "GPU grants released, by rule (user, logout, idle)", "rule",
                 ("user", "logout", "idle")),
@@ -170,7 +171,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield CounterMetricFamily("gpuguard_nvml_sample_failures", "Samples in which no GPU answered NVML",
                               value=s.nvml_errors.get("all", 0))
     cumulative, running = [], 0
-    for bound, count in zip([*map(str, TICK_BUCKETS), "+Inf"], s.tick_buckets):
+    for bound, count in zip([*map(str, TICK_BUCKETS), "+Inf"], s.tick_buckets, strict=True):
         running += count
         cumulative.append((bound, running))
     yield HistogramMetricFamily("gpuguard_watcher_tick_seconds", "Duration of the watcher's tick (sample, decide, act)",

@@ -65,7 +65,8 @@ class Watcher:
         self.notifier = notifier
         self.state = rules.State()
         self._last_check: float | None = None
-        self._usage: dict[tuple[int, int, int], list[float]] = {}  # (hour, uid, minor) -> [granted, busy, idle] unwritten
+        # (hour, uid, minor) -> [granted, busy, idle] seconds not written yet
+        self._usage: dict[tuple[int, int, int], list[float]] = {}
         self._usage_flushed = time.monotonic()
         # uid -> (when, config, name, quota): NSS is asked at most once per ACCOUNT_CACHE per user,
         # and again after a reload (another config object).
@@ -127,7 +128,7 @@ class Watcher:
             procs.append(rules.Proc(process.pid, identity.uid, identity.start_time, process.minor,
                                     process.used_memory))
         grants = self.store.grants()
-        quotas = {g.uid: self._account_of(g.uid)[1] for g in grants}
+        quotas = {g.uid: self.account_of(g.uid)[1] for g in grants}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
         failed = frozenset(sample.failed) | {g.minor for g in grants if not sample.ok(g.minor)}
         return rules.View(procs, grants, quotas, self.exempt.uids, failed)
@@ -155,7 +156,7 @@ class Watcher:
                 entry = (cached[2], cached[3]) if cached and cached[1] is config else (str(uid), config.defaults)
             self._accounts[uid] = (time.monotonic(), config, *entry)
 
-    def _account_of(self, uid: int) -> tuple[str, Quota]:
+    def account_of(self, uid: int) -> tuple[str, Quota]:
         """Name and resolved quota of uid as _resolve_accounts left them; a uid it never saw
         (granted during the confirming re-sample) gets the defaults until the next tick."""
         cached = self._accounts.get(uid)
@@ -168,7 +169,7 @@ class Watcher:
     def _act(self, action: Action, now: float) -> bool:
         """Carry out one action; True when it happened (a signal to a process that already left
         did not), for rules.advance."""
-        user = self._account_of(action.uid)[0]
+        user = self.account_of(action.uid)[0]
         proc = action.proc
         command = signals.command(proc.pid) if proc else ""
         text = rules.message(action, command)
@@ -226,7 +227,7 @@ class Watcher:
 
     def flush_usage(self) -> None:
         for (hour, uid, minor), (granted, busy, idle) in self._usage.items():
-            self.store.add_usage(uid, self._account_of(uid)[0], minor, hour, granted=granted, busy=busy, idle=idle)
+            self.store.add_usage(uid, self.account_of(uid)[0], minor, hour, granted=granted, busy=busy, idle=idle)
         self._usage.clear()
         self._usage_flushed = time.monotonic()
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from conftest import PYTHON
+
 from gpuguard.logs import JournalFormatter, KeyValueFormatter, pairs, stderr_is_journal
 
 

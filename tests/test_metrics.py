@@ -7,9 +7,8 @@ import socket
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import wait_for
+from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import GiB, start_burn, stop_burn
 
 Samples = dict[tuple[str, frozenset], float]
@@ -70,7 +69,8 @@ def test_a_scrape_shows_holders_memory_watcher_actions_and_the_gate(start_daemon
 
         over = start_burn(d.config_path, minor, "6GiB", user=alice)  # 8GiB in all: the newest is stopped
         assert over.wait(timeout=30) == -signal.SIGTERM
-        s = wait_for(lambda: (m := scrape(port)) and value(m, "gpuguard_kills_total", rule="memory", signal="SIGTERM") and m)
+        s = wait_for(lambda: (m := scrape(port)) and
+                     value(m, "gpuguard_kills_total", rule="memory", signal="SIGTERM") and m)
         assert value(s, "gpuguard_warnings_total", rule="memory") == 1
         assert value(s, "gpuguard_kills_total", rule="memory", signal="SIGTERM") == 1
         assert value(s, "gpuguard_kills_total", rule="memory", signal="SIGKILL") == 0

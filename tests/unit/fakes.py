@@ -115,10 +115,11 @@ class World:
         self.notifier = FakeNotifier()
         self.logout = LogoutRelease(self.store, self.grants, lambda minors: [h for h in self.holders if h.minor in minors])
         self.reloads = 0
-        self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
-                       self.lookup, self.logout, None, reload=self._reload, sync_nodes=lambda: None)
         self.watcher = Watcher(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
                                self.lookup, self.notifier)
+        self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
+                       self.lookup, self.logout, None, reload=self._reload, sync_nodes=lambda: None,
+                       account_of=self.watcher.account_of)
 
     def _reload(self) -> Config:
         self.reloads += 1

@@ -6,10 +6,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from fakes import GROUP, World, gpu
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fakes import GROUP, World, gpu
 from gpuguard.config import MetricsConfig
 from gpuguard.metrics import GpuState, Holding, Metrics, job_mapping, write_job_mapping
 from gpuguard.model import GpuUse
