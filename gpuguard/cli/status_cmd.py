@@ -51,7 +51,7 @@ class Style:
         return cls(colour=colour, unicode=tty and (sys.stdout.encoding or "").lower().replace("-", "") == "utf8")
 
     def paint(self, text: str, *names: str) -> str:
-        if not self.colour or not names:
+        if not self.colour or not names or not text:
             return text
         return f"\033[{';'.join(_COLOURS[n] for n in names)}m{text}\033[0m"
 
