@@ -204,10 +204,10 @@ class Api:
         try:
             return (await self.lookup.by_name(name)).uid
         except accounts.UnknownUser:
-            uid = self.store.known_uid(name)
-            if uid is None:
+            recorded = self.store.known_uid(name)
+            if recorded is None:
                 raise Refusal(f"no such user: {name}", 2) from None
-            return uid
+            return recorded
 
     # --- a user's own GPUs
 
@@ -435,9 +435,10 @@ class Api:
 
 def _period(request: dict[str, Any], default_since: float | None = None) -> tuple[float, float]:
     """since and until (epoch seconds) of a request; until defaults to now, since to default_since."""
-    now = time.time()
     since = _number(request, "since", default_since)
-    until = _number(request, "until", now)
+    until = _number(request, "until", None)
+    if until is None:
+        until = time.time()
     if since is None:
         raise Refusal("missing field 'since'", 2)
     if since >= until:

@@ -23,9 +23,9 @@ logger = logging.getLogger("gpuguard")
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = _head(record)
-        if record.exc_info:
+        if exc := _exception_of(record):
             # One line per event: the traceback's newlines are escaped like any value's.
-            line += " " + pairs(exception=_exception(record), traceback=_traceback(record))
+            line += " " + pairs(exception=_summary(exc), traceback=_traceback(exc))
         return line
 
 
@@ -34,10 +34,10 @@ class JournalFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = f"<{_priority(record.levelno)}>{_head(record)}"
-        if record.exc_info:
-            line += " " + pairs(exception=_exception(record))
+        if exc := _exception_of(record):
+            line += " " + pairs(exception=_summary(exc))
             line += f"\n<{_priority(logging.DEBUG)}>gpuguard level=debug " + pairs(
-                event="traceback", of=getattr(record, "event_name", None), traceback=_traceback(record))
+                event="traceback", of=getattr(record, "event_name", None), traceback=_traceback(exc))
         return line
 
 
@@ -45,13 +45,16 @@ def _head(record: logging.LogRecord) -> str:
     return f"gpuguard level={record.levelname.lower()} {record.getMessage()}"
 
 
-def _exception(record: logging.LogRecord) -> str:
-    kind, exc, _ = record.exc_info
-    return f"{kind.__name__}: {exc}"
+def _exception_of(record: logging.LogRecord) -> BaseException | None:
+    return record.exc_info[1] if record.exc_info else None
 
 
-def _traceback(record: logging.LogRecord) -> str:
-    return "".join(traceback.format_exception(*record.exc_info)).rstrip()
+def _summary(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _traceback(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
 _PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))

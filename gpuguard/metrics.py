@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -244,7 +245,7 @@ class Metrics:
         self._last_event_id = store.last_event_id()  # counted from the start on
         self.registry = CollectorRegistry(auto_describe=True)  # the textfile's: gpuguard's own metrics only
         self.registry.register(SnapshotCollector(self))
-        self._server = None
+        self._server: WSGIServer | None = None
 
     @property
     def enabled(self) -> bool:

@@ -40,15 +40,18 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
     view = []
     for minor, gpu in sorted(gpus.items()):
         read = sample is not None and sample.ok(minor)
-        processes = [{"pid": p.pid, "uid": uid, "user": account_of(uid)[0] if uid is not None else None,
-                      "memory": p.used_memory, "command": sample.commands.get(p.pid, "")}
-                     for p in (sample.processes if read else ()) if p.minor == minor
-                     for uid in [sample.uid_of(p.pid)]]
+        processes: list[dict[str, Any]] = []
+        if sample is not None and read:
+            for p in sample.processes:
+                if p.minor == minor:
+                    uid = sample.uid_of(p.pid)
+                    processes.append({"pid": p.pid, "uid": uid, "user": account_of(uid)[0] if uid is not None else None,
+                                      "memory": p.used_memory, "command": sample.commands.get(p.pid, "")})
         use = sample.use.get(minor) if sample else None
         holders = []
         for g in grants:
             if g.minor == minor:
-                used = [p["memory"] for p in processes if p["uid"] == g.uid and p["memory"] is not None]
+                used: list[int] = [p["memory"] for p in processes if p["uid"] == g.uid and p["memory"] is not None]
                 holders.append({"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
                                 "granted_at": g.granted_at, "expires_at": g.expires_at,
                                 "gpu_memory": account_of(g.uid)[1].gpu_memory,
