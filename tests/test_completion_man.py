@@ -18,8 +18,9 @@ def commands() -> dict[str, argparse.ArgumentParser]:
 def complete(script: str, line: str) -> list[str]:
     """What bash completes at the end of `line`, with the generated script loaded."""
     words = line.split(" ")
-    program = (f'{script}\nCOMP_LINE="{line}"; COMP_POINT=${{#COMP_LINE}}; COMP_WORDS=({" ".join(repr(w) for w in words)})\n'
-               f'COMP_CWORD={len(words) - 1}; _shtab_gpuguard; printf "%s\\n" "${{COMPREPLY[@]}}"')
+    program = (f'{script}\nCOMP_LINE="{line}"; COMP_POINT=${{#COMP_LINE}}\n'
+               f'COMP_WORDS=({" ".join(repr(w) for w in words)}); COMP_CWORD={len(words) - 1}\n'
+               '_shtab_gpuguard; printf "%s\\n" "${COMPREPLY[@]}"')
     result = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True)
     return result.stdout.split()
 
@@ -43,7 +44,7 @@ def test_the_man_page_documents_every_command_with_its_help_text(tmp_path):
                     "--prog", "gpuguard", "--output", str(page)], check=True, cwd=REPO)
     text = page.read_text().replace("\\-", "-")
     assert text.startswith(".TH GPUGUARD")
-    for name, parser in commands().items():
+    for name in commands():
         assert f"gpuguard {name}" in text or f"\\fI\\,{name}\\/" in text, name
     report = commands()["report"]
     (by,) = [a for a in report._actions if "--by" in a.option_strings]
