@@ -62,7 +62,7 @@ class Api:
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
                  sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, gate: Gate | None,
                  reload: Callable[[], Config], sync_nodes: Callable[[], None],
-                 account_of: Callable[[int], tuple[str, Quota]]):
+                 account_of: Callable[[int], tuple[str, Quota]], flush_usage: Callable[[], None]):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
@@ -74,6 +74,7 @@ class Api:
         self._reload = reload
         self._sync_nodes = sync_nodes
         self._account_of_uid = account_of  # name and quota as the watcher last resolved them: no NSS wait
+        self._flush_usage = flush_usage  # the watcher's usage of the last minute, not written yet
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         op = request["op"]
@@ -179,6 +180,7 @@ class Api:
         by = _field(request, "by", str, "user")
         if by not in reporting.GROUPINGS:
             raise Refusal(f"field 'by': one of {', '.join(reporting.GROUPINGS)}, got {by!r}", 2)
+        self._flush_usage()  # a report made now includes the last tick
         rows = self.store.usage_by(by, since, until, uid)
         return protocol.ok(by=by, since=since, until=until, **reporting.report(rows))
 

@@ -83,7 +83,7 @@ class Daemon:
                                self.lookup, self.notifier)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
                        self.logout, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
-                       account_of=self.watcher.account_of)
+                       account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage)
         self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate)
         self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
 

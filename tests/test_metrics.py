@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 from conftest import wait_for
+from gpuguard.demo import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import GiB, start_burn, stop_burn
 
@@ -32,12 +33,6 @@ def scrape(port: int) -> Samples:
         assert reply.status == 200
         assert reply.headers["Content-Type"].startswith("text/plain")
         return parse(reply.read().decode())
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.gate

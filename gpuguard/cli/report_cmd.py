@@ -101,7 +101,7 @@ def show_report(args: argparse.Namespace) -> int:
     table = [[args.by.upper(), "GRANTED", "BUSY", "IDLE", "BUSY SHARE", "STOPPED"]]
     for row in [*reply["rows"], reply["total"]]:
         stopped = ", ".join(f"{rule} {n}" for rule, n in sorted(row["kills"].items()))
-        table.append([str(row["key"]), *(f"{row[k] / HOUR:.1f}" for k in ("granted_seconds", "busy_seconds",
+        table.append([str(row["key"]), *(f"{row[k] / HOUR:.2f}" for k in ("granted_seconds", "busy_seconds",
                                                                             "idle_seconds")),
                       "-" if row["busy_share"] is None else f"{row['busy_share']:.0%}",
                       f"{row['kills_total']}" + (f" ({stopped})" if stopped else "")])

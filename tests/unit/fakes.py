@@ -119,7 +119,7 @@ class World:
                                self.lookup, self.notifier)
         self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
                        self.lookup, self.logout, None, reload=self._reload, sync_nodes=lambda: None,
-                       account_of=self.watcher.account_of)
+                       account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage)
 
     def _reload(self) -> Config:
         self.reloads += 1
