@@ -180,7 +180,9 @@ def families(s: Snapshot) -> Iterator[Metric]:
     if s.gate_attached is not None:
         yield GaugeMetricFamily("gpuguard_gate_attached", "1 while the BPF device gate is attached to the cgroup root",
                                 value=1 if s.gate_attached else 0)
-        entries = GaugeMetricFamily("gpuguard_gate_map_entries", "Entries in the gate's BPF maps", labels=["map"])
+        entries = GaugeMetricFamily("gpuguard_gate_map_entries",
+                                    "Entries in the gate's BPF maps: grants, and exempt uids (root passes always)",
+                                    labels=["map"])
         entries.add_metric(["grants"], s.gate_grants or 0)
         entries.add_metric(["exempt"], s.gate_exempt or 0)
         yield entries
@@ -280,7 +282,7 @@ class Metrics:
             grants=len(self.store.grants()), sessions=len(self.store.sessions()), events=dict(self._events),
             nvml_errors=dict(self.sampler.errors), tick_buckets=tuple(self._ticks.buckets), tick_sum=self._ticks.total,
             gate_attached=attached, gate_grants=len(entries) if gate else None,
-            gate_exempt=len(gate.exempt()) if gate and attached else (0 if gate else None))
+            gate_exempt=len(gate.exempt() - {0}) if gate and attached else (0 if gate else None))
         return self.snapshot
 
     async def after_tick(self, tick_seconds: float) -> None:
