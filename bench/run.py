@@ -46,10 +46,10 @@ sys.path.insert(0, str(REPO))
 
 from gpuguard import allocator, client, config as configuration, rules  # noqa: E402
 from gpuguard.backends.gate import bpffs_restored  # noqa: E402
-from gpuguard.backends.simulated import SimulatedBackend, register_process  # noqa: E402
-from gpuguard.demo import start_daemon  # noqa: E402
 from gpuguard.backends.procfs import ProcessIdentity  # noqa: E402
+from gpuguard.backends.simulated import SimulatedBackend, register_process  # noqa: E402
 from gpuguard.config import MetricsConfig  # noqa: E402
+from gpuguard.demo import start_daemon  # noqa: E402
 from gpuguard.metrics import Metrics  # noqa: E402
 from gpuguard.model import Grant, Quota  # noqa: E402
 from gpuguard.sampling import Sample  # noqa: E402
@@ -122,7 +122,7 @@ def bench_watcher_rules() -> None:
             store.add_grants(grant.uid, grant.user, [grant.minor], 0.0, grant.expires_at)
         owners = {p.pid: ProcessIdentity(p.pid, 1000 + p.minor, p.pid) for p in procs}
         sampler = SimpleNamespace(last=Sample(100.0, tuple(procs), owners, frozenset(gpus), use=use), errors={})
-        metrics = Metrics(MetricsConfig(), store, gpus, sampler, None)
+        metrics = Metrics(MetricsConfig(), store, gpus, sampler, None, lambda uid: (str(uid), Quota()))
         publish_time = per_call(lambda: metrics.publish(0.01), 50)
         store.close()
     row("metrics snapshot per tick (8 GPUs x 50)", publish_time, sample_time, 0.5)

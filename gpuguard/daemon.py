@@ -84,7 +84,8 @@ class Daemon:
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
                        self.logout, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
                        account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage)
-        self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate)
+        self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
+                               self.watcher.account_of)
         self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
 
     async def _handle(self, request: dict, peer) -> dict:

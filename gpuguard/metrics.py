@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from gpuguard.config import MetricsConfig
 from gpuguard.logs import event
-from gpuguard.model import Gpu, GpuUse, Grant
+from gpuguard.model import Gpu, GpuUse, Grant, Quota
 from gpuguard.sampling import Sample
 
 # Watcher tick durations (seconds): a healthy tick takes milliseconds; past interval/2 it logs watcher_slow.
@@ -93,19 +93,20 @@ class _Ticks:
         self.total += seconds
 
 
-def gpu_states(gpus: Iterable[Gpu], sample: Sample | None, grants: Iterable[Grant]) -> tuple[GpuState, ...]:
+def gpu_states(gpus: Iterable[Gpu], sample: Sample | None, grants: Iterable[Grant],
+               name_of: Callable[[int], str]) -> tuple[GpuState, ...]:
     """Per GPU: its numbers from the sample, its holders, each user's known memory there."""
     grants = list(grants)
     states = []
     for gpu in sorted(gpus, key=lambda g: g.minor):
         holders = tuple(Holding(g.user, g.uid, g.granted_at, g.expires_at) for g in grants if g.minor == gpu.minor)
-        names = {h.uid: h.user for h in holders}
+        names = {h.uid: h.user for h in holders}  # a grant names its user; others (strays) by the watcher's lookup
         memory: Counter[str] = Counter()
         if sample is not None:
             for process in sample.processes:
                 uid = sample.uid_of(process.pid)
                 if process.minor == gpu.minor and uid is not None and process.used_memory is not None:
-                    memory[names.get(uid, str(uid))] += process.used_memory
+                    memory[names.get(uid) or name_of(uid)] += process.used_memory
         states.append(GpuState(gpu, sample is not None and sample.ok(gpu.minor),
                                sample.use.get(gpu.minor) if sample else None, holders, tuple(sorted(memory.items()))))
     return tuple(states)
@@ -235,8 +236,10 @@ def write_job_mapping(directory: Path, files: Mapping[str, str]) -> None:
 class Metrics:
     """The loop side: publishes a snapshot per tick and feeds the endpoint and the files."""
 
-    def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate) -> None:
+    def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
+                 account_of: Callable[[int], tuple[str, Quota]]) -> None:
         self.settings = settings
+        self.account_of = account_of  # user names as the watcher last resolved them (no NSS on the loop)
         self.store = store
         self.gpus = gpus
         self.sampler = sampler
@@ -278,7 +281,8 @@ class Metrics:
         attached = gate.is_attached() if gate else None
         entries = gate.entries() if gate and attached else set()
         self.snapshot = Snapshot(
-            time=time.time(), gpus=gpu_states(self.gpus.values(), self.sampler.last, self.store.grants()),
+            time=time.time(), gpus=gpu_states(self.gpus.values(), self.sampler.last, self.store.grants(),
+                                           lambda uid: self.account_of(uid)[0]),
             grants=len(self.store.grants()), sessions=len(self.store.sessions()), events=dict(self._events),
             nvml_errors=dict(self.sampler.errors), tick_buckets=tuple(self._ticks.buckets), tick_sum=self._ticks.total,
             gate_attached=attached, gate_grants=len(entries) if gate else None,

@@ -34,7 +34,8 @@ def test_a_gpu_nvml_cannot_read_is_down_and_counted_and_the_others_keep_their_nu
     sample = world.sampler.set([(500, 1001, minor, 3 << 30)], minors={0, 1, 2, 3} - {3})
     world.sampler.last = replace(sample, use={minor: GpuUse(3 << 30, 80 << 30, 40)})
     world.sampler.errors = {"3": 2}
-    metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None)
+    metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
+                      world.watcher.account_of)
     metrics.publish(0.02)
     m = exposition(metrics)
     key = frozenset({"gpu": str(minor), "uuid": f"GPU-{minor:04d}"}.items())
@@ -50,7 +51,8 @@ def test_a_gpu_nvml_cannot_read_is_down_and_counted_and_the_others_keep_their_nu
 def test_counters_count_events_recorded_after_the_start_only(world):
     alice = world.lookup.add("alice", 1001, GROUP)
     world.login(alice)  # a grant event before the metrics start: not counted
-    metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None)
+    metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
+                      world.watcher.account_of)
     world.call("release", uid=1001)
     world.login(alice, pid=4343)
     metrics.publish(0.01)
@@ -63,10 +65,12 @@ def test_counters_count_events_recorded_after_the_start_only(world):
 
 def test_files_are_written_only_when_configured(world, tmp_path: Path):
     textfile = tmp_path / "tf" / "gpuguard.prom"
-    metrics = Metrics(MetricsConfig(textfile=textfile), world.store, world.grants.gpus, world.sampler, None)
+    metrics = Metrics(MetricsConfig(textfile=textfile), world.store, world.grants.gpus, world.sampler, None,
+                      world.watcher.account_of)
     asyncio.run(metrics.after_tick(0.01))
     assert "gpuguard_grants 0.0" in textfile.read_text()
-    idle = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None)
+    idle = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
+                      world.watcher.account_of)
     asyncio.run(idle.after_tick(0.01))
     assert idle.snapshot is None  # nothing configured: no work each tick
 
