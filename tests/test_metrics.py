@@ -7,11 +7,10 @@ import socket
 import urllib.request
 
 import pytest
-from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import GiB, start_burn, stop_burn
 
-from devtools.harness import free_port
+from devtools.harness import free_port, wait_for
 
 Samples = dict[tuple[str, frozenset], float]
 

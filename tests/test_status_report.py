@@ -9,9 +9,9 @@ import os
 import subprocess
 
 import pytest
-
-from conftest import wait_for
 from sim_helpers import GiB, burn, gpuguard
+
+from devtools.harness import wait_for
 
 pytestmark = pytest.mark.gate
 
