@@ -34,6 +34,9 @@ READ_TIMEOUT = 2.0    # a PAM request is one small line; a client this slow is b
 WRITE_TIMEOUT = 10.0  # replies can be large (status of a busy server) and readers slow
 MAX_CONNECTIONS_PER_USER = 64  # a user flooding the socket runs out of slots, root (logins) never does
 READ_CHUNK = 64 * 1024
+# Connections the kernel queues before accept (it caps this at net.core.somaxconn). asyncio's
+# default of 100 filled up under one user's connect flood, and a login then got EAGAIN.
+LISTEN_BACKLOG = 4096
 
 
 class ServerError(GpuguardError):
@@ -68,7 +71,8 @@ class Server:
         try:
             sock.bind(str(self.path))
             os.chmod(self.path, 0o666)  # before listen(): nobody can connect yet
-            self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=protocol.MAX_REQUEST)
+            self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=protocol.MAX_REQUEST,
+                                                           backlog=LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
             raise ServerError(f"cannot serve on {self.path}: {exc.strerror}") from None
