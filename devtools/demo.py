@@ -16,10 +16,19 @@ import shutil
 import subprocess
 import textwrap
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-from devtools.harness import VENV_BIN, bpffs_restored, kill_processes_of, searchable, start_daemon, stop_daemon
+from devtools.harness import (
+    VENV_BIN,
+    bpffs_restored,
+    free_port,
+    kill_processes_of,
+    searchable,
+    start_daemon,
+    stop_daemon,
+)
 from gpuguard import client
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,6 +47,7 @@ class Tour:
         self.socket = self.dir / "run" / "gpuguard.sock"
         self.users = {name: f"ggt-{name}-{tag}" for name in ("alice", "bob", "carol")}
         self.daemon: subprocess.Popen | None = None
+        self.metrics_port = free_port()
 
     # --- setting the stage
 
@@ -70,6 +80,9 @@ class Tour:
             state_dir = "{self.dir}/state"
             socket = "{self.socket}"
             device_dir = "{self.dir}/dev"
+
+            [metrics]
+            listen = "127.0.0.1:{self.metrics_port}"
 
             [gpu]
             backend = "simulated"
@@ -127,6 +140,16 @@ class Tour:
                                 input=script, capture_output=True, text=True, timeout=120)
         print(textwrap.indent((result.stdout + result.stderr).rstrip(), "  "))
 
+    def scrape(self, *prefixes: str) -> None:
+        """Fetch the metrics endpoint as Prometheus would and show the lines of these metrics."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        print(f"root# curl -s {url} | grep -E '^({'|'.join(prefixes)})'")
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            lines = reply.read().decode().splitlines()
+        for line in lines:
+            if line.startswith(prefixes) and not line.endswith(" 0.0"):
+                print(f"  {line}")
+
     def wait_for_event(self, name: str, kind: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -181,8 +204,10 @@ echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES
 gpuguard sim burn --gpu {other} --mem 1GiB --seconds 0
 """)
 
-    step("7. alice logged out, but her nohup job keeps her GPUs; everyone can see who holds what")
+    step("7. alice logged out, but her nohup job keeps her GPUs; everyone sees who holds what, and uses how much")
     t.admin("status")
+    t.admin("status", "--csv")
+    t.scrape("gpuguard_gpu_holder", "gpuguard_gpu_memory_used_bytes", "gpuguard_user_gpu_memory_used_bytes")
 
     step("8. bob goes over his 20GiB memory quota: warned, then stopped after the grace period")
     t.login("bob", """
@@ -195,7 +220,14 @@ gpuguard whoami | tail -n 4
     t.wait_for_event("alice", "kill")
     t.admin("whoami", "--user", t.users["alice"])
 
-    step("10. The daemon stops: the gate stays, so GPU access stays closed (fail closed)")
+    step("10. The records: the month's report, the event history, and what Prometheus scrapes")
+    t.admin("report")
+    t.admin("report", "--by", "gpu")
+    t.admin("events", "--rule", "memory")
+    t.scrape("gpuguard_warnings_total", "gpuguard_kills_total", "gpuguard_revokes_total",
+             "gpuguard_watcher_tick_seconds_count")
+
+    step("11. The daemon stops: the gate stays, so GPU access stays closed (fail closed)")
     t.stop_daemon()
     t.login("bob", "gpuguard sim burn --gpu 0 --mem 1GiB --seconds 0")
     t.admin("gate", "status", "--name", t.gate)

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -124,6 +125,13 @@ def bpffs_restored() -> Iterator[None]:
             # maps.debug and progs.debug are the kernel's own (bpf_preload), in every new bpffs.
             if not {entry.name for entry in BPFFS.iterdir()} - {"maps.debug", "progs.debug"}:
                 unmount_bpffs()
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (for a metrics endpoint)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def kill_processes_of(uid: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from collections.abc import Callable
 
-from gpuguard import allocator, config as configuration, policy, protocol
+from gpuguard import allocator, config as configuration, policy, protocol, reporting
 from gpuguard.backends import accounts, procfs
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.notify import Notifier
@@ -26,7 +26,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.messages import grant_message, number_list, queue_message
-from gpuguard.model import Grant
+from gpuguard.model import Grant, Quota
 from gpuguard.queueing import Queue, Standing
 from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
@@ -66,7 +66,8 @@ class Api:
 
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
                  sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, holders: HolderEnder,
-                 gate: Gate | None, reload: Callable[[], Config], sync_nodes: Callable[[], None], queue: Queue,
+                 gate: Gate | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
+                 account_of: Callable[[int], tuple[str, Quota]], flush_usage: Callable[[], None], queue: Queue,
                  notifier: Notifier):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
@@ -79,6 +80,8 @@ class Api:
         self.gate = gate
         self._reload = reload
         self._sync_nodes = sync_nodes
+        self._account_of_uid = account_of  # name and quota as the watcher last resolved them: no NSS wait
+        self._flush_usage = flush_usage  # the watcher's usage of the last minute, not written yet
         self.queue = queue
         self.notifier = notifier
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
@@ -193,19 +196,9 @@ class Api:
 
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         config = self.config()
-        grants = self.store.grants()
         sample = self.sampler.last
-        gpus = []
-        for minor, gpu in sorted(self.grants.gpus.items()):
-            gpus.append({
-                "minor": minor, "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
-                "memory_total": gpu.memory_total,
-                "holders": [{"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
-                             "expires_at": g.expires_at} for g in grants if g.minor == minor],
-                "processes": (sum(1 for p in sample.processes if p.minor == minor)
-                              if sample and sample.ok(minor) else None),  # None: unknown (not sampled, or failed)
-            })
-        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None,
+        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid)
+        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=time.time(),
                             group=config.access.group,
                             queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,
                                     "since": q.waiter.since, "priority": q.waiter.priority}
@@ -215,6 +208,45 @@ class Api:
                          exempt=sorted(self.exempt.uids), mode=config.access.mode,
                          gate=self.gate.name if self.gate and self.gate.is_attached() else None)
         return reply
+
+    # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
+
+    async def report(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        uid = await self._records_of(request, peer)
+        since, until = _period(request)
+        by = _field(request, "by", str, "user")
+        if by not in reporting.GROUPINGS:
+            raise Refusal(f"field 'by': one of {', '.join(reporting.GROUPINGS)}, got {by!r}", 2)
+        self._flush_usage()  # a report made now includes the last tick
+        rows = self.store.usage_by(by, since, until, uid)
+        return protocol.ok(by=by, since=since, until=until, **reporting.report(rows))
+
+    async def events(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        uid = await self._records_of(request, peer)
+        since, until = _period(request, default_since=0.0)
+        limit = _field(request, "limit", int, 200)
+        if not 1 <= limit <= reporting.MAX_EVENTS:
+            raise Refusal(f"field 'limit': between 1 and {reporting.MAX_EVENTS}, got {limit}", 2)
+        found = self.store.find_events(uid, since, until, _field(request, "rule", str, None), limit)
+        return protocol.ok(events=[asdict(e) for e in found])
+
+    async def _records_of(self, request: dict[str, Any], peer: Peer) -> int | None:
+        """Whose records a request may read: the caller's own; root's, anyone's (None: everyone's).
+        Root may name an account deleted since: its records keep the uid it had."""
+        name = _field(request, "user", str, None)
+        if peer.uid != 0:
+            if name is not None and name != (await self._account_of(peer)).name:
+                raise Refusal("only root may look at another user's records")
+            return peer.uid
+        if name is None:
+            return None
+        try:
+            return (await self.lookup.by_name(name)).uid
+        except accounts.UnknownUser:
+            recorded = self.store.known_uid(name)
+            if recorded is None:
+                raise Refusal(f"no such user: {name}", 2) from None
+            return recorded
 
     # --- a user's own GPUs
 
@@ -494,12 +526,31 @@ def _readable(scan: Scan) -> Scan:
     return scan
 
 
+def _period(request: dict[str, Any], default_since: float | None = None) -> tuple[float, float]:
+    """since and until (epoch seconds) of a request; until defaults to now, since to default_since."""
+    since = _number(request, "since", default_since)
+    until = _number(request, "until", None)
+    if until is None:
+        until = time.time()
+    if since is None:
+        raise Refusal("missing field 'since'", 2)
+    if since >= until:
+        raise Refusal("since must be before until", 2)
+    return since, until
+
+
+def _number(request: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = request.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise Refusal(f"field {key!r}: expected a number (epoch seconds), got {value!r}", 2)
+    return value
+
+
 def _standing_info(standing: Standing | None) -> dict[str, Any] | None:
     """A user's place in the queue as the protocol carries it (None: not waiting)."""
     if standing is None:
         return None
     return {**asdict(standing), "ahead": [{"user": user, "why": why} for user, why in standing.ahead]}
-
 
 def _duration(value: Any) -> float | None:
     if value is None:

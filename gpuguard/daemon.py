@@ -34,6 +34,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.queueing import Queue
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
+from gpuguard.metrics import Metrics
 from gpuguard.server import Server
 from gpuguard.store import Store
 from gpuguard.watcher import Watcher
@@ -92,7 +93,11 @@ class Daemon:
                                self.lookup, self.notifier, demand=self.queue.demand)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
                        self.logout, self.holders, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
+                       account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
                        queue=self.queue, notifier=self.notifier)
+        self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
+                               self.watcher.account_of)
+        self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
 
     async def _handle(self, request: dict, peer) -> dict:
         return await self.api.handle(request, peer)
@@ -120,6 +125,7 @@ class Daemon:
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
+        self.metrics.close()
         self.holders.close()
         self.watcher.close()
         self.notifier.close()
@@ -134,10 +140,10 @@ class Daemon:
         """Load the config again; raises ConfigError and keeps the old one when it is broken."""
         new = configuration.load(self.config.source)
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
-        fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu,
+        fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
                         access=replace(new.access, mode=self.config.access.mode))
         if fixed != new:
-            event(logging.WARNING, "reload_partial", reason="paths, gpu and access.mode change at restart")
+            event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics and access.mode change at restart")
         self.config = fixed
         self.store.retention = fixed.events
         self.exempt.refresh()
@@ -208,14 +214,15 @@ class Daemon:
             event(logging.ERROR, "repair_failed", error=str(exc).splitlines()[0], action="retried next check")
 
     async def tick(self) -> None:
+        started = time.monotonic()
         sample = await self.sampler.take_or_log("skipped this tick", max_age=0)  # the tick paces NVML polling
-        if sample is None:
-            return
-        self.drop_dead_sessions()
-        self.drop_gone_waiters()
-        await self.logout.release_unused(sample)
-        await self.watcher.check(sample, time.time())
-        self.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
+        if sample is not None:
+            self.drop_dead_sessions()
+            self.drop_gone_waiters()
+            await self.logout.release_unused(sample)
+            await self.watcher.check(sample, time.time())
+            self.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
+        await self.metrics.after_tick(time.monotonic() - started)
 
     def drop_gone_waiters(self) -> None:
         """Queued requests nobody waits for: a login's whose user has no session left, a request's

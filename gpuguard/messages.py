@@ -1,6 +1,8 @@
 """Text people read: the login line and the times and lists in it (shared by daemon and CLI)."""
 from __future__ import annotations
 
+import re
+
 import time
 from collections.abc import Iterable
 
@@ -39,6 +41,15 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+_SGR = re.compile(r"(\x1b\[[0-9;]*m)")  # Select Graphic Rendition: colour and weight, nothing else
+
+
+def printable_keeping_colour(text: str) -> str:
+    """printable(), except that colour sequences (SGR) pass: they can recolour text but cannot move
+    the cursor, erase, set a title or start a line, so `gpuguard status` keeps its colours."""
+    return "".join(part if _SGR.fullmatch(part) else printable(part) for part in _SGR.split(text))
 
 
 def queue_message(position: int, waiting: int, gpus: int, estimate: float | None) -> str:

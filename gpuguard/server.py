@@ -34,6 +34,9 @@ READ_TIMEOUT = 2.0    # a PAM request is one small line; a client this slow is b
 WRITE_TIMEOUT = 10.0  # replies can be large (status of a busy server) and readers slow
 MAX_CONNECTIONS_PER_USER = 64  # a user flooding the socket runs out of slots, root (logins) never does
 READ_CHUNK = 64 * 1024
+# Connections the kernel queues before accept (it caps this at net.core.somaxconn). asyncio's
+# default of 100 filled up under one user's connect flood, and a login then got EAGAIN.
+LISTEN_BACKLOG = 4096
 
 
 class ServerError(GpuguardError):
@@ -72,7 +75,8 @@ class Server:
         try:
             sock.bind(str(self.path))
             os.chmod(self.path, 0o666)  # before listen(): nobody can connect yet
-            self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=protocol.MAX_REQUEST)
+            self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=protocol.MAX_REQUEST,
+                                                           backlog=LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
             raise ServerError(f"cannot serve on {self.path}: {exc.strerror}") from None
@@ -117,6 +121,7 @@ class Server:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = _peer(writer.get_extra_info("socket"))
         self._open[peer.uid] += 1
+        reply: dict[str, Any] | None
         try:
             if peer.uid != 0 and self._open[peer.uid] > MAX_CONNECTIONS_PER_USER:
                 self.throttle.event(peer.uid, logging.WARNING, "refused", reason="too many connections", pid=peer.pid)
@@ -153,33 +158,47 @@ class Server:
 
     async def _read_line(self, reader: asyncio.StreamReader) -> bytes | None:
         """One request line, read within the read timeout; None when the client sent nothing
-        at all (it hung up, or stayed silent). Raises protocol.ProtocolError for anything else that is not
-        a whole line: too long, cut off, or unfinished in time. A line too long is read on to its
-        end but not kept: closing on unread data would reset the connection and lose the reply."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.read_timeout
-        data = bytearray()
-        skipped = 0  # bytes of a line too long, read and dropped
-        while (end := data.find(b"\n")) < 0:
-            if len(data) > protocol.MAX_REQUEST:
-                skipped += len(data)
-                data.clear()
-            try:
-                chunk = await asyncio.wait_for(reader.read(READ_CHUNK), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
-                chunk = None
-            if not chunk:
-                if skipped:
-                    break
-                if not data:
-                    return None
-                raise protocol.ProtocolError("incomplete request: the connection closed before the end of the line"
-                                  if chunk is not None else
-                                  f"incomplete request: no end of line within {self.read_timeout:g}s")
-            data += chunk
-        if skipped or end + 1 > protocol.MAX_REQUEST:
+        at all (it hung up, or stayed silent). Raises protocol.ProtocolError for anything else
+        that is not a whole line: too long, cut off, or unfinished in time."""
+        line = _Line()
+        try:
+            # One deadline for the whole line: a timer per chunk would cost a task each.
+            await asyncio.wait_for(line.read(reader), self.read_timeout)
+        except asyncio.TimeoutError:
+            if not line.received:
+                return None
+            raise protocol.ProtocolError(f"incomplete request: no end of line within {self.read_timeout:g}s") from None
+        return line.finished()
+
+
+class _Line:
+    """A request line as it arrives. A line too long is read on to its end but not kept:
+    closing on unread data would reset the connection and lose the reply."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.received = 0  # bytes, kept or not
+
+    async def read(self, reader: asyncio.StreamReader) -> None:
+        while self.data.find(b"\n") < 0:
+            if len(self.data) > protocol.MAX_REQUEST:
+                self.data.clear()  # too long already: only its end is looked for
+            chunk = await reader.read(READ_CHUNK)
+            if not chunk:  # the client closed its side
+                return
+            self.data += chunk
+            self.received += len(chunk)
+
+    def finished(self) -> bytes | None:
+        end = self.data.find(b"\n")
+        if end < 0 and not self.received:
+            return None
+        dropped = self.received - len(self.data)
+        if dropped or end + 1 > protocol.MAX_REQUEST or (end < 0 and self.received > protocol.MAX_REQUEST):
             raise protocol.ProtocolError(f"request exceeds {protocol.MAX_REQUEST} bytes")
-        return bytes(data[:end + 1])
+        if end < 0:
+            raise protocol.ProtocolError("incomplete request: the connection closed before the end of the line")
+        return bytes(self.data[:end + 1])
 
 
 async def _unless_hung_up(call: Awaitable[dict[str, Any]], reader: asyncio.StreamReader) -> dict[str, Any] | None:

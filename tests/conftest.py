@@ -25,7 +25,7 @@ from gpuguard.logs import KeyValueFormatter, logger as gpuguard_logger
 # Shared fixtures: device_dir / backend, simulated GPUs (tests/sim_helpers.py, first: the others
 # import it); start_daemon / gg_daemon, a real daemon (tests/daemon_fixture.py); pam_module
 # (tests/ssh_harness.py).
-pytest_plugins = ["sim_helpers", "daemon_fixture", "ssh_harness"]
+pytest_plugins = ["sim_helpers", "daemon_fixture", "ssh_harness", "hostile_fixture"]
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too

@@ -6,18 +6,13 @@ busy machine), never timing assertions; what is asserted is who got which signal
 """
 from __future__ import annotations
 
-import os
-import select
 import signal
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, popen_as
 from devtools.harness import wait_for
-from test_watcher import GRACE, INTERVAL, KILL_WAIT, MARGIN, WATCHER, burns, events, session_gpu  # noqa: F401
+from test_watcher import GRACE, INTERVAL, KILL_WAIT, MARGIN, WATCHER, events, session_gpu
 
 pytestmark = pytest.mark.gate
 
@@ -25,29 +20,6 @@ HOSTILE = Path(__file__).with_name("hostile_procs.py")
 BOUND = INTERVAL + GRACE + KILL_WAIT + 4 * INTERVAL + MARGIN  # the documented bound, plus slack
 
 
-@pytest.fixture
-def hostile() -> Iterator:
-    """Start a hostile workload as a user (in a session of its own); all are killed at the end."""
-    started: list[subprocess.Popen] = []
-
-    def start(user, *args: str) -> subprocess.Popen:
-        proc = popen_as(user, [PYTHON, str(HOSTILE), *map(str, args)], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True, start_new_session=True)
-        started.append(proc)
-        ready, _, _ = select.select([proc.stdout], [], [], MARGIN)
-        line = proc.stdout.readline() if ready else ""
-        assert line == "ready\n", f"{args[0]} did not start: {line!r} {proc.stderr.read() if proc.poll() else ''}"
-        return proc
-
-    yield start
-    for proc in started:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(MARGIN)
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def terms(d, user, rule: str) -> list[dict]:

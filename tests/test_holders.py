@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from devtools.harness import wait_for
-from test_evasion import BOUND, hostile  # noqa: F401  (the fixture)
+from test_evasion import BOUND
 from test_watcher import KILL_WAIT, MARGIN, WATCHER, events, session_gpu
 
 pytestmark = pytest.mark.gate

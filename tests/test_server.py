@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 
 from conftest import PYTHON, run_as
 from gpuguard import client, protocol
-from gpuguard.server import MAX_CONNECTIONS_PER_USER, Server, ServerError
+from gpuguard.server import LISTEN_BACKLOG, MAX_CONNECTIONS_PER_USER, Server, ServerError
 
 # A client run as a test user: open N silent connections, then make one call; print the reply.
 FLOOD = """
@@ -286,3 +287,13 @@ def test_something_else_at_the_socket_path_is_refused(sandbox):
     with pytest.raises(ServerError, match="exists and is not a socket"):
         Server(path, echo).claim()
     assert path.read_text() == "not a socket"
+
+
+def test_the_listen_queue_holds_a_connect_flood(serve):
+    # asyncio's default backlog of 100 filled under one user's connect flood: logins got EAGAIN.
+    server = serve()
+    listed = subprocess.run(["ss", "-xlnH", "src", str(server.path)], capture_output=True, text=True, check=True)
+    [line] = listed.stdout.splitlines()
+    backlog = int(line.split()[3])  # Send-Q of a listening socket: its backlog
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert backlog == min(LISTEN_BACKLOG, somaxconn) and backlog > 100

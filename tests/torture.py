@@ -165,7 +165,10 @@ def check(target: Target, confirmed_open: dict[str, int]) -> list[str]:
 def _send(path: str, data: bytes, shut: bool = True, timeout: float = 10) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(path)
+        try:
+            sock.connect(path)
+        except OSError:  # the listen queue is full: the attack goes on
+            return b""
         try:
             sock.sendall(data)
             if shut:

@@ -21,7 +21,7 @@ from typing import Any
 
 from gpuguard import __version__, config
 from gpuguard.errors import GpuguardError
-from gpuguard.messages import printable
+from gpuguard.messages import printable, printable_keeping_colour
 
 
 class CommandError(GpuguardError):
@@ -70,8 +70,15 @@ class PrintableOutput(io.TextIOBase):
         self.stream = stream
 
     def write(self, text: str) -> int:
-        self.stream.write("\n".join(printable(line) for line in text.split("\n")))
+        self.stream.write("\n".join(printable_keeping_colour(line) for line in text.split("\n")))
         return len(text)
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
 
     def flush(self) -> None:
         self.stream.flush()

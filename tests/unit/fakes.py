@@ -6,6 +6,7 @@ NSS, the GPU sample and the terminals are fakes that record what was asked of th
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -75,6 +76,7 @@ class FakeSampler:
 
     def __init__(self) -> None:
         self.last: Sample | None = None
+        self.errors: Counter[str] = Counter()  # NVML errors by GPU, as the real Sampler counts them
         self.set([])
 
     def set(self, processes: Iterable[tuple[int, int, int, int | None]], minors: Collection[int] = range(4)) -> Sample:
@@ -123,11 +125,12 @@ class World:
         self.grants.holders = self.holder_ender
         self.reloads = 0
         self.queue = Queue(lambda: self.config, self.store, self.grants)
-        self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
-                       self.lookup, self.logout, self.holder_ender, None, reload=self._reload, sync_nodes=lambda: None,
-                       queue=self.queue, notifier=self.notifier)  # type: ignore[arg-type]
         self.watcher = Watcher(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
                                self.lookup, self.notifier, demand=self.queue.demand)
+        self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
+                       self.lookup, self.logout, self.holder_ender, None, reload=self._reload,
+                       sync_nodes=lambda: None, account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
+                       queue=self.queue, notifier=self.notifier)  # type: ignore[arg-type]
 
     def find_holders(self, minors: Collection[int], uids: Collection[int] | None = None) -> list[Holder]:
         """The /proc scan: the holders a test listed, on those GPUs (of those users); counted."""
