@@ -6,7 +6,10 @@ import re
 import time
 from collections.abc import Iterable
 
+from gpuguard import rules
 from gpuguard.model import Gpu
+from gpuguard.rules import Action
+from gpuguard.units import format_duration, format_size
 
 
 def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wanted: int | None = None) -> str:
@@ -58,3 +61,68 @@ def queue_message(position: int, waiting: int, gpus: int, estimate: float | None
     return (f"gpuguard: no GPU is free right now; you are number {position} of {waiting} in the queue for "
             f"{gpus} GPU{'s' if gpus != 1 else ''}{when}; you will be told here when it is yours - "
             "gpuguard whoami shows the queue")
+
+
+HINT = "see gpuguard whoami"
+
+
+def action_message(action: Action, command: str = "") -> str:
+    """What the watcher tells the user about an action (rules.decide), on their terminals and in
+    `gpuguard whoami`: one line that says what happened, why, and what to do."""
+    n = action.numbers
+    gpu = f"GPU {action.minor}"
+    proc = action.proc
+    who = f"process {proc.pid}" + (f" ({command})" if command else "") if proc else ""
+    if action.rule == rules.MEMORY and action.kind == rules.WARN:
+        over = f"over your {format_size(n['quota'])} quota"
+        if proc is None:  # only processes of unknown memory: nothing can be chosen to stop
+            return f"gpuguard: your processes on {gpu} use {format_size(n['used'])}, {over}; reduce usage - {HINT}"
+        stop_in = format_duration(round(n["grace"]))
+        if n.get("processes", 1) == 1:
+            return (f"gpuguard: your {who} on {gpu} uses {format_size(n['used'])}, {over}; "
+                    f"it will be stopped in {stop_in} unless usage drops - {HINT}")
+        return (f"gpuguard: your {n['processes']} processes on {gpu} use {format_size(n['used'])} together, "
+                f"{over}; the largest, {who}, will be stopped in {stop_in} unless usage drops - {HINT}")
+    if action.kind == rules.TERM:
+        why = {
+            rules.MEMORY: f"your processes on {gpu} used {format_size(n.get('used'))}, over your "
+                    f"{format_size(n.get('quota'))} quota, for {format_duration(round(n.get('grace', 0)))}",
+            rules.TIME: f"your time on {gpu} is over",
+            rules.STRAY: f"{gpu} is not granted to you",
+        }.get(action.rule, action.rule)
+        return (f"gpuguard: stopping your {who} on {gpu} with SIGTERM: {why}; it will be killed if still "
+                f"running in {format_duration(round(n.get('kill_wait', 0)))} - {HINT}")
+    if action.kind == rules.KILL:
+        return (f"gpuguard: killed your {who} on {gpu} with SIGKILL: it was still running "
+                f"{format_duration(round(n.get('kill_wait', 0)))} after SIGTERM ({action.rule} rule) - {HINT}")
+    if action.kind == rules.UNKILLABLE:
+        return (f"gpuguard: your {who} on {gpu} survives SIGKILL (stuck in the kernel); an administrator "
+                f"must look at it - {HINT}")
+    if action.kind == rules.WARN and action.rule == rules.TIME and n["threshold"] == 0:
+        return (f"gpuguard: your time on {gpu} is over; you keep it while nobody waits for a GPU, and it "
+                f"will be taken (processes on it stopped) as soon as someone does - {HINT}")
+    if action.kind == rules.WARN and action.rule == rules.TIME:
+        at = time.strftime("%H:%M:%S", time.localtime(n["expires_at"]))
+        return (f"gpuguard: your grant of {gpu} ends in {format_duration(max(0, round(n['left'])))} (at {at}); "
+                f"save your work: processes still on it then will be stopped - {HINT}")
+    if action.kind == rules.REVOKE:
+        count = int(n.get("processes") or 0)
+        ending = f"; your {count} process{'es' if count != 1 else ''} on it will be stopped" if count else ""
+        return (f"gpuguard: your time on {gpu} is over (limit {format_duration(round(n['max_time']))}); access is "
+                f"revoked{ending} - run gpuguard request for a new grant")
+    if action.kind == rules.RELEASE and action.rule == rules.RECLAIM:
+        return (f"gpuguard: released {gpu} for someone waiting: none of your processes used it for "
+                f"{format_duration(round(n['reclaim_after']))}; your sessions are untouched - run gpuguard "
+                f"request to get a GPU again")
+    if action.kind == rules.RELEASE:
+        return (f"gpuguard: released {gpu}: none of your processes used it for "
+                f"{format_duration(round(n['idle_timeout']))}; your sessions are untouched - run gpuguard request "
+                f"to get a GPU again")
+    if action.rule == rules.STRAY and action.kind == rules.WARN:
+        others = int(n.get("processes") or 1) - 1
+        also = f" (and {others} more of yours)" if others > 0 else ""
+        return (f"gpuguard: your {who}{also} uses {gpu}, which is not granted to you; your processes on it "
+                f"will be stopped in {format_duration(round(n['grace']))} - {HINT} or gpuguard request")
+    if action.kind == rules.REPORT:
+        return f"gpuguard: {who} of an exempt user uses {gpu} without a grant (left alone)"
+    return f"gpuguard: {action.kind} {action.rule} on {gpu}"

@@ -61,13 +61,12 @@ The rules, with their boundaries:
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, TypedDict, cast
 
 from gpuguard.model import Grant, Quota
 from gpuguard.policy import ROOT_UID
-from gpuguard.units import format_duration, format_size
 
 TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0, 0.0)  # seconds before expires_at, largest first; 0: over
 # (only a soft max_time reaches 0 with the grant still held)
@@ -157,6 +156,33 @@ class State:
     seen: Mapping[Slot, float] = field(default_factory=dict)            # last tick a process was there
 
 
+class Numbers(TypedDict, total=False):
+    """The numbers behind an action, for its message, its event and the log (bytes, seconds, epoch)."""
+
+    used: int | None      # bytes on the GPU (known memory only); None: NVML does not know
+    quota: int            # the memory quota, bytes
+    grace: float
+    kill_wait: float
+    processes: int        # how many of the user's processes on the GPU
+    unknown: int          # how many of them NVML gives no memory for
+    warned_at: float
+    term_at: float
+    kill_at: float
+    waited: float
+    expires_at: float
+    max_time: float
+    reported_at: float    # when a stray episode was first reported
+    waiting: int          # GPUs the queue waits for (reclaim)
+    left: float           # seconds until expires_at
+    threshold: float      # which time warning: 600, 60, or 0 (soft max_time, over)
+    idle: float
+    idle_timeout: float
+    reclaim_after: float
+    last_active: float
+    signal: str           # added by the watcher when it sends one
+    state: str            # /proc state of a process that survives SIGKILL
+
+
 @dataclass(frozen=True)
 class Action:
     kind: str
@@ -165,7 +191,7 @@ class Action:
     minor: int
     proc: Proc | None = None
     # The numbers behind the action, for the message, the event and the log (bytes, seconds).
-    numbers: Mapping[str, float | int | None] = field(default_factory=dict, compare=False, hash=False)
+    numbers: Numbers = field(default_factory=lambda: Numbers(), compare=False, hash=False)
 
     @property
     def key(self) -> tuple:
@@ -188,12 +214,12 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
     actions: list[Action] = []
     signalled: set[ProcKey] = set()  # one signal per process per tick, whatever its GPUs
 
-    def term(proc: Proc, rule: str, **numbers: float | int | None) -> None:
+    def term(proc: Proc, rule: str, **numbers: Any) -> None:
         if proc.uid in exempt or proc.key in signalled or proc.key in state.stopping:
             return
         signalled.add(proc.key)
         actions.append(Action(TERM, rule, proc.uid, proc.minor, proc,
-                              {**numbers, "kill_wait": timing.kill_wait}))
+                              cast(Numbers, {**numbers, "kill_wait": timing.kill_wait})))
 
     # Ending: processes already signalled move on to SIGKILL, then to "unkillable".
     for proc in view.procs:
@@ -211,6 +237,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
 
     def revoke(grant: Grant, procs: list[Proc]) -> None:
         # Its processes are ended here, not reported as strays.
+        assert grant.expires_at is not None  # only an expired grant is revoked
         actions.append(Action(REVOKE, TIME, grant.uid, grant.minor, None, {
             "expires_at": grant.expires_at, "max_time": grant.expires_at - grant.granted_at,
             "processes": len({p.key for p in procs}), "kill_wait": timing.kill_wait}))
@@ -291,8 +318,8 @@ def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: fl
         return []
     # Only processes with known, nonzero memory are candidates: stopping one is sure to help.
     candidates = [p for p in _largest_first(procs) if p.used_memory and p.key not in state.stopping]
-    numbers = {"used": used, "quota": limit, "grace": timing.grace, "processes": len({p.key for p in procs}),
-               "unknown": sum(1 for p in procs if p.used_memory is None)}
+    numbers = Numbers(used=used, quota=limit, grace=timing.grace, processes=len({p.key for p in procs}),
+                      unknown=sum(1 for p in procs if p.used_memory is None))
     warned = state.over.get((grant.uid, grant.minor))
     if warned is None:
         return [Action(WARN, MEMORY, grant.uid, grant.minor, candidates[0] if candidates else None, numbers)]
@@ -304,7 +331,7 @@ def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: fl
         if staying <= limit:
             break
         term(proc, MEMORY, **numbers, warned_at=warned)
-        staying -= proc.used_memory
+        staying -= proc.used_memory or 0  # candidates all have known memory
     return []
 
 
@@ -329,6 +356,7 @@ def _stray(slot: Slot, procs: list[Proc], state: State, now: float, timing: Timi
 
 
 def _time_warning(grant: Grant, state: State, now: float) -> list[Action]:
+    assert grant.expires_at is not None  # only grants with a time limit are warned
     left = grant.expires_at - now
     crossed = [t for t in TIME_WARNINGS if left <= t]
     if not crossed:
@@ -356,7 +384,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
 
     grant_keys = {(g.uid, g.minor, g.granted_at) for g in view.grants}
     for action in done:
-        proc = action.proc
+        target = action.proc
         if action.kind == WARN and action.rule == MEMORY:
             over[(action.uid, action.minor)] = now
         elif action.kind == WARN and action.rule == TIME:
@@ -365,12 +393,12 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
                 time_warned[gkey] = float(action.numbers["threshold"])
         elif action.kind in (WARN, REPORT) and action.rule == STRAY:
             stray[(action.uid, action.minor)] = StrayEpisode(now, now)
-        elif action.kind == TERM and proc is not None:
-            stopping[proc.key] = Stopping(proc.uid, proc.minor, action.rule, now)
-        elif action.kind == KILL and proc is not None and proc.key in stopping:
-            stopping[proc.key] = replace(stopping[proc.key], kill_at=now)
-        elif action.kind == UNKILLABLE and proc is not None and proc.key in stopping:
-            stopping[proc.key] = replace(stopping[proc.key], unkillable=True)
+        elif action.kind == TERM and target is not None:
+            stopping[target.key] = Stopping(target.uid, target.minor, action.rule, now)
+        elif action.kind == KILL and target is not None and target.key in stopping:
+            stopping[target.key] = replace(stopping[target.key], kill_at=now)
+        elif action.kind == UNKILLABLE and target is not None and target.key in stopping:
+            stopping[target.key] = replace(stopping[target.key], unkillable=True)
 
     # Forget what no longer applies: processes gone, episodes over, grants ended; about failed
     # GPUs nothing is known, so what is remembered about them stays.
@@ -457,68 +485,3 @@ def unused_after_logout(grants: Iterable[Grant], logged_in: Collection[int], bus
                 and not any((uid, m) in busy for m in minors) and minors <= set(read)):
             unused[uid] = minors
     return unused
-
-# --- what the user is told: one line that says what happened, why, and what to do
-
-HINT = "see gpuguard whoami"
-
-
-def message(action: Action, command: str = "") -> str:
-    """The line for the user's terminals and for `gpuguard whoami`."""
-    n = action.numbers
-    gpu = f"GPU {action.minor}"
-    proc = action.proc
-    who = f"process {proc.pid}" + (f" ({command})" if command else "") if proc else ""
-    if action.rule == MEMORY and action.kind == WARN:
-        over = f"over your {format_size(n['quota'])} quota"
-        if proc is None:  # only processes of unknown memory: nothing can be chosen to stop
-            return f"gpuguard: your processes on {gpu} use {format_size(n['used'])}, {over}; reduce usage - {HINT}"
-        stop_in = format_duration(round(n["grace"]))
-        if n.get("processes", 1) == 1:
-            return (f"gpuguard: your {who} on {gpu} uses {format_size(n['used'])}, {over}; "
-                    f"it will be stopped in {stop_in} unless usage drops - {HINT}")
-        return (f"gpuguard: your {n['processes']} processes on {gpu} use {format_size(n['used'])} together, "
-                f"{over}; the largest, {who}, will be stopped in {stop_in} unless usage drops - {HINT}")
-    if action.kind == TERM:
-        why = {
-            MEMORY: f"your processes on {gpu} used {format_size(n.get('used'))}, over your "
-                    f"{format_size(n.get('quota'))} quota, for {format_duration(round(n.get('grace', 0)))}",
-            TIME: f"your time on {gpu} is over",
-            STRAY: f"{gpu} is not granted to you",
-        }.get(action.rule, action.rule)
-        return (f"gpuguard: stopping your {who} on {gpu} with SIGTERM: {why}; it will be killed if still "
-                f"running in {format_duration(round(n.get('kill_wait', 0)))} - {HINT}")
-    if action.kind == KILL:
-        return (f"gpuguard: killed your {who} on {gpu} with SIGKILL: it was still running "
-                f"{format_duration(round(n.get('kill_wait', 0)))} after SIGTERM ({action.rule} rule) - {HINT}")
-    if action.kind == UNKILLABLE:
-        return (f"gpuguard: your {who} on {gpu} survives SIGKILL (stuck in the kernel); an administrator "
-                f"must look at it - {HINT}")
-    if action.kind == WARN and action.rule == TIME and n["threshold"] == 0:
-        return (f"gpuguard: your time on {gpu} is over; you keep it while nobody waits for a GPU, and it "
-                f"will be taken (processes on it stopped) as soon as someone does - {HINT}")
-    if action.kind == WARN and action.rule == TIME:
-        at = time.strftime("%H:%M:%S", time.localtime(n["expires_at"]))
-        return (f"gpuguard: your grant of {gpu} ends in {format_duration(max(0, round(n['left'])))} (at {at}); "
-                f"save your work: processes still on it then will be stopped - {HINT}")
-    if action.kind == REVOKE:
-        count = int(n.get("processes") or 0)
-        ending = f"; your {count} process{'es' if count != 1 else ''} on it will be stopped" if count else ""
-        return (f"gpuguard: your time on {gpu} is over (limit {format_duration(round(n['max_time']))}); access is "
-                f"revoked{ending} - run gpuguard request for a new grant")
-    if action.kind == RELEASE and action.rule == RECLAIM:
-        return (f"gpuguard: released {gpu} for someone waiting: none of your processes used it for "
-                f"{format_duration(round(n['reclaim_after']))}; your sessions are untouched - run gpuguard "
-                f"request to get a GPU again")
-    if action.kind == RELEASE:
-        return (f"gpuguard: released {gpu}: none of your processes used it for "
-                f"{format_duration(round(n['idle_timeout']))}; your sessions are untouched - run gpuguard request "
-                f"to get a GPU again")
-    if action.rule == STRAY and action.kind == WARN:
-        others = int(n.get("processes") or 1) - 1
-        also = f" (and {others} more of yours)" if others > 0 else ""
-        return (f"gpuguard: your {who}{also} uses {gpu}, which is not granted to you; your processes on it "
-                f"will be stopped in {format_duration(round(n['grace']))} - {HINT} or gpuguard request")
-    if action.kind == REPORT:
-        return f"gpuguard: {who} of an exempt user uses {gpu} without a grant (left alone)"
-    return f"gpuguard: {action.kind} {action.rule} on {gpu}"

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpuguard import policy, rules
+from gpuguard import messages, policy, rules
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.config import Config
 from gpuguard.grants import Grants
@@ -363,7 +363,7 @@ class Replay:
         if action.kind in (rules.RELEASE, rules.REVOKE):
             kind = "revoke" if action.kind == rules.REVOKE else "release"
             return bool(self.grants.remove(action.uid, [action.minor], self.now, kind=kind, rule=action.rule,
-                                           message=rules.message(action)))
+                                           message=messages.action_message(action)))
         if action.kind in (rules.TERM, rules.KILL) and action.proc is not None:
             running = self.running.pop(action.proc.pid, None)
             if running is None:

@@ -26,8 +26,9 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from typing import Any
 
-from gpuguard import policy, rules
+from gpuguard import messages, policy, rules
 from gpuguard.backends import accounts, notify, signals
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.config import Config
@@ -174,9 +175,9 @@ class Watcher:
         user = self.account_of(action.uid)[0]
         proc = action.proc
         command = signals.command(proc.pid) if proc else ""
-        text = rules.message(action, command)
-        numbers: dict = dict(action.numbers)
-        if action.kind in _SIGNAL:
+        text = messages.action_message(action, command)
+        numbers = rules.Numbers(**action.numbers)
+        if action.kind in _SIGNAL and proc is not None:  # signals always name their process
             identity = ProcessIdentity(proc.pid, proc.uid, proc.start_time)
             result = signals.send(identity, _SIGNAL[action.kind], self.exempt.uids)
             if not result.sent:
@@ -184,26 +185,28 @@ class Watcher:
                       f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=action.minor,
                       outcome=result.outcome.value, detail=result.detail)
                 return False
-            numbers["signal"] = action.signal
+            numbers["signal"] = action.signal or ""
             if action.kind == rules.TERM:
                 self.store.add_kill(action.uid, user, action.minor, hour_of(now), action.rule)
-        elif action.kind == rules.UNKILLABLE:
+        elif action.kind == rules.UNKILLABLE and proc is not None:
             numbers["state"] = signals.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
             kind = "revoke" if action.kind == rules.REVOKE else "release"
             removed = self.grants.remove(action.uid, [action.minor], now, kind=kind, rule=action.rule,
-                                                message=text)
+                                         message=text)
             if not removed:
                 return False  # released by someone else meanwhile
         self._record(action, user, command, text, numbers, now)
         return True
 
-    def _record(self, action: Action, user: str, command: str, text: str, numbers: Mapping, now: float) -> None:
+    def _record(self, action: Action, user: str, command: str, text: str, numbers: Mapping[str, Any],
+                now: float) -> None:
         proc = action.proc
         if action.kind not in (rules.REVOKE, rules.RELEASE):  # the grant manager logged and stored those
+            logged: dict[str, Any] = {k: _log_value(k, v) for k, v in numbers.items()}
             event(_LEVEL.get(action.kind, logging.INFO), action.kind, rule=action.rule, user=user, uid=action.uid,
                   gpu=action.minor, pid=proc.pid if proc else None, command=command or None,
-                  **{k: _log_value(k, v) for k, v in numbers.items()})
+                  **logged)
             self.store.add_event(Event(
                 now, action.uid, user, _EVENT_KIND[action.kind], text, minor=action.minor,
                 pid=proc.pid if proc else None, command=command, rule=action.rule, action=action.kind,

@@ -1,7 +1,7 @@
 """The watcher's pure decisions, boundary by boundary: no processes, no clock, no store."""
 from __future__ import annotations
 
-from gpuguard import rules
+from gpuguard import messages, rules
 from gpuguard.model import Grant, Quota
 from gpuguard.rules import (IDLE, KILL, MEMORY, RELEASE, REPORT, REVOKE, STRAY, TERM, TIME, UNKILLABLE, WARN, Action,
                             Proc, State, Timing, View)
@@ -401,22 +401,22 @@ def test_usage_splits_busy_and_idle():
 def test_messages_say_what_why_and_what_to_do():
     warn = Action(WARN, MEMORY, ALICE, 2, proc(4242, 24 * GiB, minor=2),
                   {"used": 24 * GiB, "quota": 20 * GiB, "grace": 30.0, "processes": 1, "unknown": 0})
-    assert rules.message(warn, "python") == (
+    assert messages.action_message(warn, "python") == (
         "gpuguard: your process 4242 (python) on GPU 2 uses 24GiB, over your 20GiB quota; "
         "it will be stopped in 30s unless usage drops - see gpuguard whoami")
     several = Action(WARN, MEMORY, ALICE, 2, proc(7, 4 * GiB, minor=2),
                      {"used": 24 * GiB, "quota": 20 * GiB, "grace": 30.0, "processes": 3, "unknown": 0})
-    assert "3 processes on GPU 2 use 24GiB together" in rules.message(several, "python")
+    assert "3 processes on GPU 2 use 24GiB together" in messages.action_message(several, "python")
     term = Action(TERM, MEMORY, ALICE, 2, proc(4242, 24 * GiB, minor=2),
                   {"used": 24 * GiB, "quota": 20 * GiB, "grace": 30.0, "kill_wait": 10.0})
-    assert rules.message(term, "python").startswith("gpuguard: stopping your process 4242 (python) on GPU 2 with SIGTERM")
+    assert messages.action_message(term, "python").startswith("gpuguard: stopping your process 4242 (python) on GPU 2 with SIGTERM")
     revoke = Action(REVOKE, TIME, ALICE, 2, None, {"max_time": 3600.0, "processes": 2, "expires_at": NOW})
-    assert "access is revoked; your 2 processes on it will be stopped" in rules.message(revoke)
+    assert "access is revoked; your 2 processes on it will be stopped" in messages.action_message(revoke)
     release = Action(RELEASE, IDLE, ALICE, 2, None, {"idle_timeout": 3600.0, "idle": 3600.0})
-    assert "gpuguard request" in rules.message(release) and "sessions are untouched" in rules.message(release)
+    assert "gpuguard request" in messages.action_message(release) and "sessions are untouched" in messages.action_message(release)
     for action in (Action(KILL, MEMORY, ALICE, 2, proc(1, 1), {"kill_wait": 10.0}),
                    Action(UNKILLABLE, MEMORY, ALICE, 2, proc(1, 1), {}),
                    Action(WARN, TIME, ALICE, 2, None, {"left": 60.0, "expires_at": NOW, "threshold": 60.0}),
                    Action(WARN, STRAY, BOB, 2, proc(1, 1, uid=BOB), {"grace": 30.0}),
                    Action(REPORT, STRAY, 0, 2, proc(1, 1, uid=0), {})):
-        assert rules.message(action, "x").startswith("gpuguard: ") and "GPU 2" in rules.message(action, "x")
+        assert messages.action_message(action, "x").startswith("gpuguard: ") and "GPU 2" in messages.action_message(action, "x")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpuguard import rules
+from gpuguard import messages, rules
 from gpuguard.model import Grant, Quota
 from gpuguard.rules import RECLAIM, RELEASE, REVOKE, TERM, TIME, WARN, Proc, State, Timing, View
 
@@ -36,7 +36,7 @@ def test_only_as_many_as_the_queue_wants_are_reclaimed_the_longest_idle_first():
               grant(ALICE, 2, last_active=NOW - 100)]  # this one not idle long enough
     actions = rules.decide(view(grants, demand=1), State(), NOW, T)
     assert kinds(actions) == [(RELEASE, RECLAIM, BOB, 1)]
-    assert "for someone waiting" in rules.message(actions[0])
+    assert "for someone waiting" in messages.action_message(actions[0])
     actions = rules.decide(view(grants, demand=5), State(), NOW, T)
     assert kinds(actions) == [(RELEASE, RECLAIM, BOB, 1), (RELEASE, RECLAIM, ALICE, 0)]
 
@@ -57,7 +57,7 @@ def test_soft_max_time_warns_once_and_revokes_only_when_someone_waits():
     assert [(a.kind, a.rule) for a in hard] == [(REVOKE, TIME), (TERM, TIME)]
     soft = rules.decide(view([over], running, quota=Quota()), State(), NOW, SOFT)
     assert [(a.kind, a.rule) for a in soft] == [(WARN, TIME)]
-    assert "you keep it while nobody waits" in rules.message(soft[0])
+    assert "you keep it while nobody waits" in messages.action_message(soft[0])
     state = rules.advance(view([over], running, quota=Quota()), State(), soft, NOW)
     assert rules.decide(view([over], running, quota=Quota()), state, NOW + 5, SOFT) == []  # warned once
     wanted = rules.decide(view([over], running, demand=1, quota=Quota()), state, NOW + 5, SOFT)
