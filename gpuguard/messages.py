@@ -84,12 +84,13 @@ def action_message(action: Action, command: str = "") -> str:
         return (f"gpuguard: your {n['processes']} processes on {gpu} use {format_size(n['used'])} together, "
                 f"{over}; the largest, {who}, will be stopped in {stop_in} unless usage drops - {HINT}")
     if action.kind == rules.TERM:
-        why = {
+        reasons: dict[str, str] = {
             rules.MEMORY: f"your processes on {gpu} used {format_size(n.get('used'))}, over your "
                     f"{format_size(n.get('quota'))} quota, for {format_duration(round(n.get('grace', 0)))}",
             rules.TIME: f"your time on {gpu} is over",
             rules.STRAY: f"{gpu} is not granted to you",
-        }.get(action.rule, action.rule)
+        }
+        why = reasons.get(action.rule, action.rule)
         return (f"gpuguard: stopping your {who} on {gpu} with SIGTERM: {why}; it will be killed if still "
                 f"running in {format_duration(round(n.get('kill_wait', 0)))} - {HINT}")
     if action.kind == rules.KILL:

@@ -65,6 +65,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, cast
 
+from gpuguard.compat import StrEnum
 from gpuguard.model import Grant, Quota
 from gpuguard.policy import ROOT_UID
 
@@ -72,11 +73,31 @@ TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0, 0.0)  # seconds before expires_
 # (only a soft max_time reaches 0 with the grant still held)
 STRAY_QUIET = 600.0  # seconds without a stray process of a user on a GPU before its episode is forgotten
 
-# Action kinds.
-WARN, TERM, KILL, UNKILLABLE, REVOKE, RELEASE, REPORT = (
-    "warn", "term", "kill", "unkillable", "revoke", "release", "report")
-# Rules.
-MEMORY, TIME, IDLE, STRAY, RECLAIM = "memory", "time", "idle", "stray", "reclaim"
+class Kind(StrEnum):
+    """What an action does."""
+
+    WARN = "warn"
+    TERM = "term"
+    KILL = "kill"
+    UNKILLABLE = "unkillable"
+    REVOKE = "revoke"
+    RELEASE = "release"
+    REPORT = "report"
+
+
+class Rule(StrEnum):
+    """Which rule an action follows."""
+
+    MEMORY = "memory"
+    TIME = "time"
+    IDLE = "idle"
+    STRAY = "stray"
+    RECLAIM = "reclaim"
+
+
+# The members by their short names too, as the signal module exports its Signals members.
+WARN, TERM, KILL, UNKILLABLE, REVOKE, RELEASE, REPORT = Kind
+MEMORY, TIME, IDLE, STRAY, RECLAIM = Rule
 
 ProcKey = tuple[int, int]          # (pid, start_time): a pid is reused, this pair is not
 Slot = tuple[int, int]             # (uid, minor)
@@ -185,8 +206,8 @@ class Numbers(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class Action:
-    kind: str
-    rule: str
+    kind: Kind
+    rule: str  # a Rule, or where a grant came from for the grant manager's own events
     uid: int
     minor: int
     proc: Proc | None = None
