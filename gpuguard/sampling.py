@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -107,16 +107,18 @@ class Holder(NamedTuple):
     minor: int
 
 
-def node_holders(minors: Iterable[int]) -> list[Holder]:
-    """Processes holding these GPUs' nodes open per /proc (blocking: one scan of /proc for all).
+def node_holders(minors: Iterable[int], uids: Collection[int] | None = None) -> list[Holder]:
+    """Processes holding these GPUs' nodes open per /proc (blocking: one pass over /proc for all).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
-    (or before creating it) shows up only here.
+    (or before creating it) shows up only here. With `uids`, only those users' processes are
+    looked at (procfs.holders_of), so the cost follows their processes, not the host's.
     """
     found = []
-    for (_, minor), pids in procfs.holders_of([(NVIDIA_MAJOR, minor) for minor in minors]).items():
+    devices = [(NVIDIA_MAJOR, minor) for minor in minors]
+    for (_, minor), pids in procfs.holders_of(devices, uids).items():
         for pid in pids:
             uid = procfs.user_of(pid)
-            if uid is not None:
+            if uid is not None and (uids is None or uid in uids):
                 found.append(Holder(pid, uid, minor))
     return sorted(found, key=lambda h: (h.minor, h.pid))

@@ -87,32 +87,58 @@ def user_of(pid: int) -> int | None:
     return identity.uid if identity else None
 
 
-def holders(dev: tuple[int, int]) -> list[int]:
+def holders(dev: tuple[int, int], owners: Collection[int] | None = None) -> list[int]:
     """Pids that hold the character device `dev` open, through a descriptor or a mapping.
 
     Matched by st_rdev, so the node's path does not matter (containers, bind mounts,
     copies made with mknod). A mapping keeps the device open after its fd is closed,
-    which CUDA does, so /proc/<pid>/map_files is checked too.
+    which CUDA does, so /proc/<pid>/map_files is checked too. See holders_of for `owners`.
     """
-    return holders_of([dev])[dev]
+    return holders_of([dev], owners)[dev]
 
 
-def holders_of(devices: Collection[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
-    """holders() for several character devices in one scan of /proc: each device's pids.
+def holders_of(devices: Collection[tuple[int, int]],
+               owners: Collection[int] | None = None) -> dict[tuple[int, int], list[int]]:
+    """holders() for several character devices in one pass over /proc: each device's pids.
 
-    Each process's descriptors and mappings are read once whatever the number of devices,
-    instead of once per device.
+    Each process's descriptors and mappings are read once whatever the number of devices.
+    With `owners` (real uids), only processes that may belong to them are opened: the owner
+    of /proc/<pid> (one lstat, before any fd is listed) is the process's effective uid (root
+    for a process that is not dumpable, on some kernels). A process owned by root there is
+    judged by its real uid in /proc/<pid>/status: a user's setuid-root program is theirs. So
+    the cost follows the owners' processes (plus root's), not the host's. Missed: a process
+    whose real and effective uids are two different non-root users, which nothing on a
+    login path makes. The kernel keeps no index from a file to the processes holding it (lsof
+    and fuser walk /proc the same way; /proc/<pid>/fdinfo names the inode, not the device),
+    so this walk is the cheapest answer outside the kernel (README "Performance").
     """
     wanted = {os.makedev(*dev): dev for dev in devices}
     found: dict[tuple[int, int], list[int]] = {dev: [] for dev in wanted.values()}
-    if not wanted:
+    if not wanted or (owners is not None and not owners):
         return found
     mapped: dict[tuple[str, str], int | None] = {}  # (fs dev, inode) -> st_rdev, shared across pids
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            for rdev in (_open_devices(entry) | _mapped_devices(entry, mapped)) & wanted.keys():
-                found[wanted[rdev]].append(int(entry.name))
+    with os.scandir(PROC) as entries:
+        for entry in entries:
+            if entry.name.isdigit() and (owners is None or _may_belong(entry, owners)):
+                proc = Path(entry.path)
+                for rdev in (_open_devices(proc) | _mapped_devices(proc, mapped)) & wanted.keys():
+                    found[wanted[rdev]].append(int(entry.name))
     return {dev: sorted(pids) for dev, pids in found.items()}
+
+
+def _may_belong(entry: os.DirEntry, owners: Collection[int]) -> bool:
+    """Whether the process of this /proc entry may have one of `owners` as its real uid."""
+    try:
+        owner = entry.stat(follow_symlinks=False).st_uid
+        if owner in owners:
+            return True
+        if owner != 0:
+            return False
+        with open(os.path.join(entry.path, "status"), "rb") as status:  # not dumpable: the real uid decides
+            uid_line = next(line for line in status if line.startswith(b"Uid:"))
+        return int(uid_line.split()[1]) in owners
+    except (OSError, StopIteration):
+        return False  # exited meanwhile
 
 
 def _open_devices(proc: Path) -> set[int]:
