@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
 
 from gpuguard import protocol
+
+TYPE_CHECKING = False  # not typing's: it costs the pam_exec hook (gpuguard.pam_hook) a few ms per login
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class DaemonUnreachable(Exception):

@@ -8,7 +8,10 @@ message: the server takes it from SO_PEERCRED. JSON only, never pickle.
 from __future__ import annotations
 
 import json
-from typing import Any
+
+TYPE_CHECKING = False  # not typing's: it costs the pam_exec hook (gpuguard.pam_hook) a few ms per login
+if TYPE_CHECKING:
+    from typing import Any
 
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile

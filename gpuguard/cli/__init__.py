@@ -3,20 +3,21 @@
 Each `*_cmd` module in this package has `register(subparsers)`, which adds its commands and
 sets `func(args) -> int` on them. Exit codes are the same everywhere: 0 ok, 1 refused or
 failed, 2 bad usage or input, 3 daemon unreachable. Errors are one line, no traceback.
+
+Start-up is lazy: a command imports only its own module (COMMANDS), and `pam-hook`, which
+runs on every login through pam_exec, skips this front end altogether (gpuguard.pam_hook
+parses its own few options): this module imports nothing heavy before it knows the command.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
-import json
 import os
-import pkgutil
 import sys
-from typing import Any
+TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (see above)
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
 
-from gpuguard import __version__, config
-from gpuguard.backends import GateError, GpuError
-from gpuguard.client import DaemonUnreachable, Refused
+    from gpuguard import config
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -36,10 +37,12 @@ def require_root(what: str) -> None:
 
 def load_config(args: argparse.Namespace) -> config.Config:
     """The config named by --config, $GPUGUARD_CONFIG or the default path (errors exit 2)."""
+    from gpuguard import config
     return config.load(args.config)
 
 
 def print_json(data: Any) -> None:
+    import json
     json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
 
@@ -51,22 +54,62 @@ def print_rows(rows: list[list[str]]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each command and the module that registers it: a command loads only its own module.
+COMMANDS = {
+    "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd",
+    "config": "config_cmd", "daemon": "daemon_cmd", "gate": "gate_cmd", "acl": "gate_cmd",
+    "gpus": "gpus_cmd", "quota": "quota_cmd", "sim": "sim_cmd",
+    "whoami": "user_cmd", "status": "user_cmd", "request": "user_cmd", "release": "user_cmd",
+}
+PAM_HOOK = "pam-hook"
+PAM_HOOK_HELP = "pam_exec session hook (fallback for pam_gpuguard.so; always exits 0; see pam/README)"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with `command`'s module registered, or every module's (help, a typo: None)."""
+    import argparse
+    import importlib
+
+    from gpuguard import __version__
+    from gpuguard.config import DEFAULT_PATH
+
     parser = argparse.ArgumentParser(prog="gpuguard", description="Fair, kernel-enforced GPU sharing.")
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
     parser.add_argument("--config", metavar="PATH",
-                        help=f"config file (default: $GPUGUARD_CONFIG or {config.DEFAULT_PATH})")
+                        help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_PATH})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    # Every `*_cmd` module in this package contributes its commands.
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.endswith("_cmd"):
-            importlib.import_module(f"{__name__}.{info.name}").register(subparsers)
+    modules = [COMMANDS[command]] if command in COMMANDS else sorted(set(COMMANDS.values()))
+    for module in modules:
+        importlib.import_module(f"{__name__}.{module}").register(subparsers)
+    if command not in COMMANDS:  # listed for help; main runs it before any parser
+        subparsers.add_parser(PAM_HOOK, help=PAM_HOOK_HELP)
     return parser
 
 
+def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """(--config given before the command, the command, what follows it), without a parser."""
+    config_path = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            config_path = arg.partition("=")[2]
+        elif arg == "--config" and i + 1 < len(argv):
+            config_path = argv[i + 1]
+        elif not arg.startswith("-") and argv[i - 1:i] != ["--config"]:
+            return config_path, arg, argv[i + 1:]
+    return config_path, None, []
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    config_path, command, rest = split_command(argv)
+    if command == PAM_HOOK:
+        from gpuguard import pam_hook
+        return pam_hook.main(rest, config_path)
+    from gpuguard import config
+    from gpuguard.backends import GateError, GpuError
+    from gpuguard.client import DaemonUnreachable, Refused
+
+    args = build_parser(command).parse_args(argv)
     try:
         return args.func(args)
     except config.ConfigError as exc:
