@@ -27,7 +27,9 @@ import sys
 import syslog
 from collections import namedtuple
 from contextlib import contextmanager
+
 from gpuguard import client
+from gpuguard.errors import GpuguardError
 
 TYPE_CHECKING = False  # not typing's, which would add a few ms to every login
 if TYPE_CHECKING:
@@ -41,7 +43,7 @@ DEFAULT_SOCKET = "/run/gpuguard/gpuguard.sock"
 OPERATIONS = {"open_session": "session_open", "close_session": "session_close"}
 
 
-class HookError(Exception):
+class HookError(GpuguardError):
     """Something that stops the hook from talking to the daemon; logged, never raised to PAM."""
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+from gpuguard.errors import UsageError
+
 TYPE_CHECKING = False  # not typing's: it costs the pam_exec hook (gpuguard.pam_hook) a few ms per login
 if TYPE_CHECKING:
     from typing import Any
@@ -23,7 +25,7 @@ OPERATIONS = frozenset({
 })
 
 
-class ProtocolError(ValueError):
+class ProtocolError(UsageError):
     """A message that is not valid protocol (bad JSON, too large, unknown op or version)."""
 
 

@@ -1,10 +1,12 @@
 """The SQLite store: schema versioning, round trips, and surviving SIGKILL mid-write."""
 import select
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -205,19 +207,20 @@ def test_sigkill_inside_a_transaction_leaves_nothing_of_it(tmp_path):
 
 
 def test_version_one_database_is_upgraded_in_place(tmp_path):
-    """A state.db written by the first schema (before grants had an origin) keeps its grants."""
+    """A state.db written by the first release (schema 1, before grants had an origin) keeps its
+    grants, sessions, events and usage. The file is frozen in tests/data (made by the v1 code of
+    commit b3066d5), so an edited old migration cannot pass by rebuilding v1 from today's code."""
     path = tmp_path / "state.db"
-    old = sqlite3.connect(path)
-    old.executescript(MIGRATIONS[0] + "PRAGMA user_version=1;")
-    old.execute("INSERT INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared)"
-                " VALUES (1001, 'alice', 3, 10.0, NULL, 10.0, 0)")
-    old.commit()
-    old.close()
+    shutil.copy(Path(__file__).parent / "data" / "state-v1.db", path)
 
     store = Store(path)
     assert store.schema_version == len(MIGRATIONS) > 1
     [grant] = store.grants()
     assert (grant.uid, grant.minor, grant.origin) == (1001, 3, "session")
+    [session] = store.sessions()
+    assert (session.user, session.tty, session.pid) == ("alice", "pts/1", 4242)
+    assert [e.message for e in store.events(1001)] == ["granted at login (sshd)"]
+    assert store.last_released() == {2: 5.0}
     store.add_grants(1002, "bob", [1], now=20.0, expires_at=None, origin="admin")
     assert [g.origin for g in store.grants()] == ["session", "admin"]
     store.close()

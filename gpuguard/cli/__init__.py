@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
+
+from gpuguard.errors import GpuguardError  # no imports of its own: cheap
+
 TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (see above)
 if TYPE_CHECKING:
     import argparse
@@ -19,15 +22,9 @@ if TYPE_CHECKING:
 
     from gpuguard import config
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
-
-class CommandError(Exception):
-    """A one-line failure with the exit code to use."""
-
-    def __init__(self, message: str, code: int = EXIT_FAILED):
-        super().__init__(message)
-        self.code = code
+class CommandError(GpuguardError):
+    """A command's own one-line failure, with the exit code to use."""
 
 
 def require_root(what: str) -> None:
@@ -105,23 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == PAM_HOOK:
         from gpuguard import pam_hook
         return pam_hook.main(rest, config_path)
-    from gpuguard import config
-    from gpuguard.backends import GateError, GpuError
-    from gpuguard.client import DaemonUnreachable, Refused
-
     args = build_parser(command).parse_args(argv)
     try:
         return args.func(args)
-    except config.ConfigError as exc:
-        return _fail(str(exc), EXIT_USAGE)
-    except DaemonUnreachable as exc:
-        return _fail(str(exc), EXIT_UNREACHABLE)
-    except Refused as exc:
-        return _fail(str(exc), exc.code)
-    except CommandError as exc:
-        return _fail(str(exc), exc.code)
-    except (GpuError, GateError) as exc:
-        return _fail(str(exc).splitlines()[0], EXIT_FAILED)  # a verifier log goes to the daemon's log
+    except GpuguardError as exc:
+        return _fail(exc.line(), exc.code)  # a verifier log or a multi-line cause goes to the daemon's log
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
