@@ -132,13 +132,10 @@ class Api:
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
-        if held and not store.sessions(account.uid):
-            sample = await self.sampler.take_or_log("grants kept until a good sample")
-            if sample is not None:  # no data, no release: the tick tries again
-                await self.logout.release_unused(sample, [account.uid])
-        # Compared with before, not taken from release_unused: a tick may release them meanwhile.
-        kept = {g.minor for g in store.grants(account.uid)}
-        return protocol.ok(closed=closed is not None, released=sorted(held - kept), kept=sorted(kept))
+        last = not store.sessions(account.uid)
+        if held and last:  # checked in the background: the PAM module's reply waits for no NVML, no /proc
+            self.logout.after_logout(account.uid, lambda: self.sampler.take_or_log("grants kept until a good sample"))
+        return protocol.ok(closed=closed is not None, held=sorted(held), release_pending=bool(held) and last)
 
     # --- looking
 
@@ -235,7 +232,7 @@ class Api:
         and those only /proc shows (the node open, no context on it). Refusal when NVML fails.
 
         /proc is scanned first: a process NVML does not list in the later sample had no context then."""
-        holders = await asyncio.to_thread(sampling.node_holders, minors)
+        holders = await asyncio.to_thread(sampling.node_holders, minors, {uid})
         try:
             sample = await self.sampler.take(max_age)
         except Exception as exc:

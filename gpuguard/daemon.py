@@ -24,6 +24,7 @@ from gpuguard import config as configuration, sampling
 from gpuguard.api import Api
 from gpuguard.backends import GateError, devnodes, notify, open_gpu_backend, procfs, systemd
 from gpuguard.backends.acl import NodeWatcher
+from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.config import Config
@@ -77,7 +78,7 @@ class Daemon:
         self.nodes = NodeWatcher(self.config.paths.device_dir, self._node_changed)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
-        self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders)
+        self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders, ExitWatch())
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
@@ -109,6 +110,7 @@ class Daemon:
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
+        self.logout.close()
         self.watcher.close()
         self.notifier.close()
         self.lookup.close()

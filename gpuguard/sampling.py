@@ -111,18 +111,19 @@ class Holder(NamedTuple):
     minor: int
 
 
-def node_holders(minors: Iterable[int], uids: Collection[int] | None = None) -> list[Holder]:
-    """Processes holding these GPUs' nodes open per /proc (blocking: one pass over /proc for all).
+def node_holders(minors: Iterable[int], uids: Collection[int]) -> list[Holder]:
+    """Processes of these users holding these GPUs' nodes open per /proc (blocking: one pass
+    over /proc for all).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
-    (or before creating it) shows up only here. With `uids`, only those users' processes are
-    looked at (procfs.holders_of), so the cost follows their processes, not the host's.
+    (or before creating it) shows up only here. Only the users' own processes are looked at
+    (procfs.holders_of), so the cost follows their processes, not the host's.
     """
     found = []
     devices = [(NVIDIA_MAJOR, minor) for minor in minors]
     for (_, minor), pids in procfs.holders_of(devices, uids).items():
         for pid in pids:
             uid = procfs.user_of(pid)
-            if uid is not None and (uids is None or uid in uids):
+            if uid is not None and uid in uids:
                 found.append(Holder(pid, uid, minor))
     return sorted(found, key=lambda h: (h.minor, h.pid))

@@ -318,8 +318,8 @@ def test_member_gets_a_gpu_and_only_that_gpu(gg_daemon, stacks, path):
         else:  # pam_exec cannot set the environment; the grant is the same
             assert "CUDA_VISIBLE_DEVICES" not in session.env
         assert usable_gpus(gg_daemon, alice) == [grant["minor"]]
-    # closed, and no process of alice's holds the GPU: released at once
-    assert gg_daemon.grants(alice) == []
+    # closed, and no process of alice's holds the GPU: released at once (after the reply)
+    assert wait_for(lambda: gg_daemon.grants(alice) == [])
     assert gg_daemon.whoami(alice)["sessions"] == []
     assert usable_gpus(gg_daemon, alice) == []
 

@@ -103,7 +103,7 @@ def test_holders_of_several_devices_in_one_scan(sandbox) -> None:
     finally:
         holder.communicate("\n", timeout=30)
     assert holder.pid not in holders_of([(1, 7)])[(1, 7)]
-    assert holders_of([]) == {} and node_holders([]) == []
+    assert holders_of([]) == {} and node_holders([], {0}) == []
 
 
 HOLD = ("import os, sys\n"

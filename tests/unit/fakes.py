@@ -6,7 +6,7 @@ NSS, the GPU sample and the terminals are fakes that record what was asked of th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -95,6 +95,22 @@ class FakeNotifier:
         self.told.append((user, message))
 
 
+class FakeExits:
+    """backends.exits.ExitWatch without processes: `exit(pid)` says a watched process ended."""
+
+    def __init__(self) -> None:
+        self.watched: dict[int, tuple[Collection[int], Callable[[], None]]] = {}  # uid -> its watch
+
+    def watch(self, pids: Collection[int], uid: int, on_exit: Callable[[], None]) -> Callable[[], None]:
+        self.watched[uid] = (pids, on_exit)
+        return lambda: self.watched.pop(uid, None)
+
+    def exit(self, pid: int) -> None:
+        for pids, on_exit in list(self.watched.values()):
+            if pid in pids:
+                on_exit()
+
+
 @dataclass
 class World:
     """Every service, wired as the daemon wires them."""
@@ -111,12 +127,18 @@ class World:
         self.lookup = FakeLookup()
         self.sampler = FakeSampler()
         self.notifier = FakeNotifier()
-        self.logout = LogoutRelease(self.store, self.grants, lambda minors: [h for h in self.holders if h.minor in minors])
+        self.exits = FakeExits()
+        self.scans = 0  # looks in /proc for holders
+        self.logout = LogoutRelease(self.store, self.grants, self._find_holders, self.exits)  # type: ignore[arg-type]
         self.reloads = 0
         self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
                        self.lookup, self.logout, None, reload=self._reload, sync_nodes=lambda: None)
         self.watcher = Watcher(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
                                self.lookup, self.notifier)
+
+    def _find_holders(self, minors: Collection[int], uids: Collection[int]) -> list[Holder]:
+        self.scans += 1
+        return [h for h in self.holders if h.minor in minors and h.uid in uids]
 
     def _reload(self) -> Config:
         self.reloads += 1
@@ -126,7 +148,12 @@ class World:
         self.config = replace(self.config, defaults=replace(self.config.defaults, **fields))
 
     def call(self, op: str, uid: int = 0, **fields: object) -> dict:
-        return asyncio.run(self.api.handle({"op": op, **fields}, Peer(pid=1, uid=uid, gid=uid)))
+        """The reply, once what the call started in the background (a check after logout) has ended."""
+        async def call() -> dict:
+            reply = await self.api.handle({"op": op, **fields}, Peer(pid=1, uid=uid, gid=uid))
+            await self.logout.settled()
+            return reply
+        return asyncio.run(call())
 
     def login(self, account: Account, pid: int = 4242) -> dict:
         return self.call("session_open", user=account.name, pid=pid, service="sshd", tty="pts/1")
