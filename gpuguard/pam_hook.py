@@ -22,6 +22,7 @@ empty `python3 -I -S` (README "Performance").
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import syslog
@@ -71,26 +72,55 @@ def socket_path(config_path: str | None, socket: str | None,
                 environ: Mapping[str, str] | None = None) -> str:
     """--socket, else paths.socket from the config file, else the default.
 
-    Only that one key is read, with tomllib, not through gpuguard.config: full validation
-    (and the quotas file) costs a login ~12 ms more, and a typo in quotas.toml must not
-    send the hook to the wrong socket. The daemon validates the config; the hook only
-    needs to find it.
+    Only that one key is read, not through gpuguard.config: full validation (and the quotas
+    file) costs a login ~12 ms more, and a typo in quotas.toml must not send the hook to the
+    wrong socket. The daemon validates the config; the hook only needs to find it. A plain
+    `socket = "..."` line in [paths] is read by plain_socket; tomllib (~7 ms to import, with
+    typing) reads anything else.
     """
     if socket:
         return socket
     environ = os.environ if environ is None else environ
     path = config_path or environ.get("GPUGUARD_CONFIG") or DEFAULT_CONFIG
-    import tomllib
     try:
         with open(path, "rb") as file:
-            value = tomllib.load(file).get("paths", {}).get("socket", DEFAULT_SOCKET)
-    except (OSError, tomllib.TOMLDecodeError, AttributeError) as exc:
+            text = file.read().decode()
+        value = plain_socket(text)
+        if value is _UNSURE:
+            import tomllib
+            value = tomllib.loads(text).get("paths", {}).get("socket", DEFAULT_SOCKET)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:  # TOMLDecodeError is a ValueError
         _log(f"gpuguard pam-hook: cannot read {path} ({exc}); trying {DEFAULT_SOCKET}")
         return DEFAULT_SOCKET
     if not isinstance(value, str) or not value:
         _log(f"gpuguard pam-hook: {path}: paths.socket is not a path; trying {DEFAULT_SOCKET}")
         return DEFAULT_SOCKET
     return value
+
+
+_UNSURE = object()
+_TABLE = re.compile(r"\[\s*([A-Za-z0-9_.\s-]+?)\s*\]\s*(?:#.*)?")
+_PLAIN_SOCKET = re.compile(r"""socket\s*=\s*(?:"([^"\\\x00-\x1f]*)"|'([^'\x00-\x1f]*)')\s*(?:#.*)?""")
+_ELSEWHERE = re.compile(r"^\s*(?:paths\s*[.=]|\[\s*\[|.*(?:\"\"\"|\'\'\'))", re.MULTILINE)
+
+
+def plain_socket(text: str) -> object:
+    """paths.socket when the file says it plainly: one `socket = "..."` (or '...') line without
+    escapes in a [paths] table, no multi-line strings, arrays of tables or paths keys elsewhere.
+    DEFAULT_SOCKET when such a file does not say it; _UNSURE for anything else (tomllib decides)."""
+    if _ELSEWHERE.search(text):
+        return _UNSURE
+    table = ""
+    for line in (raw.strip() for raw in text.splitlines()):
+        if line.startswith("["):
+            if not (header := _TABLE.fullmatch(line)):
+                return _UNSURE
+            table = re.sub(r"\s+", "", header.group(1))
+        elif table == "paths" and re.match(r"""["']?socket\b""", line):
+            if not (plain := _PLAIN_SOCKET.fullmatch(line)):
+                return _UNSURE
+            return plain.group(1) if plain.group(1) is not None else plain.group(2)
+    return DEFAULT_SOCKET
 
 
 def run(config_path: str | None = None, socket: str | None = None, quiet: bool = False,

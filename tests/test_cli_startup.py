@@ -19,21 +19,24 @@ try:
     main(sys.argv[1:])
 except SystemExit:
     pass
-print(json.dumps(sorted(m for m in sys.modules if m.startswith("gpuguard") or m in ("argparse", "typing"))))
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("gpuguard") or m in ("argparse", "typing", "tomllib"))))
 """
 
 
-def loaded_by(*argv: str) -> set[str]:
-    env = {"PATH": "/usr/bin:/bin"}  # no PAM_TYPE: the hook does nothing and says so
+def loaded_by(*argv: str, **pam: str) -> set[str]:
+    env = {"PATH": "/usr/bin:/bin", **pam}
     result = subprocess.run([PYTHON, "-I", "-c", LOADED, *argv], capture_output=True, text=True, env=env,
                             timeout=60)
     return set(json.loads(result.stdout.splitlines()[-1]))
 
 
 def test_pam_hook_loads_no_cli_machinery(sandbox) -> None:
-    loaded = loaded_by("--config", str(sandbox / "absent.toml"), PAM_HOOK, "--socket", str(sandbox / "x.sock"))
+    config = sandbox / "gpuguard.toml"
+    config.write_text(f'[paths]\nsocket = "{sandbox / "x.sock"}"\n')
+    # A logout with no daemon there: the socket is read from the config, the call fails (logged).
+    loaded = loaded_by("--config", str(config), PAM_HOOK, PAM_TYPE="close_session", PAM_USER="ggt-nobody")
     assert "gpuguard.pam_hook" in loaded
-    assert not loaded & {"argparse", "typing", "gpuguard.config", "gpuguard.backends"}, loaded
+    assert not loaded & {"argparse", "typing", "tomllib", "gpuguard.config", "gpuguard.backends"}, loaded
     assert not any(module.endswith("_cmd") for module in loaded), loaded
 
 

@@ -279,6 +279,28 @@ def test_hook_finds_the_socket_like_the_daemon(sandbox):
     for path in (plain, broken, odd, sandbox / "absent.toml"):
         assert pam_hook.socket_path(str(path), None, {}) == pam_hook.DEFAULT_SOCKET
 
+PLAIN_CONFIGS = [
+    '[paths]\nsocket = "/srv/a.sock"\n', "[paths]\nsocket='/srv/b.sock'  # ours\n",
+    '[ paths ]\nstate_dir = "/x"\nsocket = "/srv/c.sock"\n[gpu]\nbackend = "nvml"\n',
+    '[access]\ngroup = "gpu"\n', '[gpu]\nsocket = "/nope"\n', '[paths.sub]\nsocket = "/h"\n',
+    # tomllib's, not the plain reader's:
+    'paths.socket = "/d"\n', 'paths = {socket = "/e"}\n', '[paths]\nsocket = "/a\\\\b"\n',
+    'x = """\n[paths]\nsocket = "/f"\n"""\n', '[paths]\n"socket" = "/g"\n', "[paths]\nsocket = 3\n",
+]
+
+
+@pytest.mark.parametrize("text", PLAIN_CONFIGS)
+def test_the_hooks_plain_socket_reader_agrees_with_tomllib(text):
+    """The hook reads a plain `socket = "..."` line without tomllib (~7 ms a login); whatever it
+    reads must be what tomllib reads, and what it is unsure of it leaves to tomllib."""
+    import tomllib
+
+    found = pam_hook.plain_socket(text)
+    if found is not pam_hook._UNSURE:
+        assert found == tomllib.loads(text).get("paths", {}).get("socket", pam_hook.DEFAULT_SOCKET)
+    assert (found is pam_hook._UNSURE) == (PLAIN_CONFIGS.index(text) >= 6)
+
+
 # ------------------------------------------------------------------ the real daemon
 
 PATHS = ["module", "hook"]
