@@ -109,7 +109,7 @@ def watcher_rows(bench: Bench) -> None:
         kill_latency(bench, device_dir)
         caller = subprocess.Popen(["sleep", "600"])
         stack.callback(_kill_group, caller)
-        for user in bench.members[:8]:  # in use: a login and a process on its GPU
+        for user in bench.members[:7]:  # in use: a login and processes on its GPU (one GPU left)
             (minor,) = client.call(sock, "session_open", user=user, service="bench", rhost="", tty="",
                                    pid=caller.pid)["gpus"]
             gpu_processes(bench, stack, user, device_dir, minor, count=4)
@@ -120,7 +120,7 @@ def watcher_rows(bench: Bench) -> None:
         row("watcher CPU per tick, grants in use: 5,000 vs 500 processes", in_use[5000], in_use[500], 1.2,
             "the same at 500")
         # A logged-out user whose process holds the node without a CUDA context keeps the grant.
-        leaver = bench.members[8]
+        leaver = bench.members[7]
         (minor,) = client.call(sock, "session_open", user=leaver, service="bench", rhost="", tty="",
                                pid=caller.pid)["gpus"]
         holder = subprocess.Popen([sys.executable, "-I", "-S", "-c", HOLD_NODE, str(device_dir / f"nvidia{minor}")],

@@ -175,8 +175,14 @@ class Daemon:
     # --- the tick
 
     async def _ticker(self) -> None:
+        """A tick every interval, at a fixed rate: the time a tick takes does not add up over the
+        ticks a grace period or kill_wait spans (a tick slower than the interval is followed by
+        the next at once, not by a burst)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.config.watcher.interval)
+            due = max(due + self.config.watcher.interval, loop.time())
+            await asyncio.sleep(due - loop.time())
             try:
                 await self.tick()
             except Exception:

@@ -78,7 +78,7 @@ class Watcher:
         the actions carried out. A failing re-sample means no action this tick (logged)."""
         started = time.monotonic()
         settings = self.config().watcher
-        timing = rules.Timing(settings.grace, settings.kill_wait)
+        timing = rules.Timing(settings.grace, settings.kill_wait, slack=settings.interval / 2)
         self._after_gap(now)
         await self._resolve_accounts(self._users(sample))
         view = self._view(sample)
