@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 APT_PACKAGES = python3-venv gcc make libpam0g-dev pamtester acl openssh-server openssh-client util-linux passwd
 
-.PHONY: all deps venv pam test demo bench install clean
+.PHONY: all deps venv pam test demo bench gpu-smoke install clean
 
 all: venv pam
 
@@ -40,6 +40,10 @@ demo: deps venv pam
 
 bench: deps venv pam
 	$(PY) bench/run.py
+
+# On a machine with a real NVIDIA GPU (skips cleanly without one): NVML, nodes, a CUDA program, the gate, MIG.
+gpu-smoke: venv
+	$(PY) bench/gpu-smoke
 
 # Install on a real server: package into /opt/gpuguard, module into the PAM directory,
 # example configuration into /etc/gpuguard (never overwriting an admin's files). The command

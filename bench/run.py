@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
+import sys
 import time
 from contextlib import ExitStack
 
@@ -55,6 +57,8 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench: run as root (sudo make bench): the rows use real daemons, gates, users and PAM")
         return 2
+    # SIGTERM (a timeout, an impatient admin) unwinds like an error: users, gates, daemons go.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.monotonic()
     print(f"bench: {machine()}", flush=True)
     with ExitStack() as stack:

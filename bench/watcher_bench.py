@@ -60,10 +60,11 @@ def gpu_processes(bench: Bench, stack: ExitStack, user: str, device_dir: Path, m
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill proc and, if it leads a process group (gpu_processes), the forks in it."""
     try:
         os.killpg(proc.pid, 9)
     except ProcessLookupError:
-        pass
+        proc.kill()
     proc.wait()
 
 

@@ -59,6 +59,7 @@ class Sampler:
         self._taken_at = 0.0  # time.monotonic() when `last` was taken
         self._lock = asyncio.Lock()
         self._failed: Mapping[int, str] = {}  # GPUs failing as last logged
+        self._identities = procfs.IdentityCache()  # the same GPU processes tick after tick
 
     async def take(self, max_age: float = MAX_AGE) -> Sample:
         """A sample whose NVML query is at most max_age seconds old (0: a new one). Raises the
@@ -66,7 +67,7 @@ class Sampler:
         async with self._lock:  # concurrent requests wait for one sample rather than each taking one
             if self.last is None or time.monotonic() - self._taken_at >= max_age:
                 started = time.monotonic()
-                self.last = await asyncio.to_thread(_take, self.backend)
+                self.last = await asyncio.to_thread(_take, self.backend, self._identities)
                 self._taken_at = started
                 self._log_changes(self.last.failed)
                 return self.last
@@ -92,11 +93,10 @@ class Sampler:
         self._failed = failed
 
 
-def _take(backend) -> Sample:
+def _take(backend, identities: procfs.IdentityCache) -> Sample:
     now = time.time()
     query = backend.query_processes()
-    owners = {pid: identity for pid in {p.pid for p in query.processes}
-              if (identity := procfs.process_identity(pid)) is not None}
+    owners = identities.identities({p.pid for p in query.processes})
     return Sample(now, tuple(query.processes), owners, query.read, query.failed)
 
 

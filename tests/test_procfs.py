@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -12,7 +13,7 @@ import psutil
 from conftest import popen_as
 from gate_lock import no_gate_attached
 from gpuguard.backends.gate import DeviceRange, default_managed
-from gpuguard.backends.procfs import char_major, holders, process_identity, user_of
+from gpuguard.backends.procfs import IdentityCache, char_major, holders, process_identity, user_of
 from gpuguard.model import NVIDIA_MAJOR
 from probes import holding, open_node
 from sim_helpers import run_with_proc_devices
@@ -115,3 +116,36 @@ def test_majors_come_from_proc_devices_as_the_driver_registers_them(sandbox) -> 
     unloaded = LOADED.replace("234 nvidia-caps\n", "").replace("259 blkext", "234 nvidia-caps")
     seen = run_with_proc_devices(unloaded, code, sandbox)
     assert seen["caps"] is None and seen["managed"] == [[NVIDIA_MAJOR, 0, 253]]
+
+
+SETUID_ON_LINE = ("import os, sys\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+                  "os.setresuid(int(sys.argv[1]), int(sys.argv[1]), 0)\nprint('changed', flush=True)\ninput()")
+
+
+def test_identity_cache_reads_again_a_process_that_changed(make_user) -> None:
+    """Reused for a process seen before; read again once it is not the process it was (here: its
+    uid changed), and forgotten once it is gone."""
+    user = make_user()
+    changer = subprocess.Popen([sys.executable, "-c", SETUID_ON_LINE, str(user.uid)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    sleeper = popen_as(user, ["sleep", "300"])
+    cache = IdentityCache()
+    try:
+        assert changer.stdout.readline().strip() == "ready"
+        pids = [changer.pid, sleeper.pid]
+        first = cache.identities(pids)
+        assert first == {pid: process_identity(pid) for pid in pids} and first[changer.pid].uid == 0
+        assert cache.identities(pids) == first
+        changer.stdin.write("\n")
+        changer.stdin.flush()
+        assert changer.stdout.readline().strip() == "changed"
+        assert cache.identities(pids)[changer.pid] == process_identity(changer.pid)
+        assert cache.identities(pids)[changer.pid].uid == user.uid
+        sleeper.kill()
+        sleeper.wait()
+        assert sleeper.pid not in cache.identities(pids)
+    finally:
+        changer.kill()
+        changer.wait()
+        sleeper.kill()
+        sleeper.wait()

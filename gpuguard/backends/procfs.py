@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -79,6 +79,36 @@ def process_identity(pid: int) -> ProcessIdentity | None:
     """uid and start time of pid, or None when it has exited."""
     info = inspect(pid)
     return info.identity if info else None
+
+
+class IdentityCache:
+    """process_identity for the pids asked about again and again (NVML's GPU processes, each
+    tick), at the cost of one stat of /proc/<pid> for a pid seen before.
+
+    The kernel gives /proc/<pid> a new inode number when a pid is reused (and whenever it
+    instantiates the inode again), and its owner is the effective uid: while both stay as they
+    were, the process is the one read before and its identity is reused. Anything else reads
+    it again. Signals re-check the identity through a pidfd anyway (backends.signals).
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[int, int, ProcessIdentity]] = {}  # pid -> (inode, owner, identity)
+
+    def identities(self, pids: Iterable[int]) -> dict[int, ProcessIdentity]:
+        """pid -> identity for the pids that run; only these are remembered for next time."""
+        known: dict[int, tuple[int, int, ProcessIdentity]] = {}
+        for pid in pids:
+            try:
+                st = os.stat(f"{PROC}/{pid}")  # a str: a Path would cost as much as the stat
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            seen = self._known.get(pid)
+            if seen is not None and seen[:2] == (st.st_ino, st.st_uid):
+                known[pid] = seen
+            elif (identity := process_identity(pid)) is not None:
+                known[pid] = (st.st_ino, st.st_uid, identity)
+        self._known = known
+        return {pid: identity for pid, (_, _, identity) in known.items()}
 
 
 def user_of(pid: int) -> int | None:
