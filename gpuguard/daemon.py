@@ -38,6 +38,9 @@ from gpuguard.store import Store
 from gpuguard.watcher import Watcher
 
 
+DEADLINE_MARGIN = 0.001  # seconds past a wait's end: the tick's clock must read it as over
+
+
 class Daemon:
     def __init__(self, config: Config, gate_name: str = "gpuguard"):
         self.config = config
@@ -175,14 +178,23 @@ class Daemon:
     # --- the tick
 
     async def _ticker(self) -> None:
-        """A tick every interval, at a fixed rate: the time a tick takes does not add up over the
-        ticks a grace period or kill_wait spans (a tick slower than the interval is followed by
-        the next at once, not by a burst)."""
+        """A tick every interval, at a fixed rate (the time a tick takes does not add up), and
+        one more when a wait of the watcher's ends between two ticks (DEADLINE_MARGIN after it):
+        a kill then lands within interval + grace + kill_wait, not an interval later per wait.
+        Never closer than a quarter interval to the tick before, so NVML is not polled in bursts."""
         loop = asyncio.get_running_loop()
-        due = loop.time()
+        last = loop.time()
+        regular = last + self.config.watcher.interval
         while True:
-            due = max(due + self.config.watcher.interval, loop.time())
-            await asyncio.sleep(due - loop.time())
+            interval = self.config.watcher.interval
+            wake = regular
+            if (deadline := self.watcher.next_deadline(time.time())) is not None:
+                at_deadline = loop.time() + deadline - time.time() + DEADLINE_MARGIN
+                wake = min(regular, max(at_deadline, last + interval / 4))
+            await asyncio.sleep(max(0.0, wake - loop.time()))
+            last = loop.time()
+            if wake == regular:  # a slow tick is followed by the next at once, not by a burst
+                regular = max(regular + interval, last)
             try:
                 await self.tick()
             except Exception:

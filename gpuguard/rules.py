@@ -35,9 +35,8 @@ The rules, with their boundaries:
 - Ending (all rules). A SIGTERMed process still on a GPU `kill_wait` after the SIGTERM gets
   SIGKILL; still there `kill_wait` after the SIGKILL, it is reported unkillable, once, and
   stops blocking the next SIGTERM of the memory rule. A process never gets a second SIGTERM.
-- Waits (grace, kill_wait) end at the check nearest to their end (Timing.slack: half the
-  watcher's interval), so an action comes at most interval/2 early or late, not a whole
-  interval late because a tick read the clock a moment before the wait was over.
+- Waits (grace, kill_wait) are lower bounds. `next_deadline` tells the watcher when the next
+  one ends, so that it checks then and not up to an interval later.
 - Failed GPUs (`View.failed`: NVML could not read their processes). Nothing is decided about
   them, not even a time revoke: an error must never read as "no processes". What the watcher
   remembers about them is kept, and their grants' idle clocks restart (not being seen while
@@ -87,13 +86,6 @@ class Proc:
 class Timing:
     grace: float      # over quota (or stray) this long after the warning before SIGTERM
     kill_wait: float  # SIGTERM (or SIGKILL) this long before the next step
-    # A wait counts as over at a check less than this before its end: the watcher passes half
-    # its interval, so the check nearest to the end acts, and the moment within a tick that
-    # `now` is read cannot push an action a whole interval later.
-    slack: float = 0.0
-
-    def over(self, since: float, wait: float, now: float) -> bool:
-        return now - since >= wait - self.slack
 
 
 @dataclass(frozen=True)
@@ -178,11 +170,11 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         stop = state.stopping.get(proc.key)
         if stop is None or proc.key in signalled or proc.uid in exempt:
             continue
-        if stop.kill_at is None and timing.over(stop.term_at, timing.kill_wait, now):
+        if stop.kill_at is None and now - stop.term_at >= timing.kill_wait:
             signalled.add(proc.key)
             actions.append(Action(KILL, stop.rule, proc.uid, proc.minor, proc,
                                   {"term_at": stop.term_at, "kill_wait": timing.kill_wait}))
-        elif stop.kill_at is not None and not stop.unkillable and timing.over(stop.kill_at, timing.kill_wait, now):
+        elif stop.kill_at is not None and not stop.unkillable and now - stop.kill_at >= timing.kill_wait:
             signalled.add(proc.key)
             actions.append(Action(UNKILLABLE, stop.rule, proc.uid, proc.minor, proc,
                                   {"kill_at": stop.kill_at, "waited": now - stop.kill_at}))
@@ -225,7 +217,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         elif reported is None:
             actions.append(Action(WARN, STRAY, proc.uid, proc.minor, proc,
                                   {"used": proc.used_memory, "grace": timing.grace}))
-        elif timing.over(reported, timing.grace, now):
+        elif now - reported >= timing.grace:
             term(proc, STRAY, used=proc.used_memory, reported_at=reported)
     return actions
 
@@ -261,7 +253,7 @@ def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: fl
     if warned is None:
         return [Action(WARN, MEMORY, grant.uid, grant.minor, candidates[0] if candidates else None, numbers)]
     pending = any(p.key in state.stopping and not state.stopping[p.key].unkillable for p in procs)
-    if timing.over(warned, timing.grace, now) and not pending and candidates:
+    if now - warned >= timing.grace and not pending and candidates:
         term(candidates[0], MEMORY, **numbers, warned_at=warned)
     return []
 
@@ -276,6 +268,18 @@ def _time_warning(grant: Grant, state: State, now: float) -> list[Action]:
         return []
     return [Action(WARN, TIME, grant.uid, grant.minor, None, {
         "left": left, "expires_at": grant.expires_at, "threshold": threshold})]
+
+
+def next_deadline(state: State, timing: Timing, after: float) -> float | None:
+    """The first moment after `after` at which a wait in `state` ends (grace after a memory
+    warning or a stray report, kill_wait after a signal), or None."""
+    ends = [since + timing.grace for since in (*state.over.values(), *state.stray.values())]
+    for stop in state.stopping.values():
+        if stop.kill_at is None:
+            ends.append(stop.term_at + timing.kill_wait)
+        elif not stop.unkillable:
+            ends.append(stop.kill_at + timing.kill_wait)
+    return min((end for end in ends if end > after), default=None)
 
 
 def advance(view: View, state: State, done: Iterable[Action], now: float) -> State:

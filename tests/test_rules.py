@@ -305,19 +305,15 @@ def test_stray_warned_then_termed_after_grace():
     assert (term.kind, term.rule, term.proc) == (TERM, STRAY, p)
 
 
-def test_waits_end_at_the_nearest_check_with_slack():
-    """With half an interval of slack, a check a moment before grace (or kill_wait) is over acts:
-    the time a tick takes to read the clock must not cost a whole interval."""
+def test_next_deadline_is_the_first_wait_to_end():
     p = proc(1, GiB, uid=BOB)
     v = view([p], [grant()])
-    slack = Timing(grace=30.0, kill_wait=10.0, slack=1.0)
-    _, state = run(v, State(), NOW, slack)
-    assert rules.decide(v, state, NOW + 28.9, slack) == []
-    assert rules.decide(v, state, NOW + 29.1, T) == []  # no slack: not yet
-    [term], state = run(v, state, NOW + 29.1, slack)
-    assert term.kind == TERM
-    assert rules.decide(v, state, NOW + 29.1 + 8.9, slack) == []
-    assert kinds(rules.decide(v, state, NOW + 29.1 + 9.1, slack)) == [(KILL, STRAY)]
+    assert rules.next_deadline(State(), T, NOW) is None
+    _, state = run(v, State(), NOW)                          # reported: grace runs
+    assert rules.next_deadline(state, T, NOW) == NOW + 30
+    [term], state = run(v, state, NOW + 30)
+    assert term.kind == TERM and rules.next_deadline(state, T, NOW + 30) == NOW + 40  # kill_wait runs
+    assert rules.next_deadline(state, T, NOW + 40) is None   # none after that
 
 
 def test_stray_on_another_gpu_of_a_grant_holder():
