@@ -59,13 +59,15 @@ def p99(values: Sequence[float]) -> float:
 
 
 def _value(value: float, unit: str) -> str:
-    return f"{value:.0f} KiB" if unit == "KiB" else f"{value * 1000:.3f} ms"
+    if unit == "KiB":
+        return f"{value:.0f} KiB"
+    return f"{value * 1e6:.2f} µs" if value < 1e-4 else f"{value * 1000:.3f} ms"
 
 
 def format_row(r: Row) -> str:
     verdict = ("MISSED " + "; ".join(r.failed_checks)).strip() if r.missed else "ok"
     return (f"{r.name} | {_value(r.ours, r.unit)} | {_value(r.baseline, r.unit)} ({r.against}) | "
-            f"{r.ratio:.2f} | <= {r.target:g} | {verdict}")
+            f"{r.ratio:.3g} | <= {r.target:g} | {verdict}")
 
 
 def table(rows: Sequence[Row]) -> str:

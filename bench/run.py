@@ -60,7 +60,8 @@ def main() -> int:
     # SIGTERM (a timeout, an impatient admin) unwinds like an error: users, gates, daemons go.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.monotonic()
-    print(f"bench: {machine()}", flush=True)
+    host = machine()
+    print(f"bench: {host}", flush=True)
     with ExitStack() as stack:
         bench = env.Bench(stack)
         if "micro" in sections:
@@ -77,7 +78,7 @@ def main() -> int:
         if "gate" in sections:
             import gate_bench
             gate_bench.gate_rows(bench)
-    print(f"\n{table(ROWS)}\n\nbench: {len(ROWS)} rows in {time.monotonic() - started:.0f} s on {machine()}")
+    print(f"\n{table(ROWS)}\n\nbench: {len(ROWS)} rows in {time.monotonic() - started:.0f} s on {host}")
     missed = [r for r in ROWS if r.missed]
     for r in missed:
         print(f"bench: MISSED {format_row(r)}")

@@ -93,10 +93,11 @@ def kill_latency(bench: Bench, device_dir: Path) -> None:
             proc = gpu_processes(bench, stack, user, device_dir, i % 8, ignore_term=True)
             strays.append((proc, time.monotonic()))
         latencies = []
-        for proc, registered in strays:
-            while proc.poll() is None:
-                time.sleep(0.01)
-            latencies.append(time.monotonic() - registered)
+        while strays:  # all watched at once: each death is timed when it happens
+            for stray in [s for s in strays if s[0].poll() is not None]:
+                latencies.append(time.monotonic() - stray[1])
+                strays.remove(stray)
+            time.sleep(0.01)
     bound = INTERVAL + GRACE + KILL_WAIT + 0.5
     row(f"kill latency, {len(latencies)} strays ignoring SIGTERM (p99)", p99(latencies), bound, 1.0,
         "interval + grace + kill_wait + 0.5 s")
