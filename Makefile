@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 APT_PACKAGES = python3-venv gcc make libpam0g-dev pamtester acl openssh-server openssh-client util-linux passwd
 
-.PHONY: all deps venv pam test demo bench gpu-smoke install clean
+.PHONY: all deps venv pam test demo bench gpu-smoke man install clean
 
 all: venv pam
 
@@ -36,7 +36,7 @@ test: deps venv pam
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: deps venv pam
-	$(PY) -m gpuguard.demo
+	$(PY) -m devtools.demo
 
 bench: deps venv pam
 	$(PY) bench/run.py
@@ -45,10 +45,17 @@ bench: deps venv pam
 gpu-smoke: venv
 	$(PY) bench/gpu-smoke
 
+# The man page, generated from the argparse definitions (argparse-manpage): the help text has one copy.
+man: venv
+	mkdir -p build
+	$(VENV)/bin/argparse-manpage --module gpuguard.cli --function build_parser --prog gpuguard \
+		--project-name gpuguard --version "$$($(PY) -c 'import gpuguard; print(gpuguard.__version__)')" \
+		--description "fair, kernel-enforced GPU sharing" --manual-title "gpuguard manual" --output build/gpuguard.1
+
 # Install on a real server: package into /opt/gpuguard, module into the PAM directory,
 # example configuration into /etc/gpuguard (never overwriting an admin's files). The command
 # goes into /usr/local/bin, not sbin: users run `gpuguard whoami` too.
-install: deps
+install: deps man
 	$(PYTHON) -m venv /opt/gpuguard
 	/opt/gpuguard/bin/pip install -q .
 	ln -sf /opt/gpuguard/bin/gpuguard /usr/local/bin/gpuguard
@@ -59,7 +66,10 @@ install: deps
 	install -m 0644 etc/gpuguard.service /etc/systemd/system/gpuguard.service
 	install -m 0644 etc/modprobe.d/gpuguard.conf /etc/modprobe.d/gpuguard.conf
 	install -m 0644 udev/70-gpuguard.rules /etc/udev/rules.d/70-gpuguard.rules
+	install -D -m 0644 build/gpuguard.1 /usr/local/share/man/man1/gpuguard.1
+	install -d -m 0755 /usr/share/bash-completion/completions
+	/opt/gpuguard/bin/gpuguard completion bash > /usr/share/bash-completion/completions/gpuguard
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info build
 	$(MAKE) -C pam clean

@@ -2,8 +2,9 @@
 
 Everything is named `ggt-bench-*` / `ggt-b<n>-*` (never the tests' `ggt-` + six hex digits, so a
 test run's sweep leaves it alone) and removed when the run's ExitStack closes. Every gate the
-bench attaches is attached under the tests' gate lock (tests/gate_lock.py): another run's gate
-would deny this run's users, and this run's gate theirs.
+bench attaches is attached under the tests' gate lock (devtools.harness.gate_test_lock, which
+start_daemon takes for a daemon's gate, gate_lock() for the others), for as long as it is
+attached: another run's gate would deny this run's users, and this run's gate theirs.
 """
 from __future__ import annotations
 
@@ -20,10 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(1, str(REPO / "tests"))  # gate_lock: the one lock every gate-attaching run takes
 
-from gate_lock import gate_test_lock  # noqa: E402
-from gpuguard.demo import searchable, start_daemon  # noqa: E402
+from devtools.harness import gate_test_lock, searchable, start_daemon  # noqa: E402
 
 HELPERS = {"pamloop": ["-lpam"], "openloop": [], "sleepers": []}  # bench/<name>.c and its libraries
 STORM_USERS = 20
@@ -86,6 +85,7 @@ class Bench:
         """A real `gpuguard daemon` on `config`; stopped, and its gate detached, after the block."""
         self._daemons += 1
         with ExitStack() as phase:
+            say_if_gate_locked()
             yield start_daemon(phase, config, f"ggt-bench-{self.tag}-{self._daemons}",
                                config.parent / "daemon.log")
 
@@ -125,18 +125,24 @@ def busy_host(bench: Bench, total: int) -> Iterator[int]:
         sleepers.stdout.close()
 
 
-@contextmanager
-def gate_lock() -> Iterator[None]:
-    """The tests' gate lock, saying so when a test run holds it (the bench waits for it)."""
+def say_if_gate_locked() -> None:
+    """Say so when another run holds the gate lock: the bench is about to wait for it."""
     import fcntl
 
-    from gpuguard.backends.gate import cgroup2_root
+    from gpuguard.backends.mounts import cgroup2_root
     probe = os.open(cgroup2_root(), os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        print("bench: a test run has a gate attached: waiting for it (tests/gate_lock.py)", flush=True)
+        print("bench: another run has a gate attached: waiting for it (devtools.harness.gate_test_lock)",
+              flush=True)
     finally:
         os.close(probe)  # releases the probe's lock, if it got one
+
+
+@contextmanager
+def gate_lock() -> Iterator[None]:
+    """The tests' gate lock, for a gate the bench attaches without start_daemon (which takes it)."""
+    say_if_gate_locked()
     with gate_test_lock():
         yield

@@ -10,7 +10,7 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
 - pam_bench.py: the daemon's socket, the PAM module and the pam_exec hook (bench/pamloop.c),
   a login storm; at ~100 and at 5,000 host processes;
 - watcher_bench.py: the daemon's CPU per tick at 500 and 5,000 processes, its own part of a
-  tick, kill latency;
+  tick, the metrics snapshot per tick, kill latency;
 - gate_bench.py: open(2) with and without the gate (bench/openloop.c).
 
 Small C helpers (bench/*.c) are built by the run with gcc. `--only SECTION` runs one section.
@@ -25,9 +25,9 @@ import sys
 import time
 from contextlib import ExitStack
 
-import env  # first: puts the checkout and tests/ on sys.path
+import env  # first: puts the checkout on sys.path
+from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
-from gpuguard.backends.gate import bpffs_restored
 from rows import ROWS, format_row, table
 
 SECTIONS = ("micro", "pam", "watcher", "gate")
@@ -67,17 +67,18 @@ def main() -> int:
         if "micro" in sections:
             import micro
             micro.run(bench)
-        stack.enter_context(bpffs_restored())
-        stack.enter_context(env.gate_lock())  # from here on gates are attached
+        stack.enter_context(bpffs_restored())  # from here on gates are attached, each under the gate lock
         if "pam" in sections:
             run_pam(bench)
         if "watcher" in sections:
             import watcher_bench
-            watcher_bench.watcher_rows(bench)
-            watcher_bench.own_tick_row(bench)
+            watcher_bench.watcher_rows(bench)  # its daemon holds the gate lock (start_daemon)
+            with env.gate_lock():  # a Daemon in this process, not start_daemon: its gate needs the lock
+                watcher_bench.own_tick_rows(bench)
         if "gate" in sections:
             import gate_bench
-            gate_bench.gate_rows(bench)
+            with env.gate_lock():  # the baseline too: no other run's gate attached while timing
+                gate_bench.gate_rows(bench)
     print(f"\n{table(ROWS)}\n\nbench: {len(ROWS)} rows in {time.monotonic() - started:.0f} s on {host}")
     missed = [r for r in ROWS if r.missed]
     for r in missed:

@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from gpuguard import rules
 from gpuguard.backends.exits import Cancel, ExitWatch
 from gpuguard.grants import Grants
+from gpuguard.holders import FindHolders
 from gpuguard.logs import event
-from gpuguard.sampling import Holder, Sample
+from gpuguard.sampling import Sample
 from gpuguard.store import Store
 
-# (minors, uids) -> those users' processes holding these GPUs' nodes; blocking: runs in a worker thread
-FindHolders = Callable[[Collection[int], Collection[int]], list[Holder]]
 RECHECK_HELD = 60.0  # seconds between looks in /proc for a kept grant whose holders all still run
 
 
@@ -75,6 +74,10 @@ class LogoutRelease:
         await asyncio.gather(*self._pending.values())
 
     async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None) -> None:
+        """Release what unused() finds, unless /proc shows a process of its user holding one of
+        its nodes: then the grant stays and those holders are watched. Only those users'
+        processes are read. A released grant goes through Grants.remove, whose HolderEnder ends
+        any holder that opened a node since this look."""
         candidates = self.unused(sample, uids)
         for uid in list(self._kept if uids is None else set(uids) & self._kept.keys()):
             kept = self._kept[uid]
@@ -83,6 +86,7 @@ class LogoutRelease:
         to_check = {uid: minors for uid, minors in candidates.items() if uid not in self._kept}
         if not to_check:
             return
+        # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
         holders = await asyncio.to_thread(self.find_holders, set().union(*to_check.values()), set(to_check))
         now = time.time()
         # Re-checked after the await: a login or a grant may have come in meanwhile.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,9 @@ from pathlib import Path
 import psutil
 
 from conftest import popen_as
-from gate_lock import no_gate_attached
+from devtools.harness import no_gate_attached
 from gpuguard.backends.gate import DeviceRange, default_managed
+from gpuguard.backends import procfs
 from gpuguard.backends.procfs import IdentityCache, char_major, holders, process_identity, user_of
 from gpuguard.model import NVIDIA_MAJOR
 from probes import holding, open_node
@@ -149,3 +151,37 @@ def test_identity_cache_reads_again_a_process_that_changed(make_user) -> None:
         changer.wait()
         sleeper.kill()
         sleeper.wait()
+
+
+def test_holders_of_some_users_reads_only_their_processes(make_user, sandbox):
+    node = sandbox / "null"
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    alice, bob = make_user(), make_user()
+    code = "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); print('held', flush=True); time.sleep(600)"
+    procs = [popen_as(user, [sys.executable, "-c", code, str(node)], stdout=subprocess.PIPE, text=True)
+             for user in (alice, bob)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline() == "held\n"
+        everyone = procfs.holders_of([(1, 3)])[(1, 3)]
+        assert {p.pid for p in procs} <= set(everyone)
+        assert procfs.holders_of([(1, 3)], owners={alice.uid})[(1, 3)] == [procs[0].pid]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def test_comm_is_the_name_stat_has_in_one_read() -> None:
+    """procfs.comm (the sample names each GPU process with it, each tick) agrees with inspect(),
+    which parses the name out of /proc/<pid>/stat, also for a name with spaces and parentheses."""
+    code = ("import ctypes, sys; ctypes.CDLL(None).prctl(15, b'ggt a) (b', 0, 0, 0)\n"
+            "print('named', flush=True); sys.stdin.readline()")
+    named = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert named.stdout.readline() == "named\n"
+        assert procfs.comm(named.pid) == procfs.inspect(named.pid).comm == "ggt a) (b"
+    finally:
+        named.communicate("\n", timeout=30)
+    assert procfs.comm(named.pid) is None

@@ -111,6 +111,21 @@ class IdentityCache:
         return {pid: identity for pid, (_, _, identity) in known.items()}
 
 
+def comm(pid: int) -> str | None:
+    """The process name (the kernel's comm, as in /proc/<pid>/stat), or None when it has exited.
+    One read, where inspect() takes three: a sample names every GPU process, each tick."""
+    try:
+        fd = os.open(f"{PROC}/{pid}/comm", os.O_RDONLY)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        return os.read(fd, 64).decode(errors="replace").removesuffix("\n")
+    except ProcessLookupError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def user_of(pid: int) -> int | None:
     """Real uid of pid, or None when it has exited."""
     identity = process_identity(pid)

@@ -4,6 +4,10 @@ Each `*_cmd` module in this package has `register(subparsers)`, which adds its c
 sets `func(args) -> int` on them. Exit codes are the same everywhere: 0 ok, 1 refused or
 failed, 2 bad usage or input, 3 daemon unreachable. Errors are one line, no traceback.
 
+What the commands print can hold strings users chose (a PAM TTY or remote host in whoami,
+a process name in an event): everything written to stdout and every error goes through
+messages.printable, so no control character reaches the terminal (JSON escapes its own).
+
 Start-up is lazy: a command imports only its own module (COMMANDS), and `pam-hook`, which
 runs on every login through pam_exec, skips this front end altogether (gpuguard.pam_hook
 parses its own few options): this module imports nothing heavy before it knows the command.
@@ -51,21 +55,26 @@ def print_rows(rows: list[list[str]]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-# Each command and the module that registers it: a command loads only its own module.
+# Each command and the module that registers it: a command loads only its own module. The full
+# parser (help, a typo, completion, the man page) loads every `*_cmd` module, so a test
+# (tests/test_cli_startup.py) sees any command missing here.
 COMMANDS = {
     "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd",
-    "config": "config_cmd", "daemon": "daemon_cmd", "gate": "gate_cmd", "acl": "gate_cmd",
-    "gpus": "gpus_cmd", "quota": "quota_cmd", "sim": "sim_cmd",
-    "whoami": "user_cmd", "status": "user_cmd", "request": "user_cmd", "release": "user_cmd",
+    "completion": "completion_cmd", "config": "config_cmd", "daemon": "daemon_cmd",
+    "gate": "gate_cmd", "acl": "gate_cmd", "gpus": "gpus_cmd", "quota": "quota_cmd",
+    "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
+    "whoami": "user_cmd", "request": "user_cmd", "release": "user_cmd",
 }
 PAM_HOOK = "pam-hook"
 PAM_HOOK_HELP = "pam_exec session hook (fallback for pam_gpuguard.so; always exits 0; see pam/README)"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser with `command`'s module registered, or every module's (help, a typo: None)."""
+    """The parser with `command`'s module registered, or every `*_cmd` module's (help, a typo,
+    completion and the man page: None)."""
     import argparse
     import importlib
+    import pkgutil
 
     from gpuguard import __version__
     from gpuguard.config import DEFAULT_PATH
@@ -75,7 +84,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="PATH",
                         help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_PATH})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    modules = [COMMANDS[command]] if command in COMMANDS else sorted(set(COMMANDS.values()))
+    modules = ([COMMANDS[command]] if command in COMMANDS
+               else sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd")))
     for module in modules:
         importlib.import_module(f"{__name__}.{module}").register(subparsers)
     if command not in COMMANDS:  # listed for help; main runs it before any parser
@@ -103,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         from gpuguard import pam_hook
         return pam_hook.main(rest, config_path)
     args = build_parser(command).parse_args(argv)
+    from gpuguard.cli.output import PrintableOutput  # not before: pam-hook needs none of it
+    sys.stdout = PrintableOutput(sys.stdout)
     try:
         return args.func(args)
     except GpuguardError as exc:
@@ -116,5 +128,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"gpuguard: {message}", file=sys.stderr)
+    from gpuguard.messages import printable
+    print(f"gpuguard: {printable(message)}", file=sys.stderr)
     return code

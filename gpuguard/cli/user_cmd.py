@@ -1,8 +1,7 @@
-"""What every user runs: `gpuguard whoami`, `status`, `request`, `release`."""
+"""What every user runs: `gpuguard whoami`, `request`, `release` (`status` is status_cmd)."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from gpuguard.cli import print_json, print_rows
 from gpuguard.errors import EXIT_OK
@@ -16,10 +15,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     whoami.add_argument("--user", metavar="NAME", help="another user's (root only)")
     whoami.add_argument("--json", action="store_true", help="print JSON")
     whoami.set_defaults(func=show_whoami)
-
-    status = subparsers.add_parser("status", help="who holds which GPU")
-    status.add_argument("--json", action="store_true", help="print JSON")
-    status.set_defaults(func=show_status)
 
     request = subparsers.add_parser("request", help="get GPUs now, up to your quota")
     request.add_argument("--gpus", type=int, metavar="N", help="how many GPUs in all (default: your quota)")
@@ -66,27 +61,6 @@ def show_whoami(args: argparse.Namespace) -> int:
             where = f" GPU {e['minor']}" if e["minor"] is not None else ""
             print(f"  {clock(e['time'])}  {e['kind']}{where}: {e['message']}")
     return EXIT_OK
-
-
-def show_status(args: argparse.Namespace) -> int:
-    reply = ask(args, "status")
-    if args.json:
-        print_json(reply)
-        return EXIT_OK
-    rows = [["GPU", "NAME", "HELD BY", "PROCS"]]
-    for gpu in reply["gpus"]:
-        held = ", ".join(_holder(h) for h in gpu["holders"]) or "free"
-        rows.append([str(gpu["minor"]), gpu["name"], held, "?" if gpu["processes"] is None else str(gpu["processes"])])
-    print_rows(rows)
-    if "sessions" in reply:
-        print(f"\n{len(reply['sessions'])} open session(s); exempt uids {number_list(reply['exempt'])}; "
-              f"enforcement: {'gate ' + reply['gate'] if reply['gate'] else 'ACLs only'}")
-    return EXIT_OK
-
-
-def _holder(holder: dict[str, Any]) -> str:
-    until = f" until {clock(holder['expires_at'])}" if holder["expires_at"] else ""
-    return f"{holder['user']}{until}{' (shared)' if holder['shared'] else ''}"
 
 
 def run_request(args: argparse.Namespace) -> int:
