@@ -165,16 +165,13 @@ class Api:
               session=closed.id if closed else "unknown")
         if not store.sessions(account.uid):  # a login's place in the queue ends with its last session
             self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == "session")
-        # Only the close that ended the user's last session tries the release: a close of a session
-        # already gone (dropped by the tick after its caller died, or never known) changes nothing
-        # the tick will not see, and each try costs a GPU sample and a /proc scan.
-        if held and closed is not None and not store.sessions(account.uid):
-            sample = await self.sampler.take_or_log("grants kept until a good sample")
-            if sample is not None:  # no data, no release: the tick tries again
-                await self.logout.release_unused(sample, [account.uid])
-        # Compared with before, not taken from release_unused: a tick may release them meanwhile.
-        kept = {g.minor for g in store.grants(account.uid)}
-        return protocol.ok(closed=closed is not None, released=sorted(held - kept), kept=sorted(kept))
+        # Only the close that ended the user's last session starts the release check: a close of a
+        # session already gone (dropped by the tick after its caller died, or never known) changes
+        # nothing the tick will not see, and each check costs a GPU sample and a /proc scan.
+        pending = bool(held) and closed is not None and not store.sessions(account.uid)
+        if pending:  # checked in the background: the PAM module's reply waits for no NVML, no /proc
+            self.logout.after_logout(account.uid, lambda: self.sampler.take_or_log("grants kept until a good sample"))
+        return protocol.ok(closed=closed is not None, held=sorted(held), release_pending=pending)
 
     # --- looking
 

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
 
 from gpuguard import protocol
 from gpuguard.errors import EXIT_UNREACHABLE, GpuguardError
+
+TYPE_CHECKING = False  # not typing's: it costs the pam_exec hook (gpuguard.pam_hook) a few ms per login
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class DaemonUnreachable(GpuguardError):

@@ -23,6 +23,7 @@ from pathlib import Path
 from gpuguard import config as configuration, sampling
 from gpuguard.api import Api
 from gpuguard.backends import GateError, devnodes, notify, open_gpu_backend, procfs, systemd
+from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.node_watcher import NodeWatcher
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
@@ -40,6 +41,7 @@ from gpuguard.store import Store
 from gpuguard.watcher import Watcher
 
 
+DEADLINE_MARGIN = 0.001  # seconds past a wait's end: the tick's clock must read it as over
 CHECK_EVERY = 30.0  # seconds between checks that the gate, its maps and the node ACLs are as the store says
 
 
@@ -87,7 +89,7 @@ class Daemon:
         self.holders = HolderEnder(sampling.node_holders, self.sampler, self.exempt, self.store,
                                    lambda: self.config.watcher.kill_wait)
         self.grants.holders = self.holders
-        self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders)
+        self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders, ExitWatch())
         self.queue = Queue(self.current_config, self.store, self.grants)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier, demand=self.queue.demand)
@@ -126,6 +128,7 @@ class Daemon:
 
     def close(self) -> None:
         self.metrics.close()
+        self.logout.close()
         self.holders.close()
         self.watcher.close()
         self.notifier.close()
@@ -192,15 +195,30 @@ class Daemon:
     # --- the tick
 
     async def _ticker(self) -> None:
-        ticks = 0
+        """A tick every interval, at a fixed rate (the time a tick takes does not add up), and
+        one more when a wait of the watcher's ends between two ticks (DEADLINE_MARGIN after it):
+        a kill then lands within interval + grace + kill_wait, not an interval later per wait.
+        Never closer than a quarter interval to the tick before, so NVML is not polled in bursts.
+        Enforcement is checked after the first tick CHECK_EVERY seconds after the last check."""
+        loop = asyncio.get_running_loop()
+        last = checked = loop.time()
+        regular = last + self.config.watcher.interval
         while True:
-            await asyncio.sleep(self.config.watcher.interval)
-            ticks += 1
+            interval = self.config.watcher.interval
+            wake = regular
+            if (deadline := self.watcher.next_deadline(time.time())) is not None:
+                at_deadline = loop.time() + deadline - time.time() + DEADLINE_MARGIN
+                wake = min(regular, max(at_deadline, last + interval / 4))
+            await asyncio.sleep(max(0.0, wake - loop.time()))
+            last = loop.time()
+            if wake == regular:  # a slow tick is followed by the next at once, not by a burst
+                regular = max(regular + interval, last)
             try:
                 await self.tick()
             except Exception:
                 event(logging.ERROR, "tick_failed", exc_info=True)  # the next tick tries again
-            if ticks % max(1, round(CHECK_EVERY / self.config.watcher.interval)) == 0:
+            if last - checked >= CHECK_EVERY:  # by the clock: the ticks at a wait's end come on top
+                checked = last
                 self.check_enforcement()
 
     def check_enforcement(self) -> None:

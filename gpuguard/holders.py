@@ -36,8 +36,9 @@ from gpuguard.sampling import Holder, Sampler
 from gpuguard.store import Store
 from gpuguard.units import format_duration
 
-# (minors, uids or None for everyone) -> holders; blocking (a /proc scan): runs in a worker thread
-FindHolders = Callable[[Collection[int], Collection[int] | None], list[Holder]]
+# (minors, uids) -> those users' processes holding these GPUs' nodes; blocking (a /proc scan of
+# only their processes, procfs.holders_of): runs in a worker thread
+FindHolders = Callable[[Collection[int], Collection[int]], list[Holder]]
 Pair = tuple[int, int]  # (pid, minor)
 
 

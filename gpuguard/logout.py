@@ -1,27 +1,49 @@
 """Releasing session grants once their user has logged out and nothing of theirs uses them.
 
 The rule is rules.unused_after_logout (pure); this is its edge: NVML's view comes from the
-sample, and, for the grants about to go, a look in /proc for processes that hold a node open
-without a CUDA context (NVML does not list those). Called at a user's last logout and each tick.
+sample, and, for the grants about to go, a look in /proc for the user's processes that hold a
+node open without a CUDA context (NVML does not list those). Run at a user's last logout, in
+the background so that the PAM module's reply never waits for NVML or /proc, and each tick.
+
+A grant kept because such a process holds its node is not looked at again each tick: the
+holders are watched through pidfds (backends.exits), and the next tick after one of them exits
+looks again. A holder that closes the node but keeps running is seen at the latest
+RECHECK_HELD later.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from dataclasses import dataclass
 
 from gpuguard import rules
+from gpuguard.backends.exits import Cancel, ExitWatch
 from gpuguard.grants import Grants
 from gpuguard.holders import FindHolders
+from gpuguard.logs import event
 from gpuguard.sampling import Sample
 from gpuguard.store import Store
 
+RECHECK_HELD = 60.0  # seconds between looks in /proc for a kept grant whose holders all still run
+
+
+@dataclass(frozen=True)
+class _Kept:
+    minors: frozenset[int]
+    since: float  # time.monotonic()
+    cancel: Cancel  # stops watching the holders
+
 
 class LogoutRelease:
-    def __init__(self, store: Store, grants: Grants, find_holders: FindHolders):
+    def __init__(self, store: Store, grants: Grants, find_holders: FindHolders, exits: ExitWatch):
         self.store = store
         self.grants = grants
         self.find_holders = find_holders
+        self.exits = exits
+        self._kept: dict[int, _Kept] = {}  # uid -> grants kept for holders that are being watched
+        self._pending: dict[int, asyncio.Task] = {}  # uid -> its check after logout, running
 
     def unused(self, sample: Sample, uids: Iterable[int] | None = None) -> dict[int, frozenset[int]]:
         """rules.unused_after_logout on the store and the sample, for these users (default: all)."""
@@ -32,21 +54,67 @@ class LogoutRelease:
         logged_in = {session.uid for session in self.store.sessions()}
         return rules.unused_after_logout(grants, logged_in, sample.busy_slots(), sample.minors)
 
+    def after_logout(self, uid: int, take_sample: Callable[[], Awaitable[Sample | None]]) -> None:
+        """Check uid's grants after their last logout, in the background (one check at a time)."""
+        if uid not in self._pending:
+            task = asyncio.get_running_loop().create_task(self._after_logout(uid, take_sample))
+            self._pending[uid] = task
+            task.add_done_callback(lambda _: self._pending.pop(uid, None))
+
+    async def _after_logout(self, uid: int, take_sample: Callable[[], Awaitable[Sample | None]]) -> None:
+        try:
+            sample = await take_sample()
+            if sample is not None:  # no data, no release: the tick tries again
+                await self.release_unused(sample, [uid])
+        except Exception:  # the tick tries again; nobody else would see this
+            event(logging.ERROR, "logout_release_failed", exc_info=True, uid=uid)
+
+    async def settled(self) -> None:
+        """Until the checks after logout started so far have ended."""
+        await asyncio.gather(*self._pending.values())
+
     async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None,
                              now: float | None = None) -> None:
-        """Release what unused() finds, after a /proc scan of those users' processes (not everyone's);
-        now: the clock (wall time by default; a replay's virtual one)."""
+        """Release what unused() finds, unless /proc shows a process of its user holding one of
+        its nodes: then the grant stays and those holders are watched. Only those users'
+        processes are read. A released grant goes through Grants.remove, whose HolderEnder ends
+        any holder that opened a node since this look. now: the clock (wall time by default; a
+        replay's virtual one)."""
         candidates = self.unused(sample, uids)
-        if not candidates:
+        for uid in list(self._kept if uids is None else set(uids) & self._kept.keys()):
+            kept = self._kept[uid]
+            if candidates.get(uid) != kept.minors or time.monotonic() - kept.since >= RECHECK_HELD:
+                self._forget(uid)
+        to_check = {uid: minors for uid, minors in candidates.items() if uid not in self._kept}
+        if not to_check:
             return
-        held: dict[int, set[int]] = {}
         # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
-        for holder in await asyncio.to_thread(self.find_holders, set().union(*candidates.values()), set(candidates)):
-            held.setdefault(holder.uid, set()).add(holder.minor)
+        holders = await asyncio.to_thread(self.find_holders, set().union(*to_check.values()), set(to_check))
         now = time.time() if now is None else now
         # Re-checked after the await: a login or a grant may have come in meanwhile.
-        for uid, minors in self.unused(sample, candidates).items():
-            if minors == candidates[uid] and not held.get(uid, set()) & minors:
+        for uid, minors in self.unused(sample, to_check).items():
+            if minors != to_check[uid] or uid in self._kept:
+                continue
+            pids = {h.pid for h in holders if h.uid == uid and h.minor in minors}
+            if pids:
+                self._watch(uid, minors, pids)
+            else:
                 bound = [g.minor for g in self.store.grants(uid) if g.origin == "session"]
                 self.grants.remove(uid, bound, now, kind="release", rule="logout",
                                    message="released: your last session ended and no process of yours used it")
+
+    def _watch(self, uid: int, minors: frozenset[int], pids: Collection[int]) -> None:
+        cancel = self.exits.watch(pids, uid, lambda: self._forget(uid))
+        if cancel is not None:  # None: a holder is gone already, and the next tick looks again
+            self._kept[uid] = _Kept(minors, time.monotonic(), cancel)
+
+    def _forget(self, uid: int) -> None:
+        kept = self._kept.pop(uid, None)
+        if kept is not None:
+            kept.cancel()
+
+    def close(self) -> None:
+        for uid in list(self._kept):
+            self._forget(uid)
+        for task in self._pending.values():
+            task.cancel()

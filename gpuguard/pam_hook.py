@@ -14,22 +14,28 @@ user when given the `stdout` option.
 
 It always exits 0, within about 2 s: a daemon outage, a bad config or a bug here must
 never block a login. Failures go to syslog (authpriv, warning); GPU access then simply
-stays closed, because the gate denies by default. This module imports only what it
-needs, so `python -m gpuguard.pam_hook` starts faster than the full CLI.
+stays closed, because the gate denies by default. It runs on every login and logout, so
+it imports only what it needs (no argparse: three options are read by hand; `gpuguard
+pam-hook` comes here before the CLI builds its parser): starting it costs about twice an
+empty `python3 -I -S` (README "Performance").
 """
 from __future__ import annotations
 
-import argparse
 import os
+import re
 import signal
 import sys
 import syslog
-from collections.abc import Iterator, Mapping
+from collections import namedtuple
 from contextlib import contextmanager
-from typing import Any, TextIO
 
 from gpuguard import client
 from gpuguard.errors import GpuguardError
+
+TYPE_CHECKING = False  # not typing's, which would add a few ms to every login
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+    from typing import Any, TextIO
 
 TIMEOUT = 2.0  # seconds, for everything: config, connect, send, reply
 # The same defaults as gpuguard.config (a test keeps them equal), without importing it.
@@ -66,26 +72,55 @@ def socket_path(config_path: str | None, socket: str | None,
                 environ: Mapping[str, str] | None = None) -> str:
     """--socket, else paths.socket from the config file, else the default.
 
-    Only that one key is read, with tomllib, not through gpuguard.config: full validation
-    (and the quotas file) costs a login ~12 ms more, and a typo in quotas.toml must not
-    send the hook to the wrong socket. The daemon validates the config; the hook only
-    needs to find it.
+    Only that one key is read, not through gpuguard.config: full validation (and the quotas
+    file) costs a login ~12 ms more, and a typo in quotas.toml must not send the hook to the
+    wrong socket. The daemon validates the config; the hook only needs to find it. A plain
+    `socket = "..."` line in [paths] is read by plain_socket; tomllib (~7 ms to import, with
+    typing) reads anything else.
     """
     if socket:
         return socket
     environ = os.environ if environ is None else environ
     path = config_path or environ.get("GPUGUARD_CONFIG") or DEFAULT_CONFIG
-    import tomllib
     try:
         with open(path, "rb") as file:
-            value = tomllib.load(file).get("paths", {}).get("socket", DEFAULT_SOCKET)
-    except (OSError, tomllib.TOMLDecodeError, AttributeError) as exc:
+            text = file.read().decode()
+        value = plain_socket(text)
+        if value is _UNSURE:
+            import tomllib
+            value = tomllib.loads(text).get("paths", {}).get("socket", DEFAULT_SOCKET)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:  # TOMLDecodeError is a ValueError
         _log(f"gpuguard pam-hook: cannot read {path} ({exc}); trying {DEFAULT_SOCKET}")
         return DEFAULT_SOCKET
     if not isinstance(value, str) or not value:
         _log(f"gpuguard pam-hook: {path}: paths.socket is not a path; trying {DEFAULT_SOCKET}")
         return DEFAULT_SOCKET
     return value
+
+
+_UNSURE = object()
+_TABLE = re.compile(r"\[\s*([A-Za-z0-9_.\s-]+?)\s*\]\s*(?:#.*)?")
+_PLAIN_SOCKET = re.compile(r"""socket\s*=\s*(?:"([^"\\\x00-\x1f]*)"|'([^'\x00-\x1f]*)')\s*(?:#.*)?""")
+_ELSEWHERE = re.compile(r"^\s*(?:paths\s*[.=]|\[\s*\[|.*(?:\"\"\"|\'\'\'))", re.MULTILINE)
+
+
+def plain_socket(text: str) -> object:
+    """paths.socket when the file says it plainly: one `socket = "..."` (or '...') line without
+    escapes in a [paths] table, no multi-line strings, arrays of tables or paths keys elsewhere.
+    DEFAULT_SOCKET when such a file does not say it; _UNSURE for anything else (tomllib decides)."""
+    if _ELSEWHERE.search(text):
+        return _UNSURE
+    table = ""
+    for line in (raw.strip() for raw in text.splitlines()):
+        if line.startswith("["):
+            if not (header := _TABLE.fullmatch(line)):
+                return _UNSURE
+            table = re.sub(r"\s+", "", header.group(1))
+        elif table == "paths" and re.match(r"""["']?socket\b""", line):
+            if not (plain := _PLAIN_SOCKET.fullmatch(line)):
+                return _UNSURE
+            return plain.group(1) if plain.group(1) is not None else plain.group(2)
+    return DEFAULT_SOCKET
 
 
 def run(config_path: str | None = None, socket: str | None = None, quiet: bool = False,
@@ -150,24 +185,51 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket", metavar="PATH",
-                        help="daemon socket (default: paths.socket from the config)")
-    parser.add_argument("--quiet", action="store_true", help="do not print the message line")
+USAGE = """usage: gpuguard pam-hook [--config PATH] [--socket PATH] [--quiet]
+
+pam_exec session hook (fallback for pam_gpuguard.so; always exits 0): asks the daemon for
+the user's GPUs at open_session and releases them at close_session. Cannot set
+CUDA_VISIBLE_DEVICES.
+  --config PATH  config file (default: $GPUGUARD_CONFIG or /etc/gpuguard/gpuguard.toml)
+  --socket PATH  daemon socket (default: paths.socket from the config)
+  --quiet        do not print the message line"""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpuguard-pam-hook",
-                                     description="pam_exec hook: ask the gpuguard daemon for GPUs")
-    parser.add_argument("--config", metavar="PATH", help="config file (default: $GPUGUARD_CONFIG or /etc/gpuguard/gpuguard.toml)")
-    add_arguments(parser)
+# The hook's options, a plain namedtuple: typing.NamedTuple would import typing.
+Options = namedtuple("Options", "config socket quiet help", defaults=(None, None, False, False))
+
+
+def parse_arguments(argv: list[str], config_path: str | None = None) -> Options:
+    """--config PATH, --socket PATH (also as --opt=PATH), --quiet, -h/--help; HookError otherwise."""
+    values: dict[str, Any] = {"config": config_path}
+    args = iter(argv)
+    for arg in args:
+        name, has_value, value = arg.partition("=")
+        if name in ("--config", "--socket"):
+            value = value if has_value else next(args, "")
+            if not value:
+                raise HookError(f"{name} needs a path")
+            values[name[2:]] = value
+        elif arg in ("--quiet", "-h", "--help"):
+            values["quiet" if arg == "--quiet" else "help"] = True
+        else:
+            raise HookError(f"unknown argument {arg!r}")
+    return Options(**values)
+
+
+def main(argv: list[str] | None = None, config_path: str | None = None) -> int:
+    """The command line: `config_path` is a --config given to `gpuguard` before `pam-hook`."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # a typo in the PAM line must not fail the login either
-        if exc.code:
-            _log(f"gpuguard pam-hook: bad arguments {argv if argv is not None else sys.argv[1:]}")
+        options = parse_arguments(argv, config_path)
+    except HookError as exc:  # a typo in the PAM line must not fail the login either
+        print(f"gpuguard pam-hook: {exc}", file=sys.stderr)
+        _log(f"gpuguard pam-hook: {exc} in {argv}")
         return 0
-    return run(config_path=args.config, socket=args.socket, quiet=args.quiet)
+    if options.help:
+        print(USAGE)
+        return 0
+    return run(config_path=options.config, socket=options.socket, quiet=options.quiet)
 
 
 if __name__ == "__main__":

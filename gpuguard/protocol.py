@@ -8,9 +8,13 @@ message: the server takes it from SO_PEERCRED. JSON only, never pickle.
 from __future__ import annotations
 
 import json
-from typing import Any
+
 from gpuguard.errors import UsageError
-from gpuguard.messages import printable
+from gpuguard.escape import printable
+
+TYPE_CHECKING = False  # not typing's: it costs the pam_exec hook (gpuguard.pam_hook) a few ms per login
+if TYPE_CHECKING:
+    from typing import Any
 
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile

@@ -52,6 +52,8 @@ The rules, with their boundaries:
   SIGKILL; still there `kill_wait` after the SIGKILL, it is reported unkillable, once, and
   from then on its memory counts as staying for the memory rule. A process never gets a
   second SIGTERM.
+- Waits (grace, kill_wait) are lower bounds. `next_deadline` tells the watcher when the next
+  one ends, so that it checks then and not up to an interval later.
 - Failed GPUs (`View.failed`: NVML could not read their processes). Nothing is decided about
   them, not even a time revoke: an error must never read as "no processes". What the watcher
   remembers about them is kept, and their grants' idle clocks restart (not being seen while
@@ -389,6 +391,25 @@ def _time_warning(grant: Grant, state: State, now: float) -> list[Action]:
         "left": left, "expires_at": grant.expires_at, "threshold": threshold})]
 
 
+def _waits_ending(state: State, timing: Timing) -> list[float]:
+    """When each wait in `state` ends: grace after a memory warning or a stray report, kill_wait
+    after a signal (none after a process was found unkillable: nothing follows that)."""
+    warned = (*state.over.values(), *(episode.reported_at for episode in state.stray.values()))
+    ends = [since + timing.grace for since in warned]
+    for stop in state.stopping.values():
+        if stop.kill_at is None:
+            ends.append(stop.term_at + timing.kill_wait)
+        elif not stop.unkillable:
+            ends.append(stop.kill_at + timing.kill_wait)
+    return ends
+
+
+def next_deadline(state: State, timing: Timing, after: float) -> float | None:
+    """The first moment after `after` at which a wait in `state` ends, or None: the daemon ticks
+    then too, so waits end on time rather than up to an interval late."""
+    return min((end for end in _waits_ending(state, timing) if end > after), default=None)
+
+
 def advance(view: View, state: State, done: Iterable[Action], now: float) -> State:
     """The state after the actions the watcher carried out (attempted) on this view."""
     over = dict(state.over)
@@ -453,10 +474,7 @@ def next_change(view: View, state: State, timing: Timing, now: float) -> float |
     happen; tests hold it against decide()."""
     view = view.readable()
     on_slot = _by_slot(view.procs)
-    times: list[float] = []
-    for stop in state.stopping.values():
-        times.append((stop.kill_at if stop.kill_at is not None else stop.term_at) + timing.kill_wait)
-    times.extend(t + timing.grace for t in (*state.over.values(), *(e.reported_at for e in state.stray.values())))
+    times = _waits_ending(state, timing)
     for grant in view.grants:
         if grant.expires_at is not None:
             times.extend(grant.expires_at - t for t in TIME_WARNINGS)

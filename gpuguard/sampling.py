@@ -62,6 +62,7 @@ class Sampler:
         self._taken_at = 0.0  # time.monotonic() when `last` was taken
         self._lock = asyncio.Lock()
         self._failed: Mapping[int, str] = {}  # GPUs failing as last logged
+        self._identities = procfs.IdentityCache()  # the same GPU processes tick after tick
         # NVML errors since start, for metrics: per GPU minor, and "all" for a sample no GPU answered.
         self.errors: Counter[str] = Counter()
 
@@ -72,7 +73,7 @@ class Sampler:
             if self.last is None or time.monotonic() - self._taken_at >= max_age:
                 started = time.monotonic()
                 try:
-                    self.last = await asyncio.to_thread(_take, self.backend)
+                    self.last = await asyncio.to_thread(_take, self.backend, self._identities)
                 except Exception:
                     self.errors["all"] += 1
                     raise
@@ -102,11 +103,10 @@ class Sampler:
         self._failed = failed
 
 
-def _take(backend) -> Sample:
+def _take(backend, identities: procfs.IdentityCache) -> Sample:
     now = time.time()
     query = backend.query_processes()
-    owners = {pid: identity for pid in {p.pid for p in query.processes}
-              if (identity := procfs.process_identity(pid)) is not None}
+    owners = identities.identities({p.pid for p in query.processes})
     commands = {pid: signals.command(pid) for pid in owners}
     return Sample(now, tuple(query.processes), owners, query.read, query.failed, backend.use(), commands)
 
@@ -122,17 +122,19 @@ class Holder(NamedTuple):
     minor: int
 
 
-def node_holders(minors: Iterable[int], uids: Collection[int] | None = None) -> list[Holder]:
-    """Processes holding these GPUs' nodes open per /proc (blocking: one scan of /proc for all),
-    of these users only when `uids` is given (a much cheaper scan on a busy machine).
+def node_holders(minors: Iterable[int], uids: Collection[int]) -> list[Holder]:
+    """Processes of these users holding these GPUs' nodes open per /proc (blocking: one pass
+    over /proc for all).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
-    (or before creating it) shows up only here.
+    (or before creating it) shows up only here. Only the users' own processes are looked at
+    (procfs.holders_of), so the cost follows their processes, not the host's.
     """
     found = []
-    for (_, minor), pids in procfs.holders_of([(NVIDIA_MAJOR, minor) for minor in minors], uids).items():
+    devices = [(NVIDIA_MAJOR, minor) for minor in minors]
+    for (_, minor), pids in procfs.holders_of(devices, uids).items():
         for pid in pids:
             uid = procfs.user_of(pid)
-            if uid is not None and (uids is None or uid in uids):
+            if uid is not None and uid in uids:
                 found.append(Holder(pid, uid, minor))
     return sorted(found, key=lambda h: (h.minor, h.pid))

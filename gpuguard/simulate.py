@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpuguard import messages, policy, rules
+from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.config import Config
 from gpuguard.grants import Grants
@@ -187,7 +188,7 @@ class Replay:
         self.queue = Queue(lambda: config, self.store, self.grants)
         self.queue.listeners.append(self._served)
         self.grants.on_removed.append(self._removed)
-        self.logout = LogoutRelease(self.store, self.grants, lambda minors, uids: [])  # no /proc to scan
+        self.logout = LogoutRelease(self.store, self.grants, lambda minors, uids: [], ExitWatch())  # no /proc to scan
         self.timing = timing_of(config)
         self.state = rules.State()
         self.result = Result()

@@ -77,11 +77,14 @@ class Watcher:
 
     # --- the tick
 
+    def next_deadline(self, after: float) -> float | None:
+        """When the first wait (grace, kill_wait) after `after` ends: the daemon ticks then too."""
+        return rules.next_deadline(self.state, timing_of(self.config()), after)
+
     async def check(self, sample: Sample, now: float) -> list[Action]:
         """Decide on `sample`, confirm with a fresh one if anything would change, act. Returns
         the actions carried out. A failing re-sample means no action this tick (logged)."""
         started = time.monotonic()
-        settings = self.config().watcher
         timing = timing_of(self.config())
         self._after_gap(now)
         await self._resolve_accounts(self._users(sample))
@@ -108,7 +111,7 @@ class Watcher:
         self._mark_active(view, now)
         self._last_check = now
         elapsed = time.monotonic() - started
-        if elapsed > settings.interval / 2:
+        if elapsed > self.config().watcher.interval / 2:
             event(logging.WARNING, "watcher_slow", seconds=round(elapsed, 3), processes=len(view.procs))
         return done
 

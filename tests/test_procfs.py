@@ -15,7 +15,7 @@ from conftest import popen_as
 from devtools.harness import no_gate_attached
 from gpuguard.backends.gate import DeviceRange, default_managed
 from gpuguard.backends import procfs
-from gpuguard.backends.procfs import char_major, holders, process_identity, user_of
+from gpuguard.backends.procfs import IdentityCache, char_major, holders, process_identity, user_of
 from gpuguard.model import NVIDIA_MAJOR
 from probes import holding, open_node
 from sim_helpers import run_with_proc_devices
@@ -120,6 +120,39 @@ def test_majors_come_from_proc_devices_as_the_driver_registers_them(sandbox) -> 
     assert seen["caps"] is None and seen["managed"] == [[NVIDIA_MAJOR, 0, 253]]
 
 
+SETUID_ON_LINE = ("import os, sys\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+                  "os.setresuid(int(sys.argv[1]), int(sys.argv[1]), 0)\nprint('changed', flush=True)\ninput()")
+
+
+def test_identity_cache_reads_again_a_process_that_changed(make_user) -> None:
+    """Reused for a process seen before; read again once it is not the process it was (here: its
+    uid changed), and forgotten once it is gone."""
+    user = make_user()
+    changer = subprocess.Popen([sys.executable, "-c", SETUID_ON_LINE, str(user.uid)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    sleeper = popen_as(user, ["sleep", "300"])
+    cache = IdentityCache()
+    try:
+        assert changer.stdout.readline().strip() == "ready"
+        pids = [changer.pid, sleeper.pid]
+        first = cache.identities(pids)
+        assert first == {pid: process_identity(pid) for pid in pids} and first[changer.pid].uid == 0
+        assert cache.identities(pids) == first
+        changer.stdin.write("\n")
+        changer.stdin.flush()
+        assert changer.stdout.readline().strip() == "changed"
+        assert cache.identities(pids)[changer.pid] == process_identity(changer.pid)
+        assert cache.identities(pids)[changer.pid].uid == user.uid
+        sleeper.kill()
+        sleeper.wait()
+        assert sleeper.pid not in cache.identities(pids)
+    finally:
+        changer.kill()
+        changer.wait()
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_holders_of_some_users_reads_only_their_processes(make_user, sandbox):
     node = sandbox / "null"
     os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
@@ -132,9 +165,23 @@ def test_holders_of_some_users_reads_only_their_processes(make_user, sandbox):
             assert proc.stdout.readline() == "held\n"
         everyone = procfs.holders_of([(1, 3)])[(1, 3)]
         assert {p.pid for p in procs} <= set(everyone)
-        assert procfs.holders_of([(1, 3)], {alice.uid})[(1, 3)] == [procs[0].pid]
+        assert procfs.holders_of([(1, 3)], owners={alice.uid})[(1, 3)] == [procs[0].pid]
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
             proc.stdout.close()
+
+
+def test_comm_is_the_name_stat_has_in_one_read() -> None:
+    """procfs.comm (the sample names each GPU process with it, each tick) agrees with inspect(),
+    which parses the name out of /proc/<pid>/stat, also for a name with spaces and parentheses."""
+    code = ("import ctypes, sys; ctypes.CDLL(None).prctl(15, b'ggt a) (b', 0, 0, 0)\n"
+            "print('named', flush=True); sys.stdin.readline()")
+    named = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert named.stdout.readline() == "named\n"
+        assert procfs.comm(named.pid) == procfs.inspect(named.pid).comm == "ggt a) (b"
+    finally:
+        named.communicate("\n", timeout=30)
+    assert procfs.comm(named.pid) is None

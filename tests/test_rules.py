@@ -332,6 +332,17 @@ def test_stray_warned_then_termed_after_grace():
     assert (term.kind, term.rule, term.proc) == (TERM, STRAY, p)
 
 
+def test_next_deadline_is_the_first_wait_to_end():
+    p = proc(1, GiB, uid=BOB)
+    v = view([p], [grant()])
+    assert rules.next_deadline(State(), T, NOW) is None
+    _, state = run(v, State(), NOW)                          # reported: grace runs
+    assert rules.next_deadline(state, T, NOW) == NOW + 30
+    [term], state = run(v, state, NOW + 30)
+    assert term.kind == TERM and rules.next_deadline(state, T, NOW + 30) == NOW + 40  # kill_wait runs
+    assert rules.next_deadline(state, T, NOW + 40) is None   # none after that
+
+
 def test_stray_on_another_gpu_of_a_grant_holder():
     v = view([proc(1, GiB, minor=1)], [grant(minor=0)])
     assert kinds(rules.decide(v, State(), NOW, T)) == [(WARN, STRAY)]

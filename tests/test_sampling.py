@@ -15,6 +15,7 @@ from gpuguard.backends.procfs import holders_of
 from gpuguard.backends.simulated import register_process
 from gpuguard.model import GpuProcess
 from gpuguard.sampling import Sampler, node_holders
+from conftest import popen_as
 from sim_helpers import GiB, set_fault
 
 
@@ -102,4 +103,35 @@ def test_holders_of_several_devices_in_one_scan(sandbox) -> None:
     finally:
         holder.communicate("\n", timeout=30)
     assert holder.pid not in holders_of([(1, 7)])[(1, 7)]
-    assert holders_of([]) == {} and node_holders([]) == []
+    assert holders_of([]) == {} and node_holders([], {0}) == []
+
+
+HOLD = ("import os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "if len(sys.argv) > 2: os.setresuid(int(sys.argv[2]), 0, 0)  # like a setuid-root program\n"
+        "print('held', flush=True); input()")
+
+
+def test_holders_of_given_owners_only_theirs_setuid_root_ones_too(sandbox, make_user) -> None:
+    # /proc/<pid> belongs to the effective uid: a process of alice's running setuid-root is
+    # root's by that test, and the owners' filter must still find it by its real uid.
+    alice, bob = make_user(), make_user()
+    node = sandbox / "full"
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+    node.chmod(0o666)  # past the umask
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    alices = [popen_as(alice, [sys.executable, "-c", HOLD, str(node)], **pipes),
+              subprocess.Popen([sys.executable, "-c", HOLD, str(node), str(alice.uid)], **pipes)]
+    others = [popen_as(bob, [sys.executable, "-c", HOLD, str(node)], **pipes),
+              subprocess.Popen([sys.executable, "-c", HOLD, str(node)], **pipes)]  # root's own
+    try:
+        for proc in alices + others:
+            assert proc.stdout.readline().strip() == "held"
+        assert os.stat(f"/proc/{alices[1].pid}").st_uid == 0
+        assert holders_of([(1, 7)], owners={alice.uid})[(1, 7)] == sorted(p.pid for p in alices)
+        both = {alice.uid, bob.uid}
+        assert holders_of([(1, 7)], owners=both)[(1, 7)] == sorted(p.pid for p in alices + others[:1])
+        assert holders_of([(1, 7)], owners=set()) == {(1, 7): []}
+    finally:
+        for proc in alices + others:
+            proc.communicate("\n", timeout=30)

@@ -280,7 +280,7 @@ def test_command_is_printable(spawn, sandbox):
     evil.symlink_to("/bin/sleep")
     proc = spawn([str(evil), "600"])
     wait_for(lambda: signals.command(proc.pid) not in ("", "python3"))
-    assert signals.command(proc.pid) == r"ev\x1b[31mil"  # escaped as everywhere else (messages.printable)
+    assert signals.command(proc.pid) == r"ev\x1b[31mil"  # escaped as everywhere else (escape.printable)
     assert signals.command(2**22 + 1) == ""
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -81,43 +81,109 @@ def process_identity(pid: int) -> ProcessIdentity | None:
     return info.identity if info else None
 
 
+class IdentityCache:
+    """process_identity for the pids asked about again and again (NVML's GPU processes, each
+    tick), at the cost of one stat of /proc/<pid> for a pid seen before.
+
+    The kernel gives /proc/<pid> a new inode number when a pid is reused (and whenever it
+    instantiates the inode again), and its owner is the effective uid: while both stay as they
+    were, the process is the one read before and its identity is reused. Anything else reads
+    it again. Signals re-check the identity through a pidfd anyway (backends.signals).
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[int, int, ProcessIdentity]] = {}  # pid -> (inode, owner, identity)
+
+    def identities(self, pids: Iterable[int]) -> dict[int, ProcessIdentity]:
+        """pid -> identity for the pids that run; only these are remembered for next time."""
+        known: dict[int, tuple[int, int, ProcessIdentity]] = {}
+        for pid in pids:
+            try:
+                st = os.stat(f"{PROC}/{pid}")  # a str: a Path would cost as much as the stat
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            seen = self._known.get(pid)
+            if seen is not None and seen[:2] == (st.st_ino, st.st_uid):
+                known[pid] = seen
+            elif (identity := process_identity(pid)) is not None:
+                known[pid] = (st.st_ino, st.st_uid, identity)
+        self._known = known
+        return {pid: identity for pid, (_, _, identity) in known.items()}
+
+
+def comm(pid: int) -> str | None:
+    """The process name (the kernel's comm, as in /proc/<pid>/stat), or None when it has exited.
+    One read, where inspect() takes three: a sample names every GPU process, each tick."""
+    try:
+        fd = os.open(f"{PROC}/{pid}/comm", os.O_RDONLY)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        return os.read(fd, 64).decode(errors="replace").removesuffix("\n")
+    except ProcessLookupError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def user_of(pid: int) -> int | None:
     """Real uid of pid, or None when it has exited."""
     identity = process_identity(pid)
     return identity.uid if identity else None
 
 
-def holders(dev: tuple[int, int]) -> list[int]:
+def holders(dev: tuple[int, int], owners: Collection[int] | None = None) -> list[int]:
     """Pids that hold the character device `dev` open, through a descriptor or a mapping.
 
     Matched by st_rdev, so the node's path does not matter (containers, bind mounts,
     copies made with mknod). A mapping keeps the device open after its fd is closed,
-    which CUDA does, so /proc/<pid>/map_files is checked too.
+    which CUDA does, so /proc/<pid>/map_files is checked too. See holders_of for `owners`.
     """
-    return holders_of([dev])[dev]
+    return holders_of([dev], owners)[dev]
 
 
-def holders_of(devices: Collection[tuple[int, int]], uids: Collection[int] | None = None,
-               ) -> dict[tuple[int, int], list[int]]:
-    """holders() for several character devices in one scan of /proc: each device's pids.
+def holders_of(devices: Collection[tuple[int, int]],
+               owners: Collection[int] | None = None) -> dict[tuple[int, int], list[int]]:
+    """holders() for several character devices in one pass over /proc: each device's pids.
 
-    Each process's descriptors and mappings are read once whatever the number of devices,
-    instead of once per device. With `uids`, only those users' processes (by real uid, which
-    a process cannot hide the way a non-dumpable one hides its /proc owner) are read: the
-    descriptors and mappings of every process on a busy machine take seconds to read.
+    Each process's descriptors and mappings are read once whatever the number of devices.
+    With `owners` (real uids), only processes that may belong to them are opened: the owner
+    of /proc/<pid> (one lstat, before any fd is listed) is the process's effective uid (root
+    for a process that is not dumpable, on some kernels). A process owned by root there is
+    judged by its real uid in /proc/<pid>/status: a user's setuid-root program is theirs. So
+    the cost follows the owners' processes (plus root's), not the host's. Missed: a process
+    whose real and effective uids are two different non-root users, which nothing on a
+    login path makes. The kernel keeps no index from a file to the processes holding it (lsof
+    and fuser walk /proc the same way; /proc/<pid>/fdinfo names the inode, not the device),
+    so this walk is the cheapest answer outside the kernel (README "Performance").
     """
     wanted = {os.makedev(*dev): dev for dev in devices}
     found: dict[tuple[int, int], list[int]] = {dev: [] for dev in wanted.values()}
-    if not wanted:
+    if not wanted or (owners is not None and not owners):
         return found
     mapped: dict[tuple[str, str], int | None] = {}  # (fs dev, inode) -> st_rdev, shared across pids
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            if uids is not None and ((info := inspect(int(entry.name))) is None or info.uid not in uids):
-                continue
-            for rdev in (_open_devices(entry) | _mapped_devices(entry, mapped)) & wanted.keys():
-                found[wanted[rdev]].append(int(entry.name))
+    with os.scandir(PROC) as entries:
+        for entry in entries:
+            if entry.name.isdigit() and (owners is None or _may_belong(entry, owners)):
+                proc = Path(entry.path)
+                for rdev in (_open_devices(proc) | _mapped_devices(proc, mapped)) & wanted.keys():
+                    found[wanted[rdev]].append(int(entry.name))
     return {dev: sorted(pids) for dev, pids in found.items()}
+
+
+def _may_belong(entry: os.DirEntry, owners: Collection[int]) -> bool:
+    """Whether the process of this /proc entry may have one of `owners` as its real uid."""
+    try:
+        owner = entry.stat(follow_symlinks=False).st_uid
+        if owner in owners:
+            return True
+        if owner != 0:
+            return False
+        with open(os.path.join(entry.path, "status"), "rb") as status:  # not dumpable: the real uid decides
+            uid_line = next(line for line in status if line.startswith(b"Uid:"))
+        return int(uid_line.split()[1]) in owners
+    except (OSError, StopIteration):
+        return False  # exited meanwhile
 
 
 def _open_devices(proc: Path) -> set[int]:

@@ -25,8 +25,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
-from gpuguard.backends.procfs import STATE_NAMES, ProcessIdentity, inspect
-from gpuguard.messages import printable
+from gpuguard.backends.procfs import STATE_NAMES, ProcessIdentity, comm, inspect
+from gpuguard.escape import printable
 
 
 class Outcome(str, Enum):
@@ -47,9 +47,9 @@ class Result:
 
 def command(pid: int) -> str:
     """The process name (comm) for messages, control characters escaped (its owner chose it:
-    messages.printable); "" when gone."""
-    info = inspect(pid)
-    return printable(info.comm) if info else ""
+    escape.printable); "" when gone."""
+    name = comm(pid)
+    return printable(name) if name else ""
 
 
 def send(identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> Result:

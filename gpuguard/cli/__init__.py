@@ -6,22 +6,25 @@ failed, 2 bad usage or input, 3 daemon unreachable. Errors are one line, no trac
 
 What the commands print can hold strings users chose (a PAM TTY or remote host in whoami,
 a process name in an event): everything written to stdout and every error goes through
-messages.printable, so no control character reaches the terminal (JSON escapes its own).
+escape.printable, so no control character reaches the terminal (JSON escapes its own).
+
+Start-up is lazy: a command imports only its own module (COMMANDS), and `pam-hook`, which
+runs on every login through pam_exec, skips this front end altogether (gpuguard.pam_hook
+parses its own few options): this module imports nothing heavy before it knows the command.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
-import io
-import json
 import os
-import pkgutil
 import sys
-from typing import Any
 
-from gpuguard import __version__, config
-from gpuguard.errors import GpuguardError
-from gpuguard.messages import printable, printable_keeping_colour
+from gpuguard.errors import GpuguardError  # no imports of its own: cheap
+
+TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (see above)
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
+
+    from gpuguard import config
 
 
 class CommandError(GpuguardError):
@@ -35,10 +38,12 @@ def require_root(what: str) -> None:
 
 def load_config(args: argparse.Namespace) -> config.Config:
     """The config named by --config, $GPUGUARD_CONFIG or the default path (errors exit 2)."""
+    from gpuguard import config
     return config.load(args.config)
 
 
 def print_json(data: Any) -> None:
+    import json
     json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
 
@@ -50,46 +55,66 @@ def print_rows(rows: list[list[str]]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each command and the module that registers it: a command loads only its own module. The full
+# parser (help, a typo, completion, the man page) loads every `*_cmd` module, so a test
+# (tests/test_cli_startup.py) sees any command missing here.
+COMMANDS = {
+    "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd",
+    "completion": "completion_cmd", "config": "config_cmd", "daemon": "daemon_cmd",
+    "gate": "gate_cmd", "acl": "gate_cmd", "gpus": "gpus_cmd", "quota": "quota_cmd",
+    "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
+    "simulate": "simulate_cmd", "trace": "simulate_cmd",
+    "whoami": "user_cmd", "request": "user_cmd", "release": "user_cmd",
+}
+PAM_HOOK = "pam-hook"
+PAM_HOOK_HELP = "pam_exec session hook (fallback for pam_gpuguard.so; always exits 0; see pam/README)"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with `command`'s module registered, or every `*_cmd` module's (help, a typo,
+    completion and the man page: None)."""
+    import argparse
+    import importlib
+    import pkgutil
+
+    from gpuguard import __version__
+    from gpuguard.config import DEFAULT_PATH
+
     parser = argparse.ArgumentParser(prog="gpuguard", description="Fair, kernel-enforced GPU sharing.")
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
     parser.add_argument("--config", metavar="PATH",
-                        help=f"config file (default: $GPUGUARD_CONFIG or {config.DEFAULT_PATH})")
+                        help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_PATH})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    # Every `*_cmd` module in this package contributes its commands.
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.endswith("_cmd"):
-            importlib.import_module(f"{__name__}.{info.name}").register(subparsers)
+    modules = ([COMMANDS[command]] if command in COMMANDS
+               else sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd")))
+    for module in modules:
+        importlib.import_module(f"{__name__}.{module}").register(subparsers)
+    if command not in COMMANDS:  # listed for help; main runs it before any parser
+        subparsers.add_parser(PAM_HOOK, help=PAM_HOOK_HELP)
     return parser
 
 
-class PrintableOutput(io.TextIOBase):
-    """A text stream that escapes control characters on their way to `stream`, line ends kept."""
-
-    def __init__(self, stream: io.TextIOBase):
-        self.stream = stream
-
-    def write(self, text: str) -> int:
-        self.stream.write("\n".join(printable_keeping_colour(line) for line in text.split("\n")))
-        return len(text)
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return self.stream.encoding
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
+def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """(--config given before the command, the command, what follows it), without a parser."""
+    config_path = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            config_path = arg.partition("=")[2]
+        elif arg == "--config" and i + 1 < len(argv):
+            config_path = argv[i + 1]
+        elif not arg.startswith("-") and argv[i - 1:i] != ["--config"]:
+            return config_path, arg, argv[i + 1:]
+    return config_path, None, []
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    config_path, command, rest = split_command(argv)
+    if command == PAM_HOOK:
+        from gpuguard import pam_hook
+        return pam_hook.main(rest, config_path)
+    args = build_parser(command).parse_args(argv)
+    from gpuguard.cli.output import PrintableOutput  # not before: pam-hook needs none of it
     sys.stdout = PrintableOutput(sys.stdout)
     try:
         return args.func(args)
@@ -104,5 +129,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
+    from gpuguard.escape import printable
     print(f"gpuguard: {printable(message)}", file=sys.stderr)
     return code

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -101,6 +101,22 @@ class FakeNotifier:
         self.told.append((user, message))
 
 
+class FakeExits:
+    """backends.exits.ExitWatch without processes: `exit(pid)` says a watched process ended."""
+
+    def __init__(self) -> None:
+        self.watched: dict[int, tuple[Collection[int], Callable[[], None]]] = {}  # uid -> its watch
+
+    def watch(self, pids: Collection[int], uid: int, on_exit: Callable[[], None]) -> Callable[[], None]:
+        self.watched[uid] = (pids, on_exit)
+        return lambda: self.watched.pop(uid, None)
+
+    def exit(self, pid: int) -> None:
+        for pids, on_exit in list(self.watched.values()):
+            if pid in pids:
+                on_exit()
+
+
 @dataclass
 class World:
     """Every service, wired as the daemon wires them."""
@@ -109,7 +125,7 @@ class World:
     config: Config = field(default_factory=lambda: Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=1)))
     holders: list[Holder] = field(default_factory=list)
     scans: int = 0  # /proc scans asked for
-    scanned_uids: list = field(default_factory=list)  # whose processes each scan read (None: everyone's)
+    scanned_uids: list = field(default_factory=list)  # whose processes each scan read
 
     def __post_init__(self) -> None:
         self.store = Store(self.tmp / "state.db")
@@ -119,7 +135,8 @@ class World:
         self.lookup = FakeLookup()
         self.sampler = FakeSampler()
         self.notifier = FakeNotifier()
-        self.logout = LogoutRelease(self.store, self.grants, self.find_holders)
+        self.exits = FakeExits()
+        self.logout = LogoutRelease(self.store, self.grants, self.find_holders, self.exits)  # type: ignore[arg-type]
         self.holder_ender = HolderEnder(self.find_holders, self.sampler, self.exempt, self.store,  # type: ignore[arg-type]
                                         lambda: self.config.watcher.kill_wait)
         self.grants.holders = self.holder_ender
@@ -132,11 +149,11 @@ class World:
                        sync_nodes=lambda: None, account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
                        queue=self.queue, notifier=self.notifier)  # type: ignore[arg-type]
 
-    def find_holders(self, minors: Collection[int], uids: Collection[int] | None = None) -> list[Holder]:
-        """The /proc scan: the holders a test listed, on those GPUs (of those users); counted."""
+    def find_holders(self, minors: Collection[int], uids: Collection[int]) -> list[Holder]:
+        """The /proc scan: the holders a test listed, on those GPUs, of those users; counted."""
         self.scans += 1
-        self.scanned_uids.append(None if uids is None else frozenset(uids))
-        return [h for h in self.holders if h.minor in minors and (uids is None or h.uid in uids)]
+        self.scanned_uids.append(frozenset(uids))
+        return [h for h in self.holders if h.minor in minors and h.uid in uids]
 
     def _reload(self) -> Config:
         self.reloads += 1
@@ -146,7 +163,12 @@ class World:
         self.config = replace(self.config, defaults=replace(self.config.defaults, **fields))
 
     def call(self, op: str, uid: int = 0, **fields: object) -> dict:
-        return asyncio.run(self.api.handle({"op": op, **fields}, Peer(pid=1, uid=uid, gid=uid)))
+        """The reply, once what the call started in the background (a check after logout) has ended."""
+        async def call() -> dict:
+            reply = await self.api.handle({"op": op, **fields}, Peer(pid=1, uid=uid, gid=uid))
+            await self.logout.settled()
+            return reply
+        return asyncio.run(call())
 
     def login(self, account: Account, pid: int = 4242) -> dict:
         return self.call("session_open", user=account.name, pid=pid, service="sshd", tty="pts/1")

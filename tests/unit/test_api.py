@@ -1,6 +1,8 @@
 """Api driven with fakes (tests/unit/fakes.py): no root, no daemon, no GPUs."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gpuguard.config import AccessConfig
@@ -47,17 +49,44 @@ def test_logout_releases_unused_session_grants_and_keeps_held_ones(world):
     (b_minor,) = world.login(bob, pid=12)["gpus"]
     world.holders.append(Holder(pid=99, uid=1002, minor=b_minor))  # bob's nohup job holds the node open
     closed = world.call("session_close", user="alice", pid=11)
-    assert closed["released"] == [a_minor] and world.held(1001) == []
-    assert world.nodes.users[a_minor] == frozenset()
+    assert closed["held"] == [a_minor] and closed["release_pending"]
+    assert world.held(1001) == [] and world.nodes.users[a_minor] == frozenset()
     kept = world.call("session_close", user="bob", pid=12)
-    assert kept["released"] == [] and kept["kept"] == [b_minor]
+    assert kept["release_pending"] and world.held(1002) == [b_minor]
+    assert world.exits.watched[1002][0] == {99}  # the holder is watched, not looked for again
+
+
+def test_a_close_that_is_not_the_last_starts_no_release(world):
+    alice = world.lookup.add("alice", 1001, GROUP)
+    (minor,) = world.login(alice, pid=11)["gpus"]
+    world.login(alice, pid=12)
+    closed = world.call("session_close", user="alice", pid=11)
+    assert (closed["closed"], closed["held"], closed["release_pending"]) == (True, [minor], False)
+    assert world.scans == 0 and world.held(1001) == [minor]
+
+
+def test_a_kept_grant_is_not_looked_for_each_tick_but_when_its_holder_exits(world):
+    bob = world.lookup.add("bob", 1002, GROUP)
+    (minor,) = world.login(bob, pid=12)["gpus"]
+    world.holders.append(Holder(pid=99, uid=1002, minor=minor))
+    world.call("session_close", user="bob", pid=12)
+    tick = lambda: asyncio.run(world.logout.release_unused(world.sampler.last))  # noqa: E731
+    for _ in range(5):
+        tick()
+    assert world.scans == 1 and world.held(1002) == [minor]
+    world.holders.clear()
+    world.exits.exit(99)
+    tick()  # looks again (only a look can release it), and Grants.remove has the HolderEnder look too
+    assert world.held(1002) == []
+    assert 1002 not in world.exits.watched
 
 
 def test_a_nvml_process_keeps_the_grant_after_logout(world):
     alice = world.lookup.add("alice", 1001, GROUP)
     (minor,) = world.login(alice, pid=11)["gpus"]
     world.sampler.set([(500, 1001, minor, 1 << 30)])
-    assert world.call("session_close", user="alice", pid=11)["kept"] == [minor]
+    assert world.call("session_close", user="alice", pid=11)["release_pending"]
+    assert world.held(1001) == [minor]
 
 
 def test_request_respects_the_quota_and_tops_up(world):
