@@ -194,7 +194,8 @@ class Api:
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         config = self.config()
         sample = self.sampler.last
-        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid)
+        commands = await self.sampler.commands(sample.owners) if sample else {}
+        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid, commands)
         reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=time.time(),
                             group=config.access.group,
                             queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,

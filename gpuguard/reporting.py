@@ -33,7 +33,7 @@ def _with_shares(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample | None,
-                account_of: Callable[[int], tuple[str, Quota]]) -> list[dict[str, Any]]:
+                account_of: Callable[[int], tuple[str, Quota]], commands: Mapping[int, str]) -> list[dict[str, Any]]:
     """Per GPU: inventory, memory and utilisation, holders (with their memory quota and what their
     processes use there), and processes. Numbers a failed or missing sample cannot give are None."""
     grants = list(grants)
@@ -46,7 +46,7 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
                 if p.minor == minor:
                     uid = sample.uid_of(p.pid)
                     processes.append({"pid": p.pid, "uid": uid, "user": account_of(uid)[0] if uid is not None else None,
-                                      "memory": p.used_memory, "command": sample.commands.get(p.pid, "")})
+                                      "memory": p.used_memory, "command": commands.get(p.pid, "")})
         use = sample.use.get(minor) if sample else None
         holders = []
         for g in grants:

@@ -34,7 +34,6 @@ class Sample:
     minors: frozenset[int] = frozenset()  # GPUs whose processes were read
     failed: Mapping[int, str] = field(default_factory=dict)  # minor -> NVML error, for GPUs not read
     use: Mapping[int, GpuUse] = field(default_factory=dict)  # minor -> memory and utilisation, GPUs that answered
-    commands: Mapping[int, str] = field(default_factory=dict)  # pid -> process name, for status
 
     def ok(self, minor: int) -> bool:
         """Whether this sample read GPU `minor`'s processes: about any other GPU it knows nothing."""
@@ -85,6 +84,11 @@ class Sampler:
             # block its user's release. /proc answers that cheaply; NVML is not asked again.
             return await asyncio.to_thread(_without_exited, self.last)
 
+    async def commands(self, pids: Iterable[int]) -> dict[int, str]:
+        """pid -> process name (escaped), read from /proc now, in a worker thread: only `gpuguard
+        status` shows them, so the tick does not pay for them."""
+        return await asyncio.to_thread(lambda: {pid: signals.command(pid) for pid in pids})
+
     async def take_or_log(self, action: str, max_age: float = MAX_AGE, **fields: object) -> Sample | None:
         """take(), or None after logging why there is no sample and `action`, what the caller does instead."""
         try:
@@ -107,8 +111,7 @@ def _take(backend, identities: procfs.IdentityCache) -> Sample:
     now = time.time()
     query = backend.query_processes()
     owners = identities.identities({p.pid for p in query.processes})
-    commands = {pid: signals.command(pid) for pid in owners}
-    return Sample(now, tuple(query.processes), owners, query.read, query.failed, backend.use(), commands)
+    return Sample(now, tuple(query.processes), owners, query.read, query.failed, backend.use())
 
 
 def _without_exited(sample: Sample) -> Sample:

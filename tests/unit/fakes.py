@@ -77,7 +77,11 @@ class FakeSampler:
     def __init__(self) -> None:
         self.last: Sample | None = None
         self.errors: Counter[str] = Counter()  # NVML errors by GPU, as the real Sampler counts them
+        self.names: dict[int, str] = {}  # pid -> process name, for status
         self.set([])
+
+    async def commands(self, pids: Iterable[int]) -> dict[int, str]:
+        return {pid: self.names.get(pid, "") for pid in pids}
 
     def set(self, processes: Iterable[tuple[int, int, int, int | None]], minors: Collection[int] = range(4)) -> Sample:
         procs = tuple(GpuProcess(pid, minor, used) for pid, _, minor, used in processes)
