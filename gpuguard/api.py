@@ -56,7 +56,7 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise Refusal(f"field {key!r}: expected {kind.__name__}, got {protocol.shown(value)}", 2)
-    if kind is int and not INT_RANGE[0] <= value <= INT_RANGE[1]:  # SQLite's, and far beyond any pid or count
+    if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:  # SQLite's, and far beyond any pid or count
         raise Refusal(f"field {key!r}: {protocol.shown(value)} is out of range", 2)
     return value
 
@@ -109,9 +109,8 @@ class Api:
             return self._open_session(account, service, rhost, tty, pid)
         except Exception as exc:
             # An unknown user is PAM's business, not a fault of ours: one line, no traceback.
-            known = isinstance(exc, GpuguardError)
-            event(logging.ERROR, "session_open_failed", exc_info=not known, user=user, pid=pid,
-                  error=exc.line() if known else None)
+            known = exc.line() if isinstance(exc, GpuguardError) else None
+            event(logging.ERROR, "session_open_failed", exc_info=known is None, user=user, pid=pid, error=known)
             return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
 
     def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,
@@ -419,12 +418,13 @@ class Api:
         store = self.store
         name = _field(request, "user", str)
         minors = self._minors(request)
+        uid: int | None
         try:
             uid = (await self.lookup.by_name(name)).uid
         except accounts.UnknownUser:  # an account deleted while holding GPUs can still be revoked
             uid = next((g.uid for g in store.grants() if g.user == name), None)
-            if uid is None:
-                raise Refusal(f"no such user: {name}", 2) from None
+        if uid is None:
+            raise Refusal(f"no such user: {name}", 2)
         removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root",
                                      end_holders=False)
         if not removed:
@@ -506,9 +506,9 @@ class Api:
     async def _subject(self, request: dict[str, Any], peer: Peer) -> accounts.Account:
         """The caller, or (root only) the user the request names."""
         name = _field(request, "user", str, None)
-        own = await self._account_of(peer) if name is None or peer.uid != 0 else None
         if name is None:
-            return own
+            return await self._account_of(peer)
+        own = await self._account_of(peer) if peer.uid != 0 else None
         if own is not None and own.name != name:
             raise Refusal("only root may look at another user's GPUs")
         return await self._account_named(name)

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gpuguard.backends import procfs, signals
 from gpuguard.logs import event
@@ -89,7 +89,7 @@ class Sampler:
         status` shows them, so the tick does not pay for them."""
         return await asyncio.to_thread(lambda: {pid: signals.command(pid) for pid in pids})
 
-    async def take_or_log(self, action: str, max_age: float = MAX_AGE, **fields: object) -> Sample | None:
+    async def take_or_log(self, action: str, max_age: float = MAX_AGE, **fields: Any) -> Sample | None:
         """take(), or None after logging why there is no sample and `action`, what the caller does instead."""
         try:
             return await self.take(max_age)

@@ -3,6 +3,7 @@ that `gpuguard pam-hook`, which never prints a user's strings, does not import i
 from __future__ import annotations
 
 import io
+from typing import TextIO
 
 from gpuguard.escape import printable_keeping_colour
 
@@ -10,7 +11,7 @@ from gpuguard.escape import printable_keeping_colour
 class PrintableOutput(io.TextIOBase):
     """A text stream that escapes control characters on their way to `stream`, line ends kept."""
 
-    def __init__(self, stream: io.TextIOBase):
+    def __init__(self, stream: TextIO):
         self.stream = stream
 
     def write(self, text: str) -> int:
