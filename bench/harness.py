@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "system")]
 
 from gpuguard import client  # noqa: E402
 from devtools.harness import VENV_BIN, bpffs_restored, gate_test_lock  # noqa: E402

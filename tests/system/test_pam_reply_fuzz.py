@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO
 
 PAM = REPO / "pam"
-HARNESS = REPO / "tests" / "pam_fuzz" / "reply_fuzz.c"
+HARNESS = Path(__file__).parent / "pam_fuzz" / "reply_fuzz.c"
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g", "-O1"]
 SOURCES = [str(PAM / "reply.c"), str(HARNESS)]
 DEVICE_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_,:/.")  # UUIDs, MIG ids, indices

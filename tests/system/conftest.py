@@ -6,7 +6,6 @@ run leaves the machine as it found it.
 from __future__ import annotations
 
 import grp
-import logging
 import os
 import pwd
 import secrets
@@ -20,14 +19,13 @@ from pathlib import Path
 import pytest
 
 from devtools.harness import bpffs_restored, kill_processes_of, searchable
-from gpuguard.logs import KeyValueFormatter, logger as gpuguard_logger
 
 # Shared fixtures: device_dir / backend, simulated GPUs (tests/sim_helpers.py, first: the others
 # import it); start_daemon / gg_daemon, a real daemon (tests/daemon_fixture.py); pam_module
 # (tests/ssh_harness.py).
 pytest_plugins = ["sim_helpers", "daemon_fixture", "ssh_harness", "hostile_fixture"]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too
 BIN = Path(PYTHON).parent  # that venv's scripts (`gpuguard`), wherever the Makefile's VENV put it
 
@@ -140,20 +138,3 @@ def sandbox() -> Iterator[Path]:
     os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def gpuguard_log() -> Iterator[list[str]]:
-    """The gpuguard logger's lines, formatted as the daemon writes them."""
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(KeyValueFormatter().format(record))
-
-    handler, level = Collect(), gpuguard_logger.level
-    gpuguard_logger.addHandler(handler)
-    gpuguard_logger.setLevel(logging.DEBUG)
-    yield lines
-    gpuguard_logger.removeHandler(handler)
-    gpuguard_logger.setLevel(level)

@@ -7,10 +7,11 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 
-from conftest import PYTHON
+import pytest
 
-from gpuguard.logs import JournalFormatter, KeyValueFormatter, Throttle, pairs, stderr_is_journal
+from gpuguard.logs import JournalFormatter, KeyValueFormatter, Throttle, logger, pairs, stderr_is_journal
 
 
 def failing_step() -> None:
@@ -45,6 +46,23 @@ def test_control_characters_in_values_are_escaped_never_written():
     # The forged text stays inside one quoted value: a parser sees exactly three keys.
     assert [p.split("=", 1)[0] for p in shlex.split(line)] == ["event", "tty", "rhost", "name"]
     assert pairs(path="C:\\temp") == r'path="C:\\temp"'
+
+
+@pytest.fixture
+def gpuguard_log() -> Iterator[list[str]]:
+    """The gpuguard logger's lines, formatted as the daemon writes them."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(KeyValueFormatter().format(record))
+
+    handler, level = Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 class FakeClock:
@@ -117,7 +135,7 @@ def test_the_daemon_logging_picks_the_journal_format_from_its_real_stderr(tmp_pa
         if mode == "journal":
             env["JOURNAL_STREAM"] = f"{status.st_dev}:{status.st_ino}"
         with open(path, "w") as stderr:
-            subprocess.run([PYTHON, "-c", code], stderr=stderr, env=env, check=True)
+            subprocess.run([sys.executable, "-c", code], stderr=stderr, env=env, check=True)
         lines[mode] = path.read_text().splitlines()
     assert lines["journal"] == ['<3>gpuguard level=error event=reload_failed error="bad file"',
                                 "<6>gpuguard level=info event=ready"]

@@ -1,4 +1,4 @@
-"""Torture runs against a real daemon, shared by tests/test_torture.py (short) and bench/torture (long).
+"""Torture runs against a real daemon, shared by tests/system/test_torture.py (short) and bench/torture (long).
 
 - crash(): login/logout cycles from many users in parallel while the daemon is SIGKILLed at random
   moments and restarted; after each restart the store passes its integrity check, the gate map,
