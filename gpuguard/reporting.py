@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuguard.model import Gpu, Grant, Quota
-from gpuguard.sampling import Sample
+
+if TYPE_CHECKING:  # the type only: sampling reads /proc, and this module stays pure
+    from gpuguard.sampling import Sample
 
 GROUPINGS = ("user", "gpu", "day")
 MAX_EVENTS = 5000  # one events reply; a longer history is read with --since windows
