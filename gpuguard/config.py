@@ -7,12 +7,12 @@ last good configuration when a reload fails, so refusing is always safe.
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gpuguard.compat import tomllib
 from gpuguard.model import Quota
 from gpuguard.units import UnitError, parse_duration, parse_size
 

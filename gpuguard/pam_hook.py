@@ -1,6 +1,6 @@
 """The pam_exec fallback for sites that cannot build pam_gpuguard.so.
 
-    session optional pam_exec.so quiet stdout /usr/local/bin/gpuguard pam-hook
+    session optional pam_exec.so quiet stdout /opt/gpuguard/bin/gpuguard pam-hook
     session optional pam_exec.so quiet stdout /opt/gpuguard/bin/python3 -I -m gpuguard.pam_hook
 
 pam_exec runs this as a child of the PAM application with PAM_TYPE, PAM_USER,
@@ -74,7 +74,7 @@ def socket_path(config_path: str | None, socket: str | None,
         return socket
     environ = os.environ if environ is None else environ
     path = config_path or environ.get("GPUGUARD_CONFIG") or DEFAULT_CONFIG
-    import tomllib
+    from gpuguard.compat import tomllib
     try:
         with open(path, "rb") as file:
             value = tomllib.load(file).get("paths", {}).get("socket", DEFAULT_SOCKET)

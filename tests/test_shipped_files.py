@@ -4,8 +4,8 @@
   would rewrite their ACLs and flush gpuguard's grants), RUN commands that gpuguard accepts;
 - etc/modprobe.d/gpuguard.conf: NVreg_ModifyDeviceFiles=0 for the nvidia module;
 - etc/gpuguard.toml: passes `gpuguard config check`;
-- etc/gpuguard.service: Type=notify, ExecStart runs `gpuguard daemon` where `make install` puts
-  gpuguard, and `systemd-analyze verify` has nothing to say (when systemd-analyze is there);
+- etc/gpuguard.service: Type=notify, ExecStart runs `gpuguard daemon` where the package and
+  `make install` put gpuguard, and `systemd-analyze verify` has nothing to say (when systemd-analyze is there);
 - pam/: `make -C pam install` with DESTDIR installs the module and the pam-auth-update profile
   into the staging directory and nowhere else.
 """
@@ -79,10 +79,11 @@ def rules_for_node(rules, name: str) -> list[dict[str, str]]:
 
 
 def installed_gpuguard() -> str:
-    """Where `make install` links the gpuguard command (the Makefile's install recipe)."""
-    links = re.findall(r"^\tln -sf (\S+) (\S+/gpuguard)$", (REPO / "Makefile").read_text(), re.MULTILINE)
-    assert len(links) == 1, links
-    return links[0][1]
+    """The gpuguard command in the application's venv, where the package and `make install` put
+    it (the Makefile's APPDIR)."""
+    appdirs = re.findall(r"^APPDIR\s*\?=\s*(\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert len(appdirs) == 1, appdirs
+    return f"{appdirs[0]}/bin/gpuguard"
 
 
 def test_udev_rules_keep_gpu_nodes_to_root_and_grantees() -> None:
