@@ -16,6 +16,13 @@ else:  # pragma: no cover - exercised by `make test-py310`
     class StrEnum(str, enum.Enum):
         """enum.StrEnum of 3.11: members are str, and str() gives the value, not `Class.MEMBER`."""
 
+        def __new__(cls, value: str) -> StrEnum:
+            if not isinstance(value, str):
+                raise TypeError(f"{value!r} is not a string")
+            member = str.__new__(cls, value)
+            member._value_ = value
+            return member
+
         def __str__(self) -> str:
             return str(self.value)
 

@@ -249,3 +249,41 @@ def test_pam_install_stays_inside_destdir(sandbox, pam_module) -> None:
     assert result.returncode == 0, result.stderr
     assert not [p for p in stage.rglob("*") if p.is_file()]
     assert {path: tree(path) for path in system_pam_dirs()} == before  # nothing outside the stage
+
+
+# --- make install / make uninstall (distributions without the Debian package)
+
+def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configuration(sandbox) -> None:
+    stage = sandbox / "stage"
+    watched = [Path(p) for p in ("/opt", "/usr/local/bin", "/usr/lib/systemd/system", "/usr/lib/udev/rules.d",
+                                 "/usr/lib/modprobe.d", "/etc/gpuguard")] + system_pam_dirs()
+    before = {path: tree(path) for path in watched}
+    make = ["make", "-s", "-C", str(REPO), f"DESTDIR={stage}", "PREFIX=/usr"]
+
+    result = subprocess.run([*make, "install"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert os.readlink(stage / "usr/bin/gpuguard") == installed_gpuguard()
+    for path, source in [("usr/lib/systemd/system/gpuguard.service", UNIT),
+                         ("usr/lib/udev/rules.d/70-gpuguard.rules", RULES),
+                         ("usr/lib/modprobe.d/gpuguard.conf", MODPROBE), ("etc/gpuguard/gpuguard.toml", CONFIG)]:
+        assert (stage / path).read_bytes() == source.read_bytes(), path
+    assert list(stage.rglob("pam_gpuguard.so")) and (stage / "usr/share/pam-configs/gpuguard").is_file()
+    # The application's venv runs from the stage (its interpreter is the system's), and names only
+    # where it will be installed: nothing refers to the stage.
+    venv_python = stage / installed_gpuguard().lstrip("/").replace("bin/gpuguard", "bin/python")
+    version = subprocess.run([str(venv_python), "-m", "gpuguard", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("gpuguard "), version
+    leaks = subprocess.run(["grep", "-rlF", str(stage), str(stage)], capture_output=True, text=True)
+    assert leaks.stdout == "", leaks.stdout
+    # No test tool was installed with it (pamtester, sshd, the compiler are `make deps`' business).
+    assert not [p for p in stage.rglob("*") if p.name in ("pamtester", "sshd", "pytest")]
+
+    # An admin's edit survives a reinstall; uninstall leaves only the configuration.
+    (stage / "etc/gpuguard/quotas.toml").write_text("# ggt edited\n")
+    assert subprocess.run([*make, "install"], capture_output=True, timeout=600).returncode == 0
+    assert (stage / "etc/gpuguard/quotas.toml").read_text() == "# ggt edited\n"
+    result = subprocess.run([*make, "uninstall"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(str(p.relative_to(stage)) for p in stage.rglob("*") if p.is_file()) == \
+        ["etc/gpuguard/gpuguard.toml", "etc/gpuguard/quotas.toml"]
+    assert {path: tree(path) for path in watched} == before  # nothing outside the stage
