@@ -40,14 +40,16 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
            uid: int, count: int, share: bool = False) -> tuple[int, ...]:
     """Up to `count` more GPU minors for `uid` (fewer when fewer are available; () when none)."""
     grants = list(grants)
-    own = {g.minor for g in grants if g.uid == uid}
+    numa = {gpu.minor: gpu.numa_node for gpu in gpus}
+    # A grant on a GPU missing from the inventory (NVML could not read it at start) still counts
+    # as held, but has no NUMA node or links to weigh: only the GPUs known here are placed.
+    own = {g.minor for g in grants if g.uid == uid and g.minor in numa}
     holders = Counter(g.minor for g in grants if g.uid != uid)
     blocked = {g.minor for g in blocking(grants, uid, {gpu.minor for gpu in gpus}, share)}
     candidates = [gpu.minor for gpu in gpus if gpu.minor not in own and gpu.minor not in blocked]
     want = min(count, len(candidates))
     if want <= 0:
         return ()
-    numa = {gpu.minor: gpu.numa_node for gpu in gpus}
 
     def key(chosen: tuple[int, ...]) -> tuple:
         together = (*chosen, *sorted(own))

@@ -13,13 +13,24 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from collections.abc import Callable
+
 from gpuguard import allocator, config as configuration, policy, protocol, sampling
 from gpuguard.backends import accounts, procfs, signals
+from gpuguard.backends.gate import Gate
+from gpuguard.config import Config
+from gpuguard.exempt import Exempt
+from gpuguard.grants import Grants
+from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
+from gpuguard.lookups import AccountLookup
 from gpuguard.messages import grant_message, number_list
 from gpuguard.model import Grant
+from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
+from gpuguard.store import Store
 from gpuguard.units import UnitError, format_duration, parse_duration
+from gpuguard.errors import GpuguardError
 
 ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes"})
 WHOAMI_EVENTS = 20
@@ -27,12 +38,8 @@ NO_GPU_FREE = "gpuguard: no GPU is free right now; run gpuguard request later to
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
 
 
-class Refusal(Exception):
+class Refusal(GpuguardError):
     """A request that cannot be done, with the CLI exit code the caller should use."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
 
 
 _REQUIRED = object()
@@ -50,8 +57,21 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
 
 
 class Api:
-    def __init__(self, daemon):
-        self.daemon = daemon
+    """The operations, built from exactly the services they use (the daemon composes them)."""
+
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
+                 sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, gate: Gate | None,
+                 reload: Callable[[], Config], sync_nodes: Callable[[], None]):
+        self.config = config  # the config in force, which a reload replaces
+        self.store = store
+        self.grants = grants
+        self.exempt = exempt
+        self.sampler = sampler
+        self.lookup = lookup
+        self.logout = logout
+        self.gate = gate
+        self._reload = reload
+        self._sync_nodes = sync_nodes
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         op = request["op"]
@@ -68,36 +88,36 @@ class Api:
         user, pid = _field(request, "user", str), _field(request, "pid", int)
         service, rhost, tty = (_field(request, key, str, "") for key in ("service", "rhost", "tty"))
         try:
-            return self._open_session(user, service, rhost, tty, pid)
+            account = await self.lookup.by_name(user)  # before any state is read: the rest never awaits
+            return self._open_session(account, service, rhost, tty, pid)
         except Exception:
             event(logging.ERROR, "session_open_failed", exc_info=True, user=user, pid=pid)
             return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
 
-    def _open_session(self, user: str, service: str, rhost: str, tty: str, pid: int) -> dict[str, Any]:
-        daemon, store = self.daemon, self.daemon.store
+    def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,
+                      ) -> dict[str, Any]:
+        store, config = self.store, self.config()
         now = time.time()
-        account = accounts.by_name(user)
         caller = procfs.process_identity(pid)  # None: gone already, and the next tick drops the session
         session = store.open_session(account.uid, account.name, service, rhost, tty, pid, now,
                                      caller.start_time if caller else None)
         event(logging.INFO, "session_open", user=account.name, session=session.id, service=service,
               rhost=rhost or None, tty=tty or None, pid=pid)
         reply = protocol.ok(session=session.id, gpus=[], cuda_visible_devices="", message="")
-        access = daemon.config.access
+        access = config.access
         if policy.is_exempt(account.uid, account.name, account.groups, access):
-            if account.uid not in daemon.exempt:  # joined since, or missed by NSS member lists
-                daemon.add_exempt(account.uid)
+            self.exempt.add(account.uid)  # a no-op unless joined since, or missed by NSS member lists
             return reply
         if not policy.is_member(account.groups, access):
             return reply
         held = store.grants(account.uid)
         if held:  # a second session reuses the grant it already has
             return {**reply, **self._grant_reply(held)}
-        quota = policy.quota_for(account.name, account.groups, daemon.config)
+        quota = policy.quota_for(account.name, account.groups, config)
         if quota.gpus == 0:
             return {**reply, "message": "gpuguard: your quota allows no GPUs - run gpuguard whoami for details"}
-        daemon.allocate(account, quota, quota.gpus, now, origin="session",
-                        message=f"granted at login ({service or 'pam'})")
+        self.grants.allocate(account.uid, account.name, quota, quota.gpus, now, origin="session",
+                             message=f"granted at login ({service or 'pam'})")
         held = store.grants(account.uid)
         if not held:
             event(logging.INFO, "no_gpu_free", user=account.name, wanted=quota.gpus)
@@ -106,16 +126,16 @@ class Api:
 
     async def session_close(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         user, pid = _field(request, "user", str), _field(request, "pid", int)
-        daemon, store = self.daemon, self.daemon.store
-        account = _account_named(user)
+        store = self.store
+        account = await self._account_named(user)
         held = {g.minor for g in store.grants(account.uid)}
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
         if held and not store.sessions(account.uid):
-            sample = await daemon.sampler.take_or_log("grants kept until a good sample")
+            sample = await self.sampler.take_or_log("grants kept until a good sample")
             if sample is not None:  # no data, no release: the tick tries again
-                await daemon.release_unused(sample, [account.uid])
+                await self.logout.release_unused(sample, [account.uid])
         # Compared with before, not taken from release_unused: a tick may release them meanwhile.
         kept = {g.minor for g in store.grants(account.uid)}
         return protocol.ok(closed=closed is not None, released=sorted(held - kept), kept=sorted(kept))
@@ -123,10 +143,10 @@ class Api:
     # --- looking
 
     async def whoami(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        account = _subject(request, peer)
-        daemon, store = self.daemon, self.daemon.store
-        access = daemon.config.access
-        quota = policy.quota_for(account.name, account.groups, daemon.config)
+        account = await self._subject(request, peer)
+        store, config = self.store, self.config()
+        access = config.access
+        quota = policy.quota_for(account.name, account.groups, config)
         return protocol.ok(
             user=account.name, uid=account.uid, group=access.group,
             member=policy.is_member(account.groups, access),
@@ -138,11 +158,11 @@ class Api:
             usage=store.usage(account.uid))
 
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        daemon = self.daemon
-        grants = daemon.store.grants()
-        sample = daemon.sample
+        config = self.config()
+        grants = self.store.grants()
+        sample = self.sampler.last
         gpus = []
-        for minor, gpu in sorted(daemon.gpus.items()):
+        for minor, gpu in sorted(self.grants.gpus.items()):
             gpus.append({
                 "minor": minor, "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
                 "memory_total": gpu.memory_total,
@@ -152,24 +172,24 @@ class Api:
                               if sample and sample.ok(minor) else None),  # None: unknown (not sampled, or failed)
             })
         reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None,
-                            group=daemon.config.access.group)
+                            group=config.access.group)
         if peer.uid == 0:
-            reply.update(sessions=[asdict(s) for s in daemon.store.sessions()],
-                         exempt=sorted(daemon.exempt), mode=daemon.config.access.mode,
-                         gate=daemon.gate_name if daemon.gate else None)
+            reply.update(sessions=[asdict(s) for s in self.store.sessions()],
+                         exempt=sorted(self.exempt.uids), mode=config.access.mode,
+                         gate=self.gate.name if self.gate and self.gate.is_attached() else None)
         return reply
 
     # --- a user's own GPUs
 
     async def request(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        daemon, store = self.daemon, self.daemon.store
-        account = _account_of(peer)
-        access = daemon.config.access
+        store, config = self.store, self.config()
+        account = await self._account_of(peer)
+        access = config.access
         if policy.is_exempt(account.uid, account.name, account.groups, access):
             raise Refusal("you are exempt: every GPU is open to you without a grant")
         if not policy.is_member(account.groups, access):
             raise Refusal(f"only members of group {access.group} get GPUs; ask your admin")
-        quota = policy.quota_for(account.name, account.groups, daemon.config)
+        quota = policy.quota_for(account.name, account.groups, config)
         wanted = _field(request, "gpus", int, quota.gpus)
         if wanted < 1:
             raise Refusal("gpus must be at least 1", 2)
@@ -180,7 +200,8 @@ class Api:
         if more > 0:
             # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
             origin = "session" if store.sessions(account.uid) else "request"
-            granted = daemon.allocate(account, quota, more, time.time(), origin, "requested with gpuguard request")
+            granted = self.grants.allocate(account.uid, account.name, quota, more, time.time(), origin,
+                                           "requested with gpuguard request")
         held = store.grants(account.uid)
         if not held:
             raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
@@ -189,8 +210,8 @@ class Api:
     async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Give GPUs back. It kills nothing: while a process of the user still uses one of
         them, the release is refused with the pids, so no job loses its GPU by surprise."""
-        daemon, store = self.daemon, self.daemon.store
-        account = _account_of(peer)
+        store = self.store
+        account = await self._account_of(peer)
         held = {g.minor for g in store.grants(account.uid)}
         minors = self._minors(request)
         if not held:
@@ -204,7 +225,7 @@ class Api:
             pids = sorted({pid for pid, _ in busy})
             raise Refusal(f"GPU {number_list({m for _, m in busy})} still in use by your process"
                           f"{'es' if len(pids) > 1 else ''} {number_list(pids)}: stop them, then release")
-        removed = daemon.grants.remove(account.uid, targets, time.time(), kind="release", rule="user",
+        removed = self.grants.remove(account.uid, targets, time.time(), kind="release", rule="user",
                                        message="released with gpuguard release")
         return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
 
@@ -216,7 +237,7 @@ class Api:
         /proc is scanned first: a process NVML does not list in the later sample had no context then."""
         holders = await asyncio.to_thread(sampling.node_holders, minors)
         try:
-            sample = await self.daemon.sampler.take(max_age)
+            sample = await self.sampler.take(max_age)
         except Exception as exc:
             raise Refusal(f"cannot see the GPUs' processes right now ({exc}); try again") from None
         if unread := sorted(m for m in minors if not sample.ok(m)):  # an NVML error is not "no process"
@@ -227,20 +248,20 @@ class Api:
     # --- admin
 
     async def grant(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        daemon, store = self.daemon, self.daemon.store
-        account = _account_named(_field(request, "user", str))
+        store, config = self.store, self.config()
+        account = await self._account_named(_field(request, "user", str))
         count, minors = _field(request, "gpus", int, None), self._minors(request)
         if (count is None) == (minors is None):
             raise Refusal("give either gpus (a number) or minors (a list)", 2)
         if count is not None and count < 1:
             raise Refusal("gpus must be at least 1", 2)
         duration = _duration(request.get("for"))
-        access = daemon.config.access
+        access = config.access
         if policy.is_exempt(account.uid, account.name, account.groups, access):
             raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
         if not policy.is_member(account.groups, access):
             raise Refusal(f"{account.name} is not in group {access.group}: only members get GPUs")
-        quota = policy.quota_for(account.name, account.groups, daemon.config)
+        quota = policy.quota_for(account.name, account.groups, config)
         share = policy.may_share(quota)
         if minors is not None:
             blocked = allocator.blocking(store.grants(), account.uid, minors, share)
@@ -249,14 +270,14 @@ class Api:
                               f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
             chosen = tuple(minors)
         else:
-            chosen = daemon.choose(account.uid, count, share)
+            chosen = self.grants.choose(account.uid, count, share)
             if len(chosen) < count:
                 raise Refusal(f"only {len(chosen)} more GPU{'s' if len(chosen) != 1 else ''} free for "
                               f"{account.name}, {count} asked")
         now = time.time()
         expires_at = now + duration if duration is not None else policy.expires_at(quota, now)
         term = f" for {format_duration(duration)}" if duration is not None else ""
-        daemon.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
+        self.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
                           origin="admin", message=f"granted by root{term}")
         return protocol.ok(user=account.name, gpus=sorted(chosen), expires_at=expires_at,
                            message=f"granted GPU {number_list(chosen)} to {account.name}{term}")
@@ -265,16 +286,16 @@ class Api:
         """Take GPUs back. The gate stops new opens at once, and the processes that opened a
         GPU before are ended: the watcher warns and stops those NVML lists (stray use), and
         those only /proc shows, which the watcher never sees, get SIGTERM here."""
-        daemon, store = self.daemon, self.daemon.store
+        store = self.store
         name = _field(request, "user", str)
         minors = self._minors(request)
         try:
-            uid = accounts.by_name(name).uid
+            uid = (await self.lookup.by_name(name)).uid
         except accounts.UnknownUser:  # an account deleted while holding GPUs can still be revoked
             uid = next((g.uid for g in store.grants() if g.user == name), None)
             if uid is None:
                 raise Refusal(f"no such user: {name}", 2) from None
-        removed = daemon.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root")
+        removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root")
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + number_list(minors)}")
         revoked = {g.minor for g in removed}
@@ -285,7 +306,7 @@ class Api:
             listed, unlisted, note = set(), set(), f"; {exc}"
         else:
             # The gate only checks at open(): the watcher warns the listed ones as stray use and ends them.
-            grace = format_duration(daemon.config.watcher.grace)
+            grace = format_duration(self.config().watcher.grace)
             note = (f"; still open in process {number_list({pid for pid, _ in listed})}: warned now, "
                     f"stopped in {grace} by the watcher" if listed else "")
             stopped = self._stop_unlisted(uid, {pid for pid, _ in unlisted})
@@ -307,7 +328,7 @@ class Api:
             if identity is None or identity.uid != uid:
                 continue  # exited since the scan
             command = signals.command(pid)
-            result = signals.send(identity, signal.SIGTERM, self.daemon.exempt)
+            result = signals.send(identity, signal.SIGTERM, self.exempt.uids)
             event(logging.WARNING if result.sent else logging.INFO, "revoke_term", uid=uid, pid=pid,
                   command=command or None, outcome=result.outcome.value, detail=result.detail or None)
             if result.sent:
@@ -317,12 +338,12 @@ class Api:
     async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
         `gpuguard acl apply`. Reads no config, so an admin's half-edited file blocks nothing."""
-        self.daemon.sync_nodes()
+        self._sync_nodes()
         return protocol.ok(message="device nodes and ACLs re-applied")
 
     async def reload(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         try:
-            loaded = self.daemon.reload()
+            loaded = self._reload()
         except configuration.ConfigError as exc:
             event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
             raise Refusal(f"{exc} (the previous config stays in force)", 2) from None
@@ -337,24 +358,49 @@ class Api:
         if not isinstance(minors, list) or not minors or not all(
                 isinstance(m, int) and not isinstance(m, bool) for m in minors):
             raise Refusal(f"field 'minors': expected a non-empty list of GPU numbers, got {minors!r}", 2)
-        unknown = set(minors) - set(self.daemon.gpus)
-        if unknown:
-            raise Refusal(f"no GPU {number_list(unknown)} on this machine (GPUs: {number_list(self.daemon.gpus)})", 2)
+        gpus = self.grants.gpus
+        if unknown := set(minors) - set(gpus):
+            raise Refusal(f"no GPU {number_list(unknown)} on this machine (GPUs: {number_list(gpus)})", 2)
         return sorted(set(minors))
 
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
-        gpu = self.daemon.gpus.get(grant.minor)
+        gpu = self.grants.gpus.get(grant.minor)
         return {**asdict(grant), "uuid": gpu.uuid if gpu else None, "name": gpu.name if gpu else None}
 
     def _grant_reply(self, held: list[Grant], wanted: int | None = None) -> dict[str, Any]:
         """gpus, cuda_visible_devices and the one-line message for what a user holds."""
-        gpus = [self.daemon.gpus[g.minor] for g in held if g.minor in self.daemon.gpus]
+        gpus = [self.grants.gpus[g.minor] for g in held if g.minor in self.grants.gpus]
         if not gpus:
             return {"gpus": [], "cuda_visible_devices": "", "message": ""}
         expiries = [g.expires_at for g in held if g.expires_at is not None]
         return {"gpus": [gpu.minor for gpu in gpus],
                 "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
                 "message": grant_message(gpus, min(expiries, default=None), any(g.shared for g in held), wanted)}
+
+
+    # --- who is asking (NSS, off the event loop)
+
+    async def _account_named(self, name: str) -> accounts.Account:
+        try:
+            return await self.lookup.by_name(name)
+        except accounts.UnknownUser as exc:
+            raise Refusal(str(exc), 2) from None
+
+    async def _account_of(self, peer: Peer) -> accounts.Account:
+        try:
+            return await self.lookup.by_uid(peer.uid)
+        except accounts.UnknownUser as exc:
+            raise Refusal(str(exc)) from None
+
+    async def _subject(self, request: dict[str, Any], peer: Peer) -> accounts.Account:
+        """The caller, or (root only) the user the request names."""
+        name = _field(request, "user", str, None)
+        own = await self._account_of(peer) if name is None or peer.uid != 0 else None
+        if name is None:
+            return own
+        if own is not None and own.name != name:
+            raise Refusal("only root may look at another user's GPUs")
+        return await self._account_named(name)
 
 
 def _duration(value: Any) -> float | None:
@@ -367,28 +413,3 @@ def _duration(value: Any) -> float | None:
     if not seconds:
         raise Refusal("field 'for': must be a positive duration like 8h", 2)
     return seconds
-
-
-def _account_named(name: str) -> accounts.Account:
-    try:
-        return accounts.by_name(name)
-    except accounts.UnknownUser as exc:
-        raise Refusal(str(exc), 2) from None
-
-
-def _account_of(peer: Peer) -> accounts.Account:
-    try:
-        return accounts.by_uid(peer.uid)
-    except accounts.UnknownUser as exc:
-        raise Refusal(str(exc)) from None
-
-
-def _subject(request: dict[str, Any], peer: Peer) -> accounts.Account:
-    """The caller, or (root only) the user the request names."""
-    name = _field(request, "user", str, None)
-    own = _account_of(peer) if name is None or peer.uid != 0 else None
-    if name is None:
-        return own
-    if own is not None and own.name != name:
-        raise Refusal("only root may look at another user's GPUs")
-    return _account_named(name)

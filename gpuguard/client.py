@@ -5,18 +5,17 @@ import socket
 from typing import Any
 
 from gpuguard import protocol
+from gpuguard.errors import EXIT_UNREACHABLE, GpuguardError
 
 
-class DaemonUnreachable(Exception):
+class DaemonUnreachable(GpuguardError):
     """No daemon answered on the socket (not running, wrong path, or too slow)."""
 
+    code = EXIT_UNREACHABLE
 
-class Refused(Exception):
-    """The daemon answered with an error."""
 
-    def __init__(self, error: str, code: int = 1):
-        super().__init__(error)
-        self.code = code
+class Refused(GpuguardError):
+    """The daemon answered with an error, and the exit code it asked for."""
 
 
 def call(socket_path: str, op: str, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:

@@ -15,12 +15,13 @@ from typing import Any
 from gpuguard.compat import tomllib
 from gpuguard.model import Quota
 from gpuguard.units import UnitError, parse_duration, parse_size
+from gpuguard.errors import UsageError
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 MAX_GPUS = 64  # per machine; more is a typo
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """One line: `file: key: problem`."""
 
 

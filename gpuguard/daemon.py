@@ -17,19 +17,21 @@ import logging
 import resource
 import signal
 import time
-from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from gpuguard import allocator, config as configuration, policy, sampling
+from gpuguard import config as configuration, sampling
 from gpuguard.api import Api
-from gpuguard.backends import GateError, accounts, acl, devnodes, open_gpu_backend, procfs, systemd
+from gpuguard.backends import GateError, devnodes, notify, open_gpu_backend, procfs, systemd
+from gpuguard.backends.acl import NodeWatcher
 from gpuguard.backends.gate import Gate
+from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.config import Config
+from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
-from gpuguard.model import Gpu, Quota
-from gpuguard.sampling import Sample
+from gpuguard.lookups import AccountLookup
 from gpuguard.server import Server
 from gpuguard.store import Store
 from gpuguard.watcher import Watcher
@@ -39,16 +41,18 @@ class Daemon:
     def __init__(self, config: Config, gate_name: str = "gpuguard"):
         self.config = config
         self.gate_name = gate_name
-        self.exempt: set[int] = {0}
-        self.sample: Sample | None = None  # the latest tick's, for status
         self._stop = asyncio.Event()
+
+    def current_config(self) -> Config:
+        """What the services read the config through: a reload replaces self.config."""
+        return self.config
 
     # --- life cycle
 
     def start(self) -> None:
         """Everything before serving; raises ServerError, StoreError, GpuError, GateError or OSError."""
         _raise_nofile()
-        self.server = Server(self.config.paths.socket, Api(self).handle)
+        self.server = Server(self.config.paths.socket, self._handle)
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
         if self.config.access.mode == "acl":
             _refuse_stale_gate(self.gate_name)
@@ -56,23 +60,31 @@ class Daemon:
         self._ensure_driver_nodes()  # NVML needs them to start
         self.backend = open_gpu_backend(self.config)
         self.sampler = sampling.Sampler(self.backend)
-        # The inventory and topology are fixed while the driver stays loaded; a GPU that
-        # falls off the bus shows as NVML errors in the tick, not as a smaller inventory.
-        self.gpus: dict[int, Gpu] = {gpu.minor: gpu for gpu in self.backend.gpus()}
-        self.topology = self.backend.topology()
         for error in self.backend.unavailable:  # GPUs NVML cannot read at start: the others are still guarded
             event(logging.ERROR, "gpu_unavailable", error=error, action="left out until a restart")
         self.gate = Gate(self.gate_name) if self.config.access.mode == "gate" else None
-        self.exempt = self._exempt_uids()
-        if self.gate:
-            self.gate.attach(self.exempt)
         # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
-        self.grants = Grants(self.store, self.gate, self.config.paths.device_dir,
-                             set(self.gpus) | self._driver_minors(), self.exempt)
+        gpus = {gpu.minor: gpu for gpu in self.backend.gpus()}
+        self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir),
+                             set(gpus) | self._driver_minors(), gpus=gpus, topology=self.backend.topology())
+        self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
+        exempt = self.exempt.compute()
+        if self.gate:
+            self.gate.attach(exempt)  # a new gate starts with its exempt map filled: no moment without it
+        self.exempt.set(exempt)
         self.grants.reconcile()
-        self.nodes = acl.NodeWatcher(self.config.paths.device_dir, self._node_changed)
-        self.watcher = Watcher(self)
+        self.nodes = NodeWatcher(self.config.paths.device_dir, self._node_changed)
+        self.lookup = AccountLookup()
+        self.notifier = notify.Notifier()
+        self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders)
+        self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
+                               self.lookup, self.notifier)
+        self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
+                       self.logout, self.gate, reload=self.reload, sync_nodes=self.sync_nodes)
+
+    async def _handle(self, request: dict, peer) -> dict:
+        return await self.api.handle(request, peer)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -84,7 +96,7 @@ class Daemon:
         await self.server.start()
         ticker = asyncio.create_task(self._ticker())
         systemd.notify("READY=1")
-        event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=sorted(self.gpus),
+        event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=sorted(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
         try:
             await self._stop.wait()
@@ -98,6 +110,8 @@ class Daemon:
 
     def close(self) -> None:
         self.watcher.close()
+        self.notifier.close()
+        self.lookup.close()
         self.nodes.close()
         self.backend.close()
         self.store.close()
@@ -113,7 +127,7 @@ class Daemon:
         if fixed != new:
             event(logging.WARNING, "reload_partial", reason="paths, gpu and access.mode change at restart")
         self.config = fixed
-        self.refresh_exempt()
+        self.exempt.refresh()
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         return fixed
@@ -124,35 +138,7 @@ class Daemon:
         except configuration.ConfigError as exc:
             event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
 
-    def refresh_exempt(self) -> None:
-        """Recompute the exempt uids (blocking NSS lookups: at reload, never per login)."""
-        self._set_exempt(self._exempt_uids())
-
-    def add_exempt(self, uid: int) -> None:
-        """A login policy calls exempt that the last computation missed (see _exempt_uids)."""
-        self._set_exempt(self.exempt | {uid})
-
-    def _exempt_uids(self) -> set[int]:
-        """accounts.exempt_uids (the exempt groups' member lists), plus the users with an open
-        session whom policy.is_exempt (their own groups) calls exempt.
-
-        The two can differ: SSSD/LDAP often list no members whose primary group it is, so a
-        login finds exempt someone the member lists missed, and adds them (add_exempt). Asking
-        again for the users with sessions keeps such logins exempt across a reload, while a user
-        taken out of the exempt groups still loses it.
-        """
-        exempt = accounts.exempt_uids(self.config.access)
-        for uid in {s.uid for s in self.store.sessions()} - exempt:
-            try:
-                account = accounts.by_uid(uid)
-            except accounts.UnknownUser:
-                continue
-            if policy.is_exempt(uid, account.name, account.groups, self.config.access):
-                exempt.add(uid)
-        return exempt
-
-    def _set_exempt(self, uids: set[int]) -> None:
-        self.exempt = uids
+    def _apply_exempt(self, uids: frozenset[int]) -> None:
         if self.gate:
             self.gate.set_exempt(uids)
         self.grants.set_exempt(uids)  # exempt users need ACL entries too: the nodes are 0660 root:root
@@ -184,21 +170,6 @@ class Daemon:
             return set(range(self.config.gpu.simulated.count))
         return set(devnodes.driver_minors())
 
-    # --- allocation
-
-    def choose(self, uid: int, count: int, share: bool) -> tuple[int, ...]:
-        return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
-                                self.store.last_released(), uid, count, share)
-
-    def allocate(self, account: accounts.Account, quota: Quota, count: int, now: float, origin: str,
-                 message: str) -> tuple[int, ...]:
-        """Up to `count` more GPUs for the user on the terms of their quota (none when none is free)."""
-        share = policy.may_share(quota)
-        chosen = self.choose(account.uid, count, share)
-        self.grants.add(account.uid, account.name, chosen, now, expires_at=policy.expires_at(quota, now),
-                        shared=share, origin=origin, message=message)
-        return chosen
-
     # --- the tick
 
     async def _ticker(self) -> None:
@@ -213,9 +184,8 @@ class Daemon:
         sample = await self.sampler.take_or_log("skipped this tick", max_age=0)  # the tick paces NVML polling
         if sample is None:
             return
-        self.sample = sample
         self.drop_dead_sessions()
-        await self.release_unused(sample)
+        await self.logout.release_unused(sample)
         await self.watcher.check(sample, time.time())
 
     def drop_dead_sessions(self) -> None:
@@ -226,44 +196,6 @@ class Daemon:
             self.store.remove_sessions(s.id for s in gone)
             for session in gone:
                 event(logging.INFO, "session_gone", user=session.user, session=session.id, pid=session.pid)
-
-    async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None) -> None:
-        """Release session grants of users with no open session and no process on any of their GPUs.
-
-        A nohup or tmux job keeps its user's GPUs after logout: they go once it has exited.
-        """
-        candidates = self._unused(sample, uids)
-        if not candidates:
-            return
-        # NVML only lists processes with a CUDA context; one that merely holds the node open
-        # shows up in /proc. This full scan runs only for grants about to be released.
-        held: dict[int, set[int]] = {}
-        for holder in await asyncio.to_thread(sampling.node_holders, set().union(*candidates.values())):
-            held.setdefault(holder.uid, set()).add(holder.minor)
-        now = time.time()
-        # Re-checked after the await: a login or a grant may have come in meanwhile.
-        for uid, minors in self._unused(sample, candidates).items():
-            if minors == candidates[uid] and not held.get(uid, set()) & minors:
-                bound = [g.minor for g in self.store.grants(uid) if g.origin == "session"]
-                self.grants.remove(uid, bound, now, kind="release", rule="logout",
-                                   message="released: your last session ended and no process of yours used it")
-
-    def _unused(self, sample: Sample, uids: Iterable[int] | None) -> dict[int, frozenset[int]]:
-        """uid -> all of its granted minors, for users holding session grants, with no open session
-        and no process in the sample on any of their GPUs (all of them read: an error is not idleness)."""
-        by_uid: dict[int, list] = {}
-        for grant in self.store.grants():
-            by_uid.setdefault(grant.uid, []).append(grant)
-        if uids is not None:
-            by_uid = {uid: by_uid[uid] for uid in uids if uid in by_uid}
-        logged_in = {session.uid for session in self.store.sessions()}
-        unused = {}
-        for uid, held in by_uid.items():
-            minors = frozenset(g.minor for g in held)
-            if (any(g.origin == "session" for g in held) and uid not in logged_in
-                    and not sample.busy_minors(uid) & minors and all(sample.ok(m) for m in minors)):
-                unused[uid] = minors
-        return unused
 
 
 def _caller_alive(pid: int, start: int | None) -> bool:

@@ -1,36 +1,54 @@
-"""Giving and taking GPUs: the store records it, the gate and the device ACLs follow from the store.
+"""Giving and taking GPUs, choosing them included: the store records a grant, the gate and the
+device ACLs follow from the store, and the allocator (pure) picks which GPUs a user gets.
 
 Order is chosen so that what the kernel enforces never exceeds what the store says: a grant
 is written to the store before the gate opens, a release closes the gate before the store
 forgets. A crash in between therefore leaves, at worst, a grant the gate does not honour
 yet, which reconcile() at the next start repairs.
 
-Used by the daemon (logins, requests, admin commands) and by the watcher (expiry, idle
-release); all calls come from the event-loop thread, as the store requires.
+Used by the API (logins, requests, admin commands), the logout release and the watcher
+(expiry, idle release); all calls come from the event-loop thread, as the store requires.
 """
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 
-from gpuguard.backends import acl
+from gpuguard import allocator, policy
+from gpuguard.allocator import Topology
 from gpuguard.backends.gate import Gate
 from gpuguard.logs import event
-from gpuguard.model import NVIDIA_MAJOR, Event, Grant
+from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Quota
 from gpuguard.store import Store
 
 _NODE = re.compile(r"nvidia(\d+)")
 
 
+class Nodes(Protocol):
+    """The GPU device nodes (backends.gpu_nodes.AclNodes on a real machine)."""
+
+    def path(self, minor: int) -> Path: ...
+
+    def sync(self, minor: int, users: Collection[int]) -> None:
+        """Make the node exist, 0660 root:root, with an ACL entry for exactly `users`."""
+
+
 class Grants:
-    def __init__(self, store: Store, gate: Gate | None, device_dir: Path, minors: Collection[int],
-                 exempt: Collection[int] = ()):
+    def __init__(self, store: Store, gate: Gate | None, nodes: Nodes, minors: Collection[int],
+                 exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
+                 topology: Topology | None = None):
         self.store = store
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
-        self.device_dir = Path(device_dir)
+        self.nodes = nodes
         self.minors = frozenset(minors)  # the GPUs this machine has: only their nodes are managed
+        # What can be handed out: the GPUs NVML could read at start, and how they are linked.
+        # Both are fixed while the driver stays loaded (a GPU that falls off the bus shows as
+        # NVML errors in the tick, not as a smaller inventory).
+        self.gpus: Mapping[int, Gpu] = dict(gpus or {})
+        self.topology: Topology = dict(topology or {})
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
 
@@ -41,8 +59,19 @@ class Grants:
             self.exempt = uids
             self.node_changed(None)
 
-    def node(self, minor: int) -> Path:
-        return self.device_dir / f"nvidia{minor}"
+    def choose(self, uid: int, count: int, share: bool) -> tuple[int, ...]:
+        """Up to `count` more GPUs for uid (allocator.choose over the current grants)."""
+        return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
+                                self.store.last_released(), uid, count, share)
+
+    def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: str,
+                 message: str) -> tuple[int, ...]:
+        """Up to `count` more GPUs for the user on the terms of their quota (none when none is free)."""
+        share = policy.may_share(quota)
+        chosen = self.choose(uid, count, share)
+        self.add(uid, user, chosen, now, expires_at=policy.expires_at(quota, now), shared=share,
+                 origin=origin, message=message)
+        return chosen
 
     def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,
             shared: bool, origin: str, message: str) -> None:
@@ -98,10 +127,7 @@ class Grants:
         for grant in self.store.grants():  # one read, however many nodes
             grantees.setdefault(grant.minor, set()).add(grant.uid)
         for minor in sorted(set(minors) & self.minors):
-            path = self.node(minor)
-            acl.ensure_node(path, (NVIDIA_MAJOR, minor))
-            acl.set_base_mode(path)
-            acl.apply_acls(path, grantees.get(minor, set()) | self.exempt)
+            self.nodes.sync(minor, grantees.get(minor, set()) | self.exempt)
 
     def node_changed(self, path: Path | None) -> None:
         """NodeWatcher callback: a node was (re)created or changed; None means check them all."""

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 from gpuguard import client
+from gpuguard.errors import GpuguardError
 
 TIMEOUT = 2.0  # seconds, for everything: config, connect, send, reply
 # The same defaults as gpuguard.config (a test keeps them equal), without importing it.
@@ -37,7 +38,7 @@ DEFAULT_SOCKET = "/run/gpuguard/gpuguard.sock"
 OPERATIONS = {"open_session": "session_open", "close_session": "session_close"}
 
 
-class HookError(Exception):
+class HookError(GpuguardError):
     """Something that stops the hook from talking to the daemon; logged, never raised to PAM."""
 
 

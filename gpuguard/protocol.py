@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from gpuguard.errors import UsageError
 
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile
@@ -20,7 +21,7 @@ OPERATIONS = frozenset({
 })
 
 
-class ProtocolError(ValueError):
+class ProtocolError(UsageError):
     """A message that is not valid protocol (bad JSON, too large, unknown op or version)."""
 
 

@@ -340,6 +340,25 @@ def usage(view: View, seconds: float) -> dict[Slot, tuple[float, float, float]]:
     return {(g.uid, g.minor): split(g) for g in view.grants}
 
 
+
+def unused_after_logout(grants: Iterable[Grant], logged_in: Collection[int], busy: Collection[Slot],
+                        read: Collection[int]) -> dict[int, frozenset[int]]:
+    """uid -> all of its granted minors, for users who hold a session grant, have no open session
+    and no process (busy: (uid, minor) seen by NVML) on any of their GPUs, all of which were read
+    (`read`: an NVML error is not idleness). A nohup or tmux job keeps its user's GPUs after
+    logout: they go once it has exited.
+    """
+    by_uid: dict[int, list[Grant]] = {}
+    for grant in grants:
+        by_uid.setdefault(grant.uid, []).append(grant)
+    unused = {}
+    for uid, held in by_uid.items():
+        minors = frozenset(g.minor for g in held)
+        if (uid not in logged_in and any(g.origin == "session" for g in held)
+                and not any((uid, m) in busy for m in minors) and minors <= set(read)):
+            unused[uid] = minors
+    return unused
+
 # --- what the user is told: one line that says what happened, why, and what to do
 
 HINT = "see gpuguard whoami"

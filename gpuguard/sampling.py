@@ -45,6 +45,10 @@ class Sample:
         """GPUs on which NVML sees a process of uid (of the GPUs it could read)."""
         return {p.minor for p in self.processes if self.uid_of(p.pid) == uid}
 
+    def busy_slots(self) -> set[tuple[int, int]]:
+        """(uid, minor) for every process NVML sees whose owner is known."""
+        return {(uid, p.minor) for p in self.processes if (uid := self.uid_of(p.pid)) is not None}
+
 
 class Sampler:
     """Samples of one backend, taken in a worker thread and one at a time."""

@@ -22,14 +22,15 @@ from typing import Any
 
 from gpuguard import protocol
 from gpuguard.logs import event
+from gpuguard.errors import GpuguardError
 
 READ_TIMEOUT = 2.0    # a PAM request is one small line; a client this slow is broken or hostile
 WRITE_TIMEOUT = 10.0  # replies can be large (status of a busy server) and readers slow
 MAX_CONNECTIONS_PER_USER = 64  # a user flooding the socket runs out of slots, root (logins) never does
 
 
-class ServerError(Exception):
-    pass
+class ServerError(GpuguardError):
+    """The socket cannot be served (another daemon holds it, or the path is unusable)."""
 
 
 @dataclass(frozen=True)

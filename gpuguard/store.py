@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gpuguard.model import Event, Grant, Session
+from gpuguard.errors import GpuguardError
 
 # Ordered migrations: index i brings the schema from version i to i + 1. Never edit a
 # released entry; append a new one.
@@ -55,8 +56,8 @@ MIGRATIONS: tuple[str, ...] = (
 )
 
 
-class StoreError(Exception):
-    pass
+class StoreError(GpuguardError):
+    """The state database cannot be opened or is from a newer gpuguard."""
 
 
 class Store:

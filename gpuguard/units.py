@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from gpuguard.errors import UsageError
 
 _SIZE_UNITS = {
     "": 1, "B": 1,
@@ -19,8 +20,8 @@ MAX_SIZE = 1 << 50          # 1 PiB: no GPU comes close; larger is a typo
 MAX_DURATION = 366 * 86400  # a year: longer limits are "none"
 
 
-class UnitError(ValueError):
-    pass
+class UnitError(UsageError):
+    """A size or duration that cannot be read."""
 
 
 def parse_size(value: str | int) -> int | None:

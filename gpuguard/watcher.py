@@ -7,13 +7,14 @@ The decisions are gpuguard.rules (pure); this module is the edge around them:
     what both decisions agree on -> remember (rules.advance) -> account usage
 
 Acting means: signals through pidfds with the identity re-checked (backends.signals),
-revoking and releasing through the daemon's grant manager (which closes the gate, rewrites
+revoking and releasing through the grant manager (grants.Grants, which closes the gate, rewrites
 the ACLs and records the revoke/release event), telling the user on their terminals
 (backends.notify), a log line, and an event in the store that `gpuguard whoami` shows.
 
-Everything here runs on the daemon's event-loop thread, as the store requires; the only
-await is the confirming re-sample (NVML and /proc in a worker thread), after which the
-grants are read again, so a login or release during the re-sample is seen.
+Everything here runs on the daemon's event-loop thread, as the store requires. The awaits
+are the confirming re-sample (NVML and /proc in a worker thread), after which the grants are
+read again, so a login or release during the re-sample is seen, and the NSS lookups of users
+whose quota is not cached, made before any decision.
 
 A GPU whose processes a sample could not read is passed to the rules as failed: nothing is
 decided about it (the sampler logs it failing and recovering).
@@ -23,20 +24,21 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from gpuguard import policy, rules
 from gpuguard.backends import accounts, notify, signals
 from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.config import Config
+from gpuguard.exempt import Exempt
+from gpuguard.grants import Grants
 from gpuguard.logs import event
+from gpuguard.lookups import AccountLookup
 from gpuguard.model import Event, Quota
 from gpuguard.rules import Action
-from gpuguard.sampling import Sample
-
-if TYPE_CHECKING:
-    from gpuguard.daemon import Daemon
+from gpuguard.sampling import Sample, Sampler
+from gpuguard.store import Store
 
 ACTIVE_WRITE_EVERY = 30.0  # seconds: how stale grants.last_active may get in the store (memory is exact)
 USAGE_FLUSH_EVERY = 60.0   # seconds of usage accounting kept in memory before it is written
@@ -52,14 +54,22 @@ _SIGNAL = {rules.TERM: signal.SIGTERM, rules.KILL: signal.SIGKILL}
 
 
 class Watcher:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
+                 sampler: Sampler, lookup: AccountLookup, notifier: notify.Notifier) -> None:
+        self.config = config  # the config in force, which a reload replaces
+        self.store = store
+        self.grants = grants
+        self.exempt = exempt
+        self.sampler = sampler
+        self.lookup = lookup
+        self.notifier = notifier
         self.state = rules.State()
-        self.notifier = notify.Notifier()
         self._last_check: float | None = None
         self._usage: dict[rules.Slot, list[float]] = {}  # (uid, minor) -> [granted, busy, idle] unwritten
         self._usage_flushed = time.monotonic()
-        self._accounts: dict[int, tuple[float, object, str, Quota]] = {}  # uid -> (at, config, name, quota)
+        # uid -> (when, config, name, quota): NSS is asked at most once per ACCOUNT_CACHE per user,
+        # and again after a reload (another config object).
+        self._accounts: dict[int, tuple[float, Config, str, Quota]] = {}
 
     # --- the tick
 
@@ -67,15 +77,18 @@ class Watcher:
         """Decide on `sample`, confirm with a fresh one if anything would change, act. Returns
         the actions carried out. A failing re-sample means no action this tick (logged)."""
         started = time.monotonic()
-        timing = rules.Timing(self.daemon.config.watcher.grace, self.daemon.config.watcher.kill_wait)
+        settings = self.config().watcher
+        timing = rules.Timing(settings.grace, settings.kill_wait)
         self._after_gap(now)
+        await self._resolve_accounts(self._users(sample))
         view = self._view(sample)
         actions = rules.decide(view, self.state, now, timing)
         if actions:  # rare (changes only), so every one is confirmed, warnings included
-            confirming = await self.daemon.sampler.take_or_log("no action this tick", max_age=0,
-                                                               pending=len(actions))
+            confirming = await self.sampler.take_or_log("no action this tick", max_age=0,
+                                                        pending=len(actions))
             if confirming is None:
                 return []
+            await self._resolve_accounts(self._users(confirming))
             view = self._view(confirming)  # grants read again: a request may have come in meanwhile
             actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
         done = []
@@ -91,16 +104,16 @@ class Watcher:
         self._mark_active(view, now)
         self._last_check = now
         elapsed = time.monotonic() - started
-        if elapsed > self.daemon.config.watcher.interval / 2:
+        if elapsed > settings.interval / 2:
             event(logging.WARNING, "watcher_slow", seconds=round(elapsed, 3), processes=len(view.procs))
         return done
 
     def _after_gap(self, now: float) -> None:
         """Ticks that failed (NVML errors) or were missed observed nothing: not being seen then is
         no evidence of idleness, so every grant's idle clock restarts after such a gap."""
-        interval = self.daemon.config.watcher.interval
+        interval = self.config().watcher.interval
         if self._last_check is not None and now - self._last_check > GAP_TICKS * interval:
-            slots = {(g.uid, g.minor) for g in self.daemon.store.grants()}
+            slots = {(g.uid, g.minor) for g in self.store.grants()}
             self.state = replace(self.state, seen={**self.state.seen, **{slot: now for slot in slots}})
             event(logging.INFO, "watcher_gap", seconds=round(now - self._last_check, 1),
                   note="idle clocks restarted")
@@ -113,25 +126,42 @@ class Watcher:
                 continue  # exited between NVML and /proc: nothing to judge
             procs.append(rules.Proc(process.pid, identity.uid, identity.start_time, process.minor,
                                     process.used_memory))
-        grants = self.daemon.store.grants()
+        grants = self.store.grants()
         quotas = {g.uid: self._account_of(g.uid)[1] for g in grants}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
         failed = frozenset(sample.failed) | {g.minor for g in grants if not sample.ok(g.minor)}
-        return rules.View(procs, grants, quotas, frozenset(self.daemon.exempt), failed)
+        return rules.View(procs, grants, quotas, self.exempt.uids, failed)
+
+    def _users(self, sample: Sample) -> set[int]:
+        """Everyone the rules may judge: grant holders and the owners of the GPU processes."""
+        return {g.uid for g in self.store.grants()} | {identity.uid for identity in sample.owners.values()}
+
+    def _fresh(self, uid: int) -> bool:
+        cached = self._accounts.get(uid)
+        return (cached is not None and cached[1] is self.config()
+                and time.monotonic() - cached[0] < ACCOUNT_CACHE)
+
+    async def _resolve_accounts(self, uids: Iterable[int]) -> None:
+        """Look up (off the loop) the users whose name and quota are not cached or are stale."""
+        for uid in sorted(set(uids)):
+            if self._fresh(uid):
+                continue
+            config = self.config()
+            try:
+                account = await self.lookup.by_uid(uid)
+                entry = (account.name, policy.quota_for(account.name, account.groups, config))
+            except accounts.UnknownUser:  # deleted, or NSS too slow: the defaults still bound it
+                cached = self._accounts.get(uid)
+                entry = (cached[2], cached[3]) if cached and cached[1] is config else (str(uid), config.defaults)
+            self._accounts[uid] = (time.monotonic(), config, *entry)
 
     def _account_of(self, uid: int) -> tuple[str, Quota]:
-        """Name and resolved quota of uid, from NSS at most once a minute (and after a reload)."""
-        config = self.daemon.config
+        """Name and resolved quota of uid as _resolve_accounts left them; a uid it never saw
+        (granted during the confirming re-sample) gets the defaults until the next tick."""
         cached = self._accounts.get(uid)
-        if cached and cached[1] is config and time.monotonic() - cached[0] < ACCOUNT_CACHE:
-            return cached[2], cached[3]
-        try:
-            account = accounts.by_uid(uid)
-            name, quota = account.name, policy.quota_for(account.name, account.groups, config)
-        except accounts.UnknownUser:
-            name, quota = str(uid), config.defaults  # deleted meanwhile: the defaults still bound it
-        self._accounts[uid] = (time.monotonic(), config, name, quota)
-        return name, quota
+        if cached is None:
+            return str(uid), self.config().defaults
+        return cached[2], cached[3]
 
     # --- acting
 
@@ -145,7 +175,7 @@ class Watcher:
         numbers: dict = dict(action.numbers)
         if action.kind in _SIGNAL:
             identity = ProcessIdentity(proc.pid, proc.uid, proc.start_time)
-            result = signals.send(identity, _SIGNAL[action.kind], self.daemon.exempt)
+            result = signals.send(identity, _SIGNAL[action.kind], self.exempt.uids)
             if not result.sent:
                 event(logging.INFO if result.outcome is signals.Outcome.GONE else logging.WARNING,
                       f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=action.minor,
@@ -153,12 +183,12 @@ class Watcher:
                 return False
             numbers["signal"] = action.signal
             if action.kind == rules.TERM:
-                self.daemon.store.add_usage(action.uid, user, action.minor, kills=1)
+                self.store.add_usage(action.uid, user, action.minor, kills=1)
         elif action.kind == rules.UNKILLABLE:
             numbers["state"] = signals.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
             kind = "revoke" if action.kind == rules.REVOKE else "release"
-            removed = self.daemon.grants.remove(action.uid, [action.minor], now, kind=kind, rule=action.rule,
+            removed = self.grants.remove(action.uid, [action.minor], now, kind=kind, rule=action.rule,
                                                 message=text)
             if not removed:
                 return False  # released by someone else meanwhile
@@ -171,12 +201,12 @@ class Watcher:
             event(_LEVEL.get(action.kind, logging.INFO), action.kind, rule=action.rule, user=user, uid=action.uid,
                   gpu=action.minor, pid=proc.pid if proc else None, command=command or None,
                   **{k: _log_value(k, v) for k, v in numbers.items()})
-            self.daemon.store.add_event(Event(
+            self.store.add_event(Event(
                 now, action.uid, user, _EVENT_KIND[action.kind], text, minor=action.minor,
                 pid=proc.pid if proc else None, command=command, rule=action.rule, action=action.kind,
                 numbers=dict(numbers)))
-        if action.kind != rules.REPORT and action.uid not in self.daemon.exempt:
-            ttys = [s.tty for s in self.daemon.store.sessions(action.uid)]
+        if action.kind != rules.REPORT and action.uid not in self.exempt.uids:
+            ttys = [s.tty for s in self.store.sessions(action.uid)]
             self.notifier.tell(user, action.uid, text, ttys)
 
     # --- bookkeeping
@@ -185,7 +215,7 @@ class Watcher:
         """Seconds granted / busy / idle per user and GPU since the last check, written once a minute."""
         if self._last_check is not None:
             # A long pause (a stalled loop, failed samples) was not observed: count at most a few ticks.
-            seconds = min(now - self._last_check, GAP_TICKS * self.daemon.config.watcher.interval)
+            seconds = min(now - self._last_check, GAP_TICKS * self.config().watcher.interval)
             for slot, added in rules.usage(view, max(0.0, seconds)).items():
                 totals = self._usage.setdefault(slot, [0.0, 0.0, 0.0])
                 for i, value in enumerate(added):
@@ -195,7 +225,7 @@ class Watcher:
 
     def flush_usage(self) -> None:
         for (uid, minor), (granted, busy, idle) in self._usage.items():
-            self.daemon.store.add_usage(uid, self._account_of(uid)[0], minor, granted=granted, busy=busy, idle=idle)
+            self.store.add_usage(uid, self._account_of(uid)[0], minor, granted=granted, busy=busy, idle=idle)
         self._usage.clear()
         self._usage_flushed = time.monotonic()
 
@@ -207,11 +237,10 @@ class Watcher:
             if seen is not None and seen - grant.last_active >= ACTIVE_WRITE_EVERY:
                 stale.setdefault(grant.uid, []).append(grant.minor)
         for uid, minors in stale.items():
-            self.daemon.store.mark_active(uid, minors, now)
+            self.store.mark_active(uid, minors, now)
 
     def close(self) -> None:
         self.flush_usage()
-        self.notifier.close()
 
 
 def _log_value(key: str, value: object) -> object:

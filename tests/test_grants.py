@@ -11,7 +11,8 @@ import pytest
 
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import accounts, acl
-from gpuguard.daemon import Daemon
+from gpuguard.backends.gpu_nodes import AclNodes
+from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.model import NVIDIA_MAJOR
 from gpuguard.store import Store
@@ -43,7 +44,7 @@ def store(sandbox):
 
 def test_a_failed_store_write_on_release_leaves_the_gate_open_as_the_store_says(sandbox, store, monkeypatch):
     gate = MapGate()
-    grants = Grants(store, gate, sandbox / "dev", minors=())
+    grants = Grants(store, gate, AclNodes(sandbox / "dev"), minors=())
     grants.add(1001, "alice", [0, 1], 1.0, expires_at=None, shared=False, origin="session", message="test")
     assert gate.entries() == {(1001, (NVIDIA_MAJOR, 0)), (1001, (NVIDIA_MAJOR, 1))}
 
@@ -63,12 +64,12 @@ def test_a_failed_store_write_on_release_leaves_the_gate_open_as_the_store_says(
 def test_exempt_users_get_an_acl_entry_on_every_node_and_lose_it_with_the_exemption(sandbox, store):
     devices = sandbox / "dev"
     devices.mkdir()
-    grants = Grants(store, None, devices, minors=[0, 1], exempt={0, 2001})
+    grants = Grants(store, None, AclNodes(devices), minors=[0, 1], exempt={0, 2001})
     grants.add(1001, "alice", [1], 1.0, expires_at=None, shared=False, origin="session", message="test")
     grants.reconcile()
-    assert {m: acl.acl_users(grants.node(m)) for m in (0, 1)} == {0: {2001}, 1: {1001, 2001}}  # never root's
+    assert {m: acl.acl_users(grants.nodes.path(m)) for m in (0, 1)} == {0: {2001}, 1: {1001, 2001}}  # never root's
     grants.set_exempt({0, 2002})
-    assert {m: acl.acl_users(grants.node(m)) for m in (0, 1)} == {0: {2002}, 1: {1001, 2002}}
+    assert {m: acl.acl_users(grants.nodes.path(m)) for m in (0, 1)} == {0: {2002}, 1: {1001, 2002}}
 
 
 def test_a_reload_keeps_exempt_the_logged_in_users_the_member_lists_miss(sandbox, store, make_group, make_user,
@@ -76,16 +77,15 @@ def test_a_reload_keeps_exempt_the_logged_in_users_the_member_lists_miss(sandbox
     admins = make_group()
     ops, alice = make_user(groups=[admins]), make_user()
     config = gpuguard_config.load(write_config(sandbox, extra=f'\n[access]\nexempt_groups = ["{admins}"]\n'))
-    daemon = Daemon(config)
-    daemon.store, daemon.gate = store, None
-    daemon.grants = Grants(store, None, sandbox / "dev", minors=())
+    grants = Grants(store, None, AclNodes(sandbox / "dev"), minors=())
+    exempt = Exempt(lambda: config.access, store, grants.set_exempt)
     # What SSSD/LDAP do with primary groups: the group's member list does not name ops.
     monkeypatch.setattr(accounts, "exempt_uids", lambda access: {0})
     opened = store.open_session(ops.uid, ops.name, "sshd", "", "", 1, 1.0)
     store.open_session(alice.uid, alice.name, "sshd", "", "", 1, 1.0)
-    daemon.add_exempt(ops.uid)  # what a login of ops does: policy.is_exempt says yes
-    daemon.refresh_exempt()
-    assert daemon.exempt == {0, ops.uid} and daemon.grants.exempt == {ops.uid}
+    exempt.add(ops.uid)  # what a login of ops does: policy.is_exempt says yes
+    exempt.refresh()
+    assert exempt.uids == {0, ops.uid} and grants.exempt == {ops.uid}
     store.close_session(ops.uid, opened.pid)
-    daemon.refresh_exempt()  # no session left to vouch for ops: the member lists decide again
-    assert daemon.exempt == {0}
+    exempt.refresh()  # no session left to vouch for ops: the member lists decide again
+    assert exempt.uids == {0}

@@ -109,7 +109,7 @@ def test_the_gpu_failing_in_the_confirming_sample_is_left_alone(daemon, alice, b
 def test_a_failing_action_does_not_stop_the_others(daemon, alice, burns, caplog):
     daemon.grants.add(alice.uid, alice.name, [3], 0.0, expires_at=1.0, shared=False, origin="admin",
                       message="long expired")
-    node = daemon.grants.node(3)
+    node = daemon.grants.nodes.path(3)
     node.unlink()
     node.mkdir()  # the node cannot be made again: the revoke fails when it rewrites the ACLs
     burns(1, "6GiB", alice)

@@ -3,17 +3,18 @@ no ctypes) because every CLI command imports it for the backends' errors; backen
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import NvmlBackend
     from gpuguard.config import Config
 
 
-class GpuError(Exception):
+class GpuError(GpuguardError):
     """An NVML call failed; one line naming the call, the GPU and NVML's error string."""
 
 
-class GateError(Exception):
+class GateError(GpuguardError):
     """The gate cannot be set up or changed; the message names the cause in its first line."""
 
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuguard.config import AccessConfig
+from gpuguard.errors import GpuguardError
 
 
-class UnknownUser(LookupError):
-    pass
+class UnknownUser(GpuguardError, LookupError):
+    """No such account (or NSS could not say in time)."""
 
 
 @dataclass(frozen=True)

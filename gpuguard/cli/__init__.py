@@ -15,18 +15,11 @@ import sys
 from typing import Any
 
 from gpuguard import __version__, config
-from gpuguard.backends import GateError, GpuError
-from gpuguard.client import DaemonUnreachable, Refused
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+from gpuguard.errors import GpuguardError
 
 
-class CommandError(Exception):
-    """A one-line failure with the exit code to use."""
-
-    def __init__(self, message: str, code: int = EXIT_FAILED):
-        super().__init__(message)
-        self.code = code
+class CommandError(GpuguardError):
+    """A command's own one-line failure, with the exit code to use."""
 
 
 def require_root(what: str) -> None:
@@ -69,16 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except config.ConfigError as exc:
-        return _fail(str(exc), EXIT_USAGE)
-    except DaemonUnreachable as exc:
-        return _fail(str(exc), EXIT_UNREACHABLE)
-    except Refused as exc:
-        return _fail(str(exc), exc.code)
-    except CommandError as exc:
-        return _fail(str(exc), exc.code)
-    except (GpuError, GateError) as exc:
-        return _fail(str(exc).splitlines()[0], EXIT_FAILED)  # a verifier log goes to the daemon's log
+    except GpuguardError as exc:
+        return _fail(exc.line(), exc.code)  # a verifier log or a multi-line cause goes to the daemon's log
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from gpuguard.cli import EXIT_OK, print_json
+from gpuguard.cli import print_json
+from gpuguard.errors import EXIT_OK
 from gpuguard.cli.calls import ask
 
 

@@ -6,7 +6,8 @@ import logging
 import os
 
 from gpuguard import logs
-from gpuguard.cli import EXIT_OK, CommandError, load_config
+from gpuguard.cli import CommandError, load_config
+from gpuguard.errors import EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from gpuguard import client, config as configuration
 from gpuguard.backends import accounts, devnodes
-from gpuguard.cli import EXIT_OK, CommandError, load_config, print_json, require_root
+from gpuguard.cli import CommandError, load_config, print_json, require_root
+from gpuguard.errors import EXIT_OK
 
 if TYPE_CHECKING:
     from gpuguard.backends.gate import Gate

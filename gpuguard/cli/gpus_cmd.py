@@ -9,7 +9,8 @@ import argparse
 from collections import Counter
 from typing import Any
 
-from gpuguard.cli import EXIT_OK, load_config, print_json, print_rows
+from gpuguard.cli import load_config, print_json, print_rows
+from gpuguard.errors import EXIT_OK
 from gpuguard.model import Gpu, Link
 from gpuguard.units import format_size
 

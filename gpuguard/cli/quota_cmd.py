@@ -16,9 +16,9 @@ from typing import Any
 
 from gpuguard import config, quota_file
 from gpuguard.backends import accounts
-from gpuguard.cli import (EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, load_config, print_json, print_rows,
-                          require_root)
+from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root
 from gpuguard.cli.calls import ask
+from gpuguard.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gpuguard.client import DaemonUnreachable, Refused
 from gpuguard.policy import quota_for, quota_sources
 

@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from gpuguard.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, load_config
+from gpuguard.cli import CommandError, load_config
+from gpuguard.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gpuguard.units import UnitError, format_size, parse_duration, parse_size
 
 

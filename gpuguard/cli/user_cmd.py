@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpuguard.cli import EXIT_OK, print_json, print_rows
+from gpuguard.cli import print_json, print_rows
+from gpuguard.errors import EXIT_OK
 from gpuguard.cli.calls import ask
 from gpuguard.messages import clock, number_list
 from gpuguard.units import format_duration, format_size

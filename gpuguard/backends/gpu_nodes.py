@@ -1,0 +1,24 @@
+"""The /dev/nvidia<minor> nodes of the GPUs: what grants.Grants writes through (its Nodes seam)."""
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+from gpuguard.backends import acl
+from gpuguard.model import NVIDIA_MAJOR
+
+
+class AclNodes:
+    """Each GPU node made when missing, 0660 root:root, plus one ACL entry per allowed user."""
+
+    def __init__(self, device_dir: Path):
+        self.device_dir = Path(device_dir)
+
+    def path(self, minor: int) -> Path:
+        return self.device_dir / f"nvidia{minor}"
+
+    def sync(self, minor: int, users: Collection[int]) -> None:
+        path = self.path(minor)
+        acl.ensure_node(path, (NVIDIA_MAJOR, minor))
+        acl.set_base_mode(path)
+        acl.apply_acls(path, users)

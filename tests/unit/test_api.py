@@ -1,0 +1,96 @@
+"""Api driven with fakes (tests/unit/fakes.py): no root, no daemon, no GPUs."""
+from __future__ import annotations
+
+import pytest
+
+from gpuguard.config import AccessConfig
+from gpuguard.sampling import Holder
+from fakes import GROUP, World
+
+
+@pytest.fixture
+def world(tmp_path) -> World:
+    w = World(tmp_path)
+    yield w
+    w.store.close()
+
+
+def test_a_member_login_gets_a_gpu_and_a_second_session_reuses_it(world):
+    alice = world.lookup.add("alice", 1001, GROUP)
+    first = world.login(alice)
+    assert first["ok"] and first["gpus"] == world.held(1001) and len(first["gpus"]) == 1
+    (minor,) = first["gpus"]
+    assert first["cuda_visible_devices"] == f"GPU-{minor:04d}"
+    assert world.nodes.users[minor] == {1001}  # the node's ACL followed the store
+    second = world.login(alice, pid=4343)
+    assert second["gpus"] == [minor] and world.held(1001) == [minor]
+
+
+def test_a_non_member_and_an_unknown_user_open_their_session_without_gpus(world):
+    bob = world.lookup.add("bob", 1002, "staff")
+    assert world.login(bob)["gpus"] == [] and world.held(1002) == []
+    reply = world.call("session_open", user="ghost", pid=1, service="sshd")
+    assert reply["ok"] and reply["gpus"] == [] and "internal error" in reply["message"]
+
+
+def test_an_exempt_login_joins_the_exempt_set_and_the_acls(world):
+    world.config = world.config.__class__(access=AccessConfig(group=GROUP, exempt_groups=("ops",)))
+    ops = world.lookup.add("ops", 1003, "ops")
+    assert world.login(ops)["gpus"] == []
+    assert 1003 in world.exempt.uids
+    assert all(1003 in users for users in world.nodes.users.values()) and len(world.nodes.users) == 4
+
+
+def test_logout_releases_unused_session_grants_and_keeps_held_ones(world):
+    alice, bob = world.lookup.add("alice", 1001, GROUP), world.lookup.add("bob", 1002, GROUP)
+    (a_minor,) = world.login(alice, pid=11)["gpus"]
+    (b_minor,) = world.login(bob, pid=12)["gpus"]
+    world.holders.append(Holder(pid=99, uid=1002, minor=b_minor))  # bob's nohup job holds the node open
+    closed = world.call("session_close", user="alice", pid=11)
+    assert closed["released"] == [a_minor] and world.held(1001) == []
+    assert world.nodes.users[a_minor] == frozenset()
+    kept = world.call("session_close", user="bob", pid=12)
+    assert kept["released"] == [] and kept["kept"] == [b_minor]
+
+
+def test_a_nvml_process_keeps_the_grant_after_logout(world):
+    alice = world.lookup.add("alice", 1001, GROUP)
+    (minor,) = world.login(alice, pid=11)["gpus"]
+    world.sampler.set([(500, 1001, minor, 1 << 30)])
+    assert world.call("session_close", user="alice", pid=11)["kept"] == [minor]
+
+
+def test_request_respects_the_quota_and_tops_up(world):
+    world.quota(gpus=2)
+    alice = world.lookup.add("alice", 1001, GROUP)
+    assert world.call("request", uid=1001, gpus=3)["code"] == 1
+    assert world.call("request", uid=1001, gpus=0)["code"] == 2
+    reply = world.call("request", uid=1001, gpus=2)
+    assert reply["ok"] and len(reply["gpus"]) == 2 and world.held(alice.uid) == sorted(reply["gpus"])
+
+
+def test_request_with_a_grant_on_a_gpu_missing_from_the_inventory_still_works(world):
+    """allocator.choose once raised KeyError here: a GPU NVML could not read at start."""
+    world.quota(gpus=2)
+    world.lookup.add("alice", 1001, GROUP)
+    world.store.add_grants(1001, "alice", [9], 1.0, None, shared=False, origin="request")
+    reply = world.call("request", uid=1001, gpus=2)
+    assert reply["ok"] and len(world.held(1001)) == 2 and 9 in world.held(1001)
+
+
+def test_root_only_operations_are_refused_to_users(world):
+    world.lookup.add("alice", 1001, GROUP)
+    for op in ("session_open", "grant", "revoke", "reload", "sync_nodes"):
+        reply = world.call(op, uid=1001, user="alice")
+        assert not reply["ok"] and "root only" in reply["error"], op
+    assert world.reloads == 0
+
+
+def test_admin_grant_and_revoke(world):
+    world.lookup.add("alice", 1001, GROUP)
+    granted = world.call("grant", user="alice", minors=[2], **{"for": "1h"})
+    assert granted["ok"] and world.held(1001) == [2]
+    assert world.call("grant", user="alice", minors=[7])["code"] == 2  # no such GPU
+    revoked = world.call("revoke", user="alice")
+    assert revoked["revoked"] == [2] and world.held(1001) == []
+    assert world.call("revoke", user="alice")["code"] == 1  # holds nothing now
