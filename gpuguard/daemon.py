@@ -2,7 +2,9 @@
 
 Start: claim the socket path (refused while another daemon serves) -> store -> GPU backend ->
 gate (attach or find) -> exemptions -> reconcile the gate map and node ACLs from the store ->
-watch the device directory -> serve the socket -> READY=1. One asyncio loop in the main thread
+watch the device directory -> serve the socket -> READY=1. Under systemd it also says what it
+is doing (STATUS=) and pings the watchdog (WATCHDOG=1, WatchdogSec= in etc/gpuguard.service)
+from the event loop, so a loop that hangs gets the daemon restarted. One asyncio loop in the main thread
 runs the server and a periodic tick; the store is touched only from that thread, and blocking
 NVML and /proc work runs in worker threads (asyncio.to_thread). Decisions that read state and
 then change it never await in between, so concurrent requests cannot interleave inside one.
@@ -54,6 +56,7 @@ class Daemon:
         _raise_nofile()
         self.server = Server(self.config.paths.socket, self._handle)
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
+        systemd.status("starting: opening the store and the GPUs")
         if self.config.access.mode == "acl":
             _refuse_stale_gate(self.gate_name)
         self.store = Store(self.config.paths.state_dir / "state.db")
@@ -68,6 +71,7 @@ class Daemon:
         gpus = {gpu.minor: gpu for gpu in self.backend.gpus()}
         self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir),
                              set(gpus) | self._driver_minors(), gpus=gpus, topology=self.backend.topology())
+        systemd.status("starting: attaching the gate and restoring grants")
         self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
         exempt = self.exempt.compute()
         if self.gate:
@@ -95,14 +99,18 @@ class Daemon:
         loop.add_reader(self.nodes.fileno(), self.nodes.process)
         await self.server.start()
         ticker = asyncio.create_task(self._ticker())
-        systemd.notify("READY=1")
+        watchdog = systemd.watchdog_period()
+        pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
+        systemd.notify("READY=1", f"STATUS={self._status_text()}")
         event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=sorted(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
         try:
             await self._stop.wait()
         finally:
-            systemd.notify("STOPPING=1")
+            systemd.notify("STOPPING=1", "STATUS=stopping; the gate stays attached")
             ticker.cancel()
+            if pinger:
+                pinger.cancel()
             loop.remove_reader(self.nodes.fileno())
             await self.server.close()
             self.close()
@@ -130,7 +138,19 @@ class Daemon:
         self.exempt.refresh()
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
+        systemd.status(self._status_text())
         return fixed
+
+    def _status_text(self) -> str:
+        gate = f"gate {self.gate_name}" if self.gate else "acl mode, no gate"
+        return (f"serving {len(self.grants.gpus)} GPUs, {len(self.store.grants())} grants, "
+                f"{gate}; config {self.config.source}")
+
+    async def _watchdog(self, period: float) -> None:
+        """WATCHDOG=1 from the event loop itself: if the loop stops turning, the pings stop."""
+        while True:
+            systemd.notify("WATCHDOG=1")
+            await asyncio.sleep(period)
 
     def _reload_on_signal(self) -> None:
         try:
