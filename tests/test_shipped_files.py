@@ -187,19 +187,30 @@ def test_unit_is_type_notify_and_runs_the_installed_daemon() -> None:
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_has_nothing_to_say(sandbox) -> None:
     """verify also checks that ExecStart's program exists: in a private mount namespace, a tmpfs
-    over its directory holds a link to this checkout's gpuguard (gone with the namespace)."""
+    over the nearest existing directory above it holds a link to this checkout's gpuguard (gone
+    with the namespace)."""
     program = Path(installed_gpuguard())
-    if not program.parent.is_dir():
-        pytest.skip(f"{program.parent} does not exist here")
+    mount_point = next(p for p in program.parents if p.is_dir())
     unit = sandbox / UNIT.name  # verify loads the unit from a directory of its own
     shutil.copy(UNIT, unit)
     result = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         'mount -t tmpfs ggt-bin "$1" && ln -s "$2" "$1/$3" && exec systemd-analyze verify "$4"',
-         "sh", str(program.parent), str(BIN / "gpuguard"), program.name, str(unit)],
+         'mount -t tmpfs ggt-bin "$1" && mkdir -p "$2" && ln -s "$3" "$2/$4" && exec systemd-analyze verify "$5"',
+         "sh", str(mount_point), str(program.parent), str(BIN / "gpuguard"), program.name, str(unit)],
         capture_output=True, text=True, timeout=120)
     # verify exits 0 even on unknown keys or bad values: any message at all is a finding.
     assert (result.returncode, result.stdout, result.stderr) == (0, "", ""), result
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_security_rates_the_unit_below_5(sandbox) -> None:
+    unit = sandbox / UNIT.name
+    shutil.copy(UNIT, unit)
+    result = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(unit)],
+                            capture_output=True, text=True, timeout=120)
+    level = re.search(r"Overall exposure level for gpuguard\.service: ([0-9.]+)", result.stdout)
+    assert level, result
+    assert float(level[1]) < 5.0, result.stdout
 
 
 # --- make -C pam install
