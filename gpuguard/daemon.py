@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gpuguard import config as configuration, sampling
 from gpuguard.api import Api
-from gpuguard.backends import GateError, devnodes, notify, open_gpu_backend, procfs, systemd
+from gpuguard.backends import GateError, devnodes, driver_minors, notify, open_gpu_backend, procfs, systemd
 from gpuguard.backends.acl import NodeWatcher
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
@@ -70,7 +70,7 @@ class Daemon:
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         gpus = {gpu.minor: gpu for gpu in self.backend.gpus()}
         self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir),
-                             set(gpus) | self._driver_minors(), gpus=gpus, topology=self.backend.topology())
+                             set(gpus) | driver_minors(self.config), gpus=gpus, topology=self.backend.topology())
         systemd.status("starting: attaching the gate and restoring grants")
         self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
         exempt = self.exempt.compute()
@@ -182,13 +182,7 @@ class Daemon:
         # With NVreg_ModifyDeviceFiles=0 (etc/modprobe.d/gpuguard.conf) nothing else makes them,
         # nvidia-uvm included, whose module usually loads after boot.
         if self.config.gpu.backend == "nvml":
-            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(self._driver_minors()))
-
-    def _driver_minors(self) -> set[int]:
-        """The GPUs the driver has, whether or not NVML can read them."""
-        if self.config.gpu.backend == "simulated":
-            return set(range(self.config.gpu.simulated.count))
-        return set(devnodes.driver_minors())
+            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(driver_minors(self.config)))
 
     # --- the tick
 
