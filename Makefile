@@ -32,6 +32,7 @@ DESTDIR    ?=
 PURE_TESTS = tests/test_compat.py tests/test_rules.py tests/test_rules_failed_gpus.py tests/test_policy.py \
              tests/test_allocator.py tests/test_units.py tests/test_config.py tests/test_protocol.py \
              tests/test_store.py tests/test_logs.py tests/test_sampling.py tests/test_doctor_checks.py \
+             tests/test_config_warnings.py \
              tests/unit
 PURE_DESELECT = --deselect tests/test_config.py::test_no_daemon_on_the_socket_exits_3
 

@@ -18,6 +18,9 @@ from gpuguard.units import UnitError, parse_duration, parse_size
 from gpuguard.errors import UsageError
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
+# Accounts of the NVIDIA driver's own services, exempt by default where they exist:
+# nvidia-persistenced runs as this user and keeps every GPU open.
+DRIVER_ACCOUNTS = ("nvidia-persistenced",)
 MAX_GPUS = 64  # per machine; more is a typo
 
 
@@ -28,7 +31,7 @@ class ConfigError(UsageError):
 @dataclass(frozen=True)
 class AccessConfig:
     group: str = "gpugroup"
-    exempt_users: tuple[str, ...] = ()
+    exempt_users: tuple[str, ...] = DRIVER_ACCOUNTS
     exempt_groups: tuple[str, ...] = ()
     mode: str = "gate"  # "gate": BPF program + ACLs; "acl": ACLs only, by explicit choice
 

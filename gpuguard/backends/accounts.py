@@ -54,6 +54,14 @@ def _group_names(entry: pwd.struct_passwd) -> frozenset[str]:
     return frozenset(names)
 
 
+def user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def group_exists(name: str) -> bool:
     try:
         grp.getgrnam(name)
