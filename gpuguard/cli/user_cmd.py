@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from gpuguard.cli import print_json, print_rows
 from gpuguard.errors import EXIT_OK
 from gpuguard.cli.calls import ask
-from gpuguard.messages import clock, number_list
+from gpuguard.messages import clock, cuda_export, number_list, stale_devices
 from gpuguard.units import format_duration, format_size
 
 
@@ -16,6 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     whoami.add_argument("--user", metavar="NAME", help="another user's (root only)")
     whoami.add_argument("--json", action="store_true", help="print JSON")
     whoami.set_defaults(func=show_whoami)
+
+    env = subparsers.add_parser("env", help="the export CUDA_VISIBLE_DEVICES=... line for your GPUs now",
+                                description='For a shell older than your grant (tmux, screen): eval "$(gpuguard env)"')
+    env.set_defaults(func=show_env)
 
     status = subparsers.add_parser("status", help="who holds which GPU")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -52,9 +57,12 @@ def show_whoami(args: argparse.Namespace) -> int:
             [f"  {g['minor']}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
-        print(f"export CUDA_VISIBLE_DEVICES={','.join(g['uuid'] for g in reply['grants'] if g['uuid'])}")
+        print(cuda_export(_uuids(reply)))
     elif reply["member"]:
         print("GPUs: none (gpuguard request gets one when one is free)")
+    if not reply["exempt"] and args.user is None and (note := stale_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                                             _uuids(reply))):
+        print(note)
     if reply["sessions"]:
         print("sessions:")
         for s in reply["sessions"]:
@@ -66,6 +74,17 @@ def show_whoami(args: argparse.Namespace) -> int:
             where = f" GPU {e['minor']}" if e["minor"] is not None else ""
             print(f"  {clock(e['time'])}  {e['kind']}{where}: {e['message']}")
     return EXIT_OK
+
+
+def show_env(args: argparse.Namespace) -> int:
+    reply = ask(args, "whoami")
+    # Exempt users see every GPU: no variable to narrow them down.
+    print("unset CUDA_VISIBLE_DEVICES" if reply["exempt"] else cuda_export(_uuids(reply)))
+    return EXIT_OK
+
+
+def _uuids(whoami: dict[str, Any]) -> list[str]:
+    return [g["uuid"] for g in whoami["grants"] if g["uuid"]]
 
 
 def show_status(args: argparse.Namespace) -> int:
@@ -95,7 +114,7 @@ def run_request(args: argparse.Namespace) -> int:
         print_json(reply)
         return EXIT_OK
     print(reply["message"])
-    print(f"export CUDA_VISIBLE_DEVICES={reply['cuda_visible_devices']}")
+    print(cuda_export(filter(None, reply["cuda_visible_devices"].split(","))))
     return EXIT_OK
 
 
