@@ -37,6 +37,13 @@ class AccessConfig:
 
 
 @dataclass(frozen=True)
+class SessionsConfig:
+    """Which PAM sessions take GPUs (policy.login_takes_gpus); the others only see what is held."""
+    grant: str = "interactive"          # "interactive": a terminal, or one of `services`; "all"
+    services: tuple[str, ...] = ()      # PAM services that take GPUs without a terminal (jupyterhub)
+
+
+@dataclass(frozen=True)
 class WatcherConfig:
     interval: float = 2.0
     grace: float = 30.0      # over quota this long before the first SIGTERM
@@ -87,6 +94,7 @@ class QuotaOverrides:
 class Config:
     source: Path | None = None
     access: AccessConfig = field(default_factory=AccessConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
     defaults: Quota = field(default_factory=Quota)
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -170,6 +178,7 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
 SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "access": {"group": _string, "exempt_users": _names, "exempt_groups": _names,
                "mode": _choice("gate", "acl")},
+    "sessions": {"grant": _choice("interactive", "all"), "services": _names},
     "defaults": QUOTA_KEYS,
     "watcher": {"interval": _positive_duration(0.1), "grace": _positive_duration(0),
                 "kill_wait": _positive_duration(0)},
@@ -256,6 +265,7 @@ def load(path: Path | str | None = None) -> Config:
     config = Config(
         source=source,
         access=AccessConfig(**sections.get("access", {})),
+        sessions=SessionsConfig(**sections.get("sessions", {})),
         defaults=Quota(**sections.get("defaults", {})),
         watcher=WatcherConfig(**sections.get("watcher", {})),
         paths=paths,
