@@ -24,19 +24,22 @@ SYSCONFDIR ?= /etc
 UNITDIR    ?= /usr/lib/systemd/system
 UDEVDIR    ?= /usr/lib/udev/rules.d
 MODPROBEDIR ?= /usr/lib/modprobe.d
+MANDIR     ?= $(PREFIX)/share/man
+# bash-completion looks in $XDG_DATA_DIRS (/usr/local/share:/usr/share) too.
+BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
 DESTDIR    ?=
 
-# The pure tests: no users, PAM, gate or daemon (until the tests/unit split). The 3.10 interpreter
-# lives under /root (pyenv), where test users cannot run it: tests that run commands as a user
-# stay with `make test`.
+# The pure tests: no users, PAM, gate or daemon (tests/unit, and the older files that are pure
+# too). The 3.10 interpreter lives under /root (pyenv), where test users cannot run it: tests that
+# run commands as a user stay with `make test`.
 PURE_TESTS = tests/test_compat.py tests/test_rules.py tests/test_rules_failed_gpus.py tests/test_policy.py \
              tests/test_allocator.py tests/test_units.py tests/test_config.py tests/test_protocol.py \
              tests/test_store.py tests/test_logs.py tests/test_sampling.py tests/test_doctor_checks.py \
-             tests/test_config_warnings.py \
+             tests/test_config_warnings.py tests/test_completion_man.py \
              tests/unit
 PURE_DESELECT = --deselect tests/test_config.py::test_no_daemon_on_the_socket_exits_3
 
-.PHONY: all build-deps deps venv pam test test-py310 demo bench deb lock install uninstall clean
+.PHONY: all build-deps deps venv pam test test-py310 demo bench man deb lock install uninstall clean
 
 all: venv pam
 
@@ -72,15 +75,15 @@ test: deps venv pam
 $(VENV310)/bin/python: pyproject.toml requirements.lock
 	$(PYTHON310) -m venv $(VENV310)
 	$(VENV310)/bin/python -m pip install -q --require-hashes --no-deps -r requirements.lock
-	$(VENV310)/bin/python -m pip install -q --no-deps -e .
-	$(VENV310)/bin/python -m pip install -q 'pytest>=7' 'python-pam>=2.0'
+	@# The test tools (the [test] extra); the locked dependencies already satisfy the rest.
+	$(VENV310)/bin/python -m pip install -q -e '.[test]'
 	@touch $@
 
 test-py310: $(VENV310)/bin/python
 	$(VENV310)/bin/python -m pytest -p no:cacheprovider $(PURE_TESTS) $(PURE_DESELECT) $(PYTEST_ARGS)
 
 demo: deps venv pam
-	$(PY) -m gpuguard.demo
+	$(PY) -m devtools.demo
 
 bench: deps venv pam
 	$(PY) bench/run.py
@@ -90,15 +93,25 @@ bench: deps venv pam
 deb: build-deps
 	packaging/build-deb.sh $(PYTHON) . $(DEB_VERSION)
 
+# The man page and the bash completion in build/, generated from the argparse definitions
+# (packaging/build-docs.sh): the help text has one copy.
+man:
+	packaging/build-docs.sh $(PYTHON) build
+
 # requirements.lock: every dependency pinned, with the hashes of all its files on PyPI, solved on
-# the oldest Python supported so that tomli (3.10 only) is in it, under its marker.
+# the oldest Python supported so that tomli (3.10 only) is in it, under its marker. The extras
+# (test tools) stay out: a server runs none of them. packaging/build-requirements.lock and
+# docs-requirements.lock: the same for the tools that build the wheel and the man page.
+LOCK = CUSTOM_COMPILE_COMMAND="make lock" $(CURDIR)/.venv-lock/bin/pip-compile -q --generate-hashes --allow-unsafe \
+	--strip-extras --no-emit-index-url --no-emit-find-links
 lock:
 	$(PYTHON310) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install -q pip-tools
-	.venv-lock/bin/pip-compile -q --generate-hashes --strip-extras --allow-unsafe \
-		--no-emit-index-url --no-emit-find-links --output-file requirements.lock pyproject.toml
+	$(LOCK) --output-file requirements.lock pyproject.toml
+	cd packaging && $(LOCK) --output-file build-requirements.lock build-requirements.in
+	cd packaging && $(LOCK) --output-file docs-requirements.lock docs-requirements.in
 
-install: pam
+install: pam man
 	@test "$$(id -u)" = 0 || [ -n "$(DESTDIR)" ] || { echo "make install: run as root (or set DESTDIR)" >&2; exit 1; }
 	packaging/build-venv.sh $(PYTHON) $(DESTDIR)$(APPDIR) $(APPDIR)
 	install -d -m 0755 $(DESTDIR)$(PREFIX)/bin
@@ -107,6 +120,8 @@ install: pam
 	install -D -m 0644 etc/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard.service
 	install -D -m 0644 etc/modprobe.d/gpuguard.conf $(DESTDIR)$(MODPROBEDIR)/gpuguard.conf
 	install -D -m 0644 udev/70-gpuguard.rules $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules
+	install -D -m 0644 build/gpuguard.1 $(DESTDIR)$(MANDIR)/man1/gpuguard.1
+	install -D -m 0644 build/gpuguard.bash $(DESTDIR)$(BASHCOMPDIR)/gpuguard
 	install -d -m 0755 $(DESTDIR)$(SYSCONFDIR)/gpuguard
 	@# The admin's configuration is never overwritten.
 	[ -e $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.toml ] || install -m 0644 etc/gpuguard.toml $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.toml
@@ -118,7 +133,8 @@ install: pam
 uninstall:
 	rm -rf $(DESTDIR)$(APPDIR)
 	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service \
-		$(DESTDIR)$(MODPROBEDIR)/gpuguard.conf $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules
+		$(DESTDIR)$(MODPROBEDIR)/gpuguard.conf $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules \
+		$(DESTDIR)$(MANDIR)/man1/gpuguard.1 $(DESTDIR)$(BASHCOMPDIR)/gpuguard
 	$(MAKE) -C pam uninstall DESTDIR=$(DESTDIR)
 
 clean:

@@ -17,6 +17,8 @@ Rows:
   trivial "first four free" that ignores topology.
 - watcher decide: the pure rules for 8 GPUs x 50 processes, against taking that sample from
   the simulated NVML (the decisions must cost little next to the sample itself).
+- metrics snapshot per tick: what the tick adds on the event loop when metrics are on (store
+  reads and the frozen snapshot a scrape reads), against the same sample.
 - store grant: one grant plus its release (two synced SQLite transactions), against the same
   rows written and deleted with plain sqlite3 and the same pragmas.
 - daemon memory: the daemon's resident memory after 200 logins, against a bare Python process
@@ -37,15 +39,20 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuguard import allocator, client, config as configuration, rules  # noqa: E402
-from gpuguard.backends.gate import bpffs_restored  # noqa: E402
+from devtools.harness import bpffs_restored, start_daemon  # noqa: E402
+from gpuguard import allocator, client, rules  # noqa: E402
+from gpuguard import config as configuration  # noqa: E402
 from gpuguard.backends.simulated import SimulatedBackend, register_process  # noqa: E402
-from gpuguard.demo import start_daemon  # noqa: E402
+from gpuguard.backends.procfs import ProcessIdentity  # noqa: E402
+from gpuguard.config import MetricsConfig  # noqa: E402
+from gpuguard.metrics import Metrics  # noqa: E402
 from gpuguard.model import Grant, Quota  # noqa: E402
+from gpuguard.sampling import Sample  # noqa: E402
 from gpuguard.store import Store  # noqa: E402
 
 PYTHON = sys.executable
@@ -92,6 +99,8 @@ def bench_watcher_rules() -> None:
                 register_process(Path(tmp), proc.pid, i % 8, (i + 1) << 28, 50)
             sample_time = per_call(backend.processes, 20)
             procs = backend.processes()
+            gpus = {gpu.minor: gpu for gpu in backend.gpus()}
+            use = backend.use()
         finally:
             for proc in sleepers:
                 proc.kill()
@@ -105,6 +114,18 @@ def bench_watcher_rules() -> None:
     timing = rules.Timing(grace=30, kill_wait=10)
     decide_time = per_call(lambda: rules.decide(view, rules.State(), 100.0, timing), 200)
     row("watcher decide (8 GPUs x 50)", decide_time, sample_time, 0.5)
+
+    # The metrics snapshot the tick builds on the event loop, against the same NVML sample.
+    with tempfile.TemporaryDirectory(prefix="ggt-bench-") as tmp:
+        store = Store(Path(tmp) / "state.db")
+        for grant in grants:
+            store.add_grants(grant.uid, grant.user, [grant.minor], 0.0, grant.expires_at)
+        owners = {p.pid: ProcessIdentity(p.pid, 1000 + p.minor, p.pid) for p in procs}
+        sampler = SimpleNamespace(last=Sample(100.0, tuple(procs), owners, frozenset(gpus), use=use), errors={})
+        metrics = Metrics(MetricsConfig(), store, gpus, sampler, None, lambda uid: (str(uid), Quota()))
+        publish_time = per_call(lambda: metrics.publish(0.01), 50)
+        store.close()
+    row("metrics snapshot per tick (8 GPUs x 50)", publish_time, sample_time, 0.5)
 
 
 def bench_store() -> None:

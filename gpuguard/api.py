@@ -6,26 +6,25 @@ whatever fails inside is logged and the session opens without GPUs.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 import time
 from dataclasses import asdict
 from typing import Any
 
 from collections.abc import Callable
 
-from gpuguard import allocator, config as configuration, policy, protocol, sampling
-from gpuguard.backends import accounts, procfs, signals
+from gpuguard import allocator, config as configuration, policy, protocol, reporting
+from gpuguard.backends import accounts, procfs
 from gpuguard.backends.gate import Gate
 from gpuguard.config import Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.holders import HolderEnder, Scan
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.messages import grant_message, number_list
-from gpuguard.model import Grant
+from gpuguard.model import Grant, Quota
 from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
 from gpuguard.store import Store
@@ -43,6 +42,7 @@ class Refusal(GpuguardError):
 
 
 _REQUIRED = object()
+INT_RANGE = (-(1 << 63), (1 << 63) - 1)
 
 
 def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -> Any:
@@ -52,7 +52,9 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
             raise Refusal(f"missing field {key!r}", 2)
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise Refusal(f"field {key!r}: expected {kind.__name__}, got {value!r}", 2)
+        raise Refusal(f"field {key!r}: expected {kind.__name__}, got {protocol.shown(value)}", 2)
+    if kind is int and not INT_RANGE[0] <= value <= INT_RANGE[1]:  # SQLite's, and far beyond any pid or count
+        raise Refusal(f"field {key!r}: {protocol.shown(value)} is out of range", 2)
     return value
 
 
@@ -60,8 +62,9 @@ class Api:
     """The operations, built from exactly the services they use (the daemon composes them)."""
 
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
-                 sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, gate: Gate | None,
-                 reload: Callable[[], Config], sync_nodes: Callable[[], None]):
+                 sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, holders: HolderEnder,
+                 gate: Gate | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
+                 account_of: Callable[[int], tuple[str, Quota]], flush_usage: Callable[[], None]):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
@@ -69,9 +72,12 @@ class Api:
         self.sampler = sampler
         self.lookup = lookup
         self.logout = logout
+        self.holders = holders
         self.gate = gate
         self._reload = reload
         self._sync_nodes = sync_nodes
+        self._account_of_uid = account_of  # name and quota as the watcher last resolved them: no NSS wait
+        self._flush_usage = flush_usage  # the watcher's usage of the last minute, not written yet
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         op = request["op"]
@@ -93,8 +99,11 @@ class Api:
         try:
             account = await self.lookup.by_name(user)  # before any state is read: the rest never awaits
             return self._open_session(account, service, rhost, tty, pid, grant)
-        except Exception:
-            event(logging.ERROR, "session_open_failed", exc_info=True, user=user, pid=pid)
+        except Exception as exc:
+            # An unknown user is PAM's business, not a fault of ours: one line, no traceback.
+            known = isinstance(exc, GpuguardError)
+            event(logging.ERROR, "session_open_failed", exc_info=not known, user=user, pid=pid,
+                  error=exc.line() if known else None)
             return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
 
     def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,
@@ -137,7 +146,10 @@ class Api:
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
-        if held and not store.sessions(account.uid):
+        # Only the close that ended the user's last session tries the release: a close of a session
+        # already gone (dropped by the tick after its caller died, or never known) changes nothing
+        # the tick will not see, and each try costs a GPU sample and a /proc scan.
+        if held and closed is not None and not store.sessions(account.uid):
             sample = await self.sampler.take_or_log("grants kept until a good sample")
             if sample is not None:  # no data, no release: the tick tries again
                 await self.logout.release_unused(sample, [account.uid])
@@ -164,25 +176,54 @@ class Api:
 
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         config = self.config()
-        grants = self.store.grants()
         sample = self.sampler.last
-        gpus = []
-        for minor, gpu in sorted(self.grants.gpus.items()):
-            gpus.append({
-                "minor": minor, "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
-                "memory_total": gpu.memory_total,
-                "holders": [{"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
-                             "expires_at": g.expires_at} for g in grants if g.minor == minor],
-                "processes": (sum(1 for p in sample.processes if p.minor == minor)
-                              if sample and sample.ok(minor) else None),  # None: unknown (not sampled, or failed)
-            })
-        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None,
+        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid)
+        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=time.time(),
                             group=config.access.group)
         if peer.uid == 0:
             reply.update(sessions=[asdict(s) for s in self.store.sessions()],
                          exempt=sorted(self.exempt.uids), mode=config.access.mode,
                          gate=self.gate.name if self.gate and self.gate.is_attached() else None)
         return reply
+
+    # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
+
+    async def report(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        uid = await self._records_of(request, peer)
+        since, until = _period(request)
+        by = _field(request, "by", str, "user")
+        if by not in reporting.GROUPINGS:
+            raise Refusal(f"field 'by': one of {', '.join(reporting.GROUPINGS)}, got {by!r}", 2)
+        self._flush_usage()  # a report made now includes the last tick
+        rows = self.store.usage_by(by, since, until, uid)
+        return protocol.ok(by=by, since=since, until=until, **reporting.report(rows))
+
+    async def events(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        uid = await self._records_of(request, peer)
+        since, until = _period(request, default_since=0.0)
+        limit = _field(request, "limit", int, 200)
+        if not 1 <= limit <= reporting.MAX_EVENTS:
+            raise Refusal(f"field 'limit': between 1 and {reporting.MAX_EVENTS}, got {limit}", 2)
+        found = self.store.find_events(uid, since, until, _field(request, "rule", str, None), limit)
+        return protocol.ok(events=[asdict(e) for e in found])
+
+    async def _records_of(self, request: dict[str, Any], peer: Peer) -> int | None:
+        """Whose records a request may read: the caller's own; root's, anyone's (None: everyone's).
+        Root may name an account deleted since: its records keep the uid it had."""
+        name = _field(request, "user", str, None)
+        if peer.uid != 0:
+            if name is not None and name != (await self._account_of(peer)).name:
+                raise Refusal("only root may look at another user's records")
+            return peer.uid
+        if name is None:
+            return None
+        try:
+            return (await self.lookup.by_name(name)).uid
+        except accounts.UnknownUser:
+            recorded = self.store.known_uid(name)
+            if recorded is None:
+                raise Refusal(f"no such user: {name}", 2) from None
+            return recorded
 
     # --- a user's own GPUs
 
@@ -224,8 +265,8 @@ class Api:
         if minors is not None and set(minors) - held:
             raise Refusal(f"you do not hold GPU {number_list(set(minors) - held)} (you hold {number_list(held)})")
         targets = set(minors) if minors is not None else held
-        listed, unlisted = await self._users_processes(account.uid, targets)
-        busy = listed | unlisted
+        scan = _readable(await self.holders.scan(account.uid, targets))
+        busy = scan.listed | scan.unlisted
         if busy:
             pids = sorted({pid for pid, _ in busy})
             raise Refusal(f"GPU {number_list({m for _, m in busy})} still in use by your process"
@@ -233,22 +274,6 @@ class Api:
         removed = self.grants.remove(account.uid, targets, time.time(), kind="release", rule="user",
                                        message="released with gpuguard release")
         return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
-
-    async def _users_processes(self, uid: int, minors: set[int], max_age: float = sampling.MAX_AGE,
-                               ) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
-        """(pid, minor) of uid's processes on these GPUs: those NVML lists (a CUDA context there),
-        and those only /proc shows (the node open, no context on it). Refusal when NVML fails.
-
-        /proc is scanned first: a process NVML does not list in the later sample had no context then."""
-        holders = await asyncio.to_thread(sampling.node_holders, minors)
-        try:
-            sample = await self.sampler.take(max_age)
-        except Exception as exc:
-            raise Refusal(f"cannot see the GPUs' processes right now ({exc}); try again") from None
-        if unread := sorted(m for m in minors if not sample.ok(m)):  # an NVML error is not "no process"
-            raise Refusal(f"cannot see the processes on GPU {number_list(unread)} right now (NVML error); try again")
-        listed = {(p.pid, p.minor) for p in sample.processes if p.minor in minors and sample.uid_of(p.pid) == uid}
-        return listed, {(h.pid, h.minor) for h in holders if h.uid == uid} - listed
 
     # --- admin
 
@@ -290,7 +315,8 @@ class Api:
     async def revoke(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Take GPUs back. The gate stops new opens at once, and the processes that opened a
         GPU before are ended: the watcher warns and stops those NVML lists (stray use), and
-        those only /proc shows, which the watcher never sees, get SIGTERM here."""
+        those only /proc shows, which the watcher never sees, get SIGTERM here and SIGKILL
+        kill_wait later if they still hold it (holders.HolderEnder)."""
         store = self.store
         name = _field(request, "user", str)
         minors = self._minors(request)
@@ -300,45 +326,26 @@ class Api:
             uid = next((g.uid for g in store.grants() if g.user == name), None)
             if uid is None:
                 raise Refusal(f"no such user: {name}", 2) from None
-        removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root")
+        removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root",
+                                     end_holders=False)
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + number_list(minors)}")
         revoked = {g.minor for g in removed}
-        try:
-            # A fresh sample: a process that created its CUDA context a moment ago is the watcher's.
-            listed, unlisted = await self._users_processes(uid, revoked, max_age=0)
-        except Refusal as exc:
-            listed, unlisted, note = set(), set(), f"; {exc}"
-        else:
-            # The gate only checks at open(): the watcher warns the listed ones as stray use and ends them.
+        ending = await self.holders.end(uid, removed[0].user, revoked, "admin")
+        scan = ending.scan
+        note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
+        if scan.listed:  # the gate only checks at open(): the watcher warns these as stray use and ends them
             grace = format_duration(self.config().watcher.grace)
-            note = (f"; still open in process {number_list({pid for pid, _ in listed})}: warned now, "
-                    f"stopped in {grace} by the watcher" if listed else "")
-            stopped = self._stop_unlisted(uid, {pid for pid, _ in unlisted})
-            if stopped:
-                note += f"; process {number_list(stopped)} held the node open (no CUDA context): sent SIGTERM"
-        holders = sorted(listed | unlisted)
+            note += (f"; still open in process {number_list({pid for pid, _ in scan.listed})}: warned now, "
+                     f"stopped in {grace} by the watcher")
+        if ending.termed:
+            wait = format_duration(round(self.config().watcher.kill_wait))
+            note += (f"; process {number_list(ending.termed)} held the node open (no CUDA context): sent SIGTERM, "
+                     f"SIGKILL in {wait} if it still holds it")
+        holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
                            message=f"revoked GPU {number_list(revoked)} from {name}{note}")
-
-    def _stop_unlisted(self, uid: int, pids: set[int]) -> list[int]:
-        """SIGTERM uid's processes that hold a revoked node without NVML listing them; the pids signalled.
-
-        The identity is read right after the /proc scan and re-checked through a pidfd
-        (backends.signals), which also refuses root and exempt processes."""
-        stopped = []
-        for pid in sorted(pids):
-            identity = procfs.process_identity(pid)
-            if identity is None or identity.uid != uid:
-                continue  # exited since the scan
-            command = signals.command(pid)
-            result = signals.send(identity, signal.SIGTERM, self.exempt.uids)
-            event(logging.WARNING if result.sent else logging.INFO, "revoke_term", uid=uid, pid=pid,
-                  command=command or None, outcome=result.outcome.value, detail=result.detail or None)
-            if result.sent:
-                stopped.append(pid)
-        return stopped
 
     async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
@@ -406,6 +413,36 @@ class Api:
         if own is not None and own.name != name:
             raise Refusal("only root may look at another user's GPUs")
         return await self._account_named(name)
+
+
+def _readable(scan: Scan) -> Scan:
+    """The scan, or a Refusal when NVML could not say which processes use those GPUs: an NVML
+    error is not "no process"."""
+    if scan.error:
+        raise Refusal(f"cannot see the GPUs' processes right now ({scan.error}); try again")
+    if scan.unread:
+        raise Refusal(f"cannot see the processes on GPU {number_list(scan.unread)} right now (NVML error); try again")
+    return scan
+
+
+def _period(request: dict[str, Any], default_since: float | None = None) -> tuple[float, float]:
+    """since and until (epoch seconds) of a request; until defaults to now, since to default_since."""
+    since = _number(request, "since", default_since)
+    until = _number(request, "until", None)
+    if until is None:
+        until = time.time()
+    if since is None:
+        raise Refusal("missing field 'since'", 2)
+    if since >= until:
+        raise Refusal("since must be before until", 2)
+    return since, until
+
+
+def _number(request: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = request.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise Refusal(f"field {key!r}: expected a number (epoch seconds), got {value!r}", 2)
+    return value
 
 
 def _duration(value: Any) -> float | None:

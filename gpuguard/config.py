@@ -6,6 +6,7 @@ last good configuration when a reload fails, so refusing is always safe.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 # nvidia-persistenced runs as this user and keeps every GPU open.
 DRIVER_ACCOUNTS = ("nvidia-persistenced",)
 MAX_GPUS = 64  # per machine; more is a typo
+MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
 
 
 class ConfigError(UsageError):
@@ -51,6 +53,15 @@ class WatcherConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    """How much event history the store keeps: what `gpuguard whoami` shows and admins look back on.
+    Both bounds hold, so neither a long uptime nor a user looping request/release grows it without end."""
+
+    max_age: float | None = 90 * 86400.0  # seconds; None: no age limit
+    per_user: int = 1000                  # newest events kept per user (and for system events)
+
+
+@dataclass(frozen=True)
 class PathsConfig:
     state_dir: Path = Path("/var/lib/gpuguard")
     socket: Path = Path("/run/gpuguard/gpuguard.sock")
@@ -77,6 +88,15 @@ class SimulatedConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics and the files other tools read; every exporter is off until configured."""
+
+    listen: tuple[str, int] | None = None  # (address, port) of the /metrics endpoint
+    textfile: Path | None = None           # node_exporter textfile collector file (*.prom)
+    dcgm_job_mapping_dir: Path | None = None  # dcgm-exporter's HPC job mapping directory
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     backend: str = "nvml"
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
@@ -97,8 +117,10 @@ class Config:
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     defaults: Quota = field(default_factory=Quota)
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
 
 
@@ -152,6 +174,34 @@ def _path(value: Any) -> Path:
     return Path(_string(value))
 
 
+def _absolute_path(value: Any) -> Path:
+    path = _path(value)
+    if not path.is_absolute():
+        raise ValueError(f"expected an absolute path, got {value!r}")
+    return path
+
+
+def _textfile(value: Any) -> Path:
+    path = _absolute_path(value)
+    if path.suffix != ".prom":  # node_exporter's textfile collector reads *.prom files only
+        raise ValueError(f"must end in .prom (node_exporter reads only those), got {value!r}")
+    return path
+
+
+def _listen(value: Any) -> tuple[str, int]:
+    """`127.0.0.1:9447`, `[::1]:9447` or `0.0.0.0:9447`: an IP address (or localhost) and a port."""
+    host, colon, port = _string(value).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not colon or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"expected ADDRESS:PORT like 127.0.0.1:9447, got {value!r}")
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"not an IP address: {host!r} (write e.g. 127.0.0.1:9447)") from None
+    return host, int(port)
+
+
 def _choice(*options: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in options:
@@ -182,8 +232,10 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "defaults": QUOTA_KEYS,
     "watcher": {"interval": _positive_duration(0.1), "grace": _positive_duration(0),
                 "kill_wait": _positive_duration(0)},
+    "events": {"max_age": parse_duration, "per_user": _count(1, MAX_EVENTS_PER_USER)},
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _choice("nvml", "simulated"), "simulated": dict},
+    "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
                       "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups},
 }
@@ -268,8 +320,10 @@ def load(path: Path | str | None = None) -> Config:
         sessions=SessionsConfig(**sections.get("sessions", {})),
         defaults=Quota(**sections.get("defaults", {})),
         watcher=WatcherConfig(**sections.get("watcher", {})),
+        events=EventsConfig(**sections.get("events", {})),
         paths=paths,
         gpu=GpuConfig(simulated=simulated, **gpu_section),
+        metrics=MetricsConfig(**sections.get("metrics", {})),
         quotas=load_quotas(paths.quotas),
     )
     if config.gpu.backend == "nvml" and config.watcher.interval < 1.0:

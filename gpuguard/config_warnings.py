@@ -4,10 +4,15 @@ author likely meant. Warnings, not errors: accounts are often created after the 
 """
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuguard.config import DRIVER_ACCOUNTS, Config
+from gpuguard.config import DRIVER_ACCOUNTS, Config, MetricsConfig
+
+# Where etc/gpuguard.service (ProtectSystem=strict) lets the daemon write files: its
+# RuntimeDirectory= and StateDirectory=.
+UNIT_WRITABLE = (Path("/run/gpuguard"), Path("/var/lib/gpuguard"))
 
 
 def warnings(config: Config, user_exists: Callable[[str], bool], group_exists: Callable[[str], bool],
@@ -34,4 +39,20 @@ def warnings(config: Config, user_exists: Callable[[str], bool], group_exists: C
         found += [f"{config.paths.quotas}: {kind}.{name}.sharing: has no effect without a gpu_memory limit"
                   for name, table in tables.items()
                   if table.get("sharing") and table.get("gpu_memory", memory) is None]
+    return found + _under_the_unit(config.metrics)
+
+
+def _under_the_unit(metrics: MetricsConfig) -> list[str]:
+    """Metrics settings the shipped systemd unit's sandbox blocks until a drop-in opens it."""
+    found = []
+    if metrics.listen is not None:
+        host, port = metrics.listen
+        if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+            found.append(f"metrics.listen: {host}:{port} is not loopback, and the systemd unit lets only localhost "
+                         "connect (IPAddressAllow=localhost): open it with a drop-in (README, The systemd unit)")
+    for key, directory in (("textfile", metrics.textfile and metrics.textfile.parent),
+                           ("dcgm_job_mapping_dir", metrics.dcgm_job_mapping_dir)):
+        if directory is not None and not any(directory.is_relative_to(top) for top in UNIT_WRITABLE):
+            found.append(f"metrics.{key}: the systemd unit makes {directory} read-only (ProtectSystem=strict): "
+                         f"add ReadWritePaths={directory} with a drop-in (README, The systemd unit)")
     return found

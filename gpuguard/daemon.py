@@ -25,18 +25,23 @@ from pathlib import Path
 from gpuguard import config as configuration, sampling
 from gpuguard.api import Api
 from gpuguard.backends import GateError, devnodes, driver_minors, notify, open_gpu_backend, procfs, systemd
-from gpuguard.backends.acl import NodeWatcher
+from gpuguard.backends.node_watcher import NodeWatcher
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.config import Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
+from gpuguard.metrics import Metrics
 from gpuguard.server import Server
 from gpuguard.store import Store
 from gpuguard.watcher import Watcher
+
+
+CHECK_EVERY = 30.0  # seconds between checks that the gate, its maps and the node ACLs are as the store says
 
 
 class Daemon:
@@ -59,7 +64,7 @@ class Daemon:
         systemd.status("starting: opening the store and the GPUs")
         if self.config.access.mode == "acl":
             _refuse_stale_gate(self.gate_name)
-        self.store = Store(self.config.paths.state_dir / "state.db")
+        self.store = Store(self.config.paths.state_dir / "state.db", self.config.events)
         self._ensure_driver_nodes()  # NVML needs them to start
         self.backend = open_gpu_backend(self.config)
         self.sampler = sampling.Sampler(self.backend)
@@ -77,15 +82,23 @@ class Daemon:
         if self.gate:
             self.gate.attach(exempt)  # a new gate starts with its exempt map filled: no moment without it
         self.exempt.set(exempt)
-        self.grants.reconcile()
+        for repaired in self.grants.reconcile():  # what changed while no daemon ran
+            event(logging.INFO, "reconcile", repaired=repaired)
         self.nodes = NodeWatcher(self.config.paths.device_dir, self._node_changed)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
+        self.holders = HolderEnder(sampling.node_holders, self.sampler, self.exempt, self.store,
+                                   lambda: self.config.watcher.kill_wait)
+        self.grants.holders = self.holders
         self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
-                       self.logout, self.gate, reload=self.reload, sync_nodes=self.sync_nodes)
+                       self.logout, self.holders, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
+                       account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage)
+        self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
+                               self.watcher.account_of)
+        self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
 
     async def _handle(self, request: dict, peer) -> dict:
         return await self.api.handle(request, peer)
@@ -117,6 +130,8 @@ class Daemon:
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
+        self.metrics.close()
+        self.holders.close()
         self.watcher.close()
         self.notifier.close()
         self.lookup.close()
@@ -130,11 +145,12 @@ class Daemon:
         """Load the config again; raises ConfigError and keeps the old one when it is broken."""
         new = configuration.load(self.config.source)
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
-        fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu,
+        fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
                         access=replace(new.access, mode=self.config.access.mode))
         if fixed != new:
-            event(logging.WARNING, "reload_partial", reason="paths, gpu and access.mode change at restart")
+            event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics and access.mode change at restart")
         self.config = fixed
+        self.store.retention = fixed.events
         self.exempt.refresh()
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
@@ -187,20 +203,35 @@ class Daemon:
     # --- the tick
 
     async def _ticker(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(self.config.watcher.interval)
+            ticks += 1
             try:
                 await self.tick()
             except Exception:
                 event(logging.ERROR, "tick_failed", exc_info=True)  # the next tick tries again
+            if ticks % max(1, round(CHECK_EVERY / self.config.watcher.interval)) == 0:
+                self.check_enforcement()
+
+    def check_enforcement(self) -> None:
+        """Enforcement that checks and repairs itself, as fail2ban re-checks its actions: the gate
+        attached and current, its maps equal to the store, every node's owner, mode and ACL.
+        Someone (a careless admin, a driver reload, another tool) may have changed any of them."""
+        try:
+            for line in self.grants.check_and_repair():
+                event(logging.WARNING, "repaired", what=line)
+        except (GateError, OSError) as exc:
+            event(logging.ERROR, "repair_failed", error=str(exc).splitlines()[0], action="retried next check")
 
     async def tick(self) -> None:
+        started = time.monotonic()
         sample = await self.sampler.take_or_log("skipped this tick", max_age=0)  # the tick paces NVML polling
-        if sample is None:
-            return
-        self.drop_dead_sessions()
-        await self.logout.release_unused(sample)
-        await self.watcher.check(sample, time.time())
+        if sample is not None:
+            self.drop_dead_sessions()
+            await self.logout.release_unused(sample)
+            await self.watcher.check(sample, time.time())
+        await self.metrics.after_tick(time.monotonic() - started)
 
     def drop_dead_sessions(self) -> None:
         """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost message)."""

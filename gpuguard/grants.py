@@ -15,14 +15,17 @@ import logging
 import re
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gpuguard import allocator, policy
 from gpuguard.allocator import Topology
-from gpuguard.backends.gate import Gate
+from gpuguard.backends.gate import Entry, Gate
 from gpuguard.logs import event
 from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Quota
 from gpuguard.store import Store
+
+if TYPE_CHECKING:
+    from gpuguard.holders import HolderEnder
 
 _NODE = re.compile(r"nvidia(\d+)")
 
@@ -32,8 +35,9 @@ class Nodes(Protocol):
 
     def path(self, minor: int) -> Path: ...
 
-    def sync(self, minor: int, users: Collection[int]) -> None:
-        """Make the node exist, 0660 root:root, with an ACL entry for exactly `users`."""
+    def sync(self, minor: int, users: Collection[int]) -> list[str]:
+        """Make the node exist, 0660 root:root, with an ACL entry for exactly `users`;
+        returns what was wrong (empty when the node was right and nothing was written)."""
 
 
 class Grants:
@@ -51,6 +55,9 @@ class Grants:
         self.topology: Topology = dict(topology or {})
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
+        # Ends the processes that still hold a node taken away (set by the daemon once built: it
+        # needs the sampler and the exempt set); None where nothing runs (unit tests of this class).
+        self.holders: HolderEnder | None = None
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -94,9 +101,13 @@ class Grants:
               shared=shared or None)
 
     def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: str, rule: str,
-               message: str) -> list[Grant]:
+               message: str, end_holders: bool = True) -> list[Grant]:
         """Take back a user's GPUs (all, or these minors). kind: release (the user's or an
-        idle/logout release), revoke (an admin or a time limit), error. Returns what was held."""
+        idle/logout release), revoke (an admin or a time limit), error. Returns what was held.
+
+        The processes of the user still holding one of those nodes are then ended in the
+        background (holders.HolderEnder), whichever path took the GPUs; a caller that wants to
+        report on them passes end_holders=False and awaits HolderEnder.end itself."""
         wanted = None if minors is None else set(minors)
         held = [g for g in self.store.grants(uid) if wanted is None or g.minor in wanted]
         if not held:
@@ -118,16 +129,21 @@ class Grants:
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
                                        action=kind))
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=[g.minor for g in held], rule=rule)
+        if self.holders is not None and end_holders and kind != "error":  # error: the gate never opened
+            self.holders.schedule(uid, held[0].user, [g.minor for g in held], rule)
         return held
 
-    def sync_nodes(self, minors: Iterable[int]) -> None:
+    def sync_nodes(self, minors: Iterable[int]) -> list[str]:
         """Make each /dev/nvidia<minor> exist, 0660 root:root, with an ACL entry for exactly its
-        grantees and the exempt users. GPUs this machine no longer has are skipped: no node to manage."""
+        grantees and the exempt users; returns what was wrong. GPUs this machine no longer has are
+        skipped: no node to manage."""
         grantees: dict[int, set[int]] = {}
         for grant in self.store.grants():  # one read, however many nodes
             grantees.setdefault(grant.minor, set()).add(grant.uid)
+        fixed = []
         for minor in sorted(set(minors) & self.minors):
-            self.nodes.sync(minor, grantees.get(minor, set()) | self.exempt)
+            fixed += self.nodes.sync(minor, grantees.get(minor, set()) | self.exempt)
+        return fixed
 
     def node_changed(self, path: Path | None) -> None:
         """NodeWatcher callback: a node was (re)created or changed; None means check them all."""
@@ -136,15 +152,33 @@ class Grants:
         elif match := _NODE.fullmatch(path.name):
             self.sync_nodes([int(match[1])])
 
-    def reconcile(self) -> None:
-        """Rebuild the derived state from the store: gate entries exactly as granted, every node synced."""
+    def reconcile(self) -> list[str]:
+        """Rebuild the derived state from the store: gate entries exactly as granted, every node
+        synced. Returns what was wrong, one line each (empty: all was right)."""
+        repaired = []
         if self.gate:
-            wanted = {(g.uid, (NVIDIA_MAJOR, g.minor)) for g in self.store.grants()}
-            present = self.gate.entries()
-            for uid, dev in present - wanted:
-                self.gate.revoke(uid, dev)
-            for uid, dev in wanted - present:
-                self.gate.grant(uid, dev)
-            if present != wanted:
-                event(logging.INFO, "reconcile", removed=len(present - wanted), added=len(wanted - present))
-        self.node_changed(None)
+            removed, added = self.gate.set_entries({(g.uid, (NVIDIA_MAJOR, g.minor)) for g in self.store.grants()})
+            if removed:
+                repaired.append(f"gate {self.gate.name}: map held grants the store does not: {_entries(removed)}")
+            if added:
+                repaired.append(f"gate {self.gate.name}: map lacked grants the store has: {_entries(added)}")
+        return repaired + self.sync_nodes(self.minors)
+
+    def check_and_repair(self) -> list[str]:
+        """Enforcement that checks and repairs itself (the daemon calls this every few ticks and
+        logs each line): the gate loaded, attached to the cgroup v2 root, pinned and running the
+        program for the device ranges managed now (so an nvidia-caps module loaded since start is
+        managed: Gate.repair), its exempt and grants maps as configured and as the store says, and
+        every GPU node's owner, mode and ACL. Returns one line per thing that was wrong and is now
+        repaired; empty when everything was right. Raises GateError or OSError when a repair fails."""
+        repaired = []
+        if self.gate:
+            repaired += [f"gate {self.gate.name}: {problem}" for problem in self.gate.repair(self.exempt)]
+            if changed := self.gate.set_exempt(self.exempt):
+                repaired.append(f"gate {self.gate.name}: exempt uids differed from the configured ones: "
+                                f"{sorted(changed)}")
+        return repaired + self.reconcile()
+
+
+def _entries(entries: Iterable[Entry]) -> str:
+    return ", ".join(f"uid {uid} {major}:{minor}" for uid, (major, minor) in sorted(entries))

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Iterable
 
 from gpuguard import rules
 from gpuguard.grants import Grants
-from gpuguard.sampling import Holder, Sample
+from gpuguard.holders import FindHolders
+from gpuguard.sampling import Sample
 from gpuguard.store import Store
-
-FindHolders = Callable[[Collection[int]], list[Holder]]  # blocking: runs in a worker thread
 
 
 class LogoutRelease:
@@ -34,11 +33,13 @@ class LogoutRelease:
         return rules.unused_after_logout(grants, logged_in, sample.busy_slots(), sample.minors)
 
     async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None) -> None:
+        """Release what unused() finds, after a /proc scan of those users' processes (not everyone's)."""
         candidates = self.unused(sample, uids)
         if not candidates:
             return
         held: dict[int, set[int]] = {}
-        for holder in await asyncio.to_thread(self.find_holders, set().union(*candidates.values())):
+        # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
+        for holder in await asyncio.to_thread(self.find_holders, set().union(*candidates.values()), set(candidates)):
             held.setdefault(holder.uid, set()).add(holder.minor)
         now = time.time()
         # Re-checked after the await: a login or a grant may have come in meanwhile.

@@ -1,6 +1,8 @@
 """Text people read: the login line and the times and lists in it (shared by daemon and CLI)."""
 from __future__ import annotations
 
+import re
+
 import time
 from collections.abc import Iterable
 
@@ -45,3 +47,21 @@ def clock(timestamp: float) -> str:
 def number_list(numbers: Iterable[int]) -> str:
     """`1,3,4`: GPU minors and pids as people type them."""
     return ",".join(str(n) for n in sorted(numbers))
+
+
+def printable(text: str) -> str:
+    """`text` with every character that is not printable written as its escape (`\\r`, `\\x1b`,
+    `\\u202e`): a string a user chose (a TTY or remote host given to PAM, a process name) can
+    then neither move a terminal's cursor, recolour or erase a line, nor start a forged log line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+_SGR = re.compile(r"(\x1b\[[0-9;]*m)")  # Select Graphic Rendition: colour and weight, nothing else
+
+
+def printable_keeping_colour(text: str) -> str:
+    """printable(), except that colour sequences (SGR) pass: they can recolour text but cannot move
+    the cursor, erase, set a title or start a line, so `gpuguard status` keeps its colours."""
+    return "".join(part if _SGR.fullmatch(part) else printable(part) for part in _SGR.split(text))

@@ -47,6 +47,15 @@ class Gpu:
 
 
 @dataclass(frozen=True)
+class GpuUse:
+    """How busy one GPU is at a moment (NVML's device-wide numbers, all processes together)."""
+
+    memory_used: int         # bytes
+    memory_total: int        # bytes
+    utilization: int | None  # percent of the last sample period with a kernel running; None: NVML cannot tell
+
+
+@dataclass(frozen=True)
 class GpuProcess:
     pid: int
     minor: int

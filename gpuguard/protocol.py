@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 from gpuguard.errors import UsageError
+from gpuguard.messages import printable
 
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile
@@ -17,7 +18,7 @@ MAX_REPLY = 16 * 1024 * 1024  # status of a busy server, with its event history
 
 OPERATIONS = frozenset({
     "session_open", "session_close", "whoami", "status", "request", "release",
-    "grant", "revoke", "reload", "sync_nodes",
+    "grant", "revoke", "reload", "sync_nodes", "report", "events",
 })
 
 
@@ -41,15 +42,22 @@ def decode(line: bytes, limit: int = MAX_REPLY) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     if message.get("v") != VERSION:
-        raise ProtocolError(f"unsupported protocol version {message.get('v')!r} (this is {VERSION})")
+        raise ProtocolError(f"unsupported protocol version {shown(message.get('v'))} (this is {VERSION})")
     return message
 
 
 def decode_request(line: bytes) -> dict[str, Any]:
     message = decode(line, MAX_REQUEST)
-    if message.get("op") not in OPERATIONS:
-        raise ProtocolError(f"unknown operation {message.get('op')!r}")
+    op = message.get("op")
+    if not isinstance(op, str) or op not in OPERATIONS:  # a list or an object is not hashable
+        raise ProtocolError(f"unknown operation {shown(op)}")
     return message
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A client's value in an error message: its repr, cut short (the client chose its size)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def ok(**fields: Any) -> dict[str, Any]:
@@ -57,4 +65,6 @@ def ok(**fields: Any) -> dict[str, Any]:
 
 
 def refused(error: str, code: int = 1) -> dict[str, Any]:
-    return {"ok": False, "error": error, "code": code}
+    """An error reply. Errors quote what clients sent (a user name, a field), and the CLI prints
+    them on a terminal: control characters are escaped here, once for every refusal."""
+    return {"ok": False, "error": printable(error), "code": code}

@@ -17,10 +17,16 @@ The rules, with their boundaries:
   user whose only processes are of unknown memory is never acted on by this rule, and a
   user with known usage at or under the quota plus any number of unknown processes is left
   alone. First seen over: one warning at once. Still over once `grace` has passed since
-  that warning: SIGTERM the newest process (latest start time; the larger pid breaks a tie)
-  with known memory > 0 on that GPU, one at a time: while a signalled process of that user
-  is still on that GPU (and not yet declared unkillable), no further one is signalled. Back
-  at or under the quota ends the episode; going over again warns again.
+  that warning: on every tick, the processes already being stopped count as gone (those
+  declared unkillable do not: their memory stays), and if what remains is still over, the
+  largest processes (known memory > 0; the newest first among equals) get SIGTERM together,
+  as many as it takes for the rest to fit the quota. Choosing by size, not by age, is what
+  bounds the episode: small decoys started meanwhile are never the ones chosen while a
+  larger process keeps the user over, and a job split across many processes loses enough
+  of them in one tick. So the episode ends within grace + kill_wait (+ kill_wait when a
+  process ignores SIGTERM) + a few intervals, whatever the user starts meanwhile: a process
+  started while the user is over past grace is stopped on the next tick if it keeps them
+  over. Back at or under the quota ends the episode; going over again warns again.
 - Time (rule "time"). A grant with `expires_at`: one warning when at most 10 minutes are
   left and one when at most 1 minute is left (a grant first seen with less left gets only
   the one for the smallest threshold crossed). At `now >= expires_at`: revoke, and SIGTERM
@@ -29,12 +35,17 @@ The rules, with their boundaries:
   memory or not). Not active for `idle_timeout` since the later of the grant's stored
   `last_active` and the last tick the watcher saw a process there: release. `now - last >=
   idle_timeout` releases (the boundary releases). Sessions are not the watcher's business.
-- Stray (rule "stray"). A process on a GPU its user holds no grant for: reported once. For
-  an exempt user (root is always exempt) that report is all. Otherwise it is warned at once
-  and SIGTERMed once `grace` has passed, unless it left or got a grant meanwhile.
+- Stray (rule "stray"). Processes of a user on a GPU that user holds no grant for. The
+  grace runs per user and GPU, not per process: the first such process is reported (exempt
+  users, root always included: that report is all) or warned at once, and once `grace` has
+  passed since that warning every process of that user on that GPU without a grant gets
+  SIGTERM, however new, so rotating short-lived processes does not restart the clock. The
+  episode is forgotten once the user got a grant there, or no process of theirs was on that
+  GPU for STRAY_QUIET seconds (then a new stray is warned again).
 - Ending (all rules). A SIGTERMed process still on a GPU `kill_wait` after the SIGTERM gets
   SIGKILL; still there `kill_wait` after the SIGKILL, it is reported unkillable, once, and
-  stops blocking the next SIGTERM of the memory rule. A process never gets a second SIGTERM.
+  from then on its memory counts as staying for the memory rule. A process never gets a
+  second SIGTERM.
 - Failed GPUs (`View.failed`: NVML could not read their processes). Nothing is decided about
   them, not even a time revoke: an error must never read as "no processes". What the watcher
   remembers about them is kept, and their grants' idle clocks restart (not being seen while
@@ -53,6 +64,7 @@ from gpuguard.policy import ROOT_UID
 from gpuguard.units import format_duration, format_size
 
 TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0)  # seconds before expires_at, largest first
+STRAY_QUIET = 600.0  # seconds without a stray process of a user on a GPU before its episode is forgotten
 
 # Action kinds.
 WARN, TERM, KILL, UNKILLABLE, REVOKE, RELEASE, REPORT = (
@@ -117,12 +129,20 @@ class Stopping:
 
 
 @dataclass(frozen=True)
+class StrayEpisode:
+    """A user's use of a GPU they hold no grant for: warned (or reported) when, last seen when."""
+
+    reported_at: float
+    last_seen: float
+
+
+@dataclass(frozen=True)
 class State:
     """What the watcher remembers between ticks (in memory: a restart starts afresh, which
     only means warnings are given again and grace restarts: the safe direction)."""
 
     over: Mapping[Slot, float] = field(default_factory=dict)           # memory warning sent at
-    stray: Mapping[tuple[int, int, int], float] = field(default_factory=dict)  # (pid, start, minor) -> reported at
+    stray: Mapping[Slot, StrayEpisode] = field(default_factory=dict)   # ungranted (uid, minor) in use
     stopping: Mapping[ProcKey, Stopping] = field(default_factory=dict)
     time_warned: Mapping[GrantKey, float] = field(default_factory=dict)  # smallest threshold warned
     seen: Mapping[Slot, float] = field(default_factory=dict)            # last tick a process was there
@@ -140,8 +160,11 @@ class Action:
 
     @property
     def key(self) -> tuple:
-        """What makes two decisions on two samples 'the same action' (numbers may differ)."""
-        return (self.kind, self.rule, self.uid, self.minor, self.proc.key if self.proc else None)
+        """What makes two decisions on two samples 'the same action' (numbers may differ). A
+        warning is about a user on a GPU, whichever process it names: churning short-lived
+        processes must not keep a warning from being confirmed. A signal is about one process."""
+        return (self.kind, self.rule, self.uid, self.minor,
+                self.proc.key if self.proc and self.kind != WARN else None)
 
     @property
     def signal(self) -> str | None:
@@ -187,7 +210,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             actions.append(Action(REVOKE, TIME, grant.uid, grant.minor, None, {
                 "expires_at": grant.expires_at, "max_time": grant.expires_at - grant.granted_at,
                 "processes": len({p.key for p in procs}), "kill_wait": timing.kill_wait}))
-            for proc in _newest_first(procs):
+            for proc in reversed(_oldest_first(procs)):
                 term(proc, TIME, expires_at=grant.expires_at)
             granted.add(slot)
             continue
@@ -205,18 +228,8 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         if grant.uid not in exempt:
             actions.extend(_memory(grant, quota, procs, state, now, timing, term))
 
-    for proc in view.procs:
-        if (proc.uid, proc.minor) in granted or proc.key in state.stopping or proc.key in signalled:
-            continue
-        reported = state.stray.get((proc.pid, proc.start_time, proc.minor))
-        if proc.uid in exempt:
-            if reported is None:
-                actions.append(Action(REPORT, STRAY, proc.uid, proc.minor, proc, {"used": proc.used_memory}))
-        elif reported is None:
-            actions.append(Action(WARN, STRAY, proc.uid, proc.minor, proc,
-                                  {"used": proc.used_memory, "grace": timing.grace}))
-        elif now - reported >= timing.grace:
-            term(proc, STRAY, used=proc.used_memory, reported_at=reported)
+    for slot, procs in _by_slot(p for p in view.procs if (p.uid, p.minor) not in granted).items():
+        actions.extend(_stray(slot, _oldest_first(procs), state, now, timing, slot[0] in exempt, term))
     return actions
 
 
@@ -228,8 +241,13 @@ def _by_slot(procs: Iterable[Proc]) -> dict[Slot, list[Proc]]:
     return on_slot
 
 
-def _newest_first(procs: Iterable[Proc]) -> list[Proc]:
-    return sorted(procs, key=lambda p: (p.start_time, p.pid), reverse=True)
+def _oldest_first(procs: Iterable[Proc]) -> list[Proc]:
+    return sorted(procs, key=lambda p: (p.start_time, p.pid))
+
+
+def _largest_first(procs: Iterable[Proc]) -> list[Proc]:
+    """By known memory, largest first; among equals the newest first (pid breaks a tie)."""
+    return sorted(procs, key=lambda p: (p.used_memory or 0, p.start_time, p.pid), reverse=True)
 
 
 def known_memory(procs: Iterable[Proc]) -> int:
@@ -244,15 +262,41 @@ def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: fl
     if limit is None or used <= limit:
         return []
     # Only processes with known, nonzero memory are candidates: stopping one is sure to help.
-    candidates = [p for p in _newest_first(procs) if p.used_memory and p.key not in state.stopping]
+    candidates = [p for p in _largest_first(procs) if p.used_memory and p.key not in state.stopping]
     numbers = {"used": used, "quota": limit, "grace": timing.grace, "processes": len({p.key for p in procs}),
                "unknown": sum(1 for p in procs if p.used_memory is None)}
     warned = state.over.get((grant.uid, grant.minor))
     if warned is None:
         return [Action(WARN, MEMORY, grant.uid, grant.minor, candidates[0] if candidates else None, numbers)]
-    pending = any(p.key in state.stopping and not state.stopping[p.key].unkillable for p in procs)
-    if now - warned >= timing.grace and not pending and candidates:
-        term(candidates[0], MEMORY, **numbers, warned_at=warned)
+    if now - warned < timing.grace:
+        return []
+    # Being stopped counts as gone, unless it survived SIGKILL: its memory stays.
+    staying = known_memory(p for p in procs if p.key not in state.stopping or state.stopping[p.key].unkillable)
+    for proc in candidates:
+        if staying <= limit:
+            break
+        term(proc, MEMORY, **numbers, warned_at=warned)
+        staying -= proc.used_memory
+    return []
+
+
+def _stray(slot: Slot, procs: list[Proc], state: State, now: float, timing: Timing, exempt: bool,
+           term: Callable[..., None]) -> list[Action]:
+    """One user's processes (oldest first) on one GPU they hold no grant for."""
+    episode = state.stray.get(slot)
+    fresh = [p for p in procs if p.key not in state.stopping]
+    if not fresh:
+        return []
+    first = fresh[0]
+    if exempt:
+        return [] if episode else [Action(REPORT, STRAY, first.uid, first.minor, first,
+                                          {"used": first.used_memory, "processes": len(fresh)})]
+    if episode is None:
+        return [Action(WARN, STRAY, first.uid, first.minor, first,
+                       {"used": first.used_memory, "grace": timing.grace, "processes": len(fresh)})]
+    if now - episode.reported_at >= timing.grace:
+        for proc in fresh:
+            term(proc, STRAY, used=proc.used_memory, reported_at=episode.reported_at)
     return []
 
 
@@ -291,8 +335,8 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
             gkey = next((k for k in grant_keys if k[:2] == (action.uid, action.minor)), None)
             if gkey is not None:
                 time_warned[gkey] = float(action.numbers["threshold"])
-        elif action.kind in (WARN, REPORT) and action.rule == STRAY and proc is not None:
-            stray[(proc.pid, proc.start_time, proc.minor)] = now
+        elif action.kind in (WARN, REPORT) and action.rule == STRAY:
+            stray[(action.uid, action.minor)] = StrayEpisode(now, now)
         elif action.kind == TERM and proc is not None:
             stopping[proc.key] = Stopping(proc.uid, proc.minor, action.rule, now)
         elif action.kind == KILL and proc is not None and proc.key in stopping:
@@ -303,9 +347,14 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     # Forget what no longer applies: processes gone, episodes over, grants ended; about failed
     # GPUs nothing is known, so what is remembered about them stays.
     present = {p.key for p in view.procs}
-    owner_on = {(p.pid, p.start_time, p.minor): (p.uid, p.minor) for p in view.procs}
     granted = {(g.uid, g.minor) for g in view.grants}
     on_slot = _by_slot(view.procs)
+    for slot, episode in stray.items():
+        if slot in on_slot:
+            stray[slot] = replace(episode, last_seen=now)
+
+    def stray_goes_on(slot: Slot, episode: StrayEpisode) -> bool:
+        return slot[1] in failed or (slot not in granted and now - episode.last_seen < STRAY_QUIET)
 
     def still_over(slot: Slot) -> bool:
         quota = view.quotas.get(slot[0])
@@ -314,7 +363,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
 
     return State(
         over={slot: t for slot, t in over.items() if slot[1] in failed or still_over(slot)},
-        stray={k: t for k, t in stray.items() if k[2] in failed or (k in owner_on and owner_on[k] not in granted)},
+        stray={slot: e for slot, e in stray.items() if stray_goes_on(slot, e)},
         stopping={k: s for k, s in stopping.items() if k in present or s.minor in failed},
         time_warned={k: t for k, t in time_warned.items() if k in grant_keys},
         seen={slot: t for slot, t in seen.items() if slot in granted},
@@ -379,7 +428,7 @@ def message(action: Action, command: str = "") -> str:
             return (f"gpuguard: your {who} on {gpu} uses {format_size(n['used'])}, {over}; "
                     f"it will be stopped in {stop_in} unless usage drops - {HINT}")
         return (f"gpuguard: your {n['processes']} processes on {gpu} use {format_size(n['used'])} together, "
-                f"{over}; the newest, {who}, will be stopped in {stop_in} unless usage drops - {HINT}")
+                f"{over}; the largest, {who}, will be stopped in {stop_in} unless usage drops - {HINT}")
     if action.kind == TERM:
         why = {
             MEMORY: f"your processes on {gpu} used {format_size(n.get('used'))}, over your "
@@ -409,8 +458,10 @@ def message(action: Action, command: str = "") -> str:
                 f"{format_duration(round(n['idle_timeout']))}; your sessions are untouched - run gpuguard request "
                 f"to get a GPU again")
     if action.rule == STRAY and action.kind == WARN:
-        return (f"gpuguard: your {who} uses {gpu}, which is not granted to you; it will be stopped in "
-                f"{format_duration(round(n['grace']))} - {HINT} or gpuguard request")
+        others = int(n.get("processes") or 1) - 1
+        also = f" (and {others} more of yours)" if others > 0 else ""
+        return (f"gpuguard: your {who}{also} uses {gpu}, which is not granted to you; your processes on it "
+                f"will be stopped in {format_duration(round(n['grace']))} - {HINT} or gpuguard request")
     if action.kind == REPORT:
         return f"gpuguard: {who} of an exempt user uses {gpu} without a grant (left alone)"
     return f"gpuguard: {action.kind} {action.rule} on {gpu}"

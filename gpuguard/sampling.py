@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from gpuguard.backends import procfs
+from gpuguard.backends import procfs, signals
 from gpuguard.logs import event
-from gpuguard.model import NVIDIA_MAJOR, GpuProcess
+from gpuguard.model import NVIDIA_MAJOR, GpuProcess, GpuUse
 
 MAX_AGE = 1.0  # seconds a sample is reused: process queries serialize on the driver lock
 
@@ -32,6 +33,8 @@ class Sample:
     owners: Mapping[int, procfs.ProcessIdentity]  # pid -> identity; pids that exited meanwhile are absent
     minors: frozenset[int] = frozenset()  # GPUs whose processes were read
     failed: Mapping[int, str] = field(default_factory=dict)  # minor -> NVML error, for GPUs not read
+    use: Mapping[int, GpuUse] = field(default_factory=dict)  # minor -> memory and utilisation, GPUs that answered
+    commands: Mapping[int, str] = field(default_factory=dict)  # pid -> process name, for status
 
     def ok(self, minor: int) -> bool:
         """Whether this sample read GPU `minor`'s processes: about any other GPU it knows nothing."""
@@ -59,6 +62,8 @@ class Sampler:
         self._taken_at = 0.0  # time.monotonic() when `last` was taken
         self._lock = asyncio.Lock()
         self._failed: Mapping[int, str] = {}  # GPUs failing as last logged
+        # NVML errors since start, for metrics: per GPU minor, and "all" for a sample no GPU answered.
+        self.errors: Counter[str] = Counter()
 
     async def take(self, max_age: float = MAX_AGE) -> Sample:
         """A sample whose NVML query is at most max_age seconds old (0: a new one). Raises the
@@ -66,7 +71,12 @@ class Sampler:
         async with self._lock:  # concurrent requests wait for one sample rather than each taking one
             if self.last is None or time.monotonic() - self._taken_at >= max_age:
                 started = time.monotonic()
-                self.last = await asyncio.to_thread(_take, self.backend)
+                try:
+                    self.last = await asyncio.to_thread(_take, self.backend)
+                except Exception:
+                    self.errors["all"] += 1
+                    raise
+                self.errors.update(str(minor) for minor in self.last.failed)
                 self._taken_at = started
                 self._log_changes(self.last.failed)
                 return self.last
@@ -97,7 +107,8 @@ def _take(backend) -> Sample:
     query = backend.query_processes()
     owners = {pid: identity for pid in {p.pid for p in query.processes}
               if (identity := procfs.process_identity(pid)) is not None}
-    return Sample(now, tuple(query.processes), owners, query.read, query.failed)
+    commands = {pid: signals.command(pid) for pid in owners}
+    return Sample(now, tuple(query.processes), owners, query.read, query.failed, backend.use(), commands)
 
 
 def _without_exited(sample: Sample) -> Sample:
@@ -111,16 +122,17 @@ class Holder(NamedTuple):
     minor: int
 
 
-def node_holders(minors: Iterable[int]) -> list[Holder]:
-    """Processes holding these GPUs' nodes open per /proc (blocking: one scan of /proc for all).
+def node_holders(minors: Iterable[int], uids: Collection[int] | None = None) -> list[Holder]:
+    """Processes holding these GPUs' nodes open per /proc (blocking: one scan of /proc for all),
+    of these users only when `uids` is given (a much cheaper scan on a busy machine).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
     (or before creating it) shows up only here.
     """
     found = []
-    for (_, minor), pids in procfs.holders_of([(NVIDIA_MAJOR, minor) for minor in minors]).items():
+    for (_, minor), pids in procfs.holders_of([(NVIDIA_MAJOR, minor) for minor in minors], uids).items():
         for pid in pids:
             uid = procfs.user_of(pid)
-            if uid is not None:
+            if uid is not None and (uids is None or uid in uids):
                 found.append(Holder(pid, uid, minor))
     return sorted(found, key=lambda h: (h.minor, h.pid))

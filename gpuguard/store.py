@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from gpuguard.config import EventsConfig
 from gpuguard.model import Event, Grant, Session
 from gpuguard.errors import GpuguardError
 
@@ -53,6 +54,24 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN caller_start INTEGER;
     """,
+    # Events are pruned by age at every insert (config.EventsConfig): this keeps that a range scan.
+    """
+    CREATE INDEX events_by_time ON events (time);
+    """,
+    # Usage with a time dimension, for `gpuguard report`: seconds granted / busy / idle, and
+    # processes stopped by each rule, per user and GPU per hour (`hour`: epoch seconds at the
+    # start of the UTC hour). The cumulative `usage` table goes on as before.
+    """
+    CREATE TABLE usage_hours (
+        hour INTEGER NOT NULL, uid INTEGER NOT NULL, user TEXT NOT NULL, minor INTEGER NOT NULL,
+        granted_seconds REAL NOT NULL DEFAULT 0, busy_seconds REAL NOT NULL DEFAULT 0,
+        idle_seconds REAL NOT NULL DEFAULT 0,
+        PRIMARY KEY (hour, uid, minor));
+    CREATE TABLE kills_hours (
+        hour INTEGER NOT NULL, uid INTEGER NOT NULL, user TEXT NOT NULL, minor INTEGER NOT NULL,
+        rule TEXT NOT NULL, kills INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (hour, uid, minor, rule));
+    """,
     # When each user last gave back each GPU: a returning user gets the same ones (allocator).
     """
     CREATE TABLE held_last (
@@ -60,6 +79,7 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (uid, minor));
     """,
 )
+HOUR = 3600
 
 
 class StoreError(GpuguardError):
@@ -67,8 +87,9 @@ class StoreError(GpuguardError):
 
 
 class Store:
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, retention: EventsConfig = EventsConfig()):
         self.path = Path(path)
+        self.retention = retention  # a reload may replace it
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
@@ -186,13 +207,23 @@ class Store:
     # --- events
 
     def add_event(self, event: Event) -> int:
+        """Store an event, and drop what the retention no longer keeps: events older than
+        max_age, and this user's beyond their newest per_user. Each insert prunes, so the
+        table stays bounded whatever the rate (one index range per bound, no table scan)."""
         with self.transaction() as db:
             cursor = db.execute(
                 "INSERT INTO events (time, uid, user, kind, message, minor, pid, command, rule, action, numbers)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (event.time, event.uid, event.user, event.kind, event.message, event.minor, event.pid,
                  event.command, event.rule, event.action, json.dumps(event.numbers)))
+            if self.retention.max_age is not None:
+                db.execute("DELETE FROM events WHERE time < ?", (event.time - self.retention.max_age,))
+            db.execute("DELETE FROM events WHERE uid IS ? AND id <= (SELECT id FROM events WHERE uid IS ?"
+                       " ORDER BY id DESC LIMIT 1 OFFSET ?)", (event.uid, event.uid, self.retention.per_user))
         return cursor.lastrowid
+
+    def event_count(self) -> int:
+        return self._db.execute("SELECT count(*) FROM events").fetchone()[0]
 
     def events(self, uid: int | None = None, limit: int = 50) -> list[Event]:
         """The newest events (of one user, or all), oldest first."""
@@ -200,22 +231,97 @@ class Store:
         rows = self._db.execute(query + " ORDER BY id DESC LIMIT ?", (*params, limit)).fetchall()
         return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
 
+    def find_events(self, uid: int | None = None, since: float | None = None, until: float | None = None,
+                    rule: str | None = None, limit: int = 1000) -> list[Event]:
+        """The newest `limit` events matching every filter given, oldest first."""
+        where, params = _filters(uid=uid, rule=rule)
+        if since is not None:
+            where.append("time >= ?")
+            params.append(since)
+        if until is not None:
+            where.append("time < ?")
+            params.append(until)
+        rows = self._db.execute(f"SELECT * FROM events {_where(where)} ORDER BY id DESC LIMIT ?",
+                                (*params, limit)).fetchall()
+        return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
+
+    def last_event_id(self) -> int:
+        return self._db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+
+    def event_counts_since(self, after_id: int) -> tuple[int, list[tuple[str, str, str, int]]]:
+        """(kind, rule, action, count) of the events newer than id `after_id`, and the newest id."""
+        newest = self.last_event_id()
+        rows = self._db.execute("SELECT kind, rule, action, count(*) FROM events WHERE id > ? AND id <= ?"
+                                " GROUP BY kind, rule, action", (after_id, newest)).fetchall()
+        return max(newest, after_id), [tuple(row) for row in rows]
+
+    def known_uid(self, name: str) -> int | None:
+        """The uid a user of this name last had in the records (for accounts deleted since)."""
+        row = self._db.execute("SELECT uid FROM usage WHERE user = ? UNION ALL"
+                               " SELECT uid FROM events WHERE user = ? AND uid IS NOT NULL LIMIT 1",
+                               (name, name)).fetchone()
+        return row[0] if row else None
+
     # --- usage accounting
 
-    def add_usage(self, uid: int, user: str, minor: int, granted: float = 0.0, busy: float = 0.0,
-                  idle: float = 0.0, kills: int = 0) -> None:
+    def add_usage(self, uid: int, user: str, minor: int, hour: int, granted: float = 0.0, busy: float = 0.0,
+                  idle: float = 0.0) -> None:
+        """Seconds granted / busy / idle in `hour` (hour_of()), added to that hour and to the totals."""
         with self.transaction() as db:
+            _add_usage_total(db, uid, user, minor, granted, busy, idle, 0)
             db.execute(
-                "INSERT INTO usage (uid, user, minor, granted_seconds, busy_seconds, idle_seconds, kills)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (uid, minor) DO UPDATE SET"
+                "INSERT INTO usage_hours (hour, uid, user, minor, granted_seconds, busy_seconds, idle_seconds)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (hour, uid, minor) DO UPDATE SET"
                 " granted_seconds = granted_seconds + excluded.granted_seconds,"
                 " busy_seconds = busy_seconds + excluded.busy_seconds,"
-                " idle_seconds = idle_seconds + excluded.idle_seconds, kills = kills + excluded.kills",
-                (uid, user, minor, granted, busy, idle, kills))
+                " idle_seconds = idle_seconds + excluded.idle_seconds",
+                (hour, uid, user, minor, granted, busy, idle))
+
+    def add_kill(self, uid: int, user: str, minor: int, hour: int, rule: str) -> None:
+        """One process of the user stopped (SIGTERM) by `rule` in `hour`."""
+        with self.transaction() as db:
+            _add_usage_total(db, uid, user, minor, 0.0, 0.0, 0.0, 1)
+            db.execute(
+                "INSERT INTO kills_hours (hour, uid, user, minor, rule, kills) VALUES (?, ?, ?, ?, ?, 1)"
+                " ON CONFLICT (hour, uid, minor, rule) DO UPDATE SET kills = kills + 1",
+                (hour, uid, user, minor, rule))
+
+    def usage_by(self, by: str, since: float, until: float, uid: int | None = None) -> list[dict]:
+        """Seconds granted / busy / idle summed per `by` (user, gpu or day: the daemon's local
+        date) over the hours that start in [hour_of(since), until); key, seconds, and kills: {rule: n}."""
+        key = _GROUP_KEYS[by]
+        where, params = _filters(uid=uid)
+        where += ["hour >= ?", "hour < ?"]
+        params += [hour_of(since), until]
+        rows = {row["key"]: {**dict(row), "kills": {}} for row in self._db.execute(
+            f"SELECT {key} AS key, sum(granted_seconds) AS granted_seconds, sum(busy_seconds) AS busy_seconds,"
+            f" sum(idle_seconds) AS idle_seconds FROM usage_hours {_where(where)} GROUP BY {key}", params)}
+        for row in self._db.execute(f"SELECT {key} AS key, rule, sum(kills) FROM kills_hours {_where(where)}"
+                                    f" GROUP BY {key}, rule", params):
+            entry = rows.setdefault(row["key"], {"key": row["key"], "granted_seconds": 0.0, "busy_seconds": 0.0,
+                                                 "idle_seconds": 0.0, "kills": {}})
+            entry["kills"][row["rule"]] = row[2]
+        return sorted(rows.values(), key=lambda r: r["key"])
 
     def usage(self, uid: int | None = None) -> list[dict]:
         query, params = _rows_of("usage", uid)
         return [dict(row) for row in self._db.execute(query + " ORDER BY uid, minor", params)]
+
+
+def hour_of(t: float) -> int:
+    """The start of the UTC hour that contains time t (epoch seconds)."""
+    return int(t // HOUR) * HOUR
+
+
+def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, minor: int, granted: float, busy: float,
+                     idle: float, kills: int) -> None:
+    db.execute(
+        "INSERT INTO usage (uid, user, minor, granted_seconds, busy_seconds, idle_seconds, kills)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (uid, minor) DO UPDATE SET"
+        " granted_seconds = granted_seconds + excluded.granted_seconds,"
+        " busy_seconds = busy_seconds + excluded.busy_seconds,"
+        " idle_seconds = idle_seconds + excluded.idle_seconds, kills = kills + excluded.kills",
+        (uid, user, minor, granted, busy, idle, kills))
 
 
 def _grant(row: sqlite3.Row) -> Grant:
@@ -225,6 +331,21 @@ def _grant(row: sqlite3.Row) -> Grant:
 def _session(row: sqlite3.Row) -> Session:
     # caller_start is the daemon's own business (liveness), not part of what a session shows.
     return Session(**{key: row[key] for key in row.keys() if key != "caller_start"})
+
+
+# usage_by's groupings: fixed SQL, never built from input. A user is keyed by name (the name
+# written with the rows), so a report still shows accounts deleted since.
+_GROUP_KEYS = {"user": "user", "gpu": "minor", "day": "date(hour, 'unixepoch', 'localtime')"}
+
+
+def _filters(**equal: object) -> tuple[list[str], list[object]]:
+    """`column = ?` conditions for the filters given (None: not filtered)."""
+    given = {column: value for column, value in equal.items() if value is not None}
+    return [f"{column} = ?" for column in given], list(given.values())
+
+
+def _where(conditions: list[str]) -> str:
+    return "WHERE " + " AND ".join(conditions) if conditions else ""
 
 
 def _rows_of(table: str, uid: int | None) -> tuple[str, tuple]:

@@ -38,7 +38,7 @@ from gpuguard.lookups import AccountLookup
 from gpuguard.model import Event, Quota
 from gpuguard.rules import Action
 from gpuguard.sampling import Sample, Sampler
-from gpuguard.store import Store
+from gpuguard.store import Store, hour_of
 
 ACTIVE_WRITE_EVERY = 30.0  # seconds: how stale grants.last_active may get in the store (memory is exact)
 USAGE_FLUSH_EVERY = 60.0   # seconds of usage accounting kept in memory before it is written
@@ -65,7 +65,8 @@ class Watcher:
         self.notifier = notifier
         self.state = rules.State()
         self._last_check: float | None = None
-        self._usage: dict[rules.Slot, list[float]] = {}  # (uid, minor) -> [granted, busy, idle] unwritten
+        # (hour, uid, minor) -> [granted, busy, idle] seconds not written yet
+        self._usage: dict[tuple[int, int, int], list[float]] = {}
         self._usage_flushed = time.monotonic()
         # uid -> (when, config, name, quota): NSS is asked at most once per ACCOUNT_CACHE per user,
         # and again after a reload (another config object).
@@ -127,7 +128,7 @@ class Watcher:
             procs.append(rules.Proc(process.pid, identity.uid, identity.start_time, process.minor,
                                     process.used_memory))
         grants = self.store.grants()
-        quotas = {g.uid: self._account_of(g.uid)[1] for g in grants}
+        quotas = {g.uid: self.account_of(g.uid)[1] for g in grants}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
         failed = frozenset(sample.failed) | {g.minor for g in grants if not sample.ok(g.minor)}
         return rules.View(procs, grants, quotas, self.exempt.uids, failed)
@@ -155,7 +156,7 @@ class Watcher:
                 entry = (cached[2], cached[3]) if cached and cached[1] is config else (str(uid), config.defaults)
             self._accounts[uid] = (time.monotonic(), config, *entry)
 
-    def _account_of(self, uid: int) -> tuple[str, Quota]:
+    def account_of(self, uid: int) -> tuple[str, Quota]:
         """Name and resolved quota of uid as _resolve_accounts left them; a uid it never saw
         (granted during the confirming re-sample) gets the defaults until the next tick."""
         cached = self._accounts.get(uid)
@@ -168,7 +169,7 @@ class Watcher:
     def _act(self, action: Action, now: float) -> bool:
         """Carry out one action; True when it happened (a signal to a process that already left
         did not), for rules.advance."""
-        user = self._account_of(action.uid)[0]
+        user = self.account_of(action.uid)[0]
         proc = action.proc
         command = signals.command(proc.pid) if proc else ""
         text = rules.message(action, command)
@@ -183,7 +184,7 @@ class Watcher:
                 return False
             numbers["signal"] = action.signal
             if action.kind == rules.TERM:
-                self.store.add_usage(action.uid, user, action.minor, kills=1)
+                self.store.add_kill(action.uid, user, action.minor, hour_of(now), action.rule)
         elif action.kind == rules.UNKILLABLE:
             numbers["state"] = signals.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
@@ -212,20 +213,21 @@ class Watcher:
     # --- bookkeeping
 
     def _account(self, view: rules.View, now: float) -> None:
-        """Seconds granted / busy / idle per user and GPU since the last check, written once a minute."""
+        """Seconds granted / busy / idle per user and GPU since the last check, counted in the
+        hour of this check and written once a minute."""
         if self._last_check is not None:
             # A long pause (a stalled loop, failed samples) was not observed: count at most a few ticks.
             seconds = min(now - self._last_check, GAP_TICKS * self.config().watcher.interval)
-            for slot, added in rules.usage(view, max(0.0, seconds)).items():
-                totals = self._usage.setdefault(slot, [0.0, 0.0, 0.0])
+            for (uid, minor), added in rules.usage(view, max(0.0, seconds)).items():
+                totals = self._usage.setdefault((hour_of(now), uid, minor), [0.0, 0.0, 0.0])
                 for i, value in enumerate(added):
                     totals[i] += value
         if time.monotonic() - self._usage_flushed >= USAGE_FLUSH_EVERY:
             self.flush_usage()
 
     def flush_usage(self) -> None:
-        for (uid, minor), (granted, busy, idle) in self._usage.items():
-            self.store.add_usage(uid, self._account_of(uid)[0], minor, granted=granted, busy=busy, idle=idle)
+        for (hour, uid, minor), (granted, busy, idle) in self._usage.items():
+            self.store.add_usage(uid, self.account_of(uid)[0], minor, hour, granted=granted, busy=busy, idle=idle)
         self._usage.clear()
         self._usage_flushed = time.monotonic()
 

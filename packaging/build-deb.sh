@@ -3,8 +3,9 @@
 #
 # A plain dpkg-deb staging tree: the application's venv in /opt/gpuguard (built with PYTHON, the
 # system python3, from the hash-locked requirements), vendor files in /usr/lib, the PAM module in
-# the multiarch security directory, the configuration in /etc/gpuguard as conffiles, and the
-# maintainer scripts of packaging/debian. VERSION defaults to gpuguard's own version, -1.
+# the multiarch security directory, the man page and the bash completion in /usr/share, the
+# configuration in /etc/gpuguard as conffiles, and the maintainer scripts of packaging/debian.
+# VERSION defaults to gpuguard's own version, -1.
 set -eu
 python=$1 outdir=$2
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,6 +37,10 @@ install -D -m 0644 "$repo/etc/quotas.toml" "$root/etc/gpuguard/quotas.toml"
 install -D -m 0644 "$repo/README.md" "$root/usr/share/doc/gpuguard/README.md"
 install -D -m 0644 "$repo/pam/README" "$root/usr/share/doc/gpuguard/README.pam"
 install -D -m 0644 "$repo/packaging/debian/copyright" "$root/usr/share/doc/gpuguard/copyright"
+"$repo/packaging/build-docs.sh" "$python" "$work/docs"
+install -D -m 0644 "$work/docs/gpuguard.1" "$root/usr/share/man/man1/gpuguard.1"
+gzip -9n "$root/usr/share/man/man1/gpuguard.1"  # Debian policy: man pages compressed, reproducibly
+install -D -m 0644 "$work/docs/gpuguard.bash" "$root/usr/share/bash-completion/completions/gpuguard"
 
 install -d -m 0755 "$root/DEBIAN"
 for script in postinst prerm postrm; do

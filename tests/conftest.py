@@ -6,32 +6,30 @@ run leaves the machine as it found it.
 from __future__ import annotations
 
 import grp
+import logging
 import os
 import pwd
 import secrets
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
-from gpuguard.backends.gate import bpffs_restored
-from gpuguard.demo import searchable
+from devtools.harness import bpffs_restored, kill_processes_of, searchable
+from gpuguard.logs import KeyValueFormatter, logger as gpuguard_logger
 
 # Shared fixtures: device_dir / backend, simulated GPUs (tests/sim_helpers.py, first: the others
 # import it); start_daemon / gg_daemon, a real daemon (tests/daemon_fixture.py); pam_module
 # (tests/ssh_harness.py).
-pytest_plugins = ["sim_helpers", "daemon_fixture", "ssh_harness"]
+pytest_plugins = ["sim_helpers", "daemon_fixture", "ssh_harness", "hostile_fixture"]
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too
 BIN = Path(PYTHON).parent  # that venv's scripts (`gpuguard`), wherever the Makefile's VENV put it
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -113,22 +111,9 @@ def make_user() -> Iterator:
         return created[-1]
 
     yield make
-    from leftovers import kill_processes_of
-
     for user in created:
-        kill_processes_of(user.uid)  # psutil: procps (pkill) is not among the Makefile's packages
+        kill_processes_of(user.uid)
         subprocess.run(["userdel", "--remove", "--force", user.name], check=False, capture_output=True)
-
-
-def wait_for(predicate: Callable[[], T], timeout: float = 20.0, step: float = 0.05) -> T:
-    """Poll until `predicate` returns something truthy, and return it (its last value after
-    `timeout`). A bound on waiting for what a daemon or a process does, not a timing assertion."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(step)
-    return predicate()
 
 
 def run_as(user: TestUser, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -155,3 +140,20 @@ def sandbox() -> Iterator[Path]:
     os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def gpuguard_log() -> Iterator[list[str]]:
+    """The gpuguard logger's lines, formatted as the daemon writes them."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(KeyValueFormatter().format(record))
+
+    handler, level = Collect(), gpuguard_logger.level
+    gpuguard_logger.addHandler(handler)
+    gpuguard_logger.setLevel(logging.DEBUG)
+    yield lines
+    gpuguard_logger.removeHandler(handler)
+    gpuguard_logger.setLevel(level)

@@ -65,7 +65,7 @@ import pytest
 import tomlkit
 
 from conftest import PYTHON, TestUser, run_as, unique
-from gate_lock import gate_test_lock
+from devtools.harness import gate_test_lock
 from gpuguard import client, config as gpuguard_config
 from gpuguard.backends.gate import Gate
 from leftovers import sweep_gates

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import unique, wait_for
+from conftest import unique
+from devtools.harness import wait_for
 
 SETTLE = 60.0  # seconds: a bound on the kernel freezing or thawing a task, never expected
 

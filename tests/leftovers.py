@@ -14,7 +14,7 @@ Only names of exactly that form are touched: `make demo` and bench/run.py name t
 gates and directories `ggt-demo-*`, `ggt-<user>-*`, `ggt-bench-*`, and may be running right now.
 
 A gate left attached denies every later test user their GPUs, so `sweep_gates` runs under
-gate_lock.gate_test_lock, when no live test of any run can have a gate attached. Users, groups,
+devtools.harness.gate_test_lock, when no live test of any run can have a gate attached. Users, groups,
 PAM files and sandboxes of a run that is still going look the same as leftovers, so
 `sweep_accounts_and_files` runs only when no other test run is alive: every session holds a
 shared flock for its whole length (on the /etc/pam.d directory, which leaves no file behind), and
@@ -34,12 +34,10 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
-
-from conftest import wait_for
-from gate_lock import gate_test_lock
-from gpuguard.backends import gate as gate_module
-from gpuguard.backends.gate import PIN_ROOT, Gate, attached_programs, cgroup2_root, detach_program
+from devtools.harness import gate_test_lock, kill_processes_of, wait_for
+from gpuguard.backends import bpf
+from gpuguard.backends.gate import PIN_ROOT, Gate
+from gpuguard.backends.mounts import cgroup2_root
 
 TEST_NAME = re.compile(r"ggt-(?:g-)?[0-9a-f]{6}")
 TEST_PROGRAMS = ("ggt_foreign", "ggt_allow_all")  # device programs test_gate attaches, by object name
@@ -78,23 +76,6 @@ def session() -> Iterator[list[str]]:
         os.close(fd)
 
 
-def kill_processes_of(uid: int) -> None:
-    """SIGKILL every live process of uid (real or effective), until none is left: a process may
-    fork while we look. Zombies are dead already; their parents reap them."""
-    def none_left() -> bool:
-        found = False
-        for proc in psutil.process_iter(["uids", "status"]):
-            uids, status = proc.info["uids"], proc.info["status"]
-            if uids is None or uid not in (uids.real, uids.effective) or status == psutil.STATUS_ZOMBIE:
-                continue
-            found = True
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        return not found
-
-    wait_for(none_left, timeout=30)
-
-
 def sweep_gates() -> list[str]:
     """Detach test gates and test programs from the cgroup v2 root, remove test child cgroups.
     Only under gate_test_lock."""
@@ -104,7 +85,7 @@ def sweep_gates() -> list[str]:
             Gate(pinned.name).detach()
             removed.append(f"gate {pinned.name}")
     root = cgroup2_root()
-    for prog_id, name in attached_programs(root).items():
+    for prog_id, name in bpf.attached_programs(root).items():
         if name in TEST_PROGRAMS:
             detach_by_id(root, prog_id)
             removed.append(f"device program {prog_id} ({name}) on {root}")
@@ -114,7 +95,7 @@ def sweep_gates() -> list[str]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
             wait_for(lambda: not (child / "cgroup.procs").read_text().split(), timeout=30)
-            for prog_id in gate_module.attached_ids(child):
+            for prog_id in bpf.attached_ids(child):
                 detach_by_id(child, prog_id)
             child.rmdir()
             removed.append(f"cgroup {child}")
@@ -124,12 +105,12 @@ def sweep_gates() -> list[str]:
 def detach_by_id(cgroup: Path, prog_id: int) -> None:
     """Detach the device program with this id from the cgroup (gone already: nothing to do)."""
     try:
-        prog_fd = gate_module._bpf(gate_module.PROG_GET_FD_BY_ID, gate_module._GetFdByIdAttr(id=prog_id))
+        prog_fd = bpf.prog_fd_by_id(prog_id)
     except FileNotFoundError:
         return
     try:
-        with gate_module._opened(cgroup) as cgroup_fd:
-            detach_program(cgroup_fd, prog_fd)
+        with bpf.opened(cgroup) as cgroup_fd:
+            bpf.detach_program(cgroup_fd, prog_fd)
     finally:
         os.close(prog_fd)
 

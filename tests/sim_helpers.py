@@ -138,3 +138,18 @@ def set_fault(device_dir: Path, text: str | None) -> None:
         path.unlink(missing_ok=True)
     else:
         path.write_text(text + "\n")
+
+
+@pytest.fixture
+def burns():
+    """Burns started in a test are reaped (and killed if need be) at its end."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args, **kwargs) -> subprocess.Popen:
+        proc = start_burn(*args, **kwargs)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        stop_burn(proc)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
-from gpuguard.backends.acl import (
-    XATTR, NodeWatcher, acl_users, apply_acls, ensure_node, set_base_mode,
-)
+from devtools.harness import wait_for
+from gpuguard.backends.devnodes import ensure_node, set_base_mode
+from gpuguard.backends.node_watcher import NodeWatcher
+from gpuguard.backends.posix_acl import XATTR, acl_users, apply_acls
 from probes import open_node, open_result
 
 NULL = (1, 3)
@@ -71,16 +71,16 @@ def test_grant_and_revoke(node, make_user) -> None:
 
 
 def test_apply_writes_exactly_the_set_and_nothing_when_unchanged(node) -> None:
-    apply_acls(node, {2001, 2002, 2003})
+    assert apply_acls(node, {2001, 2002, 2003}) is True
     assert acl_users(node) == {2001, 2002, 2003}
-    apply_acls(node, [2002])
+    assert apply_acls(node, [2002]) is True
     assert acl_users(node) == {2002}
 
     # Already right: no write, so no IN_ATTRIB for the watcher (a sentinel shows it looked).
     seen: list[Path | None] = []
     watcher = NodeWatcher(node.parent, seen.append, uevents=False)
     try:
-        apply_acls(node, [2002])
+        assert apply_acls(node, [2002]) is False
         sentinel = node.parent / "nvidia-sentinel"
         sentinel.touch()
         assert wait_for(lambda: handled(watcher, lambda: sentinel in seen))

@@ -1,9 +1,9 @@
-"""Which kernel uevents make the node watcher re-check every node (acl.is_driver_event)."""
+"""Which kernel uevents make the node watcher re-check every node (node_watcher.is_driver_event)."""
 from __future__ import annotations
 
 import pytest
 
-from gpuguard.backends.acl import is_driver_event
+from gpuguard.backends.node_watcher import is_driver_event
 
 MAJORS = {"195"}
 

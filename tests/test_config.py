@@ -38,6 +38,11 @@ backend = "simulated"
 count = 8
 memory = "80GiB"
 nvlink_groups = [[0, 1], [2, 3]]
+
+[metrics]
+listen = "[::1]:9447"
+textfile = "/var/lib/node_exporter/textfile_collector/gpuguard.prom"
+dcgm_job_mapping_dir = "/run/dcgm-job-map"
 """
 
 QUOTAS = """
@@ -69,13 +74,24 @@ def test_good_config_is_typed(tmp_path):
     assert loaded.paths.quotas == tmp_path / "quotas.toml"
     assert loaded.quotas.users == {"alice": {"gpus": 4, "gpu_memory": None}}
     assert loaded.quotas.groups == {"interns": {"max_time": 14400}}
+    assert loaded.metrics.listen == ("::1", 9447)
+    assert loaded.metrics.textfile == Path("/var/lib/node_exporter/textfile_collector/gpuguard.prom")
+    assert loaded.metrics.dcgm_job_mapping_dir == Path("/run/dcgm-job-map")
+
+
+def test_event_retention(tmp_path):
+    loaded = config.load(write(tmp_path, '[events]\nmax_age = "7d"\nper_user = 50'))
+    assert loaded.events == config.EventsConfig(max_age=7 * 86400, per_user=50)
+    assert config.load(write(tmp_path, '[events]\nmax_age = "none"')).events.max_age is None
 
 
 def test_empty_file_gives_defaults(tmp_path):
     loaded = config.load(write(tmp_path, ""))
+    assert loaded.events == config.EventsConfig(max_age=90 * 86400, per_user=1000)
     assert loaded.access.group == "gpugroup"
     assert loaded.defaults == Quota()
     assert loaded.gpu.backend == "nvml"
+    assert loaded.metrics == config.MetricsConfig()  # every exporter off
 
 
 def test_environment_variable_names_the_file(tmp_path, monkeypatch):
@@ -109,6 +125,14 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
     ('[access]\nexempt_users = "root"', "access.exempt_users: expected a list of names"),
     ("[access\ngroup = 1", "not valid TOML"),
     ('access = 3', "access: expected a table"),
+    ('[events]\nper_user = 0', "events.per_user: must be between 1 and 1000000"),
+    ('[events]\nmax_age = "forever"', "events.max_age: not a duration"),
+    ('[metrics]\nlisten = "9447"', "metrics.listen: expected ADDRESS:PORT like 127.0.0.1:9447"),
+    ('[metrics]\nlisten = "127.0.0.1:99999"', "metrics.listen: expected ADDRESS:PORT"),
+    ('[metrics]\nlisten = "gpu1.lab:9447"', "metrics.listen: not an IP address: 'gpu1.lab'"),
+    ('[metrics]\ntextfile = "/var/lib/node_exporter/gpuguard.txt"', "metrics.textfile: must end in .prom"),
+    ('[metrics]\ntextfile = "gpuguard.prom"', "metrics.textfile: expected an absolute path"),
+    ('[metrics]\ndcgm_job_mapping_dir = "jobs"', "metrics.dcgm_job_mapping_dir: expected an absolute path"),
 ])
 def test_bad_config_names_file_key_and_problem(tmp_path, text, fragment):
     path = write(tmp_path, text)

@@ -2,10 +2,12 @@
 (exit 0, one `warning:` line each on stderr)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from conftest import REPO
 from gpuguard import config
-from gpuguard.config_warnings import warnings
+from gpuguard.config_warnings import UNIT_WRITABLE, warnings
 from sim_helpers import cli
 
 
@@ -61,3 +63,25 @@ def test_config_check_warns_and_still_exits_0(sandbox) -> None:
     assert lines[0] == ("gpuguard: warning: access.group: no group named ggt-g-nosuch on this host (yet): "
                         "nobody gets GPUs until it exists")
     assert len(lines) == 3 and all(line.startswith("gpuguard: warning: ") for line in lines)
+
+
+def test_metrics_the_systemd_unit_blocks_are_named_with_their_drop_in(tmp_path) -> None:
+    loopback = config.load(write(tmp_path, '[metrics]\nlisten = "127.0.0.1:9447"\n'
+                                           'dcgm_job_mapping_dir = "/run/gpuguard/dcgm-job-mapping"\n'))
+    assert warnings(loopback, lambda name: True, lambda name: True) == []
+    opened = config.load(write(tmp_path, '[metrics]\nlisten = "0.0.0.0:9447"\n'
+                                         'textfile = "/var/lib/node_exporter/textfile_collector/gpuguard.prom"\n'))
+    assert warnings(opened, lambda name: True, lambda name: True) == [
+        "metrics.listen: 0.0.0.0:9447 is not loopback, and the systemd unit lets only localhost connect "
+        "(IPAddressAllow=localhost): open it with a drop-in (README, The systemd unit)",
+        "metrics.textfile: the systemd unit makes /var/lib/node_exporter/textfile_collector read-only "
+        "(ProtectSystem=strict): add ReadWritePaths=/var/lib/node_exporter/textfile_collector with a drop-in "
+        "(README, The systemd unit)"]
+
+
+def test_the_writable_directories_and_the_address_allowed_are_the_units() -> None:
+    unit = (REPO / "etc" / "gpuguard.service").read_text()
+    value = {key: re.search(rf"^{key}=(.*)$", unit, re.MULTILINE)[1]
+             for key in ("RuntimeDirectory", "StateDirectory", "ReadWritePaths", "IPAddressAllow", "ProtectSystem")}
+    assert UNIT_WRITABLE == (Path("/run") / value["RuntimeDirectory"], Path("/var/lib") / value["StateDirectory"])
+    assert (value["ReadWritePaths"], value["IPAddressAllow"], value["ProtectSystem"]) == ("/sys/fs/bpf", "localhost", "strict")

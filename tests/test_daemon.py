@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 import probes
-from conftest import PYTHON, popen_as, wait_for
+from conftest import PYTHON, popen_as
+from devtools.harness import wait_for
 from gpuguard import client
 from gpuguard.api import NO_GPU_FREE
-from gpuguard.backends import acl
+from gpuguard.backends import posix_acl
 from gpuguard.backends.gate import Gate
 from gpuguard.model import NVIDIA_MAJOR
 from probes import ALLOWED, FILE_DENIED, GATE_DENIED, opens
@@ -65,7 +66,7 @@ def test_a_member_gets_one_gpu_and_can_open_exactly_that_one(gg_daemon):
     assert opened["message"] == (f"gpuguard: GPU {minor} (NVIDIA H100 80GB HBM3) is yours - "
                                  "run gpuguard whoami for details")
     assert access(d, alice) == only(d, minor)
-    assert (minor,) == tuple(m for m in range(4) if alice.uid in acl.acl_users(d.node(m)))
+    assert (minor,) == tuple(m for m in range(4) if alice.uid in posix_acl.acl_users(d.node(m)))
     assert Gate(d.gate_name).entries() == {(alice.uid, (NVIDIA_MAJOR, minor))}
     # a CUDA program runs on its GPU and is refused on any other
     burn = start_burn(d.config_path, minor, user=alice)
@@ -107,7 +108,7 @@ def test_an_exempt_user_needs_no_grant_and_opens_every_gpu(start_daemon, make_us
     d.write_config(access={"exempt_users": []})
     d.reload()
     assert access(d, ops) == only(d)
-    assert not any(ops.uid in acl.acl_users(d.node(m)) for m in range(4))
+    assert not any(ops.uid in posix_acl.acl_users(d.node(m)) for m in range(4))
 
 
 def test_a_login_exempt_by_its_groups_is_exempt_at_once(start_daemon, make_group, make_user):
@@ -375,7 +376,8 @@ def test_revoke_stops_processes_that_hold_the_node_without_a_cuda_context(gg_dae
         assert holder.stdout.readline() == "held\n"
         reply = d.call("revoke", user=alice.name)
         assert reply["holders"] == [{"pid": holder.pid, "minor": minor}]
-        assert reply["message"].endswith(f"; process {holder.pid} held the node open (no CUDA context): sent SIGTERM")
+        assert reply["message"].endswith(f"; process {holder.pid} held the node open (no CUDA context): sent SIGTERM, "
+                                         "SIGKILL in 10s if it still holds it")
         assert holder.wait(10) == -signal.SIGTERM
         assert bystander.poll() is None  # alice's other processes are left alone
     finally:
@@ -429,8 +431,8 @@ def test_restart_keeps_grants_and_reconciles_the_gate_and_acls(gg_daemon):
     stray = (minor + 1) % 4
     gate.grant(bob.uid, (NVIDIA_MAJOR, stray))   # derived state that the store does not have ...
     gate.revoke(alice.uid, (NVIDIA_MAJOR, minor))
-    acl.apply_acls(d.node(minor), [])            # ... and state that the store has but the nodes lost
-    acl.apply_acls(d.node(stray), [bob.uid])
+    posix_acl.apply_acls(d.node(minor), [])            # ... and state that the store has but the nodes lost
+    posix_acl.apply_acls(d.node(stray), [bob.uid])
     os.chmod(d.node(stray), 0o666)
     gate.close()
     d.start()
@@ -446,7 +448,7 @@ def test_a_recreated_node_gets_its_mode_and_acl_back(gg_daemon):
     (minor,) = d.open_session(alice)["gpus"]
     d.node(minor).unlink()  # what nvidia-modprobe does: a fresh node, no uevent
     probes.open_node(d.node(minor), (NVIDIA_MAJOR, minor))
-    assert wait_for(lambda: acl.acl_users(d.node(minor)) == {alice.uid}
+    assert wait_for(lambda: posix_acl.acl_users(d.node(minor)) == {alice.uid}
                       and stat.S_IMODE(os.stat(d.node(minor)).st_mode) == 0o660)
     assert access(d, alice) == only(d, minor)
 

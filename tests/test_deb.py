@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gzip
 import os
 import re
+import shutil
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, unique
-from gate_lock import gate_test_lock
+from devtools.harness import gate_test_lock
 from gpuguard import __version__
 from gpuguard.backends.gate import PIN_ROOT, Gate
 
@@ -37,6 +39,7 @@ MULTIARCH = subprocess.run(["dpkg-architecture", "-qDEB_HOST_MULTIARCH"], captur
 # directory walked whole, /etc by its own entries (other runs add and remove users meanwhile).
 WATCHED = ["/opt", "/usr/bin", "/usr/lib/systemd/system", "/usr/lib/udev/rules.d", "/usr/lib/modprobe.d",
            f"/usr/lib/{MULTIARCH}/security", "/usr/share/pam-configs", "/usr/share/doc/gpuguard",
+           "/usr/share/man/man1", "/usr/share/bash-completion/completions",
            "/etc/pam.d", "/etc/gpuguard", "/etc/systemd/system", "/var/lib/gpuguard", "/var/lib/dpkg/info",
            "/var/lib/pam", "/run/gpuguard"]
 
@@ -127,6 +130,14 @@ def check_installed(deb: Path, version: str) -> None:
                  "/usr/lib/udev/rules.d/70-gpuguard.rules", "/usr/lib/modprobe.d/gpuguard.conf",
                  "/usr/share/pam-configs/gpuguard", f"/usr/lib/{MULTIARCH}/security/pam_gpuguard.so"]:
         assert Path(path).is_file(), path
+    # The man page (`man gpuguard` finds it by name) and the bash completion, from the argparse definitions.
+    page = Path("/usr/share/man/man1/gpuguard.1.gz")
+    assert gzip.decompress(page.read_bytes()).decode().startswith(".TH GPUGUARD")
+    if shutil.which("man"):
+        found = subprocess.run(["man", "-w", "gpuguard"], capture_output=True, text=True)
+        assert found.stdout.strip() == str(page), found
+    completion = Path("/usr/share/bash-completion/completions/gpuguard").read_text()
+    assert "_shtab_gpuguard" in completion and "report" in completion
     conffiles = subprocess.run(["dpkg-query", "-W", "-f=${Conffiles}", "gpuguard"], capture_output=True,
                                text=True, check=True).stdout.split()
     assert {"/etc/gpuguard/gpuguard.toml", "/etc/gpuguard/quotas.toml"} <= set(conffiles)

@@ -1,12 +1,14 @@
 """Driver nodes gpuguard makes itself once nvidia-modprobe is told not to touch /dev."""
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
+from sim_helpers import cli, run_with_proc_devices
 
 from gpuguard.backends import devnodes
-from sim_helpers import cli, run_with_proc_devices
+from gpuguard.backends.posix_acl import acl_users
 
 
 def fake_driver(root: Path, minors: dict[str, int]) -> Path:
@@ -79,3 +81,20 @@ def test_uvm_nodes_are_made_only_while_its_module_is_loaded(sandbox: Path) -> No
     without_uvm = LOADED.replace("508 nvidia-uvm\n", "")
     assert ensure_with(without_uvm, dev, [3], sandbox) == ["nvidia-modeset", "nvidia3", "nvidiactl"]
     assert ensure_with(LOADED, dev, [3], sandbox) == ["nvidia-uvm", "nvidia-uvm-tools"]
+
+
+def test_sync_gpu_node_reports_and_repairs_what_was_changed_by_hand(sandbox: Path) -> None:
+    node = sandbox / "nvidia2"
+    assert devnodes.sync_gpu_node(node, (195, 2), {2001}) == [f"{node}: missing or not the device"]
+    assert devnodes.sync_gpu_node(node, (195, 2), {2001}) == []  # right: nothing to say, nothing written
+
+    # An admin's chown, chmod and setfacl, each reported with what it was, and undone.
+    os.chown(node, 2001, 2001)
+    os.chmod(node, 0o666)
+    subprocess.run(["setfacl", "-m", "u:2009:rw", str(node)], check=True)
+    assert devnodes.sync_gpu_node(node, (195, 2), {2001}) == [
+        f"{node}: owner 2001:2001", f"{node}: mode 0666", f"{node}: ACL users [2001, 2009] instead of [2001]"]
+    st = os.stat(node)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o660, 0, 0)
+    assert acl_users(node) == {2001}
+    assert devnodes.sync_gpu_node(node, (195, 2), {2001}) == []

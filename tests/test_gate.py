@@ -17,16 +17,25 @@ from pathlib import Path
 from subprocess import PIPE
 
 import pytest
-
 from conftest import PYTHON, REPO, popen_as, run_as, unique
-from gate_lock import gate_test_lock
-from gpuguard.backends import procfs
-from gpuguard.backends.gate import (
-    R0, DeviceRange, Gate, GateError, assemble, attach_program, attached_ids, attached_programs,
-    cgroup2_root, detach_program, exit_, load_device_program, mov_imm, object_name, prog_info,
-)
-from probes import ALLOWED, GATE_DENIED as DENIED, bare_nodes, holding, probe, probe_argv
+from leftovers import detach_by_id
+from probes import ALLOWED, bare_nodes, holding, probe, probe_argv
+from probes import GATE_DENIED as DENIED
 from sim_helpers import cli
+
+from devtools.harness import gate_test_lock
+from gpuguard.backends import GateError, procfs
+from gpuguard.backends.bpf import (
+    attach_program,
+    attached_ids,
+    attached_programs,
+    detach_program,
+    load_device_program,
+    prog_info,
+)
+from gpuguard.backends.bpf_asm import R0, assemble, exit_, mov_imm
+from gpuguard.backends.gate import DeviceRange, Gate, object_name
+from gpuguard.backends.mounts import cgroup2_root
 
 GPU0, GPU1, GPU2, GPU3, MODESET, CTL = (195, 0), (195, 1), (195, 2), (195, 3), (195, 254), (195, 255)
 
@@ -293,6 +302,73 @@ def test_attach_swaps_in_a_program_for_new_managed_ranges(gate, nodes, make_user
 
 
 @pytest.mark.gate
+def test_a_gate_detached_behind_its_back_is_reported_and_reattached(gate, nodes, make_user) -> None:
+    user = make_user()
+    gate.grant(user.uid, GPU1)
+    assert gate.verify().problems == [] and gate.repair([]) == []
+    root = cgroup2_root()
+    detach_by_id(root, gate.prog_id())  # what `bpftool cgroup detach` would do
+    assert set(opens(probe(user, list(nodes.values())), nodes).values()) == {ALLOWED}  # really open
+
+    health = gate.verify()
+    assert (health.loaded, health.attached, health.current, health.pinned) == (True, False, True, True)
+    assert health.problems == [f"not attached to the cgroup v2 root {root}"]
+    status = gate.status()
+    assert status["attached"] is False and status["problems"] == health.problems
+    assert gate.repair([]) == health.problems
+    assert ours_attached(gate.name) == 1 and gate.verify().problems == []
+    assert opens(probe(user, list(nodes.values())), nodes) == only({GPU1})  # the same map, the same grant
+    assert gate.status()["attached"] is True
+
+
+@pytest.mark.gate
+def test_missing_pins_are_reported_and_pinned_again(gate) -> None:
+    prog_id = gate.prog_id()
+    (gate.pin_dir / "exempt").unlink()
+    assert gate.verify().problems == ["pins missing in bpffs"]
+    assert gate.repair([]) == ["pins missing in bpffs"]
+    assert (gate.pin_dir / "exempt").exists() and gate.prog_id() == prog_id
+    assert gate.verify().problems == []
+
+
+@pytest.mark.gate
+def test_repair_follows_a_gate_replaced_behind_its_back(gate) -> None:
+    gate.grant(1000, GPU1)
+    with Gate(gate.name) as other:  # an admin's `gpuguard gate detach` and `gate attach`
+        other.detach()
+        other.attach()
+        new_id = other.prog_id()
+    health = gate.verify()
+    assert not health.held and not health.attached
+    assert gate.repair([]) == health.problems
+    assert gate.prog_id() == new_id and ours_attached(gate.name) == 1
+    assert gate.entries() == set()  # the new gate's map: the store refills it (enforcement.check_and_repair)
+
+
+@pytest.mark.gate
+def test_repair_swaps_in_a_program_for_a_device_range_that_appeared(gate_name, nodes, make_user) -> None:
+    """nvidia-caps loaded after start: a new dynamic major (/dev/full, 1:7, stands in for it)."""
+    ranges = [DeviceRange(195, 0, 253)]
+    user = make_user()
+    with Gate(gate_name, managed=lambda: ranges) as gate:
+        gate.attach()
+        gate.grant(user.uid, GPU1)
+        old_id = gate.prog_id()
+        assert gate.repair([]) == []
+        assert probe(user, ["/dev/full"])["results"]["/dev/full"] == "ok"
+
+        ranges.append(DeviceRange(1, 7, 7))
+        health = gate.verify()
+        assert health.attached and not health.current
+        assert gate.repair([]) == ["program outdated: built for other device ranges than those managed now"]
+        assert gate.prog_id() != old_id and ours_attached(gate_name) == 1
+        assert gate.managed == (DeviceRange(195, 0, 253), DeviceRange(1, 7, 7))
+        report = probe(user, [*nodes.values(), "/dev/full"])
+        assert opens(report, nodes) == only({GPU1}) and report["results"]["/dev/full"] == DENIED
+        assert gate.verify().problems == []
+
+
+@pytest.mark.gate
 def test_status_reports_grants_per_user(gate) -> None:
     gate.grant(1000, GPU1)
     gate.grant(1000, GPU3)
@@ -309,6 +385,7 @@ def test_status_reports_grants_per_user(gate) -> None:
 def test_status_of_a_gate_that_does_not_exist() -> None:
     status = Gate(unique()).status()
     assert status["attached"] is False and status["prog_id"] is None and status["entries"] == 0
+    assert status["problems"] == ["not loaded: no program or maps of this gate exist"]
 
 
 @pytest.mark.gate  # gate_name holds the gate test lock
@@ -380,6 +457,12 @@ def test_gate_commands_attach_status_detach(gate_name: str, sandbox: Path) -> No
 
     again = cli(config, "gate", "attach", "--name", gate_name)
     assert again.returncode == 0 and ours_attached(gate_name) == 1  # never attached twice
+
+    (Gate(gate_name).pin_dir / "grants").unlink()
+    broken = cli(None, "gate", "status", "--name", gate_name)
+    assert broken.returncode == 1 and "  problem: pins missing in bpffs" in broken.stdout.splitlines()
+    assert cli(config, "gate", "attach", "--name", gate_name).returncode == 0  # repairs
+    assert cli(None, "gate", "status", "--name", gate_name).returncode == 0
 
     detached = cli(None, "gate", "detach", "--name", gate_name)
     assert detached.returncode == 0, detached.stderr

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conftest import wait_for
+from devtools.harness import wait_for
 from probes import FILE_DENIED, open_result
 from sim_helpers import set_fault, start_burn, stop_burn
 

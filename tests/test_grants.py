@@ -10,7 +10,7 @@ import sqlite3
 import pytest
 
 from gpuguard import config as gpuguard_config
-from gpuguard.backends import accounts, acl
+from gpuguard.backends import accounts, posix_acl
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
@@ -67,9 +67,9 @@ def test_exempt_users_get_an_acl_entry_on_every_node_and_lose_it_with_the_exempt
     grants = Grants(store, None, AclNodes(devices), minors=[0, 1], exempt={0, 2001})
     grants.add(1001, "alice", [1], 1.0, expires_at=None, shared=False, origin="session", message="test")
     grants.reconcile()
-    assert {m: acl.acl_users(grants.nodes.path(m)) for m in (0, 1)} == {0: {2001}, 1: {1001, 2001}}  # never root's
+    assert {m: posix_acl.acl_users(grants.nodes.path(m)) for m in (0, 1)} == {0: {2001}, 1: {1001, 2001}}  # never root's
     grants.set_exempt({0, 2002})
-    assert {m: acl.acl_users(grants.nodes.path(m)) for m in (0, 1)} == {0: {2002}, 1: {1001, 2002}}
+    assert {m: posix_acl.acl_users(grants.nodes.path(m)) for m in (0, 1)} == {0: {2002}, 1: {1001, 2002}}
 
 
 def test_a_reload_keeps_exempt_the_logged_in_users_the_member_lists_miss(sandbox, store, make_group, make_user,

@@ -22,7 +22,7 @@ from gpuguard.backends import GpuError, procfs
 from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBackend, register_process
 from gpuguard.config import SimulatedConfig
 from gpuguard.model import GpuProcess, Link
-from gate_lock import no_gate_attached
+from devtools.harness import no_gate_attached
 from sim_helpers import GiB, burn, gpuguard, open_backend, write_config
 
 

@@ -20,7 +20,8 @@ import subprocess
 
 import pytest
 
-from conftest import BIN, run_as, wait_for
+from conftest import BIN, PYTHON, popen_as, run_as
+from devtools.harness import wait_for
 from gpuguard import config, pam_hook
 from daemon_fixture import RunningDaemon
 from sim_helpers import gpuguard, start_burn, stop_burn
@@ -111,6 +112,52 @@ def test_module_quiet_sets_the_environment_without_a_message(stacks, stub, sandb
     assert opened(result), result
     assert info_lines(result.stdout) == []
     assert probed_devices(result.stdout) == UUIDS
+
+
+# Listens where the daemon would, as a non-root user, and answers every connection with a grant.
+IMPOSTOR = """
+import json, socket, sys
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1])
+server.listen(4)
+print("listening", flush=True)
+while True:
+    conn, _ = server.accept()
+    with conn:
+        conn.settimeout(1)
+        try:
+            request = conn.recv(65536)
+        except OSError:
+            request = b""
+        print(json.dumps(request.decode()), flush=True)
+        try:
+            conn.sendall(sys.argv[2].encode())
+        except OSError:
+            pass
+"""
+
+
+def test_module_trusts_no_reply_from_a_non_root_peer(stacks, sandbox, make_user):
+    """Anyone can bind the socket path while the daemon is down: SO_PEERCRED must say root."""
+    mallory = make_user()
+    directory = sandbox / "run"
+    directory.mkdir()
+    os.chown(directory, mallory.uid, mallory.gid)
+    path = directory / "gpuguard.sock"
+    reply = reply_json(ok=True, cuda_visible_devices=UUIDS, message=MESSAGE).decode()
+    impostor = popen_as(mallory, [PYTHON, "-c", IMPOSTOR, str(path), reply], stdout=subprocess.PIPE, text=True)
+    try:
+        assert impostor.stdout.readline() == "listening\n"
+        service = stacks.make(module_line(path), env_probe(sandbox))
+        result = pamtester(service, "ggt-alice", "open_session")
+        assert opened(result), result  # the login goes on ...
+        assert probed_devices(result.stdout) is None  # ... with nothing from the impostor in it
+        assert info_lines(result.stdout) == []
+        # It was asked nothing either: the module hung up before sending the request.
+        assert json.loads(impostor.stdout.readline()) == ""
+    finally:
+        impostor.kill()
+        impostor.wait()
 
 
 def test_module_no_grant_leaves_the_environment_alone(stacks, stub, sandbox):

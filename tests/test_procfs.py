@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 
 from conftest import popen_as
-from gate_lock import no_gate_attached
+from devtools.harness import no_gate_attached
 from gpuguard.backends.gate import DeviceRange, default_managed
+from gpuguard.backends import procfs
 from gpuguard.backends.procfs import char_major, holders, process_identity, user_of
 from gpuguard.model import NVIDIA_MAJOR
 from probes import holding, open_node
@@ -115,3 +118,23 @@ def test_majors_come_from_proc_devices_as_the_driver_registers_them(sandbox) -> 
     unloaded = LOADED.replace("234 nvidia-caps\n", "").replace("259 blkext", "234 nvidia-caps")
     seen = run_with_proc_devices(unloaded, code, sandbox)
     assert seen["caps"] is None and seen["managed"] == [[NVIDIA_MAJOR, 0, 253]]
+
+
+def test_holders_of_some_users_reads_only_their_processes(make_user, sandbox):
+    node = sandbox / "null"
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    alice, bob = make_user(), make_user()
+    code = "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); print('held', flush=True); time.sleep(600)"
+    procs = [popen_as(user, [sys.executable, "-c", code, str(node)], stdout=subprocess.PIPE, text=True)
+             for user in (alice, bob)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline() == "held\n"
+        everyone = procfs.holders_of([(1, 3)])[(1, 3)]
+        assert {p.pid for p in procs} <= set(everyone)
+        assert procfs.holders_of([(1, 3)], {alice.uid})[(1, 3)] == [procs[0].pid]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()

@@ -74,30 +74,57 @@ def test_warn_once_then_term_only_after_grace():
     assert term.signal == "SIGTERM" and term.numbers["kill_wait"] == 10.0
 
 
-def test_newest_first_one_at_a_time_until_under():
+def test_largest_first_as_many_as_it_takes_until_under():
     old, mid, new = proc(1, 10 * GiB, start=100), proc(2, 8 * GiB, start=200), proc(3, 8 * GiB, start=300)
     v = view([old, mid, new], [grant()])                        # 26 GiB, quota 20
     _, state = run(v, State(), NOW)
     actions, state = run(v, state, NOW + 30)
-    assert [(a.kind, a.proc.pid) for a in actions] == [(TERM, 3)]
-    # The signalled one is still there (exiting): nobody else is signalled meanwhile.
+    assert [(a.kind, a.proc.pid) for a in actions] == [(TERM, 1)]  # 16 GiB remain: enough
+    # The signalled one is still there (exiting): it counts as gone, nobody else is signalled.
     actions, state = run(v, state, NOW + 31)
     assert actions == []
-    # It left: 10 + 8 = 18 GiB <= 20, under now, the episode is over.
-    v2 = view([old, mid], [grant()])
+    # It left: 8 + 8 = 16 GiB <= 20, under now, the episode is over.
+    v2 = view([mid, new], [grant()])
     actions, state = run(v2, state, NOW + 32)
     assert actions == [] and state.over == {}
 
 
-def test_next_newest_when_still_over_after_the_first_left():
-    a, b, c = proc(1, 15 * GiB, start=1), proc(2, 6 * GiB, start=2), proc(3, 6 * GiB, start=3)
-    v = view([a, b, c], [grant()])
+def test_memory_split_across_processes_loses_enough_of_them_in_one_tick():
+    parts = [proc(pid, 7 * GiB, start=pid) for pid in range(1, 11)]  # 70 GiB in ten pieces, quota 20
+    v = view(parts, [grant()])
     _, state = run(v, State(), NOW)
     actions, state = run(v, state, NOW + 30)
-    assert [a_.proc.pid for a_ in actions] == [3]
-    v2 = view([a, b], [grant()])                                # 21 GiB: still over
-    actions, state = run(v2, state, NOW + 31)
-    assert [(x.kind, x.proc.pid) for x in actions] == [(TERM, 2)]  # grace already served: at once
+    assert [a.kind for a in actions] == [TERM] * 8               # 14 GiB remain
+    assert {a.proc.pid for a in actions} == set(range(3, 11))    # equal sizes: the newest first
+    assert rules.decide(v, state, NOW + 31, T) == []
+
+
+def test_decoys_newer_than_the_big_job_never_shield_it():
+    big = proc(1, 70 * GiB, start=1)
+    decoys = [proc(pid, 1 << 20, start=pid) for pid in (50, 51, 52)]
+    v = view([big, *decoys], [grant()])
+    _, state = run(v, State(), NOW)
+    actions, state = run(v, state, NOW + 30)
+    assert [(a.kind, a.proc.pid) for a in actions] == [(TERM, 1)]
+    # The big job ignores SIGTERM; the user rotates decoys meanwhile: none of them is signalled,
+    # and the big job gets SIGKILL on time.
+    for t, pids in ((31, (53, 54, 55)), (35, (56, 57, 58))):
+        v = view([big, *(proc(pid, 1 << 20, start=pid) for pid in pids)], [grant()])
+        actions, state = run(v, state, NOW + t)
+        assert actions == []
+    actions, state = run(v, state, NOW + 40)
+    assert [(a.kind, a.proc.pid) for a in actions] == [(KILL, 1)]
+
+
+def test_a_process_started_past_grace_that_keeps_the_user_over_is_stopped_at_once():
+    a, b = proc(1, 15 * GiB, start=1), proc(2, 6 * GiB, start=2)
+    v = view([a, b], [grant()])                                 # 21 GiB
+    _, state = run(v, State(), NOW)
+    actions, state = run(v, state, NOW + 30)
+    assert [x.proc.pid for x in actions] == [1]
+    c = proc(3, 16 * GiB, start=3)                              # 6 + 16 = 22 GiB beside the exiting one
+    actions, state = run(view([a, b, c], [grant()]), state, NOW + 31)
+    assert [(x.kind, x.proc.pid) for x in actions] == [(TERM, 3)]  # grace already served: at once
 
 
 def test_dropping_under_resets_the_episode():
@@ -308,6 +335,32 @@ def test_stray_warned_then_termed_after_grace():
 def test_stray_on_another_gpu_of_a_grant_holder():
     v = view([proc(1, GiB, minor=1)], [grant(minor=0)])
     assert kinds(rules.decide(v, State(), NOW, T)) == [(WARN, STRAY)]
+
+
+def test_rotating_strays_shorter_than_grace_are_still_stopped():
+    # One stray process after another, each gone before grace: the clock runs for bob on GPU 0.
+    state, warnings = State(), 0
+    for i in range(7):
+        p = proc(100 + i, GiB, uid=BOB, start=100 + i)
+        actions, state = run(view([p], [grant()]), state, NOW + 5 * i)
+        warnings += sum(a.kind == WARN for a in actions)
+        if 5 * i < 30:
+            assert all(a.kind != TERM for a in actions)
+        else:
+            assert [(a.kind, a.rule, a.proc) for a in actions] == [(TERM, STRAY, p)]
+        _, state = run(view([], [grant()]), state, NOW + 5 * i + 2)   # it left before the next one
+    assert warnings == 1
+
+
+def test_stray_episode_is_forgotten_after_a_quiet_period():
+    p = proc(1, GiB, uid=BOB)
+    _, state = run(view([p], [grant()]), State(), NOW)
+    _, state = run(view([], [grant()]), state, NOW + 1)
+    _, kept = run(view([], [grant()]), state, NOW + rules.STRAY_QUIET - 1)   # last seen at NOW
+    _, gone = run(view([], [grant()]), state, NOW + rules.STRAY_QUIET)
+    assert (BOB, 0) in kept.stray and gone.stray == {}
+    actions, _ = run(view([proc(2, GiB, uid=BOB)], [grant()]), gone, NOW + 2 + rules.STRAY_QUIET)
+    assert kinds(actions) == [(WARN, STRAY)]                    # a new episode, a new grace
 
 
 def test_stray_that_gets_a_grant_is_left_alone():

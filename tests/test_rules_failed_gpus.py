@@ -35,7 +35,7 @@ def test_what_is_known_about_a_failed_gpu_is_kept_and_its_idle_clock_restarts():
     stopping = Proc(21, BOB, 210, 2, 6 * GiB)
     stray = Proc(22, ALICE, 220, 2, GiB)
     grants = [grant(BOB, 2)]
-    state = State(over={(BOB, 2): NOW - 100}, stray={(22, 220, 2): NOW - 100},
+    state = State(over={(BOB, 2): NOW - 100}, stray={(ALICE, 2): rules.StrayEpisode(NOW - 100, NOW - 100)},
                   stopping={stopping.key: rules.Stopping(BOB, 2, MEMORY, NOW - 5)})
     blind = rules.advance(view([], grants, failed={2}), state, [], NOW)
     assert (blind.over, blind.stray, blind.stopping) == (state.over, state.stray, state.stopping)

@@ -6,7 +6,9 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 
 from conftest import PYTHON, run_as
 from gpuguard import client, protocol
-from gpuguard.server import MAX_CONNECTIONS_PER_USER, Server, ServerError
+from gpuguard.server import LISTEN_BACKLOG, MAX_CONNECTIONS_PER_USER, Server, ServerError
 
 # A client run as a test user: open N silent connections, then make one call; print the reply.
 FLOOD = """
@@ -30,6 +32,24 @@ try:
     print(json.dumps(client.call(path, "status", timeout=30)))
 except client.Refused as exc:
     print(json.dumps({"ok": False, "error": str(exc), "code": exc.code}))
+"""
+
+# A client run as a test user: send N malformed requests of every kind, count the one-line refusals.
+BAD_FLOOD = """
+import json, socket, sys
+path, count = sys.argv[1], int(sys.argv[2])
+kinds = [b'{"v": 1, "op": ["x"]}\\n', b'{"v": 1, "op": {}}\\n', b'[]\\n', b'\\xff\\n', b'{"v": 1, "op": "st']
+replies = refusals = 0
+for i in range(count):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(kinds[i % len(kinds)])
+        s.shutdown(socket.SHUT_WR)
+        reply = b"".join(iter(lambda: s.recv(65536), b""))
+    replies += 1
+    message = json.loads(reply)
+    refusals += reply.count(b"\\n") == 1 and message["ok"] is False and message["code"] == 2
+print(json.dumps({"replies": replies, "one_line_refusals": refusals}))
 """
 
 
@@ -132,11 +152,59 @@ def test_a_directory_the_server_did_not_make_keeps_its_mode(sandbox):
     (b'{"v": 2, "op": "status"}\n', "unsupported protocol version 2"),
     (b'{"v": 1, "op": "shutdown"}\n', "unknown operation 'shutdown'"),
     (b'{"v": 1, "op": "status", "pad": "' + b"x" * protocol.MAX_REQUEST + b'"}\n', "exceeds 65536 bytes"),
+    (b'{"v": 1, "op": ["x"]}\n', "unknown operation ['x']"),
+    (b'{"v": 1, "op": {"status": 1}}\n', "unknown operation {'status': 1}"),
+    (b'"status"\n', "not a JSON object"),
+    (b'{"v": 1, "op": "status", "user": "\xff\xfe"}\n', "not JSON"),
+    (b'{"v": 1, "op": "status"}', "incomplete request: the connection closed before the end of the line"),
+    (b'{"v": 1, "op": "sta', "incomplete request: the connection closed"),
 ])
 def test_bad_requests_are_refused_with_code_2(serve, data, fragment):
     reply = raw(serve().path, data)
     assert reply["ok"] is False and reply["code"] == 2
     assert fragment in reply["error"]
+
+
+def test_a_5_mb_line_is_refused_without_reading_it_all(serve):
+    server = serve()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(server.path))
+        try:
+            sock.sendall(b"{" + b"x" * (5 << 20) + b"}\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused and closed while the rest was still on its way, as it should
+        reply = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert json.loads(reply) == {"v": 1, "ok": False, "code": 2, "error": "request exceeds 65536 bytes"}
+    assert client.call(str(server.path), "status")["ok"]
+
+
+def test_half_a_request_gets_a_reply_at_the_read_deadline(serve):
+    server = serve(read_timeout=0.2)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(server.path))
+        sock.sendall(b'{"v": 1, "op": "sta')  # and nothing more, the connection left open
+        reply = json.loads(sock.recv(65536))
+    assert reply == {"v": 1, "ok": False, "code": 2, "error": "incomplete request: no end of line within 0.2s"}
+
+
+def test_a_flood_of_bad_requests_is_answered_but_logged_a_few_lines_per_user(serve, make_user, gpuguard_log):
+    server = serve()
+    mallory = make_user()
+    flood = run_as(mallory, [PYTHON, "-c", BAD_FLOOD, str(server.path), "300"])
+    assert flood.returncode == 0, flood.stderr
+    assert json.loads(flood.stdout) == {"replies": 300, "one_line_refusals": 300}
+    assert raw(server.path, b'{"v": 1, "op": 7}\n')["code"] == 2  # root's requests: a burst of their own
+    bad = [line for line in gpuguard_log if "event=bad_request" in line]
+    assert len([line for line in bad if f"uid={mallory.uid}" in line]) == server.server.throttle.burst
+    assert [line for line in bad if "uid=0 " in line]
+    assert not [line for line in gpuguard_log if "traceback=" in line]
+    throttle = server.server.throttle
+    throttle.clock = lambda: time.monotonic() + throttle.window  # the window has ended: the count comes in one line
+    throttle.flush()
+    [summary] = [line for line in gpuguard_log if "event=log_suppressed" in line and f"uid={mallory.uid}" in line]
+    assert f"lines={300 - server.server.throttle.burst}" in summary
 
 
 def test_a_handler_failure_is_an_error_reply_not_a_dead_server(serve):
@@ -219,3 +287,13 @@ def test_something_else_at_the_socket_path_is_refused(sandbox):
     with pytest.raises(ServerError, match="exists and is not a socket"):
         Server(path, echo).claim()
     assert path.read_text() == "not a socket"
+
+
+def test_the_listen_queue_holds_a_connect_flood(serve):
+    # asyncio's default backlog of 100 filled under one user's connect flood: logins got EAGAIN.
+    server = serve()
+    listed = subprocess.run(["ss", "-xlnH", "src", str(server.path)], capture_output=True, text=True, check=True)
+    [line] = listed.stdout.splitlines()
+    backlog = int(line.split()[3])  # Send-Q of a listening socket: its backlog
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert backlog == min(LISTEN_BACKLOG, somaxconn) and backlog > 100

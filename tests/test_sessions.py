@@ -19,7 +19,7 @@ def test_the_caller_start_time_column_is_added_to_an_existing_store(tmp_path):
     old.close()
     store = Store(path)
     try:
-        assert store.schema_version == len(MIGRATIONS)
+        assert store.schema_version == len(MIGRATIONS)  # migrated to the latest, through the caller_start one
         (before,) = store.sessions()
         assert (before.user, before.pid) == ("alice", 500)
         after = store.open_session(1002, "bob", "sshd", "", "pts/1", 600, 2.0, caller_start=12345)

@@ -268,6 +268,9 @@ def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configu
     stage = sandbox / "stage"
     watched = [Path(p) for p in ("/opt", "/usr/local/bin", "/usr/lib/systemd/system", "/usr/lib/udev/rules.d",
                                  "/usr/lib/modprobe.d", "/etc/gpuguard")] + system_pam_dirs()
+    # The man page and the completion, by name (apt may add others to those directories meanwhile).
+    outside = [p for p in (Path("/usr/share/man/man1/gpuguard.1"), Path("/usr/share/bash-completion/completions/gpuguard"))
+               if not p.exists()]
     before = {path: tree(path) for path in watched}
     make = ["make", "-s", "-C", str(REPO), f"DESTDIR={stage}", "PREFIX=/usr"]
 
@@ -279,6 +282,9 @@ def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configu
                          ("usr/lib/modprobe.d/gpuguard.conf", MODPROBE), ("etc/gpuguard/gpuguard.toml", CONFIG)]:
         assert (stage / path).read_bytes() == source.read_bytes(), path
     assert list(stage.rglob("pam_gpuguard.so")) and (stage / "usr/share/pam-configs/gpuguard").is_file()
+    # The man page and the bash completion under PREFIX, generated from the argparse definitions.
+    assert (stage / "usr/share/man/man1/gpuguard.1").read_text().startswith(".TH GPUGUARD")
+    assert "_shtab_gpuguard" in (stage / "usr/share/bash-completion/completions/gpuguard").read_text()
     # The application's venv runs from the stage (its interpreter is the system's), and names only
     # where it will be installed: nothing refers to the stage.
     venv_python = stage / installed_gpuguard().lstrip("/").replace("bin/gpuguard", "bin/python")
@@ -298,3 +304,4 @@ def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configu
     assert sorted(str(p.relative_to(stage)) for p in stage.rglob("*") if p.is_file()) == \
         ["etc/gpuguard/gpuguard.toml", "etc/gpuguard/quotas.toml"]
     assert {path: tree(path) for path in watched} == before  # nothing outside the stage
+    assert not [p for p in outside if p.exists()]

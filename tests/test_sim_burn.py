@@ -17,7 +17,7 @@ from conftest import run_as
 from gpuguard.backends.nvml import NvmlBackend
 from gpuguard.backends.simulated import REGISTRY_DIR
 from gpuguard.model import GpuProcess
-from gate_lock import no_gate_attached
+from devtools.harness import no_gate_attached
 from sim_helpers import GiB, burn, gpuguard, open_backend, start_burn, stop_burn, write_config
 
 if TYPE_CHECKING:

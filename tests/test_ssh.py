@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import wait_for
+from devtools.harness import wait_for
 from sim_helpers import gpuguard
 from ssh_harness import MESSAGE, PERMIT, UUIDS, Sshd, StubDaemon, hook_line, module_line, reply_json
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import wait_for
+from devtools.harness import wait_for
 
 pytestmark = pytest.mark.gate
 

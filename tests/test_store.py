@@ -1,15 +1,18 @@
 """The SQLite store: schema versioning, round trips, and surviving SIGKILL mid-write."""
 import select
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from gpuguard.config import EventsConfig
 from gpuguard.model import Event
-from gpuguard.store import MIGRATIONS, Store, StoreError
+from gpuguard.store import HOUR, MIGRATIONS, Store, StoreError
 
 
 @pytest.fixture
@@ -82,11 +85,82 @@ def test_events_newest_first_limit_oldest_first_order(store):
     assert len(store.events()) == 6
 
 
+def event(time: float, uid: int | None, message: str = "") -> Event:
+    return Event(time=time, uid=uid, user=f"u{uid}", kind="grant", message=message)
+
+
+def test_events_beyond_the_newest_per_user_are_dropped_at_each_insert(tmp_path):
+    store = Store(tmp_path / "state.db", EventsConfig(max_age=None, per_user=5))
+    try:
+        store.add_event(event(0.0, 1002, "bob's only"))
+        for i in range(200):  # a user looping request/release
+            store.add_event(event(1.0 + i, 1001, f"m{i}"))
+            store.add_event(event(1.0 + i, None, f"system {i}"))
+        assert [e.message for e in store.events(1001)] == [f"m{i}" for i in range(195, 200)]
+        assert [e.message for e in store.events(1002)] == ["bob's only"]  # nobody else loses history
+        assert store.event_count() == 5 + 1 + 5
+    finally:
+        store.close()
+
+
+def test_events_older_than_max_age_are_dropped(tmp_path):
+    store = Store(tmp_path / "state.db", EventsConfig(max_age=100.0, per_user=1000))
+    try:
+        store.add_event(event(1000.0, 1002, "old"))
+        store.add_event(event(1050.0, 1001, "kept"))
+        store.add_event(event(1100.0, 1001, "at the bound"))   # "old" is now exactly max_age old: kept
+        assert store.event_count() == 3
+        store.add_event(event(1100.5, 1001, "new"))
+        assert [e.message for e in store.events()] == ["kept", "at the bound", "new"]
+    finally:
+        store.close()
+
+
 def test_usage_accumulates(store):
-    store.add_usage(1001, "alice", 0, granted=2.0, busy=1.5, idle=0.5)
-    store.add_usage(1001, "alice", 0, granted=2.0, idle=2.0, kills=1)
+    store.add_usage(1001, "alice", 0, HOUR, granted=2.0, busy=1.5, idle=0.5)
+    store.add_usage(1001, "alice", 0, 2 * HOUR, granted=2.0, idle=2.0)
+    store.add_kill(1001, "alice", 0, 2 * HOUR, "memory")
     [row] = store.usage(1001)
     assert (row["granted_seconds"], row["busy_seconds"], row["idle_seconds"], row["kills"]) == (4.0, 1.5, 2.5, 1)
+
+
+def test_usage_by_hour_sums_per_user_gpu_and_day_within_the_period(store):
+    day = 1_700_000_000 // 86400 * 86400  # an hour boundary
+    store.add_usage(1001, "alice", 0, day, granted=3600.0, busy=3000.0, idle=600.0)
+    store.add_usage(1001, "alice", 1, day + HOUR, granted=1800.0, idle=1800.0)
+    store.add_usage(1002, "bob", 1, day + HOUR, granted=3600.0, busy=3600.0)
+    store.add_usage(1002, "bob", 1, day + 30 * HOUR, granted=3600.0, busy=3600.0)  # outside the period
+    store.add_kill(1001, "alice", 0, day, "memory")
+    store.add_kill(1001, "alice", 0, day + HOUR, "memory")
+    store.add_kill(1001, "alice", 1, day + HOUR, "stray")
+    until = day + 24 * HOUR
+    by_user = store.usage_by("user", since=day + 60, until=until)  # since inside the first hour: that hour counts
+    assert [(r["key"], r["granted_seconds"], r["busy_seconds"], r["idle_seconds"], r["kills"]) for r in by_user] == [
+        ("alice", 5400.0, 3000.0, 2400.0, {"memory": 2, "stray": 1}), ("bob", 3600.0, 3600.0, 0.0, {})]
+    by_gpu = store.usage_by("gpu", since=day, until=until)
+    assert [(r["key"], r["granted_seconds"]) for r in by_gpu] == [(0, 3600.0), (1, 5400.0)]
+    assert [r["granted_seconds"] for r in store.usage_by("gpu", since=day, until=until, uid=1002)] == [3600.0]
+    assert sum(r["granted_seconds"] for r in store.usage_by("day", since=day, until=day + 48 * HOUR)) == 12600.0
+    assert store.usage_by("user", since=day + 2 * HOUR, until=until, uid=1001) == []
+
+
+def test_events_filtered_by_user_time_and_rule(store):
+    for t, uid, rule in [(10.0, 1001, "memory"), (20.0, 1002, "memory"), (30.0, 1001, "idle"), (40.0, 1001, "memory")]:
+        store.add_event(Event(t, uid, f"u{uid}", "warning", "m", rule=rule))
+    assert [e.time for e in store.find_events(uid=1001, rule="memory")] == [10.0, 40.0]
+    assert [e.time for e in store.find_events(since=20.0, until=40.0)] == [20.0, 30.0]
+    assert [e.time for e in store.find_events(limit=2)] == [30.0, 40.0]
+    assert store.known_uid("u1002") == 1002 and store.known_uid("nobody") is None
+
+
+def test_event_counts_since_counts_only_newer_events(store):
+    store.add_event(Event(1.0, 1001, "alice", "kill", "m", rule="memory", action="term"))
+    last, counts = store.event_counts_since(0)
+    assert counts == [("kill", "memory", "term", 1)]
+    assert store.event_counts_since(last) == (last, [])
+    store.add_event(Event(2.0, 1001, "alice", "kill", "m", rule="memory", action="term"))
+    store.add_event(Event(3.0, 1001, "alice", "warning", "m", rule="stray", action="warn"))
+    assert sorted(store.event_counts_since(last)[1]) == [("kill", "memory", "term", 1), ("warning", "stray", "warn", 1)]
 
 
 def test_failed_transaction_rolls_back(store):
@@ -206,19 +280,25 @@ def test_sigkill_inside_a_transaction_leaves_nothing_of_it(tmp_path):
 
 
 def test_version_one_database_is_upgraded_in_place(tmp_path):
-    """A state.db written by the first schema (before grants had an origin) keeps its grants."""
+    """A state.db written by the first release (schema 1, before grants had an origin) keeps its
+    grants, sessions, events and usage. The file is frozen in tests/data (made by the v1 code of
+    commit b3066d5), so an edited old migration cannot pass by rebuilding v1 from today's code."""
     path = tmp_path / "state.db"
-    old = sqlite3.connect(path)
-    old.executescript(MIGRATIONS[0] + "PRAGMA user_version=1;")
-    old.execute("INSERT INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared)"
-                " VALUES (1001, 'alice', 3, 10.0, NULL, 10.0, 0)")
-    old.commit()
-    old.close()
+    shutil.copy(Path(__file__).parent / "data" / "state-v1.db", path)
 
     store = Store(path)
     assert store.schema_version == len(MIGRATIONS) > 1
     [grant] = store.grants()
     assert (grant.uid, grant.minor, grant.origin) == (1001, 3, "session")
+    [session] = store.sessions()
+    assert (session.user, session.tty, session.pid) == ("alice", "pts/1", 4242)
+    assert [e.message for e in store.events(1001)] == ["granted at login (sshd)"]
+    assert store.last_released() == {2: 5.0}
     store.add_grants(1002, "bob", [1], now=20.0, expires_at=None, origin="admin")
     assert [g.origin for g in store.grants()] == ["session", "admin"]
+    totals_before = {(r["uid"], r["minor"]): r["granted_seconds"] for r in store.usage()}
+    store.add_usage(1001, "alice", 3, HOUR, granted=60.0)  # the v1 totals go on; the hours start empty
+    assert store.usage_by("user", since=0, until=2 * HOUR) == [
+        {"key": "alice", "granted_seconds": 60.0, "busy_seconds": 0.0, "idle_seconds": 0.0, "kills": {}}]
+    assert [r["granted_seconds"] for r in store.usage(1001) if r["minor"] == 3] == [totals_before.get((1001, 3), 0) + 60]
     store.close()

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import wait_for
+from devtools.harness import wait_for
 from gpuguard.backends.systemd import watchdog_period
 
 

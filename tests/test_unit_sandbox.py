@@ -16,9 +16,10 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, REPO, popen_as, wait_for
+from conftest import PYTHON, REPO, popen_as
+from devtools.harness import wait_for
 from gpuguard import client
-from gpuguard.backends import acl
+from gpuguard.backends.posix_acl import acl_users
 from gpuguard.model import NVIDIA_MAJOR
 from probes import open_node
 from test_daemon import access, only
@@ -66,7 +67,7 @@ def jobs_undone(d) -> list[str]:
     d.node(minor).unlink(missing_ok=True)
     open_node(d.node(minor), (NVIDIA_MAJOR, minor))
     os.chown(d.node(minor), alice.uid, alice.gid)
-    if not wait_for(lambda: os.stat(d.node(minor)).st_uid == 0 and acl.acl_users(d.node(minor)) == {alice.uid}
+    if not wait_for(lambda: os.stat(d.node(minor)).st_uid == 0 and acl_users(d.node(minor)) == {alice.uid}
                     and stat.S_IMODE(os.stat(d.node(minor)).st_mode) == 0o660, timeout=5):
         undone.append("take a node back")
 

@@ -10,17 +10,16 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from devtools.harness import wait_for
 from freezer import frozen
 from gpuguard.store import Store
 from probes import ALLOWED, FILE_DENIED, GATE_DENIED, bare_nodes, open_result
-from sim_helpers import GiB, set_fault, start_burn, stop_burn
+from sim_helpers import GiB, set_fault, stop_burn
 
 pytestmark = pytest.mark.gate
 
@@ -84,21 +83,6 @@ def await_tick_done_after(d, moment: float, timeout: float) -> None:
     first = wait_for(lambda: (at := sampled_at(d)) is not None and at >= moment and at, timeout=timeout)
     assert first, f"no tick sampled after {moment} (last: {sampled_at(d)})"
     assert wait_for(lambda: sampled_at(d) > first, timeout=MARGIN), "the daemon stopped ticking"
-
-
-@pytest.fixture
-def burns():
-    """Burns started in a test are reaped (and killed if need be) at its end."""
-    started: list[subprocess.Popen] = []
-
-    def start(*args, **kwargs) -> subprocess.Popen:
-        proc = start_burn(*args, **kwargs)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        stop_burn(proc)
 
 
 def test_over_quota_burn_is_warned_then_terminated(start_daemon, burns):

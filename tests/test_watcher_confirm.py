@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gate_lock import no_gate_attached
+from devtools.harness import no_gate_attached
 from gpuguard import config as configuration
 from gpuguard.daemon import Daemon
 from gpuguard.sampling import Sample

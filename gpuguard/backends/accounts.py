@@ -38,7 +38,7 @@ def by_uid(uid: int) -> Account:
 def _account(lookup: Callable[[Any], pwd.struct_passwd], key: Any, missing: str) -> Account:
     try:
         entry = lookup(key)
-    except KeyError:
+    except (KeyError, ValueError, OverflowError):  # a name with a NUL, a uid past 2**32: nobody either
         raise UnknownUser(missing) from None
     return Account(entry.pw_name, entry.pw_uid, _group_names(entry))
 

@@ -9,14 +9,18 @@ driver loaded nothing is made: a node nobody serves is only clutter in /dev (and
 """
 from __future__ import annotations
 
+import os
 import re
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 
-from gpuguard.backends.acl import BASE_MODE, ensure_node
+from gpuguard.backends.posix_acl import acl_users, apply_acls
 from gpuguard.backends.procfs import char_major
 from gpuguard.model import NVIDIA_MAJOR
 
 DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
+BASE_MODE = 0o660  # GPU nodes: nobody but root and the ACL's named users may open them
 SHARED_MODE = 0o666
 _MINOR_LINE = re.compile(r"^Device Minor:\s*(\d+)", re.MULTILINE)
 
@@ -46,5 +50,60 @@ def ensure_driver_nodes(device_dir: Path, minors: list[int]) -> list[Path]:
     uvm = char_major("nvidia-uvm")
     if uvm is not None:
         wanted += [("nvidia-uvm", (uvm, 0), SHARED_MODE), ("nvidia-uvm-tools", (uvm, 1), SHARED_MODE)]
-    wanted += [(f"nvidia{minor}", (NVIDIA_MAJOR, minor), BASE_MODE) for minor in minors]
-    return [device_dir / name for name, dev, mode in wanted if ensure_node(device_dir / name, dev, mode)]
+    made = [device_dir / name for name, dev, mode in wanted if ensure_node(device_dir / name, dev, mode)]
+    return made + [gpu_node(device_dir, minor) for minor in minors
+                   if ensure_node(gpu_node(device_dir, minor), (NVIDIA_MAJOR, minor))]
+
+
+def gpu_node(device_dir: Path, minor: int) -> Path:
+    return device_dir / f"nvidia{minor}"
+
+
+def ensure_node(path: str | os.PathLike, dev: tuple[int, int], mode: int = BASE_MODE) -> bool:
+    """Create the character node, root-owned, when it is missing or is not `dev`; True when made.
+
+    With NVreg_ModifyDeviceFiles=0 nvidia-modprobe creates no nodes, so gpuguard does: GPUs with
+    the base mode, and nvidiactl, nvidia-modeset and nvidia-uvm with 0666.
+    """
+    try:
+        st = os.lstat(path)
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(*dev):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    # 0600 at birth (the umask only narrows it), widened once the owner is right.
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(*dev))
+    os.chown(path, 0, 0)
+    os.chmod(path, mode)
+    return True
+
+
+def set_base_mode(path: str | os.PathLike) -> list[str]:
+    """0660 root:root: nobody but root and the ACL's named users may open the node.
+    Returns what had to change ("owner 1000:0", "mode 0666": what it was), empty when nothing."""
+    st = os.stat(path)
+    changed = []
+    if (st.st_uid, st.st_gid) != (0, 0):
+        os.chown(path, 0, 0)
+        changed.append(f"owner {st.st_uid}:{st.st_gid}")
+    if stat.S_IMODE(st.st_mode) != BASE_MODE:
+        os.chmod(path, BASE_MODE)
+        changed.append(f"mode {stat.S_IMODE(st.st_mode):04o}")
+    return changed
+
+
+def sync_gpu_node(path: Path, dev: tuple[int, int], uids: Iterable[int]) -> list[str]:
+    """Make a GPU node what it should be: present as `dev`, 0660 root:root, an ACL entry for
+    exactly `uids`. Idempotent, and writes nothing when the node is right (the node watcher
+    sees every write). Returns what was wrong, as "<path>: <what it was>", empty when nothing."""
+    uids = set(uids)
+    if ensure_node(path, dev):  # made 0660 root:root: only its ACL is left to write
+        apply_acls(path, uids)
+        return [f"{path}: missing or not the device"]
+    wrong = set_base_mode(path)
+    before = acl_users(path)
+    if apply_acls(path, uids):
+        wrong.append(f"ACL users {sorted(before)} instead of {sorted(uids)}" if before != uids
+                     else "ACL entries")
+    return [f"{path}: {what}" for what in wrong]

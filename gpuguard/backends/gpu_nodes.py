@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from pathlib import Path
 
-from gpuguard.backends import acl
+from gpuguard.backends import devnodes
 from gpuguard.model import NVIDIA_MAJOR
 
 
@@ -15,10 +15,7 @@ class AclNodes:
         self.device_dir = Path(device_dir)
 
     def path(self, minor: int) -> Path:
-        return self.device_dir / f"nvidia{minor}"
+        return devnodes.gpu_node(self.device_dir, minor)
 
-    def sync(self, minor: int, users: Collection[int]) -> None:
-        path = self.path(minor)
-        acl.ensure_node(path, (NVIDIA_MAJOR, minor))
-        acl.set_base_mode(path)
-        acl.apply_acls(path, users)
+    def sync(self, minor: int, users: Collection[int]) -> list[str]:
+        return devnodes.sync_gpu_node(self.path(minor), (NVIDIA_MAJOR, minor), users)

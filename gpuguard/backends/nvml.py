@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, TypeVar
 import pynvml
 
 from gpuguard.backends import GpuError
-from gpuguard.model import Gpu, GpuProcess, Link
+from gpuguard.model import Gpu, GpuProcess, GpuUse, Link
 
 __all__ = ["GpuError", "NvmlBackend", "ProcessQuery"]
 
@@ -193,6 +193,19 @@ class NvmlBackend:
             raise GpuError(next(iter(failed.values())))  # not one GPU answers: NVML itself fails
         read = frozenset(minor for _, _, minor in self._devices) - failed.keys()
         return ProcessQuery(sorted(found, key=lambda p: (p.minor, p.pid)), read, failed)
+
+    def use(self) -> dict[int, GpuUse]:
+        """Memory and utilisation of each GPU that answers; one that fails is left out (no
+        decision hangs on these numbers: they are for status and metrics)."""
+        found = {}
+        for _, handle, minor in self._devices:
+            try:
+                memory = _call(pynvml.nvmlDeviceGetMemoryInfo, handle, minor=minor)
+                utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle, minor=minor)
+            except GpuError:
+                continue
+            found[minor] = GpuUse(memory.used, memory.total, utilization.gpu if utilization is not None else None)
+        return found
 
     def close(self) -> None:
         _call(pynvml.nvmlShutdown)

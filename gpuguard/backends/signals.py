@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from gpuguard.backends.procfs import STATE_NAMES, ProcessIdentity, inspect
+from gpuguard.messages import printable
 
 
 class Outcome(str, Enum):
@@ -45,14 +46,10 @@ class Result:
 
 
 def command(pid: int) -> str:
-    """The process name (comm) for messages, printable characters only; "" when gone."""
+    """The process name (comm) for messages, control characters escaped (its owner chose it:
+    messages.printable); "" when gone."""
     info = inspect(pid)
-    return sanitize(info.comm) if info else ""
-
-
-def sanitize(text: str) -> str:
-    # Process names are chosen by their owner: keep escape sequences out of terminals and logs.
-    return "".join(c if c.isprintable() else "?" for c in text)
+    return printable(info.comm) if info else ""
 
 
 def send(identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> Result:

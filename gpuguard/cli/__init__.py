@@ -3,11 +3,16 @@
 Each `*_cmd` module in this package has `register(subparsers)`, which adds its commands and
 sets `func(args) -> int` on them. Exit codes are the same everywhere: 0 ok, 1 refused or
 failed, 2 bad usage or input, 3 daemon unreachable. Errors are one line, no traceback.
+
+What the commands print can hold strings users chose (a PAM TTY or remote host in whoami,
+a process name in an event): everything written to stdout and every error goes through
+messages.printable, so no control character reaches the terminal (JSON escapes its own).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
 import os
 import pkgutil
@@ -16,6 +21,7 @@ from typing import Any
 
 from gpuguard import __version__, config
 from gpuguard.errors import GpuguardError
+from gpuguard.messages import printable, printable_keeping_colour
 
 
 class CommandError(GpuguardError):
@@ -57,9 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class PrintableOutput(io.TextIOBase):
+    """A text stream that escapes control characters on their way to `stream`, line ends kept."""
+
+    def __init__(self, stream: io.TextIOBase):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write("\n".join(printable_keeping_colour(line) for line in text.split("\n")))
+        return len(text)
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    sys.stdout = PrintableOutput(sys.stdout)
     try:
         return args.func(args)
     except GpuguardError as exc:
@@ -73,5 +104,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"gpuguard: {message}", file=sys.stderr)
+    print(f"gpuguard: {printable(message)}", file=sys.stderr)
     return code

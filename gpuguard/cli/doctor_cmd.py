@@ -87,7 +87,9 @@ def _daemon(config: Config) -> tuple[dict | None, str | None]:
 
 def _kernel(config: Config, gate_name: str):
     """(cgroup2 mount, bpf error, gate status, gate current, gate error)."""
-    from gpuguard.backends.gate import Gate, attached_ids, cgroup2_root  # ctypes: only for this command
+    from gpuguard.backends.bpf import attached_ids  # ctypes: only for this command
+    from gpuguard.backends.gate import Gate
+    from gpuguard.backends.mounts import cgroup2_root
     try:
         root = cgroup2_root()
     except GateError:
@@ -120,12 +122,12 @@ def _gpus(config: Config) -> tuple[list[tuple[int, str]] | None, str | None]:
 
 
 def _node(path: Path) -> doctor.Node:
-    from gpuguard.backends import acl
+    from gpuguard.backends.posix_acl import acl_users
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return doctor.Node(str(path), exists=False)
-    users = frozenset(acl.acl_users(path)) if stat.S_ISCHR(st.st_mode) else frozenset()
+    users = frozenset(acl_users(path)) if stat.S_ISCHR(st.st_mode) else frozenset()
     return doctor.Node(str(path), True, stat.S_ISCHR(st.st_mode), stat.S_IMODE(st.st_mode),
                        st.st_uid, st.st_gid, users)
 

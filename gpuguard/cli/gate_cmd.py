@@ -54,7 +54,9 @@ def gate_status(args: argparse.Namespace) -> int:
           f"{status['entries']} entries, exempt uids {', '.join(map(str, status['exempt']))}")
     for uid, devices in sorted(status["users"].items(), key=lambda item: int(item[0])):
         print(f"  {_user_name(int(uid))}: {' '.join(devices)}")
-    return EXIT_OK
+    for problem in status["problems"]:  # the daemon repairs these within a few ticks; so does `gate attach`
+        print(f"  problem: {problem}")
+    return 1 if status["problems"] else EXIT_OK
 
 
 def gate_attach(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""What every user runs: `gpuguard whoami`, `status`, `request`, `release`."""
+"""What every user runs: `gpuguard whoami`, `env`, `request`, `release` (`status` is status_cmd)."""
 from __future__ import annotations
 
 import argparse
@@ -21,10 +21,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     env = subparsers.add_parser("env", help="the export CUDA_VISIBLE_DEVICES=... line for your GPUs now",
                                 description='For a shell older than your grant (tmux, screen): eval "$(gpuguard env)"')
     env.set_defaults(func=show_env)
-
-    status = subparsers.add_parser("status", help="who holds which GPU")
-    status.add_argument("--json", action="store_true", help="print JSON")
-    status.set_defaults(func=show_status)
 
     request = subparsers.add_parser("request", help="get GPUs now, up to your quota")
     request.add_argument("--gpus", type=int, metavar="N", help="how many GPUs in all (default: your quota)")
@@ -85,27 +81,6 @@ def show_env(args: argparse.Namespace) -> int:
 
 def _uuids(whoami: dict[str, Any]) -> list[str]:
     return [g["uuid"] for g in whoami["grants"] if g["uuid"]]
-
-
-def show_status(args: argparse.Namespace) -> int:
-    reply = ask(args, "status")
-    if args.json:
-        print_json(reply)
-        return EXIT_OK
-    rows = [["GPU", "NAME", "HELD BY", "PROCS"]]
-    for gpu in reply["gpus"]:
-        held = ", ".join(_holder(h) for h in gpu["holders"]) or "free"
-        rows.append([str(gpu["minor"]), gpu["name"], held, "?" if gpu["processes"] is None else str(gpu["processes"])])
-    print_rows(rows)
-    if "sessions" in reply:
-        print(f"\n{len(reply['sessions'])} open session(s); exempt uids {number_list(reply['exempt'])}; "
-              f"enforcement: {'gate ' + reply['gate'] if reply['gate'] else 'ACLs only'}")
-    return EXIT_OK
-
-
-def _holder(holder: dict[str, Any]) -> str:
-    until = f" until {clock(holder['expires_at'])}" if holder["expires_at"] else ""
-    return f"{holder['user']}{until}{' (shared)' if holder['shared'] else ''}"
 
 
 def run_request(args: argparse.Namespace) -> int:

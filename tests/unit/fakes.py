@@ -6,6 +6,7 @@ NSS, the GPU sample and the terminals are fakes that record what was asked of th
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from gpuguard.backends.accounts import Account, UnknownUser
 from gpuguard.config import AccessConfig, Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.model import Gpu, GpuProcess, Quota
 from gpuguard.backends.procfs import ProcessIdentity
@@ -40,8 +42,10 @@ class FakeNodes:
     def path(self, minor: int) -> Path:
         return Path(f"/nonexistent/nvidia{minor}")
 
-    def sync(self, minor: int, users: Collection[int]) -> None:
+    def sync(self, minor: int, users: Collection[int]) -> list[str]:
+        changed = self.users.get(minor) != frozenset(users)
         self.users[minor] = frozenset(users)
+        return [f"{self.path(minor)}: ACL users"] if changed else []
 
 
 class FakeLookup:
@@ -71,6 +75,7 @@ class FakeSampler:
 
     def __init__(self) -> None:
         self.last: Sample | None = None
+        self.errors: Counter[str] = Counter()  # NVML errors by GPU, as the real Sampler counts them
         self.set([])
 
     def set(self, processes: Iterable[tuple[int, int, int, int | None]], minors: Collection[int] = range(4)) -> Sample:
@@ -102,6 +107,8 @@ class World:
     tmp: Path
     config: Config = field(default_factory=lambda: Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=1)))
     holders: list[Holder] = field(default_factory=list)
+    scans: int = 0  # /proc scans asked for
+    scanned_uids: list = field(default_factory=list)  # whose processes each scan read (None: everyone's)
 
     def __post_init__(self) -> None:
         self.store = Store(self.tmp / "state.db")
@@ -111,12 +118,22 @@ class World:
         self.lookup = FakeLookup()
         self.sampler = FakeSampler()
         self.notifier = FakeNotifier()
-        self.logout = LogoutRelease(self.store, self.grants, lambda minors: [h for h in self.holders if h.minor in minors])
+        self.logout = LogoutRelease(self.store, self.grants, self.find_holders)
+        self.holder_ender = HolderEnder(self.find_holders, self.sampler, self.exempt, self.store,  # type: ignore[arg-type]
+                                        lambda: self.config.watcher.kill_wait)
+        self.grants.holders = self.holder_ender
         self.reloads = 0
-        self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
-                       self.lookup, self.logout, None, reload=self._reload, sync_nodes=lambda: None)
         self.watcher = Watcher(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
                                self.lookup, self.notifier)
+        self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
+                       self.lookup, self.logout, self.holder_ender, None, reload=self._reload,
+                       sync_nodes=lambda: None, account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage)
+
+    def find_holders(self, minors: Collection[int], uids: Collection[int] | None = None) -> list[Holder]:
+        """The /proc scan: the holders a test listed, on those GPUs (of those users); counted."""
+        self.scans += 1
+        self.scanned_uids.append(None if uids is None else frozenset(uids))
+        return [h for h in self.holders if h.minor in minors and (uids is None or h.uid in uids)]
 
     def _reload(self) -> Config:
         self.reloads += 1

@@ -94,3 +94,35 @@ def test_admin_grant_and_revoke(world):
     revoked = world.call("revoke", user="alice")
     assert revoked["revoked"] == [2] and world.held(1001) == []
     assert world.call("revoke", user="alice")["code"] == 1  # holds nothing now
+
+
+def test_closing_sessions_already_gone_scans_nothing(world):
+    """The hang of issue 9: 50 sessions of 10 users closed one after another took over 280 s.
+    Their sessions were gone (the restarted daemon's tick had dropped them), their grants kept
+    by processes holding the nodes, so every close took a sample and scanned all of /proc again.
+    Only the close that ends a user's last session may try the release now."""
+    users = [world.lookup.add(f"u{i}", 1100 + i, GROUP) for i in range(4)]
+    for user in users:
+        world.login(user, pid=9000 + user.uid)
+        (minor,) = world.held(user.uid)
+        world.holders.append(Holder(pid=500 + user.uid, uid=user.uid, minor=minor))  # a job without a CUDA context
+    world.store.remove_sessions(s.id for s in world.store.sessions())  # as drop_dead_sessions does
+    for _ in range(5):
+        for user in users:
+            assert world.call("session_close", user=user.name, pid=9000 + user.uid)["closed"] is False
+    assert world.scans == 0
+    assert all(world.held(user.uid) for user in users)  # the tick's release_unused still decides about them
+
+
+def test_the_close_that_ends_the_last_session_scans_only_that_users_processes(world):
+    users = [world.lookup.add(f"u{i}", 1100 + i, GROUP) for i in range(3)]
+    for user in users:
+        for pid in (1, 2):
+            world.login(user, pid=pid * 10000 + user.uid)
+    for user in users:
+        world.holders.append(Holder(pid=500 + user.uid, uid=user.uid, minor=world.held(user.uid)[0]))
+    for pid in (1, 2):
+        for user in users:
+            world.call("session_close", user=user.name, pid=pid * 10000 + user.uid)
+    assert world.scans == len(users)  # one per last close, none for the first ones
+    assert world.scanned_uids == [frozenset({user.uid}) for user in users]  # each reads one user's processes

@@ -1,9 +1,7 @@
-"""Device node permissions, the second layer under the gate: 0660 root:root plus one ACL entry per grantee.
+"""Watching for GPU device nodes that come back or change, so their permissions are re-applied.
 
-ACLs are written as the kernel's binary xattr ("system.posix_acl_access"): u32 version 2, then
-8-byte entries {u16 tag; u16 perm; u32 id} sorted by tag and id. Every write checks first and
-does nothing when the node is already right: the NodeWatcher sees our own writes as IN_ATTRIB,
-and a no-op is what ends that loop.
+nvidia-modprobe and admins create nodes with mknod, which sends no uevent: hence inotify on the
+device directory; the driver's modules loading and GPUs binding come as kernel uevents (netlink).
 """
 from __future__ import annotations
 
@@ -13,100 +11,12 @@ import logging
 import os
 import select
 import socket
-import stat
-import struct
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from gpuguard.model import NVIDIA_MAJOR
 
 log = logging.getLogger(__name__)
-
-XATTR = "system.posix_acl_access"
-VERSION = 2
-USER_OBJ, USER, GROUP_OBJ, GROUP, MASK, OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
-UNDEFINED_ID = 0xFFFFFFFF
-RW = 0o6
-BASE_MODE = 0o660
-_HEADER = struct.Struct("<I")
-_ENTRY = struct.Struct("<HHI")
-
-Entry = tuple[int, int, int]  # (tag, perm, id)
-
-
-def set_base_mode(path: str | os.PathLike) -> None:
-    """0660 root:root: nobody but root and the ACL's named users may open the node."""
-    st = os.stat(path)
-    if (st.st_uid, st.st_gid) != (0, 0):
-        os.chown(path, 0, 0)
-    if stat.S_IMODE(st.st_mode) != BASE_MODE:
-        os.chmod(path, BASE_MODE)
-
-
-def ensure_node(path: str | os.PathLike, dev: tuple[int, int], mode: int = BASE_MODE) -> bool:
-    """Create the character node, root-owned, when it is missing or is not `dev`; True when made.
-
-    With NVreg_ModifyDeviceFiles=0 nvidia-modprobe creates no nodes, so gpuguard does: GPUs with
-    the base mode, and nvidiactl, nvidia-modeset and nvidia-uvm with 0666.
-    """
-    try:
-        st = os.lstat(path)
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(*dev):
-            return False
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    # 0600 at birth (the umask only narrows it), widened once the owner is right.
-    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(*dev))
-    os.chown(path, 0, 0)
-    os.chmod(path, mode)
-    return True
-
-
-def acl_entries(path: str | os.PathLike) -> list[Entry]:
-    """The node's access ACL; the 3 entries its mode implies when it has none stored."""
-    try:
-        data = os.getxattr(path, XATTR)
-    except OSError as exc:
-        if exc.errno != errno.ENODATA:
-            raise
-        return _minimal(os.stat(path).st_mode)
-    (version,) = _HEADER.unpack_from(data)
-    if version != VERSION:
-        raise ValueError(f"{path}: unknown ACL xattr version {version}")
-    return [_ENTRY.unpack_from(data, offset) for offset in range(_HEADER.size, len(data), _ENTRY.size)]
-
-
-def acl_users(path: str | os.PathLike) -> set[int]:
-    """Uids with a named ACL entry on the node."""
-    return {uid for tag, _, uid in acl_entries(path) if tag == USER}
-
-
-def apply_acls(path: str | os.PathLike, uids: Iterable[int]) -> None:
-    """Give exactly these uids rw on the node (the minimal 3-entry ACL when there are none).
-
-    The owner, group and other entries are kept as they are; named groups are dropped.
-    """
-    current = acl_entries(path)
-    base = {tag: perm for tag, perm, _ in current if tag in (USER_OBJ, GROUP_OBJ, OTHER)}
-    users = sorted(set(uids))
-    wanted = [(USER_OBJ, base[USER_OBJ], UNDEFINED_ID), *[(USER, RW, uid) for uid in users],
-              (GROUP_OBJ, base[GROUP_OBJ], UNDEFINED_ID)]
-    if users:  # named entries need a mask; it must not cut the owning group's rights either
-        wanted.append((MASK, RW | base[GROUP_OBJ], UNDEFINED_ID))
-    wanted.append((OTHER, base[OTHER], UNDEFINED_ID))
-    if current != wanted:
-        # For a minimal ACL the kernel just sets the mode bits and drops the xattr.
-        os.setxattr(path, XATTR, _HEADER.pack(VERSION) + b"".join(_ENTRY.pack(*e) for e in wanted))
-
-
-def _minimal(mode: int) -> list[Entry]:
-    """The ACL that a mode alone stands for."""
-    return [(USER_OBJ, mode >> 6 & 7, UNDEFINED_ID), (GROUP_OBJ, mode >> 3 & 7, UNDEFINED_ID),
-            (OTHER, mode & 7, UNDEFINED_ID)]
-
-
-# --- re-applying when nodes come back -----------------------------------------------------------
 
 IN_ATTRIB, IN_MOVED_TO, IN_CREATE = 0x4, 0x80, 0x100
 NETLINK_KOBJECT_UEVENT, UEVENT_KERNEL_GROUP = 15, 1
@@ -172,8 +82,8 @@ class NodeWatcher:
         for fd, _ in self._epoll.poll(0):
             if fd == self._inotify.fd:
                 self._read_inotify()
-            else:
-                self._read_uevents()
+            elif self._uevents:  # the only other fd registered
+                self._read_uevents(self._uevents)
 
     def close(self) -> None:
         self._epoll.close()
@@ -192,11 +102,11 @@ class NodeWatcher:
         for name in sorted(paths):
             self._call(self.device_dir / name)
 
-    def _read_uevents(self) -> None:
+    def _read_uevents(self, uevents: socket.socket) -> None:
         relevant = False
         while True:
             try:
-                data = self._uevents.recv(65536)
+                data = uevents.recv(65536)
             except BlockingIOError:
                 break
             except OSError as exc:

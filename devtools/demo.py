@@ -3,29 +3,36 @@
 Everything the tour creates is named `ggt-demo-*` (or `ggt-<name>-*` for its users) and removed at
 the end, even when a step fails: a group, three users, a sandbox under /tmp with the config and
 the simulated device nodes, a daemon with a gate of its own, and a PAM stack. Logins go through
-`su -` in a private mount namespace where that stack is bind-mounted over /etc/pam.d/su-l, so the system's own PAM files are never touched.
+`su -` in a private mount namespace where that stack is bind-mounted over /etc/pam.d/su-l, so the
+system's own PAM files are never touched.
 """
 from __future__ import annotations
 
 import os
+import pwd
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
-import sys
 import textwrap
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
-from gpuguard import client, config as configuration
-from gpuguard.backends.gate import Gate, bpffs_restored
+from devtools.harness import (
+    VENV_BIN,
+    bpffs_restored,
+    free_port,
+    kill_processes_of,
+    searchable,
+    start_daemon,
+    stop_daemon,
+)
+from gpuguard import client
 
 REPO = Path(__file__).resolve().parent.parent
 PAM_MODULE = REPO / "pam" / "pam_gpuguard.so"
-VENV_BIN = Path(sys.executable).parent
 
 
 class Tour:
@@ -40,6 +47,7 @@ class Tour:
         self.socket = self.dir / "run" / "gpuguard.sock"
         self.users = {name: f"ggt-{name}-{tag}" for name in ("alice", "bob", "carol")}
         self.daemon: subprocess.Popen | None = None
+        self.metrics_port = free_port()
 
     # --- setting the stage
 
@@ -52,7 +60,7 @@ class Tour:
             groups = ["--groups", self.group] if name != "carol" else []
             run(["useradd", "--create-home", "--shell", "/bin/bash", *groups, user])
             self.stack.callback(run, ["userdel", "--remove", "--force", user], check=False)
-            self.stack.callback(run, ["pkill", "-KILL", "-u", user], check=False)
+            self.stack.callback(kill_processes_of, pwd.getpwnam(user).pw_uid)
         self.config.write_text(textwrap.dedent(f"""\
             # A lab server with four simulated H100s in two NVLink pairs.
             [access]
@@ -77,6 +85,9 @@ class Tour:
             state_dir = "{self.dir}/state"
             socket = "{self.socket}"
             device_dir = "{self.dir}/dev"
+
+            [metrics]
+            listen = "127.0.0.1:{self.metrics_port}"
 
             [gpu]
             backend = "simulated"
@@ -134,6 +145,16 @@ class Tour:
                                 input=script, capture_output=True, text=True, timeout=120)
         print(textwrap.indent((result.stdout + result.stderr).rstrip(), "  "))
 
+    def scrape(self, *prefixes: str) -> None:
+        """Fetch the metrics endpoint as Prometheus would and show the lines of these metrics."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        print(f"root# curl -s {url} | grep -E '^({'|'.join(prefixes)})'")
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            lines = reply.read().decode().splitlines()
+        for line in lines:
+            if line.startswith(prefixes) and not line.endswith(" 0.0"):
+                print(f"  {line}")
+
     def wait_for_event(self, name: str, kind: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -141,50 +162,6 @@ class Tour:
             if any(e["kind"] == kind for e in events):
                 return
             time.sleep(0.25)
-
-
-def start_daemon(stack: ExitStack, config: Path, gate: str, log: Path | None = None) -> subprocess.Popen:
-    """`gpuguard daemon` with a gate of its own, once it answers on its socket (the demo's and the
-    bench's). Closing the stack stops it and detaches its gate."""
-    out = stack.enter_context(open(log, "wb")) if log else subprocess.DEVNULL
-    daemon = subprocess.Popen([str(VENV_BIN / "gpuguard"), "--config", str(config), "daemon", "--gate-name", gate],
-                              stdout=out, stderr=out)
-    stack.callback(lambda: Gate(gate).detach())
-    stack.callback(stop_daemon, daemon)
-    socket = str(configuration.load(config).paths.socket)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.call(socket, "status", timeout=1)
-            return daemon
-        except client.DaemonUnreachable:
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the gpuguard daemon did not start{f'; see {log}' if log else ''}") from None
-            time.sleep(0.1)
-
-
-def stop_daemon(daemon: subprocess.Popen | None) -> None:
-    if daemon and daemon.poll() is None:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(15)
-
-
-@contextmanager
-def searchable(path: Path) -> Iterator[None]:
-    """Let other users reach `path` (search permission on each directory above it) while inside.
-
-    The demo's users and the tests' users run gpuguard from this checkout's virtual environment;
-    a checkout under /root (mode 0700) would otherwise fail for them in ways that look like
-    denials. Only o+x is added (no listing), and only where missing; it is taken back after.
-    """
-    opened = [parent for parent in [path, *path.parents] if not os.stat(parent).st_mode & 0o001]
-    for parent in opened:
-        os.chmod(parent, os.stat(parent).st_mode | 0o001)
-    try:
-        yield
-    finally:
-        for parent in opened:
-            os.chmod(parent, os.stat(parent).st_mode & ~0o001)
 
 
 def run(argv: list[str], check: bool = True) -> None:
@@ -232,8 +209,10 @@ echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES
 gpuguard sim burn --gpu {other} --mem 1GiB --seconds 0
 """)
 
-    step("7. alice logged out, but her nohup job keeps her GPUs; everyone can see who holds what")
+    step("7. alice logged out, but her nohup job keeps her GPUs; everyone sees who holds what, and uses how much")
     t.admin("status")
+    t.admin("status", "--csv")
+    t.scrape("gpuguard_gpu_holder", "gpuguard_gpu_memory_used_bytes", "gpuguard_user_gpu_memory_used_bytes")
 
     step("8. bob goes over his 20GiB memory quota: warned, then stopped after the grace period")
     t.login("bob", """
@@ -246,7 +225,14 @@ gpuguard whoami | tail -n 4
     t.wait_for_event("alice", "kill")
     t.admin("whoami", "--user", t.users["alice"])
 
-    step("10. The daemon stops: the gate stays, so GPU access stays closed (fail closed)")
+    step("10. The records: the month's report, the event history, and what Prometheus scrapes")
+    t.admin("report")
+    t.admin("report", "--by", "gpu")
+    t.admin("events", "--rule", "memory")
+    t.scrape("gpuguard_warnings_total", "gpuguard_kills_total", "gpuguard_revokes_total",
+             "gpuguard_watcher_tick_seconds_count")
+
+    step("11. The daemon stops: the gate stays, so GPU access stays closed (fail closed)")
     t.stop_daemon()
     t.login("bob", "gpuguard sim burn --gpu 0 --mem 1GiB --seconds 0")
     t.admin("gate", "status", "--name", t.gate)

@@ -1,0 +1,142 @@
+"""`gpuguard status`: who holds which GPU, how much of it they use, and what runs there.
+
+One block per GPU, after gpustat's one-line-per-GPU summary and nvitop's memory bars and
+process table: the GPU line (utilisation, memory bar, holders), one line per holder (a bar of
+their memory against their quota, time left), one line per process (pid, user, memory, name).
+Colour and Unicode bars on a terminal (NO_COLOR or TERM=dumb turn colour off), plain ASCII when
+piped; --json for everything the daemon says, --csv (no header) one line per GPU for scripts.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from gpuguard.cli import print_json
+from gpuguard.cli.calls import ask
+from gpuguard.errors import EXIT_OK
+from gpuguard.messages import clock, number_list
+from gpuguard.units import format_size
+
+BAR_WIDTH = 20
+CSV_COLUMNS = ("gpu", "name", "uuid", "utilization_percent", "memory_used_bytes", "memory_total_bytes",
+               "holders", "processes", "time_left_seconds")
+_COLOURS = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    status = subparsers.add_parser(
+        "status", help="who holds which GPU, memory, utilisation and processes",
+        description="Each GPU with its holders, their memory against their quota, time left and processes.",
+        epilog=f"--csv columns: {','.join(CSV_COLUMNS)} (holders space-separated; empty when unknown or none)")
+    status.add_argument("-u", "--user", metavar="NAME", help="only the GPUs this user holds or runs processes on")
+    output = status.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print JSON")
+    output.add_argument("--csv", action="store_true", help="print CSV without a header, one line per GPU")
+    status.set_defaults(func=show_status)
+
+
+@dataclass(frozen=True)
+class Style:
+    colour: bool
+    unicode: bool
+
+    @classmethod
+    def for_stdout(cls) -> Style:
+        tty = sys.stdout.isatty()
+        colour = tty and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+        return cls(colour=colour, unicode=tty and (sys.stdout.encoding or "").lower().replace("-", "") == "utf8")
+
+    def paint(self, text: str, *names: str) -> str:
+        if not self.colour or not names or not text:
+            return text
+        return f"\033[{';'.join(_COLOURS[n] for n in names)}m{text}\033[0m"
+
+    def bar(self, used: int | None, limit: int | None) -> str:
+        """[#####.....] of used against limit; full and red when over, yellow from 80%."""
+        if used is None or not limit:
+            return " " * (BAR_WIDTH + 2)
+        share = used / limit
+        filled = min(BAR_WIDTH, round(share * BAR_WIDTH))
+        full, empty = ("█", "░") if self.unicode else ("#", ".")
+        colour = "red" if share > 1 else "yellow" if share >= 0.8 else "green"
+        return "[" + self.paint(full * filled, colour) + empty * (BAR_WIDTH - filled) + "]"
+
+
+def show_status(args: argparse.Namespace) -> int:
+    reply = ask(args, "status")
+    gpus = [gpu for gpu in reply["gpus"] if args.user is None or involves(gpu, args.user)]
+    if args.json:
+        print_json({**reply, "gpus": gpus})
+    elif args.csv:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerows(csv_row(gpu, reply["now"]) for gpu in gpus)
+    else:
+        style = Style.for_stdout()
+        for gpu in gpus:
+            print("\n".join(gpu_lines(gpu, reply["now"], style)))
+        if not gpus:
+            print(f"{args.user} holds no GPU and runs nothing on one" if args.user else "no GPUs")
+        if "sessions" in reply:
+            print(f"\n{len(reply['sessions'])} open session(s); exempt uids {number_list(reply['exempt'])}; "
+                  f"enforcement: {'gate ' + reply['gate'] if reply['gate'] else 'ACLs only'}")
+    return EXIT_OK
+
+
+def involves(gpu: dict[str, Any], user: str) -> bool:
+    return (any(h["user"] == user for h in gpu["holders"])
+            or any(p["user"] == user for p in gpu["process_list"] or ()))
+
+
+def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
+    util = "  ?" if gpu["utilization"] is None else f"{gpu['utilization']:3d}"
+    used = gpu["memory_used"]
+    memory = f"{'?' if used is None else format_size(used)} / {format_size(gpu['memory_total'])}"
+    holders = ", ".join(style.paint(h["user"], "bold", "cyan") for h in gpu["holders"]) or style.paint("free", "green")
+    title = style.paint(f"GPU {gpu['minor']}", "bold")
+    lines = [f"{title}  {gpu['name']}  {util}%  "
+             f"{style.bar(used, gpu['memory_total'])} {memory:<17}  {holders}"]
+    for h in gpu["holders"]:
+        quota = h["gpu_memory"]
+        mine = "?" if h["memory_used"] is None else format_size(h["memory_used"])
+        against = f"{mine} of {format_size(quota)} quota" if quota else f"{mine}, no memory quota"
+        if quota and h["memory_used"] is not None and h["memory_used"] > quota:
+            against += " " + style.paint("OVER", "bold", "red")
+        until = (f"until {clock(h['expires_at'])} ({time_left(h['expires_at'] - now)} left)"
+                 if h["expires_at"] else "no time limit")
+        shared = ", shared" if h["shared"] else ""
+        name = style.paint(f"{h['user']:<12}", "cyan")
+        lines.append(f"    {name} {style.bar(h['memory_used'], quota)} "
+                     f"{against}; {until}{shared}")
+    if gpu["process_list"] is None:
+        lines.append(style.paint("    processes unknown: NVML could not read this GPU", "yellow"))
+    for p in gpu["process_list"] or ():
+        memory = "?" if p["memory"] is None else format_size(p["memory"])
+        lines.append(style.paint(f"      {p['pid']:>7}  {p['user'] or '?':<12} {memory:>9}  {p['command']}", "dim"))
+    return lines
+
+
+def csv_row(gpu: dict[str, Any], now: float) -> list[Any]:
+    expiries = [h["expires_at"] for h in gpu["holders"] if h["expires_at"]]
+    return [gpu["minor"], gpu["name"], gpu["uuid"], _blank(gpu["utilization"]), _blank(gpu["memory_used"]),
+            gpu["memory_total"], " ".join(h["user"] for h in gpu["holders"]), _blank(gpu["processes"]),
+            round(max(0.0, min(expiries) - now)) if expiries else ""]
+
+
+def _blank(value: Any) -> Any:
+    return "" if value is None else value
+
+
+def time_left(seconds: float) -> str:
+    """2d03h, 5h07m, 42m, <1m: short enough for a status line."""
+    minutes = int(max(0.0, seconds) // 60)
+    if minutes < 1:
+        return "<1m"
+    days, rest = divmod(minutes, 24 * 60)
+    hours, minutes = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m"

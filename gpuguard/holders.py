@@ -1,0 +1,171 @@
+"""Ending the processes that still hold a GPU node after the GPU was taken from their user.
+
+The gate checks only at open(): a process that opened /dev/nvidiaN while its user held the GPU
+keeps its descriptor, and the device behind it, until it exits. So every path that takes a GPU
+away (an admin revoke, a time limit, an idle, logout or user release: Grants.remove) ends the
+user's processes that /proc shows holding that node:
+
+- those NVML lists (a CUDA context) are the watcher's: on a GPU its user no longer holds they
+  are stray use, warned, then SIGTERM after grace and SIGKILL after kill_wait (rules.py);
+- the others, which NVML never shows and the watcher therefore never sees, get SIGTERM at once,
+  SIGKILL `kill_wait` later if they still hold a node of those GPUs, and are reported
+  unkillable if they still do `kill_wait` after that. When NVML cannot be read, every holder
+  counts as one of these: the GPU was taken away, so access fails closed.
+
+Each signal is re-checked against the process's identity (backends.signals, which also refuses
+root and exempt processes), logged, and stored as an event of the user (`gpuguard whoami`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+from gpuguard import sampling
+from gpuguard.backends import procfs, signals
+from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.exempt import Exempt
+from gpuguard.logs import event
+from gpuguard.messages import number_list
+from gpuguard.model import Event
+from gpuguard.sampling import Holder, Sampler
+from gpuguard.store import Store
+from gpuguard.units import format_duration
+
+# (minors, uids or None for everyone) -> holders; blocking (a /proc scan): runs in a worker thread
+FindHolders = Callable[[Collection[int], Collection[int] | None], list[Holder]]
+Pair = tuple[int, int]  # (pid, minor)
+
+
+@dataclass(frozen=True)
+class Scan:
+    """A user's processes holding some GPUs' nodes, split by whether NVML lists them there."""
+
+    listed: frozenset[Pair]    # NVML lists them (a CUDA context): the watcher's
+    unlisted: frozenset[Pair]  # only /proc shows them (or NVML could not say)
+    unread: frozenset[int]     # GPUs whose processes NVML could not read
+    error: str | None = None   # NVML failed as a whole
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What end() did at once; SIGKILL and the unkillable report follow in the background."""
+
+    scan: Scan
+    termed: tuple[int, ...]  # pids sent SIGTERM
+
+
+class HolderEnder:
+    def __init__(self, find_holders: FindHolders, sampler: Sampler, exempt: Exempt, store: Store,
+                 kill_wait: Callable[[], float]):
+        self.find_holders = find_holders
+        self.sampler = sampler
+        self.exempt = exempt
+        self.store = store
+        self.kill_wait = kill_wait  # the config in force, which a reload replaces
+        self._tasks: set[asyncio.Task] = set()
+
+    async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE) -> Scan:
+        """uid's processes holding these GPUs' nodes (only that user's processes are read). /proc is
+        scanned first: a process NVML does not list in the later sample had no context when it was found."""
+        minors = frozenset(minors)
+        found = await asyncio.to_thread(self.find_holders, minors, {uid})
+        holding = frozenset((h.pid, h.minor) for h in found if h.uid == uid)
+        if not holding:
+            # A CUDA process holds its node open too: none in /proc, none for NVML to list. No
+            # sample then, so that releases (which can be looped) never make NVML poll faster.
+            return Scan(frozenset(), frozenset(), frozenset())
+        try:
+            sample = await self.sampler.take(max_age)
+        except Exception as exc:  # GpuError and anything a broken driver throws
+            return Scan(frozenset(), holding, minors, str(exc))
+        listed = frozenset((p.pid, p.minor) for p in sample.processes
+                           if p.minor in minors and sample.uid_of(p.pid) == uid)
+        return Scan(listed, holding - listed, frozenset(m for m in minors if not sample.ok(m)))
+
+    def schedule(self, uid: int, user: str, minors: Iterable[int], why: str) -> None:
+        """end() in the background (the caller is the event loop, which must not wait kill_wait)."""
+        self._spawn(self.end(uid, user, minors, why))
+
+    async def end(self, uid: int, user: str, minors: Iterable[int], why: str) -> Ending:
+        """SIGTERM uid's processes holding these GPUs' nodes that NVML does not list, and see
+        them through to SIGKILL in the background. `why` is the rule that took the GPUs."""
+        scan = await self.scan(uid, set(minors), max_age=0)  # fresh: a context made a moment ago is the watcher's
+        holding: dict[int, set[int]] = {}
+        for pid, minor in scan.unlisted:
+            holding.setdefault(pid, set()).add(minor)
+        termed: dict[ProcessIdentity, set[int]] = {}
+        for pid, held in sorted(holding.items()):
+            identity = procfs.process_identity(pid)
+            if identity is None or identity.uid != uid:
+                continue  # exited since the scan
+            if self._signal(identity, held, user, signal.SIGTERM, why):
+                termed[identity] = held
+        if termed:
+            self._spawn(self._escalate(user, termed, why))
+        return Ending(scan, tuple(identity.pid for identity in termed))
+
+    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: str) -> None:
+        await asyncio.sleep(self.kill_wait())
+        for identity in await self._still_holding(termed):
+            self._signal(identity, termed[identity], user, signal.SIGKILL, why)
+        await asyncio.sleep(self.kill_wait())
+        for identity in await self._still_holding(termed):
+            self._record(identity, termed[identity], user, "unkillable", why, {
+                "state": signals.state(identity) or "unknown"},
+                "survives SIGKILL (stuck in the kernel); an administrator must look at it")
+
+    async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
+        """Those of `termed` that are the same process as before and still hold one of their nodes."""
+        found = await asyncio.to_thread(self.find_holders, set().union(*termed.values()),
+                                        {identity.uid for identity in termed})
+        holding = {(h.pid, h.minor) for h in found}
+        return [identity for identity, minors in termed.items()
+                if any((identity.pid, m) in holding for m in minors)
+                and procfs.process_identity(identity.pid) == identity]
+
+    def _signal(self, identity: ProcessIdentity, minors: set[int], user: str, sig: signal.Signals,
+                why: str) -> bool:
+        result = signals.send(identity, sig, self.exempt.uids)
+        if not result.sent:
+            event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
+                  outcome=result.outcome.value, detail=result.detail or None)
+            return False
+        wait = format_duration(round(self.kill_wait()))
+        what = (f"stopping it with SIGTERM; it will be killed if it still holds the GPU in {wait}"
+                if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
+        self._record(identity, minors, user, "kill", why, {"signal": sig.name, "kill_wait": self.kill_wait()},
+                     f"holds GPU {number_list(minors)}, which is no longer yours ({why}); {what}")
+        return True
+
+    def _record(self, identity: ProcessIdentity, minors: set[int], user: str, kind: str, why: str,
+                numbers: dict, what: str) -> None:
+        command = signals.command(identity.pid)
+        action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(numbers.get("signal"), kind)
+        event(logging.ERROR if kind == "unkillable" else logging.WARNING, f"holder_{action}", rule=why,
+              user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=sorted(minors),
+              **numbers)
+        message = f"gpuguard: your process {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
+        for minor in sorted(minors):
+            self.store.add_event(Event(time.time(), identity.uid, user, kind, message, minor=minor,
+                                       pid=identity.pid, command=command, rule=why, action=action,
+                                       numbers=dict(numbers)))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(self._logged(work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _logged(work) -> None:
+        try:
+            await work
+        except Exception:  # a failing end must not pass silently, nor stop the daemon
+            event(logging.ERROR, "holder_end_failed", exc_info=True)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()

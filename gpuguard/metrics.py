@@ -1,0 +1,312 @@
+"""Prometheus metrics, the node_exporter textfile and dcgm-exporter's job mapping.
+
+The event loop publishes after each tick: it reads the store, the last sample and the gate,
+builds one frozen Snapshot and replaces the reference (`Metrics.snapshot`). A scrape, in
+prometheus-client's HTTP server thread, reads only that snapshot: it never touches the store
+(SQLite is the loop's alone), NVML or the gate, and never waits for the loop. The files are
+written from a worker thread, each atomically (a temporary file renamed over the old one).
+
+Counters count from the daemon's start, as Prometheus expects (rate() handles restarts); the
+watcher's actions are read from the events the store records, newer than the last id seen.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server, write_to_textfile
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuguard.config import MetricsConfig
+from gpuguard.logs import event
+from gpuguard.model import Gpu, GpuUse, Grant, Quota
+from gpuguard.sampling import Sample
+
+# Watcher tick durations (seconds): a healthy tick takes milliseconds; past interval/2 it logs watcher_slow.
+TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+# Event kinds (model.Event.kind) counted, the counter each goes to, and the label its `rule` becomes.
+# Series of the rules that always exist are shown at 0 from the start, so rate() sees the first one.
+EVENT_COUNTERS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    # kind: (metric, help, label for the event's rule, rules shown at 0)
+    "warning": ("gpuguard_warnings", "Warnings given, by rule", "rule", ("memory", "time", "stray")),
+    "kill": ("gpuguard_kills", "Signals sent to stop processes, by rule and signal", "rule",
+             ("memory", "time", "stray")),
+    "unkillable": ("gpuguard_unkillable", "Processes that survived SIGKILL, by rule", "rule", ()),
+    "release": ("gpuguard_releases", "GPU grants released, by rule (user, logout, idle)", "rule",
+                ("user", "logout", "idle")),
+    "revoke": ("gpuguard_revokes", "GPU grants revoked, by rule (admin, time)", "rule", ("admin", "time")),
+    "grant": ("gpuguard_grants_given", "GPU grants made, by origin", "origin", ("session", "request", "admin")),
+}
+_SIGNAL_OF_ACTION = {"term": "SIGTERM", "kill": "SIGKILL"}
+
+
+@dataclass(frozen=True)
+class Holding:
+    user: str
+    uid: int
+    granted_at: float
+    expires_at: float | None
+
+
+@dataclass(frozen=True)
+class GpuState:
+    gpu: Gpu
+    read: bool                   # the last sample read its processes
+    use: GpuUse | None           # None: NVML did not answer for it
+    holders: tuple[Holding, ...]
+    user_memory: tuple[tuple[str, int], ...]  # (user, bytes NVML knows their processes use here)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    time: float
+    gpus: tuple[GpuState, ...]
+    grants: int
+    sessions: int
+    events: Mapping[tuple[str, str, str], int]  # (kind, rule, action) -> count since start
+    nvml_errors: Mapping[str, int]             # GPU minor -> failed reads; "all": samples no GPU answered
+    tick_buckets: tuple[int, ...]              # counts per TICK_BUCKETS bucket (not cumulative), then +Inf
+    tick_sum: float
+    gate_attached: bool | None                 # None: access.mode = acl, no gate
+    gate_grants: int | None
+    gate_exempt: int | None
+
+
+@dataclass
+class _Ticks:
+    """The tick-duration histogram's running totals (loop side)."""
+
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(TICK_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[next((i for i, bound in enumerate(TICK_BUCKETS) if seconds <= bound), len(TICK_BUCKETS))] += 1
+        self.total += seconds
+
+
+def gpu_states(gpus: Iterable[Gpu], sample: Sample | None, grants: Iterable[Grant],
+               name_of: Callable[[int], str]) -> tuple[GpuState, ...]:
+    """Per GPU: its numbers from the sample, its holders, each user's known memory there."""
+    grants = list(grants)
+    states = []
+    for gpu in sorted(gpus, key=lambda g: g.minor):
+        holders = tuple(Holding(g.user, g.uid, g.granted_at, g.expires_at) for g in grants if g.minor == gpu.minor)
+        names = {h.uid: h.user for h in holders}  # a grant names its user; others (strays) by the watcher's lookup
+        memory: Counter[str] = Counter()
+        if sample is not None:
+            for process in sample.processes:
+                uid = sample.uid_of(process.pid)
+                if process.minor == gpu.minor and uid is not None and process.used_memory is not None:
+                    memory[names.get(uid) or name_of(uid)] += process.used_memory
+        states.append(GpuState(gpu, sample is not None and sample.ok(gpu.minor),
+                               sample.use.get(gpu.minor) if sample else None, holders, tuple(sorted(memory.items()))))
+    return tuple(states)
+
+
+class SnapshotCollector(Collector):
+    """A prometheus-client collector over whatever snapshot `source.snapshot` holds when scraped."""
+
+    def __init__(self, source: Metrics):
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.source.snapshot  # one read of the reference: the rest is that immutable object
+        if snapshot is not None:
+            yield from families(snapshot)
+
+
+def families(s: Snapshot) -> Iterator[Metric]:
+    """The metric families of one snapshot (pure)."""
+    gpu_labels = ["gpu", "uuid"]
+
+    def per_gpu(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=gpu_labels + (labels or []))
+
+    info = per_gpu("gpuguard_gpu_info", "GPU inventory (value 1); index is NVML's, gpu the minor of /dev/nvidiaN",
+                   ["index", "name", "pci_bus_id"])
+    up = per_gpu("gpuguard_gpu_up", "1 when the last sample read the GPU's processes, 0 on an NVML error")
+    used = per_gpu("gpuguard_gpu_memory_used_bytes", "GPU memory in use, all processes")
+    total = per_gpu("gpuguard_gpu_memory_total_bytes", "GPU memory in all")
+    util = per_gpu("gpuguard_gpu_utilization_ratio", "Share of the last sample period a kernel ran (0-1)")
+    holder = per_gpu("gpuguard_gpu_holder", "A grant of the GPU to a user (value 1)", ["user", "uid"])
+    age = per_gpu("gpuguard_grant_age_seconds", "How long the user has held the GPU", ["user"])
+    left = per_gpu("gpuguard_grant_remaining_seconds", "Time left on a grant with a time limit", ["user"])
+    user_memory = per_gpu("gpuguard_user_gpu_memory_used_bytes",
+                          "GPU memory NVML reports for the user's processes on the GPU", ["user"])
+    for state in s.gpus:
+        gpu = state.gpu
+        key = [str(gpu.minor), gpu.uuid]
+        info.add_metric(key + [str(gpu.index), gpu.name, gpu.pci_bus_id], 1)
+        up.add_metric(key, 1 if state.read else 0)
+        if state.use is not None:
+            used.add_metric(key, state.use.memory_used)
+            total.add_metric(key, state.use.memory_total)
+            if state.use.utilization is not None:
+                util.add_metric(key, state.use.utilization / 100)
+        for h in state.holders:
+            holder.add_metric(key + [h.user, str(h.uid)], 1)
+            age.add_metric(key + [h.user], max(0.0, s.time - h.granted_at))
+            if h.expires_at is not None:
+                left.add_metric(key + [h.user], max(0.0, h.expires_at - s.time))
+        for user, memory in state.user_memory:
+            user_memory.add_metric(key + [user], memory)
+    yield from (info, up, used, total, util, holder, age, left, user_memory)
+
+    yield GaugeMetricFamily("gpuguard_grants", "GPU grants in force (one per user and GPU)", value=s.grants)
+    yield GaugeMetricFamily("gpuguard_sessions", "Open PAM sessions the daemon knows of", value=s.sessions)
+    yield from _event_families(s.events)
+
+    errors = CounterMetricFamily("gpuguard_nvml_errors", "NVML process queries that failed, by GPU", labels=["gpu"])
+    for minor, count in sorted(s.nvml_errors.items()):
+        if minor != "all":
+            errors.add_metric([minor], count)
+    yield errors
+    yield CounterMetricFamily("gpuguard_nvml_sample_failures", "Samples in which no GPU answered NVML",
+                              value=s.nvml_errors.get("all", 0))
+    cumulative, running = [], 0
+    for bound, count in zip([*map(str, TICK_BUCKETS), "+Inf"], s.tick_buckets, strict=True):
+        running += count
+        cumulative.append((bound, running))
+    yield HistogramMetricFamily("gpuguard_watcher_tick_seconds", "Duration of the watcher's tick (sample, decide, act)",
+                                buckets=cumulative, sum_value=s.tick_sum)
+    if s.gate_attached is not None:
+        yield GaugeMetricFamily("gpuguard_gate_attached", "1 while the BPF device gate is attached to the cgroup root",
+                                value=1 if s.gate_attached else 0)
+        entries = GaugeMetricFamily("gpuguard_gate_map_entries",
+                                    "Entries in the gate's BPF maps: grants, and exempt uids (root passes always)",
+                                    labels=["map"])
+        entries.add_metric(["grants"], s.gate_grants or 0)
+        entries.add_metric(["exempt"], s.gate_exempt or 0)
+        yield entries
+    yield GaugeMetricFamily("gpuguard_last_tick_timestamp_seconds",
+                            "When these numbers were taken (a stale textfile shows here)", value=s.time)
+
+
+def _event_families(counts: Mapping[tuple[str, str, str], int]) -> Iterator[Metric]:
+    for kind, (name, doc, label, always) in EVENT_COUNTERS.items():
+        labels = [label, "signal"] if kind == "kill" else [label]
+        family = CounterMetricFamily(name, doc, labels=labels)
+        values: Counter[tuple[str, ...]] = Counter()
+        for rule in always:
+            for signal in (_SIGNAL_OF_ACTION.values() if kind == "kill" else [None]):
+                values[(rule, signal) if signal else (rule,)] += 0
+        for (event_kind, rule, action), count in counts.items():
+            if event_kind == kind:
+                values[(rule, _SIGNAL_OF_ACTION.get(action, action)) if kind == "kill" else (rule,)] += count
+        for key, count in sorted(values.items()):
+            family.add_metric(list(key), count)
+        yield family
+
+
+def job_mapping(states: Iterable[GpuState]) -> dict[str, str]:
+    """dcgm-exporter's HPC job mapping: one file per GPU, named by the GPU id dcgm-exporter uses
+    (NVML's index), holding one job id per line; here the job is the holder's user name, so DCGM
+    metrics get an `hpc_job` label naming who holds the GPU. Free GPUs have no file."""
+    return {str(state.gpu.index): "".join(f"{h.user}\n" for h in state.holders) for state in states if state.holders}
+
+
+def write_job_mapping(directory: Path, files: Mapping[str, str]) -> None:
+    """Make `directory` hold exactly these files, each replaced atomically (blocking: run off the loop)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        path = directory / name
+        try:
+            if path.read_text() == text:
+                continue
+        except FileNotFoundError:
+            pass
+        temporary = directory / f".{name}.gpuguard-tmp"  # a dot file: not a GPU id dcgm-exporter would read
+        temporary.write_text(text)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    for entry in directory.iterdir():
+        if entry.name.isdigit() and entry.name not in files:
+            entry.unlink(missing_ok=True)  # the GPU was released
+
+
+class Metrics:
+    """The loop side: publishes a snapshot per tick and feeds the endpoint and the files."""
+
+    def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
+                 account_of: Callable[[int], tuple[str, Quota]]) -> None:
+        self.settings = settings
+        self.account_of = account_of  # user names as the watcher last resolved them (no NSS on the loop)
+        self.store = store
+        self.gpus = gpus
+        self.sampler = sampler
+        self.gate = gate
+        self.snapshot: Snapshot | None = None
+        self._ticks = _Ticks()
+        self._events: Counter[tuple[str, str, str]] = Counter()
+        self._last_event_id = store.last_event_id()  # counted from the start on
+        self.registry = CollectorRegistry(auto_describe=True)  # the textfile's: gpuguard's own metrics only
+        self.registry.register(SnapshotCollector(self))
+        self._server: WSGIServer | None = None
+
+    @property
+    def enabled(self) -> bool:
+        s = self.settings
+        return bool(s.listen or s.textfile or s.dcgm_job_mapping_dir)
+
+    def start(self) -> None:
+        """Serve /metrics when configured (raises OSError when the address cannot be bound)."""
+        if self.settings.listen is None:
+            return
+        served = CollectorRegistry(auto_describe=True)
+        served.register(SnapshotCollector(self))
+        ProcessCollector(registry=served)  # the daemon's own memory, CPU and descriptors
+        address, port = self.settings.listen
+        try:
+            self._server, _ = start_http_server(port, addr=address, registry=served)
+        except OSError as exc:
+            raise OSError(exc.errno, f"metrics.listen {address}:{port}: {exc.strerror}") from None
+        event(logging.INFO, "metrics_listening", address=address, port=port)
+
+    def publish(self, tick_seconds: float) -> Snapshot:
+        """Build this tick's snapshot on the loop thread (reads only local state and the store)."""
+        self._ticks.observe(tick_seconds)
+        self._last_event_id, counts = self.store.event_counts_since(self._last_event_id)
+        for kind, rule, action, count in counts:
+            self._events[(kind, rule, action)] += count
+        gate = self.gate
+        attached = gate.is_attached() if gate else None
+        entries = gate.entries() if gate and attached else set()
+        self.snapshot = Snapshot(
+            time=time.time(), gpus=gpu_states(self.gpus.values(), self.sampler.last, self.store.grants(),
+                                           lambda uid: self.account_of(uid)[0]),
+            grants=len(self.store.grants()), sessions=len(self.store.sessions()), events=dict(self._events),
+            nvml_errors=dict(self.sampler.errors), tick_buckets=tuple(self._ticks.buckets), tick_sum=self._ticks.total,
+            gate_attached=attached, gate_grants=len(entries) if gate else None,
+            gate_exempt=len(gate.exempt() - {0}) if gate and attached else (0 if gate else None))
+        return self.snapshot
+
+    async def after_tick(self, tick_seconds: float) -> None:
+        """Publish, then write the configured files off the loop; a failing write is logged, never raised."""
+        if not self.enabled:
+            return
+        snapshot = self.publish(tick_seconds)
+        try:
+            await asyncio.to_thread(self._write_files, snapshot)
+        except OSError as exc:
+            event(logging.ERROR, "metrics_write_failed", error=str(exc))
+
+    def _write_files(self, snapshot: Snapshot) -> None:
+        if self.settings.textfile is not None:
+            self.settings.textfile.parent.mkdir(parents=True, exist_ok=True)
+            write_to_textfile(str(self.settings.textfile), self.registry)
+        if self.settings.dcgm_job_mapping_dir is not None:
+            write_job_mapping(self.settings.dcgm_job_mapping_dir, job_mapping(snapshot.gpus))
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
