@@ -23,6 +23,7 @@ import signal
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from gpuguard import sampling
 from gpuguard.backends import procfs, signals
@@ -142,9 +143,9 @@ class HolderEnder:
         return True
 
     def _record(self, identity: ProcessIdentity, minors: set[int], user: str, kind: str, why: str,
-                numbers: dict, what: str) -> None:
+                numbers: dict[str, Any], what: str) -> None:
         command = signals.command(identity.pid)
-        action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(numbers.get("signal"), kind)
+        action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(str(numbers.get("signal")), kind)
         event(logging.ERROR if kind == "unkillable" else logging.WARNING, f"holder_{action}", rule=why,
               user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=sorted(minors),
               **numbers)

@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from gpuguard.messages import printable
 
@@ -156,5 +156,6 @@ class Throttle:
 
     def _summary(self, key: Hashable, window: _Window) -> None:
         if window.suppressed:
-            event(logging.WARNING, "log_suppressed", **{self.key: key}, lines=window.suppressed,
+            named: dict[str, Any] = {self.key: key}
+            event(logging.WARNING, "log_suppressed", **named, lines=window.suppressed,
                   seconds=round(self.clock() - window.start), burst=self.burst)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 from dataclasses import fields, replace
+from typing import Any
 
 from gpuguard.config import AccessConfig, Config, SessionsConfig
 from gpuguard.model import Quota
@@ -67,7 +68,8 @@ def quota_sources(user: str, groups: Collection[str], config: Config) -> dict[st
 
 def quota_for(user: str, groups: Collection[str], config: Config) -> Quota:
     """The user's quota, field by field: the user's own entry, else a group's, else the defaults."""
-    return replace(config.defaults, **{name: value for name, (_, value) in _chosen(user, groups, config).items()})
+    chosen: dict[str, Any] = {name: value for name, (_, value) in _chosen(user, groups, config).items()}
+    return replace(config.defaults, **chosen)
 
 
 def may_share(quota: Quota) -> bool:

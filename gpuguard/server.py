@@ -117,6 +117,7 @@ class Server:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = _peer(writer.get_extra_info("socket"))
         self._open[peer.uid] += 1
+        reply: dict[str, Any] | None
         try:
             if peer.uid != 0 and self._open[peer.uid] > MAX_CONNECTIONS_PER_USER:
                 self.throttle.event(peer.uid, logging.WARNING, "refused", reason="too many connections", pid=peer.pid)

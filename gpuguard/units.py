@@ -28,6 +28,7 @@ def parse_size(value: str | int) -> int | None:
     """`512MiB`, `20GiB`, `80GB`, a plain byte count, or `unlimited` (None)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise UnitError(f"expected a size like 20GiB, got {value!r}")
+    number: int | float
     if isinstance(value, int):
         number, unit = value, ""
     else:

@@ -159,8 +159,8 @@ def _mapped_devices(proc: Path, seen: dict[tuple[str, str], int | None]) -> set[
             except OSError:
                 continue
             seen[key] = st.st_rdev if stat.S_ISCHR(st.st_mode) else None
-        if seen[key] is not None:
-            devices.add(seen[key])
+        if (device := seen[key]) is not None:
+            devices.add(device)
     return devices
 
 
