@@ -1,23 +1,54 @@
-# gpuguard: the two quick-start targets are `sudo make demo` and `sudo make test`.
+# gpuguard: the two quick-start targets are `sudo make demo` and `sudo make test`; a server gets
+# the Debian package (`make deb`) or, elsewhere, `make install`.
 # Everything runs from a virtual environment built with the system Python, so that
 # the non-root test users (and researchers, for `gpuguard whoami`) can execute it.
 
-PYTHON ?= /usr/bin/python3
-VENV   ?= .venv
-PY      = $(VENV)/bin/python
-APT_PACKAGES = python3-venv gcc make libpam0g-dev pamtester acl openssh-server openssh-client util-linux passwd
+PYTHON    ?= /usr/bin/python3
+VENV      ?= .venv
+PY         = $(VENV)/bin/python
+# The oldest Python gpuguard supports (Ubuntu 22.04's); `make test-py310` runs the pure tests with it.
+PYTHON310 ?= $(HOME)/.pyenv/versions/3.10.13/bin/python3
+VENV310   ?= .venv310
 
-.PHONY: all deps venv pam test demo bench gpu-smoke man install clean
+# Debian/Ubuntu packages, installed only when missing: what building needs (`make build-deps`),
+# and what only the tests and the demo need (`make deps`). A server needs neither list.
+BUILD_PACKAGES = python3-venv gcc make libpam0g-dev dpkg-dev
+TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd
+
+# `make install` (other distributions): the application's venv in APPDIR (the unit, the udev rule
+# and the PAM profile name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, vendor files
+# where systemd, udev and kmod read them. Everything under $(DESTDIR) when it is set.
+PREFIX     ?= /usr/local
+APPDIR     ?= /opt/gpuguard
+SYSCONFDIR ?= /etc
+UNITDIR    ?= /usr/lib/systemd/system
+UDEVDIR    ?= /usr/lib/udev/rules.d
+MODPROBEDIR ?= /usr/lib/modprobe.d
+MANDIR     ?= $(PREFIX)/share/man
+# bash-completion looks in $XDG_DATA_DIRS (/usr/local/share:/usr/share) too.
+BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
+DESTDIR    ?=
+
+# The pure level (tests/unit): no root, users, PAM, gate or daemon; any user runs it in seconds.
+UNIT_TESTS = tests/unit
+
+.PHONY: all build-deps deps venv pam lint test test-unit test-py310 demo bench gpu-smoke man deb lock install uninstall clean
 
 all: venv pam
 
-# Debian/Ubuntu packages the build, the tests and the demo need (installed only when missing).
-deps:
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+define apt_install
+	@missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing: $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
+endef
+
+build-deps:
+	$(call apt_install,$(BUILD_PACKAGES))
+
+deps: build-deps
+	$(call apt_install,$(TEST_PACKAGES))
 
 $(PY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +63,28 @@ venv: $(PY)
 pam:
 	$(MAKE) -C pam
 
+# Both levels: tests/unit, then tests/system as root on the real kernel.
 test: deps venv pam
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: venv
+	$(PY) -m pytest -p no:cacheprovider $(UNIT_TESTS) $(PYTEST_ARGS)
+
+# ruff (pyflakes, pycodestyle, import order, pyupgrade, bugbear) and mypy, as configured in pyproject.toml.
+lint: venv
+	$(VENV)/bin/ruff check gpuguard devtools bench tests
+	$(VENV)/bin/mypy
+
+# The locked dependencies (tomli included) and the pure tests on Python 3.10.
+$(VENV310)/bin/python: pyproject.toml requirements.lock
+	$(PYTHON310) -m venv $(VENV310)
+	$(VENV310)/bin/python -m pip install -q --require-hashes --no-deps -r requirements.lock
+	@# The test tools (the [test] extra); the locked dependencies already satisfy the rest.
+	$(VENV310)/bin/python -m pip install -q -e '.[test]'
+	@touch $@
+
+test-py310: $(VENV310)/bin/python
+	$(VENV310)/bin/python -m pytest -p no:cacheprovider $(UNIT_TESTS) $(PYTEST_ARGS)
 
 demo: deps venv pam
 	$(PY) -m devtools.demo
@@ -45,31 +96,55 @@ bench: deps venv pam
 gpu-smoke: venv
 	$(PY) bench/gpu-smoke
 
-# The man page, generated from the argparse definitions (argparse-manpage): the help text has one copy.
-man: venv
-	mkdir -p build
-	$(VENV)/bin/argparse-manpage --module gpuguard.cli --function build_parser --prog gpuguard \
-		--project-name gpuguard --version "$$($(PY) -c 'import gpuguard; print(gpuguard.__version__)')" \
-		--description "fair, kernel-enforced GPU sharing" --manual-title "gpuguard manual" --output build/gpuguard.1
+# gpuguard_<version>_<arch>.deb in the current directory (packaging/build-deb.sh; DEB_VERSION
+# overrides the package version, e.g. for a local rebuild).
+deb: build-deps
+	packaging/build-deb.sh $(PYTHON) . $(DEB_VERSION)
 
-# Install on a real server: package into /opt/gpuguard, module into the PAM directory,
-# example configuration into /etc/gpuguard (never overwriting an admin's files). The command
-# goes into /usr/local/bin, not sbin: users run `gpuguard whoami` too.
-install: deps man
-	$(PYTHON) -m venv /opt/gpuguard
-	/opt/gpuguard/bin/pip install -q .
-	ln -sf /opt/gpuguard/bin/gpuguard /usr/local/bin/gpuguard
-	$(MAKE) -C pam install
-	install -d -m 0755 /etc/gpuguard
-	[ -e /etc/gpuguard/gpuguard.toml ] || install -m 0644 etc/gpuguard.toml /etc/gpuguard/gpuguard.toml
-	[ -e /etc/gpuguard/quotas.toml ] || install -m 0644 etc/quotas.toml /etc/gpuguard/quotas.toml
-	install -m 0644 etc/gpuguard.service /etc/systemd/system/gpuguard.service
-	install -m 0644 etc/modprobe.d/gpuguard.conf /etc/modprobe.d/gpuguard.conf
-	install -m 0644 udev/70-gpuguard.rules /etc/udev/rules.d/70-gpuguard.rules
-	install -D -m 0644 build/gpuguard.1 /usr/local/share/man/man1/gpuguard.1
-	install -d -m 0755 /usr/share/bash-completion/completions
-	/opt/gpuguard/bin/gpuguard completion bash > /usr/share/bash-completion/completions/gpuguard
+# The man page and the bash completion in build/, generated from the argparse definitions
+# (packaging/build-docs.sh): the help text has one copy.
+man:
+	packaging/build-docs.sh $(PYTHON) build
+
+# requirements.lock: every dependency pinned, with the hashes of all its files on PyPI, solved on
+# the oldest Python supported so that tomli (3.10 only) is in it, under its marker. The extras
+# (test tools) stay out: a server runs none of them. packaging/build-requirements.lock and
+# docs-requirements.lock: the same for the tools that build the wheel and the man page.
+LOCK = CUSTOM_COMPILE_COMMAND="make lock" $(CURDIR)/.venv-lock/bin/pip-compile -q --generate-hashes --allow-unsafe \
+	--strip-extras --no-emit-index-url --no-emit-find-links
+lock:
+	$(PYTHON310) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q pip-tools
+	$(LOCK) --output-file requirements.lock pyproject.toml
+	cd packaging && $(LOCK) --output-file build-requirements.lock build-requirements.in
+	cd packaging && $(LOCK) --output-file docs-requirements.lock docs-requirements.in
+
+install: pam man
+	@test "$$(id -u)" = 0 || [ -n "$(DESTDIR)" ] || { echo "make install: run as root (or set DESTDIR)" >&2; exit 1; }
+	packaging/build-venv.sh $(PYTHON) $(DESTDIR)$(APPDIR) $(APPDIR)
+	install -d -m 0755 $(DESTDIR)$(PREFIX)/bin
+	ln -sfn $(APPDIR)/bin/gpuguard $(DESTDIR)$(PREFIX)/bin/gpuguard
+	$(MAKE) -C pam install DESTDIR=$(DESTDIR)
+	install -D -m 0644 etc/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard.service
+	install -D -m 0644 etc/modprobe.d/gpuguard.conf $(DESTDIR)$(MODPROBEDIR)/gpuguard.conf
+	install -D -m 0644 udev/70-gpuguard.rules $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules
+	install -D -m 0644 build/gpuguard.1 $(DESTDIR)$(MANDIR)/man1/gpuguard.1
+	install -D -m 0644 build/gpuguard.bash $(DESTDIR)$(BASHCOMPDIR)/gpuguard
+	install -d -m 0755 $(DESTDIR)$(SYSCONFDIR)/gpuguard
+	@# The admin's configuration is never overwritten.
+	[ -e $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.toml ] || install -m 0644 etc/gpuguard.toml $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.toml
+	[ -e $(DESTDIR)$(SYSCONFDIR)/gpuguard/quotas.toml ] || install -m 0644 etc/quotas.toml $(DESTDIR)$(SYSCONFDIR)/gpuguard/quotas.toml
+	@echo "installed; next: systemctl daemon-reload, udevadm control --reload, enable the PAM module (pam/README)"
+
+# Removes what `make install` installed, never the configuration or the state (/var/lib/gpuguard);
+# run `gpuguard gate detach` first to open the GPUs (the gate outlives the daemon).
+uninstall:
+	rm -rf $(DESTDIR)$(APPDIR)
+	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service \
+		$(DESTDIR)$(MODPROBEDIR)/gpuguard.conf $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules \
+		$(DESTDIR)$(MANDIR)/man1/gpuguard.1 $(DESTDIR)$(BASHCOMPDIR)/gpuguard
+	$(MAKE) -C pam uninstall DESTDIR=$(DESTDIR)
 
 clean:
-	rm -rf $(VENV) *.egg-info build
+	rm -rf $(VENV) $(VENV310) .venv-lock *.egg-info build
 	$(MAKE) -C pam clean

@@ -74,6 +74,8 @@ class Bench:
         home.mkdir(mode=0o755)
         path.write_text(
             f'[access]\ngroup = "{self.group}"\n'
+            # Every bench session takes GPUs, terminal or not: what a login costs with its grant.
+            f'[sessions]\ngrant = "all"\n'
             f'[watcher]\ninterval = "{interval}"\ngrace = "{grace}"\nkill_wait = "{kill_wait}"\n'
             f'[paths]\nstate_dir = "{home}/state"\nsocket = "{home}/run/gpuguard.sock"\ndevice_dir = "{home}/dev"\n'
             f'[gpu]\nbackend = "simulated"\n[gpu.simulated]\ncount = 8\n{extra}')

@@ -66,6 +66,11 @@ class Tour:
             [access]
             group = "{self.group}"
 
+            [sessions]
+            # The tour's logins are `su -` reading commands from a pipe: no terminal, so say that
+            # this service takes GPUs (a real login on a terminal does anyway).
+            services = ["su-l"]
+
             [defaults]
             gpus = 1
             gpu_memory = "20GiB"

@@ -3,12 +3,15 @@
 Order of preference, most important first:
 1. free GPUs before shared ones (sharing only when the caller allows it, onto GPUs whose
    holders all share too), and among shared ones the least crowded;
-2. for several GPUs, the best-connected set: the smallest worst pairwise link, then the
+2. the GPUs this user held last (sticky: a returning user gets them back when they are free,
+   so the CUDA_VISIBLE_DEVICES of their tmux and screen shells still names their GPUs), the
+   most recently held first;
+3. for several GPUs, the best-connected set: the smallest worst pairwise link, then the
    smallest sum of links (NVLink < PCIe switch < NUMA node < system), counting the GPUs
    the user already holds, so a top-up lands next to them;
-3. fewest NUMA nodes;
-4. least recently released (spreads wear; a just-released GPU may still be draining);
-5. lowest minors, so the answer is deterministic.
+4. fewest NUMA nodes;
+5. least recently released (spreads wear; a just-released GPU may still be draining);
+6. lowest minors, so the answer is deterministic.
 """
 from __future__ import annotations
 
@@ -37,8 +40,10 @@ def blocking(grants: Iterable[Grant], uid: int, minors: Collection[int], share: 
 
 
 def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], last_released: Mapping[int, float],
-           uid: int, count: int, share: bool = False) -> tuple[int, ...]:
-    """Up to `count` more GPU minors for `uid` (fewer when fewer are available; () when none)."""
+           uid: int, count: int, share: bool = False, held_last: Mapping[int, float] | None = None) -> tuple[int, ...]:
+    """Up to `count` more GPU minors for `uid` (fewer when fewer are available; () when none).
+    held_last: when `uid` last gave back each GPU it held (Store.last_held)."""
+    held_last = held_last or {}
     grants = list(grants)
     numa = {gpu.minor: gpu.numa_node for gpu in gpus}
     # A grant on a GPU missing from the inventory (NVML could not read it at start) still counts
@@ -61,6 +66,8 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
         links = [link(topology, a, b) for a, b in combinations(together, 2)]
         return (sum(1 for m in chosen if holders[m]),
                 sum(holders[m] for m in chosen),
+                -sum(1 for m in chosen if m in held_last),
+                sorted((-held_last.get(m, 0.0) for m in chosen)),
                 max(links, default=Link.NVLINK),
                 sum(links),
                 len({numa[m] for m in together}),

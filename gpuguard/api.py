@@ -104,9 +104,12 @@ class Api:
     async def session_open(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         user, pid = _field(request, "user", str), _field(request, "pid", int)
         service, rhost, tty = (_field(request, key, str, "") for key in ("service", "rhost", "tty"))
+        grant = _field(request, "grant", str, "auto")  # the PAM stack's wish (module option grant=)
+        if grant not in policy.LOGIN_GRANTS:
+            raise Refusal(f"field 'grant': must be one of {', '.join(policy.LOGIN_GRANTS)}, got {grant!r}", 2)
         try:
             account = await self.lookup.by_name(user)  # before any state is read: the rest never awaits
-            return self._open_session(account, service, rhost, tty, pid)
+            return self._open_session(account, service, rhost, tty, pid, grant)
         except Exception as exc:
             # An unknown user is PAM's business, not a fault of ours: one line, no traceback.
             known = exc.line() if isinstance(exc, GpuguardError) else None
@@ -114,7 +117,7 @@ class Api:
             return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
 
     def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,
-                      ) -> dict[str, Any]:
+                      grant: str = "auto") -> dict[str, Any]:
         store, config = self.store, self.config()
         now = time.time()
         caller = procfs.process_identity(pid)  # None: gone already, and the next tick drops the session
@@ -132,6 +135,8 @@ class Api:
         held = store.grants(account.uid)
         if held:  # a second session reuses the grant it already has
             return {**reply, **self._grant_reply(held)}
+        if not policy.login_takes_gpus(service, tty, grant, config.sessions):
+            return reply  # scp, sftp, `ssh host cmd`: no GPUs of their own (gpuguard request gets some)
         quota = policy.quota_for(account.name, account.groups, config)
         if quota.gpus == 0:
             return {**reply, "message": "gpuguard: your quota allows no GPUs - run gpuguard whoami for details"}

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from gpuguard.compat import tomllib
 from gpuguard.model import Quota
 from gpuguard.units import UnitError, parse_duration, parse_size
 from gpuguard.errors import UsageError
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
+# Accounts of the NVIDIA driver's own services, exempt by default where they exist:
+# nvidia-persistenced runs as this user and keeps every GPU open.
+DRIVER_ACCOUNTS = ("nvidia-persistenced",)
 MAX_GPUS = 64  # per machine; more is a typo
 MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
 
@@ -30,9 +33,16 @@ class ConfigError(UsageError):
 @dataclass(frozen=True)
 class AccessConfig:
     group: str = "gpugroup"
-    exempt_users: tuple[str, ...] = ()
+    exempt_users: tuple[str, ...] = DRIVER_ACCOUNTS
     exempt_groups: tuple[str, ...] = ()
     mode: str = "gate"  # "gate": BPF program + ACLs; "acl": ACLs only, by explicit choice
+
+
+@dataclass(frozen=True)
+class SessionsConfig:
+    """Which PAM sessions take GPUs (policy.login_takes_gpus); the others only see what is held."""
+    grant: str = "interactive"          # "interactive": a terminal, or one of `services`; "all"
+    services: tuple[str, ...] = ()      # PAM services that take GPUs without a terminal (jupyterhub)
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,7 @@ class QuotaOverrides:
 class Config:
     source: Path | None = None
     access: AccessConfig = field(default_factory=AccessConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
     defaults: Quota = field(default_factory=Quota)
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
@@ -242,6 +253,7 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
 SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "access": {"group": _string, "exempt_users": _names, "exempt_groups": _names,
                "mode": _choice("gate", "acl")},
+    "sessions": {"grant": _choice("interactive", "all"), "services": _names},
     "defaults": QUOTA_KEYS,
     "watcher": {"interval": _positive_duration(0.1), "grace": _positive_duration(0),
                 "kill_wait": _positive_duration(0)},
@@ -333,6 +345,7 @@ def load(path: Path | str | None = None) -> Config:
     config = Config(
         source=source,
         access=AccessConfig(**sections.get("access", {})),
+        sessions=SessionsConfig(**sections.get("sessions", {})),
         defaults=Quota(**sections.get("defaults", {})),
         watcher=WatcherConfig(**sections.get("watcher", {})),
         events=EventsConfig(**sections.get("events", {})),

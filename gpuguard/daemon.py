@@ -2,7 +2,9 @@
 
 Start: claim the socket path (refused while another daemon serves) -> store -> GPU backend ->
 gate (attach or find) -> exemptions -> reconcile the gate map and node ACLs from the store ->
-watch the device directory -> serve the socket -> READY=1. One asyncio loop in the main thread
+watch the device directory -> serve the socket -> READY=1. Under systemd it also says what it
+is doing (STATUS=) and pings the watchdog (WATCHDOG=1, WatchdogSec= in etc/gpuguard.service)
+from the event loop, so a loop that hangs gets the daemon restarted. One asyncio loop in the main thread
 runs the server and a periodic tick; the store is touched only from that thread, and blocking
 NVML and /proc work runs in worker threads (asyncio.to_thread). Decisions that read state and
 then change it never await in between, so concurrent requests cannot interleave inside one.
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from gpuguard import config as configuration, sampling
 from gpuguard.api import Api
-from gpuguard.backends import GateError, devnodes, notify, open_gpu_backend, procfs, systemd
+from gpuguard.backends import GateError, devnodes, driver_minors, notify, open_gpu_backend, procfs, systemd
 from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.node_watcher import NodeWatcher
 from gpuguard.backends.gate import Gate
@@ -62,6 +64,7 @@ class Daemon:
         _raise_nofile()
         self.server = Server(self.config.paths.socket, self._handle, abandoned_on_hangup=frozenset({"wait"}))
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
+        systemd.status("starting: opening the store and the GPUs")
         if self.config.access.mode == "acl":
             _refuse_stale_gate(self.gate_name)
         self.store = Store(self.config.paths.state_dir / "state.db", self.config.events)
@@ -75,7 +78,8 @@ class Daemon:
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         gpus = {gpu.minor: gpu for gpu in self.backend.gpus()}
         self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir),
-                             set(gpus) | self._driver_minors(), gpus=gpus, topology=self.backend.topology())
+                             set(gpus) | driver_minors(self.config), gpus=gpus, topology=self.backend.topology())
+        systemd.status("starting: attaching the gate and restoring grants")
         self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
         exempt = self.exempt.compute()
         if self.gate:
@@ -113,14 +117,18 @@ class Daemon:
         loop.add_reader(self.nodes.fileno(), self.nodes.process)
         await self.server.start()
         ticker = asyncio.create_task(self._ticker())
-        systemd.notify("READY=1")
+        watchdog = systemd.watchdog_period()
+        pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
+        systemd.notify("READY=1", f"STATUS={self._status_text()}")
         event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=sorted(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
         try:
             await self._stop.wait()
         finally:
-            systemd.notify("STOPPING=1")
+            systemd.notify("STOPPING=1", "STATUS=stopping; the gate stays attached")
             ticker.cancel()
+            if pinger:
+                pinger.cancel()
             loop.remove_reader(self.nodes.fileno())
             await self.server.close()
             self.close()
@@ -152,7 +160,19 @@ class Daemon:
         self.exempt.refresh()
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
+        systemd.status(self._status_text())
         return fixed
+
+    def _status_text(self) -> str:
+        gate = f"gate {self.gate_name}" if self.gate else "acl mode, no gate"
+        return (f"serving {len(self.grants.gpus)} GPUs, {len(self.store.grants())} grants, "
+                f"{gate}; config {self.config.source}")
+
+    async def _watchdog(self, period: float) -> None:
+        """WATCHDOG=1 from the event loop itself: if the loop stops turning, the pings stop."""
+        while True:
+            systemd.notify("WATCHDOG=1")
+            await asyncio.sleep(period)
 
     def _reload_on_signal(self) -> None:
         try:
@@ -184,13 +204,7 @@ class Daemon:
         # With NVreg_ModifyDeviceFiles=0 (etc/modprobe.d/gpuguard.conf) nothing else makes them,
         # nvidia-uvm included, whose module usually loads after boot.
         if self.config.gpu.backend == "nvml":
-            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(self._driver_minors()))
-
-    def _driver_minors(self) -> set[int]:
-        """The GPUs the driver has, whether or not NVML can read them."""
-        if self.config.gpu.backend == "simulated":
-            return set(range(self.config.gpu.simulated.count))
-        return set(devnodes.driver_minors())
+            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(driver_minors(self.config)))
 
     # --- the tick
 

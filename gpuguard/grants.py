@@ -72,7 +72,7 @@ class Grants:
     def choose(self, uid: int, count: int, share: bool) -> tuple[int, ...]:
         """Up to `count` more GPUs for uid (allocator.choose over the current grants)."""
         return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
-                                self.store.last_released(), uid, count, share)
+                                self.store.last_released(), uid, count, share, self.store.last_held(uid))
 
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: str,
                  message: str) -> tuple[int, ...]:

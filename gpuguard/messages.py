@@ -20,6 +20,21 @@ def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wante
     return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short} - run gpuguard whoami for details"
 
 
+def cuda_export(uuids: Iterable[str]) -> str:
+    """The line a shell evaluates to see exactly the user's GPUs (`gpuguard env`, `whoami`)."""
+    return f"export CUDA_VISIBLE_DEVICES={','.join(uuids)}"
+
+
+def stale_devices(shell_value: str | None, uuids: Iterable[str]) -> str | None:
+    """What to tell a user whose shell's CUDA_VISIBLE_DEVICES (a tmux or screen shell older than
+    their grant) no longer names their GPUs; None when it does, or is unset."""
+    current = ",".join(uuids)
+    if shell_value is None or shell_value == current:
+        return None
+    return (f"your shell's CUDA_VISIBLE_DEVICES={shell_value} is stale: your GPUs are {current or 'none'}; "
+            'run eval "$(gpuguard env)"')
+
+
 def clock(timestamp: float) -> str:
     """`20:00` today, `Tue 20:00` within six days either way, else `2025-03-04 20:00` (local time)."""
     moment = time.localtime(timestamp)

@@ -1,6 +1,6 @@
 """The pam_exec fallback for sites that cannot build pam_gpuguard.so.
 
-    session optional pam_exec.so quiet stdout /usr/local/bin/gpuguard pam-hook
+    session optional pam_exec.so quiet stdout /opt/gpuguard/bin/gpuguard pam-hook
     session optional pam_exec.so quiet stdout /opt/gpuguard/bin/python3 -I -m gpuguard.pam_hook
 
 pam_exec runs this as a child of the PAM application with PAM_TYPE, PAM_USER,
@@ -87,7 +87,7 @@ def socket_path(config_path: str | None, socket: str | None,
             text = file.read().decode()
         value = plain_socket(text)
         if value is _UNSURE:
-            import tomllib
+            from gpuguard.compat import tomllib  # tomli on Python 3.10
             value = tomllib.loads(text).get("paths", {}).get("socket", DEFAULT_SOCKET)
     except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:  # TOMLDecodeError is a ValueError
         _log(f"gpuguard pam-hook: cannot read {path} ({exc}); trying {DEFAULT_SOCKET}")

@@ -5,11 +5,12 @@ rules run in unit tests and in simulation exactly as in the daemon.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import fields, replace
 from typing import Any
 
-from gpuguard.config import AccessConfig, Config
+from gpuguard.config import AccessConfig, Config, SessionsConfig
 from gpuguard.model import Quota
 
 ROOT_UID = 0
@@ -18,6 +19,20 @@ ROOT_UID = 0
 def is_exempt(uid: int, user: str, groups: Collection[str], access: AccessConfig) -> bool:
     """Exempt accounts pass the gate unconditionally and never need (or get) a grant."""
     return uid == ROOT_UID or user in access.exempt_users or any(g in access.exempt_groups for g in groups)
+
+
+# PAM_TTY of a session with a terminal: a device path (su, login, sshd with a pty: /dev/pts/3) or
+# a bare line name (tty1, pts/3). sshd without a pty says "ssh", cron "cron", most services nothing.
+_TERMINAL = re.compile(r"(/dev/)?(tty|pts/|console)\S*")
+LOGIN_GRANTS = ("auto", "always", "never")  # what a PAM stack may ask for (the module's grant= option)
+
+
+def login_takes_gpus(service: str, tty: str, asked: str, sessions: SessionsConfig) -> bool:
+    """Whether opening this session may give the user GPUs. A session that does not (scp, sftp,
+    rsync, `ssh host cmd`, VS Code's server) still gets the GPUs the user holds already."""
+    if asked != "auto":
+        return asked == "always"
+    return sessions.grant == "all" or service in sessions.services or bool(_TERMINAL.fullmatch(tty))
 
 
 def is_member(groups: Collection[str], access: AccessConfig) -> bool:

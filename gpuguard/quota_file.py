@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 from tomlkit.items import Null, Whitespace
 
+from gpuguard.compat import tomllib
 from gpuguard.config import QUOTA_KEYS
 from gpuguard.units import format_duration, format_size
 from gpuguard.errors import UsageError

@@ -86,6 +86,12 @@ MIGRATIONS: tuple[str, ...] = (
         quota TEXT NOT NULL, origin TEXT NOT NULL, pid INTEGER, pid_start INTEGER);
     CREATE TABLE fairshare (uid INTEGER PRIMARY KEY, value REAL NOT NULL, at REAL NOT NULL);
     """,
+    # When each user last gave back each GPU: a returning user gets the same ones (allocator).
+    """
+    CREATE TABLE held_last (
+        uid INTEGER NOT NULL, minor INTEGER NOT NULL, released_at REAL NOT NULL,
+        PRIMARY KEY (uid, minor));
+    """,
 )
 HOUR = 3600
 
@@ -174,12 +180,19 @@ class Store:
             db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.minor) for g in removed])
             db.executemany("INSERT OR REPLACE INTO gpu_history (minor, last_released) VALUES (?, ?)",
                            [(g.minor, now) for g in removed])
+            db.executemany("INSERT OR REPLACE INTO held_last (uid, minor, released_at) VALUES (?, ?, ?)",
+                           [(g.uid, g.minor, now) for g in removed])
         return removed
 
     def mark_active(self, uid: int, minors: Iterable[int], now: float) -> None:
         with self.transaction() as db:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
                            [(now, uid, minor) for minor in minors])
+
+    def last_held(self, uid: int) -> dict[int, float]:
+        """When this user last gave back each GPU they ever held (for sticky allocation)."""
+        return {row[0]: row[1] for row in
+                self._db.execute("SELECT minor, released_at FROM held_last WHERE uid = ?", (uid,))}
 
     def last_released(self) -> dict[int, float]:
         """When each GPU was last given back (for least-recently-used allocation)."""

@@ -1,7 +1,7 @@
 /*
  * pam_gpuguard: hand a session its GPUs at login.
  *
- *   session optional pam_gpuguard.so [socket=PATH] [quiet] [debug]
+ *   session optional pam_gpuguard.so [socket=PATH] [grant=auto|always|never] [quiet] [debug]
  *
  * open_session sends one JSON line to the gpuguard daemon, for example
  *   {"v":1,"op":"session_open","user":"alice","service":"sshd","rhost":"10.0.0.7","tty":"ssh","pid":1234}
@@ -11,6 +11,11 @@
  * environment (pam_putenv; sshd, login and su copy it into the user's shell) and the
  * message is shown with pam_info unless `quiet` or PAM_SILENT. close_session sends
  * {"op":"session_close",...} so the daemon can release the grant.
+ *
+ * grant= says whether this stack's sessions may take GPUs: "auto" (the default) leaves it to
+ * the daemon ([sessions] in gpuguard.toml: sessions with a terminal, or listed services),
+ * "always" and "never" decide for every session of this stack. Sessions that take none still
+ * get CUDA_VISIBLE_DEVICES for the GPUs the user holds.
  *
  * The pid is getpid(): sshd runs session modules in its privileged process before the
  * shell exists, so the PAM caller is what identifies the session, at open and at close.
@@ -45,14 +50,32 @@
 
 struct options {
     const char *socket;
+    const char *grant;          /* "auto", "always" or "never" */
     int quiet;
     int debug;
 };
 
 
+/* grant=auto|always|never; 0 (an unknown option) for anything else. */
+static int parse_grant_option(const char *arg, struct options *opt)
+{
+    static const char *const values[] = {"auto", "always", "never"};
+
+    if (strncmp(arg, "grant=", 6) != 0)
+        return 0;
+    for (size_t i = 0; i < sizeof values / sizeof *values; i++) {
+        if (strcmp(arg + 6, values[i]) == 0) {
+            opt->grant = values[i];
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static void parse_options(pam_handle_t *pamh, int argc, const char **argv, struct options *opt)
 {
     opt->socket = DEFAULT_SOCKET;
+    opt->grant = "auto";
     opt->quiet = 0;
     opt->debug = 0;
     for (int i = 0; i < argc; i++) {
@@ -62,6 +85,8 @@ static void parse_options(pam_handle_t *pamh, int argc, const char **argv, struc
             opt->quiet = 1;
         else if (strcmp(argv[i], "debug") == 0)
             opt->debug = 1;
+        else if (parse_grant_option(argv[i], opt))
+            continue;
         else
             pam_syslog(pamh, LOG_ERR, "unknown option: %s", argv[i]);
     }
@@ -306,6 +331,7 @@ static int ask_daemon(pam_handle_t *pamh, const struct options *opt, const char 
     if (with_details) {
         put_field(&request, "rhost", item(pamh, PAM_RHOST));
         put_field(&request, "tty", item(pamh, PAM_TTY));
+        put_field(&request, "grant", opt->grant);
     }
     put_literal(&request, ",\"pid\":");
     put_literal(&request, pid);

@@ -25,3 +25,11 @@ def open_gpu_backend(config: Config) -> NvmlBackend:
         return SimulatedBackend(config.gpu.simulated, config.paths.device_dir)
     from gpuguard.backends.nvml import NvmlBackend
     return NvmlBackend()
+
+
+def driver_minors(config: Config) -> set[int]:
+    """The GPUs the driver has, whether or not NVML can read them (simulated: all of them)."""
+    if config.gpu.backend == "simulated":
+        return set(range(config.gpu.simulated.count))
+    from gpuguard.backends.devnodes import driver_minors as loaded
+    return set(loaded())

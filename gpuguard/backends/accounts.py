@@ -54,9 +54,17 @@ def _group_names(entry: pwd.struct_passwd) -> frozenset[str]:
     return frozenset(names)
 
 
+def user_exists(name: str) -> bool:
+    return _exists(pwd.getpwnam, name)
+
+
 def group_exists(name: str) -> bool:
+    return _exists(grp.getgrnam, name)
+
+
+def _exists(lookup: Callable[[str], Any], name: str) -> bool:
     try:
-        grp.getgrnam(name)
+        lookup(name)
     except KeyError:
         return False
     return True

@@ -4,7 +4,8 @@ etc/modprobe.d/gpuguard.conf sets NVreg_ModifyDeviceFiles=0 so that nvidia-modpr
 reset the GPU nodes to 0666; it then creates no node at all. NVML itself needs nvidiactl and
 the GPU nodes to start, so they are made from what the loaded driver reports in /proc, before
 NVML is opened: GPUs 0660 root:root (the ACL layer adds the grantees), and the shared control
-nodes 0666, since CUDA opens them for any GPU and they reach no GPU by themselves.
+nodes 0666, since CUDA opens them for any GPU and they reach no GPU by themselves. Without the
+driver loaded nothing is made: a node nobody serves is only clutter in /dev (and a 0666 one).
 """
 from __future__ import annotations
 
@@ -33,8 +34,15 @@ def driver_minors(gpus_dir: Path = DRIVER_GPUS) -> list[int]:
     return sorted(minors)
 
 
+def driver_loaded() -> bool:
+    """Whether the nvidia module has registered its character major (195) in /proc/devices."""
+    return any(char_major(name) == NVIDIA_MAJOR for name in ("nvidia-frontend", "nvidia"))
+
+
 def ensure_driver_nodes(device_dir: Path, minors: list[int]) -> list[Path]:
-    """Create whichever driver nodes are missing or wrong; returns the ones made."""
+    """Create whichever driver nodes are missing or wrong, none without the driver; returns the ones made."""
+    if not driver_loaded():
+        return []
     wanted: list[tuple[str, tuple[int, int], int]] = [
         ("nvidiactl", (NVIDIA_MAJOR, 255), SHARED_MODE),
         ("nvidia-modeset", (NVIDIA_MAJOR, 254), SHARED_MODE),

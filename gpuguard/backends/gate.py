@@ -275,7 +275,7 @@ class Gate:
                 self._create()
             self.set_exempt(exempt_uids)
             old = self._fds["prog"]
-            current = _built_from(old, self._code(0, 0))
+            current = self.is_current()
             new = old if current else bpf.load_device_program(
                 self._code(self._fds["grants"], self._fds["exempt"]), self.object_name)
             attached = bpf.prog_info(old).id in bpf.attached_ids(root)
@@ -321,6 +321,11 @@ class Gate:
 
     def prog_id(self) -> int:
         return bpf.prog_info(self._need("prog")).id
+
+    def is_current(self) -> bool:
+        """Whether the loaded program is the one this gpuguard builds for today's managed devices
+        (attach() swaps any other for it)."""
+        return _built_from(self._need("prog"), self._code(0, 0))
 
     def close(self) -> None:
         """Close our descriptors; the gate stays attached and pinned."""

@@ -1,9 +1,12 @@
-"""`gpuguard config check [PATH]`: exactly the validation the daemon runs at start and reload."""
+"""`gpuguard config check [PATH]`: exactly the validation the daemon runs at start and reload,
+then warnings (exit 0) for what loads but likely is not meant (gpuguard/config_warnings.py)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
-from gpuguard import config
+from gpuguard import config, config_warnings
+from gpuguard.backends import accounts
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,6 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def check_config(args: argparse.Namespace) -> int:
     loaded = config.load(args.path or args.config)
+    for line in config_warnings.warnings(loaded, accounts.user_exists, accounts.group_exists):
+        print(f"gpuguard: warning: {line}", file=sys.stderr)
     print(f"{loaded.source}: ok ({len(loaded.quotas.users)} user and "
           f"{len(loaded.quotas.groups)} group quotas from {loaded.paths.quotas})")
     return 0

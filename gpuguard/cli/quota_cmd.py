@@ -102,12 +102,7 @@ def _changes(assignments: list[str], unset: list[str]) -> dict[str, Any]:
 
 def _warn_if_unknown(kind: str, name: str) -> None:
     # A warning, not a refusal: admins set quotas ahead of creating accounts (or LDAP is slow to show them).
-    try:
-        if kind == "users":
-            accounts.by_name(name)
-        elif not accounts.group_exists(name):
-            raise accounts.UnknownUser(name)
-    except accounts.UnknownUser:
+    if not (accounts.user_exists if kind == "users" else accounts.group_exists)(name):
         print(f"gpuguard: warning: no {kind[:-1]} named {name} on this host (yet); "
               "the quota applies once it exists", file=sys.stderr)
 

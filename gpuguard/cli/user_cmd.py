@@ -1,7 +1,8 @@
-"""What every user runs: `gpuguard whoami`, `request`, `release` (`status` is status_cmd)."""
+"""What every user runs: `gpuguard whoami`, `env`, `request`, `release` (`status` is status_cmd)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -10,7 +11,7 @@ from gpuguard import client
 from gpuguard.cli import CommandError, load_config, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.messages import clock, number_list, queue_message
+from gpuguard.messages import clock, cuda_export, number_list, queue_message, stale_devices
 from gpuguard.units import UnitError, format_duration, format_size, parse_duration
 
 RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while waiting
@@ -21,6 +22,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     whoami.add_argument("--user", metavar="NAME", help="another user's (root only)")
     whoami.add_argument("--json", action="store_true", help="print JSON")
     whoami.set_defaults(func=show_whoami)
+
+    env = subparsers.add_parser("env", help="the export CUDA_VISIBLE_DEVICES=... line for your GPUs now",
+                                description='For a shell older than your grant (tmux, screen): eval "$(gpuguard env)"')
+    env.set_defaults(func=show_env)
 
     request = subparsers.add_parser("request", help="get GPUs now, up to your quota (--wait: queue for them)")
     request.add_argument("--gpus", type=int, metavar="N", help="how many GPUs in all (default: your quota)")
@@ -57,7 +62,7 @@ def show_whoami(args: argparse.Namespace) -> int:
             [f"  {g['minor']}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
-        print(f"export CUDA_VISIBLE_DEVICES={','.join(g['uuid'] for g in reply['grants'] if g['uuid'])}")
+        print(cuda_export(_uuids(reply)))
     elif reply["member"]:
         print("GPUs: none (gpuguard request --wait queues for one)")
     if reply.get("queue"):
@@ -67,6 +72,9 @@ def show_whoami(args: argparse.Namespace) -> int:
               f"since {clock(q['since'])}{when}")
         for ahead in q["ahead"]:
             print(f"  ahead of you: {ahead['user']}: {ahead['why']}")
+    if not reply["exempt"] and args.user is None and (note := stale_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                                             _uuids(reply))):
+        print(note)
     if reply["sessions"]:
         print("sessions:")
         for s in reply["sessions"]:
@@ -78,6 +86,17 @@ def show_whoami(args: argparse.Namespace) -> int:
             where = f" GPU {e['minor']}" if e["minor"] is not None else ""
             print(f"  {clock(e['time'])}  {e['kind']}{where}: {e['message']}")
     return EXIT_OK
+
+
+def show_env(args: argparse.Namespace) -> int:
+    reply = ask(args, "whoami")
+    # Exempt users see every GPU: no variable to narrow them down.
+    print("unset CUDA_VISIBLE_DEVICES" if reply["exempt"] else cuda_export(_uuids(reply)))
+    return EXIT_OK
+
+
+def _uuids(whoami: dict[str, Any]) -> list[str]:
+    return [g["uuid"] for g in whoami["grants"] if g["uuid"]]
 
 
 def run_request(args: argparse.Namespace) -> int:
@@ -92,7 +111,7 @@ def run_request(args: argparse.Namespace) -> int:
         print_json(reply)
         return EXIT_OK
     print(reply["message"])
-    print(f"export CUDA_VISIBLE_DEVICES={reply['cuda_visible_devices']}")
+    print(cuda_export(filter(None, reply["cuda_visible_devices"].split(","))))
     return EXIT_OK
 
 

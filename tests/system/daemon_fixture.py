@@ -17,7 +17,9 @@ waits for its READY=1 (sent to a NOTIFY_SOCKET of ours, as systemd would see it)
 Teardown: SIGTERM (the daemon must exit 0), then the test gate is detached; its log is
 printed, so pytest shows it with a failure.
 
-start_daemon(count=4, simulated=None, quotas=None, gate=True, **tables):
+start_daemon(count=4, simulated=None, quotas=None, gate=True, wrapper=(), env=None, **tables):
+    wrapper: argv run in front of the daemon (e.g. setpriv with a capability bounding set);
+    env: more environment (e.g. WATCHDOG_USEC);
     tables: top-level config tables merged over the defaults, e.g. access={"exempt_users": [..]},
     watcher={"interval": "1s"}, defaults={"gpus": 1, "max_time": "1h"};
     simulated: more [gpu.simulated] keys (e.g. {"nvlink_groups": [[0, 1], [2, 3]]});
@@ -27,6 +29,7 @@ start_daemon(count=4, simulated=None, quotas=None, gate=True, **tables):
 The handle (RunningDaemon):
     config_path, config (gpuguard.config.Config), socket, group, sandbox, device_dir, gate_name,
     proc (the Popen), log() -> the daemon's stderr so far
+    notifications()               -> every sd_notify datagram it sent so far (READY=1, STATUS=..., WATCHDOG=1)
     call(op, **fields)            -> reply dict, as root (raises gpuguard.client.Refused)
     call_as(user, op, **fields)   -> reply dict, the request sent by a process of `user`
                                      (a refusal comes back as {"ok": False, "error", "code"})
@@ -83,6 +86,10 @@ class RunningDaemon:
         self.proc: subprocess.Popen | None = None
         self._make_user = make_user
         self._callers: list[subprocess.Popen] = []
+        self.wrapper: tuple[str, ...] = ()
+        self.env: dict[str, str] = {}
+        self._notify: socket.socket | None = None
+        self._notes: list[str] = []
 
     # --- configuration
 
@@ -106,25 +113,40 @@ class RunningDaemon:
     # --- life cycle
 
     def start(self) -> None:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify_path = self.sandbox / "notify.sock"
-            notify_path.unlink(missing_ok=True)
-            notify.bind(str(notify_path))
-            notify.settimeout(0.2)
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(
-                    gpuguard(self.config_path, "daemon", "--gate-name", self.gate_name),
-                    stdout=log, stderr=log, cwd="/", env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
-            deadline = time.monotonic() + READY_TIMEOUT
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    if b"READY=1" in notify.recv(4096).split(b"\n"):
-                        return
-                except TimeoutError:
-                    continue
+        notify_path = self.sandbox / "notify.sock"
+        notify_path.unlink(missing_ok=True)
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify.bind(str(notify_path))
+        self._notes = []
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*self.wrapper, *gpuguard(self.config_path, "daemon", "--gate-name", self.gate_name)],
+                stdout=log, stderr=log, cwd="/", env={**os.environ, **self.env, "NOTIFY_SOCKET": str(notify_path)})
+        deadline = time.monotonic() + READY_TIMEOUT
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if "READY=1" in self._receive(0.2):
+                return
         status = self.proc.poll()
         self.stop()
         raise AssertionError(f"daemon not ready (exit status {status}):\n{self.log()}")
+
+    def _receive(self, timeout: float) -> list[str]:
+        """The assignments of the next datagram ([] after timeout); kept for notifications()."""
+        assert self._notify is not None
+        self._notify.settimeout(timeout)
+        try:
+            lines = self._notify.recv(4096).decode().split("\n")
+        except (TimeoutError, BlockingIOError):  # nothing within the timeout (0: nothing queued)
+            return []
+        self._notes += lines
+        return lines
+
+    def notifications(self) -> list[str]:
+        """Every assignment the daemon sent to its NOTIFY_SOCKET so far, in order."""
+        if self._notify is not None:
+            while self._receive(0):
+                pass
+        return list(self._notes)
 
     def stop(self) -> int | None:
         if self.proc is None:
@@ -136,6 +158,10 @@ class RunningDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._notify is not None:
+            self.notifications()  # what it said while stopping
+            self._notify.close()
+            self._notify = None
         return self.proc.returncode
 
     def restart(self) -> None:
@@ -214,10 +240,11 @@ class RunningDaemon:
 def start_daemon(sandbox, make_group, make_user) -> Iterator:
     started: list[RunningDaemon] = []
 
-    def start(**config: Any) -> RunningDaemon:
+    def start(*, wrapper: tuple[str, ...] = (), env: dict[str, str] | None = None, **config: Any) -> RunningDaemon:
         # One per test: two gates would both have to allow every open.
         assert not started, "start_daemon: one daemon per test (use restart() or write_config() + reload())"
         daemon = RunningDaemon(sandbox, make_group(), make_user)
+        daemon.wrapper, daemon.env = tuple(wrapper), dict(env or {})
         started.append(daemon)
         daemon.write_config(**config)
         daemon.start()

@@ -49,5 +49,7 @@ def test_the_man_page_documents_every_command_with_its_help_text(tmp_path):
     report = commands()["report"]
     (by,) = [a for a in report._actions if "--by" in a.option_strings]
     assert by.help in text  # the same words as --help, not a copy kept by hand
-    makefile = (REPO / "Makefile").read_text()
-    assert "argparse-manpage --module gpuguard.cli --function build_parser" in makefile  # make man builds this one
+    # make man, make install and make deb build this one, with the same arguments.
+    assert "argparse-manpage --module gpuguard.cli --function build_parser" in (REPO / "packaging/build-docs.sh").read_text()
+    assert "packaging/build-docs.sh" in (REPO / "Makefile").read_text()
+    assert "build-docs.sh" in (REPO / "packaging/build-deb.sh").read_text()

@@ -4,17 +4,11 @@ import stat
 import subprocess
 from pathlib import Path
 
-from sim_helpers import run_with_proc_devices
+import pytest
+from sim_helpers import cli, run_with_proc_devices
 
 from gpuguard.backends import devnodes
 from gpuguard.backends.posix_acl import acl_users
-
-
-def uvm_major() -> int | None:
-    """nvidia-uvm's character major in /proc/devices (read here, not through procfs), if loaded."""
-    chars = Path("/proc/devices").read_text().split("Block devices:")[0].splitlines()
-    majors = [int(line.split()[0]) for line in chars if line.split()[1:] == ["nvidia-uvm"]]
-    return majors[0] if majors else None
 
 
 def fake_driver(root: Path, minors: dict[str, int]) -> Path:
@@ -32,41 +26,61 @@ def test_driver_minors_come_from_proc_not_order(sandbox: Path) -> None:
     assert devnodes.driver_minors(sandbox / "absent") == []
 
 
+LOADED = "Character devices:\n  1 mem\n195 nvidia-frontend\n508 nvidia-uvm\n\nBlock devices:\n  7 loop\n"
+UNLOADED = "Character devices:\n  1 mem\n  4 tty\n\nBlock devices:\n  7 loop\n"
+
+
+def ensure_with(devices: str, dev: Path, minors: list[int], sandbox: Path) -> list[str]:
+    """ensure_driver_nodes where /proc/devices reads `devices`; the names of the nodes made."""
+    code = ("import json\nfrom pathlib import Path\nfrom gpuguard.backends import devnodes\n"
+            f"made = devnodes.ensure_driver_nodes(Path({str(dev)!r}), {minors!r})\n"
+            "print(json.dumps(sorted(p.name for p in made)))")
+    return run_with_proc_devices(devices, code, sandbox)
+
+
 def test_missing_nodes_are_made_with_their_modes_and_wrong_ones_replaced(sandbox: Path) -> None:
     dev = sandbox / "dev"
     dev.mkdir()
     os.mknod(dev / "nvidia1", stat.S_IFCHR | 0o666, os.makedev(1, 3))  # wrong device behind the name
-    made = devnodes.ensure_driver_nodes(dev, [0, 1])
     expected = [("nvidiactl", (195, 255), 0o666), ("nvidia-modeset", (195, 254), 0o666),
+                ("nvidia-uvm", (508, 0), 0o666), ("nvidia-uvm-tools", (508, 1), 0o666),
                 ("nvidia0", (195, 0), 0o660), ("nvidia1", (195, 1), 0o660)]
-    uvm = uvm_major()  # nvidia-uvm's nodes only while its module is loaded
-    if uvm is not None:
-        expected += [("nvidia-uvm", (uvm, 0), 0o666), ("nvidia-uvm-tools", (uvm, 1), 0o666)]
-    assert sorted(made) == sorted(dev / name for name, _, _ in expected)
+    assert ensure_with(LOADED, dev, [0, 1], sandbox) == sorted(name for name, _, _ in expected)
     assert sorted(p.name for p in dev.iterdir()) == sorted(name for name, _, _ in expected)
     for name, rdev, mode in expected:
         st = os.stat(dev / name)
         assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == rdev
         assert stat.S_IMODE(st.st_mode) == mode and (st.st_uid, st.st_gid) == (0, 0)
-    assert devnodes.ensure_driver_nodes(dev, [0, 1]) == []  # all right already: nothing made
+    assert ensure_with(LOADED, dev, [0, 1], sandbox) == []  # all right already: nothing made
 
 
-def test_uvm_nodes_are_made_when_its_module_is_loaded(sandbox: Path) -> None:
-    """nvidia-uvm's major is dynamic: it is read from /proc/devices (here one of our own, in a
-    private mount namespace, saying nvidia-uvm is loaded as 508)."""
+def test_no_node_is_made_without_the_driver(sandbox: Path) -> None:
     dev = sandbox / "dev"
     dev.mkdir()
-    code = ("import json, sys\nfrom pathlib import Path\nfrom gpuguard.backends import devnodes\n"
-            f"made = devnodes.ensure_driver_nodes(Path({str(dev)!r}), [3])\n"
-            "print(json.dumps(sorted(p.name for p in made)))")
-    loaded = "Character devices:\n  1 mem\n195 nvidia-frontend\n508 nvidia-uvm\n\nBlock devices:\n  7 loop\n"
-    made = run_with_proc_devices(loaded, code, sandbox)
-    assert made == sorted(["nvidiactl", "nvidia-modeset", "nvidia-uvm", "nvidia-uvm-tools", "nvidia3"])
-    for name, rdev, mode in (("nvidia-uvm", (508, 0), 0o666), ("nvidia-uvm-tools", (508, 1), 0o666),
-                             ("nvidia3", (195, 3), 0o660)):
-        st = os.stat(dev / name)
-        assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == rdev
-        assert stat.S_IMODE(st.st_mode) == mode and (st.st_uid, st.st_gid) == (0, 0)
+    assert ensure_with(UNLOADED, dev, [0, 1], sandbox) == []
+    assert list(dev.iterdir()) == []
+
+
+def test_acl_apply_makes_no_node_without_the_driver(sandbox: Path) -> None:
+    """`gpuguard acl apply` with no daemon to ask makes the nodes itself: none, with no driver."""
+    if devnodes.driver_loaded():
+        pytest.skip("the nvidia driver is loaded here")
+    dev = sandbox / "dev"
+    dev.mkdir()
+    config = sandbox / "gpuguard.toml"
+    config.write_text(f'[paths]\ndevice_dir = "{dev}"\nsocket = "{sandbox}/none.sock"\nstate_dir = "{sandbox}"\n')
+    result = cli(config, "acl", "apply")
+    assert result.returncode == 0, result.stderr
+    assert "created" not in result.stdout and list(dev.iterdir()) == []
+
+
+def test_uvm_nodes_are_made_only_while_its_module_is_loaded(sandbox: Path) -> None:
+    """nvidia-uvm's major is dynamic: it is read from /proc/devices."""
+    dev = sandbox / "dev"
+    dev.mkdir()
+    without_uvm = LOADED.replace("508 nvidia-uvm\n", "")
+    assert ensure_with(without_uvm, dev, [3], sandbox) == ["nvidia-modeset", "nvidia3", "nvidiactl"]
+    assert ensure_with(LOADED, dev, [3], sandbox) == ["nvidia-uvm", "nvidia-uvm-tools"]
 
 
 def test_sync_gpu_node_reports_and_repairs_what_was_changed_by_hand(sandbox: Path) -> None:

@@ -72,7 +72,7 @@ def test_module_sends_session_requests_and_sets_the_environment(stacks, stub, sa
     assert "session has successfully been closed" in result.stdout
     assert daemon.requests == [
         {"v": 1, "op": "session_open", "user": "ggt-alice", "service": service,
-         "rhost": "192.0.2.7", "tty": "ssh", "pid": result.pid},
+         "rhost": "192.0.2.7", "tty": "ssh", "grant": "auto", "pid": result.pid},
         {"v": 1, "op": "session_close", "user": "ggt-alice", "service": service, "pid": result.pid},
     ]
     assert all(raw.endswith(b"\n") and raw.count(b"\n") == 1 for raw in daemon.raw)
@@ -349,6 +349,12 @@ def test_the_hooks_plain_socket_reader_agrees_with_tomllib(text):
 
 
 # ------------------------------------------------------------------ the real daemon
+@pytest.fixture
+def gg_daemon(start_daemon):
+    """The test daemon, with every session taking GPUs ([sessions] grant = "all"): these tests are
+    about the module and the hook; which sessions take GPUs is test_scoped_sessions'."""
+    return start_daemon(sessions={"grant": "all"})
+
 
 PATHS = ["module", "hook"]
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO
 from gpuguard import config
+from gpuguard.compat import tomllib
 from gpuguard.quota_file import edit
 from sim_helpers import cli
 

@@ -4,8 +4,8 @@
   would rewrite their ACLs and flush gpuguard's grants), RUN commands that gpuguard accepts;
 - etc/modprobe.d/gpuguard.conf: NVreg_ModifyDeviceFiles=0 for the nvidia module;
 - etc/gpuguard.toml: passes `gpuguard config check`;
-- etc/gpuguard.service: Type=notify, ExecStart runs `gpuguard daemon` where `make install` puts
-  gpuguard, and `systemd-analyze verify` has nothing to say (when systemd-analyze is there);
+- etc/gpuguard.service: Type=notify, ExecStart runs `gpuguard daemon` where the package and
+  `make install` put gpuguard, and `systemd-analyze verify` has nothing to say (when systemd-analyze is there);
 - pam/: `make -C pam install` with DESTDIR installs the module and the pam-auth-update profile
   into the staging directory and nowhere else.
 """
@@ -79,10 +79,11 @@ def rules_for_node(rules, name: str) -> list[dict[str, str]]:
 
 
 def installed_gpuguard() -> str:
-    """Where `make install` links the gpuguard command (the Makefile's install recipe)."""
-    links = re.findall(r"^\tln -sf (\S+) (\S+/gpuguard)$", (REPO / "Makefile").read_text(), re.MULTILINE)
-    assert len(links) == 1, links
-    return links[0][1]
+    """The gpuguard command in the application's venv, where the package and `make install` put
+    it (the Makefile's APPDIR)."""
+    appdirs = re.findall(r"^APPDIR\s*\?=\s*(\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert len(appdirs) == 1, appdirs
+    return f"{appdirs[0]}/bin/gpuguard"
 
 
 def test_udev_rules_keep_gpu_nodes_to_root_and_grantees() -> None:
@@ -186,19 +187,30 @@ def test_unit_is_type_notify_and_runs_the_installed_daemon() -> None:
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_has_nothing_to_say(sandbox) -> None:
     """verify also checks that ExecStart's program exists: in a private mount namespace, a tmpfs
-    over its directory holds a link to this checkout's gpuguard (gone with the namespace)."""
+    over the nearest existing directory above it holds a link to this checkout's gpuguard (gone
+    with the namespace)."""
     program = Path(installed_gpuguard())
-    if not program.parent.is_dir():
-        pytest.skip(f"{program.parent} does not exist here")
+    mount_point = next(p for p in program.parents if p.is_dir())
     unit = sandbox / UNIT.name  # verify loads the unit from a directory of its own
     shutil.copy(UNIT, unit)
     result = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         'mount -t tmpfs ggt-bin "$1" && ln -s "$2" "$1/$3" && exec systemd-analyze verify "$4"',
-         "sh", str(program.parent), str(BIN / "gpuguard"), program.name, str(unit)],
+         'mount -t tmpfs ggt-bin "$1" && mkdir -p "$2" && ln -s "$3" "$2/$4" && exec systemd-analyze verify "$5"',
+         "sh", str(mount_point), str(program.parent), str(BIN / "gpuguard"), program.name, str(unit)],
         capture_output=True, text=True, timeout=120)
     # verify exits 0 even on unknown keys or bad values: any message at all is a finding.
     assert (result.returncode, result.stdout, result.stderr) == (0, "", ""), result
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_security_rates_the_unit_below_5(sandbox) -> None:
+    unit = sandbox / UNIT.name
+    shutil.copy(UNIT, unit)
+    result = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(unit)],
+                            capture_output=True, text=True, timeout=120)
+    level = re.search(r"Overall exposure level for gpuguard\.service: ([0-9.]+)", result.stdout)
+    assert level, result
+    assert float(level[1]) < 5.0, result.stdout
 
 
 # --- make -C pam install
@@ -248,3 +260,48 @@ def test_pam_install_stays_inside_destdir(sandbox, pam_module) -> None:
     assert result.returncode == 0, result.stderr
     assert not [p for p in stage.rglob("*") if p.is_file()]
     assert {path: tree(path) for path in system_pam_dirs()} == before  # nothing outside the stage
+
+
+# --- make install / make uninstall (distributions without the Debian package)
+
+def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configuration(sandbox) -> None:
+    stage = sandbox / "stage"
+    watched = [Path(p) for p in ("/opt", "/usr/local/bin", "/usr/lib/systemd/system", "/usr/lib/udev/rules.d",
+                                 "/usr/lib/modprobe.d", "/etc/gpuguard")] + system_pam_dirs()
+    # The man page and the completion, by name (apt may add others to those directories meanwhile).
+    outside = [p for p in (Path("/usr/share/man/man1/gpuguard.1"), Path("/usr/share/bash-completion/completions/gpuguard"))
+               if not p.exists()]
+    before = {path: tree(path) for path in watched}
+    make = ["make", "-s", "-C", str(REPO), f"DESTDIR={stage}", "PREFIX=/usr"]
+
+    result = subprocess.run([*make, "install"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert os.readlink(stage / "usr/bin/gpuguard") == installed_gpuguard()
+    for path, source in [("usr/lib/systemd/system/gpuguard.service", UNIT),
+                         ("usr/lib/udev/rules.d/70-gpuguard.rules", RULES),
+                         ("usr/lib/modprobe.d/gpuguard.conf", MODPROBE), ("etc/gpuguard/gpuguard.toml", CONFIG)]:
+        assert (stage / path).read_bytes() == source.read_bytes(), path
+    assert list(stage.rglob("pam_gpuguard.so")) and (stage / "usr/share/pam-configs/gpuguard").is_file()
+    # The man page and the bash completion under PREFIX, generated from the argparse definitions.
+    assert (stage / "usr/share/man/man1/gpuguard.1").read_text().startswith(".TH GPUGUARD")
+    assert "_shtab_gpuguard" in (stage / "usr/share/bash-completion/completions/gpuguard").read_text()
+    # The application's venv runs from the stage (its interpreter is the system's), and names only
+    # where it will be installed: nothing refers to the stage.
+    venv_python = stage / installed_gpuguard().lstrip("/").replace("bin/gpuguard", "bin/python")
+    version = subprocess.run([str(venv_python), "-m", "gpuguard", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("gpuguard "), version
+    leaks = subprocess.run(["grep", "-rlF", str(stage), str(stage)], capture_output=True, text=True)
+    assert leaks.stdout == "", leaks.stdout
+    # No test tool was installed with it (pamtester, sshd, the compiler are `make deps`' business).
+    assert not [p for p in stage.rglob("*") if p.name in ("pamtester", "sshd", "pytest")]
+
+    # An admin's edit survives a reinstall; uninstall leaves only the configuration.
+    (stage / "etc/gpuguard/quotas.toml").write_text("# ggt edited\n")
+    assert subprocess.run([*make, "install"], capture_output=True, timeout=600).returncode == 0
+    assert (stage / "etc/gpuguard/quotas.toml").read_text() == "# ggt edited\n"
+    result = subprocess.run([*make, "uninstall"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(str(p.relative_to(stage)) for p in stage.rglob("*") if p.is_file()) == \
+        ["etc/gpuguard/gpuguard.toml", "etc/gpuguard/quotas.toml"]
+    assert {path: tree(path) for path in watched} == before  # nothing outside the stage
+    assert not [p for p in outside if p.exists()]

@@ -18,6 +18,13 @@ pytestmark = [pytest.mark.ssh, pytest.mark.usefixtures("pam_module")]  # tests/s
 
 
 @pytest.fixture
+def gg_daemon(start_daemon):
+    """The test daemon, with every session taking GPUs ([sessions] grant = "all"): these tests are
+    about the module and the hook; which sessions take GPUs is test_scoped_sessions'."""
+    return start_daemon(sessions={"grant": "all"})
+
+
+@pytest.fixture
 def start_sshd(sandbox):
     """start_sshd(session_lines, users) -> a running Sshd whose PAM stack ends with session_lines."""
     started: list[Sshd] = []

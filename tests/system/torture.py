@@ -88,7 +88,7 @@ def crash(target: Target, cycles: int, kills: int, workers: int = 4, seed: int =
             pid = target.callers[name]
             try:
                 client.call(target.socket, "session_open", timeout=30, user=name, service="ggt-torture", rhost="",
-                            tty="", pid=pid)
+                            tty="pts/0", pid=pid)  # a terminal login: it takes GPUs
             except client.DaemonUnreachable:
                 with lock:
                     report.ambiguous += 1
@@ -223,7 +223,7 @@ def storm(target: Target, logins: int, attackers: int = 3, idle: int = 500) -> d
         for i in range(logins):
             name, _ = target.users[i % len(target.users)]
             start = time.perf_counter()
-            call(target, "session_open", retry=False, user=name, service="ggt-storm", rhost="", tty="",
+            call(target, "session_open", retry=False, user=name, service="ggt-storm", rhost="", tty="pts/0",
                  pid=target.callers[name])
             call(target, "session_close", retry=False, user=name, pid=target.callers[name])
             times.append(time.perf_counter() - start)

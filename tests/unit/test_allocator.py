@@ -38,9 +38,9 @@ def held(uid: int, *minors: int, shared: bool = False) -> list[Grant]:
 
 
 def choose(count: int = 1, grants=(), uid: int = ALICE, share: bool = False, last_released=None,
-           inventory=None, topology=None) -> tuple[int, ...]:
+           inventory=None, topology=None, held_last=None) -> tuple[int, ...]:
     return allocator.choose(inventory or gpus(8), box() if topology is None else topology, list(grants),
-                            last_released or {}, uid, count, share)
+                            last_released or {}, uid, count, share, held_last)
 
 
 def test_one_gpu_is_a_free_one_lowest_first():
@@ -160,3 +160,12 @@ def test_random_machines_never_break_the_invariants(seed):
     # free GPUs are used up before any shared one
     free = set(range(count)) - taken
     assert set(chosen) >= free or set(chosen) <= free
+
+
+def test_a_returning_user_gets_the_gpus_held_last_when_free():
+    assert choose(last_released={5: 100.0}) == (0,)
+    assert choose(held_last={5: 100.0}) == (5,)  # before lowest, least recent, and ...
+    assert choose(count=2, held_last={5: 100.0, 2: 100.0}) == (2, 5)  # ... before connectivity
+    assert choose(held_last={5: 100.0, 2: 200.0}) == (2,)  # the most recently held first
+    assert choose(held_last={5: 100.0}, grants=held(BOB, 5)) == (0,)  # taken meanwhile: another one
+    assert choose(count=2, held_last={5: 100.0}) == (4, 5)  # the rest next to it

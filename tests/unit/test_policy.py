@@ -70,3 +70,18 @@ def test_sharing_needs_a_memory_quota():
 def test_expiry_is_now_plus_max_time():
     assert policy.expires_at(Quota(max_time=3600.0), now=1000.0) == 4600.0
     assert policy.expires_at(Quota(), now=1000.0) is None
+
+
+def test_which_logins_take_gpus():
+    from gpuguard.config import SessionsConfig
+    from gpuguard.policy import login_takes_gpus
+
+    default = SessionsConfig()
+    for tty in ("/dev/pts/3", "pts/3", "tty1", "/dev/tty2", "console"):  # su, login, sshd with a pty
+        assert login_takes_gpus("sshd", tty, "auto", default), tty
+    for service, tty in (("sshd", "ssh"), ("sshd", ""), ("cron", "cron"), ("jupyterhub", "")):
+        assert not login_takes_gpus(service, tty, "auto", default), (service, tty)  # scp, ssh host cmd, ...
+    assert login_takes_gpus("jupyterhub", "", "auto", SessionsConfig(services=("jupyterhub",)))
+    assert login_takes_gpus("sshd", "ssh", "auto", SessionsConfig(grant="all"))
+    assert not login_takes_gpus("login", "tty1", "never", SessionsConfig(grant="all"))  # the stack decides
+    assert login_takes_gpus("sshd", "ssh", "always", default)

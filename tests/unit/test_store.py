@@ -61,6 +61,7 @@ def test_grants_round_trip_and_removal_history(store):
     assert store.last_released() == {1: 60.0}
     assert [g.minor for g in store.remove_grants(1001, None, now=70.0)] == [0]
     assert store.last_released() == {0: 70.0, 1: 60.0}
+    assert store.last_held(1001) == {0: 70.0, 1: 60.0} and store.last_held(1002) == {}
 
 
 def test_sessions_close_by_caller_pid(store):

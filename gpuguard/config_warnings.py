@@ -1,0 +1,58 @@
+"""What `gpuguard config check` warns about: a configuration that loads but will not do what its
+author likely meant. Warnings, not errors: accounts are often created after the configuration
+(or come late from LDAP), and the daemon runs fine meanwhile. Pure: lookups are passed in.
+"""
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuguard.config import DRIVER_ACCOUNTS, Config, MetricsConfig
+
+# Where etc/gpuguard.service (ProtectSystem=strict) lets the daemon write files: its
+# RuntimeDirectory= and StateDirectory=.
+UNIT_WRITABLE = (Path("/run/gpuguard"), Path("/var/lib/gpuguard"))
+
+
+def warnings(config: Config, user_exists: Callable[[str], bool], group_exists: Callable[[str], bool],
+             file_exists: Callable[[Path], bool] = Path.exists) -> list[str]:
+    """One line per finding, naming the key."""
+    access = config.access
+    found = []
+    if not group_exists(access.group):
+        found.append(f"access.group: no group named {access.group} on this host (yet): nobody gets GPUs until it exists")
+    found += [f"access.exempt_users: no user named {name} on this host (yet)"
+              for name in access.exempt_users if name not in DRIVER_ACCOUNTS and not user_exists(name)]
+    found += [f"access.exempt_groups: no group named {name} on this host (yet)"
+              for name in access.exempt_groups if not group_exists(name)]
+    if not file_exists(config.paths.quotas):
+        found.append(f"paths.quotas: {config.paths.quotas} does not exist: every member gets the [defaults]")
+    found += [f"{config.paths.quotas}: no user named {name} on this host (yet)"
+              for name in config.quotas.users if not user_exists(name)]
+    found += [f"{config.paths.quotas}: no group named {name} on this host (yet)"
+              for name in config.quotas.groups if not group_exists(name)]
+    memory = config.defaults.gpu_memory
+    if config.defaults.sharing and memory is None:
+        found.append("defaults.sharing: has no effect without a gpu_memory limit (nobody shares a GPU)")
+    for kind, tables in (("users", config.quotas.users), ("groups", config.quotas.groups)):
+        found += [f"{config.paths.quotas}: {kind}.{name}.sharing: has no effect without a gpu_memory limit"
+                  for name, table in tables.items()
+                  if table.get("sharing") and table.get("gpu_memory", memory) is None]
+    return found + _under_the_unit(config.metrics)
+
+
+def _under_the_unit(metrics: MetricsConfig) -> list[str]:
+    """Metrics settings the shipped systemd unit's sandbox blocks until a drop-in opens it."""
+    found = []
+    if metrics.listen is not None:
+        host, port = metrics.listen
+        if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+            found.append(f"metrics.listen: {host}:{port} is not loopback, and the systemd unit lets only localhost "
+                         "connect (IPAddressAllow=localhost): open it with a drop-in (README, The systemd unit)")
+    for key, directory in (("textfile", metrics.textfile and metrics.textfile.parent),
+                           ("dcgm_job_mapping_dir", metrics.dcgm_job_mapping_dir)):
+        if directory is not None and not any(directory.is_relative_to(top) for top in UNIT_WRITABLE):
+            found.append(f"metrics.{key}: the systemd unit makes {directory} read-only (ProtectSystem=strict): "
+                         f"add ReadWritePaths={directory} with a drop-in (README, The systemd unit)")
+    return found

@@ -1,0 +1,90 @@
+"""gpuguard.doctor's verdicts on made-up facts: a healthy machine, then each thing that can be wrong."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gpuguard import doctor
+from gpuguard.doctor import FAIL, OK, WARN, Facts, Node
+
+ALICE = 1001
+
+
+def healthy() -> Facts:
+    nodes = {m: Node(f"/dev/nvidia{m}", True, True, 0o660, 0, 0, frozenset({ALICE} if m == 1 else ()))
+             for m in range(2)}
+    return Facts(
+        backend="nvml", mode="gate", cgroup2="/sys/fs/cgroup", bpf_error=None, gate_name="gpuguard",
+        gate={"attached": True, "prog_id": 42, "entries": 1, "users": {str(ALICE): ["195:1"]}},
+        gate_current=True, gate_error=None, gpus=[(0, "H100"), (1, "H100")], nvml_error=None,
+        driver_minors=[0, 1], nodes=nodes, modify_device_files="0", modprobe_option=True,
+        pam_service="sshd", pam_session=["pam_unix.so", "pam_systemd.so", "pam_gpuguard.so"],
+        pam_module_found=True, udev_rules=["/usr/lib/udev/rules.d/70-gpuguard.rules"],
+        persistenced_uid=None, exempt_uids=frozenset({0}),
+        daemon={"gpus": [{"minor": 0, "holders": []}, {"minor": 1, "holders": [{"uid": ALICE}]}],
+                "sessions": [{}]},
+        daemon_error=None, slurm=None)
+
+
+def verdicts(facts: Facts) -> dict[str, str]:
+    return {finding.check: finding.status for finding in doctor.run(facts)}
+
+
+def test_a_healthy_machine_is_all_ok() -> None:
+    findings = doctor.run(healthy())
+    assert [f.status for f in findings] == [OK] * len(doctor.CHECKS), findings
+    assert not doctor.failed(findings)
+    assert doctor.format_line(findings[0]) == "ok    cgroup v2     mounted at /sys/fs/cgroup"
+
+
+def node(minor: int, **changes) -> dict[int, Node]:
+    nodes = dict(healthy().nodes)
+    nodes[minor] = replace(nodes[minor], **changes)
+    return nodes
+
+
+@pytest.mark.parametrize("changes, check, status", [
+    ({"cgroup2": None}, "cgroup v2", FAIL),
+    ({"cgroup2": None, "mode": "acl"}, "cgroup v2", WARN),
+    ({"bpf_error": "querying device programs failed: Operation not permitted"}, "bpf", FAIL),
+    ({"gate": {"attached": False}}, "gate", FAIL),
+    ({"gate_current": False}, "gate", FAIL),
+    ({"gate": {"attached": True, "prog_id": 42, "entries": 0, "users": {}}}, "gate", FAIL),  # a grant not in the map
+    ({"gate": None, "gate_error": "gate not loaded"}, "gate", FAIL),
+    ({"mode": "acl", "gate": None}, "gate", WARN),
+    ({"gpus": None, "nvml_error": "NVML_ERROR_DRIVER_NOT_LOADED"}, "nvml", FAIL),
+    ({"gpus": []}, "nvml", FAIL),
+    ({"nodes": node(1, exists=False)}, "minors", FAIL),
+    ({"driver_minors": [0, 1, 2]}, "minors", WARN),
+    ({"nodes": node(0, mode=0o666)}, "nodes", FAIL),
+    ({"nodes": node(0, uid=ALICE)}, "nodes", FAIL),
+    ({"nodes": node(1, acl_users=frozenset())}, "nodes", FAIL),
+    ({"nodes": node(0, acl_users=frozenset({ALICE}))}, "nodes", FAIL),
+    ({"modify_device_files": "1"}, "modprobe", FAIL),
+    ({"modify_device_files": None}, "modprobe", WARN),
+    ({"modify_device_files": None, "modprobe_option": False}, "modprobe", FAIL),
+    ({"pam_session": None}, "pam", FAIL),
+    ({"pam_session": ["pam_unix.so", "pam_systemd.so"]}, "pam", FAIL),
+    ({"pam_session": ["pam_gpuguard.so", "pam_systemd.so"]}, "pam", FAIL),
+    ({"pam_module_found": False}, "pam", FAIL),
+    ({"udev_rules": []}, "udev", FAIL),
+    ({"persistenced_uid": 105}, "persistenced", FAIL),
+    ({"daemon": None, "daemon_error": "not reachable"}, "daemon", FAIL),
+    ({"slurm": "slurmd"}, "slurm", WARN),
+])
+def test_each_problem_is_its_own_line_with_a_fix(changes, check, status) -> None:
+    findings = {f.check: f for f in doctor.run(replace(healthy(), **changes))}
+    assert findings[check].status == status, findings[check]
+    assert findings[check].fix
+    assert doctor.failed(findings.values()) == (status == FAIL)
+
+
+def test_what_is_fine_stays_fine() -> None:
+    assert verdicts(replace(healthy(), persistenced_uid=105, exempt_uids=frozenset({0, 105})))["persistenced"] == OK
+    simulated = verdicts(replace(healthy(), backend="simulated", modify_device_files=None, modprobe_option=False,
+                                 driver_minors=[]))
+    assert simulated["modprobe"] == OK and simulated["minors"] == OK
+    assert verdicts(replace(healthy(), pam_session=["/opt/x/pam_gpuguard.so"]))["pam"] == OK  # no pam_systemd
+    # Without the daemon the node check still judges modes, and does not fail on ACLs it cannot judge.
+    assert verdicts(replace(healthy(), daemon=None, daemon_error="down"))["nodes"] == OK
