@@ -12,9 +12,10 @@ import statistics
 import subprocess
 
 from env import Bench
+from rows import row
+
 from gpuguard.backends.gate import Gate
 from gpuguard.model import NVIDIA_MAJOR
-from rows import row
 
 OPENS, REPEATS, ROUNDS = 50_000, 5, 3
 

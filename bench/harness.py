@@ -14,10 +14,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "system")]
 
-from gpuguard import client  # noqa: E402
-from devtools.harness import VENV_BIN, bpffs_restored, gate_test_lock  # noqa: E402
-from gpuguard.backends.gate import Gate  # noqa: E402
 from torture import Target  # noqa: E402
+
+from devtools.harness import VENV_BIN, bpffs_restored, gate_test_lock  # noqa: E402
+from gpuguard import client  # noqa: E402
+from gpuguard.backends.gate import Gate  # noqa: E402
 
 
 class Daemon:
@@ -86,6 +87,6 @@ def setup(stack: ExitStack, users: int, gpus: int, extra: str = "") -> tuple[Dae
         stack.callback(caller.kill)
         callers[name] = caller.pid
     target = Target(socket=socket, store_path=base / "state" / "state.db", device_dir=base / "dev",
-                    gate_name=daemon.gate, users=list(zip(names[:-1], uids[:-1])), restart=daemon.kill_and_restart,
+                    gate_name=daemon.gate, users=list(zip(names[:-1], uids[:-1], strict=True)), restart=daemon.kill_and_restart,
                     attacker_uid=uids[-1], callers=callers)
     return daemon, target, base

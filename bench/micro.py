@@ -8,11 +8,13 @@ import tempfile
 from pathlib import Path
 
 from env import Bench
-from gpuguard import allocator, config as configuration, rules
+from rows import per_call, row
+
+from gpuguard import allocator, rules
+from gpuguard import config as configuration
 from gpuguard.backends.simulated import SimulatedBackend, register_process
 from gpuguard.model import Grant, Quota
 from gpuguard.store import Store
-from rows import per_call, row
 
 
 def bench_allocator() -> None:

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from env import REPO, Bench, busy_host, host_processes
-from gpuguard import client
 from rows import p99, per_call, row
+
+from gpuguard import client
 
 ECHO_SERVER = """
 import asyncio, sys

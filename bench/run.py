@@ -26,9 +26,10 @@ import time
 from contextlib import ExitStack
 
 import env  # first: puts the checkout on sys.path
+from rows import ROWS, format_row, table
+
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
-from rows import ROWS, format_row, table
 
 SECTIONS = ("micro", "pam", "watcher", "gate")
 

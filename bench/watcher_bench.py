@@ -25,11 +25,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from env import Bench, busy_host
-from gpuguard import client, config as configuration
+from rows import p99, per_call, row
+
+from gpuguard import client
+from gpuguard import config as configuration
 from gpuguard.backends import accounts
 from gpuguard.backends.gate import Gate
 from gpuguard.daemon import Daemon
-from rows import p99, per_call, row
 
 INTERVAL, GRACE, KILL_WAIT = 0.5, 1.0, 1.0
 WINDOW = 6.0  # seconds of daemon CPU per measurement

@@ -67,7 +67,7 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
         return (sum(1 for m in chosen if holders[m]),
                 sum(holders[m] for m in chosen),
                 -sum(1 for m in chosen if m in held_last),
-                sorted((-held_last.get(m, 0.0) for m in chosen)),
+                sorted(-held_last.get(m, 0.0) for m in chosen),
                 max(links, default=Link.NVLINK),
                 sum(links),
                 len({numa[m] for m in together}),
@@ -83,7 +83,7 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
 
 def _grow(start: int, candidates: list[int], want: int, key) -> tuple[int, ...]:
     """Greedy: from one GPU, keep adding whichever candidate makes the best set so far."""
-    chosen = (start,)
+    chosen: tuple[int, ...] = (start,)
     while len(chosen) < want:
         chosen = min(((*chosen, c) for c in candidates if c not in chosen), key=key)
     return chosen

@@ -9,16 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from collections.abc import Callable
-
-from gpuguard import allocator, config as configuration, policy, protocol, reporting
+from gpuguard import allocator, policy, protocol, reporting
+from gpuguard import config as configuration
 from gpuguard.backends import accounts, procfs
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.notify import Notifier
 from gpuguard.config import Config
+from gpuguard.errors import GpuguardError
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.holders import HolderEnder, Scan
@@ -32,7 +33,6 @@ from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
 from gpuguard.store import Queued, Store
 from gpuguard.units import UnitError, format_duration, parse_duration
-from gpuguard.errors import GpuguardError
 
 ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes"})
 WHOAMI_EVENTS = 20

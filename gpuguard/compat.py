@@ -8,8 +8,9 @@ import enum
 import sys
 
 if sys.version_info >= (3, 11):
-    import tomllib
     from enum import StrEnum
+
+    import tomllib
 else:  # pragma: no cover - exercised by `make test-py310`
     import tomli as tomllib
 

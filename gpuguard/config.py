@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.compat import tomllib
+from gpuguard.errors import UsageError
 from gpuguard.model import Quota
 from gpuguard.units import UnitError, parse_duration, parse_size
-from gpuguard.errors import UsageError
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 # Accounts of the NVIDIA driver's own services, exempt by default where they exist:

@@ -22,26 +22,26 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gpuguard import config as configuration, sampling
+from gpuguard import config as configuration
+from gpuguard import sampling
 from gpuguard.api import Api
 from gpuguard.backends import GateError, devnodes, driver_minors, notify, open_gpu_backend, procfs, systemd
 from gpuguard.backends.exits import ExitWatch
-from gpuguard.backends.node_watcher import NodeWatcher
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
+from gpuguard.backends.node_watcher import NodeWatcher
 from gpuguard.config import Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
-from gpuguard.queueing import Queue
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.metrics import Metrics
+from gpuguard.queueing import Queue
 from gpuguard.server import Server
 from gpuguard.store import Store
 from gpuguard.watcher import Watcher
-
 
 DEADLINE_MARGIN = 0.001  # seconds past a wait's end: the tick's clock must read it as over
 CHECK_EVERY = 30.0  # seconds between checks that the gate, its maps and the node ACLs are as the store says

@@ -125,6 +125,7 @@ class Grants:
         except Exception:
             # The store still has these grants: reopen the gate for them, so both agree again.
             for grant in closed:
+                assert self.gate is not None  # only the gate closed anything
                 self.gate.grant(uid, (NVIDIA_MAJOR, grant.minor))
             raise
         self.sync_nodes(g.minor for g in held)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import asdict, dataclass
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpuguard.config import EventsConfig
+from gpuguard.errors import GpuguardError
 from gpuguard.model import Event, Grant, Quota, Session
 from gpuguard.scheduler import Waiter
-from gpuguard.errors import GpuguardError
 
 # Ordered migrations: index i brings the schema from version i to i + 1. Never edit a
 # released entry; append a new one.
@@ -112,9 +112,9 @@ class Queued:
 
 
 class Store:
-    def __init__(self, path: Path | str, retention: EventsConfig = EventsConfig(), durable: bool = True):
+    def __init__(self, path: Path | str, retention: EventsConfig | None = None, durable: bool = True):
         self.path = Path(path)
-        self.retention = retention  # a reload may replace it
+        self.retention = retention or EventsConfig()  # a reload may replace it
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
@@ -207,7 +207,7 @@ class Store:
                 "INSERT INTO sessions (uid, user, service, rhost, tty, pid, opened_at, caller_start)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (uid, user, service, rhost, tty, pid, now, caller_start))
-        return Session(cursor.lastrowid, uid, user, service, rhost, tty, pid, now)
+        return Session(_row_id(cursor), uid, user, service, rhost, tty, pid, now)
 
     def close_session(self, uid: int, pid: int) -> Session | None:
         """Close the newest open session of uid opened by the PAM caller pid."""
@@ -246,7 +246,7 @@ class Store:
                 db.execute("DELETE FROM events WHERE time < ?", (event.time - self.retention.max_age,))
             db.execute("DELETE FROM events WHERE uid IS ? AND id <= (SELECT id FROM events WHERE uid IS ?"
                        " ORDER BY id DESC LIMIT 1 OFFSET ?)", (event.uid, event.uid, self.retention.per_user))
-        return cursor.lastrowid
+        return _row_id(cursor)
 
     def event_count(self) -> int:
         return self._db.execute("SELECT count(*) FROM events").fetchone()[0]
@@ -343,7 +343,7 @@ class Store:
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (uid, user, gpus, now, quota.priority, quota.share, json.dumps(asdict(quota)), origin, pid,
                  pid_start))
-        return Queued(Waiter(cursor.lastrowid, uid, user, gpus, now, quota.priority, quota.share), quota, origin,
+        return Queued(Waiter(_row_id(cursor), uid, user, gpus, now, quota.priority, quota.share), quota, origin,
                       pid, pid_start)
 
     def queue(self, uid: int | None = None) -> list[Queued]:
@@ -414,3 +414,9 @@ def _rows_of(table: str, uid: int | None) -> tuple[str, tuple]:
     if uid is None:
         return f"SELECT * FROM {table}", ()
     return f"SELECT * FROM {table} WHERE uid = ?", (uid,)
+
+
+def _row_id(cursor: sqlite3.Cursor) -> int:
+    """The id an INSERT just gave its row (set after every successful INSERT)."""
+    assert cursor.lastrowid is not None
+    return cursor.lastrowid

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+
 from gpuguard.errors import UsageError
 
 _SIZE_UNITS = {

@@ -3,6 +3,7 @@ no ctypes) because every CLI command imports it for the backends' errors; backen
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
 from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:

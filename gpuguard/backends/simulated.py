@@ -258,7 +258,7 @@ class FakeNvmlLibrary:
         self._init_count = 0
         # Handles point at real (1-byte) objects, so they are never NULL and never reused.
         self._handle_memory = [ctypes.create_string_buffer(1) for _ in gpus]
-        self._by_handle = {ctypes.addressof(memory): gpu for memory, gpu in zip(self._handle_memory, gpus)}
+        self._by_handle = {ctypes.addressof(memory): gpu for memory, gpu in zip(self._handle_memory, gpus, strict=True)}
         self._messages: dict[int, ctypes.Array] = {}
         for name, member in vars(FakeNvmlLibrary).items():
             if hasattr(member, "c_prototype"):

@@ -52,7 +52,7 @@ def print_rows(rows: list[list[str]]) -> None:
     """A plain aligned table, first row the header, like ps and nvidia-smi print."""
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
 
 
 # Each command and the module that registers it: a command loads only its own module. The full

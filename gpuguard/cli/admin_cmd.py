@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 
 from gpuguard.cli import print_json
-from gpuguard.errors import EXIT_OK
 from gpuguard.cli.calls import ask
+from gpuguard.errors import EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -9,7 +9,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from gpuguard import client, config as configuration
+from gpuguard import client
+from gpuguard import config as configuration
 from gpuguard.backends import accounts, devnodes
 from gpuguard.cli import CommandError, load_config, print_json, require_root
 from gpuguard.errors import EXIT_OK

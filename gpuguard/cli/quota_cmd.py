@@ -18,8 +18,8 @@ from gpuguard import config, quota_file
 from gpuguard.backends import accounts
 from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root
 from gpuguard.cli.calls import ask
-from gpuguard.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gpuguard.client import DaemonUnreachable, Refused
+from gpuguard.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gpuguard.policy import quota_for, quota_sources
 
 
@@ -56,6 +56,8 @@ def run_set(args: argparse.Namespace) -> int:
     changes = _changes(args.assignments, args.unset)
     # The current configuration must load: it names the quotas file, and the edit is checked against it.
     current = load_config(args)
+    table: tuple[str, ...]
+    check: Callable[[Path], object]  # loads the edited file, raising ConfigError when it is wrong
     if args.defaults:
         table, path, check = quota_file.DEFAULTS, current.source, config.load
     else:

@@ -63,13 +63,14 @@ from typing import Any
 
 import pytest
 import tomlkit
-
 from conftest import PYTHON, TestUser, run_as, unique
-from devtools.harness import gate_test_lock
-from gpuguard import client, config as gpuguard_config
-from gpuguard.backends.gate import Gate
 from leftovers import sweep_gates
 from sim_helpers import cli, gpuguard, write_config
+
+from devtools.harness import gate_test_lock
+from gpuguard import client
+from gpuguard import config as gpuguard_config
+from gpuguard.backends.gate import Gate
 
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from conftest import unique
+
 from devtools.harness import wait_for
 
 SETTLE = 60.0  # seconds: a bound on the kernel freezing or thawing a task, never expected

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, popen_as
 
 HOSTILE = Path(__file__).with_name("hostile_procs.py")

@@ -94,7 +94,8 @@ def sweep_gates() -> list[str]:
             for pid in (child / "cgroup.procs").read_text().split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
-            wait_for(lambda: not (child / "cgroup.procs").read_text().split(), timeout=30)
+            procs = child / "cgroup.procs"
+            wait_for(lambda procs=procs: not procs.read_text().split(), timeout=30)
             for prog_id in bpf.attached_ids(child):
                 detach_by_id(child, prog_id)
             child.rmdir()

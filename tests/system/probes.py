@@ -22,6 +22,7 @@ from subprocess import PIPE
 from typing import TYPE_CHECKING, TypeVar
 
 from conftest import PYTHON, popen_as, run_as
+
 from gpuguard.model import NVIDIA_MAJOR
 
 if TYPE_CHECKING:

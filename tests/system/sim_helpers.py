@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import PYTHON, TestUser, popen_as, run_as
+
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import open_gpu_backend
 from gpuguard.backends.nvml import NvmlBackend

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import BIN, PYTHON, REPO
 
 MODULE = REPO / "pam" / "pam_gpuguard.so"
@@ -200,7 +199,7 @@ class PamSession:
             self.process.kill()
         self.process.communicate()
 
-    def __enter__(self) -> "PamSession":
+    def __enter__(self) -> PamSession:
         return self
 
     def __exit__(self, *exc: object) -> None:

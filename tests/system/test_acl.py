@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from probes import open_node, open_result
 
 from devtools.harness import wait_for
 from gpuguard.backends.devnodes import ensure_node, set_base_mode
 from gpuguard.backends.node_watcher import NodeWatcher
 from gpuguard.backends.posix_acl import XATTR, acl_users, apply_acls
-from probes import open_node, open_result
 
 NULL = (1, 3)
 

@@ -7,8 +7,8 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import PYTHON
+
 from gpuguard.cli import COMMANDS, PAM_HOOK, build_parser, split_command
 
 # Run a command in a fresh interpreter and print the gpuguard and heavy stdlib modules it loaded.

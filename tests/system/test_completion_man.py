@@ -6,8 +6,9 @@ import argparse
 import subprocess
 
 from conftest import BIN, REPO
-from gpuguard.cli import build_parser
 from sim_helpers import gpuguard
+
+from gpuguard.cli import build_parser
 
 
 def commands() -> dict[str, argparse.ArgumentParser]:

@@ -5,11 +5,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from sim_helpers import cli, write_config
 
 from gpuguard import config
 from gpuguard.config import ConfigError
 from gpuguard.model import Quota
-from sim_helpers import cli, write_config
 
 GOOD = """
 [access]

@@ -6,9 +6,10 @@ import re
 from pathlib import Path
 
 from conftest import REPO
+from sim_helpers import cli
+
 from gpuguard import config
 from gpuguard.config_warnings import UNIT_WRITABLE, warnings
-from sim_helpers import cli
 
 
 def write(directory: Path, text: str, quotas: str | None = "") -> Path:

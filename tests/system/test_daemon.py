@@ -18,17 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
-
 import probes
+import pytest
 from conftest import PYTHON, popen_as
+from probes import ALLOWED, FILE_DENIED, GATE_DENIED, opens
+from sim_helpers import gpuguard, start_burn, stop_burn
+
 from devtools.harness import wait_for
 from gpuguard import client
 from gpuguard.backends import posix_acl
 from gpuguard.backends.gate import Gate
 from gpuguard.model import NVIDIA_MAJOR
-from probes import ALLOWED, FILE_DENIED, GATE_DENIED, opens
-from sim_helpers import gpuguard, start_burn, stop_burn
 
 if TYPE_CHECKING:
     from conftest import TestUser

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, unique
+
 from devtools.harness import gate_test_lock
 from gpuguard import __version__
 from gpuguard.backends.gate import PIN_ROOT, Gate

@@ -12,11 +12,11 @@ import os
 import shutil
 
 import pytest
-
 from conftest import REPO
+from ssh_harness import MODULE
+
 from gpuguard.backends.gate import Gate
 from gpuguard.model import NVIDIA_MAJOR
-from ssh_harness import MODULE
 
 pytestmark = pytest.mark.gate
 

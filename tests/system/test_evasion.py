@@ -10,9 +10,9 @@ import signal
 from pathlib import Path
 
 import pytest
+from test_watcher import GRACE, INTERVAL, KILL_WAIT, MARGIN, WATCHER, events, session_gpu
 
 from devtools.harness import wait_for
-from test_watcher import GRACE, INTERVAL, KILL_WAIT, MARGIN, WATCHER, events, session_gpu
 
 pytestmark = pytest.mark.gate
 

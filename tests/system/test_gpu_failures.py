@@ -13,10 +13,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
-from devtools.harness import wait_for
 from probes import FILE_DENIED, open_result
 from sim_helpers import set_fault, start_burn, stop_burn
+
+from devtools.harness import wait_for
 
 pytestmark = pytest.mark.gate
 

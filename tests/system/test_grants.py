@@ -8,6 +8,7 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+from sim_helpers import write_config
 
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import accounts, posix_acl
@@ -16,7 +17,6 @@ from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.model import NVIDIA_MAJOR
 from gpuguard.store import Store
-from sim_helpers import write_config
 
 
 class MapGate:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import signal
 
 import pytest
-
-from devtools.harness import wait_for
 from test_evasion import BOUND
 from test_watcher import KILL_WAIT, MARGIN, WATCHER, events, session_gpu
+
+from devtools.harness import wait_for
 
 pytestmark = pytest.mark.gate
 

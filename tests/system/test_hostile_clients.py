@@ -8,8 +8,8 @@ import re
 from itertools import product
 
 import pytest
-
 from conftest import PYTHON, run_as
+
 from gpuguard import protocol
 
 pytestmark = pytest.mark.gate
@@ -56,7 +56,7 @@ def test_wrong_types_in_every_field_get_one_line_replies_and_no_traceback(start_
     for user in (mallory, None):  # a member, then root (who may call every operation)
         replies = send_all(d, user, requests)
         assert len(replies) == len(requests)
-        for request, reply in zip(requests, replies):
+        for request, reply in zip(requests, replies, strict=True):
             assert reply.endswith("\n") and reply.count("\n") == 1, (request, reply)
             message = json.loads(reply)
             assert message["ok"] or message["error"].isprintable(), (request, message)

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON
+
 from gpuguard.backends import notify
 
 ANSWER = 60.0  # seconds: a bound on waiting for a terminal or a thread, never an expectation

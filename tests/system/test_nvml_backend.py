@@ -16,16 +16,14 @@ from pathlib import Path
 
 import pynvml
 import pytest
-
 from conftest import run_as
+from sim_helpers import GiB, burn, gpuguard, open_backend, write_config
+
+from devtools.harness import no_gate_attached
 from gpuguard.backends import GpuError, procfs
 from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBackend, register_process
 from gpuguard.config import SimulatedConfig
 from gpuguard.model import GpuProcess, Link
-from devtools.harness import no_gate_attached
-from sim_helpers import GiB, burn, gpuguard, open_backend, write_config
-
-
 
 
 @pytest.fixture

@@ -19,14 +19,27 @@ import secrets
 import subprocess
 
 import pytest
-
 from conftest import BIN, PYTHON, popen_as, run_as
-from devtools.harness import wait_for
-from gpuguard import config, pam_hook
 from daemon_fixture import RunningDaemon
 from sim_helpers import gpuguard, start_burn, stop_burn
-from ssh_harness import (MESSAGE, MODULE, UUIDS, PamSession, PamStacks, StubDaemon, env_probe,
-                         hook_line, info_lines, module_line, pamtester, probed_devices, reply_json)
+from ssh_harness import (
+    MESSAGE,
+    MODULE,
+    UUIDS,
+    PamSession,
+    PamStacks,
+    StubDaemon,
+    env_probe,
+    hook_line,
+    info_lines,
+    module_line,
+    pamtester,
+    probed_devices,
+    reply_json,
+)
+
+from devtools.harness import wait_for
+from gpuguard import config, pam_hook
 
 pytestmark = pytest.mark.usefixtures("pam_module")  # built once per session (tests/ssh_harness.py)
 
@@ -94,9 +107,8 @@ def test_module_escapes_what_it_sends(stacks, stub):
 def test_module_decodes_the_reply(stacks, stub, sandbox):
     """Escapes of every kind, unknown and nested fields in any order, controls made harmless."""
     message = 'gpuguard: GPU 1 \"big\" \\ é 日本 😀 /x\tline\x1b[31m'
-    reply = ('{"v":1,"session":{"id":[1,2,{"x":"}]"}],"n":null},"message":%s,"ok":true,'
-             '"extra":[true,false,-1.5e3,"\\"}"],"cuda_visible_devices":"GPU-\\u0061b\\/1"}\n'
-             % json.dumps(message))
+    reply = ('{"v":1,"session":{"id":[1,2,{"x":"}]"}],"n":null},"message":' + json.dumps(message) + ',"ok":true,'
+             '"extra":[true,false,-1.5e3,"\\"}"],"cuda_visible_devices":"GPU-\\u0061b\\/1"}\n')
     daemon = stub(lambda request: reply.encode())
     service = stacks.make(module_line(daemon.path), env_probe(sandbox))
     result = pamtester(service, "ggt-alice", "open_session")

@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 
 import psutil
-
 from conftest import popen_as
-from devtools.harness import no_gate_attached
-from gpuguard.backends.gate import DeviceRange, default_managed
-from gpuguard.backends import procfs
-from gpuguard.backends.procfs import IdentityCache, char_major, holders, process_identity, user_of
-from gpuguard.model import NVIDIA_MAJOR
 from probes import holding, open_node
 from sim_helpers import run_with_proc_devices
+
+from devtools.harness import no_gate_attached
+from gpuguard.backends import procfs
+from gpuguard.backends.gate import DeviceRange, default_managed
+from gpuguard.backends.procfs import IdentityCache, char_major, holders, process_identity, user_of
+from gpuguard.model import NVIDIA_MAJOR
 
 
 def psutil_ticks(pid: int) -> int:

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import popen_as
-from devtools.harness import wait_for
 from sim_helpers import gpuguard
 from test_notify import read_until  # a pty's output up to a needle
+
+from devtools.harness import wait_for
 
 
 def queue_users(d) -> list[str]:

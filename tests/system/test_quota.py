@@ -13,12 +13,12 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+from sim_helpers import cli
+
 from gpuguard import config
 from gpuguard.compat import tomllib
 from gpuguard.quota_file import edit
-from sim_helpers import cli
 
 ENTRIES = """
 [groups.ggt-interns]   # summer interns
@@ -69,7 +69,8 @@ def test_setting_a_key_changes_only_its_value(sandbox):
                                                 "gpus = 3                 # two for now")
     assert config_path.read_bytes() == main_before
     assert result.stdout == (f"ggt-alice: gpus=3 gpu_memory=unlimited max_time=none idle_timeout=none sharing=false "
-                             f"priority=0 share=1 reclaim_after=none (written to {quotas}; the daemon is not running, it takes effect when it starts)\n")
+                             f"priority=0 share=1 reclaim_after=none (written to {quotas}; "
+                             "the daemon is not running, it takes effect when it starts)\n")
     # Not an account here: a warning, and the quota is written all the same.
     assert result.stderr.startswith("gpuguard: warning: no user named ggt-alice")
 

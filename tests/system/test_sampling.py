@@ -10,15 +10,13 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from conftest import popen_as
+from sim_helpers import GiB, set_fault
 
 from gpuguard.backends.procfs import holders_of
 from gpuguard.backends.simulated import register_process
 from gpuguard.model import GpuProcess
 from gpuguard.sampling import Sampler, node_holders
-from conftest import popen_as
-from sim_helpers import GiB, set_fault
-
-
 
 
 @pytest.fixture

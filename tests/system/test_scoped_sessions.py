@@ -4,7 +4,6 @@ terminal take GPUs; the others (scp, sftp, `ssh host cmd`) get what the user hol
 from __future__ import annotations
 
 import pytest
-
 from ssh_harness import PamStacks, env_probe, module_line, pamtester, probed_devices
 
 pytestmark = pytest.mark.gate

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, run_as
+
 from gpuguard import client, protocol
 from gpuguard.server import LISTEN_BACKLOG, MAX_CONNECTIONS_PER_USER, Server, ServerError
 

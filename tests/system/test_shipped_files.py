@@ -21,10 +21,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import BIN, REPO
-from gpuguard.cli import build_parser
 from sim_helpers import cli
+
+from gpuguard.cli import build_parser
 
 RULES = REPO / "udev" / "70-gpuguard.rules"
 MODPROBE = REPO / "etc" / "modprobe.d" / "gpuguard.conf"

@@ -16,10 +16,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, popen_as
-from devtools.harness import wait_for
 from freezer import frozen
+
+from devtools.harness import wait_for
 from gpuguard.backends import signals
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.backends.signals import Outcome

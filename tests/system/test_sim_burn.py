@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-
 from conftest import run_as
+from sim_helpers import GiB, burn, gpuguard, open_backend, start_burn, stop_burn, write_config
+
+from devtools.harness import no_gate_attached
 from gpuguard.backends.nvml import NvmlBackend
 from gpuguard.backends.simulated import REGISTRY_DIR
 from gpuguard.model import GpuProcess
-from devtools.harness import no_gate_attached
-from sim_helpers import GiB, burn, gpuguard, open_backend, start_burn, stop_burn, write_config
 
 if TYPE_CHECKING:
     from conftest import TestUser  # not at run time: pytest would try to collect it

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from devtools.harness import wait_for
 from sim_helpers import gpuguard
 from ssh_harness import MESSAGE, PERMIT, UUIDS, Sshd, StubDaemon, hook_line, module_line, reply_json
+
+from devtools.harness import wait_for
 
 pytestmark = [pytest.mark.ssh, pytest.mark.usefixtures("pam_module")]  # tests/ssh_harness.py
 

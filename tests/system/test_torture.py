@@ -4,7 +4,6 @@ from __future__ import annotations
 import signal
 
 import pytest
-
 from torture import Target, crash, storm
 
 pytestmark = pytest.mark.gate

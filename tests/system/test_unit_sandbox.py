@@ -15,15 +15,15 @@ import stat
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, REPO, popen_as
+from probes import open_node
+from test_daemon import access, only
+from test_shipped_files import setting, unit_sections
+
 from devtools.harness import wait_for
 from gpuguard import client
 from gpuguard.backends.posix_acl import acl_users
 from gpuguard.model import NVIDIA_MAJOR
-from probes import open_node
-from test_daemon import access, only
-from test_shipped_files import setting, unit_sections
 
 pytestmark = pytest.mark.gate
 

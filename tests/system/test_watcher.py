@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from devtools.harness import wait_for
 from freezer import frozen
-from gpuguard.store import Store
 from probes import ALLOWED, FILE_DENIED, GATE_DENIED, bare_nodes, open_result
 from sim_helpers import GiB, set_fault, stop_burn
+
+from devtools.harness import wait_for
+from gpuguard.store import Store
 
 pytestmark = pytest.mark.gate
 

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sim_helpers import set_fault, start_burn, stop_burn, write_config
 
 from devtools.harness import no_gate_attached
 from gpuguard import config as configuration
 from gpuguard.daemon import Daemon
 from gpuguard.sampling import Sample
-from sim_helpers import set_fault, start_burn, stop_burn, write_config
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpuguard.api import Api
 from gpuguard.backends.accounts import Account, UnknownUser
+from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.config import AccessConfig, Config
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
@@ -20,7 +21,6 @@ from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.model import Gpu, GpuProcess, Quota
 from gpuguard.queueing import Queue
-from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.sampling import Holder, Sample
 from gpuguard.server import Peer
 from gpuguard.store import Store

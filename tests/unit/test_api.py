@@ -4,10 +4,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fakes import GROUP, World
 
 from gpuguard.config import AccessConfig
 from gpuguard.sampling import Holder
-from fakes import GROUP, World
 
 
 @pytest.fixture

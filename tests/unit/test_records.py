@@ -5,8 +5,8 @@ import asyncio
 from dataclasses import replace
 
 import pytest
-
 from fakes import GROUP, World
+
 from gpuguard.model import Event, GpuUse
 from gpuguard.store import HOUR
 

@@ -3,8 +3,24 @@ from __future__ import annotations
 
 from gpuguard import messages, rules
 from gpuguard.model import Grant, Quota
-from gpuguard.rules import (IDLE, KILL, MEMORY, RELEASE, REPORT, REVOKE, STRAY, TERM, TIME, UNKILLABLE, WARN, Action,
-                            Proc, State, Timing, View)
+from gpuguard.rules import (
+    IDLE,
+    KILL,
+    MEMORY,
+    RELEASE,
+    REPORT,
+    REVOKE,
+    STRAY,
+    TERM,
+    TIME,
+    UNKILLABLE,
+    WARN,
+    Action,
+    Proc,
+    State,
+    Timing,
+    View,
+)
 
 GiB = 1 << 30
 ALICE, BOB, EXEMPT = 1001, 1002, 1500
@@ -21,7 +37,10 @@ def proc(pid: int, memory: int | None, uid: int = ALICE, minor: int = 0, start: 
     return Proc(pid, uid, pid * 10 if start is None else start, minor, memory)
 
 
-def view(procs=(), grants=(), quota: Quota | None = Quota(gpu_memory=20 * GiB), exempt=()) -> View:
+DEFAULT_QUOTA = Quota(gpu_memory=20 * GiB)
+
+
+def view(procs=(), grants=(), quota: Quota | None = DEFAULT_QUOTA, exempt=()) -> View:
     grants = list(grants)
     quotas = {g.uid: quota for g in grants} if quota is not None else {}
     return View(list(procs), grants, quotas, exempt)
@@ -420,7 +439,8 @@ def test_messages_say_what_why_and_what_to_do():
     assert "3 processes on GPU 2 use 24GiB together" in messages.action_message(several, "python")
     term = Action(TERM, MEMORY, ALICE, 2, proc(4242, 24 * GiB, minor=2),
                   {"used": 24 * GiB, "quota": 20 * GiB, "grace": 30.0, "kill_wait": 10.0})
-    assert messages.action_message(term, "python").startswith("gpuguard: stopping your process 4242 (python) on GPU 2 with SIGTERM")
+    assert messages.action_message(term, "python").startswith(
+        "gpuguard: stopping your process 4242 (python) on GPU 2 with SIGTERM")
     revoke = Action(REVOKE, TIME, ALICE, 2, None, {"max_time": 3600.0, "processes": 2, "expires_at": NOW})
     assert "access is revoked; your 2 processes on it will be stopped" in messages.action_message(revoke)
     release = Action(RELEASE, IDLE, ALICE, 2, None, {"idle_timeout": 3600.0, "idle": 3600.0})
