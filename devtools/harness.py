@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -150,3 +151,24 @@ def kill_processes_of(uid: int) -> None:
         return not found
 
     wait_for(none_left, timeout=30)
+
+
+@contextlib.contextmanager
+def log_lines() -> Iterator[list[str]]:
+    """The gpuguard logger's lines while inside, formatted as the daemon writes them."""
+    from gpuguard.logs import KeyValueFormatter, logger
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(KeyValueFormatter().format(record))
+
+    handler, level = Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from devtools.harness import bpffs_restored, kill_processes_of, searchable
+from devtools.harness import bpffs_restored, kill_processes_of, log_lines, searchable
 
 # Shared fixtures: device_dir / backend, simulated GPUs (tests/sim_helpers.py, first: the others
 # import it); start_daemon / gg_daemon, a real daemon (tests/daemon_fixture.py); pam_module
@@ -138,3 +138,10 @@ def sandbox() -> Iterator[Path]:
     os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def gpuguard_log() -> Iterator[list[str]]:
+    """The gpuguard logger's lines, formatted as the daemon writes them."""
+    with log_lines() as lines:
+        yield lines

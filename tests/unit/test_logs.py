@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuguard.logs import JournalFormatter, KeyValueFormatter, Throttle, logger, pairs, stderr_is_journal
+from devtools.harness import log_lines
+from gpuguard.logs import JournalFormatter, KeyValueFormatter, Throttle, pairs, stderr_is_journal
 
 
 def failing_step() -> None:
@@ -50,19 +51,8 @@ def test_control_characters_in_values_are_escaped_never_written():
 
 @pytest.fixture
 def gpuguard_log() -> Iterator[list[str]]:
-    """The gpuguard logger's lines, formatted as the daemon writes them."""
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(KeyValueFormatter().format(record))
-
-    handler, level = Collect(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    with log_lines() as lines:
+        yield lines
 
 
 class FakeClock:
