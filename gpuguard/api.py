@@ -317,7 +317,7 @@ class Api:
         future = self._waiting.setdefault(ticket, asyncio.get_running_loop().create_future())
         try:
             minors = await asyncio.wait_for(asyncio.shield(future), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin on Python 3.10
             left = self._leave_unless_login(ticket)
             raise Refusal(f"no GPU within {format_duration(timeout)}"
                           f"{'; you left the queue' if left else '; your login keeps its place'}", 1) from None
