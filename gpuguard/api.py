@@ -27,7 +27,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.messages import grant_message, number_list, queue_message
-from gpuguard.model import Grant, Quota
+from gpuguard.model import Grant, Origin, Quota
 from gpuguard.queueing import Queue, Standing
 from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
@@ -141,11 +141,11 @@ class Api:
         if quota.gpus == 0:
             return {**reply, "message": "gpuguard: your quota allows no GPUs - run gpuguard whoami for details"}
         if not store.queue():  # with others waiting, a login takes its turn like them
-            self.grants.allocate(account.uid, account.name, quota, quota.gpus, now, origin="session",
+            self.grants.allocate(account.uid, account.name, quota, quota.gpus, now, origin=Origin.SESSION,
                                  message=f"granted at login ({service or 'pam'})")
         held = store.grants(account.uid)
         if not held and not store.queue(account.uid):
-            _, waits = self.queue.join(account.uid, account.name, quota.gpus, quota, now, "session", pid,
+            _, waits = self.queue.join(account.uid, account.name, quota.gpus, quota, now, Origin.SESSION, pid,
                                        caller.start_time if caller else None)
             held = store.grants(account.uid)
             if waits:
@@ -168,7 +168,7 @@ class Api:
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
         if not store.sessions(account.uid):  # a login's place in the queue ends with its last session
-            self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == "session")
+            self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == Origin.SESSION)
         # Only the close that ended the user's last session starts the release check: a close of a
         # session already gone (dropped by the tick after its caller died, or never known) changes
         # nothing the tick will not see, and each check costs a GPU sample and a /proc scan.
@@ -279,14 +279,14 @@ class Api:
                                **(_standing_info(self.queue.standing(account.uid, now)) or {}))
         if more > 0 and not store.queue():
             # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
-            origin = "session" if store.sessions(account.uid) else "request"
+            origin = Origin.SESSION if store.sessions(account.uid) else Origin.REQUEST
             granted = self.grants.allocate(account.uid, account.name, quota, more, now, origin,
                                            "requested with gpuguard request")
             more -= len(granted)
         if more > 0 and (wait or not store.grants(account.uid)):
             # Not all of it free (or others wait first): the queue decides, whole requests only.
             caller = procfs.process_identity(peer.pid)
-            queued, waits = self.queue.join(account.uid, account.name, more, quota, now, "request", peer.pid,
+            queued, waits = self.queue.join(account.uid, account.name, more, quota, now, Origin.REQUEST, peer.pid,
                                             caller.start_time if caller else None)
             if waits:
                 if wait:
@@ -333,7 +333,7 @@ class Api:
     def _leave_unless_login(self, ticket: int) -> bool:
         """A client that stops waiting takes its request out of the queue; a login's place (one
         `request --wait` may wait on) stays until its last session ends. True when it left."""
-        if any(q.waiter.id == ticket and q.origin == "session" for q in self.store.queue()):
+        if any(q.waiter.id == ticket and q.origin == Origin.SESSION for q in self.store.queue()):
             return False
         return self.queue.leave([ticket]) > 0
 
@@ -411,7 +411,7 @@ class Api:
         expires_at = now + duration if duration is not None else policy.expires_at(quota, now)
         term = f" for {format_duration(duration)}" if duration is not None else ""
         self.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
-                          origin="admin", message=f"granted by root{term}")
+                          origin=Origin.ADMIN, message=f"granted by root{term}")
         return protocol.ok(user=account.name, gpus=sorted(chosen), expires_at=expires_at,
                            message=f"granted GPU {number_list(chosen)} to {account.name}{term}")
 

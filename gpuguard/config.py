@@ -11,9 +11,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from gpuguard.compat import tomllib
+from gpuguard.compat import StrEnum, tomllib
 from gpuguard.errors import UsageError
 from gpuguard.model import Quota
 from gpuguard.units import UnitError, parse_duration, parse_size
@@ -25,9 +25,21 @@ DRIVER_ACCOUNTS = ("nvidia-persistenced",)
 MAX_GPUS = 64  # per machine; more is a typo
 MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
 
+E = TypeVar("E", bound=StrEnum)
+
 
 class ConfigError(UsageError):
     """One line: `file: key: problem`."""
+
+
+class AccessMode(StrEnum):
+    GATE = "gate"  # the BPF device program at the cgroup v2 root, plus the node ACLs
+    ACL = "acl"    # the node ACLs only, by explicit choice (no BPF)
+
+
+class GpuBackend(StrEnum):
+    NVML = "nvml"
+    SIMULATED = "simulated"  # the fake NVML library: the demo, the tests, `gpuguard simulate`
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ class AccessConfig:
     group: str = "gpugroup"
     exempt_users: tuple[str, ...] = DRIVER_ACCOUNTS
     exempt_groups: tuple[str, ...] = ()
-    mode: str = "gate"  # "gate": BPF program + ACLs; "acl": ACLs only, by explicit choice
+    mode: AccessMode = AccessMode.GATE
 
 
 @dataclass(frozen=True)
@@ -107,7 +119,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class GpuConfig:
-    backend: str = "nvml"
+    backend: GpuBackend = GpuBackend.NVML
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
 
 
@@ -232,6 +244,15 @@ def _choice(*options: str) -> Callable[[Any], str]:
     return parse
 
 
+def _member(kind: type[E]) -> Callable[[Any], E]:
+    """A value of a StrEnum, by its string."""
+    choose = _choice(*kind)
+
+    def parse(value: Any) -> E:
+        return kind(choose(value))
+    return parse
+
+
 def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
     if not isinstance(value, list) or not all(
             isinstance(g, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in g) for g in value):
@@ -252,7 +273,7 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
 
 SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "access": {"group": _string, "exempt_users": _names, "exempt_groups": _names,
-               "mode": _choice("gate", "acl")},
+               "mode": _member(AccessMode)},
     "sessions": {"grant": _choice("interactive", "all"), "services": _names},
     "defaults": QUOTA_KEYS,
     "watcher": {"interval": _positive_duration(0.1), "grace": _positive_duration(0),
@@ -262,7 +283,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "scheduler": {"half_life": _positive_duration(1), "reserve_after": _positive_duration(0),
                   "soft_max_time": _bool},
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
-    "gpu": {"backend": _choice("nvml", "simulated"), "simulated": dict},
+    "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
                       "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups},
@@ -356,7 +377,7 @@ def load(path: Path | str | None = None) -> Config:
         metrics=MetricsConfig(**sections.get("metrics", {})),
         quotas=load_quotas(paths.quotas),
     )
-    if config.gpu.backend == "nvml" and config.watcher.interval < 1.0:
+    if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:
         # NVML process queries serialize on the driver lock; faster polling slows every CUDA call.
         raise ConfigError(f"{source}: watcher.interval: must be at least 1s with the nvml backend")
     return config

@@ -30,7 +30,7 @@ from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.backends.node_watcher import NodeWatcher
-from gpuguard.config import Config
+from gpuguard.config import AccessMode, Config, GpuBackend
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.holders import HolderEnder
@@ -38,6 +38,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.metrics import Metrics
+from gpuguard.model import Origin
 from gpuguard.queueing import Queue
 from gpuguard.server import Server
 from gpuguard.store import Store
@@ -65,7 +66,7 @@ class Daemon:
         self.server = Server(self.config.paths.socket, self._handle, abandoned_on_hangup=frozenset({"wait"}))
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
         systemd.status("starting: opening the store and the GPUs")
-        if self.config.access.mode == "acl":
+        if self.config.access.mode == AccessMode.ACL:
             _refuse_stale_gate(self.gate_name)
         self.store = Store(self.config.paths.state_dir / "state.db", self.config.events)
         self._ensure_driver_nodes()  # NVML needs them to start
@@ -73,7 +74,7 @@ class Daemon:
         self.sampler = sampling.Sampler(self.backend)
         for error in self.backend.unavailable:  # GPUs NVML cannot read at start: the others are still guarded
             event(logging.ERROR, "gpu_unavailable", error=error, action="left out until a restart")
-        self.gate = Gate(self.gate_name) if self.config.access.mode == "gate" else None
+        self.gate = Gate(self.gate_name) if self.config.access.mode == AccessMode.GATE else None
         # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         gpus = {gpu.minor: gpu for gpu in self.backend.gpus()}
@@ -203,7 +204,7 @@ class Daemon:
     def _ensure_driver_nodes(self) -> None:
         # With NVreg_ModifyDeviceFiles=0 (etc/modprobe.d/gpuguard.conf) nothing else makes them,
         # nvidia-uvm included, whose module usually loads after boot.
-        if self.config.gpu.backend == "nvml":
+        if self.config.gpu.backend == GpuBackend.NVML:
             devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(driver_minors(self.config)))
 
     # --- the tick
@@ -265,7 +266,7 @@ class Daemon:
             self.queue.leave(q.waiter.id for q in gone)
             for queued in gone:
                 event(logging.INFO, "queue_left", user=queued.waiter.user, ticket=queued.waiter.id,
-                      reason="no session left" if queued.origin == "session" else "client gone")
+                      reason="no session left" if queued.origin == Origin.SESSION else "client gone")
 
     def drop_dead_sessions(self) -> None:
         """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost message)."""

@@ -21,7 +21,7 @@ from gpuguard import allocator, policy
 from gpuguard.allocator import Topology
 from gpuguard.backends.gate import Entry, Gate
 from gpuguard.logs import event
-from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Quota
+from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Origin, Quota
 from gpuguard.store import Store
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Grants:
         return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
                                 self.store.last_released(), uid, count, share, self.store.last_held(uid))
 
-    def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: str,
+    def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
                  message: str) -> tuple[int, ...]:
         """Up to `count` more GPUs for the user on the terms of their quota (none when none is free)."""
         share = policy.may_share(quota)
@@ -84,7 +84,7 @@ class Grants:
         return chosen
 
     def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,
-            shared: bool, origin: str, message: str) -> None:
+            shared: bool, origin: Origin, message: str) -> None:
         minors = sorted(minors)
         if not minors:
             return

@@ -23,6 +23,7 @@ from gpuguard.backends.exits import Cancel, ExitWatch
 from gpuguard.grants import Grants
 from gpuguard.holders import FindHolders
 from gpuguard.logs import event
+from gpuguard.model import Origin
 from gpuguard.sampling import Sample
 from gpuguard.store import Store
 
@@ -99,7 +100,7 @@ class LogoutRelease:
             if pids:
                 self._watch(uid, minors, pids)
             else:
-                bound = [g.minor for g in self.store.grants(uid) if g.origin == "session"]
+                bound = [g.minor for g in self.store.grants(uid) if g.origin == Origin.SESSION]
                 self.grants.remove(uid, bound, now, kind="release", rule="logout",
                                    message="released: your last session ended and no process of yours used it")
 

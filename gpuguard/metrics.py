@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from gpuguard.config import MetricsConfig
 from gpuguard.logs import event
-from gpuguard.model import Gpu, GpuUse, Grant, Quota
+from gpuguard.model import Gpu, GpuUse, Grant, Origin, Quota
 from gpuguard.sampling import Sample
 
 # Watcher tick durations (seconds): a healthy tick takes milliseconds; past interval/2 it logs watcher_slow.
@@ -44,7 +44,7 @@ EVENT_COUNTERS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "release": ("gpuguard_releases", "GPU grants released, by rule (user, logout, idle)", "rule",
                 ("user", "logout", "idle")),
     "revoke": ("gpuguard_revokes", "GPU grants revoked, by rule (admin, time)", "rule", ("admin", "time")),
-    "grant": ("gpuguard_grants_given", "GPU grants made, by origin", "origin", ("session", "request", "admin")),
+    "grant": ("gpuguard_grants_given", "GPU grants made, by origin", "origin", tuple(Origin)),
 }
 _SIGNAL_OF_ACTION = {"term": "SIGTERM", "kill": "SIGKILL"}
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from gpuguard.compat import StrEnum
+
 NVIDIA_MAJOR = 195
 
 
@@ -18,6 +20,14 @@ class Link(IntEnum):
     PCIE_SWITCH = 1   # behind the same PCIe switch
     NUMA_NODE = 2     # same CPU socket / host bridge
     SYSTEM = 3        # across sockets
+
+
+class Origin(StrEnum):
+    """Where a grant (or a place in the queue) came from, which decides when it ends."""
+
+    SESSION = "session"  # made while the user had a session: ends with their last one, once unused
+    REQUEST = "request"  # asked with no session open (cron, systemd-run): until released or expired
+    ADMIN = "admin"      # `gpuguard grant`: until released, revoked or expired
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ class Grant:
     expires_at: float | None
     last_active: float       # last time a process of the user was seen on it (idle release)
     shared: bool = False
-    origin: str = "session"  # session: ends with the user's last session; request, admin: until released
+    origin: Origin = Origin.SESSION
 
 
 @dataclass(frozen=True)

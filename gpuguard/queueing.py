@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from gpuguard import policy, scheduler
 from gpuguard.config import Config
 from gpuguard.grants import Grants
-from gpuguard.model import Grant, Quota
+from gpuguard.model import Grant, Origin, Quota
 from gpuguard.store import Queued, Store
 
 Listener = Callable[[Queued, tuple[int, ...]], None]
@@ -74,7 +74,7 @@ class Queue:
 
     # --- joining and leaving
 
-    def join(self, uid: int, user: str, gpus: int, quota: Quota, now: float, origin: str,
+    def join(self, uid: int, user: str, gpus: int, quota: Quota, now: float, origin: Origin,
              pid: int | None = None, pid_start: int | None = None) -> tuple[Queued, bool]:
         """Queue a request and serve the queue at once: the row, and whether it still waits."""
         queued = self.store.join_queue(uid, user, gpus, now, quota, origin, pid, pid_start)
@@ -91,8 +91,8 @@ class Queue:
         """Waiters nobody waits for any more: a login's, once its user has no session; a request's,
         once its client process is gone."""
         return [q for q in self.store.queue()
-                if (q.origin == "session" and q.waiter.uid not in logged_in)
-                or (q.origin == "request" and not alive(q.pid, q.pid_start))]
+                if (q.origin == Origin.SESSION and q.waiter.uid not in logged_in)
+                or (q.origin == Origin.REQUEST and not alive(q.pid, q.pid_start))]
 
     # --- serving
 
@@ -125,7 +125,7 @@ class Queue:
                                           self.config().scheduler.reserve_after):
                 queued = entries[waiter.id]
                 # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
-                origin = "session" if queued.origin == "session" or self.store.sessions(waiter.uid) else "request"
+                origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST
                 minors = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
                                               "granted from the queue")
                 self.store.leave_queue([waiter.id])

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, cast
 
 from gpuguard.compat import StrEnum
-from gpuguard.model import Grant, Quota
+from gpuguard.model import Grant, Origin, Quota
 from gpuguard.policy import ROOT_UID
 
 TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0, 0.0)  # seconds before expires_at, largest first; 0: over
@@ -520,7 +520,7 @@ def unused_after_logout(grants: Iterable[Grant], logged_in: Collection[int], bus
     unused = {}
     for uid, held in by_uid.items():
         minors = frozenset(g.minor for g in held)
-        if (uid not in logged_in and any(g.origin == "session" for g in held)
+        if (uid not in logged_in and any(g.origin == Origin.SESSION for g in held)
                 and not any((uid, m) in busy for m in minors) and minors <= set(read)):
             unused[uid] = minors
     return unused

@@ -41,7 +41,7 @@ from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.config import Config
 from gpuguard.grants import Grants
 from gpuguard.logout import LogoutRelease
-from gpuguard.model import Event, Gpu, GpuProcess, Grant, Quota
+from gpuguard.model import Event, Gpu, GpuProcess, Grant, Origin, Quota
 from gpuguard.queueing import Queue
 from gpuguard.sampling import Sample
 from gpuguard.store import Queued, Store
@@ -268,7 +268,7 @@ class Replay:
             return
         self._joining = (job, session)
         try:
-            queued, waits = self.queue.join(uid, name, more, quota, self.now, "session", pid=session)
+            queued, waits = self.queue.join(uid, name, more, quota, self.now, Origin.SESSION, pid=session)
         finally:
             self._joining = None
         if waits:

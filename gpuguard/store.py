@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gpuguard.config import EventsConfig
 from gpuguard.errors import GpuguardError
-from gpuguard.model import Event, Grant, Quota, Session
+from gpuguard.model import Event, Grant, Origin, Quota, Session
 from gpuguard.scheduler import Waiter
 
 # Ordered migrations: index i brings the schema from version i to i + 1. Never edit a
@@ -106,7 +106,7 @@ class Queued:
 
     waiter: Waiter
     quota: Quota
-    origin: str            # session | request
+    origin: Origin         # session or request
     pid: int | None        # the client (request) or PAM caller (session)
     pid_start: int | None  # its start time (clock ticks after boot), None when unknown
 
@@ -160,7 +160,7 @@ class Store:
     # --- grants
 
     def add_grants(self, uid: int, user: str, minors: Iterable[int], now: float,
-                   expires_at: float | None, shared: bool = False, origin: str = "session") -> None:
+                   expires_at: float | None, shared: bool = False, origin: Origin = Origin.SESSION) -> None:
         with self.transaction() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin)"
@@ -335,7 +335,7 @@ class Store:
 
     # --- the queue
 
-    def join_queue(self, uid: int, user: str, gpus: int, now: float, quota: Quota, origin: str,
+    def join_queue(self, uid: int, user: str, gpus: int, now: float, quota: Quota, origin: Origin,
                    pid: int | None = None, pid_start: int | None = None) -> Queued:
         with self.transaction() as db:
             cursor = db.execute(
@@ -366,7 +366,7 @@ class Store:
 
 def _queued(row: sqlite3.Row) -> Queued:
     waiter = Waiter(row["id"], row["uid"], row["user"], row["gpus"], row["since"], row["priority"], row["share"])
-    return Queued(waiter, Quota(**json.loads(row["quota"])), row["origin"], row["pid"], row["pid_start"])
+    return Queued(waiter, Quota(**json.loads(row["quota"])), Origin(row["origin"]), row["pid"], row["pid_start"])
 
 
 def hour_of(t: float) -> int:
@@ -386,7 +386,7 @@ def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, minor: int, gr
 
 
 def _grant(row: sqlite3.Row) -> Grant:
-    return Grant(**{**dict(row), "shared": bool(row["shared"])})
+    return Grant(**{**dict(row), "shared": bool(row["shared"]), "origin": Origin(row["origin"])})
 
 
 def _session(row: sqlite3.Row) -> Session:

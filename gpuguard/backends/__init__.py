@@ -21,7 +21,8 @@ class GateError(GpuguardError):
 
 def open_gpu_backend(config: Config) -> NvmlBackend:
     """The GPU backend the config asks for: real NVML or simulated GPUs. Raises GpuError."""
-    if config.gpu.backend == "simulated":
+    from gpuguard.config import GpuBackend  # loaded already by whoever holds a config
+    if config.gpu.backend == GpuBackend.SIMULATED:
         from gpuguard.backends.simulated import SimulatedBackend
         return SimulatedBackend(config.gpu.simulated, config.paths.device_dir)
     from gpuguard.backends.nvml import NvmlBackend
@@ -30,7 +31,8 @@ def open_gpu_backend(config: Config) -> NvmlBackend:
 
 def driver_minors(config: Config) -> set[int]:
     """The GPUs the driver has, whether or not NVML can read them (simulated: all of them)."""
-    if config.gpu.backend == "simulated":
+    from gpuguard.config import GpuBackend
+    if config.gpu.backend == GpuBackend.SIMULATED:
         return set(range(config.gpu.simulated.count))
     from gpuguard.backends.devnodes import driver_minors as loaded
     return set(loaded())

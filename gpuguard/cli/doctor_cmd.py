@@ -16,7 +16,7 @@ from pathlib import Path
 from gpuguard import client, doctor
 from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gpu_backend
 from gpuguard.cli import load_config, print_json, require_root
-from gpuguard.config import Config
+from gpuguard.config import AccessMode, Config
 from gpuguard.errors import EXIT_FAILED, EXIT_OK
 
 PAM_SECURITY_DIRS = ("lib/*/security", "usr/lib/*/security", "lib64/security", "usr/lib64/security",
@@ -98,7 +98,7 @@ def _kernel(config: Config, gate_name: str):
         attached_ids(root)
     except GateError as exc:
         return str(root), str(exc).splitlines()[0], None, None, "bpf() refused"
-    if config.access.mode == "acl":
+    if config.access.mode == AccessMode.ACL:
         return str(root), None, None, None, None
     try:
         with Gate(gate_name) as gate:
