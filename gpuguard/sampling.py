@@ -43,10 +43,6 @@ class Sample:
         identity = self.owners.get(pid)
         return identity.uid if identity else None
 
-    def busy_minors(self, uid: int) -> set[int]:
-        """GPUs on which NVML sees a process of uid (of the GPUs it could read)."""
-        return {p.minor for p in self.processes if self.uid_of(p.pid) == uid}
-
     def busy_slots(self) -> set[tuple[int, int]]:
         """(uid, minor) for every process NVML sees whose owner is known."""
         return {(uid, p.minor) for p in self.processes if (uid := self.uid_of(p.pid)) is not None}

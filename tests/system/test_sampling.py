@@ -73,7 +73,7 @@ def test_a_failing_gpu_is_unknown_and_logged_once_per_change(backend, device_dir
     assert len(failed) == 2 and "gpu=2" in failed[0] and "GPU is lost" in failed[0] and "Unknown" in failed[1]
     assert [line for line in lines if "event=gpu_recovered" in line] == ["event=gpu_recovered gpu=2"]
     sample = samples[0]
-    assert not sample.ok(2) and sample.ok(1) and sample.processes == () and sample.busy_minors(0) == set()
+    assert not sample.ok(2) and sample.ok(1) and sample.processes == () and sample.busy_slots() == set()
     assert healed.ok(2) and healed.processes == (GpuProcess(sleeper.pid, 2, GiB),)
 
 
