@@ -493,7 +493,6 @@ class Api:
                 "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
                 "message": grant_message(gpus, min(expiries, default=None), any(g.shared for g in held), wanted)}
 
-
     # --- who is asking (NSS, off the event loop)
 
     async def _account_named(self, name: str) -> accounts.Account:

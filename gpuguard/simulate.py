@@ -362,9 +362,8 @@ class Replay:
             # freed a GPU the queue gave them): the daemon's confirming re-sample would see it busy.
             return False
         if action.kind in (rules.RELEASE, rules.REVOKE):
-            kind = "revoke" if action.kind == rules.REVOKE else "release"
-            return bool(self.grants.remove(action.uid, [action.minor], self.now, kind=kind, rule=action.rule,
-                                           message=messages.action_message(action)))
+            return bool(self.grants.remove(action.uid, [action.minor], self.now, kind=action.kind,
+                                           rule=action.rule, message=messages.action_message(action)))
         if action.kind in (rules.TERM, rules.KILL) and action.proc is not None:
             running = self.running.pop(action.proc.pid, None)
             if running is None:

@@ -194,8 +194,7 @@ class Watcher:
         elif action.kind == rules.UNKILLABLE and proc is not None:
             numbers["state"] = signals.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
-            kind = "revoke" if action.kind == rules.REVOKE else "release"
-            removed = self.grants.remove(action.uid, [action.minor], now, kind=kind, rule=action.rule,
+            removed = self.grants.remove(action.uid, [action.minor], now, kind=action.kind, rule=action.rule,
                                          message=text)
             if not removed:
                 return False  # released by someone else meanwhile
