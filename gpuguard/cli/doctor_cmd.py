@@ -97,7 +97,7 @@ def _kernel(config: Config, gate_name: str):
     try:
         attached_ids(root)
     except GateError as exc:
-        return str(root), str(exc).splitlines()[0], None, None, "bpf() refused"
+        return str(root), exc.line(), None, None, "bpf() refused"
     if config.access.mode == AccessMode.ACL:
         return str(root), None, None, None, None
     try:
@@ -105,18 +105,18 @@ def _kernel(config: Config, gate_name: str):
             status = gate.status()
             return str(root), None, status, gate.is_current() if status["prog_id"] else None, None
     except GateError as exc:
-        return str(root), None, None, None, str(exc).splitlines()[0]
+        return str(root), None, None, None, exc.line()
 
 
 def _gpus(config: Config) -> tuple[list[tuple[int, str]] | None, str | None]:
     try:
         backend = open_gpu_backend(config)
     except GpuError as exc:
-        return None, str(exc).splitlines()[0]
+        return None, exc.line()
     try:
         return [(gpu.minor, gpu.name) for gpu in backend.gpus()], None
     except GpuError as exc:
-        return None, str(exc).splitlines()[0]
+        return None, exc.line()
     finally:
         backend.close()
 
