@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pwd
 import re
 import shutil
 import stat
@@ -174,6 +173,6 @@ def _read(path: Path) -> str | None:
 
 def _uid(name: str) -> int | None:
     try:
-        return pwd.getpwnam(name).pw_uid
-    except KeyError:
+        return accounts.by_name(name).uid
+    except accounts.UnknownUser:
         return None
