@@ -2,6 +2,12 @@
 
 GPUs are identified by their minor number (the N of /dev/nvidiaN), never by NVML index:
 the index can differ from the minor and is not what the kernel checks.
+
+What is handed out is a *unit*: a whole GPU, or one MIG slice of a GPU in MIG mode. A unit has
+a number, and everything keyed by GPU (grants, processes, events, usage) is keyed by it: a
+whole GPU's unit number is its minor; a slice's is slice_unit(parent minor, GPU instance id,
+compute instance id), at or above SLICE_UNITS, so it never collides with a minor and needs no
+table to say which GPU it is on. Shown to people as unit_label(): "3" or "3/gi1/ci0".
 """
 from __future__ import annotations
 
@@ -11,6 +17,56 @@ from enum import IntEnum
 from gpuguard.compat import StrEnum
 
 NVIDIA_MAJOR = 195
+
+# Unit numbers of MIG slices: SLICE_UNITS + (parent * GI_SLOTS + gi) * CI_SLOTS + ci. GPU
+# instance ids run 0..14 and compute instance ids 0..7 (the driver's mig-minors table).
+SLICE_UNITS = 1 << 16
+GI_SLOTS, CI_SLOTS = 16, 8
+_MINORS = 256  # /dev/nvidia0..255
+
+
+def slice_unit(parent: int, gpu_instance: int, compute_instance: int) -> int:
+    """The unit number of the slice (GPU instance, compute instance) of GPU `parent`."""
+    if not (0 <= parent < _MINORS and 0 <= gpu_instance < GI_SLOTS and 0 <= compute_instance < CI_SLOTS):
+        raise ValueError(f"no MIG slice gpu{parent}/gi{gpu_instance}/ci{compute_instance}")
+    return SLICE_UNITS + (parent * GI_SLOTS + gpu_instance) * CI_SLOTS + compute_instance
+
+
+def is_slice(unit: int) -> bool:
+    return unit >= SLICE_UNITS
+
+
+def slice_place(unit: int) -> tuple[int, int, int]:
+    """(parent minor, GPU instance id, compute instance id) of a slice's unit number."""
+    if not is_slice(unit):
+        raise ValueError(f"unit {unit} is a whole GPU, not a MIG slice")
+    rest, compute_instance = divmod(unit - SLICE_UNITS, CI_SLOTS)
+    parent, gpu_instance = divmod(rest, GI_SLOTS)
+    return parent, gpu_instance, compute_instance
+
+
+def unit_parent(unit: int) -> int:
+    """The minor of the GPU a unit is on: itself for a whole GPU."""
+    return slice_place(unit)[0] if is_slice(unit) else unit
+
+
+def unit_label(unit: int) -> str:
+    """How people see a unit: "3" for GPU 3, "3/gi1/ci0" for a slice of it (mig-minors' naming)."""
+    if not is_slice(unit):
+        return str(unit)
+    parent, gpu_instance, compute_instance = slice_place(unit)
+    return f"{parent}/gi{gpu_instance}/ci{compute_instance}"
+
+
+def parse_unit(text: str) -> int:
+    """The unit number of "3" or "3/gi1/ci0"; raises ValueError."""
+    parts = text.strip().split("/")
+    if len(parts) == 1 and parts[0].isdigit():
+        return int(parts[0])
+    if (len(parts) == 3 and parts[0].isdigit() and parts[1].startswith("gi") and parts[1][2:].isdigit()
+            and parts[2].startswith("ci") and parts[2][2:].isdigit()):
+        return slice_unit(int(parts[0]), int(parts[1][2:]), int(parts[2][2:]))
+    raise ValueError(f"not a GPU or MIG slice: {text!r} (expected e.g. 3 or 3/gi1/ci0)")
 
 
 class Link(IntEnum):
@@ -43,20 +99,32 @@ class Quota:
 
 
 @dataclass(frozen=True)
+class MigSlice:
+    """Where a MIG slice sits, and the capability nodes the driver checks before it lets a
+    process use it (/dev/nvidia-caps/nvidia-cap<N>, minors from /proc/driver/nvidia-caps/mig-minors)."""
+
+    parent: int               # minor of the GPU it is cut from: its processes open /dev/nvidia<parent>
+    gpu_instance: int         # GI id
+    compute_instance: int     # CI id
+    profile: str              # e.g. "1g.18gb"
+    caps: tuple[int, int]     # nvidia-caps minors of gpu<parent>/gi<G>/access and .../ci<C>/access
+
+
+@dataclass(frozen=True)
 class Gpu:
-    index: int               # NVML index (for display only)
-    minor: int               # /dev/nvidia<minor>: the identity gpuguard uses
-    uuid: str
+    """A GPU as NVML shows it, or a MIG slice of one (NVML shows those as devices of their own)."""
+
+    index: int               # NVML index (for display only); a slice has its parent's
+    minor: int               # /dev/nvidia<minor> for a GPU, the unit number for a slice: the identity gpuguard uses
+    uuid: str                # GPU-... or, for a slice, MIG-... (what CUDA_VISIBLE_DEVICES names)
     name: str
     pci_bus_id: str
     memory_total: int
     memory_used: int
     numa_node: int | None
     utilization: int | None  # percent, None when NVML cannot tell
-
-    @property
-    def device(self) -> tuple[int, int]:
-        return (NVIDIA_MAJOR, self.minor)
+    mig_mode: bool = False   # MIG enabled: handed out as its slices, never whole
+    slice: MigSlice | None = None  # set for a MIG slice
 
 
 @dataclass(frozen=True)
@@ -71,7 +139,7 @@ class GpuUse:
 @dataclass(frozen=True)
 class GpuProcess:
     pid: int
-    minor: int
+    minor: int               # unit number: the slice NVML places it in on a GPU in MIG mode
     used_memory: int | None  # bytes; None = NVML does not know (never read as 0)
 
 
@@ -79,12 +147,13 @@ class GpuProcess:
 class Grant:
     uid: int
     user: str
-    minor: int
+    minor: int               # unit number (a GPU's minor, or a slice's slice_unit)
     granted_at: float
     expires_at: float | None
     last_active: float       # last time a process of the user was seen on it (idle release)
     shared: bool = False
     origin: Origin = Origin.SESSION
+    uuid: str = ""           # the unit's UUID when granted: a slice re-created under the same ids has another
 
 
 @dataclass(frozen=True)
