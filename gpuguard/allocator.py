@@ -1,6 +1,13 @@
 """Which GPUs a user gets: a pure function of the inventory, topology and current grants.
 
-Order of preference, most important first:
+The inventory holds units (model.py): whole GPUs, and the MIG slices of GPUs in MIG mode. Whole
+GPUs come first, when the quota allows them (whole_gpus); what is still wanted is then made up of
+slices (at most quota.slices of the user's units), which are never shared (their point is
+isolation in hardware): free slices of an allowed profile, in the quota's order of profiles
+(smallest first when it names none), then the ones the user held last, least recently released,
+lowest unit.
+
+Order of preference among whole GPUs, most important first:
 1. free GPUs before shared ones (sharing only when the caller allows it, onto GPUs whose
    holders all share too), and among shared ones the least crowded;
 2. the GPUs this user held last (sticky: a returning user gets them back when they are free,
@@ -20,7 +27,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import combinations
 from math import comb
 
-from gpuguard.model import Gpu, Grant, Link
+from gpuguard.model import Gpu, Grant, Link, Quota, is_slice
 
 # Beyond this many candidate sets (e.g. 8 of 64 GPUs) a greedy search replaces the exhaustive one.
 EXHAUSTIVE_LIMIT = 5000
@@ -34,17 +41,52 @@ def link(topology: Topology, a: int, b: int) -> Link:
 
 
 def blocking(grants: Iterable[Grant], uid: int, minors: Collection[int], share: bool) -> list[Grant]:
-    """Other users' grants that keep `uid` off these GPUs: all of them, unless `uid` may share
-    and they share too."""
-    return [g for g in grants if g.minor in minors and g.uid != uid and not (share and g.shared)]
+    """Other users' grants that keep `uid` off these units: all of them, unless `uid` may share
+    and they share too, on a whole GPU (a slice is never shared)."""
+    return [g for g in grants
+            if g.minor in minors and g.uid != uid and not (share and g.shared and not is_slice(g.minor))]
 
 
 def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], last_released: Mapping[int, float],
-           uid: int, count: int, share: bool = False, held_last: Mapping[int, float] | None = None) -> tuple[int, ...]:
-    """Up to `count` more GPU minors for `uid` (fewer when fewer are available; () when none).
-    held_last: when `uid` last gave back each GPU it held (Store.last_held)."""
+           uid: int, count: int, share: bool = False, held_last: Mapping[int, float] | None = None,
+           quota: Quota | None = None) -> tuple[int, ...]:
+    """Up to `count` more units for `uid` (fewer when fewer are available; () when none), on the
+    terms of `quota` (which units; None: the defaults). held_last: when `uid` last gave back each
+    unit it held (Store.last_held)."""
+    quota = quota or Quota()
     held_last = held_last or {}
     grants = list(grants)
+    whole = [gpu for gpu in gpus if gpu.slice is None and not gpu.mig_mode] if quota.whole_gpus else []
+    chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last)
+    room = count - len(chosen)
+    if quota.slices is not None:
+        room = min(room, quota.slices - sum(1 for g in grants if g.uid == uid and is_slice(g.minor)))
+    slices = [gpu for gpu in gpus if gpu.slice is not None]
+    return tuple(sorted(chosen + _choose_slices(slices, grants, last_released, uid, room, quota.slice_profiles,
+                                                held_last)))
+
+
+def _choose_slices(slices: Sequence[Gpu], grants: list[Grant], last_released: Mapping[int, float], uid: int,
+                   count: int, profiles: Sequence[str], held_last: Mapping[int, float]) -> tuple[int, ...]:
+    """Up to `count` free slices of the allowed profiles, best first (see the module's docstring)."""
+    if count <= 0:
+        return ()
+    held = {g.minor for g in grants}
+    rank = {profile: place for place, profile in enumerate(profiles)}
+    free = [gpu for gpu in slices if gpu.minor not in held and (not profiles or _profile(gpu) in rank)]
+    free.sort(key=lambda gpu: (rank.get(_profile(gpu), 0), gpu.memory_total,
+                               gpu.minor not in held_last, -held_last.get(gpu.minor, 0.0),
+                               last_released.get(gpu.minor, 0.0), gpu.minor))
+    return tuple(gpu.minor for gpu in free[:count])
+
+
+def _profile(gpu: Gpu) -> str:
+    return gpu.slice.profile if gpu.slice else ""
+
+
+def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], last_released: Mapping[int, float],
+                  uid: int, count: int, share: bool, held_last: Mapping[int, float]) -> tuple[int, ...]:
+    """Up to `count` more whole GPUs (see the module's docstring)."""
     numa = {gpu.minor: gpu.numa_node for gpu in gpus}
     # A grant on a GPU missing from the inventory (NVML could not read it at start) still counts
     # as held, but has no NUMA node or links to weigh: only the GPUs known here are placed.

@@ -26,7 +26,7 @@ from gpuguard.holders import HolderEnder, Scan
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
-from gpuguard.messages import grant_message, number_list, queue_message
+from gpuguard.messages import grant_message, number_list, queue_message, unit_list
 from gpuguard.model import Grant, Origin, Quota
 from gpuguard.queueing import Queue, Standing
 from gpuguard.sampling import Sampler
@@ -366,13 +366,13 @@ class Api:
         if not held:
             raise Refusal("you hold no GPU")
         if minors is not None and set(minors) - held:
-            raise Refusal(f"you do not hold GPU {number_list(set(minors) - held)} (you hold {number_list(held)})")
+            raise Refusal(f"you do not hold GPU {unit_list(set(minors) - held)} (you hold {unit_list(held)})")
         targets = set(minors) if minors is not None else held
         scan = _readable(await self.holders.scan(account.uid, targets))
         busy = scan.listed | scan.unlisted
         if busy:
             pids = sorted({pid for pid, _ in busy})
-            raise Refusal(f"GPU {number_list({m for _, m in busy})} still in use by your process"
+            raise Refusal(f"GPU {unit_list({m for _, m in busy})} still in use by your process"
                           f"{'es' if len(pids) > 1 else ''} {number_list(pids)}: stop them, then release")
         removed = self.grants.remove(account.uid, targets, time.time(), kind="release", rule="user",
                                        message="released with gpuguard release")
@@ -399,11 +399,11 @@ class Api:
         if minors is not None:
             blocked = allocator.blocking(store.grants(), account.uid, minors, share)
             if blocked:
-                raise Refusal(f"GPU {number_list({g.minor for g in blocked})} is held by "
+                raise Refusal(f"GPU {unit_list({g.minor for g in blocked})} is held by "
                               f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
             chosen = tuple(minors)
         else:
-            chosen = self.grants.choose(account.uid, count, share)
+            chosen = self.grants.choose(account.uid, count, quota)
             if len(chosen) < count:
                 raise Refusal(f"only {len(chosen)} more GPU{'s' if len(chosen) != 1 else ''} free for "
                               f"{account.name}, {count} asked")
@@ -413,7 +413,7 @@ class Api:
         self.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
                           origin=Origin.ADMIN, message=f"granted by root{term}")
         return protocol.ok(user=account.name, gpus=sorted(chosen), expires_at=expires_at,
-                           message=f"granted GPU {number_list(chosen)} to {account.name}{term}")
+                           message=f"granted GPU {unit_list(chosen)} to {account.name}{term}")
 
     async def revoke(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Take GPUs back. The gate stops new opens at once, and the processes that opened a
@@ -433,7 +433,7 @@ class Api:
         removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root",
                                      end_holders=False)
         if not removed:
-            raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + number_list(minors)}")
+            raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + unit_list(minors)}")
         revoked = {g.minor for g in removed}
         ending = await self.holders.end(uid, removed[0].user, revoked, "admin")
         scan = ending.scan
@@ -449,7 +449,7 @@ class Api:
         holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
-                           message=f"revoked GPU {number_list(revoked)} from {name}{note}")
+                           message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
 
     async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
@@ -476,12 +476,12 @@ class Api:
             raise Refusal(f"field 'minors': expected a non-empty list of GPU numbers, got {minors!r}", 2)
         gpus = self.grants.gpus
         if unknown := set(minors) - set(gpus):
-            raise Refusal(f"no GPU {number_list(unknown)} on this machine (GPUs: {number_list(gpus)})", 2)
+            raise Refusal(f"no GPU {unit_list(unknown)} on this machine (GPUs: {unit_list(gpus)})", 2)
         return sorted(set(minors))
 
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
         gpu = self.grants.gpus.get(grant.minor)
-        return {**asdict(grant), "uuid": gpu.uuid if gpu else None, "name": gpu.name if gpu else None}
+        return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None}
 
     def _grant_reply(self, held: list[Grant], wanted: int | None = None) -> dict[str, Any]:
         """gpus, cuda_visible_devices and the one-line message for what a user holds."""
@@ -524,7 +524,7 @@ def _readable(scan: Scan) -> Scan:
     if scan.error:
         raise Refusal(f"cannot see the GPUs' processes right now ({scan.error}); try again")
     if scan.unread:
-        raise Refusal(f"cannot see the processes on GPU {number_list(scan.unread)} right now (NVML error); try again")
+        raise Refusal(f"cannot see the processes on GPU {unit_list(scan.unread)} right now (NVML error); try again")
     return scan
 
 

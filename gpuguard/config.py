@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -260,6 +261,23 @@ def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in value)
 
 
+def _slice_limit(value: Any) -> int | None:
+    """How many of a user's units may be MIG slices: a count, or "any" (no limit of its own)."""
+    if value == "any":
+        return None
+    return _count(0, MAX_GPUS)(value)
+
+
+_PROFILE = re.compile(r"\d+g\.\d+gb(\+\w+)?")  # 1g.18gb, 1g.10gb+me: as nvidia-smi names MIG profiles
+
+
+def _profiles(value: Any) -> tuple[str, ...]:
+    names = _names(value)
+    if bad := [name for name in names if not _PROFILE.fullmatch(name)]:
+        raise ValueError(f"expected MIG profiles such as 1g.18gb, got {bad[0]!r}")
+    return names
+
+
 QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "gpus": _count(0, MAX_GPUS),
     "gpu_memory": parse_size,
@@ -269,6 +287,9 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "priority": _integer,
     "share": _weight,
     "reclaim_after": parse_duration,
+    "slices": _slice_limit,
+    "whole_gpus": _bool,
+    "slice_profiles": _profiles,
 }
 
 SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {

@@ -20,12 +20,24 @@ import resource
 import signal
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpuguard import config as configuration
 from gpuguard import sampling
 from gpuguard.api import Api
-from gpuguard.backends import GateError, devnodes, driver_minors, notify, open_gpu_backend, procfs, systemd
+from gpuguard.backends import (
+    GateError,
+    caps_major,
+    devnodes,
+    driver_minors,
+    notify,
+    open_gate,
+    open_gpu_backend,
+    procfs,
+    systemd,
+)
 from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
@@ -37,12 +49,16 @@ from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
+from gpuguard.messages import layout_message
 from gpuguard.metrics import Metrics
 from gpuguard.model import Origin
 from gpuguard.queueing import Queue
 from gpuguard.server import Server
 from gpuguard.store import Store
 from gpuguard.watcher import Watcher
+
+if TYPE_CHECKING:
+    from gpuguard.backends.nvml import MigLayout
 
 DEADLINE_MARGIN = 0.001  # seconds past a wait's end: the tick's clock must read it as over
 CHECK_EVERY = 30.0  # seconds between checks that the gate, its maps and the node ACLs are as the store says
@@ -74,12 +90,14 @@ class Daemon:
         self.sampler = sampling.Sampler(self.backend)
         for error in self.backend.unavailable:  # GPUs NVML cannot read at start: the others are still guarded
             event(logging.ERROR, "gpu_unavailable", error=error, action="left out until a restart")
-        self.gate = Gate(self.gate_name) if self.config.access.mode == AccessMode.GATE else None
+        self.gate = open_gate(self.config, self.gate_name) if self.config.access.mode == AccessMode.GATE else None
         # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
-        gpus = {gpu.minor: gpu for gpu in self.backend.gpus()}
+        gpus = {gpu.minor: gpu for gpu in [*self.backend.gpus(), *self.backend.layout().slices]}
+        physical = {minor for minor, gpu in gpus.items() if gpu.slice is None}
         self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir),
-                             set(gpus) | driver_minors(self.config), gpus=gpus, topology=self.backend.topology())
+                             physical | driver_minors(self.config), gpus=gpus, topology=self.backend.topology(),
+                             caps_major=caps_major(self.config))
         systemd.status("starting: attaching the gate and restoring grants")
         self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
         exempt = self.exempt.compute()
@@ -91,10 +109,11 @@ class Daemon:
         self.nodes = NodeWatcher(self.config.paths.device_dir, self._node_changed)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
-        self.holders = HolderEnder(sampling.node_holders, self.sampler, self.exempt, self.store,
+        find_holders = partial(sampling.node_holders, devices_of=self.grants.holder_devices)
+        self.holders = HolderEnder(find_holders, self.sampler, self.exempt, self.store,
                                    lambda: self.config.watcher.kill_wait)
         self.grants.holders = self.holders
-        self.logout = LogoutRelease(self.store, self.grants, sampling.node_holders, ExitWatch())
+        self.logout = LogoutRelease(self.store, self.grants, find_holders, ExitWatch())
         self.queue = Queue(self.current_config, self.store, self.grants)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier, demand=self.queue.demand)
@@ -159,6 +178,7 @@ class Daemon:
         self.config = fixed
         self.store.retention = fixed.events
         self.exempt.refresh()
+        self.follow_layout(self.backend.layout())
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         systemd.status(self._status_text())
@@ -250,12 +270,25 @@ class Daemon:
         started = time.monotonic()
         sample = await self.sampler.take_or_log("skipped this tick", max_age=0)  # the tick paces NVML polling
         if sample is not None:
+            self.follow_layout(sample.layout)
             self.drop_dead_sessions()
             self.drop_gone_waiters()
             await self.logout.release_unused(sample)
             await self.watcher.check(sample, time.time())
             self.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
         await self.metrics.after_tick(time.monotonic() - started)
+
+    def follow_layout(self, seen: MigLayout | None) -> None:
+        """Follow the admin's MIG layout (`nvidia-smi mig ...`), read at each sample and on reload:
+        the grants a change ends are revoked (Grants.update_layout) and their users told why."""
+        if seen is None:
+            return
+        ended: dict[tuple[int, str], list[str]] = {}
+        for grant, why in self.grants.update_layout(seen, time.time()).items():
+            ended.setdefault((grant.uid, grant.user), []).append(why)
+        for (uid, user), whys in ended.items():
+            if uid not in self.exempt.uids:
+                self.notifier.tell(user, uid, layout_message(whys), [s.tty for s in self.store.sessions(uid)])
 
     def drop_gone_waiters(self) -> None:
         """Queued requests nobody waits for: a login's whose user has no session left, a request's

@@ -1,6 +1,12 @@
 """Giving and taking GPUs, choosing them included: the store records a grant, the gate and the
 device ACLs follow from the store, and the allocator (pure) picks which GPUs a user gets.
 
+A grant is on a unit (model.py): a whole GPU, or a MIG slice. Its holder may open the unit's
+device nodes (devices_of): the GPU's /dev/nvidia<N>; for a slice its parent's node and the
+slice's GI and CI access capability nodes (/dev/nvidia-caps/nvidia-cap<N>), which the driver
+checks before it lets a process use the slice. Gate entries and node ACLs are the union over a
+user's grants, so two slices of one GPU share the parent's entry and ACL line.
+
 Order is chosen so that what the kernel enforces never exceeds what the store says: a grant
 is written to the store before the gate opens, a release closes the gate before the store
 forgets. A crash in between therefore leaves, at worst, a grant the gate does not honour
@@ -14,28 +20,30 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from gpuguard import allocator, policy
+from gpuguard import allocator, layout, policy
 from gpuguard.allocator import Topology
 from gpuguard.backends.gate import Entry, Gate
 from gpuguard.logs import event
-from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Origin, Quota
+from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Origin, Quota, is_slice, unit_parent
 from gpuguard.store import Store
 
 if TYPE_CHECKING:
+    from gpuguard.backends.nvml import MigLayout
     from gpuguard.holders import HolderEnder
 
 _NODE = re.compile(r"nvidia(\d+)")
+_CAP_NODE = re.compile(r"nvidia-cap(\d+)")
+Device = tuple[int, int]  # (major, minor) of a character device node
 
 
 class Nodes(Protocol):
-    """The GPU device nodes (backends.gpu_nodes.AclNodes on a real machine)."""
+    """The device nodes of GPUs and MIG capabilities (backends.gpu_nodes.AclNodes on a real machine)."""
 
-    def path(self, minor: int) -> Path: ...
-
-    def sync(self, minor: int, users: Collection[int]) -> list[str]:
+    def sync(self, device: Device, users: Collection[int]) -> list[str]:
         """Make the node exist, 0660 root:root, with an ACL entry for exactly `users`;
         returns what was wrong (empty when the node was right and nothing was written)."""
 
@@ -43,16 +51,25 @@ class Nodes(Protocol):
 class Grants:
     def __init__(self, store: Store, gate: Gate | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
-                 topology: Topology | None = None):
+                 topology: Topology | None = None, caps_major: int | None = None):
+        """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
+        nvidia-caps character major (None: no MIG capability nodes on this machine)."""
         self.store = store
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
         self.nodes = nodes
         self.minors = frozenset(minors)  # the GPUs this machine has: only their nodes are managed
-        # What can be handed out: the GPUs NVML could read at start, and how they are linked.
-        # Both are fixed while the driver stays loaded (a GPU that falls off the bus shows as
-        # NVML errors in the tick, not as a smaller inventory).
-        self.gpus: Mapping[int, Gpu] = dict(gpus or {})
+        self.caps_major = caps_major
+        # The GPUs NVML could read at start and how they are linked: fixed while the driver stays
+        # loaded (a GPU that falls off the bus shows as NVML errors in the tick, not as a smaller
+        # inventory). Only their MIG mode and slices change (update_layout).
+        units = list((gpus or {}).values())
+        self.physical: dict[int, Gpu] = {gpu.minor: gpu for gpu in units if gpu.slice is None}
         self.topology: Topology = dict(topology or {})
+        # Each slice's capability minors as last seen: fixed for its (GPU, GI, CI) place while the
+        # driver stays loaded, so a grant on a slice that has just vanished is still closed fully.
+        self._caps: dict[int, tuple[int, int]] = {}
+        self.gpus: Mapping[int, Gpu] = {}  # what can be handed out now: unit -> GPU or slice
+        self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
         # Ends the processes that still hold a node taken away (set by the daemon once built: it
@@ -69,17 +86,41 @@ class Grants:
             self.exempt = uids
             self.node_changed(None)
 
-    def choose(self, uid: int, count: int, share: bool) -> tuple[int, ...]:
-        """Up to `count` more GPUs for uid (allocator.choose over the current grants)."""
+    def _set_units(self, units: Mapping[int, Gpu]) -> None:
+        self.gpus = dict(units)
+        self._caps.update({unit: gpu.slice.caps for unit, gpu in units.items() if gpu.slice is not None})
+
+    def devices_of(self, unit: int) -> list[Device]:
+        """The nodes a unit's holder may open: a GPU's node; for a slice its parent's node and
+        its GI and CI access capability nodes (caps never seen: the parent's only, which by
+        itself reaches no slice of a GPU in MIG mode)."""
+        parent = (NVIDIA_MAJOR, unit_parent(unit))
+        caps = self._caps.get(unit) if is_slice(unit) else None
+        if caps is None or self.caps_major is None:
+            return [parent]
+        return [parent, *((self.caps_major, cap) for cap in caps)]
+
+    def holder_devices(self, unit: int) -> list[Device]:
+        """The nodes whose holders use a unit: a GPU's node; a slice's capability nodes (its
+        parent's node alone reaches no slice, and the holder's other slices of that GPU need it).
+        Reads no store: called from worker threads (sampling.node_holders)."""
+        devices = self.devices_of(unit)
+        return devices[1:] if is_slice(unit) else devices
+
+    def _entries(self, grants: Iterable[Grant]) -> set[Entry]:
+        return {(grant.uid, device) for grant in grants for device in self.devices_of(grant.minor)}
+
+    def choose(self, uid: int, count: int, quota: Quota) -> tuple[int, ...]:
+        """Up to `count` more units for uid on the terms of `quota` (allocator.choose over the current grants)."""
         return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
-                                self.store.last_released(), uid, count, share, self.store.last_held(uid))
+                                self.store.last_released(), uid, count, policy.may_share(quota),
+                                self.store.last_held(uid), quota)
 
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
                  message: str) -> tuple[int, ...]:
-        """Up to `count` more GPUs for the user on the terms of their quota (none when none is free)."""
-        share = policy.may_share(quota)
-        chosen = self.choose(uid, count, share)
-        self.add(uid, user, chosen, now, expires_at=policy.expires_at(quota, now), shared=share,
+        """Up to `count` more units for the user on the terms of their quota (none when none is free)."""
+        chosen = self.choose(uid, count, quota)
+        self.add(uid, user, chosen, now, expires_at=policy.expires_at(quota, now), shared=policy.may_share(quota),
                  origin=origin, message=message)
         return chosen
 
@@ -88,11 +129,13 @@ class Grants:
         minors = sorted(minors)
         if not minors:
             return
-        self.store.add_grants(uid, user, minors, now, expires_at, shared=shared, origin=origin)
+        before = self._entries(self.store.grants(uid))
+        self.store.add_grants(uid, user, minors, now, expires_at, shared=shared, origin=origin,
+                              uuids={m: self.gpus[m].uuid for m in minors if m in self.gpus})
         try:
             if self.gate:
-                for minor in minors:
-                    self.gate.grant(uid, (NVIDIA_MAJOR, minor))
+                for _, device in sorted(self._entries(self.store.grants(uid)) - before):
+                    self.gate.grant(uid, device)
             self.sync_nodes(minors)
         except Exception:
             # Not enforceable: take it back, so the store never claims what the kernel does not do.
@@ -112,21 +155,23 @@ class Grants:
         background (holders.HolderEnder), whichever path took the GPUs; a caller that wants to
         report on them passes end_holders=False and awaits HolderEnder.end itself."""
         wanted = None if minors is None else set(minors)
-        held = [g for g in self.store.grants(uid) if wanted is None or g.minor in wanted]
+        everything = self.store.grants(uid)
+        held = [g for g in everything if wanted is None or g.minor in wanted]
         if not held:
             return []
-        closed: list[Grant] = []
+        kept = [g for g in everything if g not in held]
+        closed: list[Device] = []
         try:
             if self.gate:
-                for grant in held:
-                    self.gate.revoke(uid, (NVIDIA_MAJOR, grant.minor))
-                    closed.append(grant)
+                for _, device in sorted(self._entries(held) - self._entries(kept)):
+                    self.gate.revoke(uid, device)
+                    closed.append(device)
             self.store.remove_grants(uid, [g.minor for g in held], now)
         except Exception:
             # The store still has these grants: reopen the gate for them, so both agree again.
-            for grant in closed:
+            for device in closed:
                 assert self.gate is not None  # only the gate closed anything
-                self.gate.grant(uid, (NVIDIA_MAJOR, grant.minor))
+                self.gate.grant(uid, device)
             raise
         self.sync_nodes(g.minor for g in held)
         for grant in held:
@@ -139,36 +184,67 @@ class Grants:
             listener(held, now)
         return held
 
-    def sync_nodes(self, minors: Iterable[int]) -> list[str]:
-        """Make each /dev/nvidia<minor> exist, 0660 root:root, with an ACL entry for exactly its
-        grantees and the exempt users; returns what was wrong. GPUs this machine no longer has are
-        skipped: no node to manage."""
-        grantees: dict[int, set[int]] = {}
+    def sync_nodes(self, units: Iterable[int]) -> list[str]:
+        """Make the nodes of these units (devices_of) exist, 0660 root:root, with an ACL entry for
+        exactly the users whose grants reach them and the exempt users; returns what was wrong.
+        GPUs this machine no longer has are skipped: no node to manage."""
+        users: dict[Device, set[int]] = {}
         for grant in self.store.grants():  # one read, however many nodes
-            grantees.setdefault(grant.minor, set()).add(grant.uid)
+            for device in self.devices_of(grant.minor):
+                users.setdefault(device, set()).add(grant.uid)
+        devices = {device for unit in units for device in self.devices_of(unit)}
         fixed = []
-        for minor in sorted(set(minors) & self.minors):
-            fixed += self.nodes.sync(minor, grantees.get(minor, set()) | self.exempt)
+        for device in sorted(devices):
+            if device[0] != NVIDIA_MAJOR or device[1] in self.minors:
+                fixed += self.nodes.sync(device, users.get(device, set()) | self.exempt)
         return fixed
+
+    def _all_units(self) -> set[int]:
+        return set(self.minors) | set(self.gpus) | {g.minor for g in self.store.grants()}
 
     def node_changed(self, path: Path | None) -> None:
         """NodeWatcher callback: a node was (re)created or changed; None means check them all."""
         if path is None:
-            self.sync_nodes(self.minors)
+            self.sync_nodes(self._all_units())
         elif match := _NODE.fullmatch(path.name):
             self.sync_nodes([int(match[1])])
+        elif _CAP_NODE.fullmatch(path.name):
+            self.sync_nodes(unit for unit in self._all_units() if is_slice(unit))
+
+    def update_layout(self, now_seen: MigLayout, now: float) -> dict[Grant, str]:
+        """Follow the MIG layout NVML shows now (NvmlBackend.layout()): the grants it ends
+        (gpuguard.layout.stale) are revoked, closed with the capability nodes they had, and the
+        new slices become what can be handed out, their nodes made root-only. Returns the ended
+        grants with why."""
+        physical = {minor: replace(gpu, mig_mode=minor in now_seen.mig_gpus) if minor not in now_seen.unread else gpu
+                    for minor, gpu in self.physical.items()}
+        kept = [gpu for gpu in self.gpus.values() if gpu.slice is not None and gpu.slice.parent in now_seen.unread]
+        units = layout.grantable(physical.values(), [*now_seen.slices, *kept])
+        if {u: gpu.uuid for u, gpu in units.items()} == {u: gpu.uuid for u, gpu in self.gpus.items()}:
+            return {}  # the same units (their memory in use is not the layout)
+        ended = layout.stale(self.store.grants(), units, set(physical) - now_seen.unread)
+        for uid in sorted({grant.uid for grant in ended}):
+            mine = [grant for grant in ended if grant.uid == uid]
+            self.remove(uid, [grant.minor for grant in mine], now, kind="revoke", rule="layout",
+                        message="; ".join(ended[grant] for grant in mine))
+        self.physical = physical
+        self._set_units(units)
+        event(logging.INFO, "mig_layout", gpus=sorted(now_seen.mig_gpus), slices=len(now_seen.slices),
+              revoked=len(ended))
+        self.sync_nodes(unit for unit in units if is_slice(unit))
+        return ended
 
     def reconcile(self) -> list[str]:
         """Rebuild the derived state from the store: gate entries exactly as granted, every node
         synced. Returns what was wrong, one line each (empty: all was right)."""
         repaired = []
         if self.gate:
-            removed, added = self.gate.set_entries({(g.uid, (NVIDIA_MAJOR, g.minor)) for g in self.store.grants()})
+            removed, added = self.gate.set_entries(self._entries(self.store.grants()))
             if removed:
                 repaired.append(f"gate {self.gate.name}: map held grants the store does not: {_entries(removed)}")
             if added:
                 repaired.append(f"gate {self.gate.name}: map lacked grants the store has: {_entries(added)}")
-        return repaired + self.sync_nodes(self.minors)
+        return repaired + self.sync_nodes(self._all_units())
 
     def check_and_repair(self) -> list[str]:
         """Enforcement that checks and repairs itself (the daemon calls this every few ticks and

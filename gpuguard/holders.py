@@ -30,7 +30,7 @@ from gpuguard.backends import procfs, signals
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.exempt import Exempt
 from gpuguard.logs import event
-from gpuguard.messages import number_list
+from gpuguard.messages import unit_list
 from gpuguard.model import Event
 from gpuguard.sampling import Holder, Sampler
 from gpuguard.store import Store
@@ -140,7 +140,7 @@ class HolderEnder:
         what = (f"stopping it with SIGTERM; it will be killed if it still holds the GPU in {wait}"
                 if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
         self._record(identity, minors, user, "kill", why, {"signal": sig.name, "kill_wait": self.kill_wait()},
-                     f"holds GPU {number_list(minors)}, which is no longer yours ({why}); {what}")
+                     f"holds GPU {unit_list(minors)}, which is no longer yours ({why}); {what}")
         return True
 
     def _record(self, identity: ProcessIdentity, minors: set[int], user: str, kind: str, why: str,

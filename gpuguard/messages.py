@@ -5,7 +5,7 @@ import time
 from collections.abc import Iterable
 
 from gpuguard import rules
-from gpuguard.model import Gpu
+from gpuguard.model import Gpu, unit_label
 from gpuguard.rules import Action
 from gpuguard.units import format_duration, format_size
 
@@ -14,7 +14,7 @@ def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wante
     """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`"""
     names = ", ".join(sorted({gpu.name for gpu in gpus})) + (", shared" if shared else "")
     several = len(gpus) > 1
-    subject = f"GPU{'s' if several else ''} {number_list(gpu.minor for gpu in gpus)} ({names})"
+    subject = f"GPU{'s' if several else ''} {unit_list(gpu.minor for gpu in gpus)} ({names})"
     until = f" until {clock(expires_at)}" if expires_at is not None else ""
     short = f" ({len(gpus)} of {wanted}: no more free)" if wanted and len(gpus) < wanted else ""
     return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short} - run gpuguard whoami for details"
@@ -46,8 +46,19 @@ def clock(timestamp: float) -> str:
 
 
 def number_list(numbers: Iterable[int]) -> str:
-    """`1,3,4`: GPU minors and pids as people type them."""
+    """`1,3,4`: pids as people type them."""
     return ",".join(str(n) for n in sorted(numbers))
+
+
+def unit_list(units: Iterable[int]) -> str:
+    """`1,3/gi1/ci0`: GPUs and MIG slices as people type them (model.unit_label)."""
+    return ",".join(unit_label(unit) for unit in sorted(units))
+
+
+def layout_message(whys: Iterable[str]) -> str:
+    """What a user whose grant a MIG layout change ended is told."""
+    return (f"gpuguard: {'; '.join(whys)}: your grant of it ended and its processes are stopped; "
+            "gpuguard request gets you another - gpuguard whoami for details")
 
 
 def queue_message(position: int, waiting: int, gpus: int, estimate: float | None) -> str:
@@ -65,7 +76,7 @@ def action_message(action: Action, command: str = "") -> str:
     """What the watcher tells the user about an action (rules.decide), on their terminals and in
     `gpuguard whoami`: one line that says what happened, why, and what to do."""
     n = action.numbers
-    gpu = f"GPU {action.minor}"
+    gpu = f"GPU {unit_label(action.minor)}"
     proc = action.proc
     who = f"process {proc.pid}" + (f" ({command})" if command else "") if proc else ""
     if action.rule == rules.MEMORY and action.kind == rules.WARN:

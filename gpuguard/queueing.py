@@ -115,10 +115,10 @@ class Queue:
             free = self.free()  # counted again after each grant: the cheap answer for a long queue
 
             def fits(waiter: scheduler.Waiter) -> bool:
-                share = policy.may_share(entries[waiter.id].quota)
-                if not share and waiter.gpus > free:
+                quota = entries[waiter.id].quota
+                if not policy.may_share(quota) and waiter.gpus > free:
                     return False
-                return len(self.grants.choose(waiter.uid, waiter.gpus, share)) >= waiter.gpus
+                return len(self.grants.choose(waiter.uid, waiter.gpus, quota)) >= waiter.gpus
 
             served = []
             for waiter in scheduler.admit([q.waiter for q in ordered], fits, now,

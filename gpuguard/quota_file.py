@@ -8,6 +8,7 @@ text in place atomically, and only after the caller's check accepted the whole f
 """
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -36,6 +37,9 @@ _SHOWN: dict[str, Callable[[Any], str]] = {
     "sharing": lambda value: "true" if value else "false",
     "share": lambda value: f"{value:g}",
     "reclaim_after": format_duration,
+    "slices": lambda value: "any" if value is None else str(value),
+    "whole_gpus": lambda value: "true" if value else "false",
+    "slice_profiles": lambda value: json.dumps(list(value)),  # a TOML array, as quota set takes it
 }
 
 

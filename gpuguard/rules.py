@@ -9,7 +9,8 @@ and lets every boundary below be unit-tested without a process or a clock.
 
 The rules, with their boundaries:
 
-- Memory (rule "memory"). For each user and GPU with a `gpu_memory` quota, `known` is the
+- Memory (rule "memory"). For each user and whole GPU with a `gpu_memory` quota (not on a MIG
+  slice: the hardware bounds its memory), `known` is the
   sum of the memory NVML reports for that user's processes there. Over means known > quota:
   exactly at the quota is fine. Memory NVML reports as unknown (None) counts neither as 0
   nor as over: it is left out of the sum, and a process whose memory is unknown (or 0) is
@@ -68,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, cast
 
 from gpuguard.compat import StrEnum
-from gpuguard.model import Grant, Origin, Quota
+from gpuguard.model import Grant, Origin, Quota, is_slice
 from gpuguard.policy import ROOT_UID
 
 TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0, 0.0)  # seconds before expires_at, largest first; 0: over
@@ -292,7 +293,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             elif quota.reclaim_after is not None and now - last >= quota.reclaim_after:
                 reclaimable.append((last, grant, quota.reclaim_after))
             continue
-        if grant.uid not in exempt:
+        if grant.uid not in exempt and not is_slice(grant.minor):  # a slice's memory is bounded in hardware
             actions.extend(_memory(grant, quota, procs, state, now, timing, term))
 
     wanted = view.demand

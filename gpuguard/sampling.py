@@ -15,13 +15,16 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuguard.backends import procfs, signals
 from gpuguard.logs import event
 from gpuguard.model import NVIDIA_MAJOR, GpuProcess, GpuUse
+
+if TYPE_CHECKING:
+    from gpuguard.backends.nvml import MigLayout
 
 MAX_AGE = 1.0  # seconds a sample is reused: process queries serialize on the driver lock
 
@@ -34,6 +37,7 @@ class Sample:
     minors: frozenset[int] = frozenset()  # GPUs whose processes were read
     failed: Mapping[int, str] = field(default_factory=dict)  # minor -> NVML error, for GPUs not read
     use: Mapping[int, GpuUse] = field(default_factory=dict)  # minor -> memory and utilisation, GPUs that answered
+    layout: MigLayout | None = None  # the MIG modes and slices, read just before the processes
 
     def ok(self, minor: int) -> bool:
         """Whether this sample read GPU `minor`'s processes: about any other GPU it knows nothing."""
@@ -105,9 +109,10 @@ class Sampler:
 
 def _take(backend, identities: procfs.IdentityCache) -> Sample:
     now = time.time()
+    layout = backend.layout()  # first: the processes are placed on the slices it finds
     query = backend.query_processes()
     owners = identities.identities({p.pid for p in query.processes})
-    return Sample(now, tuple(query.processes), owners, query.read, query.failed, backend.use())
+    return Sample(now, tuple(query.processes), owners, query.read, query.failed, backend.use(), layout)
 
 
 def _without_exited(sample: Sample) -> Sample:
@@ -118,22 +123,30 @@ def _without_exited(sample: Sample) -> Sample:
 class Holder(NamedTuple):
     pid: int
     uid: int
-    minor: int
+    minor: int  # the unit
 
 
-def node_holders(minors: Iterable[int], uids: Collection[int]) -> list[Holder]:
-    """Processes of these users holding these GPUs' nodes open per /proc (blocking: one pass
-    over /proc for all).
+Device = tuple[int, int]
+
+
+def node_holders(units: Iterable[int], uids: Collection[int],
+                 devices_of: Callable[[int], Iterable[Device]] = lambda unit: [(NVIDIA_MAJOR, unit)]) -> list[Holder]:
+    """Processes of these users holding these units' nodes open per /proc (blocking: one pass
+    over /proc for all). devices_of: the nodes whose holders use a unit (Grants.holder_devices;
+    the default knows whole GPUs only).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
     (or before creating it) shows up only here. Only the users' own processes are looked at
     (procfs.holders_of), so the cost follows their processes, not the host's.
     """
-    found = []
-    devices = [(NVIDIA_MAJOR, minor) for minor in minors]
-    for (_, minor), pids in procfs.holders_of(devices, uids).items():
+    units_of: dict[Device, list[int]] = {}  # two slices of one GPU instance share its capability node
+    for unit in units:
+        for device in devices_of(unit):
+            units_of.setdefault(device, []).append(unit)
+    found = set()
+    for device, pids in procfs.holders_of(list(units_of), uids).items():
         for pid in pids:
             uid = procfs.user_of(pid)
             if uid is not None and uid in uids:
-                found.append(Holder(pid, uid, minor))
+                found.update(Holder(pid, uid, unit) for unit in units_of[device])
     return sorted(found, key=lambda h: (h.minor, h.pid))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,6 +92,12 @@ MIGRATIONS: tuple[str, ...] = (
         uid INTEGER NOT NULL, minor INTEGER NOT NULL, released_at REAL NOT NULL,
         PRIMARY KEY (uid, minor));
     """,
+    # The UUID of the unit a grant is on, as it was when granted (GPU-... or MIG-...): a MIG slice
+    # destroyed and re-created under the same GPU instance id keeps its unit number but not its
+    # UUID, and such a grant must end (gpuguard.layout). '' for grants made before this column.
+    """
+    ALTER TABLE grants ADD COLUMN uuid TEXT NOT NULL DEFAULT '';
+    """,
 )
 HOUR = 3600
 
@@ -160,12 +166,16 @@ class Store:
     # --- grants
 
     def add_grants(self, uid: int, user: str, minors: Iterable[int], now: float,
-                   expires_at: float | None, shared: bool = False, origin: Origin = Origin.SESSION) -> None:
+                   expires_at: float | None, shared: bool = False, origin: Origin = Origin.SESSION,
+                   uuids: Mapping[int, str] | None = None) -> None:
+        """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''."""
+        uuids = uuids or {}
         with self.transaction() as db:
             db.executemany(
-                "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(uid, user, minor, now, expires_at, now, int(shared), origin) for minor in minors])
+                "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin,"
+                " uuid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(uid, user, minor, now, expires_at, now, int(shared), origin, uuids.get(minor, ""))
+                 for minor in minors])
 
     def grants(self, uid: int | None = None) -> list[Grant]:
         query, params = _rows_of("grants", uid)
@@ -366,7 +376,10 @@ class Store:
 
 def _queued(row: sqlite3.Row) -> Queued:
     waiter = Waiter(row["id"], row["uid"], row["user"], row["gpus"], row["since"], row["priority"], row["share"])
-    return Queued(waiter, Quota(**json.loads(row["quota"])), Origin(row["origin"]), row["pid"], row["pid_start"])
+    terms = json.loads(row["quota"])
+    if "slice_profiles" in terms:  # JSON has no tuples
+        terms["slice_profiles"] = tuple(terms["slice_profiles"])
+    return Queued(waiter, Quota(**terms), Origin(row["origin"]), row["pid"], row["pid_start"])
 
 
 def hour_of(t: float) -> int:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:
+    from gpuguard.backends.gate import Gate
     from gpuguard.backends.nvml import NvmlBackend
     from gpuguard.config import Config
 
@@ -36,3 +37,21 @@ def driver_minors(config: Config) -> set[int]:
         return set(range(config.gpu.simulated.count))
     from gpuguard.backends.devnodes import driver_minors as loaded
     return set(loaded())
+
+
+def caps_major(config: Config) -> int | None:
+    """The character major of the MIG capability nodes: nvidia-caps's when its driver is loaded
+    (dynamic: read /proc/devices each time), the simulated one for simulated GPUs."""
+    from gpuguard.config import GpuBackend
+    if config.gpu.backend == GpuBackend.SIMULATED:
+        from gpuguard.backends.simulated import CAPS_MAJOR
+        return CAPS_MAJOR
+    from gpuguard.backends.procfs import char_major
+    return char_major("nvidia-caps")
+
+
+def open_gate(config: Config, name: str) -> Gate:
+    """The gate over the GPU nodes and the MIG capability nodes of this config's GPUs; the ranges
+    are asked again at every attach and repair (an nvidia-caps module may load after start)."""
+    from gpuguard.backends.gate import Gate, managed_ranges
+    return Gate(name, managed=lambda: managed_ranges(caps_major(config)))

@@ -59,6 +59,11 @@ def gpu_node(device_dir: Path, minor: int) -> Path:
     return device_dir / f"nvidia{minor}"
 
 
+def caps_node(device_dir: Path, minor: int) -> Path:
+    """A MIG capability node, as nvidia-modprobe names them: /dev/nvidia-caps/nvidia-cap<minor>."""
+    return device_dir / "nvidia-caps" / f"nvidia-cap{minor}"
+
+
 def ensure_node(path: str | os.PathLike, dev: tuple[int, int], mode: int = BASE_MODE) -> bool:
     """Create the character node, root-owned, when it is missing or is not `dev`; True when made.
 
@@ -94,7 +99,7 @@ def set_base_mode(path: str | os.PathLike) -> list[str]:
 
 
 def sync_gpu_node(path: Path, dev: tuple[int, int], uids: Iterable[int]) -> list[str]:
-    """Make a GPU node what it should be: present as `dev`, 0660 root:root, an ACL entry for
+    """Make a GPU (or MIG capability) node what it should be: present as `dev`, 0660 root:root, an ACL entry for
     exactly `uids`. Idempotent, and writes nothing when the node is right (the node watcher
     sees every write). Returns what was wrong, as "<path>: <what it was>", empty when nothing."""
     uids = set(uids)

@@ -94,14 +94,19 @@ class DeviceRange:
         return f"{self.major}:{self.first}-{self.last}"
 
 
-def default_managed() -> tuple[DeviceRange, ...]:
-    """/dev/nvidia0..253 (254 and 255 are nvidia-modeset and nvidiactl, open to all),
-    plus every nvidia-caps node (MIG instances) when that driver is loaded."""
+def managed_ranges(caps_major: int | None) -> tuple[DeviceRange, ...]:
+    """/dev/nvidia0..253 (254 and 255 are nvidia-modeset and nvidiactl, open to all), plus every
+    node of the nvidia-caps major (MIG capabilities: the slices' access, and config and monitor,
+    which no grant ever opens) when there is one."""
     ranges = [DeviceRange(NVIDIA_MAJOR, 0, 253)]
-    caps = char_major("nvidia-caps")
-    if caps is not None:
-        ranges.append(DeviceRange(caps))
+    if caps_major is not None:
+        ranges.append(DeviceRange(caps_major))
     return tuple(ranges)
+
+
+def default_managed() -> tuple[DeviceRange, ...]:
+    """The ranges for the nvidia-caps major the loaded driver registered (/proc/devices)."""
+    return managed_ranges(char_major("nvidia-caps"))
 
 
 def device_program(managed: Sequence[DeviceRange], grants_fd: int, exempt_fd: int) -> list[Insn | Label]:

@@ -1,4 +1,5 @@
-"""The /dev/nvidia<minor> nodes of the GPUs: what grants.Grants writes through (its Nodes seam)."""
+"""The device nodes grants.Grants writes through (its Nodes seam): the GPUs' /dev/nvidia<minor>
+and the MIG capability nodes /dev/nvidia-caps/nvidia-cap<minor>."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -9,13 +10,21 @@ from gpuguard.model import NVIDIA_MAJOR
 
 
 class AclNodes:
-    """Each GPU node made when missing, 0660 root:root, plus one ACL entry per allowed user."""
+    """Each node made when missing, 0660 root:root, plus one ACL entry per allowed user. A MIG
+    capability node is read (CUDA opens it read-only) and gets the same treatment: the driver
+    makes them 0444, open to all."""
 
     def __init__(self, device_dir: Path):
         self.device_dir = Path(device_dir)
 
-    def path(self, minor: int) -> Path:
-        return devnodes.gpu_node(self.device_dir, minor)
+    def path(self, device: tuple[int, int]) -> Path:
+        major, minor = device
+        if major == NVIDIA_MAJOR:
+            return devnodes.gpu_node(self.device_dir, minor)
+        return devnodes.caps_node(self.device_dir, minor)
 
-    def sync(self, minor: int, users: Collection[int]) -> list[str]:
-        return devnodes.sync_gpu_node(self.path(minor), (NVIDIA_MAJOR, minor), users)
+    def sync(self, device: tuple[int, int], users: Collection[int]) -> list[str]:
+        path = self.path(device)
+        if device[0] != NVIDIA_MAJOR:
+            path.parent.mkdir(mode=0o755, exist_ok=True)
+        return devnodes.sync_gpu_node(path, device, users)

@@ -31,6 +31,17 @@ class CommandError(GpuguardError):
     """A command's own one-line failure, with the exit code to use."""
 
 
+def unit_arg(text: str) -> int:
+    """argparse type of --gpu: a GPU (3) or a MIG slice (3/gi1/ci0), as whoami and status show them."""
+    import argparse
+
+    from gpuguard.model import parse_unit
+    try:
+        return parse_unit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def require_root(what: str) -> None:
     if os.geteuid() != 0:
         raise CommandError(f"{what} needs root")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpuguard.cli import print_json
+from gpuguard.cli import print_json, unit_arg
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK
 
@@ -13,8 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     grant.add_argument("user")
     which = grant.add_mutually_exclusive_group(required=True)
     which.add_argument("--gpus", type=int, metavar="N", help="this many GPUs, chosen by the allocator")
-    which.add_argument("--gpu", type=int, action="append", dest="minors", metavar="MINOR",
-                       help="this GPU (repeatable)")
+    which.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
+                       help="this GPU or MIG slice, e.g. 3 or 3/gi1/ci0 (repeatable)")
     grant.add_argument("--for", dest="duration", metavar="DURATION",
                        help="how long, e.g. 8h (default: the user's max_time)")
     grant.add_argument("--json", action="store_true", help="print JSON")
@@ -22,8 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     revoke = subparsers.add_parser("revoke", help="take GPUs back from a user (root)")
     revoke.add_argument("user")
-    revoke.add_argument("--gpu", type=int, action="append", dest="minors", metavar="MINOR",
-                        help="only this GPU (repeatable; default: all of the user's)")
+    revoke.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
+                        help="only this GPU or MIG slice (repeatable; default: all of the user's)")
     revoke.add_argument("--json", action="store_true", help="print JSON")
     revoke.set_defaults(func=run_revoke)
 

@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from gpuguard import client, doctor
-from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gpu_backend
+from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gate, open_gpu_backend
 from gpuguard.cli import load_config, print_json, require_root
 from gpuguard.config import AccessMode, Config
 from gpuguard.errors import EXIT_FAILED, EXIT_OK
@@ -87,7 +87,6 @@ def _daemon(config: Config) -> tuple[dict | None, str | None]:
 def _kernel(config: Config, gate_name: str):
     """(cgroup2 mount, bpf error, gate status, gate current, gate error)."""
     from gpuguard.backends.bpf import attached_ids  # ctypes: only for this command
-    from gpuguard.backends.gate import Gate
     from gpuguard.backends.mounts import cgroup2_root
     try:
         root = cgroup2_root()
@@ -100,7 +99,7 @@ def _kernel(config: Config, gate_name: str):
     if config.access.mode == AccessMode.ACL:
         return str(root), None, None, None, None
     try:
-        with Gate(gate_name) as gate:
+        with open_gate(config, gate_name) as gate:
             status = gate.status()
             return str(root), None, status, gate.is_current() if status["prog_id"] else None, None
     except GateError as exc:

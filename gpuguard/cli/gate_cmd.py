@@ -37,14 +37,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         .set_defaults(func=acl_apply)
 
 
-def _gate(args: argparse.Namespace, what: str) -> Gate:
+def _gate(args: argparse.Namespace, what: str, loaded: configuration.Config | None) -> Gate:
+    """The gate over the device ranges of the config's GPUs (MIG capabilities included); with no
+    config (a detach) any ranges do: an emergency must not wait for a config that loads."""
     require_root(what)
-    from gpuguard.backends.gate import Gate  # ctypes and the assembler: only for these commands
-    return Gate(args.name)
+    from gpuguard.backends import open_gate  # ctypes and the assembler: only for these commands
+    from gpuguard.backends.gate import Gate
+    return open_gate(loaded, args.name) if loaded is not None else Gate(args.name)
 
 
 def gate_status(args: argparse.Namespace) -> int:
-    status = _gate(args, "gate status").status()
+    status = _gate(args, "gate status", load_config(args)).status()
     if args.json:
         print_json(status)
         return EXIT_OK
@@ -61,14 +64,15 @@ def gate_status(args: argparse.Namespace) -> int:
 
 
 def gate_attach(args: argparse.Namespace) -> int:
-    gate = _gate(args, "gate attach")
-    gate.attach(accounts.exempt_uids(load_config(args).access))
+    loaded = load_config(args)
+    gate = _gate(args, "gate attach", loaded)
+    gate.attach(accounts.exempt_uids(loaded.access))
     print(f"gate {args.name}: attached as program {gate.prog_id()}; start the daemon to restore grants")
     return EXIT_OK
 
 
 def gate_detach(args: argparse.Namespace) -> int:
-    gate = _gate(args, "gate detach")
+    gate = _gate(args, "gate detach", None)
     if not gate.find():
         raise CommandError(f"gate {args.name}: not attached")
     gate.detach()

@@ -8,10 +8,11 @@ import time
 from typing import Any
 
 from gpuguard import client
-from gpuguard.cli import CommandError, load_config, print_json, print_rows
+from gpuguard.cli import CommandError, load_config, print_json, print_rows, unit_arg
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.messages import clock, cuda_export, number_list, queue_message, stale_devices
+from gpuguard.messages import clock, cuda_export, queue_message, stale_devices, unit_list
+from gpuguard.model import unit_label
 from gpuguard.units import UnitError, format_duration, format_size, parse_duration
 
 RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while waiting
@@ -37,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     request.set_defaults(func=run_request)
 
     release = subparsers.add_parser("release", help="give GPUs back (refused while your processes use them)")
-    release.add_argument("--gpu", type=int, action="append", dest="minors", metavar="MINOR",
-                         help="only this GPU (repeatable; default: all of yours)")
+    release.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
+                         help="only this GPU or MIG slice (repeatable; default: all of yours)")
     release.add_argument("--json", action="store_true", help="print JSON")
     release.set_defaults(func=run_release)
 
@@ -55,11 +56,11 @@ def show_whoami(args: argparse.Namespace) -> int:
     quota = reply["quota"]
     print(f"quota: {quota['gpus']} GPU{'s' if quota['gpus'] != 1 else ''}, memory {format_size(quota['gpu_memory'])}"
           f" per GPU, time {format_duration(quota['max_time'])}, idle release {format_duration(quota['idle_timeout'])}"
-          f", sharing {'yes' if quota['sharing'] else 'no'}")
+          f", sharing {'yes' if quota['sharing'] else 'no'}{_mig_terms(quota)}")
     if reply["grants"]:
         print("GPUs:")
         print_rows([["  GPU", "NAME", "UUID", "SINCE", "UNTIL", "HOW"]] + [
-            [f"  {g['minor']}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
+            [f"  {unit_label(g['minor'])}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(cuda_export(_uuids(reply)))
@@ -83,7 +84,7 @@ def show_whoami(args: argparse.Namespace) -> int:
     if reply["events"]:
         print("recent events:")
         for e in reply["events"]:
-            where = f" GPU {e['minor']}" if e["minor"] is not None else ""
+            where = f" GPU {unit_label(e['minor'])}" if e["minor"] is not None else ""
             print(f"  {clock(e['time'])}  {e['kind']}{where}: {e['message']}")
     return EXIT_OK
 
@@ -93,6 +94,18 @@ def show_env(args: argparse.Namespace) -> int:
     # Exempt users see every GPU: no variable to narrow them down.
     print("unset CUDA_VISIBLE_DEVICES" if reply["exempt"] else cuda_export(_uuids(reply)))
     return EXIT_OK
+
+
+def _mig_terms(quota: dict[str, Any]) -> str:
+    """The quota's MIG terms, when they say more than "any unit will do" (the defaults)."""
+    terms = []
+    if not quota.get("whole_gpus", True):
+        terms.append("MIG slices only")
+    if quota.get("slices") is not None:
+        terms.append(f"at most {quota['slices']} MIG slice{'s' if quota['slices'] != 1 else ''}")
+    if quota.get("slice_profiles"):
+        terms.append(f"slice profiles {', '.join(quota['slice_profiles'])}")
+    return "".join(f", {term}" for term in terms)
 
 
 def _uuids(whoami: dict[str, Any]) -> list[str]:
@@ -152,6 +165,6 @@ def run_release(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
-    left = f"; you still hold GPU {number_list(reply['gpus'])}" if reply["gpus"] else ""
-    print(f"gpuguard: released GPU {number_list(reply['released'])}{left}")
+    left = f"; you still hold GPU {unit_list(reply['gpus'])}" if reply["gpus"] else ""
+    print(f"gpuguard: released GPU {unit_list(reply['released'])}{left}")
     return EXIT_OK

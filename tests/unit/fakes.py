@@ -19,7 +19,7 @@ from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
-from gpuguard.model import Gpu, GpuProcess, Quota
+from gpuguard.model import NVIDIA_MAJOR, Gpu, GpuProcess, MigSlice, Quota, slice_unit
 from gpuguard.queueing import Queue
 from gpuguard.sampling import Holder, Sample
 from gpuguard.server import Peer
@@ -29,24 +29,39 @@ from gpuguard.watcher import Watcher
 GROUP = "gpugroup"
 
 
-def gpu(minor: int) -> Gpu:
+CAPS_MAJOR = 120  # of the MIG capability nodes
+
+
+def gpu(minor: int, mig_mode: bool = False) -> Gpu:
     return Gpu(index=minor, minor=minor, uuid=f"GPU-{minor:04d}", name="Fake H100", pci_bus_id=f"0000:{minor:02x}:00.0",
-               memory_total=80 << 30, memory_used=0, numa_node=minor // 2, utilization=0)
+               memory_total=80 << 30, memory_used=0, numa_node=minor // 2, utilization=0, mig_mode=mig_mode)
+
+
+def mig_slice(parent: int, gi: int, profile: str = "1g.10gb", uuid: str = "", ci: int = 0) -> Gpu:
+    """A MIG slice of GPU `parent`, its capability minors numbered as the driver's mig-minors does."""
+    gib = int(profile.split(".")[1].removesuffix("gb"))
+    caps = (3 + parent * 135 + gi * 9, 3 + parent * 135 + gi * 9 + 1 + ci)
+    return Gpu(index=parent, minor=slice_unit(parent, gi, ci), uuid=uuid or f"MIG-{parent}-{gi}-{ci}",
+               name=f"Fake H100 MIG {profile}", pci_bus_id=f"0000:{parent:02x}:00.0", memory_total=gib << 30,
+               memory_used=0, numa_node=parent // 2, utilization=None,
+               slice=MigSlice(parent, gi, ci, profile, caps))
 
 
 class FakeNodes:
-    """Records the ACL users each node was last given."""
+    """Records the ACL users each node was last given: `users` for the GPU nodes by minor,
+    `devices` for every node by (major, minor)."""
 
     def __init__(self) -> None:
-        self.users: dict[int, frozenset[int]] = {}
+        self.devices: dict[tuple[int, int], frozenset[int]] = {}
 
-    def path(self, minor: int) -> Path:
-        return Path(f"/nonexistent/nvidia{minor}")
+    @property
+    def users(self) -> dict[int, frozenset[int]]:
+        return {minor: users for (major, minor), users in self.devices.items() if major == NVIDIA_MAJOR}
 
-    def sync(self, minor: int, users: Collection[int]) -> list[str]:
-        changed = self.users.get(minor) != frozenset(users)
-        self.users[minor] = frozenset(users)
-        return [f"{self.path(minor)}: ACL users"] if changed else []
+    def sync(self, device: tuple[int, int], users: Collection[int]) -> list[str]:
+        changed = self.devices.get(device) != frozenset(users)
+        self.devices[device] = frozenset(users)
+        return [f"{device[0]}:{device[1]}: ACL users"] if changed else []
 
 
 class FakeLookup:
@@ -130,11 +145,13 @@ class World:
     holders: list[Holder] = field(default_factory=list)
     scans: int = 0  # /proc scans asked for
     scanned_uids: list = field(default_factory=list)  # whose processes each scan read
+    gpus: list[Gpu] = field(default_factory=lambda: [gpu(m) for m in range(4)])  # GPUs and MIG slices
 
     def __post_init__(self) -> None:
         self.store = Store(self.tmp / "state.db")
         self.nodes = FakeNodes()
-        self.grants = Grants(self.store, None, self.nodes, range(4), gpus={m: gpu(m) for m in range(4)})
+        self.grants = Grants(self.store, None, self.nodes, range(4), gpus={g.minor: g for g in self.gpus},
+                             caps_major=CAPS_MAJOR)
         self.exempt = Exempt(lambda: self.config.access, self.store, self.grants.set_exempt)
         self.lookup = FakeLookup()
         self.sampler = FakeSampler()

@@ -1,0 +1,218 @@
+"""MIG slices as units: numbering, the allocator's choice, layout changes, grants on slices
+(their nodes and ACLs), the quota keys, and the watcher's rules on a slice."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from fakes import CAPS_MAJOR, GROUP, World, gpu, mig_slice
+
+from gpuguard import allocator, config, layout, quota_file
+from gpuguard.model import (
+    NVIDIA_MAJOR,
+    SLICE_UNITS,
+    Gpu,
+    Grant,
+    Origin,
+    Quota,
+    parse_unit,
+    slice_place,
+    slice_unit,
+    unit_label,
+    unit_parent,
+)
+from gpuguard.store import Store
+
+H100 = 1 << 30
+
+
+class Layout(NamedTuple):
+    """What NvmlBackend.layout() reports (backends.nvml.MigLayout)."""
+
+    slices: list[Gpu]
+    mig_gpus: frozenset[int]
+    unread: frozenset[int] = frozenset()
+
+
+# --- numbering
+
+def test_slice_units_round_trip_and_never_collide_with_minors() -> None:
+    units = {slice_unit(p, g, c) for p in (0, 7, 255) for g in range(16) for c in range(8)}
+    assert len(units) == 3 * 16 * 8 and min(units) >= SLICE_UNITS > 255
+    assert slice_place(slice_unit(7, 13, 2)) == (7, 13, 2) and unit_parent(slice_unit(7, 13, 2)) == 7
+    assert unit_label(slice_unit(3, 1, 0)) == "3/gi1/ci0" and unit_label(3) == "3"
+    assert parse_unit("3/gi1/ci0") == slice_unit(3, 1, 0) and parse_unit(" 5 ") == 5
+
+
+@pytest.mark.parametrize("text", ["", "x", "3/gi1", "3/g1/ci0", "3/gi16/ci0", "3/gi1/ci8", "-1", "3/gi1/ci0/x"])
+def test_bad_unit_text_is_a_value_error(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_unit(text)
+
+
+# --- the allocator
+
+def _grant(uid: int, unit: int, shared: bool = False) -> Grant:
+    return Grant(uid, f"u{uid}", unit, 0.0, None, 0.0, shared=shared)
+
+
+MIXED = [gpu(0), gpu(1, mig_mode=True), mig_slice(1, 1, "3g.40gb"), mig_slice(1, 2, "1g.10gb"),
+         mig_slice(1, 3, "2g.20gb")]
+
+
+def _choose(gpus: list[Gpu], grants: Iterable[Grant] = (), count: int = 1, quota: Quota | None = None,
+            share: bool = False, held_last: dict[int, float] | None = None) -> tuple[int, ...]:
+    return allocator.choose(gpus, {}, grants, {}, 1001, count, share, held_last, quota)
+
+
+def test_whole_gpus_first_then_the_smallest_slice() -> None:
+    assert _choose(MIXED) == (0,)  # the GPU in MIG mode is never handed out whole
+    assert _choose(MIXED, [_grant(2000, 0)]) == (slice_unit(1, 2, 0),)  # 1g.10gb: the smallest
+    assert _choose(MIXED, count=3) == (0, slice_unit(1, 2, 0), slice_unit(1, 3, 0))
+
+
+def test_the_quota_decides_which_units() -> None:
+    slices_only = Quota(whole_gpus=False)
+    assert _choose(MIXED, quota=slices_only) == (slice_unit(1, 2, 0),)
+    preferred = Quota(whole_gpus=False, slice_profiles=("3g.40gb", "1g.10gb"))
+    assert _choose(MIXED, quota=preferred) == (slice_unit(1, 1, 0),)
+    assert _choose(MIXED, [_grant(2000, slice_unit(1, 1, 0))], quota=preferred) == (slice_unit(1, 2, 0),)
+    only_big = Quota(whole_gpus=False, slice_profiles=("3g.40gb",))
+    assert _choose(MIXED, [_grant(2000, slice_unit(1, 1, 0))], quota=only_big) == ()  # 2g.20gb is not allowed
+    # slices: at most this many of the user's units, counting the ones held
+    assert _choose(MIXED, count=3, quota=Quota(gpus=3, slices=1)) == (0, slice_unit(1, 2, 0))
+    assert _choose(MIXED, [_grant(1001, slice_unit(1, 3, 0))], count=2, quota=Quota(gpus=3, slices=1)) == (0,)
+    assert _choose(MIXED, quota=Quota(slices=0), grants=[_grant(2000, 0)]) == ()
+
+
+def test_a_slice_is_never_shared_and_a_returning_user_gets_theirs_back() -> None:
+    two = [gpu(0, mig_mode=True), mig_slice(0, 1), mig_slice(0, 2)]
+    held = [_grant(2000, slice_unit(0, 1, 0), shared=True), _grant(2001, slice_unit(0, 2, 0), shared=True)]
+    assert _choose(two, held, share=True) == ()
+    assert allocator.blocking(held, 1001, {slice_unit(0, 1, 0)}, share=True) == held[:1]
+    assert _choose(two, held_last={slice_unit(0, 2, 0): 50.0}) == (slice_unit(0, 2, 0),)
+
+
+# --- layout changes
+
+def test_stale_grants_follow_the_layout() -> None:
+    kept, gone, recreated = mig_slice(1, 1), mig_slice(1, 2), mig_slice(1, 3, uuid="MIG-new")
+    grants = [Grant(1, "a", kept.minor, 0, None, 0, uuid=kept.uuid),
+              Grant(2, "b", gone.minor, 0, None, 0, uuid=gone.uuid),
+              Grant(3, "c", recreated.minor, 0, None, 0, uuid="MIG-old"),
+              Grant(4, "d", 0, 0, None, 0, uuid="GPU-0000"),          # GPU 0 went into MIG mode
+              Grant(5, "e", 2, 0, None, 0, uuid="GPU-0002"),          # GPU 2 could not be read
+              Grant(6, "f", mig_slice(3, 1).minor, 0, None, 0)]       # from before uuids were kept: stays
+    units = layout.grantable([gpu(0, mig_mode=True), gpu(1, mig_mode=True), gpu(2), gpu(3, mig_mode=True)],
+                             [kept, recreated, mig_slice(3, 1)])
+    ended = layout.stale(grants, units, read={0, 1, 3})
+    assert {g.uid: why for g, why in ended.items()} == {
+        2: "MIG slice 1/gi2/ci0 is gone (the MIG layout changed)",
+        3: "MIG slice 1/gi3/ci0 was re-created as another slice (the MIG layout changed)",
+        4: "GPU 0 is in MIG mode now: it is handed out as slices only"}
+
+
+# --- grants on slices, through the services the daemon wires
+
+def _update(world: World, seen: Layout, now: float) -> dict[Grant, str]:
+    """Grants.update_layout on the event loop, as the daemon's tick calls it (the holders of a
+    revoked slice are ended in the background)."""
+    async def update() -> dict[Grant, str]:
+        return world.grants.update_layout(seen, now)  # type: ignore[arg-type]
+    return asyncio.run(update())
+
+
+@pytest.fixture
+def mig_world(tmp_path: Path) -> World:
+    """GPU 0 whole, GPU 1 in MIG mode cut into three 1g.10gb slices; the defaults are 1 unit."""
+    world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), *(mig_slice(1, gi) for gi in (1, 2, 3))])
+    world.lookup.add("alice", 1001, GROUP)
+    world.lookup.add("bob", 1002, GROUP)
+    world.quota(whole_gpus=False)
+    return world
+
+
+def test_two_users_on_two_slices_of_one_gpu(mig_world: World) -> None:
+    alice, bob = mig_world.lookup.accounts["alice"], mig_world.lookup.accounts["bob"]
+    first, second = mig_world.login(alice), mig_world.login(bob, pid=4343)
+    a, b = mig_slice(1, 1), mig_slice(1, 2)
+    assert first["gpus"] == [a.minor] and first["cuda_visible_devices"] == a.uuid
+    assert second["gpus"] == [b.minor] and second["cuda_visible_devices"] == b.uuid
+    assert "GPU 1/gi1/ci0 (Fake H100 MIG 1g.10gb) is yours" in first["message"]
+    nodes = mig_world.nodes.devices
+    assert nodes[(NVIDIA_MAJOR, 1)] == {1001, 1002}  # the parent: both
+    assert nodes[(CAPS_MAJOR, a.slice.caps[0])] == nodes[(CAPS_MAJOR, a.slice.caps[1])] == {1001}
+    assert nodes[(CAPS_MAJOR, b.slice.caps[0])] == {1002}
+    assert mig_world.grants.holder_devices(a.minor) == [(CAPS_MAJOR, cap) for cap in a.slice.caps]
+    # bob gives his back: the parent stays open to alice only, his caps to nobody
+    mig_world.call("release", uid=1002)
+    assert nodes[(NVIDIA_MAJOR, 1)] == {1001} and nodes[(CAPS_MAJOR, b.slice.caps[1])] == frozenset()
+    whoami = mig_world.call("whoami", uid=1001)
+    assert [(g["minor"], g["uuid"]) for g in whoami["grants"]] == [(a.minor, a.uuid)]
+
+
+def test_a_layout_change_revokes_the_changed_slices_and_keeps_the_others(mig_world: World) -> None:
+    alice, bob = mig_world.lookup.accounts["alice"], mig_world.lookup.accounts["bob"]
+    mig_world.login(alice)
+    mig_world.login(bob, pid=4343)
+    a, b = mig_slice(1, 1), mig_slice(1, 2)
+    # the admin re-creates GI 2 (same ids, new UUID) and destroys GI 3
+    ended = _update(mig_world, Layout([a, mig_slice(1, 2, uuid="MIG-again")], frozenset({1})), 100.0)
+    assert [(g.user, g.minor) for g in ended] == [("bob", b.minor)]
+    assert mig_world.held(1001) == [a.minor] and mig_world.held(1002) == []
+    assert mig_world.nodes.devices[(CAPS_MAJOR, b.slice.caps[1])] == frozenset()
+    event = mig_world.store.events(1002)[-1]
+    assert (event.kind, event.rule, event.minor) == ("revoke", "layout", b.minor)
+    assert "re-created" in event.message
+    assert set(mig_world.grants.gpus) == {0, a.minor, b.minor}  # the new slice can be handed out
+    # the same layout again changes nothing; an unread GPU decides nothing
+    assert _update(mig_world, Layout([a, mig_slice(1, 2, uuid="MIG-again")], frozenset({1})), 101.0) == {}
+    assert _update(mig_world, Layout([], frozenset(), frozenset({0, 1})), 102.0) == {}
+    assert mig_world.held(1001) == [a.minor]
+
+
+def test_memory_quota_does_not_apply_inside_a_slice(mig_world: World) -> None:
+    mig_world.quota(gpu_memory=1 << 30)
+    alice = mig_world.lookup.accounts["alice"]
+    unit = mig_world.login(alice)["gpus"][0]
+    mig_world.sampler.set([(500, 1001, unit, 9 << 30)], minors={0, unit})
+    assert _check(mig_world) == []
+
+
+def _check(world: World) -> list:
+    return asyncio.run(world.watcher.check(world.sampler.last, 1000.0))  # type: ignore[arg-type]
+
+
+def test_memory_quota_still_applies_on_a_whole_gpu(tmp_path: Path) -> None:
+    world = World(tmp_path)  # the control: the same over-quota process on a whole GPU is warned
+    world.lookup.add("alice", 1001, GROUP)
+    world.quota(gpu_memory=1 << 30)
+    unit = world.login(world.lookup.accounts["alice"])["gpus"][0]
+    world.sampler.set([(500, 1001, unit, 9 << 30)])
+    assert [(a.kind, a.rule) for a in _check(world)] == [("warn", "memory")]
+
+
+# --- quotas and the store
+
+def test_mig_quota_keys_parse_and_show_as_quota_set_takes_them() -> None:
+    keys = config.QUOTA_KEYS
+    assert keys["slices"]("any") is None and keys["slices"](2) == 2
+    assert keys["slice_profiles"](["1g.18gb", "1g.10gb+me"]) == ("1g.18gb", "1g.10gb+me")
+    with pytest.raises(ValueError, match="expected MIG profiles such as 1g.18gb, got '18gb'"):
+        keys["slice_profiles"](["18gb"])
+    for key, text in (("slices", "any"), ("slices", "1"), ("whole_gpus", "false"),
+                      ("slice_profiles", '["1g.18gb", "2g.35gb"]')):
+        parsed = keys[key](quota_file.parse_assignment(f"{key}={text}")[1])
+        assert quota_file.show_value(key, parsed) == text
+
+
+def test_the_store_keeps_uuids_and_a_waiters_profiles(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    store.add_grants(1001, "alice", [slice_unit(1, 1, 0), 0], 1.0, None, uuids={slice_unit(1, 1, 0): "MIG-x"})
+    assert {g.minor: g.uuid for g in store.grants()} == {0: "", slice_unit(1, 1, 0): "MIG-x"}
+    quota = Quota(whole_gpus=False, slices=1, slice_profiles=("1g.18gb",))
+    store.join_queue(1001, "alice", 1, 2.0, quota, Origin.SESSION, None, None)
+    assert store.queue()[0].quota == quota
