@@ -68,7 +68,7 @@ class Grants:
         # Each slice's capability minors as last seen: fixed for its (GPU, GI, CI) place while the
         # driver stays loaded, so a grant on a slice that has just vanished is still closed fully.
         self._caps: dict[int, tuple[int, int]] = {}
-        self.gpus: Mapping[int, Gpu] = {}  # what can be handed out now: unit -> GPU or slice
+        self.gpus: dict[int, Gpu] = {}  # what can be handed out now: unit -> GPU or slice
         self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
@@ -87,7 +87,9 @@ class Grants:
             self.node_changed(None)
 
     def _set_units(self, units: Mapping[int, Gpu]) -> None:
-        self.gpus = dict(units)
+        # Changed in place: the metrics and the queue hold this very mapping.
+        self.gpus.clear()
+        self.gpus.update(units)
         self._caps.update({unit: gpu.slice.caps for unit, gpu in units.items() if gpu.slice is not None})
 
     def devices_of(self, unit: int) -> list[Device]:

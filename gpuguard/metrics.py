@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from gpuguard.config import MetricsConfig
 from gpuguard.logs import event
-from gpuguard.model import Gpu, GpuUse, Grant, Origin, Quota
+from gpuguard.model import Gpu, GpuUse, Grant, Origin, Quota, unit_label
 from gpuguard.sampling import Sample
 
 # Watcher tick durations (seconds): a healthy tick takes milliseconds; past interval/2 it logs watcher_slow.
@@ -131,8 +131,8 @@ def families(s: Snapshot) -> Iterator[Metric]:
     def per_gpu(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, doc, labels=gpu_labels + (labels or []))
 
-    info = per_gpu("gpuguard_gpu_info", "GPU inventory (value 1); index is NVML's, gpu the minor of /dev/nvidiaN",
-                   ["index", "name", "pci_bus_id"])
+    info = per_gpu("gpuguard_gpu_info", "GPU inventory (value 1); index is NVML's, gpu the minor of /dev/nvidiaN "
+                   "or, for a MIG slice, GPU/gi<G>/ci<C> with its profile", ["index", "name", "pci_bus_id", "profile"])
     up = per_gpu("gpuguard_gpu_up", "1 when the last sample read the GPU's processes, 0 on an NVML error")
     used = per_gpu("gpuguard_gpu_memory_used_bytes", "GPU memory in use, all processes")
     total = per_gpu("gpuguard_gpu_memory_total_bytes", "GPU memory in all")
@@ -144,8 +144,8 @@ def families(s: Snapshot) -> Iterator[Metric]:
                           "GPU memory NVML reports for the user's processes on the GPU", ["user"])
     for state in s.gpus:
         gpu = state.gpu
-        key = [str(gpu.minor), gpu.uuid]
-        info.add_metric(key + [str(gpu.index), gpu.name, gpu.pci_bus_id], 1)
+        key = [unit_label(gpu.minor), gpu.uuid]
+        info.add_metric(key + [str(gpu.index), gpu.name, gpu.pci_bus_id, gpu.slice.profile if gpu.slice else ""], 1)
         up.add_metric(key, 1 if state.read else 0)
         if state.use is not None:
             used.add_metric(key, state.use.memory_used)
@@ -210,8 +210,12 @@ def _event_families(counts: Mapping[tuple[str, str, str], int]) -> Iterator[Metr
 def job_mapping(states: Iterable[GpuState]) -> dict[str, str]:
     """dcgm-exporter's HPC job mapping: one file per GPU, named by the GPU id dcgm-exporter uses
     (NVML's index), holding one job id per line; here the job is the holder's user name, so DCGM
-    metrics get an `hpc_job` label naming who holds the GPU. Free GPUs have no file."""
-    return {str(state.gpu.index): "".join(f"{h.user}\n" for h in state.holders) for state in states if state.holders}
+    metrics get an `hpc_job` label naming who holds the GPU (for a GPU in MIG mode, the holders
+    of its slices). Free GPUs have no file."""
+    users: dict[str, list[str]] = {}  # the slices of a GPU in MIG mode share its index: one file for all
+    for state in states:
+        users.setdefault(str(state.gpu.index), []).extend(h.user for h in state.holders)
+    return {index: "".join(f"{user}\n" for user in names) for index, names in users.items() if names}
 
 
 def write_job_mapping(directory: Path, files: Mapping[str, str]) -> None:

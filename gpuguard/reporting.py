@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.model import Gpu, Grant, Quota
+from gpuguard.model import Gpu, Grant, Quota, unit_label
 
 if TYPE_CHECKING:  # the type only: sampling reads /proc, and this module stays pure
     from gpuguard.sampling import Sample
@@ -56,10 +56,12 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
                 used: list[int] = [p["memory"] for p in processes if p["uid"] == g.uid and p["memory"] is not None]
                 holders.append({"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
                                 "granted_at": g.granted_at, "expires_at": g.expires_at,
-                                "gpu_memory": account_of(g.uid)[1].gpu_memory,
+                                # a slice's memory is bounded by the hardware, not by the quota
+                                "gpu_memory": None if gpu.slice else account_of(g.uid)[1].gpu_memory,
                                 "memory_used": sum(used) if read else None})
         view.append({
-            "minor": minor, "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
+            "minor": minor, "label": unit_label(minor), "profile": gpu.slice.profile if gpu.slice else None,
+            "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
             "memory_total": gpu.memory_total, "memory_used": use.memory_used if use else None,
             "utilization": use.utilization if use else None, "holders": holders,
             "processes": len(processes) if read else None,  # None: unknown (not sampled, or failed)

@@ -12,10 +12,12 @@ import re
 import sys
 import time
 from datetime import datetime
+from typing import Any
 
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.model import unit_label
 from gpuguard.units import UnitError, parse_duration
 
 HOUR = 3600.0
@@ -89,7 +91,7 @@ def show_report(args: argparse.Namespace) -> int:
         writer.writerow([args.by, "gpu_hours_granted", "gpu_hours_busy", "gpu_hours_idle", "busy_share",
                          *(f"kills_{rule}" for rule in rules)])
         for row in reply["rows"]:
-            writer.writerow([row["key"], *(f"{row[k] / HOUR:.3f}" for k in ("granted_seconds", "busy_seconds",
+            writer.writerow([_key(args.by, row["key"]), *(f"{row[k] / HOUR:.3f}" for k in ("granted_seconds", "busy_seconds",
                                                                              "idle_seconds")),
                              "" if row["busy_share"] is None else f"{row['busy_share']:.3f}",
                              *(row["kills"].get(rule, 0) for rule in rules)])
@@ -101,12 +103,17 @@ def show_report(args: argparse.Namespace) -> int:
     table = [[args.by.upper(), "GRANTED", "BUSY", "IDLE", "BUSY SHARE", "STOPPED"]]
     for row in [*reply["rows"], reply["total"]]:
         stopped = ", ".join(f"{rule} {n}" for rule, n in sorted(row["kills"].items()))
-        table.append([str(row["key"]), *(f"{row[k] / HOUR:.2f}" for k in ("granted_seconds", "busy_seconds",
+        table.append([_key(args.by, row["key"]), *(f"{row[k] / HOUR:.2f}" for k in ("granted_seconds", "busy_seconds",
                                                                             "idle_seconds")),
                       "-" if row["busy_share"] is None else f"{row['busy_share']:.0%}",
                       f"{row['kills_total']}" + (f" ({stopped})" if stopped else "")])
     print_rows(table)
     return EXIT_OK
+
+
+def _key(by: str, key: Any) -> str:
+    """A row's key as people read it: a GPU or MIG slice by its label (model.unit_label)."""
+    return unit_label(key) if by == "gpu" and isinstance(key, int) else str(key)
 
 
 def show_events(args: argparse.Namespace) -> int:
@@ -120,7 +127,7 @@ def show_events(args: argparse.Namespace) -> int:
     rows = [["TIME", "USER", "KIND", "RULE", "GPU", "MESSAGE"]]
     for e in reply["events"]:
         rows.append([_clock(e["time"]), e["user"], e["kind"], e["rule"] or "-",
-                     "-" if e["minor"] is None else str(e["minor"]), _message(e["message"])])
+                     "-" if e["minor"] is None else unit_label(e["minor"]), _message(e["message"])])
     print_rows(rows)
     return EXIT_OK
 

@@ -101,13 +101,14 @@ def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
     used = gpu["memory_used"]
     memory = f"{'?' if used is None else format_size(used)} / {format_size(gpu['memory_total'])}"
     holders = ", ".join(style.paint(h["user"], "bold", "cyan") for h in gpu["holders"]) or style.paint("free", "green")
-    title = style.paint(f"GPU {gpu['minor']}", "bold")
+    title = style.paint(f"GPU {gpu['label']}", "bold")
     lines = [f"{title}  {gpu['name']}  {util}%  "
              f"{style.bar(used, gpu['memory_total'])} {memory:<17}  {holders}"]
     for h in gpu["holders"]:
         quota = h["gpu_memory"]
         mine = "?" if h["memory_used"] is None else format_size(h["memory_used"])
-        against = f"{mine} of {format_size(quota)} quota" if quota else f"{mine}, no memory quota"
+        against = (f"{mine} of {format_size(quota)} quota" if quota else
+                   f"{mine}, MIG slice (bounded in hardware)" if gpu["profile"] else f"{mine}, no memory quota")
         if quota and h["memory_used"] is not None and h["memory_used"] > quota:
             against += " " + style.paint("OVER", "bold", "red")
         until = (f"until {clock(h['expires_at'])} ({time_left(h['expires_at'] - now)} left)"
@@ -126,7 +127,7 @@ def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
 
 def csv_row(gpu: dict[str, Any], now: float) -> list[Any]:
     expiries = [h["expires_at"] for h in gpu["holders"] if h["expires_at"]]
-    return [gpu["minor"], gpu["name"], gpu["uuid"], _blank(gpu["utilization"]), _blank(gpu["memory_used"]),
+    return [gpu["label"], gpu["name"], gpu["uuid"], _blank(gpu["utilization"]), _blank(gpu["memory_used"]),
             gpu["memory_total"], " ".join(h["user"] for h in gpu["holders"]), _blank(gpu["processes"]),
             round(max(0.0, min(expiries) - now)) if expiries else ""]
 
