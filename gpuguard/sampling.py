@@ -143,7 +143,7 @@ def node_holders(units: Iterable[int], uids: Collection[int],
     for unit in units:
         for device in devices_of(unit):
             units_of.setdefault(device, []).append(unit)
-    found = set()
+    found: set[Holder] = set()
     for device, pids in procfs.holders_of(list(units_of), uids).items():
         for pid in pids:
             uid = procfs.user_of(pid)

@@ -31,7 +31,7 @@ import math
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -159,10 +159,7 @@ class _ScratchStore(Store):
 class _NoNodes:
     """A replay has no device nodes to keep in step."""
 
-    def path(self, minor: int) -> Path:
-        return Path(f"/nonexistent/nvidia{minor}")
-
-    def sync(self, minor: int, users: Iterable[int]) -> list[str]:
+    def sync(self, device: tuple[int, int], users: Collection[int]) -> list[str]:
         return []
 
 
