@@ -32,7 +32,7 @@ DESTDIR    ?=
 # The pure level (tests/unit): no root, users, PAM, gate or daemon; any user runs it in seconds.
 UNIT_TESTS = tests/unit
 
-.PHONY: all build-deps deps venv pam lint test test-unit test-py310 demo bench gpu-smoke man deb lock install uninstall clean
+.PHONY: all build-deps deps venv pam lint test test-unit test-py310 demo demo-mig bench gpu-smoke man deb lock install uninstall clean
 
 all: venv pam
 
@@ -88,6 +88,9 @@ test-py310: $(VENV310)/bin/python
 
 demo: deps venv pam
 	$(PY) -m devtools.demo
+
+demo-mig: deps venv pam
+	$(PY) -m devtools.demo_mig
 
 bench: deps venv pam
 	$(PY) bench/run.py

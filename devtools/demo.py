@@ -17,6 +17,7 @@ import subprocess
 import textwrap
 import time
 import urllib.request
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -35,8 +36,23 @@ REPO = Path(__file__).resolve().parent.parent
 PAM_MODULE = REPO / "pam" / "pam_gpuguard.so"
 
 
+# The lab of the main tour: four simulated H100s in two NVLink pairs, a 20GiB memory quota.
+H100_LAB = """\
+[defaults]
+gpus = 1
+gpu_memory = "20GiB"
+max_time = "8h"
+
+[gpu.simulated]
+count = 4
+name = "NVIDIA H100 80GB HBM3"
+"""
+
+
 class Tour:
-    def __init__(self, stack: ExitStack):
+    def __init__(self, stack: ExitStack, members: tuple[str, ...] = ("alice", "bob"),
+                 outsiders: tuple[str, ...] = ("carol",)):
+        """members get GPUs (they are in the tour's group); outsiders are users who are not."""
         self.stack = stack
         tag = secrets.token_hex(3)
         self.tag = tag
@@ -45,24 +61,25 @@ class Tour:
         self.gate = f"ggt-demo-{tag}"
         self.config = self.dir / "gpuguard.toml"
         self.socket = self.dir / "run" / "gpuguard.sock"
-        self.users = {name: f"ggt-{name}-{tag}" for name in ("alice", "bob", "carol")}
+        self.members = members
+        self.users = {name: f"ggt-{name}-{tag}" for name in (*members, *outsiders)}
         self.daemon: subprocess.Popen | None = None
         self.metrics_port = free_port()
 
     # --- setting the stage
 
-    def setup(self) -> None:
+    def setup(self, lab: str = H100_LAB, quotas: str = "") -> None:
+        """lab: the config's [defaults] and [gpu.simulated] tables; quotas: quotas.toml."""
         self.dir.mkdir(mode=0o755)
         self.stack.callback(shutil.rmtree, self.dir, ignore_errors=True)
         run(["groupadd", self.group])
         self.stack.callback(run, ["groupdel", self.group], check=False)
         for name, user in self.users.items():
-            groups = ["--groups", self.group] if name != "carol" else []
+            groups = ["--groups", self.group] if name in self.members else []
             run(["useradd", "--create-home", "--shell", "/bin/bash", *groups, user])
             self.stack.callback(run, ["userdel", "--remove", "--force", user], check=False)
             self.stack.callback(kill_processes_of, pwd.getpwnam(user).pw_uid)
         self.config.write_text(textwrap.dedent(f"""\
-            # A lab server with four simulated H100s in two NVLink pairs.
             [access]
             group = "{self.group}"
 
@@ -70,11 +87,6 @@ class Tour:
             # The tour's logins are `su -` reading commands from a pipe: no terminal, so say that
             # this service takes GPUs (a real login on a terminal does anyway).
             services = ["su-l"]
-
-            [defaults]
-            gpus = 1
-            gpu_memory = "20GiB"
-            max_time = "8h"
 
             [watcher]
             interval = "0.5s"
@@ -91,12 +103,8 @@ class Tour:
 
             [gpu]
             backend = "simulated"
-
-            [gpu.simulated]
-            count = 4
-            name = "NVIDIA H100 80GB HBM3"
-            """))
-        (self.dir / "quotas.toml").write_text(f'[users.{self.users["alice"]}]\ngpus = 2\n')
+            """) + "\n" + lab)
+        (self.dir / "quotas.toml").write_text(quotas)
         for path in (self.config, self.dir / "quotas.toml"):
             path.chmod(0o644)
         helper = self.dir / "bin" / "first-gpu"  # what a user's script would do to find its GPU
@@ -238,21 +246,28 @@ gpuguard whoami | tail -n 4
     t.admin("gate", "status", "--name", t.gate)
 
 
-def main() -> int:
+def stage(play: Callable[[ExitStack], None], target: str) -> int:
+    """Run a tour as root with everything it made removed at the end, even when a step fails."""
     if os.geteuid() != 0:
-        print("demo: run as root (sudo make demo): it adds users, attaches a gate and opens PAM sessions")
+        print(f"demo: run as root (sudo make {target}): it adds users, attaches a gate and opens PAM sessions")
         return 2
     if not PAM_MODULE.exists():
-        print(f"demo: {PAM_MODULE} is missing: run make pam (sudo make demo does)")
+        print(f"demo: {PAM_MODULE} is missing: run make pam (sudo make {target} does)")
         return 2
     with ExitStack() as stack:
         stack.enter_context(searchable(REPO))
         stack.enter_context(bpffs_restored())
-        t = Tour(stack)
-        t.setup()
-        tour(t)
+        play(stack)
         step("Cleaning up: demo users, group, gate, daemon and files removed")
     return 0
+
+
+def main() -> int:
+    def play(stack: ExitStack) -> None:
+        t = Tour(stack)
+        t.setup(quotas=f'[users.{t.users["alice"]}]\ngpus = 2\n')
+        tour(t)
+    return stage(play, "demo")
 
 
 if __name__ == "__main__":
