@@ -59,6 +59,11 @@ def gpu_node(device_dir: Path, minor: int) -> Path:
     return device_dir / f"nvidia{minor}"
 
 
+def caps_node(device_dir: Path, minor: int) -> Path:
+    """An nvidia-caps capability node (MIG slice access), where nvidia-modprobe makes it."""
+    return device_dir / "nvidia-caps" / f"nvidia-cap{minor}"
+
+
 def ensure_node(path: str | os.PathLike, dev: tuple[int, int], mode: int = BASE_MODE) -> bool:
     """Create the character node, root-owned, when it is missing or is not `dev`; True when made.
 
