@@ -42,7 +42,7 @@ def caps_major(config: Config) -> int | None:
     """The major of the nvidia-caps nodes that guard MIG slices; None when the driver has not loaded it."""
     from gpuguard.config import GpuBackend
     if config.gpu.backend == GpuBackend.SIMULATED:
-        from gpuguard.backends.simulated import CAPS_MAJOR  # no pynvml loaded for a constant: it is cheap enough
-        return CAPS_MAJOR
+        from gpuguard.backends.mig_caps import SIMULATED_CAPS_MAJOR
+        return SIMULATED_CAPS_MAJOR
     from gpuguard.backends.procfs import char_major
     return char_major("nvidia-caps")

@@ -14,6 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 MIG_MINORS = Path("/proc/driver/nvidia-caps/mig-minors")
+# nvidia-caps gets a major allocated when it loads; simulated capability nodes use 120, from the
+# range 120-127 that the kernel's devices.txt reserves for local/experimental use and never
+# allocates dynamically, so a simulated node never reaches a real driver.
+SIMULATED_CAPS_MAJOR = 120
 
 
 def parse_mig_minors(text: str) -> dict[str, int]:

@@ -86,10 +86,7 @@ PROCESS_TYPES = ("C", "G", "C+G")   # as nvidia-smi shows them: compute, graphic
 CTL_MINOR = 255                     # /dev/nvidiactl
 MIG_FILE = "mig.json"
 MIG_MINORS_FILE = "mig-minors"
-# nvidia-caps gets a major allocated when it loads; simulated capability nodes use 120, from the
-# range 120-127 that the kernel's devices.txt reserves for local/experimental use and never
-# allocates dynamically, so a simulated node never reaches a real driver.
-CAPS_MAJOR = 120
+CAPS_MAJOR = mig_caps.SIMULATED_CAPS_MAJOR
 MAX_MIG_DEVICES = mig_profiles.COMPUTE_SLICES  # nvmlDeviceGetMaxMigDeviceCount of an H100 or H200
 _DRIVER_CAPS_GPUS = 32                         # the driver's mig-minors table covers gpu0..gpu31
 
@@ -313,6 +310,28 @@ def _start_mig(sim: SimulatedConfig, device_dir: Path) -> None:
     if current is None:
         current = {minor: new_slices(sim.name, profiles) for minor, profiles in sim.mig}
     write_layout(device_dir, current)  # also (re)makes the capability nodes
+
+
+def change_layout(sim: SimulatedConfig, device_dir: Path, minor: int,
+                  profiles: list[str] | None) -> tuple[SimSlice, ...] | None:
+    """As root, destroy GPU `minor`'s GPU instances and create ones of `profiles` in their place
+    (new UUIDs; GI ids are the places', so the same place gives the same id again), or leave MIG
+    mode (None). Returns the new slices. Raises ValueError for a layout that does not fit and
+    GpuError while processes run on the GPU (the driver refuses to destroy instances in use)."""
+    slices = None if profiles is None else new_slices(sim.name, profiles)
+    _make_registry(device_dir)
+    _start_mig(sim, device_dir)
+    busy = _Registry(device_dir / REGISTRY_DIR).processes(minor)
+    if busy:
+        raise GpuError(f"GPU {minor} is in use by pids {', '.join(str(p.pid) for p in busy)}: "
+                       "end them before changing its MIG layout")
+    layout = dict(read_layout(device_dir))
+    if slices is None:
+        layout.pop(minor, None)
+    else:
+        layout[minor] = slices
+    write_layout(device_dir, layout)
+    return slices
 
 
 class _LayoutReader:
