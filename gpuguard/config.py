@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gpuguard.backends import mig_profiles
 from gpuguard.compat import StrEnum, tomllib
 from gpuguard.errors import UsageError
 from gpuguard.model import Quota
@@ -99,6 +100,9 @@ class SimulatedConfig:
     nvlink_groups: tuple[tuple[int, ...], ...] | None = None  # None: consecutive pairs
     pcie_switches: tuple[tuple[int, ...], ...] | None = None  # None: groups of four
     numa_nodes: tuple[tuple[int, ...], ...] | None = None     # None: two halves
+    # GPUs in MIG mode and the profiles of their slices, by minor (no slices: MIG mode, none cut yet);
+    # the layout the simulated GPUs start with (`gpuguard sim mig` changes it)
+    mig: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
         """The declared grouping of GPU minors, or the default shape of a typical 8-GPU box."""
@@ -261,6 +265,15 @@ def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in value)
 
 
+def _mig(value: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, list) and all(isinstance(p, str) for p in v)
+            for k, v in value.items()):
+        raise ValueError(f'expected GPU minors and their MIG profiles, like {{ "0" = ["1g.10gb", "3g.40gb"] }}, '
+                         f"got {value!r}")
+    return tuple(sorted((int(minor), tuple(profiles)) for minor, profiles in value.items()))
+
+
 def _slice_limit(value: Any) -> int | None:
     """How many of a user's units may be MIG slices: a count, or "any" (no limit of its own)."""
     if value == "any":
@@ -307,7 +320,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
-                      "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups},
+                      "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups, "mig": _mig},
 }
 
 
@@ -349,6 +362,16 @@ def _check_topology(source: Path, sim: SimulatedConfig) -> None:
                 seen.add(minor)
 
 
+def _check_mig(source: Path, sim: SimulatedConfig) -> None:
+    for minor, profiles in sim.mig:
+        if not 0 <= minor < sim.count:
+            raise ConfigError(f"{source}: gpu.simulated.mig: GPU {minor} does not exist (count = {sim.count})")
+        try:
+            mig_profiles.place(sim.name, profiles)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: gpu.simulated.mig.{minor}: {exc}") from None
+
+
 def load_quotas(path: Path) -> QuotaOverrides:
     """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none."""
     if not path.exists():
@@ -378,6 +401,7 @@ def load(path: Path | str | None = None) -> Config:
     simulated = SimulatedConfig(**_parse_table(source, "gpu.simulated", gpu_section.pop("simulated", {}),
                                                SCHEMA["gpu.simulated"]))
     _check_topology(source, simulated)
+    _check_mig(source, simulated)
 
     paths_section = sections.get("paths", {})
     # The quotas file sits next to the config file unless the admin names another one.

@@ -40,12 +40,11 @@ def driver_minors(config: Config) -> set[int]:
 
 
 def caps_major(config: Config) -> int | None:
-    """The character major of the MIG capability nodes: nvidia-caps's when its driver is loaded
-    (dynamic: read /proc/devices each time), the simulated one for simulated GPUs."""
+    """The major of the nvidia-caps nodes that guard MIG slices; None when the driver has not loaded it."""
     from gpuguard.config import GpuBackend
     if config.gpu.backend == GpuBackend.SIMULATED:
-        from gpuguard.backends.simulated import CAPS_MAJOR
-        return CAPS_MAJOR
+        from gpuguard.backends.mig_caps import SIMULATED_CAPS_MAJOR
+        return SIMULATED_CAPS_MAJOR
     from gpuguard.backends.procfs import char_major
     return char_major("nvidia-caps")
 

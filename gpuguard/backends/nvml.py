@@ -10,6 +10,12 @@ Rules that matter here:
   query_processes() names the GPUs it could not read. Only when no GPU answers is NVML
   itself taken to be failing, and that raises.
 - A process's used memory may be unknown (NVML_VALUE_NOT_AVAILABLE); that is None, never 0.
+- MIG: a GPU in MIG mode is handed out as its slices (NVML's MIG devices), each a `Gpu` whose
+  minor is its unit number (model.slice_unit) and whose MigSlice names the capability minors
+  the driver checks (mig_caps). layout() reads them; a GPU whose mode or slices cannot be read,
+  or a slice whose capabilities the driver does not list, makes its GPU `unread`: fail closed.
+  NVML places each process of a MIG GPU in its slice (gpuInstanceId, computeInstanceId), and
+  cannot tell a MIG device's utilization (None).
 - Process queries take milliseconds and serialize on the driver lock: callers poll them
   no faster than once a second.
 """
@@ -17,20 +23,25 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
-from gpuguard.backends import GpuError
-from gpuguard.model import Gpu, GpuProcess, GpuUse, Link
+from gpuguard.backends import GpuError, mig_caps, procfs
+from gpuguard.model import Gpu, GpuProcess, GpuUse, Link, MigSlice, slice_unit
 
-__all__ = ["GpuError", "NvmlBackend", "ProcessQuery"]
+__all__ = ["GpuError", "MigLayout", "NvmlBackend", "ProcessQuery"]
 
 T = TypeVar("T")
 
 # NVML says "this GPU or driver cannot tell": the value is unknown, which is not an error.
 _CANNOT_TELL = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+_NO_MIG_ID = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId of a process NVML places in no MIG slice
+_PROFILE_IN_NAME = re.compile(r" MIG (\d+g\.\d+gb)$")  # "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
 
 _PROCESS_QUERIES = (pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
                     pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3)
@@ -67,7 +78,8 @@ def _link_for_level(level: int | None) -> Link:
 
 
 def _processes_of(handle: Any, minor: int) -> list[GpuProcess]:
-    """Compute and graphics processes of one GPU, one entry per pid."""
+    """Compute and graphics processes of one GPU, one entry per pid, each on its MIG slice's
+    unit when NVML places it in one."""
     found: dict[int, GpuProcess] = {}
     for query in _PROCESS_QUERIES:
         for info in _call(query, handle, minor=minor):
@@ -76,8 +88,20 @@ def _processes_of(handle: Any, minor: int) -> list[GpuProcess]:
             if seen is not None and seen.used_memory is not None:
                 # Listed as compute and graphics: both report the process's memory.
                 used = max(seen.used_memory, used or 0)
-            found[info.pid] = GpuProcess(pid=info.pid, minor=minor, used_memory=used)
+            found[info.pid] = GpuProcess(pid=info.pid, minor=_unit_of(info, minor), used_memory=used)
     return list(found.values())
+
+
+def _unit_of(info: Any, minor: int) -> int:
+    """The unit a process runs on: its MIG slice's when NVML names both instance ids, else the GPU."""
+    gpu_instance = getattr(info, "gpuInstanceId", _NO_MIG_ID)
+    compute_instance = getattr(info, "computeInstanceId", _NO_MIG_ID)
+    if _NO_MIG_ID in (gpu_instance, compute_instance):
+        return minor
+    try:
+        return slice_unit(minor, gpu_instance, compute_instance)
+    except ValueError:  # ids past the driver's table: no slice gpuguard can name
+        return minor
 
 
 def _known_memory(used: int | None) -> int | None:
@@ -90,15 +114,35 @@ def _known_memory(used: int | None) -> int | None:
 
 class ProcessQuery(NamedTuple):
     processes: list[GpuProcess]  # of the GPUs in `read` only
-    read: frozenset[int]         # minors whose processes were read
+    read: frozenset[int]         # units whose processes were read: GPU minors, and the slices (of the
+                                 # last layout()) of the GPUs read
     failed: dict[int, str]       # minor -> NVML error, for GPUs whose processes could not be read
+
+
+class MigLayout(NamedTuple):
+    slices: list[Gpu]            # every slice of the GPUs in mig_gpus and not in unread, by unit number
+    mig_gpus: frozenset[int]     # minors of the GPUs in MIG mode now
+    unread: frozenset[int]       # minors of GPUs whose MIG mode or slices (or their capabilities) could
+                                 # not be read: decide nothing about them
+
+
+def _profile(name: str, mig: Any, minor: int) -> str:
+    """A slice's profile ("1g.10gb"): from the end of NVML's name for it, else from its attributes."""
+    if match := _PROFILE_IN_NAME.search(name):
+        return match[1]
+    attributes = _call(pynvml.nvmlDeviceGetAttributes, mig, minor=minor)
+    return f"{attributes.gpuInstanceSliceCount}g.{round(attributes.memorySizeMB / 1024)}gb"
 
 
 class NvmlBackend:
     """One NVML session. Device handles and minors are read once: they are fixed while
     NVML stays initialized (a GPU that falls off the bus makes calls on it fail)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mig_minors: Path = mig_caps.MIG_MINORS) -> None:
+        self._mig_minors_path = mig_minors
+        self._caps: dict[str, int] = {}  # the driver's capability table: fixed while it is loaded
+        self._slice_handles: dict[int, tuple[int, Any]] = {}  # unit -> (parent minor, MIG device handle), last layout()
+        self._locations: dict[int, tuple[str, int | None]] = {}  # minor -> (PCI bus id, NUMA node)
         _call(pynvml.nvmlInit)
         self._devices: list[tuple[int, Any, int]] = []  # (NVML index, handle, minor) per GPU, in NVML order
         self._unreachable: list[str] = []  # errors of the GPUs NVML gives no handle or minor for
@@ -139,18 +183,115 @@ class NvmlBackend:
     def _gpu(self, index: int, handle: Any, minor: int) -> Gpu:
         memory = _call(pynvml.nvmlDeviceGetMemoryInfo, handle, minor=minor)
         utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle, minor=minor)
-        numa = _optional(pynvml.nvmlDeviceGetNumaNodeId, handle, minor=minor)
+        pci_bus_id, numa = self._location(handle, minor)
         return Gpu(
             index=index,
             minor=minor,
             uuid=_call(pynvml.nvmlDeviceGetUUID, handle, minor=minor),
             name=_call(pynvml.nvmlDeviceGetName, handle, minor=minor),
-            pci_bus_id=_call(pynvml.nvmlDeviceGetPciInfo, handle, minor=minor).busId,  # pynvml decodes char arrays
+            pci_bus_id=pci_bus_id,
             memory_total=memory.total,
             memory_used=memory.used,
-            numa_node=numa if numa is not None and numa >= 0 else None,  # -1: no NUMA affinity
+            numa_node=numa,
             utilization=utilization.gpu if utilization is not None else None,
+            mig_mode=self._mig_mode(handle, minor),
         )
+
+    def _location(self, handle: Any, minor: int) -> tuple[str, int | None]:
+        """PCI bus id and NUMA node of a GPU (its slices share them); they never change, so read once."""
+        if minor not in self._locations:
+            numa = _optional(pynvml.nvmlDeviceGetNumaNodeId, handle, minor=minor)
+            self._locations[minor] = (
+                _call(pynvml.nvmlDeviceGetPciInfo, handle, minor=minor).busId,  # pynvml decodes char arrays
+                numa if numa is not None and numa >= 0 else None)  # -1: no NUMA affinity
+        return self._locations[minor]
+
+    @staticmethod
+    def _mig_mode(handle: Any, minor: int) -> bool:
+        """Whether MIG is enabled now (the current mode; a pending one takes effect at reset)."""
+        modes = _optional(pynvml.nvmlDeviceGetMigMode, handle, minor=minor)  # a GPU without MIG cannot tell
+        return modes is not None and modes[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+
+    @property
+    def caps_major(self) -> int | None:
+        """The major of the nvidia-caps nodes (allocated when the driver loads); None when not loaded."""
+        return procfs.char_major("nvidia-caps")
+
+    def layout(self) -> MigLayout:
+        """The MIG slices of every GPU in MIG mode. Cheap enough for every watcher tick: one mode
+        query per GPU, MIG devices only for GPUs in MIG mode."""
+        slices: list[Gpu] = []
+        handles: dict[int, tuple[int, Any]] = {}
+        mig_gpus: set[int] = set()
+        unread: set[int] = set()
+        for index, handle, minor in self._devices:
+            try:
+                if not self._mig_mode(handle, minor):
+                    continue
+                mig_gpus.add(minor)
+                found = self._slices_of(index, handle, minor)
+            except GpuError:
+                unread.add(minor)
+                continue
+            if any(gpu.slice is None for gpu, _ in found):  # a slice the driver lists no capabilities for
+                unread.add(minor)
+                continue
+            for gpu, mig_handle in found:
+                slices.append(gpu)
+                handles[gpu.minor] = (minor, mig_handle)
+        self._slice_handles = handles
+        return MigLayout(sorted(slices, key=lambda gpu: gpu.minor), frozenset(mig_gpus), frozenset(unread))
+
+    def _slices_of(self, index: int, handle: Any, minor: int) -> list[tuple[Gpu, Any]]:
+        """The MIG devices of one GPU in MIG mode, with their handles; a slice whose capabilities the
+        driver does not list has slice None. Raises GpuError."""
+        pci_bus_id, numa = self._location(handle, minor)
+        found = []
+        for place in range(_call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle, minor=minor)):
+            try:
+                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, place)
+            except pynvml.NVMLError_NotFound:
+                continue  # an empty place
+            except pynvml.NVMLError as exc:
+                raise GpuError(f"NVML nvmlDeviceGetMigDeviceHandleByIndex failed on GPU {minor}: {exc}") from None
+            found.append((self._slice(index, minor, pci_bus_id, numa, mig), mig))
+        return found
+
+    def _slice(self, index: int, minor: int, pci_bus_id: str, numa: int | None, mig: Any) -> Gpu:
+        gpu_instance = _call(pynvml.nvmlDeviceGetGpuInstanceId, mig, minor=minor)
+        compute_instance = _call(pynvml.nvmlDeviceGetComputeInstanceId, mig, minor=minor)
+        name = _call(pynvml.nvmlDeviceGetName, mig, minor=minor)
+        memory = _call(pynvml.nvmlDeviceGetMemoryInfo, mig, minor=minor)
+        utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, mig, minor=minor)
+        try:
+            unit = slice_unit(minor, gpu_instance, compute_instance)
+        except ValueError:
+            raise GpuError(f"NVML names MIG slice gi{gpu_instance}/ci{compute_instance} on GPU {minor}, "
+                           "past the driver's table") from None
+        caps = self._slice_caps(minor, gpu_instance, compute_instance)
+        return Gpu(
+            index=index,
+            minor=unit,
+            uuid=_call(pynvml.nvmlDeviceGetUUID, mig, minor=minor),
+            name=name,
+            pci_bus_id=pci_bus_id,
+            memory_total=memory.total,
+            memory_used=memory.used,
+            numa_node=numa,
+            utilization=utilization.gpu if utilization is not None else None,
+            slice=None if caps is None else MigSlice(minor, gpu_instance, compute_instance,
+                                                     _profile(name, mig, minor), caps),
+        )
+
+    def _slice_caps(self, minor: int, gpu_instance: int, compute_instance: int) -> tuple[int, int] | None:
+        caps = mig_caps.slice_caps(self._caps, minor, gpu_instance, compute_instance)
+        if caps is None:  # not read yet, or the driver (nvidia-caps) loaded since
+            try:
+                self._caps = mig_caps.read_mig_minors(self._mig_minors_path)
+            except OSError as exc:
+                raise GpuError(f"cannot read {self._mig_minors_path}: {exc.strerror}") from None
+            caps = mig_caps.slice_caps(self._caps, minor, gpu_instance, compute_instance)
+        return caps
 
     def topology(self) -> dict[tuple[int, int], Link]:
         """How each pair of GPUs is connected, keyed (minor_a, minor_b) with minor_a < minor_b
@@ -192,19 +333,22 @@ class NvmlBackend:
         if self._devices and len(failed) == len(self._devices):
             raise GpuError(next(iter(failed.values())))  # not one GPU answers: NVML itself fails
         read = frozenset(minor for _, _, minor in self._devices) - failed.keys()
+        read |= {unit for unit, (parent, _) in self._slice_handles.items() if parent in read}
         return ProcessQuery(sorted(found, key=lambda p: (p.minor, p.pid)), read, failed)
 
     def use(self) -> dict[int, GpuUse]:
         """Memory and utilisation of each GPU that answers; one that fails is left out (no
         decision hangs on these numbers: they are for status and metrics)."""
+        devices = [(minor, handle, minor) for _, handle, minor in self._devices]
+        devices += [(unit, handle, parent) for unit, (parent, handle) in self._slice_handles.items()]
         found = {}
-        for _, handle, minor in self._devices:
+        for unit, handle, minor in devices:  # the GPUs, and the slices of the last layout()
             try:
                 memory = _call(pynvml.nvmlDeviceGetMemoryInfo, handle, minor=minor)
                 utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle, minor=minor)
             except GpuError:
                 continue
-            found[minor] = GpuUse(memory.used, memory.total, utilization.gpu if utilization is not None else None)
+            found[unit] = GpuUse(memory.used, memory.total, utilization.gpu if utilization is not None else None)
         return found
 
     def close(self) -> None:
