@@ -22,6 +22,7 @@ from gpuguard.backends.mounts import cgroup2_root
 from gpuguard.backends.posix_acl import acl_users
 from gpuguard.daemon import Daemon
 from gpuguard.grants import Grants
+from gpuguard.model import NVIDIA_MAJOR
 from gpuguard.store import Store
 
 
@@ -118,7 +119,7 @@ def test_the_daemon_logs_what_its_periodic_check_repaired(sandbox, make_user, ca
             alice = make_user()
             daemon.grants.add(alice.uid, alice.name, [1], 1.0, expires_at=None, shared=False, origin="admin",
                               message="test")
-            node = daemon.grants.nodes.path(1)
+            node = daemon.grants.nodes.path((NVIDIA_MAJOR, 1))
             os.chmod(node, 0o666)
             with caplog.at_level(logging.INFO, logger="gpuguard"):
                 daemon.check_enforcement()
