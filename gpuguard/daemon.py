@@ -49,7 +49,7 @@ from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
-from gpuguard.messages import layout_message
+from gpuguard.messages import layout_message, unit_list
 from gpuguard.metrics import Metrics
 from gpuguard.model import Origin
 from gpuguard.queueing import Queue
@@ -140,7 +140,7 @@ class Daemon:
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
         systemd.notify("READY=1", f"STATUS={self._status_text()}")
-        event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=sorted(self.grants.gpus),
+        event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=unit_list(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
         try:
             await self._stop.wait()

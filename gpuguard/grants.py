@@ -28,6 +28,7 @@ from gpuguard import allocator, layout, policy
 from gpuguard.allocator import Topology
 from gpuguard.backends.gate import Entry, Gate
 from gpuguard.logs import event
+from gpuguard.messages import unit_list
 from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Origin, Quota, is_slice, unit_parent
 from gpuguard.store import Store
 
@@ -145,7 +146,7 @@ class Grants:
             raise
         for minor in minors:
             self.store.add_event(Event(now, uid, user, "grant", message, minor=minor, rule=origin, action="grant"))
-        event(logging.INFO, "grant", user=user, uid=uid, gpus=minors, origin=origin, expires_at=expires_at,
+        event(logging.INFO, "grant", user=user, uid=uid, gpus=unit_list(minors), origin=origin, expires_at=expires_at,
               shared=shared or None)
 
     def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: str, rule: str,
@@ -179,7 +180,7 @@ class Grants:
         for grant in held:
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
                                        action=kind))
-        event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=[g.minor for g in held], rule=rule)
+        event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=unit_list(g.minor for g in held), rule=rule)
         if self.holders is not None and end_holders and kind != "error":  # error: the gate never opened
             self.holders.schedule(uid, held[0].user, [g.minor for g in held], rule)
         for listener in self.on_removed:

@@ -148,7 +148,7 @@ class HolderEnder:
         command = signals.command(identity.pid)
         action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(str(numbers.get("signal")), kind)
         event(logging.ERROR if kind == "unkillable" else logging.WARNING, f"holder_{action}", rule=why,
-              user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=sorted(minors),
+              user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(minors),
               **numbers)
         message = f"gpuguard: your process {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         for minor in sorted(minors):

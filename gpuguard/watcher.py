@@ -36,7 +36,7 @@ from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
-from gpuguard.model import Event, Quota
+from gpuguard.model import Event, Quota, unit_label
 from gpuguard.rules import Action
 from gpuguard.sampling import Sample, Sampler
 from gpuguard.store import Store, hour_of
@@ -105,7 +105,7 @@ class Watcher:
                     done.append(action)
             except Exception:  # one failing action (a gate error, a full disk) must not stop the others
                 event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
-                      uid=action.uid, gpu=action.minor, pid=action.proc.pid if action.proc else None)
+                      uid=action.uid, gpu=unit_label(action.minor), pid=action.proc.pid if action.proc else None)
         self.state = rules.advance(view, self.state, done, now)
         self._account(view, now)
         self._mark_active(view, now)
@@ -185,7 +185,7 @@ class Watcher:
             result = signals.send(identity, _SIGNAL[action.kind], self.exempt.uids)
             if not result.sent:
                 event(logging.INFO if result.outcome is signals.Outcome.GONE else logging.WARNING,
-                      f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=action.minor,
+                      f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=unit_label(action.minor),
                       outcome=result.outcome.value, detail=result.detail)
                 return False
             numbers["signal"] = action.signal or ""
@@ -207,7 +207,7 @@ class Watcher:
         if action.kind not in (rules.REVOKE, rules.RELEASE):  # the grant manager logged and stored those
             logged: dict[str, Any] = {k: _log_value(k, v) for k, v in numbers.items()}
             event(_LEVEL.get(action.kind, logging.INFO), action.kind, rule=action.rule, user=user, uid=action.uid,
-                  gpu=action.minor, pid=proc.pid if proc else None, command=command or None,
+                  gpu=unit_label(action.minor), pid=proc.pid if proc else None, command=command or None,
                   **logged)
             self.store.add_event(Event(
                 now, action.uid, user, _EVENT_KIND[action.kind], text, minor=action.minor,

@@ -75,12 +75,14 @@ def open_backend(config: Path) -> NvmlBackend:
     return open_gpu_backend(gpuguard_config.load(config))
 
 
-def start_burn(config: Path, gpu: int, mem: str = "1GiB", *, user: TestUser | None = None,
+def start_burn(config: Path, gpu: int | str, mem: str = "1GiB", *, user: TestUser | None = None,
                util: int | None = None, seconds: float | None = None, ignore_term: bool = False,
                timeout: float = 15) -> subprocess.Popen:
-    """Start `gpuguard sim burn` (as `user`, or root) and return once it is registered;
-    raises AssertionError with its stderr if it fails to start. Stop it with stop_burn."""
-    argv = gpuguard(config, "sim", "burn", "--gpu", str(gpu), "--mem", mem)
+    """Start `gpuguard sim burn` (as `user`, or root) on GPU `gpu` (a minor) or on a MIG slice (its
+    MIG-... UUID), and return once it is registered; raises AssertionError with its stderr if it
+    fails to start. Stop it with stop_burn."""
+    where = ["--slice", gpu] if isinstance(gpu, str) else ["--gpu", str(gpu)]
+    argv = gpuguard(config, "sim", "burn", *where, "--mem", mem)
     if util is not None:
         argv += ["--util", str(util)]
     if seconds is not None:
@@ -109,7 +111,7 @@ def stop_burn(proc: subprocess.Popen, timeout: float = 15) -> int:
 
 
 @contextmanager
-def burn(config: Path, gpu: int, mem: str = "1GiB", **options) -> Iterator[subprocess.Popen]:
+def burn(config: Path, gpu: int | str, mem: str = "1GiB", **options) -> Iterator[subprocess.Popen]:
     """A running burn for the duration of the block (options as for start_burn)."""
     proc = start_burn(config, gpu, mem, **options)
     try:
