@@ -163,6 +163,14 @@ class Tour:
             if line.startswith(prefixes) and not line.endswith(" 0.0"):
                 print(f"  {line}")
 
+    def wait_until_free(self, timeout: float = 60) -> None:
+        """Until nobody holds a GPU (the jobs ended and their logged-out owners' grants went back)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any(gpu["holders"] for gpu in client.call(str(self.socket), "status")["gpus"]):
+                return
+            time.sleep(0.5)
+
     def wait_for_event(self, name: str, kind: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -43,7 +43,7 @@ def tour(t: Tour) -> None:
     for name in NAMES:
         t.login(name, """
 echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES
-nohup gpuguard sim burn --slice $CUDA_VISIBLE_DEVICES --mem 12GiB --seconds 600 > train.log 2>&1 &
+nohup gpuguard sim burn --slice $CUDA_VISIBLE_DEVICES --mem 12GiB --seconds 20 > train.log 2>&1 &
 sleep 0.5; cat train.log
 """)
 
@@ -56,14 +56,22 @@ gpuguard sim burn --slice {slice_of(t, "ben")} --mem 1GiB --seconds 0
     step("5. Everyone sees the slices, who holds them and what runs there")
     t.admin("status")
 
-    step("6. The admin re-partitions the GPU into two 3g.71gb slices: the grants on changed slices end, and their "
-         "jobs with them")
+    step("6. The jobs end; their owners are logged out, so the slices go back")
+    t.wait_until_free()
+    t.admin("status", "--csv")
+
+    step("7. The admin gives ada and ben a slice each for the afternoon")
+    t.admin("grant", t.users["ada"], "--gpus", "1", "--for", "4h")
+    t.admin("grant", t.users["ben"], "--gpus", "1", "--for", "4h")
+
+    step("8. The admin re-cuts the GPU into two 3g.71gb slices (no process may run on it, as with nvidia-smi): "
+         "the grants on changed slices end, and their users are told")
     t.admin("sim", "mig", "0", "3g.71gb", "3g.71gb")
     t.wait_for_event("ada", "revoke")
     t.admin("whoami", "--user", t.users["ada"])
     t.admin("gpus")
 
-    step("7. ada logs in again: she gets one of the new slices")
+    step("9. ada logs in again: she gets one of the new slices")
     t.login("ada", "echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES")
 
 
