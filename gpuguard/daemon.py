@@ -69,6 +69,7 @@ class Daemon:
         self.config = config
         self.gate_name = gate_name
         self._stop = asyncio.Event()
+        self._layout_read: asyncio.Task | None = None  # the MIG layout read a reload asked for
 
     def current_config(self) -> Config:
         """What the services read the config through: a reload replaces self.config."""
@@ -178,7 +179,8 @@ class Daemon:
         self.config = fixed
         self.store.retention = fixed.events
         self.exempt.refresh()
-        self.follow_layout(self.backend.layout())
+        # The MIG layout is read again at once, through the sampler: NVML is used from one thread at a time.
+        self._layout_read = asyncio.get_running_loop().create_task(self.read_layout())
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         systemd.status(self._status_text())
@@ -277,6 +279,11 @@ class Daemon:
             await self.watcher.check(sample, time.time())
             self.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
         await self.metrics.after_tick(time.monotonic() - started)
+
+    async def read_layout(self) -> None:
+        sample = await self.sampler.take_or_log("MIG layout read at the next tick", max_age=0)
+        if sample is not None:
+            self.follow_layout(sample.layout)
 
     def follow_layout(self, seen: MigLayout | None) -> None:
         """Follow the admin's MIG layout (`nvidia-smi mig ...`), read at each sample and on reload:
