@@ -20,6 +20,7 @@ from sim_helpers import set_fault, start_burn, stop_burn, write_config
 from devtools.harness import no_gate_attached
 from gpuguard import config as configuration
 from gpuguard.daemon import Daemon
+from gpuguard.model import NVIDIA_MAJOR
 from gpuguard.sampling import Sample
 
 
@@ -109,7 +110,7 @@ def test_the_gpu_failing_in_the_confirming_sample_is_left_alone(daemon, alice, b
 def test_a_failing_action_does_not_stop_the_others(daemon, alice, burns, caplog):
     daemon.grants.add(alice.uid, alice.name, [3], 0.0, expires_at=1.0, shared=False, origin="admin",
                       message="long expired")
-    node = daemon.grants.nodes.path(3)
+    node = daemon.grants.nodes.path((NVIDIA_MAJOR, 3))
     node.unlink()
     node.mkdir()  # the node cannot be made again: the revoke fails when it rewrites the ACLs
     burns(1, "6GiB", alice)
