@@ -49,7 +49,7 @@ sleep 0.5; cat train.log
 
     step("4. ada's neighbour's slice is closed to her by the kernel (its capability nodes)")
     t.login("ada", f"""
-gpuguard whoami | head -n 4
+gpuguard whoami | head -n 5
 gpuguard sim burn --slice {slice_of(t, "ben")} --mem 1GiB --seconds 0
 """)
 
