@@ -75,12 +75,14 @@ def open_backend(config: Path) -> NvmlBackend:
     return open_gpu_backend(gpuguard_config.load(config))
 
 
-def start_burn(config: Path, gpu: int, mem: str = "1GiB", *, user: TestUser | None = None,
+def start_burn(config: Path, gpu: int | None, mem: str = "1GiB", *, user: TestUser | None = None,
                util: int | None = None, seconds: float | None = None, ignore_term: bool = False,
-               timeout: float = 15) -> subprocess.Popen:
-    """Start `gpuguard sim burn` (as `user`, or root) and return once it is registered;
-    raises AssertionError with its stderr if it fails to start. Stop it with stop_burn."""
-    argv = gpuguard(config, "sim", "burn", "--gpu", str(gpu), "--mem", mem)
+               mig: str | None = None, timeout: float = 15) -> subprocess.Popen:
+    """Start `gpuguard sim burn` (as `user`, or root) on GPU `gpu` or on the MIG slice whose UUID
+    is `mig` (gpu None), and return once it is registered; raises AssertionError with its stderr
+    if it fails to start. Stop it with stop_burn."""
+    where = ["--slice", mig] if mig is not None else ["--gpu", str(gpu)]
+    argv = gpuguard(config, "sim", "burn", *where, "--mem", mem)
     if util is not None:
         argv += ["--util", str(util)]
     if seconds is not None:

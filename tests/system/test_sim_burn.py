@@ -49,7 +49,8 @@ def user(make_user) -> TestUser:
 
 
 def records(sandbox: Path) -> list[str]:
-    return sorted(os.listdir(sandbox / "dev" / REGISTRY_DIR))
+    """The process records (<pid>-*.json; the MIG layout and capability table sit next to them)."""
+    return sorted(name for name in os.listdir(sandbox / "dev" / REGISTRY_DIR) if name[:1].isdigit())
 
 
 def holds_node(pid: int, node: Path) -> bool:
