@@ -16,9 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 from conftest import PYTHON, TestUser, popen_as, run_as
 
+from devtools.harness import no_gate_attached
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import open_gpu_backend
 from gpuguard.backends.nvml import NvmlBackend
@@ -155,3 +157,23 @@ def burns():
     yield start
     for proc in started:
         stop_burn(proc)
+
+
+@pytest.fixture
+def without_gates() -> Iterator[None]:
+    """No gate attached while the test runs (one left attached would refuse its users' burns)."""
+    with no_gate_attached():
+        yield
+
+
+@pytest.fixture
+def swap_library() -> Iterator:
+    """Replace pynvml's library (the fake, wrapped) for the test, then put it back."""
+    original = pynvml.nvmlLib
+
+    def swap(library: object) -> None:
+        pynvml.nvmlLib = library
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+
+    yield swap
+    swap(original)

@@ -18,7 +18,6 @@ import pytest
 from conftest import run_as
 from sim_helpers import GiB, cli, gpuguard, open_backend, write_config
 
-from devtools.harness import no_gate_attached
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import caps_major, mig_caps
 from gpuguard.backends.devnodes import caps_node
@@ -34,10 +33,7 @@ MIG_CONFIG = f'name = "{H100}"\nmig = {{ "0" = {json.dumps(list(LAYOUT))}, "2" =
 MIG_UUID = re.compile(r"MIG-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")
 
 
-@pytest.fixture(autouse=True)
-def without_gates() -> Iterator[None]:
-    with no_gate_attached():
-        yield
+pytestmark = pytest.mark.usefixtures("without_gates")
 
 
 @pytest.fixture
@@ -179,18 +175,6 @@ def test_a_slice_named_without_its_profile_gets_it_from_its_attributes(gpus: Nvm
     swap_library(type("NamesWithoutProfiles", (), {
         "nvmlDeviceGetName": bare_name, "__getattr__": lambda self, name: getattr(library, name)})())
     assert sorted(s.slice.profile for s in gpus.layout().slices if s.slice) == sorted(LAYOUT)
-
-
-@pytest.fixture
-def swap_library() -> Iterator:
-    original = pynvml.nvmlLib
-
-    def swap(library: object) -> None:
-        pynvml.nvmlLib = library
-        pynvml._nvmlGetFunctionPointer_cache.clear()
-
-    yield swap
-    swap(original)
 
 
 @pytest.mark.parametrize(("mig", "error"), [
