@@ -16,9 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 from conftest import PYTHON, TestUser, popen_as, run_as
 
+from devtools.harness import no_gate_attached
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import open_gpu_backend
 from gpuguard.backends.nvml import NvmlBackend
@@ -75,13 +77,13 @@ def open_backend(config: Path) -> NvmlBackend:
     return open_gpu_backend(gpuguard_config.load(config))
 
 
-def start_burn(config: Path, gpu: int | str, mem: str = "1GiB", *, user: TestUser | None = None,
+def start_burn(config: Path, gpu: int | None, mem: str = "1GiB", *, user: TestUser | None = None,
                util: int | None = None, seconds: float | None = None, ignore_term: bool = False,
-               timeout: float = 15) -> subprocess.Popen:
-    """Start `gpuguard sim burn` (as `user`, or root) on GPU `gpu` (a minor) or on a MIG slice (its
-    MIG-... UUID), and return once it is registered; raises AssertionError with its stderr if it
-    fails to start. Stop it with stop_burn."""
-    where = ["--slice", gpu] if isinstance(gpu, str) else ["--gpu", str(gpu)]
+               mig: str | None = None, timeout: float = 15) -> subprocess.Popen:
+    """Start `gpuguard sim burn` (as `user`, or root) on GPU `gpu` or on the MIG slice whose UUID
+    is `mig` (gpu None), and return once it is registered; raises AssertionError with its stderr
+    if it fails to start. Stop it with stop_burn."""
+    where = ["--slice", mig] if mig is not None else ["--gpu", str(gpu)]
     argv = gpuguard(config, "sim", "burn", *where, "--mem", mem)
     if util is not None:
         argv += ["--util", str(util)]
@@ -111,7 +113,7 @@ def stop_burn(proc: subprocess.Popen, timeout: float = 15) -> int:
 
 
 @contextmanager
-def burn(config: Path, gpu: int | str, mem: str = "1GiB", **options) -> Iterator[subprocess.Popen]:
+def burn(config: Path, gpu: int | None, mem: str = "1GiB", **options) -> Iterator[subprocess.Popen]:
     """A running burn for the duration of the block (options as for start_burn)."""
     proc = start_burn(config, gpu, mem, **options)
     try:
@@ -155,3 +157,23 @@ def burns():
     yield start
     for proc in started:
         stop_burn(proc)
+
+
+@pytest.fixture
+def without_gates() -> Iterator[None]:
+    """No gate attached while the test runs (one left attached would refuse its users' burns)."""
+    with no_gate_attached():
+        yield
+
+
+@pytest.fixture
+def swap_library() -> Iterator:
+    """Replace pynvml's library (the fake, wrapped) for the test, then put it back."""
+    original = pynvml.nvmlLib
+
+    def swap(library: object) -> None:
+        pynvml.nvmlLib = library
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+
+    yield swap
+    swap(original)

@@ -135,7 +135,7 @@ def test_a_layout_change_revokes_the_changed_slices_and_tells_their_users(start_
     assert slice_place(grant["minor"])[0] == 0 and slice_place(kept["minor"])[0] == 1  # the smallest first
     old = nodes_of(d, grant["minor"])
     # like nvidia-smi, the simulation refuses to destroy a slice a process runs on
-    job = burns(d.config_path, grant["uuid"], user=alice, seconds=60)
+    job = burns(d.config_path, None, mig=grant["uuid"], user=alice, seconds=60)
     refused = d.cli("sim", "mig", "0", "1g.18gb", "1g.18gb")
     assert refused.returncode == 1 and f"in use by pids {job.pid}" in refused.stderr
     job.kill()

@@ -68,18 +68,6 @@ class LibraryWith:
         return self._returning.get(name) or getattr(self._library, name)
 
 
-@pytest.fixture
-def swap_library() -> Iterator:
-    original = pynvml.nvmlLib
-
-    def swap(library: object) -> None:
-        pynvml.nvmlLib = library
-        pynvml._nvmlGetFunctionPointer_cache.clear()
-
-    yield swap
-    swap(original)
-
-
 def test_inventory_comes_through_pynvml_with_minor_numbers(device_dir: Path) -> None:
     sim = SimulatedConfig(count=4, memory=16 * GiB, name="Test GPU 16GB", numa_nodes=((0, 1), (2,)))
     with SimulatedBackend(sim, device_dir) as backend:

@@ -15,7 +15,6 @@ import pytest
 from conftest import run_as
 from sim_helpers import GiB, burn, gpuguard, open_backend, start_burn, stop_burn, write_config
 
-from devtools.harness import no_gate_attached
 from gpuguard.backends.nvml import NvmlBackend
 from gpuguard.backends.simulated import REGISTRY_DIR
 from gpuguard.model import GpuProcess
@@ -25,10 +24,7 @@ if TYPE_CHECKING:
 
 
 
-@pytest.fixture(autouse=True)
-def without_gates() -> Iterator[None]:
-    with no_gate_attached():
-        yield
+pytestmark = pytest.mark.usefixtures("without_gates")
 
 
 @pytest.fixture
@@ -49,7 +45,8 @@ def user(make_user) -> TestUser:
 
 
 def records(sandbox: Path) -> list[str]:
-    return sorted(os.listdir(sandbox / "dev" / REGISTRY_DIR))
+    """The process records (<pid>-*.json; the MIG layout and capability table sit next to them)."""
+    return sorted(name for name in os.listdir(sandbox / "dev" / REGISTRY_DIR) if name[:1].isdigit())
 
 
 def holds_node(pid: int, node: Path) -> bool:
