@@ -27,7 +27,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import combinations
 from math import comb
 
-from gpuguard.model import Gpu, Grant, Link, Quota, is_slice
+from gpuguard.model import Gpu, Grant, Link, Quota, is_slice, unit_parent
 
 # Beyond this many candidate sets (e.g. 8 of 64 GPUs) a greedy search replaces the exhaustive one.
 EXHAUSTIVE_LIMIT = 5000
@@ -56,12 +56,17 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
     quota = quota or Quota()
     held_last = held_last or {}
     grants = list(grants)
-    whole = [gpu for gpu in gpus if gpu.slice is None and not gpu.mig_mode] if quota.whole_gpus else []
+    # A GPU with a slice held is not free whole, nor a slice of a GPU held whole (a grant the
+    # layout has ended, until its revoke is through): they share the GPU's node.
+    cut = {unit_parent(g.minor) for g in grants if is_slice(g.minor)}
+    held_whole = {g.minor for g in grants if not is_slice(g.minor)}
+    whole = ([gpu for gpu in gpus if gpu.slice is None and not gpu.mig_mode and gpu.minor not in cut]
+             if quota.whole_gpus else [])
     chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last)
     room = count - len(chosen)
     if quota.slices is not None:
         room = min(room, quota.slices - sum(1 for g in grants if g.uid == uid and is_slice(g.minor)))
-    slices = [gpu for gpu in gpus if gpu.slice is not None]
+    slices = [gpu for gpu in gpus if gpu.slice is not None and gpu.slice.parent not in held_whole]
     return tuple(sorted(chosen + _choose_slices(slices, grants, last_released, uid, room, quota.slice_profiles,
                                                 held_last)))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, TypeVar
 from gpuguard.backends import mig_profiles
 from gpuguard.compat import StrEnum, tomllib
 from gpuguard.errors import UsageError
-from gpuguard.model import Quota
+from gpuguard.model import MIG_PROFILE, Quota
 from gpuguard.units import UnitError, parse_duration, parse_size
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
@@ -281,12 +280,9 @@ def _slice_limit(value: Any) -> int | None:
     return _count(0, MAX_GPUS)(value)
 
 
-_PROFILE = re.compile(r"\d+g\.\d+gb(\+\w+)?")  # 1g.18gb, 1g.10gb+me: as nvidia-smi names MIG profiles
-
-
 def _profiles(value: Any) -> tuple[str, ...]:
     names = _names(value)
-    if bad := [name for name in names if not _PROFILE.fullmatch(name)]:
+    if bad := [name for name in names if not MIG_PROFILE.fullmatch(name)]:
         raise ValueError(f"expected MIG profiles such as 1g.18gb, got {bad[0]!r}")
     return names
 

@@ -94,7 +94,8 @@ class Daemon:
         self.gate = open_gate(self.config, self.gate_name) if self.config.access.mode == AccessMode.GATE else None
         # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
-        gpus = {gpu.minor: gpu for gpu in [*self.backend.gpus(), *self.backend.layout().slices]}
+        first_layout = self.backend.layout()
+        gpus = {gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]}
         physical = {minor for minor, gpu in gpus.items() if gpu.slice is None}
         self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir),
                              physical | driver_minors(self.config), gpus=gpus, topology=self.backend.topology(),
@@ -105,9 +106,6 @@ class Daemon:
         if self.gate:
             self.gate.attach(exempt)  # a new gate starts with its exempt map filled: no moment without it
         self.exempt.set(exempt)
-        for repaired in self.grants.reconcile():  # what changed while no daemon ran
-            event(logging.INFO, "reconcile", repaired=repaired)
-        self.nodes = NodeWatcher(self.config.paths.device_dir, self._node_changed)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
         find_holders = partial(sampling.node_holders, devices_of=self.grants.holder_devices)
@@ -124,6 +122,15 @@ class Daemon:
                        queue=self.queue, notifier=self.notifier)
         self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
                                self.watcher.account_of)
+        # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
+        # users told) before the gate and the ACLs are rebuilt from the store.
+        self.follow_layout(first_layout)
+        for repaired in self.grants.reconcile():  # what changed while no daemon ran
+            event(logging.INFO, "reconcile", repaired=repaired)
+        self.node_watchers = [NodeWatcher(self.config.paths.device_dir, self._node_changed)]
+        caps_dir = self.config.paths.device_dir / "nvidia-caps"
+        if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
+            self.node_watchers.append(NodeWatcher(caps_dir, self._node_changed, pattern="nvidia-cap*", uevents=False))
         self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
 
     async def _handle(self, request: dict, peer) -> dict:
@@ -135,7 +142,8 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
         # The node watcher's callback touches the store, so it runs on this loop like everything else.
-        loop.add_reader(self.nodes.fileno(), self.nodes.process)
+        for watcher in self.node_watchers:
+            loop.add_reader(watcher.fileno(), watcher.process)
         await self.server.start()
         ticker = asyncio.create_task(self._ticker())
         watchdog = systemd.watchdog_period()
@@ -150,7 +158,10 @@ class Daemon:
             ticker.cancel()
             if pinger:
                 pinger.cancel()
-            loop.remove_reader(self.nodes.fileno())
+            for watcher in self.node_watchers:
+                loop.remove_reader(watcher.fileno())
+            if self._layout_read is not None:
+                self._layout_read.cancel()
             await self.server.close()
             self.close()
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
@@ -162,7 +173,8 @@ class Daemon:
         self.watcher.close()
         self.notifier.close()
         self.lookup.close()
-        self.nodes.close()
+        for watcher in self.node_watchers:
+            watcher.close()
         self.backend.close()
         self.store.close()
         if self.gate:

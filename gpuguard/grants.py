@@ -215,26 +215,40 @@ class Grants:
             self.sync_nodes(unit for unit in self._all_units() if is_slice(unit))
 
     def update_layout(self, now_seen: MigLayout, now: float) -> dict[Grant, str]:
-        """Follow the MIG layout NVML shows now (NvmlBackend.layout()): the grants it ends
-        (gpuguard.layout.stale) are revoked, closed with the capability nodes they had, and the
-        new slices become what can be handed out, their nodes made root-only. Returns the ended
-        grants with why."""
+        """Follow the MIG layout NVML shows now (NvmlBackend.layout()). The new slices become what
+        can be handed out, first, so that what the revokes free goes to the queue from the layout
+        of now; then every grant the layout ends (gpuguard.layout.stale, asked of the store each
+        time, so grants left from before a restart end too) is revoked, closed with the capability
+        nodes it had. Returns the ended grants with why; a revoke that fails is logged, and the
+        others go on."""
         physical = {minor: replace(gpu, mig_mode=minor in now_seen.mig_gpus) if minor not in now_seen.unread else gpu
                     for minor, gpu in self.physical.items()}
         kept = [gpu for gpu in self.gpus.values() if gpu.slice is not None and gpu.slice.parent in now_seen.unread]
         units = layout.grantable(physical.values(), [*now_seen.slices, *kept])
-        if {u: gpu.uuid for u, gpu in units.items()} == {u: gpu.uuid for u, gpu in self.gpus.items()}:
-            return {}  # the same units (their memory in use is not the layout)
-        ended = layout.stale(self.store.grants(), units, set(physical) - now_seen.unread)
-        for uid in sorted({grant.uid for grant in ended}):
-            mine = [grant for grant in ended if grant.uid == uid]
-            self.remove(uid, [grant.minor for grant in mine], now, kind="revoke", rule="layout",
-                        message="; ".join(ended[grant] for grant in mine))
-        self.physical = physical
-        self._set_units(units)
-        event(logging.INFO, "mig_layout", gpus=sorted(now_seen.mig_gpus), slices=len(now_seen.slices),
-              revoked=len(ended))
-        self.sync_nodes(unit for unit in units if is_slice(unit))
+        # the same units, by UUID (their memory in use is not the layout)
+        changed = {u: gpu.uuid for u, gpu in units.items()} != {u: gpu.uuid for u, gpu in self.gpus.items()}
+        learned = {unit for unit, gpu in units.items() if gpu.slice is not None and unit not in self._caps}
+        if changed:
+            self.physical = physical
+            self._set_units(units)
+            event(logging.INFO, "mig_layout", gpus=unit_list(now_seen.mig_gpus), slices=len(now_seen.slices))
+        stale = layout.stale(self.store.grants(), units, set(physical) - now_seen.unread)
+        ended = {}
+        for uid in sorted({grant.uid for grant in stale}):
+            mine = [grant for grant in stale if grant.uid == uid]
+            try:
+                self.remove(uid, [grant.minor for grant in mine], now, kind="revoke", rule="layout",
+                            message="; ".join(stale[grant] for grant in mine))
+            except Exception:  # one user's failing revoke must not keep the others' (retried next sample)
+                event(logging.ERROR, "revoke_failed", exc_info=True, user=mine[0].user, uid=uid, rule="layout",
+                      gpus=unit_list(grant.minor for grant in mine))
+            else:
+                ended.update({grant: stale[grant] for grant in mine})
+        if changed:
+            self.sync_nodes(unit for unit in units if is_slice(unit))
+        if learned and self.gate:  # grants on slices whose capabilities were not known until now
+            for uid, device in sorted(self._entries(g for g in self.store.grants() if g.minor in learned)):
+                self.gate.grant(uid, device)
         return ended
 
     def reconcile(self) -> list[str]:

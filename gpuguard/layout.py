@@ -4,15 +4,16 @@ The layout is the admin's (`nvidia-smi mig ...`); gpuguard only follows it. A GP
 handed out as its slices, never whole. GPU instance ids are reused after a layout change, and
 the capability nodes the driver checks belong to the ids (gpu<N>/gi<G>/access), not to the
 slice: a grant left on a destroyed slice would open whatever slice is created next under its
-ids. So a grant ends when its slice is gone or is another one now (another UUID), and a grant of
-a whole GPU ends when the GPU goes into MIG mode. A GPU whose MIG state NVML could not read
-decides nothing: its grants stay, as they do for a GPU whose processes cannot be read.
+ids. So a grant ends when its slice is gone or is another one now (another UUID, or none on
+record for it), and a grant of a whole GPU ends when the GPU goes into MIG mode. A GPU whose MIG
+state NVML could not read decides nothing: its grants stay, as they do for a GPU whose processes
+cannot be read.
 """
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 
-from gpuguard.model import Gpu, Grant, unit_label, unit_parent
+from gpuguard.model import Gpu, Grant, is_slice, unit_label, unit_parent
 
 
 def grantable(gpus: Iterable[Gpu], slices: Iterable[Gpu]) -> dict[int, Gpu]:
@@ -33,6 +34,6 @@ def stale(grants: Iterable[Grant], units: Mapping[int, Gpu], read: Collection[in
             ended[grant] = (f"MIG slice {unit_label(grant.minor)} is gone (the MIG layout changed)"
                             if grant.minor != unit_parent(grant.minor)
                             else f"GPU {grant.minor} is in MIG mode now: it is handed out as slices only")
-        elif grant.uuid and unit.uuid != grant.uuid:
+        elif unit.uuid != grant.uuid and (grant.uuid or is_slice(grant.minor)):  # a slice's grant always has one
             ended[grant] = f"MIG slice {unit_label(grant.minor)} was re-created as another slice (the MIG layout changed)"
     return ended

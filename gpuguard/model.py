@@ -11,6 +11,7 @@ table to say which GPU it is on. Shown to people as unit_label(): "3" or "3/gi1/
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -23,6 +24,9 @@ NVIDIA_MAJOR = 195
 SLICE_UNITS = 1 << 16
 GI_SLOTS, CI_SLOTS = 16, 8
 _MINORS = 256  # /dev/nvidia0..255
+# A MIG profile as nvidia-smi and NVML name it: 1g.10gb, 1g.10gb+me (with a media engine),
+# 1c.3g.40gb (a compute instance of one compute slice in a 3g.40gb GPU instance).
+MIG_PROFILE = re.compile(r"(?:\d+c\.)?\d+g\.\d+gb(?:\+\w+)?")
 
 
 def slice_unit(parent: int, gpu_instance: int, compute_instance: int) -> int:

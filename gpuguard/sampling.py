@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuguard.backends import procfs, signals
 from gpuguard.logs import event
-from gpuguard.model import NVIDIA_MAJOR, GpuProcess, GpuUse
+from gpuguard.model import GpuProcess, GpuUse
 
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import MigLayout
@@ -130,10 +130,9 @@ Device = tuple[int, int]
 
 
 def node_holders(units: Iterable[int], uids: Collection[int],
-                 devices_of: Callable[[int], Iterable[Device]] = lambda unit: [(NVIDIA_MAJOR, unit)]) -> list[Holder]:
+                 devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]:
     """Processes of these users holding these units' nodes open per /proc (blocking: one pass
-    over /proc for all). devices_of: the nodes whose holders use a unit (Grants.holder_devices;
-    the default knows whole GPUs only).
+    over /proc for all). devices_of: the nodes whose holders use a unit (Grants.holder_devices).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
     (or before creating it) shows up only here. Only the users' own processes are looked at

@@ -30,8 +30,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
-from gpuguard.backends import GpuError, mig_caps, procfs
-from gpuguard.model import Gpu, GpuProcess, GpuUse, Link, MigSlice, slice_unit
+from gpuguard.backends import GpuError, mig_caps
+from gpuguard.model import MIG_PROFILE, Gpu, GpuProcess, GpuUse, Link, MigSlice, slice_unit
 
 __all__ = ["GpuError", "MigLayout", "NvmlBackend", "ProcessQuery"]
 
@@ -41,7 +41,7 @@ T = TypeVar("T")
 _CANNOT_TELL = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
 _NO_MIG_ID = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId of a process NVML places in no MIG slice
-_PROFILE_IN_NAME = re.compile(r" MIG (\d+g\.\d+gb)$")  # "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+_PROFILE_IN_NAME = re.compile(rf" MIG ({MIG_PROFILE.pattern})$")  # "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
 
 _PROCESS_QUERIES = (pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
                     pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3)
@@ -211,11 +211,6 @@ class NvmlBackend:
         """Whether MIG is enabled now (the current mode; a pending one takes effect at reset)."""
         modes = _optional(pynvml.nvmlDeviceGetMigMode, handle, minor=minor)  # a GPU without MIG cannot tell
         return modes is not None and modes[0] == pynvml.NVML_DEVICE_MIG_ENABLE
-
-    @property
-    def caps_major(self) -> int | None:
-        """The major of the nvidia-caps nodes (allocated when the driver loads); None when not loaded."""
-        return procfs.char_major("nvidia-caps")
 
     def layout(self) -> MigLayout:
         """The MIG slices of every GPU in MIG mode. Cheap enough for every watcher tick: one mode

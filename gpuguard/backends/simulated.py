@@ -764,10 +764,6 @@ class SimulatedBackend(NvmlBackend):
             pynvml._nvmlGetFunctionPointer_cache.clear()
         super().__init__(mig_minors=registry / MIG_MINORS_FILE)
 
-    @property
-    def caps_major(self) -> int | None:
-        return CAPS_MAJOR
-
     def close(self) -> None:
         try:
             super().close()

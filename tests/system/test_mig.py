@@ -11,6 +11,7 @@ the kernel let the open through to the absent driver.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ssh_harness import PamSession, PamStacks, module_line
 from test_notify import read_until  # a pty's output up to a needle
 
 from devtools.harness import wait_for
-from gpuguard.backends import mig_caps
+from gpuguard.backends import mig_caps, posix_acl
 from gpuguard.backends.devnodes import caps_node
 from gpuguard.backends.simulated import MIG_MINORS_FILE, REGISTRY_DIR
 from gpuguard.model import NVIDIA_MAJOR, slice_place, unit_label
@@ -190,3 +191,14 @@ def test_admins_and_users_name_slices_by_label(start_daemon) -> None:
     assert bad.returncode == 2 and "no MIG slice gpu0/gi99/ci0" in bad.stderr
     released = d.cli_as(alice, "release", "--gpu", label)
     assert released.returncode == 0 and f"released GPU {label}" in released.stdout, released
+
+
+def test_a_recreated_capability_node_gets_its_mode_and_acl_back(start_daemon) -> None:
+    d = mig_daemon(start_daemon, {"0": ["1g.18gb", "1g.18gb"]})
+    alice = d.add_member()
+    (unit,) = d.open_session(alice)["gpus"]
+    _, ci = nodes_of(d, unit)["ci"]
+    node = caps_node(d.device_dir, ci)
+    node.unlink()  # what nvidia-modprobe does: a fresh node, open to all, no uevent
+    probes.open_node(node, (CAPS_MAJOR, ci))
+    assert wait_for(lambda: posix_acl.acl_users(node) == {alice.uid} and stat.S_IMODE(os.stat(node).st_mode) == 0o660)

@@ -77,7 +77,6 @@ def test_slices_come_through_pynvml_with_units_names_and_caps(gpus: NvmlBackend,
                 sandbox / "gpuguard.toml")), cap)
             assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o444, 0, 0)
     assert len({s.uuid for s in layout.slices}) == 4
-    assert gpus.caps_major == 120
     # A GPU in MIG mode cannot tell its utilization; NVML never makes that 0.
     assert whole[0].utilization is None and whole[1].utilization == 0
 

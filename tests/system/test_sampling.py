@@ -15,7 +15,7 @@ from sim_helpers import GiB, set_fault
 
 from gpuguard.backends.procfs import holders_of
 from gpuguard.backends.simulated import register_process
-from gpuguard.model import GpuProcess
+from gpuguard.model import NVIDIA_MAJOR, GpuProcess
 from gpuguard.sampling import Sampler, node_holders
 
 
@@ -101,7 +101,7 @@ def test_holders_of_several_devices_in_one_scan(sandbox) -> None:
     finally:
         holder.communicate("\n", timeout=30)
     assert holder.pid not in holders_of([(1, 7)])[(1, 7)]
-    assert holders_of([]) == {} and node_holders([], {0}) == []
+    assert holders_of([]) == {} and node_holders([], {0}, lambda unit: [(NVIDIA_MAJOR, unit)]) == []
 
 
 HOLD = ("import os, sys\n"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpuguard.api import Api
+from gpuguard.backends import GateError
 from gpuguard.backends.accounts import Account, UnknownUser
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.config import AccessConfig, Config
@@ -62,6 +63,34 @@ class FakeNodes:
         changed = self.devices.get(device) != frozenset(users)
         self.devices[device] = frozenset(users)
         return [f"{device[0]}:{device[1]}: ACL users"] if changed else []
+
+
+class FakeGate:
+    """The gate's map as a set of (uid, (major, minor)) entries; `failing` uids make grant and revoke raise."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.entries: set[tuple[int, tuple[int, int]]] = set()
+        self.failing: set[int] = set()
+
+    def grant(self, uid: int, device: tuple[int, int]) -> None:
+        self._check(uid)
+        self.entries.add((uid, device))
+
+    def revoke(self, uid: int, device: tuple[int, int]) -> None:
+        self._check(uid)
+        self.entries.discard((uid, device))
+
+    def set_entries(self, wanted: Iterable[tuple[int, tuple[int, int]]]) -> tuple[set, set]:
+        wanted = set(wanted)
+        removed, added = self.entries - wanted, wanted - self.entries
+        self.entries = wanted
+        return removed, added
+
+    def _check(self, uid: int) -> None:
+        if uid in self.failing:
+            raise GateError(f"gate fake: map update refused for uid {uid}")
 
 
 class FakeLookup:
@@ -146,12 +175,13 @@ class World:
     scans: int = 0  # /proc scans asked for
     scanned_uids: list = field(default_factory=list)  # whose processes each scan read
     gpus: list[Gpu] = field(default_factory=lambda: [gpu(m) for m in range(4)])  # GPUs and MIG slices
+    gate: FakeGate | None = None  # None: acl mode
 
     def __post_init__(self) -> None:
         self.store = Store(self.tmp / "state.db")
         self.nodes = FakeNodes()
-        self.grants = Grants(self.store, None, self.nodes, range(4), gpus={g.minor: g for g in self.gpus},
-                             caps_major=CAPS_MAJOR)
+        self.grants = Grants(self.store, self.gate, self.nodes, range(4),  # type: ignore[arg-type]
+                             gpus={g.minor: g for g in self.gpus}, caps_major=CAPS_MAJOR)
         self.exempt = Exempt(lambda: self.config.access, self.store, self.grants.set_exempt)
         self.lookup = FakeLookup()
         self.sampler = FakeSampler()

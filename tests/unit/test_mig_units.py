@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from fakes import CAPS_MAJOR, GROUP, World, gpu, mig_slice
+from fakes import CAPS_MAJOR, GROUP, FakeGate, World, gpu, mig_slice
 
 from gpuguard import allocator, config, layout, quota_file
 from gpuguard.model import (
@@ -105,14 +105,16 @@ def test_stale_grants_follow_the_layout() -> None:
               Grant(3, "c", recreated.minor, 0, None, 0, uuid="MIG-old"),
               Grant(4, "d", 0, 0, None, 0, uuid="GPU-0000"),          # GPU 0 went into MIG mode
               Grant(5, "e", 2, 0, None, 0, uuid="GPU-0002"),          # GPU 2 could not be read
-              Grant(6, "f", mig_slice(3, 1).minor, 0, None, 0)]       # from before uuids were kept: stays
-    units = layout.grantable([gpu(0, mig_mode=True), gpu(1, mig_mode=True), gpu(2), gpu(3, mig_mode=True)],
+              Grant(6, "f", mig_slice(3, 1).minor, 0, None, 0),       # a slice grant with no UUID on record
+              Grant(7, "g", 4, 0, None, 0)]                           # a whole GPU's from before UUIDs were kept
+    units = layout.grantable([gpu(0, mig_mode=True), gpu(1, mig_mode=True), gpu(2), gpu(3, mig_mode=True), gpu(4)],
                              [kept, recreated, mig_slice(3, 1)])
-    ended = layout.stale(grants, units, read={0, 1, 3})
+    ended = layout.stale(grants, units, read={0, 1, 3, 4})
     assert {g.uid: why for g, why in ended.items()} == {
         2: "MIG slice 1/gi2/ci0 is gone (the MIG layout changed)",
         3: "MIG slice 1/gi3/ci0 was re-created as another slice (the MIG layout changed)",
-        4: "GPU 0 is in MIG mode now: it is handed out as slices only"}
+        4: "GPU 0 is in MIG mode now: it is handed out as slices only",
+        6: "MIG slice 3/gi1/ci0 was re-created as another slice (the MIG layout changed)"}
 
 
 # --- grants on slices, through the services the daemon wires
@@ -216,3 +218,91 @@ def test_the_store_keeps_uuids_and_a_waiters_profiles(tmp_path: Path) -> None:
     quota = Quota(whole_gpus=False, slices=1, slice_profiles=("1g.18gb",))
     store.join_queue(1001, "alice", 1, 2.0, quota, Origin.SESSION, None, None)
     assert store.queue()[0].quota == quota
+
+
+# --- the gate's entries, restarts, the queue and failures during a layout change
+
+def test_gate_entries_are_the_union_of_a_users_grants(tmp_path: Path) -> None:
+    a, b = mig_slice(1, 1), mig_slice(1, 2)
+    world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), a, b], gate=FakeGate())
+    gate = world.gate
+    world.grants.add(1001, "alice", [a.minor], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
+    world.grants.add(1001, "alice", [b.minor], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
+    caps = {(1001, (CAPS_MAJOR, cap)) for piece in (a, b) for cap in piece.slice.caps}
+    assert gate.entries == {(1001, (NVIDIA_MAJOR, 1))} | caps
+    _remove(world, 1001, [a.minor])  # the other slice still needs the parent's node
+    assert gate.entries == {(1001, (NVIDIA_MAJOR, 1))} | {(1001, (CAPS_MAJOR, cap)) for cap in b.slice.caps}
+    _remove(world, 1001, None)
+    assert gate.entries == set()
+
+
+def _remove(world: World, uid: int, units: list[int] | None) -> None:
+    async def remove() -> None:
+        world.grants.remove(uid, units, 1.0, kind="release", rule="user", message="")
+    asyncio.run(remove())
+
+
+def _restarted(world: World, tmp_path: Path, gpus: list[Gpu]) -> World:
+    """The same store under a daemon started again on `gpus` (the layout of now)."""
+    again = World(tmp_path, gpus=gpus, gate=FakeGate())
+    again.store = world.store
+    again.grants.store = world.store
+    return again
+
+
+def test_grants_on_slices_changed_while_no_daemon_ran_end_at_the_first_look(tmp_path: Path) -> None:
+    before = [gpu(0), gpu(1, mig_mode=True), mig_slice(1, 1), mig_slice(1, 2)]
+    world = World(tmp_path, gpus=before)
+    for uid, unit in ((1001, mig_slice(1, 1).minor), (1002, mig_slice(1, 2).minor)):
+        world.grants.add(uid, f"u{uid}", [unit], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
+    # while no daemon ran: GI 1 re-created as another slice, GI 2 destroyed
+    now = [gpu(0), gpu(1, mig_mode=True), mig_slice(1, 1, "3g.40gb", uuid="MIG-new")]
+    again = _restarted(world, tmp_path, now)
+    ended = _update(again, Layout(now[2:], frozenset({1})), 50.0)  # the same layout the daemon started with
+    assert sorted(g.uid for g in ended) == [1001, 1002] and world.store.grants() == []
+
+
+def test_a_gpu_that_left_mig_mode_while_no_daemon_ran_is_not_handed_out_over_its_old_slice(tmp_path: Path) -> None:
+    world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), mig_slice(1, 2)])
+    world.grants.add(1001, "alice", [mig_slice(1, 2).minor], 0.0, expires_at=None, shared=False,
+                     origin=Origin.ADMIN, message="")
+    again = _restarted(world, tmp_path, [gpu(0), gpu(1)])
+    # before the first look the allocator keeps GPU 1 (its node is still alice's) off anyone else
+    assert again.grants.choose(1002, 2, Quota(gpus=2)) == (0,)
+    assert [g.user for g in _update(again, Layout([], frozenset()), 50.0)] == ["alice"]
+    assert again.grants.choose(1002, 2, Quota(gpus=2)) == (0, 1)
+
+
+def test_what_a_layout_change_frees_goes_to_the_queue_from_the_new_layout(tmp_path: Path) -> None:
+    world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), mig_slice(1, 1)])
+    for name, uid in (("alice", 1001), ("bob", 1002), ("carol", 1003)):
+        world.lookup.add(name, uid, GROUP)
+    assert world.login(world.lookup.accounts["alice"])["gpus"] == [0]
+    assert world.login(world.lookup.accounts["bob"], pid=4343)["gpus"] == [mig_slice(1, 1).minor]
+    assert world.login(world.lookup.accounts["carol"], pid=4444)["queue"]["position"] == 1
+    # GPU 0 goes into MIG mode with one slice, and GPU 1's slice is destroyed
+    ended = _update(world, Layout([mig_slice(0, 2)], frozenset({0, 1})), 100.0)
+    assert sorted(g.user for g in ended) == ["alice", "bob"]
+    assert world.held(1003) == [mig_slice(0, 2).minor]  # not GPU 0 whole, which is in MIG mode now
+
+
+def test_a_revoke_that_fails_is_logged_and_the_others_go_on(tmp_path: Path) -> None:
+    world = World(tmp_path, gpus=[gpu(0, mig_mode=True), mig_slice(0, 1), mig_slice(0, 2)], gate=FakeGate())
+    for uid, gi in ((1001, 1), (1002, 2)):
+        world.grants.add(uid, f"u{uid}", [mig_slice(0, gi).minor], 0.0, expires_at=None, shared=False,
+                         origin=Origin.ADMIN, message="")
+    world.gate.failing.add(1001)
+    ended = _update(world, Layout([], frozenset({0})), 10.0)
+    assert [g.uid for g in ended] == [1002] and world.held(1001) == [mig_slice(0, 1).minor]
+    world.gate.failing.clear()  # the next sample tries again
+    assert [g.uid for g in _update(world, Layout([], frozenset({0})), 11.0)] == [1001]
+
+
+def test_caps_learned_after_start_open_the_gate_for_the_grants_on_them(tmp_path: Path) -> None:
+    piece = mig_slice(0, 1)
+    world = World(tmp_path, gpus=[gpu(0, mig_mode=True)], gate=FakeGate())  # its slices could not be read at start
+    world.store.add_grants(1001, "alice", [piece.minor], 0.0, None, uuids={piece.minor: piece.uuid})
+    world.grants.reconcile()
+    assert world.gate.entries == {(1001, (NVIDIA_MAJOR, 0))}
+    assert _update(world, Layout([piece], frozenset({0})), 5.0) == {}
+    assert world.gate.entries == {(1001, (NVIDIA_MAJOR, 0))} | {(1001, (CAPS_MAJOR, cap)) for cap in piece.slice.caps}
