@@ -60,25 +60,33 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
     # layout has ended, until its revoke is through): they share the GPU's node.
     cut = {unit_parent(g.minor) for g in grants if is_slice(g.minor)}
     held_whole = {g.minor for g in grants if not is_slice(g.minor)}
-    whole = ([gpu for gpu in gpus if gpu.slice is None and not gpu.mig_mode and gpu.minor not in cut]
-             if quota.whole_gpus else [])
+    suitable = [gpu for gpu in gpus if suits(gpu, quota)]
+    whole = [gpu for gpu in suitable if gpu.slice is None and gpu.minor not in cut]
     chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last)
     room = count - len(chosen)
     if quota.slices is not None:
         room = min(room, quota.slices - sum(1 for g in grants if g.uid == uid and is_slice(g.minor)))
-    slices = [gpu for gpu in gpus if gpu.slice is not None and gpu.slice.parent not in held_whole]
+    slices = [gpu for gpu in suitable if gpu.slice is not None and gpu.slice.parent not in held_whole]
     return tuple(sorted(chosen + _choose_slices(slices, grants, last_released, uid, room, quota.slice_profiles,
                                                 held_last)))
 
 
+def suits(gpu: Gpu, quota: Quota) -> bool:
+    """Whether a unit is of a kind the quota takes: a whole GPU (not in MIG mode) when whole_gpus;
+    a slice when slices are allowed at all, of an allowed profile."""
+    if gpu.slice is None:
+        return quota.whole_gpus and not gpu.mig_mode
+    return quota.slices != 0 and (not quota.slice_profiles or gpu.slice.profile in quota.slice_profiles)
+
+
 def _choose_slices(slices: Sequence[Gpu], grants: list[Grant], last_released: Mapping[int, float], uid: int,
                    count: int, profiles: Sequence[str], held_last: Mapping[int, float]) -> tuple[int, ...]:
-    """Up to `count` free slices of the allowed profiles, best first (see the module's docstring)."""
+    """Up to `count` free slices (of allowed profiles already), best first (see the module's docstring)."""
     if count <= 0:
         return ()
     held = {g.minor for g in grants}
     rank = {profile: place for place, profile in enumerate(profiles)}
-    free = [gpu for gpu in slices if gpu.minor not in held and (not profiles or _profile(gpu) in rank)]
+    free = [gpu for gpu in slices if gpu.minor not in held]
     free.sort(key=lambda gpu: (rank.get(_profile(gpu), 0), gpu.memory_total,
                                gpu.minor not in held_last, -held_last.get(gpu.minor, 0.0),
                                last_released.get(gpu.minor, 0.0), gpu.minor))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gpuguard import policy, scheduler
+from gpuguard import allocator, policy, rules, scheduler
 from gpuguard.config import Config
 from gpuguard.grants import Grants
 from gpuguard.model import Grant, Origin, Quota
@@ -100,9 +100,26 @@ class Queue:
         """GPUs nobody holds."""
         return len(set(self.grants.gpus) - {g.minor for g in self.store.grants()})
 
-    def demand(self) -> int:
-        """GPUs the queue needs beyond the free ones (what reclaim on demand may take)."""
-        return scheduler.demand((q.waiter for q in self.store.queue()), self.free())
+    def demand(self) -> rules.Demand:
+        """Units the queue needs beyond the free ones, and which units would serve it: what reclaim
+        on demand may take. With MIG slices a free unit counts only for a waiter whose quota takes
+        its kind (allocator.suits), so the waiters are served in turn on paper: allocator.choose
+        over the grants plus what those before them got."""
+        waiting = self.store.queue()
+        units = list(self.grants.gpus.values())
+        if not waiting or all(gpu.slice is None for gpu in units):
+            return rules.Demand(scheduler.demand((q.waiter for q in waiting), self.free()))
+        grants = self.store.grants()
+        short, useful = 0, set()
+        for queued in waiting:
+            waiter = queued.waiter
+            got = allocator.choose(units, self.grants.topology, grants, {}, waiter.uid, waiter.gpus,
+                                   policy.may_share(queued.quota), None, queued.quota)
+            if len(got) < waiter.gpus:
+                short += waiter.gpus - len(got)
+                useful |= {gpu.minor for gpu in units if allocator.suits(gpu, queued.quota)}
+            grants += [Grant(waiter.uid, waiter.user, unit, 0.0, None, 0.0) for unit in got]
+        return rules.Demand(short, frozenset(useful))
 
     def dispatch(self, now: float) -> list[tuple[Queued, tuple[int, ...]]]:
         """Grant what the order admits now; each grant is announced to the listeners."""

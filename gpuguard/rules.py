@@ -38,10 +38,11 @@ The rules, with their boundaries:
   idle_timeout` releases (the boundary releases). Sessions are not the watcher's business.
 - Reclaim on demand (rule "reclaim"). Like idle with `reclaim_after`, but only while the queue
   wants GPUs (`View.demand`: how many more it needs than are free), and only that many: the
-  grants idle longest go first. Nobody waiting, nothing is reclaimed.
+  grants idle longest go first, and only grants of units a waiter could have (`View.useful`: a
+  whole GPU for a slice-only waiter frees nothing for it). Nobody waiting, nothing is reclaimed.
 - Soft time (`Timing.soft_max_time`). A grant past `expires_at` is not revoked at once: its user
   is warned once that the time is over, and it is revoked (as above) only while the queue wants
-  GPUs that reclaim did not cover, the longest over first.
+  GPUs that reclaim did not cover, and it frees a unit a waiter could have, the longest over first.
 - Stray (rule "stray"). Processes of a user on a GPU that user holds no grant for. The
   grace runs per user and GPU, not per process: the first such process is reported (exempt
   users, root always included: that report is all) or warned at once, and once `grace` has
@@ -66,7 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypedDict, cast
+from typing import Any, NamedTuple, TypedDict, cast
 
 from gpuguard.compat import StrEnum
 from gpuguard.model import Grant, Origin, Quota, is_slice
@@ -129,6 +130,13 @@ class Timing:
     soft_max_time: bool = False  # past expires_at, revoke only while the queue wants GPUs
 
 
+class Demand(NamedTuple):
+    """What the queue wants beyond the free units (queueing.Queue.demand), for reclaim on demand."""
+
+    short: int = 0                          # how many units it lacks
+    useful: frozenset[int] | None = None    # the units a waiter could have; None: any
+
+
 @dataclass(frozen=True)
 class View:
     """One moment as the watcher saw it."""
@@ -139,6 +147,7 @@ class View:
     exempt: Collection[int] = ()  # root is exempt whether listed or not
     failed: Collection[int] = ()  # minors whose processes could not be read: nothing is known there
     demand: int = 0               # GPUs the queue needs beyond the free ones (reclaim on demand)
+    useful: Collection[int] | None = None  # the units a waiter could have (kinds: whole, slice profiles); None: any
 
     def readable(self) -> View:
         """This view without the failed GPUs' grants and processes."""
@@ -268,6 +277,10 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         for proc in reversed(_oldest_first(procs)):
             term(proc, TIME, expires_at=grant.expires_at)
 
+    def helps(grant: Grant) -> bool:
+        """Whether taking this grant back frees a unit of a kind a waiter takes."""
+        return view.useful is None or grant.minor in view.useful
+
     granted: set[Slot] = set()
     reclaimable: list[tuple[float, Grant, float]] = []  # (idle since, grant, reclaim_after)
     overtime: list[tuple[Grant, list[Proc]]] = []
@@ -280,7 +293,8 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             if not timing.soft_max_time:
                 revoke(grant, procs)
                 continue
-            overtime.append((grant, procs))
+            if helps(grant):
+                overtime.append((grant, procs))
         if grant.expires_at is not None:
             actions.extend(_time_warning(grant, state, now))
         if quota is None:
@@ -290,7 +304,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             if quota.idle_timeout is not None and now - last >= quota.idle_timeout:
                 actions.append(Action(RELEASE, IDLE, grant.uid, grant.minor, None, {
                     "idle": now - last, "idle_timeout": quota.idle_timeout, "last_active": last}))
-            elif quota.reclaim_after is not None and now - last >= quota.reclaim_after:
+            elif quota.reclaim_after is not None and now - last >= quota.reclaim_after and helps(grant):
                 reclaimable.append((last, grant, quota.reclaim_after))
             continue
         if grant.uid not in exempt and not is_slice(grant.minor):  # a slice's memory is bounded in hardware

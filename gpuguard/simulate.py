@@ -334,7 +334,8 @@ class Replay:
     def _view(self) -> rules.View:
         grants = self.store.grants()
         quotas = {g.uid: self._quota(g.user) for g in grants}
-        return rules.View(self._procs(), grants, quotas, demand=self.queue.demand())
+        wanted = self.queue.demand()
+        return rules.View(self._procs(), grants, quotas, demand=wanted.short, useful=wanted.useful)
 
     def _tick(self) -> None:
         view = self._view()

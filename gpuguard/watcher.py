@@ -57,7 +57,7 @@ _SIGNAL = {rules.TERM: signal.SIGTERM, rules.KILL: signal.SIGKILL}
 class Watcher:
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
                  sampler: Sampler, lookup: AccountLookup, notifier: notify.Notifier,
-                 demand: Callable[[], int] = lambda: 0) -> None:
+                 demand: Callable[[], rules.Demand] = rules.Demand) -> None:
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
@@ -65,7 +65,7 @@ class Watcher:
         self.sampler = sampler
         self.lookup = lookup
         self.notifier = notifier
-        self.demand = demand  # GPUs the queue needs beyond the free ones: what reclaim may take
+        self.demand = demand  # what the queue needs beyond the free units: what reclaim may take
         self.state = rules.State()
         self._last_check: float | None = None
         # (hour, uid, minor) -> [granted, busy, idle] seconds not written yet
@@ -137,7 +137,8 @@ class Watcher:
         quotas = {g.uid: self.account_of(g.uid)[1] for g in grants}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
         failed = frozenset(sample.failed) | {g.minor for g in grants if not sample.ok(g.minor)}
-        return rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=self.demand())
+        wanted = self.demand()
+        return rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful)
 
     def _users(self, sample: Sample) -> set[int]:
         """Everyone the rules may judge: grant holders and the owners of the GPU processes."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -11,6 +13,7 @@ import pytest
 from fakes import CAPS_MAJOR, GROUP, FakeGate, World, gpu, mig_slice
 
 from gpuguard import allocator, config, layout, quota_file
+from gpuguard.config import QuotaOverrides
 from gpuguard.model import (
     NVIDIA_MAJOR,
     SLICE_UNITS,
@@ -24,6 +27,7 @@ from gpuguard.model import (
     unit_label,
     unit_parent,
 )
+from gpuguard.rules import Demand
 from gpuguard.store import Store
 
 H100 = 1 << 30
@@ -306,3 +310,20 @@ def test_caps_learned_after_start_open_the_gate_for_the_grants_on_them(tmp_path:
     assert world.gate.entries == {(1001, (NVIDIA_MAJOR, 0))}
     assert _update(world, Layout([piece], frozenset({0})), 5.0) == {}
     assert world.gate.entries == {(1001, (NVIDIA_MAJOR, 0))} | {(1001, (CAPS_MAJOR, cap)) for cap in piece.slice.caps}
+
+
+def test_reclaim_on_demand_frees_only_units_the_waiter_can_have(tmp_path: Path) -> None:
+    world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), mig_slice(1, 1)])
+    world.quota(reclaim_after=60.0)
+    world.config = replace(world.config, quotas=QuotaOverrides(users={"carol": {"whole_gpus": False}}))
+    for name, uid in (("alice", 1001), ("bob", 1002), ("carol", 1003)):
+        world.lookup.add(name, uid, GROUP)
+    piece = mig_slice(1, 1).minor
+    assert world.login(world.lookup.accounts["alice"])["gpus"] == [0]
+    assert world.login(world.lookup.accounts["bob"], pid=4343)["gpus"] == [piece]
+    assert world.login(world.lookup.accounts["carol"], pid=4444)["queue"]["position"] == 1
+    assert world.queue.demand() == Demand(1, frozenset({piece}))  # GPU 0 whole is of no use to carol
+    world.sampler.set([], minors={0, piece})  # both grants idle for an hour
+    actions = asyncio.run(world.watcher.check(world.sampler.last, time.time() + 3600))  # type: ignore[arg-type]
+    assert [(a.kind, a.rule, a.uid) for a in actions] == [("release", "reclaim", 1002)]
+    assert world.held(1001) == [0] and world.held(1003) == [piece]
