@@ -191,11 +191,14 @@ class Grants:
         """Make the nodes of these units (devices_of) exist, 0660 root:root, with an ACL entry for
         exactly the users whose grants reach them and the exempt users; returns what was wrong.
         GPUs this machine no longer has are skipped: no node to manage."""
+        units = list(units)
+        devices = {device for unit in units for device in self.devices_of(unit)}
+        parents = {unit_parent(unit) for unit in units}  # a grant's nodes are all on its own GPU
         users: dict[Device, set[int]] = {}
         for grant in self.store.grants():  # one read, however many nodes
-            for device in self.devices_of(grant.minor):
-                users.setdefault(device, set()).add(grant.uid)
-        devices = {device for unit in units for device in self.devices_of(unit)}
+            if unit_parent(grant.minor) in parents:
+                for device in self.devices_of(grant.minor):
+                    users.setdefault(device, set()).add(grant.uid)
         fixed = []
         for device in sorted(devices):
             if device[0] != NVIDIA_MAJOR or device[1] in self.minors:
