@@ -177,13 +177,15 @@ def test_the_pam_module_puts_the_mig_uuid_in_cuda_visible_devices(start_daemon, 
 
 
 def test_admins_and_users_name_slices_by_label(start_daemon) -> None:
-    d = mig_daemon(start_daemon, {"0": ["1g.18gb", "2g.35gb"]})
+    d = mig_daemon(start_daemon, {"0": ["1g.18gb", "2g.35gb"]},
+                   defaults={"whole_gpus": False, "slice_profiles": ["2g.35gb", "1g.18gb"]})
     alice = d.add_member()
     slices = {g["label"]: g for g in d.call("status")["gpus"]}
     label = next(name for name, g in slices.items() if g["profile"] == "2g.35gb")
     granted = d.cli("grant", alice.name, "--gpu", label)
     assert granted.returncode == 0 and f"granted GPU {label} to {alice.name}" in granted.stdout, granted
     shown = d.cli_as(alice, "whoami").stdout
+    assert "sharing no, MIG slices only, slice profiles 2g.35gb, 1g.18gb\n" in shown
     assert f"  {label} " in shown and f"export CUDA_VISIBLE_DEVICES={slices[label]['uuid']}" in shown
     rows = d.cli("status", "--csv").stdout.splitlines()
     assert any(row.startswith(f"{label},NVIDIA H200 MIG 2g.35gb,{slices[label]['uuid']},") for row in rows), rows
