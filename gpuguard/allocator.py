@@ -56,6 +56,10 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
     quota = quota or Quota()
     held_last = held_last or {}
     grants = list(grants)
+    if all(gpu.slice is None for gpu in gpus) and not any(is_slice(g.minor) for g in grants):
+        # No MIG slices here, nor grants of any: the whole GPUs alone (the common case, kept fast).
+        whole = [gpu for gpu in gpus if suits(gpu, quota)]
+        return _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last)
     # A GPU with a slice held is not free whole, nor a slice of a GPU held whole (a grant the
     # layout has ended, until its revoke is through): they share the GPU's node.
     cut = {unit_parent(g.minor) for g in grants if is_slice(g.minor)}
