@@ -79,6 +79,9 @@ class Snapshot:
     gate_attached: bool | None                 # None: access.mode = acl, no gate
     gate_grants: int | None
     gate_exempt: int | None
+    queue_requests: int = 0                    # requests waiting
+    queue_units: int = 0                       # GPUs (or MIG slices) they ask for
+    queue_oldest: float | None = None          # when the longest-waiting one joined; None: nobody waits
 
 
 @dataclass
@@ -163,6 +166,11 @@ def families(s: Snapshot) -> Iterator[Metric]:
 
     yield GaugeMetricFamily("gpuguard_grants", "GPU grants in force (one per user and GPU)", value=s.grants)
     yield GaugeMetricFamily("gpuguard_sessions", "Open PAM sessions the daemon knows of", value=s.sessions)
+    yield GaugeMetricFamily("gpuguard_queue_requests", "Requests waiting in the queue for GPUs", value=s.queue_requests)
+    yield GaugeMetricFamily("gpuguard_queue_gpus", "GPUs (or MIG slices) the waiting requests ask for",
+                            value=s.queue_units)
+    yield GaugeMetricFamily("gpuguard_queue_oldest_wait_seconds", "How long the longest-waiting request has waited "
+                            "(0 when nobody waits)", value=0.0 if s.queue_oldest is None else max(0.0, s.time - s.queue_oldest))
     yield from _event_families(s.events)
 
     errors = CounterMetricFamily("gpuguard_nvml_errors", "NVML process queries that failed, by GPU", labels=["gpu"])
@@ -284,13 +292,16 @@ class Metrics:
         gate = self.gate
         attached = gate.is_attached() if gate else None
         entries = gate.entries() if gate and attached else set()
+        waiting = [queued.waiter for queued in self.store.queue()]
         self.snapshot = Snapshot(
             time=time.time(), gpus=gpu_states(self.gpus.values(), self.sampler.last, self.store.grants(),
                                            lambda uid: self.account_of(uid)[0]),
             grants=len(self.store.grants()), sessions=len(self.store.sessions()), events=dict(self._events),
             nvml_errors=dict(self.sampler.errors), tick_buckets=tuple(self._ticks.buckets), tick_sum=self._ticks.total,
             gate_attached=attached, gate_grants=len(entries) if gate else None,
-            gate_exempt=len(gate.exempt() - {0}) if gate and attached else (0 if gate else None))
+            gate_exempt=len(gate.exempt() - {0}) if gate and attached else (0 if gate else None),
+            queue_requests=len(waiting), queue_units=sum(w.gpus for w in waiting),
+            queue_oldest=min((w.since for w in waiting), default=None))
         return self.snapshot
 
     async def after_tick(self, tick_seconds: float) -> None:

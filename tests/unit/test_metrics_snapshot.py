@@ -86,3 +86,19 @@ def test_the_job_mapping_names_each_held_gpu_by_index_and_drops_released_ones(tm
     write_job_mapping(tmp_path, files)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["5", "notes"]
     assert (tmp_path / "5").read_text() == "alice\nbob\n"
+
+
+def test_the_queue_is_exported_with_its_size_and_oldest_wait(world):
+    metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
+                      world.watcher.account_of)
+    metrics.publish(0.01)
+    m = exposition(metrics)
+    assert [m[(name, frozenset())] for name in ("gpuguard_queue_requests", "gpuguard_queue_gpus",
+                                                "gpuguard_queue_oldest_wait_seconds")] == [0, 0, 0]
+    for uid in range(1001, 1006):  # four GPUs: the fifth login waits
+        world.login(world.lookup.add(f"user{uid}", uid, GROUP), pid=uid)
+    (waiting,) = world.store.queue()
+    metrics.publish(0.01)
+    m = exposition(metrics)
+    assert m[("gpuguard_queue_requests", frozenset())] == 1 and m[("gpuguard_queue_gpus", frozenset())] == 1
+    assert m[("gpuguard_queue_oldest_wait_seconds", frozenset())] == metrics.snapshot.time - waiting.waiter.since
