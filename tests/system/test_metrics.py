@@ -56,6 +56,7 @@ def test_a_scrape_shows_holders_memory_watcher_actions_and_the_gate(start_daemon
         assert value(s, "gpuguard_grant_age_seconds", gpu=str(minor), user=alice.name) >= 0
         assert value(s, "gpuguard_gpu_up", gpu=str(minor)) == 1
         assert value(s, "gpuguard_grants") == 1 and value(s, "gpuguard_sessions") == 1
+        assert value(s, "gpuguard_queue_requests") == 0 and value(s, "gpuguard_queue_oldest_wait_seconds") == 0
         assert value(s, "gpuguard_gate_attached") == 1
         assert value(s, "gpuguard_gate_map_entries", map="grants") == 1
         assert value(s, "gpuguard_watcher_tick_seconds_count") >= 1
