@@ -56,21 +56,22 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
     quota = quota or Quota()
     held_last = held_last or {}
     grants = list(grants)
-    if all(gpu.slice is None for gpu in gpus) and not any(is_slice(g.minor) for g in grants):
-        # No MIG slices here, nor grants of any: the whole GPUs alone (the common case, kept fast).
-        whole = [gpu for gpu in gpus if suits(gpu, quota)]
-        return _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last)
-    # A GPU with a slice held is not free whole, nor a slice of a GPU held whole (a grant the
-    # layout has ended, until its revoke is through): they share the GPU's node.
-    cut = {unit_parent(g.minor) for g in grants if is_slice(g.minor)}
-    held_whole = {g.minor for g in grants if not is_slice(g.minor)}
     suitable = [gpu for gpu in gpus if suits(gpu, quota)]
-    whole = [gpu for gpu in suitable if gpu.slice is None and gpu.minor not in cut]
+    whole = [gpu for gpu in suitable if gpu.slice is None]
+    slices = [gpu for gpu in suitable if gpu.slice is not None]
+    sliced = [g for g in grants if is_slice(g.minor)]
+    if sliced:  # a GPU with a slice held is not free whole (its node is the slice holder's too)
+        cut = {unit_parent(g.minor) for g in sliced}
+        whole = [gpu for gpu in whole if gpu.minor not in cut]
     chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last)
+    if not slices:  # no MIG here: the common case stops here
+        return chosen
+    # Nor is a slice free on a GPU held whole (a grant the layout has ended, until its revoke is through).
+    held_whole = {g.minor for g in grants if not is_slice(g.minor)}
+    slices = [gpu for gpu in slices if gpu.slice is not None and gpu.slice.parent not in held_whole]
     room = count - len(chosen)
     if quota.slices is not None:
-        room = min(room, quota.slices - sum(1 for g in grants if g.uid == uid and is_slice(g.minor)))
-    slices = [gpu for gpu in suitable if gpu.slice is not None and gpu.slice.parent not in held_whole]
+        room = min(room, quota.slices - sum(1 for g in sliced if g.uid == uid))
     return tuple(sorted(chosen + _choose_slices(slices, grants, last_released, uid, room, quota.slice_profiles,
                                                 held_last)))
 
