@@ -96,10 +96,8 @@ class Daemon:
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         first_layout = self.backend.layout()
         gpus = {gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]}
-        physical = {minor for minor, gpu in gpus.items() if gpu.slice is None}
-        self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir),
-                             physical | driver_minors(self.config), gpus=gpus, topology=self.backend.topology(),
-                             caps_major=caps_major(self.config))
+        self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir), driver_minors(self.config),
+                             gpus=gpus, topology=self.backend.topology(), caps_major=caps_major(self.config))
         systemd.status("starting: attaching the gate and restoring grants")
         self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
         exempt = self.exempt.compute()

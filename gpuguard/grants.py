@@ -29,7 +29,7 @@ from gpuguard.allocator import Topology
 from gpuguard.backends.gate import Entry, Gate
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
-from gpuguard.model import NVIDIA_MAJOR, Event, Gpu, Grant, Origin, Quota, is_slice, unit_parent
+from gpuguard.model import NVIDIA_MAJOR, Device, Event, Gpu, Grant, Origin, Quota, is_slice, unit_parent
 from gpuguard.store import Store
 
 if TYPE_CHECKING:
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 _NODE = re.compile(r"nvidia(\d+)")
 _CAP_NODE = re.compile(r"nvidia-cap(\d+)")
-Device = tuple[int, int]  # (major, minor) of a character device node
 
 
 class Nodes(Protocol):
@@ -58,13 +57,15 @@ class Grants:
         self.store = store
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
         self.nodes = nodes
-        self.minors = frozenset(minors)  # the GPUs this machine has: only their nodes are managed
         self.caps_major = caps_major
         # The GPUs NVML could read at start and how they are linked: fixed while the driver stays
         # loaded (a GPU that falls off the bus shows as NVML errors in the tick, not as a smaller
         # inventory). Only their MIG mode and slices change (update_layout).
         units = list((gpus or {}).values())
         self.physical: dict[int, Gpu] = {gpu.minor: gpu for gpu in units if gpu.slice is None}
+        # The GPUs this machine has, only whose nodes are managed: the driver's (`minors`, also
+        # those NVML cannot read) and every one NVML reads.
+        self.minors = frozenset(minors) | self.physical.keys()
         self.topology: Topology = dict(topology or {})
         # Each slice's capability minors as last seen: fixed for its (GPU, GI, CI) place while the
         # driver stays loaded, so a grant on a slice that has just vanished is still closed fully.

@@ -18,6 +18,7 @@ from enum import IntEnum
 from gpuguard.compat import StrEnum
 
 NVIDIA_MAJOR = 195
+Device = tuple[int, int]  # (major, minor) of a character device node
 
 # Unit numbers of MIG slices: SLICE_UNITS + (parent * GI_SLOTS + gi) * CI_SLOTS + ci. GPU
 # instance ids run 0..14 and compute instance ids 0..7 (the driver's mig-minors table).

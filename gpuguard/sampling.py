@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuguard.backends import procfs, signals
 from gpuguard.logs import event
-from gpuguard.model import GpuProcess, GpuUse
+from gpuguard.model import Device, GpuProcess, GpuUse
 
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import MigLayout
@@ -125,8 +125,6 @@ class Holder(NamedTuple):
     uid: int
     minor: int  # the unit
 
-
-Device = tuple[int, int]
 
 
 def node_holders(units: Iterable[int], uids: Collection[int],

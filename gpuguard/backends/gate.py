@@ -64,7 +64,7 @@ from gpuguard.backends.bpf_asm import (
 )
 from gpuguard.backends.mounts import BPFFS, cgroup2_root, ensure_bpffs
 from gpuguard.backends.procfs import char_major
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.model import NVIDIA_MAJOR, Device
 
 # --- the device program ------------------------------------------------------------------------
 
@@ -87,7 +87,7 @@ class DeviceRange:
         if not (0 <= self.major < 1 << 12 and 0 <= self.first <= self.last <= MINOR_MAX):
             raise ValueError(f"bad device range {self}")
 
-    def covers(self, dev: tuple[int, int]) -> bool:
+    def covers(self, dev: Device) -> bool:
         return dev[0] == self.major and self.first <= dev[1] <= self.last
 
     def __str__(self) -> str:
@@ -179,7 +179,7 @@ _EXEMPT_KEY = struct.Struct("<I")
 
 PINS = ("prog", "grants", "exempt")
 
-Entry = tuple[int, tuple[int, int]]  # (uid, (major, minor)): one grant in the map
+Entry = tuple[int, Device]  # (uid, (major, minor)): one grant in the map
 
 
 def object_name(name: str) -> str:
@@ -198,7 +198,7 @@ def _built_from(prog_fd: int, code: bytes) -> bool:
     return tag in (hashlib.sha256(code).digest()[:8], hashlib.sha1(code).digest()[:8])
 
 
-def _dev_code(dev: tuple[int, int]) -> int:
+def _dev_code(dev: Device) -> int:
     major, minor = dev
     return major << MINOR_BITS | minor
 
@@ -376,14 +376,14 @@ class Gate:
 
     # grants and exemptions
 
-    def grant(self, uid: int, dev: tuple[int, int]) -> None:
+    def grant(self, uid: int, dev: Device) -> None:
         self._check_managed(dev)
         try:
             bpf.map_update(self._need("grants"), _GRANT_KEY.pack(uid, _dev_code(dev)), b"\1")
         except OSError as exc:
             raise bpf.error(f"granting {dev[0]}:{dev[1]} to uid {uid} failed", exc) from None
 
-    def revoke(self, uid: int, dev: tuple[int, int]) -> None:
+    def revoke(self, uid: int, dev: Device) -> None:
         """Remove a grant (no error when absent). Processes that hold the node keep it open."""
         try:
             bpf.map_delete(self._need("grants"), _GRANT_KEY.pack(uid, _dev_code(dev)))
@@ -460,7 +460,7 @@ class Gate:
             raise GateError(f"gate {self.name!r} is not loaded (run `gpuguard gate attach`)")
         return self._fds[what]
 
-    def _check_managed(self, dev: tuple[int, int]) -> None:
+    def _check_managed(self, dev: Device) -> None:
         if not any(r.covers(dev) for r in self.managed):
             raise ValueError(f"{dev[0]}:{dev[1]} is not managed by gate {self.name!r}")
 

@@ -6,7 +6,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from gpuguard.backends import devnodes
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.model import NVIDIA_MAJOR, Device
 
 
 class AclNodes:
@@ -17,13 +17,13 @@ class AclNodes:
     def __init__(self, device_dir: Path):
         self.device_dir = Path(device_dir)
 
-    def path(self, device: tuple[int, int]) -> Path:
+    def path(self, device: Device) -> Path:
         major, minor = device
         if major == NVIDIA_MAJOR:
             return devnodes.gpu_node(self.device_dir, minor)
         return devnodes.caps_node(self.device_dir, minor)
 
-    def sync(self, device: tuple[int, int], users: Collection[int]) -> list[str]:
+    def sync(self, device: Device, users: Collection[int]) -> list[str]:
         path = self.path(device)
         if device[0] != NVIDIA_MAJOR:
             path.parent.mkdir(mode=0o755, exist_ok=True)
