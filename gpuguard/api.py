@@ -167,12 +167,13 @@ class Api:
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
-        if not store.sessions(account.uid):  # a login's place in the queue ends with its last session
+        last = not store.sessions(account.uid)
+        if last:  # a login's place in the queue ends with its last session
             self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == Origin.SESSION)
         # Only the close that ended the user's last session starts the release check: a close of a
         # session already gone (dropped by the tick after its caller died, or never known) changes
         # nothing the tick will not see, and each check costs a GPU sample and a /proc scan.
-        pending = bool(held) and closed is not None and not store.sessions(account.uid)
+        pending = bool(held) and closed is not None and last
         if pending:  # checked in the background: the PAM module's reply waits for no NVML, no /proc
             self.logout.after_logout(account.uid, lambda: self.sampler.take_or_log("grants kept until a good sample"))
         return protocol.ok(closed=closed is not None, held=sorted(held), release_pending=pending)

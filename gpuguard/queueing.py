@@ -106,8 +106,10 @@ class Queue:
         its kind (allocator.suits), so the waiters are served in turn on paper: allocator.choose
         over the grants plus what those before them got."""
         waiting = self.store.queue()
+        if not waiting:  # the usual case: no grants to read
+            return rules.Demand()
         units = list(self.grants.gpus.values())
-        if not waiting or all(gpu.slice is None for gpu in units):
+        if all(gpu.slice is None for gpu in units):
             return rules.Demand(scheduler.demand((q.waiter for q in waiting), self.free()))
         grants = self.store.grants()
         short, useful = 0, set()
@@ -128,6 +130,8 @@ class Queue:
         self._dispatching = True
         try:
             ordered = self.ordered(now)
+            if not ordered:  # nobody waits: nothing to count
+                return []
             entries = {q.waiter.id: q for q in ordered}
             free = self.free()  # counted again after each grant: the cheap answer for a long queue
 
