@@ -26,7 +26,7 @@ from gpuguard.holders import HolderEnder, Scan
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
-from gpuguard.messages import grant_message, number_list, queue_message, unit_list
+from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
 from gpuguard.model import Grant, Origin, Quota
 from gpuguard.queueing import Queue, Standing
 from gpuguard.sampling import Sampler
@@ -350,11 +350,9 @@ class Api:
         future = self._waiting.get(waiter.id)
         if future is not None and not future.done():
             future.set_result(minors)
-        held = self.store.grants(waiter.uid)
-        reply = self._grant_reply(held)
         waited = format_duration(max(0, round(time.time() - waiter.since)))
-        text = (f"{reply['message'].replace(' - run gpuguard whoami for details', '')} (from the queue, after "
-                f"{waited})\r\nexport CUDA_VISIBLE_DEVICES={reply['cuda_visible_devices']}")
+        reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})")
+        text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
         self.notifier.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
     async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
@@ -484,15 +482,16 @@ class Api:
         gpu = self.grants.gpus.get(grant.minor)
         return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None}
 
-    def _grant_reply(self, held: list[Grant], wanted: int | None = None) -> dict[str, Any]:
-        """gpus, cuda_visible_devices and the one-line message for what a user holds."""
+    def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT) -> dict[str, Any]:
+        """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message)."""
         gpus = [self.grants.gpus[g.minor] for g in held if g.minor in self.grants.gpus]
         if not gpus:
             return {"gpus": [], "cuda_visible_devices": "", "message": ""}
         expiries = [g.expires_at for g in held if g.expires_at is not None]
         return {"gpus": [gpu.minor for gpu in gpus],
                 "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
-                "message": grant_message(gpus, min(expiries, default=None), any(g.shared for g in held), wanted)}
+                "message": grant_message(gpus, min(expiries, default=None), any(g.shared for g in held), wanted,
+                                         ending)}
 
     # --- who is asking (NSS, off the event loop)
 

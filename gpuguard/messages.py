@@ -9,15 +9,19 @@ from gpuguard.model import Gpu, unit_label
 from gpuguard.rules import Action
 from gpuguard.units import format_duration, format_size
 
+WHOAMI_HINT = " - run gpuguard whoami for details"
 
-def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wanted: int | None = None) -> str:
-    """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`"""
+
+def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wanted: int | None = None,
+                  ending: str = WHOAMI_HINT) -> str:
+    """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`
+    (`ending` replaces the part after "yours ...")."""
     names = ", ".join(sorted({gpu.name for gpu in gpus})) + (", shared" if shared else "")
     several = len(gpus) > 1
     subject = f"GPU{'s' if several else ''} {unit_list(gpu.minor for gpu in gpus)} ({names})"
     until = f" until {clock(expires_at)}" if expires_at is not None else ""
     short = f" ({len(gpus)} of {wanted}: no more free)" if wanted and len(gpus) < wanted else ""
-    return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short} - run gpuguard whoami for details"
+    return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short}{ending}"
 
 
 def cuda_export(uuids: Iterable[str]) -> str:
@@ -61,12 +65,13 @@ def layout_message(whys: Iterable[str]) -> str:
             "gpuguard request gets you another - gpuguard whoami for details")
 
 
-def queue_message(position: int, waiting: int, gpus: int, estimate: float | None) -> str:
-    """`gpuguard: no GPU is free right now; you are number 2 of 3 in the queue for 1 GPU ...`"""
+def queue_message(position: int, waiting: int, gpus: int, estimate: float | None,
+                  then: str = "you will be told here when it is yours") -> str:
+    """`gpuguard: no GPU is free right now; you are number 2 of 3 in the queue for 1 GPU ...`
+    (`then`: what happens next; a client that blocks until its turn says "waiting")."""
     when = f" (expected by {clock(estimate)})" if estimate is not None else ""
     return (f"gpuguard: no GPU is free right now; you are number {position} of {waiting} in the queue for "
-            f"{gpus} GPU{'s' if gpus != 1 else ''}{when}; you will be told here when it is yours - "
-            "gpuguard whoami shows the queue")
+            f"{gpus} GPU{'s' if gpus != 1 else ''}{when}; {then} - gpuguard whoami shows the queue")
 
 
 HINT = "see gpuguard whoami"

@@ -117,8 +117,8 @@ def run_request(args: argparse.Namespace) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
     reply = ask(args, "request", gpus=args.gpus, wait=args.wait or None)
     if reply.get("queued"):
-        print(queue_message(reply["position"], reply["waiting"], reply["gpus"], reply["estimate"])
-              .replace("you will be told here when it is yours", "waiting"), file=sys.stderr, flush=True)
+        print(queue_message(reply["position"], reply["waiting"], reply["gpus"], reply["estimate"], then="waiting"),
+              file=sys.stderr, flush=True)
         reply = _wait(args, reply["ticket"], deadline)
     if args.json:
         print_json(reply)
