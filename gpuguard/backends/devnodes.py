@@ -15,7 +15,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from gpuguard.backends.posix_acl import acl_users, apply_acls
+from gpuguard.backends.posix_acl import acl_entries, apply_acls, named_users
 from gpuguard.backends.procfs import char_major
 from gpuguard.model import NVIDIA_MAJOR
 
@@ -107,8 +107,9 @@ def sync_gpu_node(path: Path, dev: tuple[int, int], uids: Iterable[int]) -> list
         apply_acls(path, uids)
         return [f"{path}: missing or not the device"]
     wrong = set_base_mode(path)
-    before = acl_users(path)
-    if apply_acls(path, uids):
+    current = acl_entries(path)
+    before = named_users(current)
+    if apply_acls(path, uids, current):
         wrong.append(f"ACL users {sorted(before)} instead of {sorted(uids)}" if before != uids
                      else "ACL entries")
     return [f"{path}: {what}" for what in wrong]

@@ -38,16 +38,22 @@ def acl_entries(path: str | os.PathLike) -> list[Entry]:
 
 def acl_users(path: str | os.PathLike) -> set[int]:
     """Uids with a named ACL entry on the node."""
-    return {uid for tag, _, uid in acl_entries(path) if tag == USER}
+    return named_users(acl_entries(path))
 
 
-def apply_acls(path: str | os.PathLike, uids: Iterable[int]) -> bool:
+def named_users(entries: Iterable[Entry]) -> set[int]:
+    return {uid for tag, _, uid in entries if tag == USER}
+
+
+def apply_acls(path: str | os.PathLike, uids: Iterable[int], current: list[Entry] | None = None) -> bool:
     """Give exactly these uids rw on the node (the minimal 3-entry ACL when there are none);
-    True when something had to be written.
+    True when something had to be written. current: the node's entries as the caller has just
+    read them (acl_entries), so they are not read twice.
 
     The owner, group and other entries are kept as they are; named groups are dropped.
     """
-    current = acl_entries(path)
+    if current is None:
+        current = acl_entries(path)
     base = {tag: perm for tag, perm, _ in current if tag in (USER_OBJ, GROUP_OBJ, OTHER)}
     users = sorted(set(uids))
     wanted = [(USER_OBJ, base[USER_OBJ], UNDEFINED_ID), *[(USER, RW, uid) for uid in users],
