@@ -54,19 +54,23 @@ class Queue:
         return {uid: scheduler.recent_usage(stored.get(uid), grants, now, half_life) for uid, grants in held.items()}
 
     def ordered(self, now: float) -> list[Queued]:
+        return self._ordered(now)[0]
+
+    def _ordered(self, now: float) -> tuple[list[Queued], dict[int, float]]:
+        """The waiters in the order they are served, and the recent usage that ordered them."""
         entries = {q.waiter.id: q for q in self.store.queue()}
         if not entries:
-            return []
+            return [], {}
         usage = self.usage(now, {q.waiter.uid for q in entries.values()})
-        return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage)]
+        return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage)], usage
 
     def standing(self, uid: int, now: float) -> Standing | None:
-        ordered = self.ordered(now)
+        ordered, usage = self._ordered(now)
         waiters = [q.waiter for q in ordered]
         place = scheduler.position(waiters, uid)
         if place is None:
             return None
-        mine, usage = waiters[place - 1], self.usage(now, {w.uid for w in waiters})
+        mine = waiters[place - 1]
         ahead = [(w.user, scheduler.why_ahead(w, mine, usage)) for w in reversed(waiters[:place - 1])]
         need = sum(w.gpus for w in waiters[:place]) - self.free()
         expiries = [g.expires_at for g in self.store.grants() if g.expires_at is not None]
