@@ -5,7 +5,7 @@
   that plus a logged-out user whose process holds the node without a CUDA context (NVML does not
   list it: the release check finds it every tick).
 - gpuguard's own part of a tick, 8 GPUs x 50 processes: Daemon.tick() in this process less the
-  time spent inside the simulated NVML (its process and its use queries), against the issue's
+  time spent inside the simulated NVML (its process, use and MIG layout queries), against the issue's
   budget of 5 ms.
 - metrics snapshot per tick, on the same daemon: what the tick adds on the event loop when
   metrics are on (store reads, the gate's maps, the frozen snapshot a scrape reads), against
@@ -164,12 +164,14 @@ def own_tick_rows(bench: Bench) -> None:
             gpu_processes(bench, stack, user, config.paths.device_dir, minor, count=50)
         nvml = _time_calls(daemon.backend, "query_processes")
         nvml_use = _time_calls(daemon.backend, "use")  # memory and utilisation per GPU, for status and metrics
+        nvml_layout = _time_calls(daemon.backend, "layout")  # MIG modes and slices, read at every sample
         ticks = 20
 
         async def run() -> float:
             await daemon.tick()  # the first builds the watcher's state
             nvml.clear()
             nvml_use.clear()
+            nvml_layout.clear()
             start = time.perf_counter()
             for _ in range(ticks):
                 await daemon.tick()
@@ -178,7 +180,7 @@ def own_tick_rows(bench: Bench) -> None:
         total = asyncio.run(run())
         sample = statistics.median(nvml)
         snapshot = per_call(lambda: daemon.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
-    own = (total - sum(nvml) - sum(nvml_use)) / ticks
+    own = (total - sum(nvml) - sum(nvml_use) - sum(nvml_layout)) / ticks
     row("gpuguard's own part of a tick, 8 GPUs x 50 processes", own, 0.005, 1.0, "budget: 5 ms")
     row("metrics snapshot per tick, 8 GPUs x 50 processes", snapshot, sample, 0.5, "the simulated NVML sample")
 
