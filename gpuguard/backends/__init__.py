@@ -2,9 +2,17 @@
 no ctypes) because every CLI command imports it for the backends' errors; backends load on demand."""
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from gpuguard.errors import GpuguardError
+
+# The Debian package runs gpuguard from dist-packages on Debian's libraries, and carries
+# nvidia-ml-py (pynvml), which Debian does not ship, in a directory of its own: only that install
+# looks there (a checkout or venv never does), before anything else, so it runs the pynvml it was built with.
+DEBIAN_VENDOR_DIR = "/usr/lib/gpuguard/vendor"
+if __file__.startswith("/usr/lib/python3/dist-packages/") and DEBIAN_VENDOR_DIR not in sys.path:
+    sys.path.insert(0, DEBIAN_VENDOR_DIR)
 
 if TYPE_CHECKING:
     from gpuguard.backends.gate import Gate
