@@ -59,9 +59,8 @@ deps: build-deps
 $(PY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# compat: a plain path in a .pth; the default editable finder adds ~12 ms to every Python start,
-	# the pam_exec hook's at each login included.
-	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+	# Editable: a plain path in a .pth (pyproject.toml's package-dir says why).
+	$(PY) -m pip install -q -e '.[test]'
 	@touch $(PY)
 
 venv: $(PY)

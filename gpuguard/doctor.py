@@ -155,13 +155,13 @@ def check_modprobe(f: Facts) -> Finding:
             return Finding("modprobe", WARN, "nvidia not loaded; NVreg_ModifyDeviceFiles=0 is set for its next load",
                            "load the driver (modprobe nvidia) and run gpuguard doctor again")
         return Finding("modprobe", FAIL, "no modprobe.d file sets NVreg_ModifyDeviceFiles=0",
-                       "install /usr/lib/modprobe.d/gpuguard.conf (the package does)")
+                       "gpuguard enable (it links /etc/modprobe.d/gpuguard.conf)")
     if f.modprobe_option:
         return Finding("modprobe", FAIL, f"nvidia was loaded with ModifyDeviceFiles={f.modify_device_files}: "
                                          "nvidia-modprobe may reset GPU nodes to 0666",
                        "reboot, or unload and reload the nvidia modules, so the option takes effect")
     return Finding("modprobe", FAIL, f"ModifyDeviceFiles={f.modify_device_files} and no modprobe.d file sets 0",
-                   "install /usr/lib/modprobe.d/gpuguard.conf, then reboot")
+                   "gpuguard enable (it links /etc/modprobe.d/gpuguard.conf), then reboot")
 
 
 def check_pam(f: Facts) -> Finding:
@@ -185,7 +185,7 @@ def check_udev(f: Facts) -> Finding:
     if f.udev_rules:
         return Finding("udev", OK, f"{', '.join(f.udev_rules)} runs gpuguard acl apply")
     return Finding("udev", FAIL, "no udev rule runs gpuguard acl apply when the driver loads",
-                   "install /usr/lib/udev/rules.d/70-gpuguard.rules (the package does)")
+                   "gpuguard enable (it links /etc/udev/rules.d/70-gpuguard.rules)")
 
 
 def check_persistenced(f: Facts) -> Finding:
