@@ -199,12 +199,21 @@ def test_unit_is_type_notify_and_runs_the_installed_daemon() -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_has_nothing_to_say(sandbox) -> None:
-    """verify also checks that ExecStart's program exists: the copy it reads runs this checkout's
-    gpuguard instead of the package's (test_unit_is_type_notify_and_runs_the_installed_daemon
-    checks that path)."""
+    """verify also checks that ExecStart's program exists, and that `man` finds each man: page of
+    Documentation=: the copy it reads runs this checkout's gpuguard instead of the package's
+    (test_unit_is_type_notify_and_runs_the_installed_daemon checks that path), and MANPATH holds
+    the pages packaging/manpages.py makes."""
     unit = sandbox / UNIT.name  # verify loads the unit from a directory of its own
     unit.write_text(UNIT.read_text().replace(installed_gpuguard(), str(BIN / "gpuguard")))
-    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=120)
+    built = sandbox / "built"
+    subprocess.run([str(BIN / "python"), str(REPO / "packaging/manpages.py"), str(built)], check=True,
+                   env={"PYTHONPATH": str(REPO)}, timeout=120)
+    for page in built.iterdir():
+        section = sandbox / "man" / f"man{page.suffix[1:]}"
+        section.mkdir(parents=True, exist_ok=True)
+        page.rename(section / page.name)
+    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "MANPATH": str(sandbox / "man")})
     # verify exits 0 even on unknown keys or bad values: any message at all is a finding.
     assert (result.returncode, result.stdout, result.stderr) == (0, "", ""), result
 
