@@ -59,7 +59,7 @@ def test_login_me_page_refusal_and_hostile_strings(start_daemon, web, browser):
     hostile_tty = "<b id=ggt-bold>pts/1</b>"
     caller = daemon.caller()
     opened = daemon.call("session_open", user=alice.name, service="ggt-test", rhost=hostile_host,
-                         tty=hostile_tty, pid=caller.pid)
+                         tty=hostile_tty, pid=caller.pid, grant="always")
     (minor,) = opened["gpus"]
     site = web.start(daemon)
 
