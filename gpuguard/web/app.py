@@ -95,6 +95,15 @@ class Web:
         return [views.server_view(s.name, s.status, s.error, now, viewer, self.config.show_users)
                 for s in fetched], now
 
+    async def grid(self, viewer: views.Viewer) -> str:
+        """The grid's HTML, rendered once per memo window for all who see the same names."""
+        key = ("grid",) if self.config.show_users else ("grid", viewer.user, viewer.admin)
+        return await self.memo.get(key, lambda: self._render_grid(viewer))
+
+    async def _render_grid(self, viewer: views.Viewer) -> str:
+        servers, now = await self.servers(viewer)
+        return pages.grid(servers, now)
+
     async def whoami(self, user: str) -> dict[str, dict[str, Any]]:
         return await self.memo.get(("whoami", user), lambda: self.source.whoami(user))
 
@@ -119,12 +128,10 @@ class Web:
 
     async def now(self, request: web.Request) -> web.Response:
         viewer = await self.viewer(request)
-        servers, now = await self.servers(viewer)
-        return self.page(request, viewer, "Now", pages.now_page(servers, now))
+        return self.page(request, viewer, "Now", pages.now_page(await self.grid(viewer)))
 
     async def now_fragment(self, request: web.Request) -> web.Response:
-        servers, now = await self.servers(await self.viewer(request))
-        return _fragment(pages.grid(servers, now))
+        return _fragment(await self.grid(await self.viewer(request)))
 
     async def queue_page(self, request: web.Request) -> web.Response:
         viewer = await self.viewer(request)

@@ -9,13 +9,13 @@ header nav a[aria-current]{color:#fff;font-weight:600}
 header .logout{margin-left:auto}header .who{margin-right:.6em}
 main{padding:0 1em 2em}h2 small{font-weight:400;color:#57606a;font-size:.7em}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(210px,1fr));gap:.5em}
-.cell-key{border-left:6px solid;padding:0 .5em;margin-right:.5em}
-.cell{border:1px solid #d0d7de;border-left:6px solid #999;border-radius:4px;background:#fff;padding:.4em .6em}
-.state-free{border-left-color:#2da44e}.state-held{border-left-color:#0969da}
-.state-idle{border-left-color:#bf8700;background:#fff8e1}.state-over{border-left-color:#cf222e;background:#ffebe9}
-.state-drained{border-left-color:#6e7781;background:#eaeef2}.state-other{border-left-color:#8250df;background:#f5f0ff}
-.head{display:flex;justify-content:space-between}.label{font-weight:600}.state{color:#57606a}
-.model,.numbers{color:#57606a;font-size:.9em}.user{font-weight:600}meter{width:100%}
+.cell{border:1px solid #d0d7de;border-left:6px solid #999;border-radius:4px;background:#fff;padding:.4em .6em;
+color:#57606a;font-size:.9em}.cell b{color:#1b1f24}.cell i{float:right;font-style:normal}.cell p{margin:.2em 0}
+.key{border-left:6px solid #999;padding:0 .5em;margin-right:.5em}
+[data-state=free]{border-left-color:#2da44e}[data-state=held]{border-left-color:#0969da}
+[data-state=idle]{border-left-color:#bf8700;background:#fff8e1}[data-state=over]{border-left-color:#cf222e;background:#ffebe9}
+[data-state=drained]{border-left-color:#6e7781;background:#eaeef2}[data-state=other]{border-left-color:#8250df;background:#f5f0ff}
+.user{font-weight:600;color:#1b1f24}meter{width:100%}
 .cmd{font-family:monospace}.error,.warn{color:#cf222e}.stamp{color:#57606a}
 table{border-collapse:collapse;background:#fff}td,th{border:1px solid #d0d7de;padding:.25em .5em;text-align:left}
 pre.lines{background:#1b1f24;color:#e6edf3;padding:.6em;border-radius:4px;overflow-x:auto}

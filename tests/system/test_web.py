@@ -42,7 +42,7 @@ def test_grid_shows_a_grant_live(start_daemon, web, browser):
 
     WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "0").get_attribute("data-state") == "held")
     assert browser.execute_script("return window.ggtSamePage") is True
-    assert alice.name in cell(browser, "0").find_element(By.CSS_SELECTOR, ".holder .user").text
+    assert alice.name in cell(browser, "0").find_element(By.CSS_SELECTOR, ".user").text
     assert cell(browser, "1").get_attribute("data-state") == "free"
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(ARTEFACTS / "web-now.png"))
