@@ -129,6 +129,8 @@ install: pam man
 	ln -sfn $(APPDIR)/bin/gpuguard $(DESTDIR)$(PREFIX)/bin/gpuguard
 	$(MAKE) -C pam install DESTDIR=$(DESTDIR)
 	install -D -m 0644 etc/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard.service
+	install -D -m 0644 etc/gpuguard-web.service $(DESTDIR)$(UNITDIR)/gpuguard-web.service
+	[ -e $(DESTDIR)$(SYSCONFDIR)/pam.d/gpuguard-web ] || install -D -m 0644 etc/pam.d/gpuguard-web $(DESTDIR)$(SYSCONFDIR)/pam.d/gpuguard-web
 	install -D -m 0644 etc/modprobe.d/gpuguard.conf $(DESTDIR)$(MODPROBEDIR)/gpuguard.conf
 	install -D -m 0644 udev/70-gpuguard.rules $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules
 	install -D -m 0644 build/gpuguard.1 $(DESTDIR)$(MANDIR)/man1/gpuguard.1
@@ -143,7 +145,7 @@ install: pam man
 # run `gpuguard gate detach` first to open the GPUs (the gate outlives the daemon).
 uninstall:
 	rm -rf $(DESTDIR)$(APPDIR)
-	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service \
+	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard-web.service \
 		$(DESTDIR)$(MODPROBEDIR)/gpuguard.conf $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules \
 		$(DESTDIR)$(MANDIR)/man1/gpuguard.1 $(DESTDIR)$(BASHCOMPDIR)/gpuguard
 	$(MAKE) -C pam uninstall DESTDIR=$(DESTDIR)

@@ -30,6 +30,8 @@ make -s -C "$repo/pam" pam_gpuguard.so
 install -D -m 0644 "$repo/pam/pam_gpuguard.so" "$root/usr/lib/$multiarch/security/pam_gpuguard.so"
 install -D -m 0644 "$repo/pam/gpuguard" "$root/usr/share/pam-configs/gpuguard"
 install -D -m 0644 "$repo/etc/gpuguard.service" "$root/usr/lib/systemd/system/gpuguard.service"
+install -D -m 0644 "$repo/etc/gpuguard-web.service" "$root/usr/lib/systemd/system/gpuguard-web.service"
+install -D -m 0644 "$repo/etc/pam.d/gpuguard-web" "$root/etc/pam.d/gpuguard-web"
 install -D -m 0644 "$repo/udev/70-gpuguard.rules" "$root/usr/lib/udev/rules.d/70-gpuguard.rules"
 install -D -m 0644 "$repo/etc/modprobe.d/gpuguard.conf" "$root/usr/lib/modprobe.d/gpuguard.conf"
 install -D -m 0644 "$repo/etc/gpuguard.toml" "$root/etc/gpuguard/gpuguard.toml"
