@@ -30,6 +30,7 @@ from gpuguard.web.svg import usage_chart
 LOGINS_AT_ONCE = 2          # PAM conversations in flight (each a thread; a failure sleeps ~2 s in pam_faildelay)
 MAX_BODY = 8 * 1024         # a login form is a few hundred bytes
 MAX_REASONS = 50            # queue places whose reasons are asked for, per server
+MEMO_AGE = 1.0             # seconds a daemon's answer (and the grid made of it) is kept for every browser
 MAX_PERIOD_DAYS = 366
 DEFAULT_PERIOD_DAYS = 30
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -49,7 +50,7 @@ class Web:
     authenticate: Authenticate
     groups_of: GroupsOf
     clock: Callable[[], float] = time.time
-    memo: Memo = field(default_factory=lambda: Memo(1.0))
+    memo: Memo = field(default_factory=lambda: Memo(MEMO_AGE))
     roles: Memo = field(default_factory=lambda: Memo(30.0))
     limit: LoginLimit = field(default_factory=LoginLimit)
     logins: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOGINS_AT_ONCE))
