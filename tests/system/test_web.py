@@ -29,12 +29,19 @@ def log_in(driver, url: str, user: str, password: str) -> None:
     driver.find_element(By.CSS_SELECTOR, "form.login button").click()
 
 
-def test_grid_shows_a_grant_live(start_daemon, web, browser):
-    daemon = start_daemon(web=web.prepare())
-    alice = daemon.add_member()
+def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
+    daemon = start_daemon(web=web.prepare(), defaults={"gpu_memory": "4GiB"})
+    alice, bob, carol = daemon.add_member(), daemon.add_member(), daemon.add_member()
+    daemon.call("grant", user=bob.name, minors=[1])
+    daemon.call("grant", user=carol.name, minors=[2])
+    burns(daemon.config_path, 1, "2GiB", user=bob)
+    burns(daemon.config_path, 2, "6GiB", user=carol)  # over carol's 4 GiB quota
     site = web.start(daemon)
     browser.get(site.url + "/")
+    WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "2").get_attribute("data-state") == "over")
     assert cell(browser, "0").get_attribute("data-state") == "free"
+    assert cell(browser, "1").get_attribute("data-state") == "held"
+    assert "1 proc" in cell(browser, "1").text and "of 4GiB" in cell(browser, "1").text
     assert len(browser.find_elements(By.CSS_SELECTOR, ".cell")) == 4
     browser.execute_script("window.ggtSamePage = true")  # gone if the page were loaded again
 
@@ -43,9 +50,10 @@ def test_grid_shows_a_grant_live(start_daemon, web, browser):
     WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "0").get_attribute("data-state") == "held")
     assert browser.execute_script("return window.ggtSamePage") is True
     assert alice.name in cell(browser, "0").find_element(By.CSS_SELECTOR, ".user").text
-    assert cell(browser, "1").get_attribute("data-state") == "free"
+    assert cell(browser, "3").get_attribute("data-state") == "free"
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(ARTEFACTS / "web-now.png"))
+    browser.set_window_size(1040, 480)
+    browser.save_screenshot(str(ARTEFACTS / "web-now.png"))  # the README's picture (docs/web.png)
 
     daemon.call("revoke", user=alice.name)
     WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "0").get_attribute("data-state") == "free")
