@@ -95,3 +95,41 @@ def test_login_me_page_refusal_and_hostile_strings(start_daemon, web, browser):
 
     browser.get(f"{site.url}/users/{alice.name}")
     assert browser.find_element(By.TAG_NAME, "h1").text == "My GPUs"
+
+
+def test_hidden_names_the_queue_usage_and_an_admin(start_daemon, web, browser, make_group):
+    admins = make_group()
+    daemon = start_daemon(count=1, web=web.prepare(show_users=False, admin_group=admins))
+    alice = daemon.add_member(groups=[admins])
+    bob, carol = daemon.add_member(), daemon.add_member()
+    set_password(alice, PASSWORD)
+    assert daemon.open_session(bob)["gpus"] == [0]
+    assert "queue" in daemon.open_session(carol)  # no GPU left: carol waits
+    site = web.start(daemon)
+
+    browser.get(site.url + "/")
+    assert cell(browser, "0").find_element(By.CSS_SELECTOR, ".user").text == "another user"
+    browser.get(site.url + "/queue")
+    assert "another user" in browser.find_element(By.TAG_NAME, "table").text
+    for name in (bob.name, carol.name):
+        assert name not in browser.page_source
+
+    log_in(browser, site.url, alice.name, PASSWORD)
+    assert "(admin)" in browser.find_element(By.CSS_SELECTOR, "header .who").text
+    browser.get(site.url + "/queue")
+    row = browser.find_element(By.CSS_SELECTOR, "tbody tr").text
+    assert carol.name in row and "first in line: wants 1 GPU, 0 free" in row
+    browser.get(f"{site.url}/users/{bob.name}")
+    assert browser.find_element(By.TAG_NAME, "h1").text == f"{bob.name}'s GPUs"
+    browser.get(site.url + "/")
+    assert cell(browser, "0").find_element(By.CSS_SELECTOR, ".user").text == bob.name
+
+    browser.get(site.url + "/usage")
+    charts = browser.find_elements(By.CSS_SELECTOR, "svg.chart")
+    assert len(charts) == 4  # by user, GPU, server and day
+    assert bob.name in charts[0].text
+    table = browser.execute_async_script(
+        "const done = arguments[0]; fetch('/usage.csv').then(r => r.text()).then(done)")
+    lines = table.splitlines()
+    assert lines[0] == "by,key,granted_hours,busy_hours,idle_hours,busy_share"
+    assert any(line.startswith(f"user,{bob.name},") for line in lines)
