@@ -61,7 +61,7 @@ def grid(servers: Sequence[Server], now: float) -> str:
         parts.append(f'<section class="server" data-server="{h(server.name)}"><h2>{h(server.name)} '
                      f'<small>{h(counts)}; {h(models)}</small></h2>')
         if server.error is not None:
-            parts.append(f'<p class="error">not read: {h(server.error)}</p>')
+            parts.append(f'<p class="error">{h(server.error)}</p>')
         parts.append('<div class="grid">' + "".join(_cell(c) for c in server.cells) + "</div></section>")
     return "".join(parts)
 
@@ -121,12 +121,13 @@ def me_page(user: str, replies: Mapping[str, Mapping[str, Any]], viewer: Viewer,
     whose = "My GPUs" if own else f"{user}'s GPUs"
     parts = [f"<h1>{h(whose)}</h1>"]
     for server, who in sorted(replies.items()):
-        quota = who["quota"]
-        parts.append(f'<section class="me" data-server="{h(server)}"><h2>{h(server)}</h2>'
-                     f"<p>{h(who['user'])} (uid {who['uid']}), {'member' if who['member'] else 'not a member'} of "
-                     f"{h(who['group'])}{'; exempt' if who['exempt'] else ''}. Quota: {plural(quota['gpus'], 'GPU')}, "
-                     f"memory {h(format_size(quota['gpu_memory']))} per GPU, time "
-                     f"{h(duration(quota['max_time']) if quota['max_time'] else 'unlimited')}.</p>")
+        parts.append(f'<section class="me" data-server="{h(server)}"><h2>{h(server)}</h2>')
+        quota = who.get("quota")  # the local daemon's; the cluster database has none per node
+        if quota:
+            parts.append(f"<p>{h(who['user'])} (uid {who['uid']}), {'member' if who['member'] else 'not a member'} of "
+                         f"{h(who['group'])}{'; exempt' if who['exempt'] else ''}. Quota: {plural(quota['gpus'], 'GPU')}, "
+                         f"memory {h(format_size(quota['gpu_memory']))} per GPU, time "
+                         f"{h(duration(quota['max_time']) if quota['max_time'] else 'unlimited')}.</p>")
         grants = who["grants"]
         if grants:
             rows = "".join(f"<tr><td>{h(unit_label(g['minor']))}</td><td>{h(g.get('name') or '')}</td>"

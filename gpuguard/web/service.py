@@ -1,5 +1,8 @@
 """`gpuguard web`'s composition root: the key, the source, PAM and NSS, then aiohttp's loop.
 
+The source is the cluster database when `[cluster]` is configured (every node of the fleet), else
+this server's daemon over its socket.
+
 It runs as its own account (`[web] user`, gpuguard-web in the package's unit), never as root: it
 parses what the network sends, and needs no privilege for it. The daemon lets that account read
 every user's records and change nothing; PAM (pam_unix) needs it to read /etc/shadow, which the
@@ -17,8 +20,9 @@ from gpuguard.backends import accounts
 from gpuguard.config import Config
 from gpuguard.logs import event
 from gpuguard.web.app import Web, build
+from gpuguard.web.cluster import ClusterDatabase
 from gpuguard.web.sessions import Signer, load_key
-from gpuguard.web.sources import LocalDaemon
+from gpuguard.web.sources import LocalDaemon, Source
 
 
 def pam_authenticate(service: str):
@@ -40,8 +44,10 @@ def groups_of(user: str) -> tuple[str, ...]:
 
 def run(config: Config, host: str, port: int) -> None:
     settings = config.web
-    state = Web(settings, LocalDaemon(config.paths.socket, socket.gethostname()), Signer(load_key(settings.key_file)),
-                pam_authenticate(settings.pam_service), groups_of)
+    cluster = getattr(config, "cluster", None)  # the several-servers [cluster] (issue 21), when configured
+    source: Source = (ClusterDatabase(cluster.database) if cluster is not None
+                      else LocalDaemon(config.paths.socket, socket.gethostname()))
+    state = Web(settings, source, Signer(load_key(settings.key_file)), pam_authenticate(settings.pam_service), groups_of)
     me = accounts.by_uid(os.geteuid()).name
     if me != settings.user:
         event(logging.WARNING, "web_account", runs_as=me, configured=settings.user,

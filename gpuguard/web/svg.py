@@ -28,13 +28,15 @@ def usage_chart(title: str, rows: Sequence[Usage]) -> str:
              f"<title>{h(title)}</title>"]
     for i, r in enumerate(rows):
         y = 20 + i * ROW
-        granted, busy = plot * r.granted_hours / top, plot * r.busy_hours / top
+        granted = plot * r.granted_hours / top
+        busy = "busy unknown" if r.busy_hours is None else f"{r.busy_hours:.2f} h busy"
         share = "" if r.busy_share is None else f", {r.busy_share:.0%} busy"
+        bar = "" if r.busy_hours is None else (
+            f'<rect class="busy" x="{LABEL_WIDTH}" y="{y + 6}" width="{plot * r.busy_hours / top:.1f}" height="{ROW - 14}"/>')
         parts.append(
-            f'<g><title>{h(r.label)}: {r.granted_hours:.2f} h granted, {r.busy_hours:.2f} h busy{share}</title>'
+            f'<g><title>{h(r.label)}: {r.granted_hours:.2f} h granted, {busy}{share}</title>'
             f'<text x="{LABEL_WIDTH - 6}" y="{y + 14}" text-anchor="end">{h(_short(r.label))}</text>'
-            f'<rect class="granted" x="{LABEL_WIDTH}" y="{y + 2}" width="{granted:.1f}" height="{ROW - 6}"/>'
-            f'<rect class="busy" x="{LABEL_WIDTH}" y="{y + 6}" width="{busy:.1f}" height="{ROW - 14}"/>'
+            f'<rect class="granted" x="{LABEL_WIDTH}" y="{y + 2}" width="{granted:.1f}" height="{ROW - 6}"/>{bar}'
             f'<text x="{LABEL_WIDTH + granted + 4:.1f}" y="{y + 14}">{r.granted_hours:.1f} h</text></g>')
     parts.append(f'<text x="{LABEL_WIDTH}" y="12" class="legend">granted (light) / busy (dark), GPU-hours</text>')
     parts.append("</svg>")

@@ -87,19 +87,19 @@ class Cell:
 class Server:
     name: str
     cells: tuple[Cell, ...]
-    error: str | None           # why it could not be read (then no cells)
+    error: str | None           # why it could not be read (then no cells), or why what it shows is stale
     counts: Mapping[str, int]   # state -> cells
 
 
 def server_view(name: str, status: Mapping[str, Any] | None, error: str | None, now: float,
                 viewer: Viewer, show_users: bool) -> Server:
     if status is None:
-        return Server(name, (), error or "not read", {})
+        return Server(name, (), f"not read: {error or 'no answer'}", {})
     cells = tuple(cell(name, gpu, now, viewer, show_users) for gpu in status.get("gpus", ()))
     counts: dict[str, int] = {}
     for c in cells:
         counts[c.state] = counts.get(c.state, 0) + 1
-    return Server(name, cells, None, counts)
+    return Server(name, cells, error, counts)  # an error beside a status: stale (a lost node's last word)
 
 
 def cell(server: str, gpu: Mapping[str, Any], now: float, viewer: Viewer, show_users: bool) -> Cell:
@@ -178,26 +178,27 @@ def queue_rows(server: str, status: Mapping[str, Any], standings: Mapping[str, M
 class Usage:
     label: str
     granted_hours: float
-    busy_hours: float
-    idle_hours: float
+    busy_hours: float | None  # None: the source does not know (the cluster database records grants only)
+    idle_hours: float | None
 
     @property
     def busy_share(self) -> float | None:
-        return self.busy_hours / self.granted_hours if self.granted_hours else None
+        return self.busy_hours / self.granted_hours if self.granted_hours and self.busy_hours is not None else None
 
 
 def usage_rows(by: str, reports: Mapping[str, Mapping[str, Any]], viewer: Viewer, show_users: bool) -> list[Usage]:
     """One bar per key of `by` summed over the servers (user, day), or per server and GPU (gpu);
     `server`: one per server."""
-    sums: dict[str, list[float]] = {}
+    sums: dict[str, list[float | None]] = {}
     for server, report in sorted(reports.items()):
         rows = [report["total"]] if by == "server" else report["rows"]
         for row in rows:
             label = _usage_label(by, server, row["key"], len(reports) > 1, viewer, show_users)
             total = sums.setdefault(label, [0.0, 0.0, 0.0])
             for i, key in enumerate(("granted_seconds", "busy_seconds", "idle_seconds")):
-                total[i] += row[key] / 3600
-    return [Usage(label, *values) for label, values in sums.items()]
+                value, known = row[key], total[i]
+                total[i] = None if value is None or known is None else known + value / 3600
+    return [Usage(label, values[0] or 0.0, values[1], values[2]) for label, values in sums.items()]
 
 
 def _usage_label(by: str, server: str, key: Any, fleet: bool, viewer: Viewer, show_users: bool) -> str:
@@ -217,10 +218,13 @@ def usage_csv(tables: Iterable[tuple[str, list[Usage]]]) -> str:
     writer.writerow(CSV_COLUMNS)
     for by, rows in tables:
         for r in rows:
-            share = "" if r.busy_share is None else f"{r.busy_share:.3f}"
-            writer.writerow([by, _csv_safe(r.label), f"{r.granted_hours:.3f}", f"{r.busy_hours:.3f}",
-                             f"{r.idle_hours:.3f}", share])
+            writer.writerow([by, _csv_safe(r.label), f"{r.granted_hours:.3f}", _hours(r.busy_hours),
+                             _hours(r.idle_hours), "" if r.busy_share is None else f"{r.busy_share:.3f}"])
     return out.getvalue()
+
+
+def _hours(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
 
 
 def _csv_safe(text: str) -> str:

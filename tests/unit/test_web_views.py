@@ -77,7 +77,7 @@ def test_hidden_names_everywhere_but_ones_own_and_for_admins():
 
 def test_a_server_not_read_says_why():
     server = views.server_view("gpu2", None, "daemon not reachable", NOW, ALICE, True)
-    assert server.cells == () and server.error == "daemon not reachable"
+    assert server.cells == () and server.error == "not read: daemon not reachable"
     assert "not read: daemon not reachable" in grid([server], NOW)
 
 
