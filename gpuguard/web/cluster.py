@@ -22,7 +22,7 @@ from gpuguard.model import unit_label
 CONNECT_TIMEOUT_S = 2
 STATEMENT_TIMEOUT_MS = 5000
 
-NODES = """SELECT n.name AS node, n.last_seen, n.lease, extract(epoch FROM clock_timestamp()) AS now,
+NODES = """SELECT n.name AS node, n.last_seen, n.lease, extract(epoch FROM clock_timestamp())::double precision AS now,
        g.minor, g.uuid, g.name AS gpu_name, g.memory_total, g.owner
 FROM gpuguard.nodes n LEFT JOIN gpuguard.gpus g ON g.node = n.name ORDER BY n.name, g.minor"""
 GRANTS = """SELECT node, minor, username, uid, granted_at, expires_at, shared, origin FROM gpuguard.grants
