@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import BIN, REPO, TestUser, popen_as, unique
+from conftest import BIN, REPO, TestUser, popen_as
 from ssh_harness import PamStacks
 
 ARTEFACTS = REPO / "build" / "test-artefacts"
@@ -116,10 +118,12 @@ def browser(request) -> Iterator:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
+    profile = Path(tempfile.mkdtemp(prefix="ggt-chromium-"))
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
+    # --no-sandbox: Chromium's sandbox refuses to start as root (the tests' user).
     for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--window-size=1280,900", f"--user-data-dir=/tmp/{unique('ggt')}-chromium"):
+                     "--window-size=1280,900", f"--user-data-dir={profile}"):
         options.add_argument(argument)
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
     failed_before = request.session.testsfailed
@@ -133,3 +137,4 @@ def browser(request) -> Iterator:
             (ARTEFACTS / f"{name}.html").write_text(driver.page_source)
             print(f"screenshot and page: {ARTEFACTS / name}.png, .html")
         driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
