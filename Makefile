@@ -19,7 +19,7 @@ BUILD_PACKAGES = python3-venv gcc make libpam0g-dev dpkg-dev debhelper dh-python
 # reads `modprobe -c` (kmod) and finds the man pages with man-db.
 TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd \
 	python3-aiohttp python3-prometheus-client python3-psutil python3-pyroute2 python3-shtab python3-tomlkit \
-	kmod man-db
+	kmod man-db chromium chromium-driver
 
 # `make install` (other distributions): the application's venv in APPDIR (the unit and the udev rule
 # name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, the unit where systemd reads it, the
@@ -141,6 +141,9 @@ install: pam man
 	sed 's|/usr/bin/gpuguard|$(APPDIR)/bin/gpuguard|g' udev/70-gpuguard.rules > $(DESTDIR)$(LIBDIR)/udev/70-gpuguard.rules
 	install -m 0644 etc/modprobe.d/gpuguard.conf $(DESTDIR)$(LIBDIR)/modprobe.d/gpuguard.conf
 	chmod 0644 $(DESTDIR)$(UNITDIR)/gpuguard.service $(DESTDIR)$(LIBDIR)/udev/70-gpuguard.rules
+	sed 's|/usr/bin/gpuguard|$(APPDIR)/bin/gpuguard|g' etc/gpuguard-web.service > $(DESTDIR)$(UNITDIR)/gpuguard-web.service
+	chmod 0644 $(DESTDIR)$(UNITDIR)/gpuguard-web.service
+	[ -e $(DESTDIR)$(SYSCONFDIR)/pam.d/gpuguard-web ] || install -D -m 0644 etc/pam.d/gpuguard-web $(DESTDIR)$(SYSCONFDIR)/pam.d/gpuguard-web
 	install -D -m 0644 build/gpuguard.1 $(DESTDIR)$(MANDIR)/man1/gpuguard.1
 	install -D -m 0644 build/gpuguard.8 $(DESTDIR)$(MANDIR)/man8/gpuguard.8
 	install -D -m 0644 build/pam_gpuguard.8 $(DESTDIR)$(MANDIR)/man8/pam_gpuguard.8
@@ -156,7 +159,7 @@ install: pam man
 # run `gpuguard disable` first (the gate outlives the daemon, the links in /etc outlive LIBDIR).
 uninstall:
 	rm -rf $(DESTDIR)$(APPDIR) $(DESTDIR)$(LIBDIR)
-	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service \
+	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard-web.service \
 		$(DESTDIR)$(MANDIR)/man1/gpuguard.1 $(DESTDIR)$(MANDIR)/man8/gpuguard.8 \
 		$(DESTDIR)$(MANDIR)/man8/pam_gpuguard.8 $(DESTDIR)$(MANDIR)/man5/gpuguard.toml.5 \
 		$(DESTDIR)$(BASHCOMPDIR)/gpuguard

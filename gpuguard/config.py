@@ -122,6 +122,22 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class WebConfig:
+    """`gpuguard web`, the read-only web view (gpuguard.web): off until `listen` is set."""
+
+    listen: tuple[str, int] | None = None  # (address, port) it serves on
+    # The account `gpuguard web` runs as: the daemon lets it read every user's records (whoami,
+    # report, events), as root may, and nothing more; it changes nothing.
+    user: str = "gpuguard-web"
+    show_users: bool = True                # false: other users' names are hidden from non-admins
+    admin_group: str | None = None         # its members see every user's page and usage
+    pam_service: str = "gpuguard-web"      # the PAM service of its login (/etc/pam.d/gpuguard-web)
+    key_file: Path = Path("/var/lib/gpuguard-web/session.key")  # signs the session cookies; made at start
+    session_time: float = 8 * 3600.0       # a login lasts this long
+    secure_cookies: bool = True            # cookies only over HTTPS (browsers allow http://localhost too)
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     backend: GpuBackend = GpuBackend.NVML
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
@@ -148,6 +164,7 @@ class Config:
     paths: PathsConfig = field(default_factory=PathsConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    web: WebConfig = field(default_factory=WebConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
 
 
@@ -240,6 +257,9 @@ def _listen(value: Any) -> tuple[str, int]:
     return host, int(port)
 
 
+parse_listen = _listen  # `gpuguard web --listen` takes the same form
+
+
 def _choice(*options: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in options:
@@ -315,6 +335,9 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
+    "web": {"listen": _listen, "user": _string, "show_users": _bool, "admin_group": _string,
+            "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
+            "secure_cookies": _bool},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
                       "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups, "mig": _mig},
 }
@@ -416,6 +439,7 @@ def load(path: Path | str | None = None) -> Config:
         paths=paths,
         gpu=GpuConfig(simulated=simulated, **gpu_section),
         metrics=MetricsConfig(**sections.get("metrics", {})),
+        web=WebConfig(**sections.get("web", {})),
         quotas=load_quotas(paths.quotas),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:

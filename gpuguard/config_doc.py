@@ -23,6 +23,7 @@ SECTIONS: dict[str, str] = {
     "paths": "Where gpuguard keeps its state, its socket and its nodes.",
     "gpu": "Where the GPUs come from.",
     "metrics": "Prometheus metrics and the files other tools read; read at start only, every one off until set.",
+    "web": "gpuguard web, the read-only web view (its own process and unit, gpuguard-web.service): off until listen is set.",
     "gpu.simulated": "Simulated GPUs (backend = \"simulated\"): the demo and the tests; no GPU needed.",
 }
 
@@ -65,6 +66,15 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("metrics", "listen"): ("string", "ADDRESS:PORT of the /metrics endpoint, e.g. 127.0.0.1:9447 (unset: off)"),
     ("metrics", "textfile"): ("path", "node_exporter textfile collector file, ending in .prom (unset: off)"),
     ("metrics", "dcgm_job_mapping_dir"): ("path", "dcgm-exporter's HPC job mapping directory (unset: off)"),
+    ("web", "listen"): ("string", "ADDRESS:PORT it serves on, e.g. 127.0.0.1:8447 (unset: off)"),
+    ("web", "user"): ("string", "the account gpuguard web runs as (never root); the daemon lets it read every "
+                                "user's whoami, report and events, and nothing more"),
+    ("web", "show_users"): ("bool", "false: other users' names are hidden from everyone but admins"),
+    ("web", "admin_group"): ("string", "members see every user's page and usage (unset: nobody)"),
+    ("web", "pam_service"): ("string", "the PAM service of the web login (/etc/pam.d/gpuguard-web)"),
+    ("web", "key_file"): ("path", "the key that signs the session cookies; made at the first start, mode 0600"),
+    ("web", "session_time"): ("duration", "how long a web login lasts"),
+    ("web", "secure_cookies"): ("bool", "cookies only over HTTPS (browsers allow http://localhost too)"),
     ("gpu.simulated", "count"): ("integer", "how many GPUs"),
     ("gpu.simulated", "memory"): ("size", "memory of each"),
     ("gpu.simulated", "name"): ("string", "their model name (H100 or H200 in it: MIG with that GPU's profiles)"),

@@ -27,7 +27,7 @@ SOURCE = f"gpuguard {__version__}"
 # root-only options), the admins' page what only root runs. Every command is in exactly one.
 USER_COMMANDS = ("whoami", "env", "status", "request", "release", "gpus", "report", "events", "quota",
                  "config", "completion", "simulate", "trace", "sim")
-ADMIN_COMMANDS = ("enable", "disable", "daemon", "doctor", "grant", "revoke", "reload", "gate", "acl", PAM_HOOK)
+ADMIN_COMMANDS = ("enable", "disable", "daemon", "web", "doctor", "grant", "revoke", "reload", "gate", "acl", PAM_HOOK)
 
 
 def roff(text: str) -> str:

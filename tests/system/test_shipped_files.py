@@ -304,6 +304,8 @@ def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configu
     # The unit and the rule name this install's gpuguard; the modprobe option and the rule lie inert
     # where `gpuguard enable` links them from.
     for path, source in [("usr/lib/systemd/system/gpuguard.service", UNIT),
+                         ("usr/lib/systemd/system/gpuguard-web.service", REPO / "etc/gpuguard-web.service"),
+                         ("etc/pam.d/gpuguard-web", REPO / "etc/pam.d/gpuguard-web"),
                          ("usr/lib/gpuguard/udev/70-gpuguard.rules", RULES),
                          ("usr/lib/gpuguard/modprobe.d/gpuguard.conf", MODPROBE), ("etc/gpuguard/gpuguard.toml", CONFIG)]:
         assert (stage / path).read_text() == source.read_text().replace(installed_gpuguard(), appdir_gpuguard()), path
@@ -332,6 +334,6 @@ def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configu
     result = subprocess.run([*make, "uninstall"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert sorted(str(p.relative_to(stage)) for p in stage.rglob("*") if p.is_file()) == \
-        ["etc/gpuguard/gpuguard.toml", "etc/gpuguard/quotas.toml"]
+        ["etc/gpuguard/gpuguard.toml", "etc/gpuguard/quotas.toml", "etc/pam.d/gpuguard-web"]
     assert {path: tree(path) for path in watched} == before  # nothing outside the stage
     assert not [p for p in outside if p.exists()]
