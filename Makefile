@@ -18,7 +18,7 @@ BUILD_PACKAGES = python3-venv gcc make libpam0g-dev dpkg-dev debhelper dh-python
 # tests/system/test_deb.py installs the package with dpkg, which needs its Depends installed (debian/control),
 # reads `modprobe -c` (kmod) and finds the man pages with man-db.
 TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd \
-	python3-aiohttp python3-prometheus-client python3-psutil python3-pyroute2 python3-shtab python3-tomlkit \
+	python3-aiohttp python3-pampy python3-prometheus-client python3-psutil python3-pyroute2 python3-shtab python3-tomlkit \
 	kmod man-db chromium chromium-driver
 
 # `make install` (other distributions): the application's venv in APPDIR (the unit and the udev rule
