@@ -101,6 +101,11 @@ def test_slurm_and_k8s_gpus_are_left_open_and_gpuguards_stay_closed(start_daemon
     text = d.cli("status").stdout
     assert re.search(r"GPU 0 .*slurm's: not managed by gpuguard", text), text
     assert re.search(r"GPU 3 .*k8s's: not managed by gpuguard", text), text
+    # doctor judges Slurm's and Kubernetes' nodes by their owners' rules, and the gate as built without them
+    doctor = {line.split()[1]: line for line in d.cli("doctor", env={**os.environ, **d.env}).stdout.splitlines()}
+    assert doctor["coexist"] == (f"ok    coexist       Slurm: GPUs 0,1 ({sandbox / 'gres.conf'}, node {NODE}); "
+                                 "Kubernetes: GPUs 3 (coexist.k8s_gpus); gpuguard manages the other GPUs")
+    assert doctor["nodes"].startswith("ok") and doctor["gate"].startswith("ok"), doctor
     listed = d.cli("gpus").stdout
     assert re.search(r"^1 .* slurm\s*$", listed, re.MULTILINE) and re.search(r"^2 .* gpuguard\s*$", listed,
                                                                               re.MULTILINE), listed
@@ -129,6 +134,8 @@ def test_a_slurm_node_without_coexist_config_refuses_to_start(sandbox):
         assert line.startswith("gpuguard: this is a Slurm node (slurmd runs") and 'slurm = "auto"' in line
         checked = cli(config, "config", "check")
         assert checked.returncode == 6 and "this is a Slurm node" in checked.stderr
+        doctor = {line.split()[1]: line for line in cli(config, "doctor").stdout.splitlines()}
+        assert doctor["coexist"].startswith("FAIL  coexist       the daemon will not start: this is a Slurm node")
         gres_conf.unlink()
         assert cli(config, "config", "check").returncode == 0  # no gres.conf: not a Slurm node
     finally:
