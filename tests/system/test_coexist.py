@@ -106,6 +106,11 @@ def test_slurm_and_k8s_gpus_are_left_open_and_gpuguards_stay_closed(start_daemon
     assert doctor["coexist"] == (f"ok    coexist       Slurm: GPUs 0,1 ({sandbox / 'gres.conf'}, node {NODE}); "
                                  "Kubernetes: GPUs 3 (coexist.k8s_gpus); gpuguard manages the other GPUs")
     assert doctor["nodes"].startswith("ok") and doctor["gate"].startswith("ok"), doctor
+    # `gate attach` by hand builds the same program, less Slurm's and Kubernetes' GPUs: nothing to swap
+    assert d.cli("gate", "attach", "--name", d.gate_name).returncode == 0
+    gate = d.cli("gate", "status", "--name", d.gate_name)
+    assert gate.returncode == 0 and "problem" not in gate.stdout, gate.stdout
+    assert opens(bob, {0: bare[0], 2: bare[2]}) == {0: ALLOWED, 2: GATE_DENIED}
     listed = d.cli("gpus").stdout
     assert re.search(r"^1 .* slurm\s*$", listed, re.MULTILINE) and re.search(r"^2 .* gpuguard\s*$", listed,
                                                                               re.MULTILINE), listed
