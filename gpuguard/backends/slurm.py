@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -95,13 +96,21 @@ def scontrol_gpus(node: str) -> int | None:
     if scontrol is None:
         return None
     try:
-        result = subprocess.run([scontrol, "show", "node", node], capture_output=True, text=True,
-                                timeout=SCONTROL_TIMEOUT, check=False, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if result.returncode != 0:
+        # A session of its own: on timeout its whole process group goes, so no child of it keeps
+        # the pipe open and the wait really ends at SCONTROL_TIMEOUT.
+        proc = subprocess.Popen([scontrol, "show", "node", node], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    except OSError:
         return None
     try:
-        return gres.scontrol_gpu_count(result.stdout)
+        output, _ = proc.communicate(timeout=SCONTROL_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    if proc.returncode != 0:
+        return None
+    try:
+        return gres.scontrol_gpu_count(output)
     except gres.GresError:
         return None
