@@ -8,6 +8,7 @@ stay closed (EPERM). With no [coexist] slurm set on a Slurm node the daemon refu
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,10 +17,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomlkit
 from probes import ALLOWED, GATE_DENIED, bare_nodes, opens
 from sim_helpers import cli, gpuguard, stop_burn, write_config
 
 from devtools.harness import wait_for
+from gpuguard.backends.mig_caps import SIMULATED_CAPS_MAJOR as CAPS_MAJOR
 from gpuguard.backends.posix_acl import acl_users
 
 pytestmark = pytest.mark.gate
@@ -57,10 +60,11 @@ EOF
     return asked
 
 
-def coexist_daemon(start_daemon, sandbox: Path, gres: str = "gpu:h100:2(S:0)", **coexist):
-    gres_conf = write_root_file(sandbox / "gres.conf", GRES_CONF)
+def coexist_daemon(start_daemon, sandbox: Path, gres: str = "gpu:h100:2(S:0)", gres_conf_text: str = GRES_CONF,
+                   simulated: dict | None = None, count: int = 4, **coexist):
+    gres_conf = write_root_file(sandbox / "gres.conf", gres_conf_text)
     asked = stub_scontrol(sandbox / "bin", gres)
-    d = start_daemon(watcher={"interval": "0.2s"},
+    d = start_daemon(count=count, simulated=simulated, watcher={"interval": "0.2s"},
                      coexist={"slurm": "auto", "gres_conf": str(gres_conf), "slurm_node": NODE, **coexist},
                      env={"PATH": f"{sandbox / 'bin'}:{os.environ['PATH']}"})
     return d, asked
@@ -114,6 +118,27 @@ def test_slurm_and_k8s_gpus_are_left_open_and_gpuguards_stay_closed(start_daemon
     listed = d.cli("gpus").stdout
     assert re.search(r"^1 .* slurm\s*$", listed, re.MULTILINE) and re.search(r"^2 .* gpuguard\s*$", listed,
                                                                               re.MULTILINE), listed
+
+
+def test_the_mig_slices_of_slurms_gpu_stay_open_and_gpuguards_closed(start_daemon, sandbox):
+    """A Slurm job on a MIG slice opens the slice's capability nodes too: those of Slurm's GPU 0
+    are left out of the gate with it; GPU 1's, and config and monitor, stay managed."""
+    layout = tomlkit.inline_table()
+    layout.update({"0": ["3g.71gb"], "1": ["3g.71gb"]})
+    d, _ = coexist_daemon(start_daemon, sandbox, gres="gpu:1", count=2,
+                          gres_conf_text=f"NodeName={NODE} Name=gpu File=/dev/nvidia0\n",
+                          simulated={"name": "NVIDIA H200", "mig": layout})
+    alice = d.add_member()
+    listed = json.loads(d.cli("gpus", "--json").stdout)["gpus"]
+    caps = {gpu["minor"]: [cap for piece in gpu["slices"] for cap in piece["caps"]] for gpu in listed}
+    assert [gpu["owner"] for gpu in listed] == ["slurm", "gpuguard"] and len(caps[0]) == len(caps[1]) == 2
+    bare = bare_nodes(sandbox / "caps", [*caps[0], *caps[1], 1, 2], major=CAPS_MAJOR)
+    assert opens(alice, bare) == {**{cap: ALLOWED for cap in caps[0]}, **{cap: GATE_DENIED for cap in caps[1]},
+                                  1: GATE_DENIED, 2: GATE_DENIED}  # config and monitor are never anyone's
+    # only GPU 1's slice is gpuguard's to hand out; GPU 0 is listed as Slurm's, its slice not at all
+    status = [(g["label"], g["owner"]) for g in d.call("status")["gpus"]]
+    assert status[0] == ("0", "slurm") and [owner for _, owner in status[1:]] == ["gpuguard"], status
+    assert status[1][0].startswith("1/gi"), status
 
 
 def test_scontrol_counting_more_gpus_than_gres_conf_names_refuses_to_start(start_daemon, sandbox):
