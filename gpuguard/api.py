@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -68,7 +68,7 @@ class Api:
                  sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, holders: HolderEnder,
                  gate: Gate | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
                  account_of: Callable[[int], tuple[str, Quota]], flush_usage: Callable[[], None], queue: Queue,
-                 notifier: Notifier):
+                 notifier: Notifier, foreign: Sequence[dict[str, Any]] = ()):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
@@ -84,6 +84,7 @@ class Api:
         self._flush_usage = flush_usage  # the watcher's usage of the last minute, not written yet
         self.queue = queue
         self.notifier = notifier
+        self.foreign = list(foreign)  # status entries of the GPUs Slurm or Kubernetes own (coexist.status_entries)
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
         # `request` reply (a grant may come before the client's `wait` call arrives).
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
@@ -201,6 +202,7 @@ class Api:
         sample = self.sampler.last
         commands = await self.sampler.commands(sample.owners) if sample else {}
         gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid, commands)
+        gpus = sorted([*gpus, *self.foreign], key=lambda gpu: gpu["minor"])
         reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=time.time(),
                             group=config.access.group,
                             queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,

@@ -24,6 +24,7 @@ DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 # nvidia-persistenced runs as this user and keeps every GPU open.
 DRIVER_ACCOUNTS = ("nvidia-persistenced",)
 MAX_GPUS = 64  # per machine; more is a typo
+MAX_GPU_MINOR = 253  # /dev/nvidia254 and 255 are nvidia-modeset and nvidiactl
 MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
 
 E = TypeVar("E", bound=StrEnum)
@@ -138,6 +139,16 @@ class WebConfig:
 
 
 @dataclass(frozen=True)
+class CoexistConfig:
+    """GPUs another system owns on this machine (gpuguard.coexist): left out of the gate, the ACLs and allocation."""
+
+    slurm: str | tuple[int, ...] | None = None  # "auto" (gres.conf), "off", or Slurm's GPU minors; None: not set
+    gres_conf: Path = Path("/etc/slurm/gres.conf")
+    slurm_node: str | None = None               # this host's Slurm NodeName; None: the short host name
+    k8s_gpus: tuple[int, ...] = ()              # minors the Kubernetes device plugin hands to containers
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     backend: GpuBackend = GpuBackend.NVML
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
@@ -165,6 +176,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     web: WebConfig = field(default_factory=WebConfig)
+    coexist: CoexistConfig = field(default_factory=CoexistConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
 
 
@@ -293,6 +305,23 @@ def _mig(value: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
     return tuple(sorted((int(minor), tuple(profiles)) for minor, profiles in value.items()))
 
 
+def _minors(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(m, int) and not isinstance(m, bool) for m in value):
+        raise ValueError(f"expected a list of GPU minors, got {value!r}")
+    if bad := [m for m in value if not 0 <= m <= MAX_GPU_MINOR]:
+        raise ValueError(f"GPU minors are 0 to {MAX_GPU_MINOR}, got {bad[0]}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"a GPU is listed twice in {value!r}")
+    return tuple(sorted(value))
+
+
+def _slurm(value: Any) -> str | tuple[int, ...]:
+    """"auto" (read gres.conf), "off" (Slurm owns no GPU here), or the minors Slurm owns."""
+    if isinstance(value, list):
+        return _minors(value)
+    return _choice("auto", "off")(value)
+
+
 def _slice_limit(value: Any) -> int | None:
     """How many of a user's units may be MIG slices: a count, or "any" (no limit of its own)."""
     if value == "any":
@@ -338,6 +367,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "web": {"listen": _listen, "user": _string, "show_users": _bool, "admin_group": _string,
             "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
             "secure_cookies": _bool},
+    "coexist": {"slurm": _slurm, "gres_conf": _absolute_path, "slurm_node": _string, "k8s_gpus": _minors},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
                       "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups, "mig": _mig},
 }
@@ -391,6 +421,13 @@ def _check_mig(source: Path, sim: SimulatedConfig) -> None:
             raise ConfigError(f"{source}: gpu.simulated.mig.{minor}: {exc}") from None
 
 
+def _coexist(source: Path, section: dict[str, Any]) -> CoexistConfig:
+    coexist = CoexistConfig(**section)
+    if isinstance(coexist.slurm, tuple) and (both := sorted(set(coexist.slurm) & set(coexist.k8s_gpus))):
+        raise ConfigError(f"{source}: coexist.k8s_gpus: GPU {both[0]} is also in coexist.slurm: one system owns a GPU")
+    return coexist
+
+
 def load_quotas(path: Path) -> QuotaOverrides:
     """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none."""
     if not path.exists():
@@ -440,6 +477,7 @@ def load(path: Path | str | None = None) -> Config:
         gpu=GpuConfig(simulated=simulated, **gpu_section),
         metrics=MetricsConfig(**sections.get("metrics", {})),
         web=WebConfig(**sections.get("web", {})),
+        coexist=_coexist(source, sections.get("coexist", {})),
         quotas=load_quotas(paths.quotas),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:

@@ -24,6 +24,8 @@ SECTIONS: dict[str, str] = {
     "gpu": "Where the GPUs come from.",
     "metrics": "Prometheus metrics and the files other tools read; read at start only, every one off until set.",
     "web": "gpuguard web, the read-only web view (its own process and unit, gpuguard-web.service): off until listen is set.",
+    "coexist": "GPUs another system (Slurm, Kubernetes) hands out on this machine: left out of the gate, the ACLs "
+               "and allocation; read at start only.",
     "gpu.simulated": "Simulated GPUs (backend = \"simulated\"): the demo and the tests; no GPU needed.",
 }
 
@@ -75,6 +77,12 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("web", "key_file"): ("path", "the key that signs the session cookies; made at the first start, mode 0600"),
     ("web", "session_time"): ("duration", "how long a web login lasts"),
     ("web", "secure_cookies"): ("bool", "cookies only over HTTPS (browsers allow http://localhost too)"),
+    ("coexist", "slurm"): ("string", "\"auto\": the GPUs gres.conf gives this node are Slurm's (AutoDetect=nvml: all); "
+                                     "\"off\": none are; or a list of Slurm's GPU minors. Unset on a Slurm node "
+                                     "(slurmd running, gres.conf present): the daemon refuses to start (exit 6)"),
+    ("coexist", "gres_conf"): ("path", "Slurm's gres.conf (must be root's and writable by root alone)"),
+    ("coexist", "slurm_node"): ("string", "this host's Slurm NodeName (unset: the short host name)"),
+    ("coexist", "k8s_gpus"): ("names", "GPU minors the Kubernetes device plugin hands to containers"),
     ("gpu.simulated", "count"): ("integer", "how many GPUs"),
     ("gpu.simulated", "memory"): ("size", "memory of each"),
     ("gpu.simulated", "name"): ("string", "their model name (H100 or H200 in it: MIG with that GPU's profiles)"),

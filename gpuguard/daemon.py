@@ -24,8 +24,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuguard import coexist, sampling
 from gpuguard import config as configuration
-from gpuguard import sampling
 from gpuguard.api import Api
 from gpuguard.backends import (
     GateError,
@@ -36,12 +36,15 @@ from gpuguard.backends import (
     open_gate,
     open_gpu_backend,
     procfs,
+    slurm,
     systemd,
 )
 from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.backends.node_watcher import NodeWatcher
+from gpuguard.backends.owned import OwnedGpus
+from gpuguard.coexist import Owner
 from gpuguard.config import AccessMode, Config, GpuBackend
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
@@ -51,7 +54,7 @@ from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.messages import layout_message, unit_list
 from gpuguard.metrics import Metrics
-from gpuguard.model import Origin
+from gpuguard.model import Origin, unit_parent
 from gpuguard.queueing import Queue
 from gpuguard.server import Server
 from gpuguard.store import Store
@@ -83,20 +86,25 @@ class Daemon:
         self.server = Server(self.config.paths.socket, self._handle, abandoned_on_hangup=frozenset({"wait"}))
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
         systemd.status("starting: opening the store and the GPUs")
+        # Before anything is touched: on a Slurm node nobody has decided about, refusing is safe
+        present = driver_minors(self.config)
+        self.ownership = slurm.ownership(self.config.coexist, present)
+        coexist.check_some_left(self.ownership, present)
         if self.config.access.mode == AccessMode.ACL:
             _refuse_stale_gate(self.gate_name)
         self.store = Store(self.config.paths.state_dir / "state.db", self.config.events)
         self._ensure_driver_nodes()  # NVML needs them to start
-        self.backend = open_gpu_backend(self.config)
+        self.backend = OwnedGpus(open_gpu_backend(self.config), self.ownership.foreign)
         self.sampler = sampling.Sampler(self.backend)
         for error in self.backend.unavailable:  # GPUs NVML cannot read at start: the others are still guarded
             event(logging.ERROR, "gpu_unavailable", error=error, action="left out until a restart")
-        self.gate = open_gate(self.config, self.gate_name) if self.config.access.mode == AccessMode.GATE else None
+        self.gate = open_gate(self.config, self.gate_name, self.ownership) if self.config.access.mode == AccessMode.GATE else None
         # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         first_layout = self.backend.layout()
         gpus = {gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]}
-        self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir), driver_minors(self.config),
+        self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir),
+                             present - self.ownership.foreign.keys(),
                              gpus=gpus, topology=self.backend.topology(), caps_major=caps_major(self.config))
         systemd.status("starting: attaching the gate and restoring grants")
         self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
@@ -117,9 +125,11 @@ class Daemon:
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
                        self.logout, self.holders, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
                        account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
-                       queue=self.queue, notifier=self.notifier)
+                       queue=self.queue, notifier=self.notifier,
+                       foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership))
         self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
                                self.watcher.account_of)
+        self._end_foreign_grants()
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
         # users told) before the gate and the ACLs are rebuilt from the store.
         self.follow_layout(first_layout)
@@ -130,6 +140,15 @@ class Daemon:
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
             self.node_watchers.append(NodeWatcher(caps_dir, self._node_changed, pattern="nvidia-cap*", uevents=False))
         self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
+
+    def _end_foreign_grants(self) -> None:
+        """Grants made before their GPU became Slurm's or Kubernetes' end: the gate leaves its node alone now."""
+        if self.ownership.foreign:
+            event(logging.INFO, "coexist", owners=self.ownership.summary())
+        for grant in self.store.grants():
+            if (owner := self.ownership.owner(unit_parent(grant.minor))) != Owner.GPUGUARD:
+                self.grants.remove(grant.uid, [grant.minor], time.time(), kind="revoke", rule="coexist",
+                                   message=f"GPU {unit_parent(grant.minor)} belongs to {owner} now (coexist)")
 
     async def _handle(self, request: dict, peer) -> dict:
         return await self.api.handle(request, peer)
@@ -183,9 +202,10 @@ class Daemon:
         new = configuration.load(self.config.source)
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
         fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
+                        coexist=self.config.coexist,
                         access=replace(new.access, mode=self.config.access.mode))
         if fixed != new:
-            event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics and access.mode change at restart")
+            event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics, coexist and access.mode change at restart")
         self.config = fixed
         self.store.retention = fixed.events
         self.exempt.refresh()
@@ -237,7 +257,8 @@ class Daemon:
         # With NVreg_ModifyDeviceFiles=0 (etc/modprobe.d/gpuguard.conf) nothing else makes them,
         # nvidia-uvm included, whose module usually loads after boot.
         if self.config.gpu.backend == GpuBackend.NVML:
-            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(driver_minors(self.config)))
+            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(driver_minors(self.config)),
+                                         foreign=self.ownership.foreign.keys())
 
     # --- the tick
 

@@ -66,5 +66,6 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
             "utilization": use.utilization if use else None, "holders": holders,
             "processes": len(processes) if read else None,  # None: unknown (not sampled, or failed)
             "process_list": processes if read else None,
+            "owner": "gpuguard",
         })
     return view

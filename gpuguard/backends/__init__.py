@@ -17,6 +17,7 @@ if __file__.startswith("/usr/lib/python3/dist-packages/") and DEBIAN_VENDOR_DIR 
 if TYPE_CHECKING:
     from gpuguard.backends.gate import Gate
     from gpuguard.backends.nvml import NvmlBackend
+    from gpuguard.coexist import Ownership
     from gpuguard.config import Config
 
 
@@ -57,8 +58,25 @@ def caps_major(config: Config) -> int | None:
     return char_major("nvidia-caps")
 
 
-def open_gate(config: Config, name: str) -> Gate:
-    """The gate over the GPU nodes and the MIG capability nodes of this config's GPUs; the ranges
-    are asked again at every attach and repair (an nvidia-caps module may load after start)."""
+def open_gate(config: Config, name: str, ownership: Ownership | None = None) -> Gate:
+    """The gate over the GPU nodes and the MIG capability nodes of this config's GPUs, less those
+    of the GPUs another system owns (gpuguard.coexist); the ranges are asked again at every attach
+    and repair (an nvidia-caps module may load after start, and its table with it)."""
     from gpuguard.backends.gate import Gate, managed_ranges
-    return Gate(name, managed=lambda: managed_ranges(caps_major(config)))
+
+    def managed() -> tuple:
+        major = caps_major(config)
+        if ownership is None or not ownership.foreign:
+            return managed_ranges(major)
+        return managed_ranges(major, ownership.unmanaged(major, mig_minors(config) if major is not None else {}))
+    return Gate(name, managed=managed)
+
+
+def mig_minors(config: Config) -> dict[str, int]:
+    """The driver's table of MIG capability minors, by name (`gpu0/gi1/access`); empty without nvidia-caps."""
+    from gpuguard.backends import mig_caps
+    from gpuguard.config import GpuBackend
+    if config.gpu.backend == GpuBackend.SIMULATED:
+        from gpuguard.backends.simulated import driver_mig_minors
+        return mig_caps.parse_mig_minors(driver_mig_minors())
+    return mig_caps.read_mig_minors()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from gpuguard.backends.posix_acl import acl_entries, apply_acls, named_users
@@ -39,8 +39,10 @@ def driver_loaded() -> bool:
     return any(char_major(name) == NVIDIA_MAJOR for name in ("nvidia-frontend", "nvidia"))
 
 
-def ensure_driver_nodes(device_dir: Path, minors: list[int]) -> list[Path]:
-    """Create whichever driver nodes are missing or wrong, none without the driver; returns the ones made."""
+def ensure_driver_nodes(device_dir: Path, minors: list[int], foreign: Collection[int] = ()) -> list[Path]:
+    """Create whichever driver nodes are missing or wrong, none without the driver; returns the ones made.
+    foreign: GPUs another system owns (gpuguard.coexist), whose nodes are made 0666 as the driver
+    would and otherwise left as they are: Slurm's cgroups or the container runtime guard them."""
     if not driver_loaded():
         return []
     wanted: list[tuple[str, tuple[int, int], int]] = [
@@ -52,7 +54,8 @@ def ensure_driver_nodes(device_dir: Path, minors: list[int]) -> list[Path]:
         wanted += [("nvidia-uvm", (uvm, 0), SHARED_MODE), ("nvidia-uvm-tools", (uvm, 1), SHARED_MODE)]
     made = [device_dir / name for name, dev, mode in wanted if ensure_node(device_dir / name, dev, mode)]
     return made + [gpu_node(device_dir, minor) for minor in minors
-                   if ensure_node(gpu_node(device_dir, minor), (NVIDIA_MAJOR, minor))]
+                   if ensure_node(gpu_node(device_dir, minor), (NVIDIA_MAJOR, minor),
+                                  SHARED_MODE if minor in foreign else BASE_MODE)]
 
 
 def gpu_node(device_dir: Path, minor: int) -> Path:

@@ -9,7 +9,7 @@ import gpuguard
 
 PACKAGE = Path(gpuguard.__file__).parent
 PURE = {"model", "units", "errors", "compat", "policy", "allocator", "rules", "scheduler", "messages", "escape",
-        "reporting"}
+        "reporting", "gres", "coexist"}
 DOES_IO = {"store", "daemon", "server", "api", "watcher", "sampling", "grants", "holders", "logout", "metrics",
            "queueing", "lookups", "exempt", "client", "pam_hook", "quota_file", "simulate", "backends"}
 
