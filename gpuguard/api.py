@@ -25,7 +25,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import KnownAccounts
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
-from gpuguard.model import Grant, Origin
+from gpuguard.model import EventKind, Grant, Origin, Rule
 from gpuguard.queueing import Queue, Standing
 from gpuguard.release import Releases
 from gpuguard.server import Peer
@@ -375,7 +375,7 @@ class Api:
             pids = sorted({pid for pid, _ in busy})
             raise Refusal(f"GPU {unit_list({m for _, m in busy})} still in use by your process"
                           f"{'es' if len(pids) > 1 else ''} {number_list(pids)}: stop them, then release")
-        removed = self.releases.take_back(account.uid, targets, self.clock(), kind="release", rule="user",
+        removed = self.releases.take_back(account.uid, targets, self.clock(), kind=EventKind.RELEASE, rule=Rule.USER,
                                           message="released with gpuguard release")
         return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
 
@@ -431,12 +431,12 @@ class Api:
             uid = next((g.uid for g in store.grants() if g.user == name), None)
         if uid is None:
             raise Refusal(f"no such user: {name}", 2)
-        removed = self.releases.take_back(uid, minors, self.clock(), kind="revoke", rule="admin",
+        removed = self.releases.take_back(uid, minors, self.clock(), kind=EventKind.REVOKE, rule=Rule.ADMIN,
                                           message="revoked by root", end_holders=False)
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + unit_list(minors)}")
         revoked = {g.minor for g in removed}
-        ending = await self.holders.end(uid, removed[0].user, revoked, "admin")
+        ending = await self.holders.end(uid, removed[0].user, revoked, Rule.ADMIN)
         scan = ending.scan
         note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
         if scan.listed:  # the gate only checks at open(): the watcher warns these as stray use and ends them

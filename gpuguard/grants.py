@@ -30,7 +30,7 @@ from gpuguard.allocator import Topology
 from gpuguard.edges import Entry, GateMap, Nodes
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
-from gpuguard.model import NVIDIA_MAJOR, Device, Event, Gpu, Grant, Origin, Quota, is_slice, unit_parent
+from gpuguard.model import NVIDIA_MAJOR, Device, Event, EventKind, Gpu, Grant, Origin, Quota, Rule, is_slice, unit_parent
 from gpuguard.store import Store
 
 if TYPE_CHECKING:
@@ -129,14 +129,15 @@ class Grants:
             self.sync_nodes(minors)
         except Exception:
             # Not enforceable: take it back, so the store never claims what the kernel does not do.
-            self.remove(uid, minors, now, kind="error", rule=origin, message="grant could not be applied")
+            self.remove(uid, minors, now, kind=EventKind.ERROR, rule=Rule(origin), message="grant could not be applied")
             raise
         for minor in minors:
-            self.store.add_event(Event(now, uid, user, "grant", message, minor=minor, rule=origin, action="grant"))
+            self.store.add_event(Event(now, uid, user, EventKind.GRANT, message, minor=minor, rule=Rule(origin),
+                                       action=EventKind.GRANT))
         event(logging.INFO, "grant", user=user, uid=uid, gpus=unit_list(minors), origin=origin, expires_at=expires_at,
               shared=shared or None)
 
-    def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: str, rule: str,
+    def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
                message: str) -> list[Grant]:
         """Take back a user's GPUs (all, or these minors) from the gate, the store and the ACLs, and
         record it. kind: release, revoke, error (a grant that could not be applied). Returns what

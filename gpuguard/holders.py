@@ -31,7 +31,8 @@ from gpuguard.edges import Clock, GpuSampler, Processes
 from gpuguard.exempt import Exempt
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
-from gpuguard.model import Event
+from gpuguard.model import Event, Rule
+from gpuguard.rules import Kind
 from gpuguard.sampling import Holder
 from gpuguard.store import Store
 from gpuguard.units import format_duration
@@ -90,11 +91,11 @@ class HolderEnder:
                            if p.minor in minors and sample.uid_of(p.pid) == uid)
         return Scan(listed, holding - listed, frozenset(m for m in minors if not sample.ok(m)))
 
-    def schedule(self, uid: int, user: str, minors: Iterable[int], why: str) -> None:
+    def schedule(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> None:
         """end() in the background (the caller is the event loop, which must not wait kill_wait)."""
         self._spawn(self.end(uid, user, minors, why))
 
-    async def end(self, uid: int, user: str, minors: Iterable[int], why: str) -> Ending:
+    async def end(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> Ending:
         """SIGTERM uid's processes holding these GPUs' nodes that NVML does not list, and see
         them through to SIGKILL in the background. `why` is the rule that took the GPUs."""
         scan = await self.scan(uid, set(minors), max_age=0)  # fresh: a context made a moment ago is the watcher's
@@ -112,13 +113,13 @@ class HolderEnder:
             self._spawn(self._escalate(user, termed, why))
         return Ending(scan, tuple(identity.pid for identity in termed))
 
-    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: str) -> None:
+    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: Rule) -> None:
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
             self._signal(identity, termed[identity], user, signal.SIGKILL, why)
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
-            self._record(identity, termed[identity], user, "unkillable", why, {
+            self._record(identity, termed[identity], user, Kind.UNKILLABLE, why, {
                 "state": self.processes.state(identity) or "unknown"},
                 "survives SIGKILL (stuck in the kernel); an administrator must look at it")
 
@@ -132,7 +133,7 @@ class HolderEnder:
                 and self.processes.identity(identity.pid) == identity]
 
     def _signal(self, identity: ProcessIdentity, minors: set[int], user: str, sig: signal.Signals,
-                why: str) -> bool:
+                why: Rule) -> bool:
         result = self.processes.send(identity, sig, self.exempt.uids)
         if not result.sent:
             event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
@@ -141,20 +142,20 @@ class HolderEnder:
         wait = format_duration(round(self.kill_wait()))
         what = (f"stopping it with SIGTERM; it will be killed if it still holds the GPU in {wait}"
                 if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
-        self._record(identity, minors, user, "kill", why, {"signal": sig.name, "kill_wait": self.kill_wait()},
+        action = Kind.TERM if sig == signal.SIGTERM else Kind.KILL
+        self._record(identity, minors, user, action, why, {"signal": sig.name, "kill_wait": self.kill_wait()},
                      f"holds GPU {unit_list(minors)}, which is no longer yours ({why}); {what}")
         return True
 
-    def _record(self, identity: ProcessIdentity, minors: set[int], user: str, kind: str, why: str,
+    def _record(self, identity: ProcessIdentity, minors: set[int], user: str, action: Kind, why: Rule,
                 numbers: dict[str, Any], what: str) -> None:
         command = self.processes.command(identity.pid)
-        action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(str(numbers.get("signal")), kind)
-        event(logging.ERROR if kind == "unkillable" else logging.WARNING, f"holder_{action}", rule=why,
+        event(logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}", rule=why,
               user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(minors),
               **numbers)
         message = f"gpuguard: your process {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         for minor in sorted(minors):
-            self.store.add_event(Event(self.clock(), identity.uid, user, kind, message, minor=minor,
+            self.store.add_event(Event(self.clock(), identity.uid, user, action.event, message, minor=minor,
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 

@@ -22,7 +22,7 @@ from gpuguard import rules
 from gpuguard.edges import Cancel, Clock, ExitWatch, Processes
 from gpuguard.holders import FindHolders
 from gpuguard.logs import event
-from gpuguard.model import Grant, Origin
+from gpuguard.model import EventKind, Grant, Origin, Rule
 from gpuguard.release import Releases
 from gpuguard.sampling import Sample
 from gpuguard.store import Store
@@ -127,7 +127,7 @@ class LogoutRelease:
                 else:
                     bound = [g.minor for g in self.store.grants(uid) if g.origin == Origin.SESSION]
                     released += self.releases.take_back(
-                        uid, bound, now, kind="release", rule="logout",
+                        uid, bound, now, kind=EventKind.RELEASE, rule=Rule.LOGOUT,
                         message="released: your last session ended and no process of yours used it")
         return released
 

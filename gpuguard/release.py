@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 from gpuguard.grants import Grants
 from gpuguard.logs import event
 from gpuguard.messages import layout_message, unit_list
-from gpuguard.model import Grant
+from gpuguard.model import EventKind, Grant, Rule
 from gpuguard.queueing import Queue
 
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import MigLayout
 
 # (uid, user, units, why): end that user's processes still holding these units' nodes (HolderEnder.schedule)
-EndHolders = Callable[[int, str, Iterable[int], str], None]
+EndHolders = Callable[[int, str, Iterable[int], Rule], None]
 # (uid, user, message): tell a user on their terminals (not an exempt one)
 Tell = Callable[[int, str, str], None]
 
@@ -45,8 +45,8 @@ class Releases:
         self.tell = tell
         self._freed_in_batch: bool | None = None  # None: no batch open
 
-    def take_back(self, uid: int, units: Iterable[int] | None, now: float, *, kind: str, rule: str, message: str,
-                  end_holders: bool = True) -> list[Grant]:
+    def take_back(self, uid: int, units: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
+                  message: str, end_holders: bool = True) -> list[Grant]:
         """Take back a user's units (all, or these): kind release (the user's, idle, reclaim,
         logout) or revoke (an admin, a time limit, a layout change). Returns what was held.
         end_holders=False: the caller ends the holders itself (HolderEnder.end) to report on them."""
@@ -91,10 +91,10 @@ class Releases:
             for uid in sorted({grant.uid for grant in stale}):
                 mine = [grant for grant in stale if grant.uid == uid]
                 try:
-                    self.take_back(uid, [grant.minor for grant in mine], now, kind="revoke", rule="layout",
+                    self.take_back(uid, [grant.minor for grant in mine], now, kind=EventKind.REVOKE, rule=Rule.LAYOUT,
                                    message="; ".join(stale[grant] for grant in mine))
                 except Exception:  # one user's failing revoke must not keep the others'
-                    event(logging.ERROR, "revoke_failed", exc_info=True, user=mine[0].user, uid=uid, rule="layout",
+                    event(logging.ERROR, "revoke_failed", exc_info=True, user=mine[0].user, uid=uid, rule=Rule.LAYOUT,
                           gpus=unit_list(grant.minor for grant in mine))
                 else:
                     ended.update({grant: stale[grant] for grant in mine})

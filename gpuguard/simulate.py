@@ -363,7 +363,7 @@ class Replay:
             # freed a GPU the queue gave them): the daemon's confirming re-sample would see it busy.
             return False
         if action.kind in (rules.RELEASE, rules.REVOKE):
-            removed = self.releases.take_back(action.uid, [action.minor], self.now, kind=action.kind,
+            removed = self.releases.take_back(action.uid, [action.minor], self.now, kind=action.kind.event,
                                               rule=action.rule, message=messages.action_message(action))
             self._removed(removed, self.now)
             return bool(removed)

@@ -49,9 +49,6 @@ from gpuguard.usage import UsageMeter
 ACTIVE_WRITE_EVERY = 30.0  # seconds: how stale grants.last_active may get in the store (memory is exact)
 GAP_TICKS = 3              # a check this many intervals after the last one follows a gap in observation
 
-# Event kinds (model.Event.kind) for each action kind.
-_EVENT_KIND = {rules.WARN: "warning", rules.REPORT: "warning", rules.TERM: "kill", rules.KILL: "kill",
-               rules.UNKILLABLE: "unkillable", rules.REVOKE: "revoke", rules.RELEASE: "release"}
 _LEVEL = {rules.WARN: logging.WARNING, rules.REPORT: logging.WARNING, rules.TERM: logging.WARNING,
           rules.KILL: logging.WARNING, rules.UNKILLABLE: logging.ERROR}
 _SIGNAL = {rules.TERM: signal.SIGTERM, rules.KILL: signal.SIGKILL}
@@ -168,8 +165,8 @@ class Watcher:
         elif action.kind == rules.UNKILLABLE and proc is not None:
             numbers["state"] = self.processes.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
-            removed = self.releases.take_back(action.uid, [action.minor], now, kind=action.kind, rule=action.rule,
-                                              message=text)
+            removed = self.releases.take_back(action.uid, [action.minor], now, kind=action.kind.event,
+                                              rule=action.rule, message=text)
             if not removed:
                 return False  # released by someone else meanwhile
         self._record(action, user, command, text, numbers, now)
@@ -184,7 +181,7 @@ class Watcher:
                   gpu=unit_label(action.minor), pid=proc.pid if proc else None, command=command or None,
                   **logged)
             self.store.add_event(Event(
-                now, action.uid, user, _EVENT_KIND[action.kind], text, minor=action.minor,
+                now, action.uid, user, action.kind.event, text, minor=action.minor,
                 pid=proc.pid if proc else None, command=command, rule=action.rule, action=action.kind,
                 numbers=dict(numbers)))
         if action.kind != rules.REPORT and action.uid not in self.exempt.uids:
