@@ -40,7 +40,7 @@ WINDOW = 6.0  # seconds of daemon CPU per measurement
 GPU_PROCESS = """
 import os, signal, sys, time
 from pathlib import Path
-from gpuguard.backends.simulated import register_process
+from gpuguard.backends.sim_registry import register_process
 if sys.argv[3] == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 for _ in range(int(sys.argv[4])):
