@@ -1,7 +1,8 @@
-"""`gpuguard daemon`: the composition root and the event loop.
+"""`gpuguard daemon`: the real edges (kernel, NVML, NSS, terminals) handed to wiring.build, and the event loop.
 
-Start: claim the socket path (refused while another daemon serves) -> store -> GPU backend ->
-gate (attach or find) -> exemptions -> reconcile the gate map and node ACLs from the store ->
+Start: claim the socket path (refused while another daemon serves) -> GPU backend -> gate ->
+the services (wiring.build, which opens the store) -> exemptions, the gate attached or found with
+them -> the MIG layout followed -> reconcile the gate map and node ACLs from the store ->
 watch the device directory -> serve the socket -> READY=1. Under systemd it also says what it
 is doing (STATUS=) and pings the watchdog (WATCHDOG=1, WatchdogSec= in etc/gpuguard.service)
 from the event loop, so a loop that hangs gets the daemon restarted. One asyncio loop in the main thread

@@ -2,7 +2,7 @@
 
 The gate checks only at open(): a process that opened /dev/nvidiaN while its user held the GPU
 keeps its descriptor, and the device behind it, until it exits. So every path that takes a GPU
-away (an admin revoke, a time limit, an idle, logout or user release: Grants.remove) ends the
+away (an admin revoke, a time limit, an idle, logout or user release: Releases.take_back) ends the
 user's processes that /proc shows holding that node:
 
 - those NVML lists (a CUDA context) are the watcher's: on a GPU its user no longer holds they
