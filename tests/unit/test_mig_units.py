@@ -17,10 +17,12 @@ from gpuguard.config import QuotaOverrides
 from gpuguard.model import (
     NVIDIA_MAJOR,
     SLICE_UNITS,
+    EventKind,
     Gpu,
     Grant,
     Origin,
     Quota,
+    Rule,
     parse_unit,
     slice_place,
     slice_unit,
@@ -241,9 +243,7 @@ def test_gate_entries_are_the_union_of_a_users_grants(tmp_path: Path) -> None:
 
 
 def _remove(world: World, uid: int, units: list[int] | None) -> None:
-    async def remove() -> None:
-        world.grants.remove(uid, units, 1.0, kind="release", rule="user", message="")
-    asyncio.run(remove())
+    world.grants.remove(uid, units, 1.0, kind=EventKind.RELEASE, rule=Rule.USER, message="")
 
 
 def _restarted(world: World, tmp_path: Path, gpus: list[Gpu]) -> World:
