@@ -179,7 +179,7 @@ def own_tick_rows(bench: Bench) -> None:
 
         total = asyncio.run(run())
         sample = statistics.median(nvml)
-        snapshot = per_call(lambda: daemon.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
+        snapshot = per_call(lambda: daemon.services.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
     own = (total - sum(nvml) - sum(nvml_use) - sum(nvml_layout)) / ticks
     row("gpuguard's own part of a tick, 8 GPUs x 50 processes", own, 0.005, 1.0, "budget: 5 ms")
     row("metrics snapshot per tick, 8 GPUs x 50 processes", snapshot, sample, 0.5, "the simulated NVML sample")
