@@ -61,7 +61,7 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
 
 
 class Api:
-    """The operations, built from exactly the services they use (the daemon composes them)."""
+    """The operations, built from exactly the services they use (wiring.build composes them)."""
 
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, releases: Releases, exempt: Exempt,
                  sampler: GpuSampler, lookup: Lookup, logout: LogoutRelease, holders: HolderEnder,

@@ -223,7 +223,7 @@ class FakeExits:
 
 @dataclass
 class World:
-    """Every service, wired as the daemon wires them."""
+    """Every service, wired by wiring.build as the daemon wires them, over the fake edges."""
 
     tmp: Path
     config: Config = field(default_factory=lambda: Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=1)))

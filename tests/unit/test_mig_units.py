@@ -123,7 +123,7 @@ def test_stale_grants_follow_the_layout() -> None:
         6: "MIG slice 3/gi1/ci0 was re-created as another slice (the MIG layout changed)"}
 
 
-# --- grants on slices, through the services the daemon wires
+# --- grants on slices, through the services wiring.build wires
 
 def _update(world: World, seen: Layout, now: float) -> dict[Grant, str]:
     """Releases.follow_layout on the event loop, as the daemon's tick calls it (the holders of a
