@@ -77,6 +77,6 @@ def mig_minors(config: Config) -> dict[str, int]:
     from gpuguard.backends import mig_caps
     from gpuguard.config import GpuBackend
     if config.gpu.backend == GpuBackend.SIMULATED:
-        from gpuguard.backends.simulated import driver_mig_minors
+        from gpuguard.backends.sim_mig import driver_mig_minors
         return mig_caps.parse_mig_minors(driver_mig_minors())
     return mig_caps.read_mig_minors()

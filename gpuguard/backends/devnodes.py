@@ -15,6 +15,7 @@ import stat
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
+from gpuguard.backends import GpuError
 from gpuguard.backends.posix_acl import acl_entries, apply_acls, named_users
 from gpuguard.backends.procfs import char_major
 from gpuguard.model import NVIDIA_MAJOR
@@ -116,3 +117,22 @@ def sync_gpu_node(path: Path, dev: tuple[int, int], uids: Iterable[int]) -> list
         wrong.append(f"ACL users {sorted(before)} instead of {sorted(uids)}" if before != uids
                      else "ACL entries")
     return [f"{path}: {what}" for what in wrong]
+
+
+def make_driver_node(path: Path, dev: tuple[int, int], mode: int = 0o666) -> None:
+    """The character device `dev`, created with `mode` as a freshly loaded driver does (GPUs
+    0666; nvidia-modprobe makes capability nodes 0444). An existing node keeps its mode: an
+    admin or gpuguard's ACLs may have set it."""
+    rdev = os.makedev(*dev)
+    try:
+        path.parent.mkdir(mode=0o755, exist_ok=True)
+        os.mknod(path, stat.S_IFCHR | mode, rdev)
+        os.chmod(path, mode)  # mknod applied the umask
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise GpuError(f"cannot create simulated GPU node {path}: {exc.strerror}") from None
+    st = os.lstat(path)
+    if not stat.S_ISCHR(st.st_mode) or st.st_rdev != rdev:
+        raise GpuError(f"{path} exists but is not the device node {dev[0]}:{dev[1]}")
