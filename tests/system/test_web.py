@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import WebDriverWait
 from web_harness import ARTEFACTS, set_password
 
@@ -26,7 +27,11 @@ def log_in(driver, url: str, user: str, password: str) -> None:
     driver.get(url + "/login")
     driver.find_element(By.NAME, "user").send_keys(user)
     driver.find_element(By.NAME, "password").send_keys(password)
-    driver.find_element(By.CSS_SELECTOR, "form.login button").click()
+    button = driver.find_element(By.CSS_SELECTOR, "form.login button")
+    button.click()
+    # The click only starts the POST (PAM's delay after a wrong password included): wait for the
+    # page that answers it before anything reads the page.
+    WebDriverWait(driver, LIVE_TIMEOUT).until(staleness_of(button))
 
 
 def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
