@@ -154,11 +154,11 @@ def test_a_hanging_scontrol_delays_the_start_by_its_timeout_only(start_daemon, s
     daemon gives up after SCONTROL_TIMEOUT and gres.conf alone decides."""
     d, asked = coexist_daemon(start_daemon, sandbox)
     d.stop()
-    write_root_file(sandbox / "bin" / "scontrol", f"#!/bin/sh\necho \"$*\" >> {asked}\nsleep 600\n", 0o755)
+    write_root_file(sandbox / "bin" / "scontrol", f"#!/bin/sh\necho \"$*\" >> {asked}\nsleep 6017\n", 0o755)
     d.restart()
     assert asked.read_text().splitlines() == [f"show node {NODE}"] * 2
     assert [(g["minor"], g["owner"]) for g in d.call("status")["gpus"]][:2] == [(0, "slurm"), (1, "slurm")]
-    assert subprocess.run(["pgrep", "-f", "sleep 600$"], capture_output=True).stdout == b""  # none left behind
+    assert subprocess.run(["pgrep", "-f", "sleep 6017$"], capture_output=True).stdout == b""  # none left behind
 
 
 def test_a_slurm_node_without_coexist_config_refuses_to_start(sandbox):
