@@ -89,6 +89,8 @@ class Api:
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
         self._served: dict[int, tuple[int, ...]] = {}
         queue.listeners.append(self._queue_served)
+        # A fleet's (gpuguard.cluster): for a login that queues, where GPUs are free for the user now.
+        self.elsewhere: Callable[[str, Quota], str] = lambda user, quota: ""
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         op = request["op"]
@@ -153,8 +155,9 @@ class Api:
                 event(logging.INFO, "queued", user=account.name, wanted=quota.gpus,
                       position=standing.position if standing else None)
                 return {**reply, "queue": _standing_info(standing),
-                        "message": queue_message(standing.position, standing.waiting, standing.gpus,
-                                                 standing.estimate) if standing else NO_GPU_FREE}
+                        "message": (queue_message(standing.position, standing.waiting, standing.gpus,
+                                                  standing.estimate) if standing else NO_GPU_FREE)
+                        + self.elsewhere(account.name, quota)}
         if not held:
             return {**reply, "message": NO_GPU_FREE}
         return {**reply, **self._grant_reply(held, wanted=quota.gpus)}

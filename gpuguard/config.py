@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -127,6 +128,30 @@ class GpuConfig:
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
 
 
+class OfflinePolicy(StrEnum):
+    """What a node of a fleet grants while the shared database cannot be reached (gpuguard.cluster)."""
+
+    LOCAL = "local"    # the local quota alone: the fleet quota may be exceeded until the database is back
+    BUDGET = "budget"  # also the fleet quota less what the user held elsewhere when last seen
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Several servers sharing one PostgreSQL (gpuguard.cluster); read at start only."""
+
+    database: str                   # a libpq connection string or URI (host=a,b target_session_attrs=read-write)
+    node: str                       # this server's name in the fleet (unique)
+    rack: str = ""
+    ssh: str = ""                   # what `gpuguard where` puts after ssh ('' : the node name)
+    heartbeat: float = 10.0         # seconds between heartbeats
+    lease: float = 30.0             # silent this long: the node shows as lost
+    grace: float = 60.0             # lost this long more: its grants stop counting against fleet quotas
+    timeout: float = 0.5            # the longest a login waits on the database
+    offline_policy: OfflinePolicy = OfflinePolicy.LOCAL
+    # storage paths and the nodes or racks that hold them (`gpuguard where --data PATH`)
+    data: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
 @dataclass(frozen=True)
 class QuotaOverrides:
     """Per-user and per-group quota fields from quotas.toml; only the keys written there."""
@@ -149,6 +174,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
+    cluster: ClusterConfig | None = None  # None: a single server
 
 
 # --- value parsers: each takes the raw TOML value and returns the typed one or raises ValueError
@@ -273,6 +299,24 @@ def _mig(value: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
     return tuple(sorted((int(minor), tuple(profiles)) for minor, profiles in value.items()))
 
 
+def _data_map(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`[cluster.data]`: `"/data/imagenet" = ["gpu1", "rack-b"]`, absolute paths to node or rack names."""
+    if not isinstance(value, dict):
+        raise ValueError(f'expected paths and the nodes or racks holding them, like {{ "/data" = ["gpu1"] }}, got {value!r}')
+    for path, names in value.items():
+        if not path.startswith("/"):
+            raise ValueError(f"expected an absolute path, got {path!r}")
+        _names(names)
+    return tuple(sorted((path.rstrip("/") or "/", tuple(names)) for path, names in value.items()))
+
+
+def _fleet_limit(value: Any) -> int | None:
+    """GPUs on all servers of a fleet together: a count, or "none" (no fleet limit)."""
+    if value == "none":
+        return None
+    return _count(0, 100_000)(value)
+
+
 def _slice_limit(value: Any) -> int | None:
     """How many of a user's units may be MIG slices: a count, or "any" (no limit of its own)."""
     if value == "any":
@@ -296,6 +340,7 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "priority": _integer,
     "share": _weight,
     "reclaim_after": parse_duration,
+    "cluster_gpus": _fleet_limit,
     "slices": _slice_limit,
     "whole_gpus": _bool,
     "slice_profiles": _profiles,
@@ -315,6 +360,9 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
+    "cluster": {"database": _string, "node": _string, "rack": _string, "ssh": _string,
+                "heartbeat": _positive_duration(1), "lease": _positive_duration(1), "grace": _positive_duration(0),
+                "timeout": _positive_duration(0.05), "offline_policy": _member(OfflinePolicy), "data": _data_map},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
                       "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups, "mig": _mig},
 }
@@ -368,6 +416,18 @@ def _check_mig(source: Path, sim: SimulatedConfig) -> None:
             raise ConfigError(f"{source}: gpu.simulated.mig.{minor}: {exc}") from None
 
 
+def _cluster(source: Path, section: dict[str, Any] | None) -> ClusterConfig | None:
+    if section is None:
+        return None
+    if "database" not in section:
+        raise ConfigError(f"{source}: cluster.database: missing (a PostgreSQL connection string)")
+    cluster = ClusterConfig(**{"node": socket.gethostname().split(".")[0], **section})
+    if cluster.lease < 2 * cluster.heartbeat:
+        raise ConfigError(f"{source}: cluster.lease: must be at least twice cluster.heartbeat "
+                          f"({cluster.heartbeat:g}s), got {cluster.lease:g}s")
+    return cluster
+
+
 def load_quotas(path: Path) -> QuotaOverrides:
     """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none."""
     if not path.exists():
@@ -417,6 +477,7 @@ def load(path: Path | str | None = None) -> Config:
         gpu=GpuConfig(simulated=simulated, **gpu_section),
         metrics=MetricsConfig(**sections.get("metrics", {})),
         quotas=load_quotas(paths.quotas),
+        cluster=_cluster(source, sections.get("cluster")),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:
         # NVML process queries serialize on the driver lock; faster polling slows every CUDA call.

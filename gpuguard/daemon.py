@@ -24,8 +24,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuguard import cluster, sampling
 from gpuguard import config as configuration
-from gpuguard import sampling
 from gpuguard.api import Api
 from gpuguard.backends import (
     GateError,
@@ -111,13 +111,18 @@ class Daemon:
                                    lambda: self.config.watcher.kill_wait)
         self.grants.holders = self.holders
         self.logout = LogoutRelease(self.store, self.grants, find_holders, ExitWatch())
-        self.queue = Queue(self.current_config, self.store, self.grants)
+        # Several servers, one PostgreSQL (gpuguard.cluster); None on a single server.
+        self.fleet = cluster.build(self.config, self.current_config, self.store, self.grants, self.lookup)
+        self.queue = Queue(self.current_config, self.store, self.grants,
+                           remote_usage=self.fleet.cluster.remote_usage if self.fleet else None)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier, demand=self.queue.demand)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
                        self.logout, self.holders, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
                        account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
                        queue=self.queue, notifier=self.notifier)
+        if self.fleet:
+            self.api.elsewhere = self.fleet.cluster.elsewhere
         self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
                                self.watcher.account_of)
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
@@ -132,6 +137,8 @@ class Daemon:
         self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
 
     async def _handle(self, request: dict, peer) -> dict:
+        if request["op"] in cluster.OPERATIONS:
+            return await (self.fleet.ops.handle if self.fleet else cluster.not_in_fleet)(request, peer)
         return await self.api.handle(request, peer)
 
     async def serve(self) -> None:
@@ -146,6 +153,7 @@ class Daemon:
         ticker = asyncio.create_task(self._ticker())
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
+        heartbeat = asyncio.create_task(self.fleet.cluster.run()) if self.fleet else None
         systemd.notify("READY=1", f"STATUS={self._status_text()}")
         event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=unit_list(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
@@ -156,6 +164,8 @@ class Daemon:
             ticker.cancel()
             if pinger:
                 pinger.cancel()
+            if heartbeat:
+                heartbeat.cancel()
             for watcher in self.node_watchers:
                 loop.remove_reader(watcher.fileno())
             if self._layout_read is not None:
@@ -165,6 +175,8 @@ class Daemon:
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
+        if self.fleet:
+            self.fleet.close()
         self.metrics.close()
         self.logout.close()
         self.holders.close()
@@ -183,9 +195,10 @@ class Daemon:
         new = configuration.load(self.config.source)
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
         fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
-                        access=replace(new.access, mode=self.config.access.mode))
+                        access=replace(new.access, mode=self.config.access.mode), cluster=self.config.cluster)
         if fixed != new:
-            event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics and access.mode change at restart")
+            event(logging.WARNING, "reload_partial",
+                  reason="paths, gpu, metrics, access.mode and cluster change at restart")
         self.config = fixed
         self.store.retention = fixed.events
         self.exempt.refresh()

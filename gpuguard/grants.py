@@ -48,6 +48,11 @@ class Nodes(Protocol):
         returns what was wrong (empty when the node was right and nothing was written)."""
 
 
+class Admit(Protocol):
+    def __call__(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...], now: float,
+                 expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]: ...
+
+
 class Grants:
     def __init__(self, store: Store, gate: Gate | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
@@ -80,6 +85,9 @@ class Grants:
         # Told of every grant taken back, whatever took it (the queue: fair-share charge, then
         # the freed GPUs go to the waiters first).
         self.on_removed: list[Callable[[list[Grant], float], None]] = []
+        # A fleet's grant-time check (gpuguard.cluster): the part of the chosen units the fleet
+        # quota allows, recorded in the fleet database. None on a single server.
+        self.admit: Admit | None = None
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -124,8 +132,10 @@ class Grants:
                  message: str) -> tuple[int, ...]:
         """Up to `count` more units for the user on the terms of their quota (none when none is free)."""
         chosen = self.choose(uid, count, quota)
-        self.add(uid, user, chosen, now, expires_at=policy.expires_at(quota, now), shared=policy.may_share(quota),
-                 origin=origin, message=message)
+        expires_at, shared = policy.expires_at(quota, now), policy.may_share(quota)
+        if chosen and self.admit is not None:
+            chosen = self.admit(uid, user, quota, chosen, now, expires_at, shared, origin)
+        self.add(uid, user, chosen, now, expires_at=expires_at, shared=shared, origin=origin, message=message)
         return chosen
 
     def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,

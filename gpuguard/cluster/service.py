@@ -1,0 +1,183 @@
+"""The daemon's side of a fleet: the grant-time check, the heartbeat, the offline policy and caches.
+
+Everything that talks to the database runs on one worker thread, in the order the event loop
+asked (a heartbeat's snapshot and a check after it reach the database in that order). The
+loop waits for a grant-time check at most `timeout` (a login never waits longer on the
+network); a check that times out or fails puts the node offline, and from then on checks are
+decided locally at once, under `offline_policy`, until a heartbeat succeeds again. The gate and
+the local store are never touched by any of this: the fleet can only make a grant smaller.
+
+Called from the event-loop thread only, like the store, except the worker's own calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from gpuguard import __version__
+from gpuguard.cluster.fleetdb import FleetDb
+from gpuguard.cluster.outbox import Outbox
+from gpuguard.cluster.schema import CURRENT, ClusterError
+from gpuguard.config import ClusterConfig, OfflinePolicy
+from gpuguard.grants import Grants
+from gpuguard.logs import event
+from gpuguard.model import Grant, Origin, Quota
+from gpuguard.store import Store
+
+MIN_GAP = 0.5  # seconds between two heartbeats that grants taken back ask for: a request/release loop sends 2 a second
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig, half_life: Callable[[], float], store: Store, grants: Grants,
+                 outbox: Outbox, db: FleetDb):
+        self.config = config
+        self.half_life = half_life
+        self.store = store
+        self.grants = grants
+        self.outbox = outbox
+        self.db = db
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuguard-fleet")
+        self.online = False  # until the first heartbeat: checks are local meanwhile
+        self.stale_since: float | None = time.time()  # the fleet's view as this node has it is old since then
+        self.last_beat: float | None = None
+        self.usage: dict[str, float] = {}   # recent usage elsewhere (fair share) of the users waiting here
+        self.held: dict[str, int] = {}      # grants elsewhere of the users here, as last seen
+        self.free: list[dict[str, Any]] = []  # where GPUs are free elsewhere, when this node is full
+        self._kick = asyncio.Event()
+        grants.admit = self.admit
+        grants.on_removed.append(self._ended)
+
+    # --- the grant-time check
+
+    def admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...], now: float,
+              expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]:
+        """The part of `chosen` the fleet quota allows (all of it without one), recorded in the
+        database in the same transaction. Waits `timeout` at most; offline: offline_policy."""
+        local = len(self.store.grants(uid))
+        if self.online:
+            doc = {"node": self.config.node, "user": user, "uid": uid, "cluster_gpus": quota.cluster_gpus,
+                   "minors": list(chosen), "granted_at": now, "expires_at": expires_at, "shared": shared,
+                   "origin": str(origin)}
+            future = self._worker.submit(self.db.reserve, doc)
+            try:
+                result = future.result(timeout=self.config.timeout)
+            except psycopg.errors.UniqueViolation:
+                event(logging.ERROR, "fleet_double_grant", user=user, gpus=list(chosen), node=self.config.node,
+                      action="refused: the database has these GPUs granted (is another server named the same?)")
+                return ()
+            except concurrent.futures.TimeoutError:
+                self._offline(f"no answer within {self.config.timeout:g}s")
+            except (psycopg.Error, ClusterError) as exc:
+                self._offline(_first_line(exc))
+            else:
+                self.held[user] = result["held"] - local
+                return tuple(result["granted"])
+        return self._offline_admit(user, quota, chosen, local)
+
+    def _offline_admit(self, user: str, quota: Quota, chosen: tuple[int, ...], local: int) -> tuple[int, ...]:
+        if self.config.offline_policy == OfflinePolicy.LOCAL or quota.cluster_gpus is None:
+            return chosen
+        room = quota.cluster_gpus - self.held.get(user, 0) - local
+        return chosen[:max(0, room)]
+
+    # --- the heartbeat
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """This node's truth, as the heartbeat sends it (read from the store, on the loop thread)."""
+        grants = self.store.grants()
+        queue = self.store.queue()
+        users = {g.user for g in grants} | {s.user for s in self.store.sessions()} | {q.waiter.user for q in queue}
+        free = len(set(self.grants.gpus) - {g.minor for g in grants})
+        return {
+            "node": self.config.node, "rack": self.config.rack, "ssh": self.config.ssh or self.config.node,
+            "version": __version__, "schema": CURRENT, "incarnation": self.outbox.incarnation,
+            "heartbeat": self.config.heartbeat, "lease": self.config.lease, "grace": self.config.grace,
+            "taken_at": now, "half_life": self.half_life(),
+            "gpus": [{"minor": gpu.minor, "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total,
+                      "owner": "gpuguard"} for gpu in self.grants.gpus.values()],
+            "grants": [{"minor": g.minor, "username": g.user, "uid": g.uid, "granted_at": g.granted_at,
+                        "expires_at": g.expires_at, "shared": g.shared, "origin": str(g.origin)} for g in grants],
+            "queue": [{"ticket": q.waiter.id, "username": q.waiter.user, "gpus": q.waiter.gpus, "since": q.waiter.since,
+                       "priority": q.waiter.priority} for q in queue],
+            "ledger": self.outbox.pending(),
+            "usage_for": sorted({q.waiter.user for q in queue}),
+            "users": sorted(users),
+            "want_free": bool(queue) or free <= 1,
+        }
+
+    async def beat(self) -> bool:
+        """One heartbeat; True when the database took it."""
+        doc = self.snapshot(time.time())
+        try:
+            result = await asyncio.wrap_future(self._worker.submit(self.db.heartbeat, doc))
+        except (psycopg.Error, ClusterError) as exc:
+            self._offline(_first_line(exc))
+            return False
+        if doc["ledger"]:
+            self.outbox.confirm(doc["ledger"][-1]["seq"])
+        self.usage, self.held, self.free = result["usage"], result["held"], result["free"]
+        self.last_beat = time.time()
+        if not self.online:
+            event(logging.INFO, "fleet_online", node=self.config.node,
+                  offline_for=round(time.time() - self.stale_since, 1) if self.stale_since else None)
+        self.online, self.stale_since = True, None
+        return True
+
+    async def run(self) -> None:
+        """A heartbeat every `heartbeat` seconds, and soon after grants are taken back (their
+        release counts at once against the fleet quota on the other servers)."""
+        while True:
+            started = time.monotonic()
+            await self.beat()
+            self._kick.clear()
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.config.heartbeat)
+            except asyncio.TimeoutError:  # not the builtin on Python 3.10
+                continue
+            await asyncio.sleep(max(0.0, started + MIN_GAP - time.monotonic()))
+
+    def _ended(self, removed: list[Grant], now: float) -> None:
+        """Grants taken back here: their usage goes to the ledger (through the outbox), and out now."""
+        self.outbox.add(removed, now)
+        self._kick.set()
+
+    def _offline(self, why: str) -> None:
+        if self.online or self.stale_since is None:
+            event(logging.WARNING, "fleet_offline", node=self.config.node, error=why,
+                  policy=str(self.config.offline_policy))
+        self.online = False
+        if self.stale_since is None:
+            self.stale_since = time.time()
+
+    # --- what the other services read
+
+    def remote_usage(self, user: str) -> float:
+        """Recent usage (decayed GPU-seconds) of `user` on the other servers, as of the last heartbeat."""
+        return float(self.usage.get(user, 0.0))
+
+    def elsewhere(self, user: str, quota: Quota) -> str:
+        """For a login that queues here, holding nothing here: where GPUs are free for this user now
+        ('' when nowhere, or not known)."""
+        room = None if quota.cluster_gpus is None else quota.cluster_gpus - self.held.get(user, 0)
+        if not self.online or (room is not None and room <= 0):
+            return ""
+        places = [f"{place['node']} ({min(place['free'], room) if room is not None else place['free']})"
+                  for place in self.free if place["free"] > 0]
+        if not places:
+            return ""
+        return f"; GPUs free now on {', '.join(places)}: ssh {self.free[0]['ssh'] or self.free[0]['node']}"
+
+    def close(self) -> None:
+        self._worker.submit(self.db.close)  # on its own thread, after what it is doing
+        self._worker.shutdown(wait=False)
+        self.outbox.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
