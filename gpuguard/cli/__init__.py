@@ -76,7 +76,7 @@ COMMANDS = {
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
     "simulate": "simulate_cmd", "trace": "simulate_cmd",
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd",
-    "doctor": "doctor_cmd",
+    "doctor": "doctor_cmd", "where": "cluster_cmd",
 }
 PAM_HOOK = "pam-hook"
 PAM_HOOK_HELP = "pam_exec session hook (fallback for pam_gpuguard.so; always exits 0; see pam/README)"
