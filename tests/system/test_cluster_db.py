@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
-from pg_fixture import postgres  # noqa: F401  (the fixture)
 
 from gpuguard.cluster import schema
 from gpuguard.cluster.fleetdb import FleetDb, connect, migrate
