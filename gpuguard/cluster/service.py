@@ -134,7 +134,10 @@ class Cluster:
         release counts at once against the fleet quota on the other servers)."""
         while True:
             started = time.monotonic()
-            await self.beat()
+            try:
+                await self.beat()
+            except Exception:  # a bug of ours must not end the heartbeats: the next one tries again
+                event(logging.ERROR, "fleet_heartbeat_failed", exc_info=True)
             self._kick.clear()
             try:
                 await asyncio.wait_for(self._kick.wait(), self.config.heartbeat)

@@ -34,20 +34,22 @@ class Fleet:
         self.sandboxes: list[Path] = []
         self.proxy: TcpProxy | None = None
 
-    def start(self, quotas: dict, proxied: str | None = None, **tables) -> None:
+    def start(self, quotas: dict, proxied: str | None = None, database: str | None = None,
+              policy: str = "local", **tables) -> None:
         for name, (rack, gate) in NODES.items():
             sandbox = Path("/tmp") / unique()
             sandbox.mkdir(mode=0o755)
             self.sandboxes.append(sandbox)
-            database = self.postgres.conninfo
+            conninfo = database or self.postgres.conninfo
             if name == proxied:
                 self.proxy = TcpProxy(self.postgres.port)
                 self.proxy.start()
-                database = self.postgres.tcp_conninfo(self.proxy.port)
+                conninfo = self.postgres.tcp_conninfo(self.proxy.port)
             node = RunningDaemon(sandbox, self.group, self.make_user)
             node.write_config(count=2, gate=gate, quotas=quotas, **{"defaults": {"gpus": 2}, **tables},
-                              cluster={"database": database, "node": name, "rack": rack, "heartbeat": "1s",
-                                       "lease": "2s", "grace": "2s", "data": DATA})
+                              cluster={"database": conninfo, "node": name, "rack": rack, "heartbeat": "1s",
+                                       "lease": "2s", "grace": "2s", "data": DATA,
+                                       "offline_policy": policy})
             node.start()
             self.nodes[name] = node
         self.wait_online()
@@ -224,3 +226,37 @@ def test_a_node_cut_off_from_the_database_carries_on_and_so_do_the_others(fleet)
     fleet.wait_online("gpu3")
     assert wait_for(lambda: [(n, m) for n, u, m in fleet.held_in_database() if u == alice.name] ==
                     [("gpu3", 0), ("gpu3", 1)])
+
+
+def test_offline_budget_keeps_the_fleet_quota_with_what_was_last_seen_elsewhere(fleet):
+    alice = member(fleet)
+    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 3}}}, policy="budget")
+    assert len(fleet.login("gpu1", alice)["gpus"]) == 2
+    gpu2 = fleet.nodes["gpu2"]
+    assert len(fleet.login("gpu2", alice)["gpus"]) == 1  # 3 in the fleet, 2 of them on gpu1
+    assert gpu2.cli_as(alice, "release").returncode == 0
+    fleet.postgres.stop("immediate")
+    assert wait_for(lambda: gpu2.call("cluster_status")["online"] is False)
+    # offline, gpu2 still allows her only her fleet quota less what gpu1 had: 1, not her local 2
+    granted = gpu2.call_as(alice, "request")
+    assert granted["ok"] and len(granted["gpus"]) == 1, granted
+
+
+def test_nodes_follow_the_standby_promoted_under_them(fleet):
+    alice, bob = member(fleet), member(fleet)
+    standby = fleet.postgres.standby()
+    both = (f"host={fleet.postgres.root},{standby.root} port={fleet.postgres.port},{standby.port} user=postgres"
+            " dbname=postgres target_session_attrs=read-write")
+    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 2}}}, database=both)
+    assert len(fleet.login("gpu1", alice)["gpus"]) == 2
+    fleet.postgres.kill()
+    standby.promote()
+    fleet.wait_online()
+    assert wait_for(lambda: fleet.nodes["gpu1"].call("cluster_status")["online"])
+    # the fleet quota is still kept, now by the promoted standby
+    assert fleet.login("gpu2", alice)["gpus"] == []
+    assert len(fleet.login("gpu3", bob)["gpus"]) == 2
+    with psycopg.connect(both, autocommit=True) as conn:
+        assert conn.execute("SELECT current_setting('port')").fetchone() == (str(standby.port),)
+        assert conn.execute("SELECT node, username FROM gpuguard.grants ORDER BY 1, 2").fetchall() == [
+            ("gpu1", alice.name), ("gpu1", alice.name), ("gpu3", bob.name), ("gpu3", bob.name)]
