@@ -11,7 +11,9 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
   a login storm; at ~100 and at 5,000 host processes;
 - watcher_bench.py: the daemon's CPU per tick at 500 and 5,000 processes, its own part of a
   tick, the metrics snapshot per tick, kill latency;
-- gate_bench.py: open(2) with and without the gate (bench/openloop.c).
+- gate_bench.py: open(2) with and without the gate (bench/openloop.c);
+- cluster_bench.py: several servers on one PostgreSQL: logins with the database up and down,
+  status --cluster, heartbeat load for 50 to 2,000 nodes.
 
 Small C helpers (bench/*.c) are built by the run with gcc. `--only SECTION` runs one section.
 """
@@ -31,7 +33,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "pam", "watcher", "gate")
+SECTIONS = ("micro", "pam", "watcher", "gate", "cluster")
 
 
 def machine() -> str:
@@ -80,6 +82,9 @@ def main() -> int:
             import gate_bench
             with env.gate_lock():  # the baseline too: no other run's gate attached while timing
                 gate_bench.gate_rows(bench)
+        if "cluster" in sections:
+            import cluster_bench
+            cluster_bench.run(bench)  # its daemons hold the gate lock one at a time (start_daemon)
     print(f"\n{table(ROWS)}\n\nbench: {len(ROWS)} rows in {time.monotonic() - started:.0f} s on {host}")
     missed = [r for r in ROWS if r.missed]
     for r in missed:

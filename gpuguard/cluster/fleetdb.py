@@ -90,6 +90,17 @@ class FleetDb:
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
         return self.call("reserve_v1", doc)
 
+    def release(self, pairs: list[tuple[int, str]]) -> None:
+        """Grants of this node taken back: (minor, user) each; raises psycopg.Error."""
+        try:
+            self._connection().execute(
+                f"DELETE FROM {NAMESPACE}.grants WHERE node = %s AND (minor, username) IN"
+                " (SELECT * FROM unnest(%s::integer[], %s::text[]))",
+                (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
+        except psycopg.Error:
+            self.close()
+            raise
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()

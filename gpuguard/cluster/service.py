@@ -59,7 +59,6 @@ class Cluster:
               expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]:
         """The part of `chosen` the fleet quota allows (all of it without one), recorded in the
         database in the same transaction. Waits `timeout` at most; offline: offline_policy."""
-        local = len(self.store.grants(uid))
         if self.online:
             doc = {"node": self.config.node, "user": user, "uid": uid, "cluster_gpus": quota.cluster_gpus,
                    "minors": list(chosen), "granted_at": now, "expires_at": expires_at, "shared": shared,
@@ -69,21 +68,23 @@ class Cluster:
                 result = future.result(timeout=self.config.timeout)
             except psycopg.errors.UniqueViolation:
                 event(logging.ERROR, "fleet_double_grant", user=user, gpus=list(chosen), node=self.config.node,
-                      action="refused: the database has these GPUs granted (is another server named the same?)")
+                      action="refused: the database has these GPUs granted (is another server named the same?); "
+                             "this node's truth goes with the next heartbeat")
+                self._kick.set()
                 return ()
             except concurrent.futures.TimeoutError:
                 self._offline(f"no answer within {self.config.timeout:g}s")
             except (psycopg.Error, ClusterError) as exc:
                 self._offline(_first_line(exc))
             else:
-                self.held[user] = result["held"] - local
+                self.held[user] = result["held"] - len(self.store.grants(uid))
                 return tuple(result["granted"])
-        return self._offline_admit(user, quota, chosen, local)
+        return self._offline_admit(uid, user, quota, chosen)
 
-    def _offline_admit(self, user: str, quota: Quota, chosen: tuple[int, ...], local: int) -> tuple[int, ...]:
+    def _offline_admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...]) -> tuple[int, ...]:
         if self.config.offline_policy == OfflinePolicy.LOCAL or quota.cluster_gpus is None:
             return chosen
-        room = quota.cluster_gpus - self.held.get(user, 0) - local
+        room = quota.cluster_gpus - self.held.get(user, 0) - len(self.store.grants(uid))
         return chosen[:max(0, room)]
 
     # --- the heartbeat
@@ -146,9 +147,20 @@ class Cluster:
             await asyncio.sleep(max(0.0, started + MIN_GAP - time.monotonic()))
 
     def _ended(self, removed: list[Grant], now: float) -> None:
-        """Grants taken back here: their usage goes to the ledger (through the outbox), and out now."""
+        """Grants taken back here: gone from the database before any later check (the worker keeps
+        the order, so the next grant of the same GPU finds it free there too), and their usage to
+        the ledger through the outbox, with a heartbeat soon when online."""
         self.outbox.add(removed, now)
-        self._kick.set()
+        if self.online:  # offline, the regular heartbeats try again: no point sending sooner
+            self._worker.submit(self._release, [(g.minor, g.user) for g in removed])
+            self._kick.set()
+
+    def _release(self, pairs: list[tuple[int, str]]) -> None:
+        """On the worker: a failure here is mended by the next heartbeat, which sends the whole truth."""
+        try:
+            self.db.release(pairs)
+        except psycopg.Error as exc:
+            event(logging.WARNING, "fleet_release_failed", error=_first_line(exc), action="sent with the next heartbeat")
 
     def _offline(self, why: str) -> None:
         if self.online or self.stale_since is None:
