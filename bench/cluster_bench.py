@@ -41,6 +41,7 @@ TIMEOUT = 0.5  # [cluster] timeout of the bench's node
 HEARTBEAT = 10.0
 FLEETS = (50, 500, 2000)
 LOAD_SECONDS = 10.0
+USERS = 500  # the researchers of a 2,000-node fleet's labs
 
 
 def run(bench: Bench) -> None:
@@ -189,8 +190,11 @@ def heartbeat_rows(bench: Bench, db: Postgres) -> None:
             def beat(i: int, nodes: int = nodes) -> float:
                 if not hasattr(local, "db"):
                     local.db = FleetDb(db.conninfo, "bench")
-                doc = {**template, "node": f"hb{nodes}-{i % nodes:04d}", "ssh": f"hb{i % nodes}",
-                       "taken_at": time.time()}
+                node = i % nodes
+                # each node's users differ: 4 of a lab population of USERS, as many grants each as chance gives
+                held = [{**g, "username": f"user{(node * 4 + n) % USERS}"} for n, g in enumerate(template["grants"])]
+                doc = {**template, "node": f"hb{nodes}-{node:04d}", "ssh": f"hb{node}", "taken_at": time.time(),
+                       "grants": held, "users": sorted(g["username"] for g in held)}
                 start = time.perf_counter()
                 local.db.heartbeat(doc)
                 return time.perf_counter() - start

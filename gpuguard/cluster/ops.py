@@ -28,6 +28,7 @@ from gpuguard.server import Peer
 CACHE_FOR = 1.0  # seconds a view is shared between callers
 POOL_SIZE = 2
 READ_TIMEOUT = 3.0  # seconds a caller waits for a pooled connection
+IDLE_FOR = 60.0     # seconds a pooled connection is kept unused
 MAX_WANTED = 1024
 
 
@@ -37,8 +38,10 @@ class FleetOps:
         self.cluster = cluster
         self.lookup = lookup
         settings = cluster.config
-        self.pool = psycopg_pool.ConnectionPool(settings.database, min_size=1, max_size=POOL_SIZE, open=False,
-                                                timeout=READ_TIMEOUT,
+        # No connection kept while nobody looks (a fleet of thousands of nodes holds one each, the
+        # worker's, not three); one opened for a look stays IDLE_FOR seconds for the next.
+        self.pool = psycopg_pool.ConnectionPool(settings.database, min_size=0, max_size=POOL_SIZE, open=False,
+                                                timeout=READ_TIMEOUT, max_idle=IDLE_FOR,
                                                 kwargs={"autocommit": True, **connection_options(settings.node)})
         self.pool.open(wait=False)
         self._rows: list[dict[str, Any]] = []

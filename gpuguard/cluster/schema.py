@@ -71,6 +71,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     CREATE INDEX ledger_by_user ON gpuguard.ledger (username, ended);
 
     -- A node's grants count against fleet quotas while it is seen, and for `grace` after its lease.
+    -- Asked as a scalar subquery per grant row: an index probe each (an EXISTS or a join is
+    -- planned as a hash over every node, which made a heartbeat cost grow with the fleet).
     CREATE FUNCTION gpuguard.counts(n gpuguard.nodes, at double precision) RETURNS boolean
         LANGUAGE sql IMMUTABLE AS $$ SELECT n.last_seen >= at - n.lease - n.grace $$;
 
@@ -100,13 +102,16 @@ MIGRATIONS: tuple[Migration, ...] = (
 
         DELETE FROM gpuguard.gpus g WHERE g.node = me AND NOT EXISTS (
             SELECT 1 FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer) WHERE x.minor = g.minor);
-        INSERT INTO gpuguard.gpus AS g (node, minor, uuid, name, memory_total, owner)
+        -- unchanged rows are not touched (an upsert would lock each, writing to its page every beat)
+        UPDATE gpuguard.gpus g SET uuid = x.uuid, name = x.name, memory_total = x.memory_total, owner = x.owner
+            FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer, uuid text, name text, memory_total bigint, owner text)
+            WHERE g.node = me AND g.minor = x.minor
+              AND (g.uuid, g.name, g.memory_total, g.owner) IS DISTINCT FROM (x.uuid, x.name, x.memory_total, x.owner);
+        INSERT INTO gpuguard.gpus (node, minor, uuid, name, memory_total, owner)
             SELECT me, x.minor, x.uuid, x.name, x.memory_total, x.owner
             FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer, uuid text, name text, memory_total bigint, owner text)
-        ON CONFLICT (node, minor) DO UPDATE SET uuid = excluded.uuid, name = excluded.name,
-            memory_total = excluded.memory_total, owner = excluded.owner
-            WHERE (g.uuid, g.name, g.memory_total, g.owner)
-                  IS DISTINCT FROM (excluded.uuid, excluded.name, excluded.memory_total, excluded.owner);
+            WHERE NOT EXISTS (SELECT 1 FROM gpuguard.gpus g WHERE g.node = me AND g.minor = x.minor)
+        ON CONFLICT DO NOTHING;
 
         -- grants made after the snapshot was taken are not in it, and stay
         DELETE FROM gpuguard.grants g WHERE g.node = me AND g.granted_at < taken AND NOT EXISTS (
@@ -137,17 +142,18 @@ MIGRATIONS: tuple[Migration, ...] = (
                 SELECT w.name, coalesce((
                     SELECT sum(half / ln(2) * (power(0.5, greatest(0, at - l.ended) / half)
                                                - power(0.5, greatest(0, at - l.started) / half)))
-                    FROM gpuguard.ledger l WHERE l.username = w.name AND l.node <> me), 0)
+                    FROM gpuguard.ledger l  -- 30 half-lives back: what is older counts less than 1e-9
+                    WHERE l.username = w.name AND l.ended >= at - 30 * half AND l.node <> me), 0)
                   + coalesce((
                     SELECT sum(half / ln(2) * (1 - power(0.5, greatest(0, at - g.granted_at) / half)))
-                    FROM gpuguard.grants g JOIN gpuguard.nodes n ON n.name = g.node
-                    WHERE g.username = w.name AND g.node <> me AND gpuguard.counts(n, at)), 0) AS value
+                    FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
+                        SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node)), 0) AS value
                 FROM jsonb_array_elements_text(doc->'usage_for') AS w(name)) u;
         END IF;
         IF jsonb_array_length(doc->'users') > 0 THEN
             SELECT coalesce(jsonb_object_agg(w.name, (
-                SELECT count(*) FROM gpuguard.grants g JOIN gpuguard.nodes n ON n.name = g.node
-                WHERE g.username = w.name AND g.node <> me AND gpuguard.counts(n, at))), '{}') INTO held
+                SELECT count(*) FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
+                    SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node))), '{}') INTO held
             FROM jsonb_array_elements_text(doc->'users') AS w(name);
         END IF;
         IF (doc->>'want_free')::boolean THEN
@@ -176,8 +182,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     BEGIN
         INSERT INTO gpuguard.fleet_quotas AS q (username, cluster_gpus, updated_at) VALUES (who, quota, at)
         ON CONFLICT (username) DO UPDATE SET cluster_gpus = excluded.cluster_gpus, updated_at = excluded.updated_at;
-        SELECT count(*) INTO held FROM gpuguard.grants g JOIN gpuguard.nodes n ON n.name = g.node
-        WHERE g.username = who AND (n.name = me OR gpuguard.counts(n, at));
+        SELECT count(*) INTO held FROM gpuguard.grants g WHERE g.username = who AND (g.node = me OR (
+            SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node));
         took := CASE WHEN quota IS NULL THEN wanted ELSE wanted[1:greatest(0, quota - held)] END;
         INSERT INTO gpuguard.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
             SELECT me, m, who, (doc->>'uid')::integer, (doc->>'granted_at')::double precision,

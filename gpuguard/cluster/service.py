@@ -93,7 +93,12 @@ class Cluster:
         """This node's truth, as the heartbeat sends it (read from the store, on the loop thread)."""
         grants = self.store.grants()
         queue = self.store.queue()
-        users = {g.user for g in grants} | {s.user for s in self.store.sessions()} | {q.waiter.user for q in queue}
+        waiting = {q.waiter.user for q in queue}
+        # Whose grants elsewhere to bring back (each costs the database that user's grant rows): the
+        # offline budget needs every local user's; otherwise only the waiters' (the hint of `elsewhere`).
+        users = waiting
+        if self.config.offline_policy == OfflinePolicy.BUDGET:
+            users = users | {g.user for g in grants} | {s.user for s in self.store.sessions()}
         free = len(set(self.grants.gpus) - {g.minor for g in grants})
         return {
             "node": self.config.node, "rack": self.config.rack, "ssh": self.config.ssh or self.config.node,
@@ -107,7 +112,7 @@ class Cluster:
             "queue": [{"ticket": q.waiter.id, "username": q.waiter.user, "gpus": q.waiter.gpus, "since": q.waiter.since,
                        "priority": q.waiter.priority} for q in queue],
             "ledger": self.outbox.pending(),
-            "usage_for": sorted({q.waiter.user for q in queue}),
+            "usage_for": sorted(waiting),
             "users": sorted(users),
             "want_free": bool(queue) or free <= 1,
         }
