@@ -45,7 +45,7 @@ USERS = 500  # the researchers of a 2,000-node fleet's labs
 
 
 def run(bench: Bench) -> None:
-    with Postgres.started(prefix="ggt-bench-pg-") as db:
+    with Postgres.started(prefix=f"ggt-bench-{bench.tag}-pg-") as db:
         login_rows(bench, db)
         status_row(db)
         heartbeat_rows(bench, db)
@@ -70,7 +70,7 @@ def login_rows(bench: Bench, db: Postgres) -> None:
     bench.stack.callback(caller.kill)
     local = bench.write_config("cluster-local")
     fleet = bench.write_config("cluster-node", extra=f'[cluster]\ndatabase = "{db.conninfo}"\nnode = "bench1"\n'
-                                                     f'heartbeat = "1s"\nlease = "3s"\ntimeout = "{TIMEOUT}s"\n')
+                                                     f'timeout = "{TIMEOUT}s"\n')
     samples: dict[str, list[float]] = {"local": [], "up": [], "down": []}
     sock = str(configuration.load(fleet).paths.socket)
     firsts = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -56,8 +57,11 @@ class Postgres:
 
     @classmethod
     @contextmanager
-    def started(cls, prefix: str = "ggt-pg-") -> Iterator[Postgres]:
-        root = Path(tempfile.mkdtemp(prefix=prefix))
+    def started(cls, prefix: str = "ggt-") -> Iterator[Postgres]:
+        """A fresh instance in /tmp/<prefix><6 hex digits> (the tests' sandbox names: an aborted run's
+        is stopped and removed by the next run's sweep, tests/system/leftovers.py)."""
+        root = Path(tempfile.gettempdir()) / f"{prefix}{secrets.token_hex(3)}"
+        root.mkdir(mode=0o755)
         db = cls(root / "primary")
         db.instances = [db]  # and its standbys: all stopped at the end
         try:
@@ -135,6 +139,16 @@ class Postgres:
 
     def promote(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-w", "promote")
+
+
+def stop_all_under(directory: Path) -> list[Path]:
+    """Stop (immediate) every instance whose data directory is below `directory`; returns them."""
+    stopped = []
+    for pid_file in directory.glob("*/data/postmaster.pid"):
+        subprocess.run([str(BIN / "pg_ctl"), "-D", str(pid_file.parent), "-m", "immediate", "-w", "stop"],
+                       capture_output=True, timeout=60, **_as_owner())
+        stopped.append(pid_file.parent)
+    return stopped
 
 
 def _alive(pid: int) -> bool:

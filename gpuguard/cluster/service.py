@@ -1,7 +1,7 @@
 """The daemon's side of a fleet: the grant-time check, the heartbeat, the offline policy and caches.
 
-Everything that talks to the database runs on one worker thread, in the order the event loop
-asked (a heartbeat's snapshot and a check after it reach the database in that order). The
+Everything that talks to the database runs on one worker thread (worker.OrderedWorker), in the
+order the event loop asked (a heartbeat's snapshot and a check after it reach the database in that order). The
 loop waits for a grant-time check at most `timeout` (a login never waits longer on the
 network); a check that times out or fails puts the node offline, and from then on checks are
 decided locally at once, under `offline_policy`, until a heartbeat succeeds again. The gate and
@@ -24,6 +24,7 @@ from gpuguard import __version__
 from gpuguard.cluster.fleetdb import FleetDb
 from gpuguard.cluster.outbox import Outbox
 from gpuguard.cluster.schema import CURRENT, ClusterError
+from gpuguard.cluster.worker import OrderedWorker
 from gpuguard.config import ClusterConfig, OfflinePolicy
 from gpuguard.grants import Grants
 from gpuguard.logs import event
@@ -42,7 +43,7 @@ class Cluster:
         self.grants = grants
         self.outbox = outbox
         self.db = db
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuguard-fleet")
+        self._worker = OrderedWorker("gpuguard-fleet")
         self.online = False  # until the first heartbeat: checks are local meanwhile
         self.stale_since: float | None = time.time()  # the fleet's view as this node has it is old since then
         self.last_beat: float | None = None
@@ -195,7 +196,7 @@ class Cluster:
 
     def close(self) -> None:
         self._worker.submit(self.db.close)  # on its own thread, after what it is doing
-        self._worker.shutdown(wait=False)
+        self._worker.stop()
         self.outbox.close()
 
 

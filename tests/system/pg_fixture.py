@@ -17,5 +17,5 @@ from devtools.postgres import BIN, Postgres
 def postgres() -> Iterator[Postgres]:
     if not (BIN / "initdb").exists():
         pytest.fail(f"{BIN}/initdb missing: apt-get install postgresql (make deps does)")
-    with Postgres.started(prefix="ggt-pg-") as db:
+    with Postgres.started() as db:
         yield db

@@ -3,6 +3,8 @@
     proxy = TcpProxy(target_port); proxy.start()   # listens on 127.0.0.1:proxy.port
     proxy.stop()    # closes the listener and every connection through it (the node sees a reset)
     proxy.start()   # the same port again
+    proxy.freeze()  # connections stay open but nothing goes through (a network that swallows packets)
+    proxy.thaw()
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._flowing = threading.Event()
+        self._flowing.set()
 
     def start(self) -> None:
         listener = socket.socket()
@@ -47,6 +51,7 @@ class TcpProxy:
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
+                self._flowing.wait()
                 sink.sendall(data)
         except OSError:
             pass
@@ -56,6 +61,12 @@ class TcpProxy:
                     end.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def freeze(self) -> None:
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
 
     def stop(self) -> None:
         if self._listener is not None:

@@ -260,3 +260,20 @@ def test_nodes_follow_the_standby_promoted_under_them(fleet):
         assert conn.execute("SELECT current_setting('port')").fetchone() == (str(standby.port),)
         assert conn.execute("SELECT node, username FROM gpuguard.grants ORDER BY 1, 2").fetchall() == [
             ("gpu1", alice.name), ("gpu1", alice.name), ("gpu3", bob.name), ("gpu3", bob.name)]
+
+
+def test_a_database_link_that_swallows_packets_costs_a_login_the_timeout_at_most(fleet):
+    alice = member(fleet)
+    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 2}}}, proxied="gpu3")
+    assert fleet.proxy is not None
+    fleet.proxy.freeze()  # the check's query goes out and no answer ever comes back
+    opened = fleet.login("gpu3", alice)  # without the bound this would hang (the call's limit is 30 s)
+    assert len(opened["gpus"]) == 2
+    view = fleet.nodes["gpu3"].call("cluster_status")
+    assert view["online"] is False and view["stale_since"] is not None
+    fleet.nodes["gpu3"].close_session(alice, opened["pid"])
+    assert wait_for(lambda: fleet.nodes["gpu3"].grants(alice) == [])
+    fleet.proxy.thaw()  # the stuck call completes, the heartbeats resume and send the truth
+    fleet.wait_online("gpu3")
+    assert wait_for(lambda: fleet.held_in_database() == [])
+    assert wait_for(lambda: fleet.ledger() == [("gpu3", alice.name), ("gpu3", alice.name)])

@@ -9,10 +9,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import psycopg
 import pytest
 
+from devtools.harness import wait_for
+from devtools.postgres import stop_all_under
 from gpuguard.cluster import schema
 from gpuguard.cluster.fleetdb import FleetDb, connect, migrate
 from gpuguard.cluster.schema import ClusterError
@@ -242,3 +245,9 @@ def test_a_lost_nodes_grants_stop_counting_after_its_grace_and_count_again_when_
     lost.heartbeat(heartbeat_doc("node0", grants=held, lease=2, grace=1))
     assert other.reserve(reserve_doc("node1", "u1", [1], 2))["granted"] == []
     assert rows(postgres.conninfo, "SELECT count(*) FROM gpuguard.grants WHERE username = 'u1'") == [(3,)]
+
+
+def test_an_aborted_runs_postgresql_is_stopped_by_the_sweep(postgres):
+    pid = int((postgres.data / "postmaster.pid").read_text().split()[0])
+    assert stop_all_under(postgres.root.parent) == [postgres.data]  # what leftovers.py calls for a sandbox
+    assert wait_for(lambda: not Path(f"/proc/{pid}").exists())
