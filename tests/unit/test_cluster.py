@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard import config
+from gpuguard import config, config_warnings
 from gpuguard.cluster import ranking
 from gpuguard.cluster.outbox import Outbox
 from gpuguard.config import OfflinePolicy
@@ -115,3 +115,18 @@ def test_outbox_keeps_rows_until_confirmed_and_never_reuses_a_seq(tmp_path):
     again = Outbox(tmp_path / "cluster.db")
     assert again.incarnation == incarnation and again.count() == 1
     assert Outbox(tmp_path / "other.db").incarnation != incarnation  # a new state directory: a new incarnation
+
+
+@pytest.mark.parametrize(("database", "expected"), [
+    ("host=/run/postgresql dbname=gpuguard", []),
+    ("host=localhost,127.0.0.1 dbname=gpuguard passfile=/etc/gpuguard/pgpass", []),
+    ("host=db1,db2 dbname=gpuguard target_session_attrs=read-write", ["database: db1, db2 is not this host"]),
+    ("postgresql://gpuguard@[::1]:5432,db2:5433/gpuguard", ["database: db2 is not this host"]),
+    ("postgresql://gpuguard:secret@localhost/gpuguard", ["holds a password"]),
+    ("hostaddr=10.0.0.21 password=secret", ["holds a password", "database: 10.0.0.21 is not this host"]),
+])
+def test_config_check_warns_of_a_password_and_of_hosts_the_unit_blocks(tmp_path, database, expected):
+    loaded = load(tmp_path, f"[cluster]\ndatabase = {database!r}\nnode = \"gpu1\"\n")
+    found = [line for line in config_warnings.warnings(loaded, lambda name: True, lambda name: True, lambda path: True)
+             if line.startswith("cluster.")]
+    assert len(found) == len(expected) and all(part in line for part, line in zip(expected, found, strict=True)), found
