@@ -22,7 +22,7 @@ from gpuguard.cluster import ranking
 from gpuguard.cluster.fleetdb import connection_options, view
 from gpuguard.cluster.service import Cluster
 from gpuguard.config import Config
-from gpuguard.lookups import AccountLookup
+from gpuguard.edges import Lookup
 from gpuguard.server import Peer
 
 CACHE_FOR = 1.0  # seconds a view is shared between callers
@@ -33,7 +33,7 @@ MAX_WANTED = 1024
 
 
 class FleetOps:
-    def __init__(self, config: Callable[[], Config], cluster: Cluster, lookup: AccountLookup):
+    def __init__(self, config: Callable[[], Config], cluster: Cluster, lookup: Lookup):
         self.config = config
         self.cluster = cluster
         self.lookup = lookup

@@ -15,32 +15,35 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
 
 from gpuguard import __version__
-from gpuguard.cluster.fleetdb import FleetDb
 from gpuguard.cluster.outbox import Outbox
 from gpuguard.cluster.schema import CURRENT, ClusterError
 from gpuguard.cluster.worker import OrderedWorker
 from gpuguard.config import ClusterConfig, OfflinePolicy
-from gpuguard.grants import Grants
+from gpuguard.edges import FleetDatabase
 from gpuguard.logs import event
-from gpuguard.model import Grant, Origin, Quota
+from gpuguard.model import Gpu, Grant, Origin, Quota
 from gpuguard.store import Store
 
 MIN_GAP = 0.5  # seconds between two heartbeats that grants taken back ask for: a request/release loop sends 2 a second
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig, half_life: Callable[[], float], store: Store, grants: Grants,
-                 outbox: Outbox, db: FleetDb):
+    def __init__(self, config: ClusterConfig, half_life: Callable[[], float], store: Store,
+                 units: Callable[[], Mapping[int, Gpu]], foreign: Sequence[dict[str, Any]], outbox: Outbox,
+                 db: FleetDatabase):
+        """units: what this node hands out now (Grants.gpus); foreign: the status entries of the GPUs
+        Slurm or Kubernetes own here (coexist.status_entries), each with its `owner`."""
         self.config = config
         self.half_life = half_life
         self.store = store
-        self.grants = grants
+        self.units = units
+        self.foreign = list(foreign)
         self.outbox = outbox
         self.db = db
         self._worker = OrderedWorker("gpuguard-fleet")
@@ -51,8 +54,6 @@ class Cluster:
         self.held: dict[str, int] = {}      # grants elsewhere of the users here, as last seen
         self.free: list[dict[str, Any]] = []  # where GPUs are free elsewhere, when this node is full
         self._kick = asyncio.Event()
-        grants.admit = self.admit
-        grants.on_removed.append(self._ended)
 
     # --- the grant-time check
 
@@ -100,14 +101,19 @@ class Cluster:
         users = waiting
         if self.config.offline_policy == OfflinePolicy.BUDGET:
             users = users | {g.user for g in grants} | {s.user for s in self.store.sessions()}
-        free = len(set(self.grants.gpus) - {g.minor for g in grants})
+        units = self.units()
+        free = len(set(units) - {g.minor for g in grants})
         return {
             "node": self.config.node, "rack": self.config.rack, "ssh": self.config.ssh or self.config.node,
             "version": __version__, "schema": CURRENT, "incarnation": self.outbox.incarnation,
             "heartbeat": self.config.heartbeat, "lease": self.config.lease, "grace": self.config.grace,
             "taken_at": now, "half_life": self.half_life(),
-            "gpus": [{"minor": gpu.minor, "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total,
-                      "owner": "gpuguard"} for gpu in self.grants.gpus.values()],
+            # Every GPU, those Slurm or Kubernetes own too, with its owner: the fleet's views show
+            # them, and only gpuguard's count as free (ranking.NodeView.free).
+            "gpus": [*({"minor": gpu.minor, "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total,
+                        "owner": "gpuguard"} for gpu in units.values()),
+                     *({"minor": gpu["minor"], "uuid": gpu["uuid"], "name": gpu["name"],
+                        "memory_total": gpu["memory_total"], "owner": gpu["owner"]} for gpu in self.foreign)],
             "grants": [{"minor": g.minor, "username": g.user, "uid": g.uid, "granted_at": g.granted_at,
                         "expires_at": g.expires_at, "shared": g.shared, "origin": str(g.origin)} for g in grants],
             "queue": [{"ticket": q.waiter.id, "username": q.waiter.user, "gpus": q.waiter.gpus, "since": q.waiter.since,
@@ -152,8 +158,8 @@ class Cluster:
                 continue
             await asyncio.sleep(max(0.0, started + MIN_GAP - time.monotonic()))
 
-    def _ended(self, removed: list[Grant], now: float) -> None:
-        """Grants taken back here: gone from the database before any later check (the worker keeps
+    def ended(self, removed: list[Grant], now: float) -> None:
+        """Grants taken back here (release.Releases.take_back): gone from the database before any later check (the worker keeps
         the order, so the next grant of the same GPU finds it free there too), and their usage to
         the ledger through the outbox, with a heartbeat soon when online."""
         self.outbox.add(removed, now)
