@@ -16,10 +16,11 @@ VENV310   ?= .venv310
 BUILD_PACKAGES = python3-venv gcc make libpam0g-dev dpkg-dev debhelper dh-python pybuild-plugin-pyproject \
 	python3-all python3-setuptools python3-shtab python3-tomlkit lintian
 # tests/system/test_deb.py installs the package with dpkg, which needs its Depends installed (debian/control),
-# reads `modprobe -c` (kmod) and finds the man pages with man-db.
+# reads `modprobe -c` (kmod) and finds the man pages with man-db; the cluster tests run a private PostgreSQL.
 TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd \
 	python3-aiohttp python3-pampy python3-prometheus-client python3-psutil python3-pyroute2 python3-shtab python3-tomlkit \
-	kmod man-db chromium chromium-driver
+	kmod man-db chromium chromium-driver \
+	postgresql
 
 # `make install` (other distributions): the application's venv in APPDIR (the unit and the udev rule
 # name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, the unit where systemd reads it, the

@@ -12,6 +12,8 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
 - watcher_bench.py: the daemon's CPU per tick at 500 and 5,000 processes, its own part of a
   tick, the metrics snapshot per tick, kill latency;
 - gate_bench.py: open(2) with and without the gate (bench/openloop.c);
+- cluster_bench.py: several servers on one PostgreSQL: logins with the database up and down,
+  status --cluster, heartbeat load for 50 to 2,000 nodes.
 - web_bench.py: the web view's grid for 50 servers x 8 GPUs against a static file of its size.
 
 Small C helpers (bench/*.c) are built by the run with gcc. `--only SECTION` runs one section.
@@ -32,7 +34,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "pam", "watcher", "gate", "web")
+SECTIONS = ("micro", "pam", "watcher", "gate", "cluster", "web")
 
 
 def machine() -> str:
@@ -81,6 +83,9 @@ def main() -> int:
             import gate_bench
             with env.gate_lock():  # the baseline too: no other run's gate attached while timing
                 gate_bench.gate_rows(bench)
+        if "cluster" in sections:
+            import cluster_bench
+            cluster_bench.run(bench)  # its daemons hold the gate lock one at a time (start_daemon)
         if "web" in sections:
             import web_bench
             web_bench.web_rows()

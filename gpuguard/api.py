@@ -25,7 +25,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import KnownAccounts
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
-from gpuguard.model import EventKind, Grant, Origin, Rule
+from gpuguard.model import EventKind, Grant, Origin, Quota, Rule
 from gpuguard.queueing import Queue, Standing
 from gpuguard.release import Releases
 from gpuguard.server import Peer
@@ -45,6 +45,9 @@ class Refusal(GpuguardError):
 
 _REQUIRED = object()
 INT_RANGE = (-(1 << 63), (1 << 63) - 1)
+# (user, quota) -> text added to a queued login's message: where GPUs are free for them now
+# (gpuguard.cluster.service.Cluster.elsewhere; "" when nowhere or unknown)
+Elsewhere = Callable[[str, Quota], str]
 
 
 def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -> Any:
@@ -67,7 +70,8 @@ class Api:
                  sampler: GpuSampler, lookup: Lookup, logout: LogoutRelease, holders: HolderEnder,
                  gate: GateMap | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
                  accounts: KnownAccounts, usage: UsageMeter, queue: Queue, terminals: Terminals,
-                 processes: Processes, clock: Clock, foreign: Sequence[dict[str, Any]] = ()):
+                 processes: Processes, clock: Clock, foreign: Sequence[dict[str, Any]] = (),
+                 elsewhere: Elsewhere | None = None):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
@@ -92,6 +96,8 @@ class Api:
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
         self._served: dict[int, tuple[int, ...]] = {}
         queue.listeners.append(self._queue_served)
+        # A fleet's (gpuguard.cluster): for a login that queues, where GPUs are free for the user now.
+        self.elsewhere: Elsewhere = elsewhere or (lambda user, quota: "")
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         op = request["op"]
@@ -156,8 +162,9 @@ class Api:
                 event(logging.INFO, "queued", user=account.name, wanted=quota.gpus,
                       position=standing.position if standing else None)
                 return {**reply, "queue": _standing_info(standing),
-                        "message": queue_message(standing.position, standing.waiting, standing.gpus,
-                                                 standing.estimate) if standing else NO_GPU_FREE}
+                        "message": (queue_message(standing.position, standing.waiting, standing.gpus,
+                                                  standing.estimate) if standing else NO_GPU_FREE)
+                        + self.elsewhere(account.name, quota)}
         if not held:
             return {**reply, "message": NO_GPU_FREE}
         return {**reply, **self._grant_reply(held, wanted=quota.gpus)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -154,6 +155,30 @@ class GpuConfig:
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
 
 
+class OfflinePolicy(StrEnum):
+    """What a node of a fleet grants while the shared database cannot be reached (gpuguard.cluster)."""
+
+    LOCAL = "local"    # the local quota alone: the fleet quota may be exceeded until the database is back
+    BUDGET = "budget"  # also the fleet quota less what the user held elsewhere when last seen
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Several servers sharing one PostgreSQL (gpuguard.cluster); read at start only."""
+
+    database: str                   # a libpq connection string or URI (host=a,b target_session_attrs=read-write)
+    node: str                       # this server's name in the fleet (unique)
+    rack: str = ""
+    ssh: str = ""                   # what `gpuguard where` puts after ssh ('' : the node name)
+    heartbeat: float = 10.0         # seconds between heartbeats
+    lease: float = 30.0             # silent this long: the node shows as lost
+    grace: float = 60.0             # lost this long more: its grants stop counting against fleet quotas
+    timeout: float = 0.5            # the longest a login waits on the database
+    offline_policy: OfflinePolicy = OfflinePolicy.LOCAL
+    # storage paths and the nodes or racks that hold them (`gpuguard where --data PATH`)
+    data: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
 @dataclass(frozen=True)
 class QuotaOverrides:
     """Per-user and per-group quota fields from quotas.toml; only the keys written there."""
@@ -178,6 +203,7 @@ class Config:
     web: WebConfig = field(default_factory=WebConfig)
     coexist: CoexistConfig = field(default_factory=CoexistConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
+    cluster: ClusterConfig | None = None  # None: a single server
 
 
 # --- value parsers: each takes the raw TOML value and returns the typed one or raises ValueError
@@ -305,6 +331,24 @@ def _mig(value: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
     return tuple(sorted((int(minor), tuple(profiles)) for minor, profiles in value.items()))
 
 
+def _data_map(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`[cluster.data]`: `"/data/imagenet" = ["gpu1", "rack-b"]`, absolute paths to node or rack names."""
+    if not isinstance(value, dict):
+        raise ValueError(f'expected paths and the nodes or racks holding them, like {{ "/data" = ["gpu1"] }}, got {value!r}')
+    for path, names in value.items():
+        if not path.startswith("/"):
+            raise ValueError(f"expected an absolute path, got {path!r}")
+        _names(names)
+    return tuple(sorted((path.rstrip("/") or "/", tuple(names)) for path, names in value.items()))
+
+
+def _fleet_limit(value: Any) -> int | None:
+    """GPUs on all servers of a fleet together: a count, or "none" (no fleet limit)."""
+    if value == "none":
+        return None
+    return _count(0, 100_000)(value)
+
+
 def _minors(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(m, int) and not isinstance(m, bool) for m in value):
         raise ValueError(f"expected a list of GPU minors, got {value!r}")
@@ -345,6 +389,7 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "priority": _integer,
     "share": _weight,
     "reclaim_after": parse_duration,
+    "cluster_gpus": _fleet_limit,
     "slices": _slice_limit,
     "whole_gpus": _bool,
     "slice_profiles": _profiles,
@@ -368,6 +413,9 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
             "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
             "secure_cookies": _bool},
     "coexist": {"slurm": _slurm, "gres_conf": _absolute_path, "slurm_node": _string, "k8s_gpus": _minors},
+    "cluster": {"database": _string, "node": _string, "rack": _string, "ssh": _string,
+                "heartbeat": _positive_duration(1), "lease": _positive_duration(1), "grace": _positive_duration(0),
+                "timeout": _positive_duration(0.05), "offline_policy": _member(OfflinePolicy), "data": _data_map},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
                       "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups, "mig": _mig},
 }
@@ -419,6 +467,18 @@ def _check_mig(source: Path, sim: SimulatedConfig) -> None:
             mig_profiles.place(sim.name, profiles)
         except ValueError as exc:
             raise ConfigError(f"{source}: gpu.simulated.mig.{minor}: {exc}") from None
+
+
+def _cluster(source: Path, section: dict[str, Any] | None) -> ClusterConfig | None:
+    if section is None:
+        return None
+    if "database" not in section:
+        raise ConfigError(f"{source}: cluster.database: missing (a PostgreSQL connection string)")
+    cluster = ClusterConfig(**{"node": socket.gethostname().split(".")[0], **section})
+    if cluster.lease < 2 * cluster.heartbeat:
+        raise ConfigError(f"{source}: cluster.lease: must be at least twice cluster.heartbeat "
+                          f"({cluster.heartbeat:g}s), got {cluster.lease:g}s")
+    return cluster
 
 
 def _coexist(source: Path, section: dict[str, Any]) -> CoexistConfig:
@@ -479,6 +539,7 @@ def load(path: Path | str | None = None) -> Config:
         web=WebConfig(**sections.get("web", {})),
         coexist=_coexist(source, sections.get("coexist", {})),
         quotas=load_quotas(paths.quotas),
+        cluster=_cluster(source, sections.get("cluster")),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:
         # NVML process queries serialize on the driver lock; faster polling slows every CUDA call.

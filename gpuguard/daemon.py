@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gpuguard import coexist, sampling, wiring
+from gpuguard import cluster, coexist, sampling, wiring
 from gpuguard import config as configuration
 from gpuguard.backends import (
     GateError,
@@ -97,7 +97,8 @@ class Daemon:
             find_holders=sampling.node_holders, processes=HostProcesses(), gate=self.gate,
             topology=self.backend.topology(), caps_major=caps_major(self.config),
             reload=self.reload, sync_nodes=self.sync_nodes,
-            foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership)))
+            foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership),
+            fleet_db=cluster.database(self.config)))
         self.store, self.grants, self.sampler = services.store, services.grants, services.edges.sampler
         systemd.status("starting: attaching the gate and restoring grants")
         exempt = services.exempt.compute()
@@ -127,6 +128,9 @@ class Daemon:
                                                  rule=Rule.COEXIST, message=f"GPU {gpu} belongs to {owner} now (coexist)")
 
     async def _handle(self, request: dict, peer) -> dict:
+        if request["op"] in cluster.OPERATIONS:
+            fleet = self.services.fleet
+            return await (fleet.ops.handle if fleet else cluster.not_in_fleet)(request, peer)
         return await self.services.api.handle(request, peer)
 
     async def serve(self) -> None:
@@ -141,6 +145,8 @@ class Daemon:
         ticker = asyncio.create_task(self._ticker())
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
+        fleet = self.services.fleet
+        heartbeat = asyncio.create_task(fleet.cluster.run()) if fleet else None
         systemd.notify("READY=1", f"STATUS={self._status_text()}")
         event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=unit_list(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
@@ -151,6 +157,8 @@ class Daemon:
             ticker.cancel()
             if pinger:
                 pinger.cancel()
+            if heartbeat:
+                heartbeat.cancel()
             for watcher in self.node_watchers:
                 loop.remove_reader(watcher.fileno())
             for task in (self._layout_read, self._exempt_read):
@@ -173,10 +181,11 @@ class Daemon:
         new = configuration.load(self.config.source)
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
         fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
-                        coexist=self.config.coexist,
+                        coexist=self.config.coexist, cluster=self.config.cluster,
                         access=replace(new.access, mode=self.config.access.mode))
         if fixed != new:
-            event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics, coexist and access.mode change at restart")
+            event(logging.WARNING, "reload_partial",
+                  reason="paths, gpu, metrics, coexist, cluster and access.mode change at restart")
         self.config = fixed
         loop = asyncio.get_running_loop()
         self._exempt_read = loop.create_task(self.services.exempt.refresh())  # NSS, off the loop

@@ -1,5 +1,5 @@
 """The edges the services are built from, as typing.Protocols: what the GPUs, the gate, the device
-nodes, NSS, the terminals, the processes and the clock must offer the services (wiring.build).
+nodes, NSS, the terminals, the processes, the clock and a fleet's database must offer the services (wiring.build).
 
 The daemon passes the real ones (backends/), the unit tests fakes (tests/unit/fakes.py) and a
 replay virtual ones; mypy checks each of them against these, so a fake cannot drift from the
@@ -114,3 +114,16 @@ class Processes(Protocol):
     def state(self, identity: ProcessIdentity) -> str | None: ...
 
     def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> Result: ...
+
+
+class FleetDatabase(Protocol):
+    """The fleet's PostgreSQL as a node calls it (gpuguard.cluster.fleetdb.FleetDb), from one
+    thread at a time; each call one round trip, raising psycopg.Error when it fails."""
+
+    def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]: ...
+
+    def reserve(self, doc: dict[str, Any]) -> dict[str, Any]: ...
+
+    def release(self, pairs: list[tuple[int, str]]) -> None: ...
+
+    def close(self) -> None: ...

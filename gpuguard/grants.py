@@ -23,7 +23,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gpuguard import allocator, layout, policy
 from gpuguard.allocator import Topology
@@ -40,12 +40,21 @@ _NODE = re.compile(r"nvidia(\d+)")
 _CAP_NODE = re.compile(r"nvidia-cap(\d+)")
 
 
+class Admit(Protocol):
+    """A fleet's grant-time check (gpuguard.cluster.service.Cluster.admit): the part of `chosen` the
+    fleet quota allows, recorded in the fleet database."""
+
+    def __call__(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...], now: float,
+                 expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]: ...
+
+
 class Grants:
     def __init__(self, store: Store, gate: GateMap | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
-                 topology: Topology | None = None, caps_major: int | None = None):
+                 topology: Topology | None = None, caps_major: int | None = None, admit: Admit | None = None):
         """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
-        nvidia-caps character major (None: no MIG capability nodes on this machine)."""
+        nvidia-caps character major (None: no MIG capability nodes on this machine); admit: a
+        fleet's grant-time check (gpuguard.cluster), None on a single server."""
         self.store = store
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
         self.nodes = nodes
@@ -66,6 +75,9 @@ class Grants:
         self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
+        # The part of the chosen units a fleet quota allows, recorded in the fleet database: it
+        # may only make a grant smaller.
+        self.admit = admit
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -110,8 +122,10 @@ class Grants:
                  message: str) -> tuple[int, ...]:
         """Up to `count` more units for the user on the terms of their quota (none when none is free)."""
         chosen = self.choose(uid, count, quota)
-        self.add(uid, user, chosen, now, expires_at=policy.expires_at(quota, now), shared=policy.may_share(quota),
-                 origin=origin, message=message)
+        expires_at, shared = policy.expires_at(quota, now), policy.may_share(quota)
+        if chosen and self.admit is not None:
+            chosen = self.admit(uid, user, quota, chosen, now, expires_at, shared, origin)
+        self.add(uid, user, chosen, now, expires_at=expires_at, shared=shared, origin=origin, message=message)
         return chosen
 
     def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,

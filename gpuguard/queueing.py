@@ -37,8 +37,11 @@ class Standing:
 
 
 class Queue:
-    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants):
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants,
+                 remote_usage: Callable[[str], float] | None = None):
         self.config = config
+        # A fleet's (gpuguard.cluster): a user's recent usage on the other servers, added to theirs here.
+        self.remote_usage = remote_usage
         self.store = store
         self.grants = grants
         self.listeners: list[Listener] = []
@@ -64,6 +67,9 @@ class Queue:
         if not entries:
             return [], {}
         usage = self.usage(now, {q.waiter.uid for q in entries.values()})
+        if self.remote_usage is not None:
+            names = {q.waiter.uid: q.waiter.user for q in entries.values()}
+            usage = {uid: value + self.remote_usage(names[uid]) for uid, value in usage.items()}
         return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage)], usage
 
     def standing(self, uid: int, now: float) -> Standing | None:
@@ -161,6 +167,8 @@ class Queue:
             origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST
             minors = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
                                           "granted from the queue")
+            if not minors:  # a fleet quota in use on other servers (gpuguard.cluster): it keeps its place
+                continue
             self.store.leave_queue([waiter.id])
             free = self.free()
             served.append((queued, minors))

@@ -8,7 +8,9 @@ reclaim rules, a logout, a MIG layout change) calls take_back, which, in this or
 2. ends the user's processes still holding those nodes, in the background (HolderEnder.schedule),
    unless the caller ends them itself to report on them (an admin's revoke);
 3. charges the ended grants to their users' fair share (Queue.charge);
-4. serves the queue (Queue.dispatch): at once, or, inside `batch()`, once when the batch ends.
+4. on a fleet's node, tells the fleet (gpuguard.cluster: gone from its database before any later
+   grant-time check, so the queue served next may have the same GPU; their usage to its ledger);
+5. serves the queue (Queue.dispatch): at once, or, inside `batch()`, once when the batch ends.
 
 A batch is a set of take-backs decided on one view: the watcher's actions of one tick, the
 users a logout check or a layout change ends. A waiter handed a freed GPU in the middle of the
@@ -35,14 +37,18 @@ if TYPE_CHECKING:
 EndHolders = Callable[[int, str, Iterable[int], Rule], None]
 # (uid, user, message): tell a user on their terminals (not an exempt one)
 Tell = Callable[[int, str, str], None]
+# (grants taken back, now): the fleet's record of them (gpuguard.cluster.service.Cluster.ended)
+Ended = Callable[[list[Grant], float], None]
 
 
 class Releases:
-    def __init__(self, grants: Grants, queue: Queue, end_holders: EndHolders, tell: Tell):
+    def __init__(self, grants: Grants, queue: Queue, end_holders: EndHolders, tell: Tell,
+                 fleet_ended: Ended | None = None):
         self.grants = grants
         self.queue = queue
         self.end_holders = end_holders
         self.tell = tell
+        self.fleet_ended = fleet_ended  # None on a single server
         self._freed_in_batch: bool | None = None  # None: no batch open
 
     def take_back(self, uid: int, units: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
@@ -56,6 +62,8 @@ class Releases:
         if end_holders:
             self.end_holders(uid, removed[0].user, [g.minor for g in removed], rule)
         self.queue.charge(removed, now)
+        if self.fleet_ended is not None:
+            self.fleet_ended(removed, now)
         if self._freed_in_batch is None:
             self.queue.dispatch(now)
         else:

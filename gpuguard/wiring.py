@@ -12,14 +12,16 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gpuguard import cluster
 from gpuguard.allocator import Topology
 from gpuguard.api import Api
 from gpuguard.config import Config
 from gpuguard.edges import (
     Clock,
     ExitWatch,
+    FleetDatabase,
     GateMap,
     GpuSampler,
     HolderSearch,
@@ -40,6 +42,9 @@ from gpuguard.release import Releases
 from gpuguard.store import Store
 from gpuguard.usage import UsageMeter
 from gpuguard.watcher import Watcher
+
+if TYPE_CHECKING:
+    from gpuguard.cluster.wiring import Fleet
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ class Edges:
     sync_nodes: Callable[[], None] = field(default=lambda: None)  # the `sync_nodes` operation
     # `status` entries of the GPUs Slurm or Kubernetes own (coexist.status_entries): shown, never handed out
     foreign: Sequence[dict[str, Any]] = ()
+    # A fleet's PostgreSQL ([cluster]: cluster.database makes it); None on a single server
+    fleet_db: FleetDatabase | None = None
 
 
 @dataclass(frozen=True)
@@ -85,11 +92,14 @@ class Services:
     watcher: Watcher
     api: Api
     metrics: Metrics
+    fleet: Fleet | None  # several servers, one PostgreSQL (gpuguard.cluster); None on a single server
     edges: Edges
 
     def close(self) -> None:
         """Stop what runs in the background and write what is kept in memory; the edges that hold
-        threads (NSS, terminals) are closed too. The store is closed last."""
+        threads (NSS, terminals, the fleet's database) are closed too. The store is closed last."""
+        if self.fleet is not None:
+            self.fleet.close()
         self.metrics.close()
         self.logout.close()
         self.holders.close()
@@ -103,8 +113,13 @@ def build(edges: Edges) -> Services:
     """The one wiring of the services (see the README's architecture section)."""
     config = edges.config
     store = Store(edges.store_path, lambda: config().events, durable=edges.durable)
+    # The fleet mirrors what Grants hands out now (its units change with the MIG layout): read
+    # through a function, as the fleet's check is handed to Grants when it is made.
+    fleet = None if edges.fleet_db is None else cluster.build(
+        edges.fleet_db, config, store, lambda: grants.gpus, edges.foreign, edges.lookup)
     grants = Grants(store, edges.gate, edges.nodes, edges.driver_minors, gpus=edges.units,
-                    topology=edges.topology, caps_major=edges.caps_major)
+                    topology=edges.topology, caps_major=edges.caps_major,
+                    admit=fleet.cluster.admit if fleet else None)
 
     def apply_exempt(uids: frozenset[int]) -> None:
         if edges.gate is not None:
@@ -117,20 +132,20 @@ def build(edges: Edges) -> Services:
     find_holders = partial(edges.find_holders, devices_of=grants.holder_devices)
     holders = HolderEnder(find_holders, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
                           edges.processes, edges.clock)
-    queue = Queue(config, store, grants)
+    queue = Queue(config, store, grants, remote_usage=fleet.cluster.remote_usage if fleet else None)
 
     def tell(uid: int, user: str, message: str) -> None:
         if uid not in exempt.uids:
             edges.terminals.tell(user, uid, message, [s.tty for s in store.sessions(uid)])
 
-    releases = Releases(grants, queue, holders.schedule, tell)
+    releases = Releases(grants, queue, holders.schedule, tell, fleet_ended=fleet.cluster.ended if fleet else None)
     logout = LogoutRelease(store, releases, find_holders, edges.exits, edges.processes, edges.clock)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
                       usage, demand=queue.demand)
     api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, holders, edges.gate,
               reload=edges.reload or config, sync_nodes=edges.sync_nodes, accounts=accounts, usage=usage,
               queue=queue, terminals=edges.terminals, processes=edges.processes, clock=edges.clock,
-              foreign=edges.foreign)
+              foreign=edges.foreign, elsewhere=fleet.cluster.elsewhere if fleet else None)
     metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of)
     return Services(store, grants, exempt, accounts, usage, holders, queue, releases, logout, watcher, api, metrics,
-                    edges)
+                    fleet, edges)

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from gpuguard import __version__, config, config_doc
@@ -25,7 +26,7 @@ DATE = "2026-12-01"
 SOURCE = f"gpuguard {__version__}"
 # Which page documents which command: the users' page holds what anyone runs (a few with
 # root-only options), the admins' page what only root runs. Every command is in exactly one.
-USER_COMMANDS = ("whoami", "env", "status", "request", "release", "gpus", "report", "events", "quota",
+USER_COMMANDS = ("whoami", "env", "status", "request", "release", "gpus", "where", "report", "events", "quota",
                  "config", "completion", "simulate", "trace", "sim")
 ADMIN_COMMANDS = ("enable", "disable", "daemon", "web", "doctor", "grant", "revoke", "reload", "gate", "acl", PAM_HOOK)
 
@@ -226,11 +227,19 @@ def admin_page() -> list[str]:
 
 # --- gpuguard.toml(5), from the loader's table
 
+# Sections that are off unless written (Config holds None for them): their dataclass's defaults.
+OPTIONAL_SECTIONS: dict[str, Any] = {"cluster": config.ClusterConfig}
+
+
 def section_defaults(section: str) -> Any:
-    """The dataclass instance holding a section's defaults, as the loader builds it."""
+    """The dataclass instance holding a section's defaults, as the loader builds it (for a section
+    off unless written: its dataclass's defaults, the keys it requires unset)."""
     node: Any = config.Config()
     for part in section.split("."):
         node = getattr(node, part)
+    if node is None:
+        return SimpleNamespace(**{f.name: None if f.default is dataclasses.MISSING else f.default
+                                  for f in dataclasses.fields(OPTIONAL_SECTIONS[section])})
     return node
 
 

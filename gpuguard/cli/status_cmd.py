@@ -33,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Each GPU with its holders, their memory against their quota, time left and processes.",
         epilog=f"--csv columns: {','.join(CSV_COLUMNS)} (holders space-separated; empty when unknown or none)")
     status.add_argument("-u", "--user", metavar="NAME", help="only the GPUs this user holds or runs processes on")
+    status.add_argument("--cluster", action="store_true",
+                        help="every server of the fleet: GPUs, holders, queue, staleness (with --json too)")
     output = status.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
     output.add_argument("--csv", action="store_true", help="print CSV without a header, one line per GPU")
@@ -67,6 +69,9 @@ class Style:
 
 
 def show_status(args: argparse.Namespace) -> int:
+    if args.cluster:
+        from gpuguard.cli import cluster_cmd
+        return cluster_cmd.show_cluster(args)
     reply = ask(args, "status")
     gpus = [gpu for gpu in reply["gpus"] if args.user is None or involves(gpu, args.user)]
     if args.json:

@@ -6,7 +6,7 @@ leaves only things named that way:
 
 - users (with their homes and processes) and groups;
 - PAM service files in /etc/pam.d;
-- sandboxes in /tmp;
+- sandboxes in /tmp (a private PostgreSQL running in one stopped first);
 - gates pinned under /sys/fs/bpf/gpuguard, child cgroups of the cgroup v2 root, and the
   allow-all device programs of test_gate (TEST_PROGRAMS) attached to that root.
 
@@ -34,6 +34,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+from devtools import postgres
 from devtools.harness import gate_test_lock, kill_processes_of, wait_for
 from gpuguard.backends import bpf
 from gpuguard.backends.gate import PIN_ROOT, Gate
@@ -138,6 +139,7 @@ def sweep_accounts_and_files() -> list[str]:
             removed.append(f"(left {path} alone: something is mounted in it)")
             continue
         if path.is_dir() and not path.is_symlink():
+            removed += [f"PostgreSQL in {data}" for data in postgres.stop_all_under(path)]
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)

@@ -1,23 +1,19 @@
-"""The web view on the cluster database: a real PostgreSQL (Debian's, private, issue 21's
-devtools.postgres) with issue 21's schema (its migrations), rows as the nodes' heartbeats leave
-them, read through ClusterDatabase and served by the app. Runs once issue 21's branch is in
-(before, its helper and schema are not here: skipped, saying so)."""
+"""The web view on the cluster database: a real PostgreSQL (Debian's, private: the `postgres`
+fixture, tests/system/pg_fixture.py) with the fleet's schema (gpuguard.cluster's migrations), rows
+as the nodes' heartbeats leave them, read through ClusterDatabase and served by the app."""
 from __future__ import annotations
 
 import asyncio
 import time
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
-postgres = pytest.importorskip("devtools.postgres", reason="issue 21's PostgreSQL test helper is not merged yet")
-fleetdb = pytest.importorskip("gpuguard.cluster.fleetdb", reason="issue 21's fleet schema is not merged yet")
-
-from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
-
-from gpuguard.config import WebConfig  # noqa: E402
-from gpuguard.web.app import Web, build  # noqa: E402
-from gpuguard.web.cluster import ClusterDatabase  # noqa: E402
-from gpuguard.web.sessions import Signer  # noqa: E402
+from gpuguard.cluster import fleetdb
+from gpuguard.config import WebConfig
+from gpuguard.web.app import Web, build
+from gpuguard.web.cluster import ClusterDatabase
+from gpuguard.web.sessions import Signer
 
 GiB = 1 << 30
 
@@ -40,36 +36,36 @@ def fill(conn, now: float) -> None:
                  " VALUES ('gpu2', 'x', 1, 'bob', 0, %s, %s)", (now - 7200, now - 3600))
 
 
-def test_the_fleet_from_the_cluster_database():
-    with postgres.Postgres.started() as db:
-        conn = fleetdb.connect(db.conninfo, "ggt-web")
+def test_the_fleet_from_the_cluster_database(postgres):
+    with fleetdb.connect(postgres.conninfo, "ggt-web") as conn:
         fleetdb.migrate(conn, "ggt-web")
         now = time.time()
         fill(conn, now)
-        source = ClusterDatabase(db.conninfo)
+    source = ClusterDatabase(postgres.conninfo)
 
-        servers = {s.name: s for s in asyncio.run(source.servers())}
-        assert sorted(servers) == ["gpu1", "gpu2"]
-        holders = [[h["user"] for h in g["holders"]] for g in servers["gpu1"].status["gpus"]]
-        assert holders == [["<b>alice</b>"], []]
-        assert servers["gpu1"].status["queue"][0]["user"] == "bob"
-        assert servers["gpu2"].error.startswith("lost")
-        mine = asyncio.run(source.whoami("<b>alice</b>"))
-        assert [g["uuid"] for g in mine["gpu1"]["grants"]] == ["GPU-gpu1-0"]
-        report = asyncio.run(source.report("user", now - 86400, now, None))
-        assert report["gpu2"]["rows"] == [{"key": "bob", "granted_seconds": 3600.0, "busy_seconds": None,
-                                           "idle_seconds": None, "kills": {}}]
-        assert report["gpu1"]["rows"][0]["granted_seconds"] == pytest.approx(1800, abs=60)  # still held
+    servers = {s.name: s for s in asyncio.run(source.servers())}
+    assert sorted(servers) == ["gpu1", "gpu2"]
+    holders = [[h["user"] for h in g["holders"]] for g in servers["gpu1"].status["gpus"]]
+    assert holders == [["<b>alice</b>"], []]
+    assert servers["gpu1"].status["queue"][0]["user"] == "bob"
+    assert servers["gpu2"].error.startswith("lost")
+    mine = asyncio.run(source.whoami("<b>alice</b>"))
+    assert [g["uuid"] for g in mine["gpu1"]["grants"]] == ["GPU-gpu1-0"]
+    report = asyncio.run(source.report("user", now - 86400, now, None))
+    assert report["gpu2"]["rows"] == [{"key": "bob", "granted_seconds": 3600.0, "busy_seconds": None,
+                                       "idle_seconds": None, "kills": {}}]
+    assert report["gpu1"]["rows"][0]["granted_seconds"] == pytest.approx(1800, abs=60)  # still held
 
-        async def page() -> str:
-            state = Web(WebConfig(secure_cookies=False), source, Signer(b"k" * 32), lambda u, p: False, lambda u: ())
-            async with TestClient(TestServer(build(state))) as client:
-                return await (await client.get("/")).text()
-        html = asyncio.run(page())
-        assert 'data-server="gpu1"' in html and 'data-server="gpu2"' in html
-        assert "&lt;b&gt;alice&lt;/b&gt;" in html and "<b>alice" not in html
-        assert 'data-state="other"' in html and "lost: last heard from" in html
+    async def page() -> str:
+        state = Web(WebConfig(secure_cookies=False), source, Signer(b"k" * 32), lambda u, p: False, lambda u: ())
+        async with TestClient(TestServer(build(state))) as client:
+            return await (await client.get("/")).text()
+    html = asyncio.run(page())
+    assert 'data-server="gpu1"' in html and 'data-server="gpu2"' in html
+    assert "&lt;b&gt;alice&lt;/b&gt;" in html and "<b>alice" not in html
+    assert 'data-state="other"' in html and "lost: last heard from" in html
 
+    postgres.stop("immediate")
     with pytest.raises(Exception, match="cluster database"):  # the database gone: one line, no traceback
         asyncio.run(source.whoami("alice"))
     assert asyncio.run(source.servers())[0].error.startswith("cluster database:")

@@ -221,6 +221,30 @@ class FakeExits:
                 on_exit()
 
 
+class FakeFleetDb:
+    """The fleet's PostgreSQL as a node calls it (edges.FleetDatabase): records each call in the order
+    it reached the database; `allow` caps the GPUs a user may take (absent: all they ask for)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.allow: dict[str, int] = {}
+
+    def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("heartbeat", doc))
+        return {"usage": {}, "held": {}, "free": []}
+
+    def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("reserve", (doc["user"], tuple(doc["minors"]))))
+        granted = doc["minors"][:self.allow.get(doc["user"], len(doc["minors"]))]
+        return {"granted": granted, "held": len(granted)}
+
+    def release(self, pairs: list[tuple[int, str]]) -> None:
+        self.calls.append(("release", sorted(pairs)))
+
+    def close(self) -> None:
+        self.calls.append(("close", None))
+
+
 @dataclass
 class World:
     """Every service, wired by wiring.build as the daemon wires them, over the fake edges."""
@@ -232,6 +256,8 @@ class World:
     scanned_uids: list = field(default_factory=list)  # whose processes each scan read
     gpus: list[Gpu] = field(default_factory=lambda: [gpu(m) for m in range(4)])  # GPUs and MIG slices
     gate: FakeGate | None = None  # None: acl mode
+    fleet_db: FakeFleetDb | None = None  # a fleet's database (config.cluster set too); None: a single server
+    foreign: list[dict[str, Any]] = field(default_factory=list)  # status entries of Slurm's/Kubernetes' GPUs
 
     def __post_init__(self) -> None:
         self.nodes = FakeNodes()
@@ -245,7 +271,8 @@ class World:
             config=lambda: self.config, store_path=self.tmp / "state.db", sampler=self.sampler,
             units={g.minor: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
             terminals=self.notifier, exits=self.exits, find_holders=self.find_holders, processes=self.processes,
-            gate=self.gate, caps_major=CAPS_MAJOR, reload=self._reload))
+            gate=self.gate, caps_major=CAPS_MAJOR, reload=self._reload, foreign=self.foreign,
+            fleet_db=self.fleet_db))
         s = self.services
         self.store, self.grants, self.exempt, self.queue = s.store, s.grants, s.exempt, s.queue
         self.watcher, self.api, self.logout, self.holder_ender = s.watcher, s.api, s.logout, s.holders

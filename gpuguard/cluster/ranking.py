@@ -1,0 +1,102 @@
+"""Pure: the fleet as `status --cluster` shows it, and which server `gpuguard where` recommends.
+
+Input: the rows of fleetdb.VIEW (one per node and GPU). A node silent past its lease is lost:
+shown, never recommended. Locality of data: `[cluster.data]` maps storage paths to the nodes
+or racks holding them; the longest path that contains the one asked for decides, and a node
+is near when it is one of those nodes (0), in the rack of one of them or in a rack named
+there (1), or elsewhere (2).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+LOCALITY = ("same node", "same rack", "another rack")
+
+
+@dataclass(frozen=True)
+class GpuView:
+    minor: int
+    uuid: str
+    name: str
+    owner: str
+    holders: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    rack: str
+    ssh: str
+    version: str
+    silent_for: float        # seconds since its last heartbeat (database clock)
+    lost: bool               # silent longer than its lease
+    counted: bool            # its grants still count against fleet quotas (lost for less than grace)
+    queued: int
+    queued_gpus: int
+    gpus: tuple[GpuView, ...] = field(default=())
+
+    @property
+    def free(self) -> int:
+        return sum(1 for gpu in self.gpus if gpu.owner == "gpuguard" and not gpu.holders)
+
+
+@dataclass(frozen=True)
+class Choice:
+    node: NodeView
+    may_take: int              # GPUs the user may take there now: free ones, within their fleet quota
+    locality: int | None       # index into LOCALITY, None when no data path was given
+
+    @property
+    def ssh(self) -> str:
+        return f"ssh {self.node.ssh or self.node.name}"
+
+
+def nodes(rows: Iterable[Mapping[str, Any]]) -> list[NodeView]:
+    """fleetdb.VIEW rows grouped by node."""
+    found: dict[str, tuple[Mapping[str, Any], list[GpuView]]] = {}
+    for row in rows:
+        _, gpus = found.setdefault(row["node"], (row, []))
+        if row["minor"] is not None:
+            gpus.append(GpuView(row["minor"], row["uuid"], row["gpu_name"], row["owner"], tuple(row["holders"])))
+    views = []
+    for name, (row, gpus) in found.items():
+        silent = max(0.0, float(row["now"]) - row["last_seen"])
+        views.append(NodeView(name, row["rack"], row["ssh"], row["version"], silent, silent > row["lease"],
+                              silent <= row["lease"] + row["grace"], int(row["queued"]), int(row["queued_gpus"]),
+                              tuple(gpus)))
+    return views
+
+
+def held_by(fleet: Iterable[NodeView], user: str) -> int:
+    """GPUs `user` holds on the nodes whose grants count."""
+    return sum(1 for node in fleet if node.counted for gpu in node.gpus if user in gpu.holders)
+
+
+def data_holders(path: str, data: Sequence[tuple[str, Sequence[str]]]) -> tuple[str, ...] | None:
+    """The nodes or racks of the longest `[cluster.data]` path containing `path` (None: not mapped)."""
+    path = path.rstrip("/") or "/"
+    best = max((prefix for prefix, _ in data if path == prefix or path.startswith(prefix.rstrip("/") + "/")),
+               key=len, default=None)
+    return None if best is None else tuple(dict(data)[best])
+
+
+def locality(node: NodeView, holders: Sequence[str], racks: Mapping[str, str]) -> int:
+    if node.name in holders:
+        return 0
+    near = {racks.get(name, name) for name in holders}  # a holder is a node (its rack counts) or a rack
+    return 1 if node.rack and node.rack in near else 2
+
+
+def rank(fleet: Sequence[NodeView], user: str, cluster_gpus: int | None, wanted: int,
+         holders: Sequence[str] | None) -> list[Choice]:
+    """The servers for `user`, best first: first those where they may take `wanted` GPUs now,
+    then by data locality (when holders is given), then the shorter queue, then more free GPUs."""
+    room = None if cluster_gpus is None else max(0, cluster_gpus - held_by(fleet, user))
+    racks = {node.name: node.rack for node in fleet}
+    choices = [Choice(node, node.free if room is None else min(node.free, room),
+                      None if holders is None else locality(node, holders, racks))
+               for node in fleet if not node.lost]
+    return sorted(choices, key=lambda c: (c.may_take < wanted, c.locality or 0, c.node.queued, -c.may_take,
+                                          c.node.name))

@@ -1,0 +1,132 @@
+"""The fleet's pure parts and its SQLite outbox: [cluster] in the config, `where`'s ranking with
+data locality, and the outbox a heartbeat replays (no database here: tests/system has it)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuguard import config, config_warnings
+from gpuguard.cluster import ranking
+from gpuguard.cluster.outbox import Outbox
+from gpuguard.config import OfflinePolicy
+from gpuguard.model import Grant, Origin
+
+
+def load(tmp_path: Path, text: str, quotas: str = "") -> config.Config:
+    (tmp_path / "gpuguard.toml").write_text(text)
+    (tmp_path / "quotas.toml").write_text(quotas)
+    return config.load(tmp_path / "gpuguard.toml")
+
+
+def test_no_cluster_section_is_a_single_server(tmp_path):
+    assert load(tmp_path, "").cluster is None
+
+
+def test_cluster_section_with_data_map_and_fleet_quota(tmp_path):
+    loaded = load(tmp_path, '[cluster]\ndatabase = "host=db1,db2 target_session_attrs=read-write"\nnode = "gpu1"\n'
+                            'rack = "r1"\noffline_policy = "budget"\n[cluster.data]\n"/data/imagenet/" = ["gpu3"]\n'
+                            '"/data" = ["r2"]\n',
+                  '[users.alice]\ncluster_gpus = 2\n[users.bob]\ncluster_gpus = "none"\n')
+    cluster = loaded.cluster
+    assert cluster is not None and cluster.node == "gpu1" and cluster.rack == "r1"
+    assert cluster.offline_policy == OfflinePolicy.BUDGET and cluster.heartbeat == 10 and cluster.timeout == 0.5
+    assert cluster.data == (("/data", ("r2",)), ("/data/imagenet", ("gpu3",)))
+    assert loaded.quotas.users == {"alice": {"cluster_gpus": 2}, "bob": {"cluster_gpus": None}}
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ('[cluster]\nnode = "a"\n', "cluster.database: missing"),
+    ('[cluster]\ndatabase = "x"\nlease = "5s"\n', "cluster.lease: must be at least twice"),
+    ('[cluster]\ndatabase = "x"\noffline_policy = "open"\n', "cluster.offline_policy: must be one of local, budget"),
+    ('[cluster]\ndatabase = "x"\n[cluster.data]\n"relative" = ["a"]\n', "cluster.data: expected an absolute path"),
+    ('[cluster]\ndatabase = "x"\ntimeout = "10ms"\n', "cluster.timeout"),
+])
+def test_bad_cluster_settings_are_refused_with_one_line(tmp_path, text, problem):
+    with pytest.raises(config.ConfigError, match=problem):
+        load(tmp_path, text)
+
+
+def test_a_negative_fleet_quota_is_refused(tmp_path):
+    with pytest.raises(config.ConfigError, match="users.alice.cluster_gpus"):
+        load(tmp_path, "", "[users.alice]\ncluster_gpus = -1\n")
+
+
+def row(node: str, rack: str, minor: int | None, holders: tuple[str, ...] = (), last_seen: float = 100.0,
+        queued: int = 0, owner: str = "gpuguard") -> dict:
+    return {"node": node, "rack": rack, "ssh": f"{node}.lab", "version": "1", "first_seen": 0.0,
+            "last_seen": last_seen, "heartbeat": 10.0, "lease": 30.0, "grace": 60.0, "minor": minor,
+            "uuid": f"GPU-{node}-{minor}", "gpu_name": "H100", "memory_total": 1, "owner": owner, "holders": holders,
+            "shared": False, "queued": queued, "queued_gpus": queued, "now": 101.0}
+
+
+FLEET = ranking.nodes([
+    row("gpu1", "r1", 0, ("alice",)), row("gpu1", "r1", 1),                      # 1 free, alice holds one
+    row("gpu2", "r1", 0), row("gpu2", "r1", 1), row("gpu2", "r1", 2, queued=0),  # 3 free
+    row("gpu3", "r2", 0), row("gpu3", "r2", 1, owner="slurm"),                   # 1 free: slurm's is not ours
+    row("gpu4", "r2", 0, last_seen=50.0),                                        # lost: never recommended
+    row("gpu5", "r2", None),                                                     # no GPUs
+])
+
+
+def test_nodes_group_rows_and_tell_lost_and_counted():
+    by_name = {node.name: node for node in FLEET}
+    assert [by_name[n].free for n in ("gpu1", "gpu2", "gpu3", "gpu4", "gpu5")] == [1, 3, 1, 1, 0]
+    assert by_name["gpu4"].lost and by_name["gpu4"].counted  # lost 51 s: within lease 30 + grace 60
+    assert ranking.held_by(FLEET, "alice") == 1
+
+
+def test_where_prefers_what_the_user_may_take_then_locality_then_queue():
+    holders = ranking.data_holders("/data/imagenet/train", [("/data", ("r2",)), ("/data/imagenet", ("gpu1",))])
+    assert holders == ("gpu1",)
+    ranked = ranking.rank(FLEET, "alice", cluster_gpus=None, wanted=1, holders=holders)
+    assert [(c.node.name, c.locality) for c in ranked] == [("gpu1", 0), ("gpu2", 1), ("gpu3", 2), ("gpu5", 2)]
+    assert ranked[0].ssh == "ssh gpu1.lab"
+    # two GPUs: only gpu2 has them now, so it goes first whatever the locality
+    assert ranking.rank(FLEET, "alice", None, 2, holders)[0].node.name == "gpu2"
+
+
+def test_where_counts_the_fleet_quota():
+    ranked = ranking.rank(FLEET, "alice", cluster_gpus=2, wanted=1, holders=None)
+    assert {c.node.name: c.may_take for c in ranked} == {"gpu1": 1, "gpu2": 1, "gpu3": 1, "gpu5": 0}
+    assert all(c.may_take == 0 for c in ranking.rank(FLEET, "alice", cluster_gpus=1, wanted=1, holders=None))
+
+
+def test_a_path_under_no_data_entry_is_not_mapped():
+    assert ranking.data_holders("/scratch/x", [("/data", ("r2",))]) is None
+    assert ranking.data_holders("/datasets", [("/data", ("r2",))]) is None  # a prefix of the name is not a parent
+
+
+def test_outbox_keeps_rows_until_confirmed_and_never_reuses_a_seq(tmp_path):
+    outbox = Outbox(tmp_path / "cluster.db")
+    grant = Grant(1001, "alice", 3, granted_at=100.0, expires_at=None, last_active=100.0, origin=Origin.SESSION)
+    outbox.add([grant], now=160.0)
+    outbox.add([grant], now=260.0)
+    pending = outbox.pending()
+    assert [(r["username"], r["minor"], r["started"], r["ended"]) for r in pending] == [
+        ("alice", 3, 100.0, 160.0), ("alice", 3, 100.0, 260.0)]
+    outbox.confirm(pending[0]["seq"])
+    assert [r["seq"] for r in outbox.pending()] == [pending[1]["seq"]]
+    outbox.confirm(pending[1]["seq"])
+    outbox.add([grant], now=300.0)
+    assert outbox.pending()[0]["seq"] > pending[1]["seq"]  # a replayed row is never mistaken for a new one
+    incarnation = outbox.incarnation
+    outbox.close()
+    again = Outbox(tmp_path / "cluster.db")
+    assert again.incarnation == incarnation and again.count() == 1
+    assert Outbox(tmp_path / "other.db").incarnation != incarnation  # a new state directory: a new incarnation
+
+
+@pytest.mark.parametrize(("database", "expected"), [
+    ("host=/run/postgresql dbname=gpuguard", []),
+    ("host=localhost,127.0.0.1 dbname=gpuguard passfile=/etc/gpuguard/pgpass", []),
+    ("host=db1,db2 dbname=gpuguard target_session_attrs=read-write", ["database: db1, db2 is not this host"]),
+    ("postgresql://gpuguard@[::1]:5432,db2:5433/gpuguard", ["database: db2 is not this host"]),
+    ("postgresql://gpuguard:secret@localhost/gpuguard", ["holds a password"]),
+    ("hostaddr=10.0.0.21 password=secret", ["holds a password", "database: 10.0.0.21 is not this host"]),
+])
+def test_config_check_warns_of_a_password_and_of_hosts_the_unit_blocks(tmp_path, database, expected):
+    loaded = load(tmp_path, f"[cluster]\ndatabase = {database!r}\nnode = \"gpu1\"\n")
+    found = [line for line in config_warnings.warnings(loaded, lambda name: True, lambda name: True, lambda path: True)
+             if line.startswith("cluster.")]
+    assert len(found) == len(expected) and all(part in line for part, line in zip(expected, found, strict=True)), found

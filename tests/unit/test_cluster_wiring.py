@@ -1,0 +1,81 @@
+"""A fleet's node as wiring.build composes it, over a fake fleet database (tests/unit/fakes.py
+FakeFleetDb) that records the calls in the order they reach it: the grant-time check through
+Grants, a release as a step of Releases.take_back before the queue is served, and the heartbeat's
+mirror of the GPUs with their owners ([coexist]). The real database: tests/system/test_cluster_*."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from fakes import GROUP, FakeFleetDb, World, gpu
+
+from gpuguard import coexist
+from gpuguard.coexist import Owner, Ownership
+from gpuguard.config import AccessConfig, ClusterConfig, Config, PathsConfig
+from gpuguard.model import Quota
+
+
+def fleet_world(tmp_path: Path, foreign: list[dict] | None = None) -> World:
+    config = Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=4), paths=PathsConfig(state_dir=tmp_path),
+                    cluster=ClusterConfig(database="host=/nonexistent", node="n1"))
+    return World(tmp_path, config=config, fleet_db=FakeFleetDb(), foreign=foreign or [])
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[World]:
+    world = fleet_world(tmp_path)
+    yield world
+    world.services.close()
+
+
+def online(world: World) -> FakeFleetDb:
+    assert world.services.fleet is not None and world.fleet_db is not None
+    assert asyncio.run(world.services.fleet.cluster.beat())
+    return world.fleet_db
+
+
+def test_a_single_server_has_no_fleet(world):
+    assert world.services.fleet is None and world.grants.admit is None
+
+
+def test_the_fleet_quota_makes_a_login_grant_smaller(fleet):
+    db = online(fleet)
+    db.allow["alice"] = 1
+    alice = fleet.lookup.add("alice", 1001, GROUP)
+    assert fleet.login(alice)["gpus"] == [0]  # the local quota allows 4
+    assert db.calls[-1] == ("reserve", ("alice", (0, 1, 2, 3)))
+
+
+def test_a_release_leaves_the_fleet_database_before_the_queue_hands_the_gpus_on(fleet):
+    """Releases.take_back tells the fleet after the charge and before the queue is served: the
+    database forgets alice's GPUs before bob's grant-time check asks for them, and her usage waits
+    in the outbox for the next heartbeat."""
+    db = online(fleet)
+    alice, bob = fleet.lookup.add("alice", 1001, GROUP), fleet.lookup.add("bob", 1002, GROUP)
+    assert fleet.login(alice)["gpus"] == [0, 1, 2, 3]
+    assert fleet.login(bob, pid=4343)["gpus"] == []  # queued
+    assert fleet.call("release", uid=1001)["ok"]
+    assert fleet.held(1002) == [0, 1, 2, 3]
+    assert [kind for kind, _ in db.calls] == ["heartbeat", "reserve", "release", "reserve"]
+    assert db.calls[2] == ("release", [(m, "alice") for m in range(4)])
+    assert db.calls[3] == ("reserve", ("bob", (0, 1, 2, 3)))
+    assert fleet.services.fleet is not None
+    pending = fleet.services.fleet.cluster.outbox.pending()
+    assert sorted((row["username"], row["minor"]) for row in pending) == [("alice", m) for m in range(4)]
+
+
+def test_the_heartbeat_mirrors_slurms_gpu_with_its_owner(tmp_path):
+    slurms = replace(gpu(4), uuid="GPU-slurm-4")
+    world = fleet_world(tmp_path, coexist.status_entries([slurms], Ownership(foreign={4: Owner.SLURM})))
+    try:
+        db = online(world)
+        doc = db.calls[0][1]
+        owners = {gpu["minor"]: (gpu["owner"], gpu["uuid"]) for gpu in doc["gpus"]}
+        assert owners == {**{m: ("gpuguard", world.grants.gpus[m].uuid) for m in range(4)},
+                          4: ("slurm", "GPU-slurm-4")}
+        assert world.grants.gpus.keys() == {0, 1, 2, 3}  # Slurm's GPU is mirrored, never handed out
+    finally:
+        world.services.close()
