@@ -17,7 +17,7 @@ from gpuguard.backends import mig_profiles
 from gpuguard.compat import StrEnum, tomllib
 from gpuguard.errors import UsageError
 from gpuguard.model import MIG_PROFILE, Quota
-from gpuguard.units import UnitError, parse_duration, parse_size
+from gpuguard.units import UnitError, format_duration, format_size, parse_duration, parse_size
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 # Accounts of the NVIDIA driver's own services, exempt by default where they exist:
@@ -25,6 +25,8 @@ DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 DRIVER_ACCOUNTS = ("nvidia-persistenced",)
 MAX_GPUS = 64  # per machine; more is a typo
 MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
+MIN_GPU_MEMORY = 256 << 20  # a memory quota under this cannot hold a CUDA context: a missing or wrong unit
+MIN_LIMIT = 60.0  # max_time, idle_timeout under a minute on real GPUs: a missing or wrong unit
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -193,6 +195,38 @@ def _positive_size(value: Any) -> int:
     return size
 
 
+def _gpu_memory(value: Any) -> int | None:
+    size = parse_size(value)
+    if size == 0:
+        raise ValueError(f"{value!r} would leave no memory at all; write unlimited for no limit")
+    if size is not None and size < MIN_GPU_MEMORY:
+        number = value.strip().rstrip("BbKkMmGgTtIi ") if isinstance(value, str) else value
+        raise ValueError(f"{value!r} is under {format_size(MIN_GPU_MEMORY)}, too little for any GPU job; "
+                         f"did you mean {number}GiB?")
+    return size
+
+
+def _limit(what: str) -> Callable[[Any], float | None]:
+    """A quota's time limit: a duration or none, never zero (it would act at once on every grant)."""
+    def parse(value: Any) -> float | None:
+        seconds = parse_duration(value)
+        if seconds == 0:
+            raise ValueError(f"{value!r} would {what} at once; write none for no limit")
+        return seconds
+    return parse
+
+
+def _check_floors(where: str, fields: dict[str, Any]) -> None:
+    """Quota limits too short for real GPUs, where a test or demo on simulated GPUs may want them:
+    a minute for max_time and idle_timeout (`30s` was most likely `30m`). reclaim_after acts only
+    while someone waits, so a few seconds is a policy (bench/scheduling-exclusive.toml), not a typo."""
+    for key in ("max_time", "idle_timeout"):
+        seconds = fields.get(key)
+        if seconds is not None and seconds < MIN_LIMIT:
+            raise ConfigError(f"{where}.{key}: {format_duration(seconds)} is under a minute; "
+                              f"did you mean {format_duration(seconds * 60)}?")
+
+
 def _positive_duration(minimum: float) -> Callable[[Any], float]:
     def parse(value: Any) -> float:
         seconds = parse_duration(value)
@@ -289,13 +323,13 @@ def _profiles(value: Any) -> tuple[str, ...]:
 
 QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "gpus": _count(0, MAX_GPUS),
-    "gpu_memory": parse_size,
-    "max_time": parse_duration,
-    "idle_timeout": parse_duration,
+    "gpu_memory": _gpu_memory,
+    "max_time": _limit("end every grant"),
+    "idle_timeout": _limit("release every grant"),
     "sharing": _bool,
     "priority": _integer,
     "share": _weight,
-    "reclaim_after": parse_duration,
+    "reclaim_after": _limit("take back every grant someone waits for"),
     "slices": _slice_limit,
     "whole_gpus": _bool,
     "slice_profiles": _profiles,
@@ -368,8 +402,9 @@ def _check_mig(source: Path, sim: SimulatedConfig) -> None:
             raise ConfigError(f"{source}: gpu.simulated.mig.{minor}: {exc}") from None
 
 
-def load_quotas(path: Path) -> QuotaOverrides:
-    """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none."""
+def load_quotas(path: Path, floors: bool = True) -> QuotaOverrides:
+    """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none.
+    floors: refuse time limits under a minute (real GPUs; the simulated ones allow them, for tests)."""
     if not path.exists():
         return QuotaOverrides()
     data = _read_toml(path)
@@ -381,6 +416,8 @@ def load_quotas(path: Path) -> QuotaOverrides:
             raise ConfigError(f"{path}: {kind}: expected tables like [{kind}.NAME]")
         for name, table in entries.items():
             tables[kind][name] = _parse_table(path, f"{kind}.{name}", table, QUOTA_KEYS)
+            if floors:
+                _check_floors(f"{path}: {kind}.{name}", tables[kind][name])
     return QuotaOverrides(users=tables["users"], groups=tables["groups"])
 
 
@@ -399,6 +436,9 @@ def load(path: Path | str | None = None) -> Config:
     _check_topology(source, simulated)
     _check_mig(source, simulated)
 
+    floors = gpu_section.get("backend", GpuBackend.NVML) == GpuBackend.NVML
+    if floors:
+        _check_floors(f"{source}: defaults", sections.get("defaults", {}))
     paths_section = sections.get("paths", {})
     # The quotas file sits next to the config file unless the admin names another one.
     paths = replace(PathsConfig(**paths_section),
@@ -416,7 +456,7 @@ def load(path: Path | str | None = None) -> Config:
         paths=paths,
         gpu=GpuConfig(simulated=simulated, **gpu_section),
         metrics=MetricsConfig(**sections.get("metrics", {})),
-        quotas=load_quotas(paths.quotas),
+        quotas=load_quotas(paths.quotas, floors),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:
         # NVML process queries serialize on the driver lock; faster polling slows every CUDA call.

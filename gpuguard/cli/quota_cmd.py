@@ -67,7 +67,8 @@ def run_set(args: argparse.Namespace) -> int:
         _warn_if_unknown(kind, name)
         # config.load reads nothing else from quotas.toml, so the loaded config plus this file
         # is the whole configuration the daemon would load.
-        table, path, check = (kind, name), current.paths.quotas, config.load_quotas
+        floors = current.gpu.backend == config.GpuBackend.NVML
+        table, path, check = (kind, name), current.paths.quotas, lambda p: config.load_quotas(p, floors)
     assert path is not None  # load() always sets source
 
     old = path.read_bytes().decode("utf-8") if path.exists() else ""  # bytes: keep CRLF files as they are
