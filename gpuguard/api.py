@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict
 from typing import Any
 
@@ -194,18 +194,30 @@ class Api:
             sessions=[asdict(s) for s in store.sessions(account.uid)],
             events=[asdict(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
             usage=store.usage(account.uid),
-            queue=_standing_info(self.queue.standing(account.uid, time.time())))
+            queue=self._queue_info(account.uid, time.time()))
+
+    def _queue_info(self, uid: int, now: float) -> dict[str, Any] | None:
+        """The user's place in the queue, with what holds the GPUs (messages.queue_why says it in words)."""
+        info = _standing_info(self.queue.standing(uid, now))
+        if info is None:
+            return None
+        holders = [{"minor": g.minor, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
+                    "reclaim_after": self._account_of_uid(g.uid)[1].reclaim_after}
+                   for g in self.store.grants() if g.uid != uid]
+        return {**info, "holders": holders, "free": self.queue.free()}
 
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         config = self.config()
         sample = self.sampler.last
         commands = await self.sampler.commands(sample.owners) if sample else {}
+        now = time.time()
         gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid, commands)
-        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=time.time(),
+        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=now,
                             group=config.access.group,
                             queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,
-                                    "since": q.waiter.since, "priority": q.waiter.priority}
-                                   for i, q in enumerate(self.queue.ordered(time.time()), start=1)])
+                                    "since": q.waiter.since, "priority": q.waiter.priority,
+                                    "waited": now - q.waiter.since, "reason": why}
+                                   for i, (q, why) in enumerate(self.queue.reasons(now), start=1)])
         if peer.uid == 0:
             reply.update(sessions=[asdict(s) for s in self.store.sessions()],
                          exempt=sorted(self.exempt.uids), mode=config.access.mode,
@@ -276,7 +288,7 @@ class Api:
             if not wait:
                 raise Refusal("no GPU is free right now; you are in the queue already (gpuguard whoami shows your "
                               "place); gpuguard request --wait waits for your turn")
-            return protocol.ok(queued=True, ticket=mine[0].waiter.id,
+            return protocol.ok(queued=True, ticket=mine[0].waiter.id, login_place=mine[0].origin == Origin.SESSION,
                                **(_standing_info(self.queue.standing(account.uid, now)) or {}))
         if more > 0 and not store.queue():
             # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
@@ -300,7 +312,7 @@ class Api:
         held = store.grants(account.uid)
         if not held:
             raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
-        return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted))
+        return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted, new=granted or None))
 
     async def wait(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Block until a queued request (`ticket`, from request --wait) is granted, or `limit`
@@ -339,7 +351,7 @@ class Api:
         return self.queue.leave([ticket]) > 0
 
     def _served_reply(self, uid: int, minors: tuple[int, ...]) -> dict[str, Any]:
-        return protocol.ok(queued=False, granted=list(minors), **self._grant_reply(self.store.grants(uid)))
+        return protocol.ok(queued=False, granted=list(minors), **self._grant_reply(self.store.grants(uid), new=minors))
 
     def _queue_served(self, queued: Queued, minors: tuple[int, ...]) -> None:
         """Queue listener: wake the blocked client, and tell the user on their terminals."""
@@ -351,31 +363,69 @@ class Api:
         if future is not None and not future.done():
             future.set_result(minors)
         waited = format_duration(max(0, round(time.time() - waiter.since)))
-        reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})")
+        reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})",
+                                  new=minors)
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
         self.notifier.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
     async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        """Give GPUs back. It kills nothing: while a process of the user still uses one of
-        them, the release is refused with the pids, so no job loses its GPU by surprise."""
+        """Give GPUs back. It kills nothing: a GPU a process of the user still uses is kept, named
+        with the pids, so no job loses its GPU by surprise. Without --gpu the idle ones go and the
+        busy ones stay (refused only when all are busy), and a place in the queue is left too."""
         store = self.store
         account = await self._account_of(peer)
         held = {g.minor for g in store.grants(account.uid)}
         minors = self._minors(request)
+        left = self._leave_queue(account.uid) if minors is None else 0
         if not held:
+            if left:
+                return protocol.ok(released=[], kept=[], left_queue=left, gpus=[], cuda_visible_devices="",
+                                   message="gpuguard: you held no GPU; you left the queue")
             raise Refusal("you hold no GPU")
         if minors is not None and set(minors) - held:
             raise Refusal(f"you do not hold GPU {unit_list(set(minors) - held)} (you hold {unit_list(held)})")
         targets = set(minors) if minors is not None else held
         scan = _readable(await self.holders.scan(account.uid, targets))
         busy = scan.listed | scan.unlisted
-        if busy:
-            pids = sorted({pid for pid, _ in busy})
-            raise Refusal(f"GPU {unit_list({m for _, m in busy})} still in use by your process"
-                          f"{'es' if len(pids) > 1 else ''} {number_list(pids)}: stop them, then release")
-        removed = self.grants.remove(account.uid, targets, time.time(), kind="release", rule="user",
-                                       message="released with gpuguard release")
-        return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
+        in_use = f"still in use by your process{'es' if len({p for p, _ in busy}) > 1 else ''} " \
+                 f"{number_list({pid for pid, _ in busy})}"
+        kept = {minor for _, minor in busy}
+        if kept and (minors is not None or kept == targets):
+            raise Refusal(f"GPU {unit_list(kept)} {in_use}: stop them, then release")
+        removed = self.grants.remove(account.uid, targets - kept, time.time(), kind="release", rule="user",
+                                     message="released with gpuguard release")
+        released = [g.minor for g in removed]
+        parts = [f"released GPU {unit_list(released)}"]
+        if kept:
+            parts.append(f"GPU {unit_list(kept)} stays: {in_use} (stop them, then release)")
+        if still := held - set(released) - kept:
+            parts.append(f"you still hold GPU {unit_list(still)}")
+        if left:
+            parts.append("you left the queue")
+        return protocol.ok(released=released, kept=sorted(kept), left_queue=left,
+                           **{**self._grant_reply(store.grants(account.uid)), "message": f"gpuguard: {'; '.join(parts)}"})
+
+    async def cancel(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Leave the queue (`gpuguard cancel`, `request --cancel`): every request of the caller's,
+        a login's place included, like scancel. GPUs already held stay."""
+        account = await self._account_of(peer)
+        waiting = self.queue.standing(account.uid, time.time())
+        if not self._leave_queue(account.uid):
+            raise Refusal("you are not in the queue (gpuguard whoami shows your GPUs)")
+        where = f" (you were number {waiting.position} of {waiting.waiting})" if waiting else ""
+        return protocol.ok(message=f"gpuguard: you left the queue{where}; your GPUs, if any, stay yours")
+
+    def _leave_queue(self, uid: int) -> int:
+        """Take every queued request of uid out of the queue (and wake its waiting clients with a refusal)."""
+        ids = [q.waiter.id for q in self.store.queue(uid)]
+        left = self.queue.leave(ids) if ids else 0
+        for ticket in ids:
+            future = self._waiting.get(ticket)
+            if future is not None and not future.done():
+                future.set_exception(Refusal("you left the queue (gpuguard cancel)"))
+        if left:
+            event(logging.INFO, "queue_left", uid=uid, reason="cancel")
+        return left
 
     # --- admin
 
@@ -482,15 +532,21 @@ class Api:
         gpu = self.grants.gpus.get(grant.minor)
         return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None}
 
-    def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT) -> dict[str, Any]:
-        """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message)."""
+    def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
+                     new: Collection[int] | None = None) -> dict[str, Any]:
+        """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message).
+        new: the units just granted, which the message is about (with their own end, not an older grant's)."""
         gpus = [self.grants.gpus[g.minor] for g in held if g.minor in self.grants.gpus]
         if not gpus:
             return {"gpus": [], "cuda_visible_devices": "", "message": ""}
-        expiries = [g.expires_at for g in held if g.expires_at is not None]
+        told = [g for g in held if new is None or g.minor in new] or held
+        expiries = [g.expires_at for g in told if g.expires_at is not None]
+        told_gpus = [gpu for gpu in gpus if any(g.minor == gpu.minor for g in told)]
+        if wanted is not None:
+            wanted -= len(gpus) - len(told_gpus)  # the ones held before count towards it
         return {"gpus": [gpu.minor for gpu in gpus],
                 "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
-                "message": grant_message(gpus, min(expiries, default=None), any(g.shared for g in held), wanted,
+                "message": grant_message(told_gpus, min(expiries, default=None), any(g.shared for g in told), wanted,
                                          ending)}
 
     # --- who is asking (NSS, off the event loop)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from gpuguard import rules
 from gpuguard.model import Gpu, unit_label
@@ -72,6 +73,41 @@ def queue_message(position: int, waiting: int, gpus: int, estimate: float | None
     when = f" (expected by {clock(estimate)})" if estimate is not None else ""
     return (f"gpuguard: no GPU is free right now; you are number {position} of {waiting} in the queue for "
             f"{gpus} GPU{'s' if gpus != 1 else ''}{when}; {then} - gpuguard whoami shows the queue")
+
+
+IDLE_SHOWN = 120.0  # idle shorter than this is "in use": the store's last-active time is up to a minute old
+
+
+def queue_why(queue: dict[str, Any], now: float) -> list[str]:
+    """Why a queued user waits and what they can do, in words (`gpuguard whoami`): who holds the
+    GPUs, which are idle and for how long, whether reclaim would free them, the first expiry."""
+    holders = queue.get("holders") or []
+    lines = []
+    if queue.get("free"):
+        lines.append(f"{queue['free']} GPU{'s are' if queue['free'] != 1 else ' is'} free but held for requests "
+                     "ahead of yours")
+    busy = [h for h in holders if h["idle"] < IDLE_SHOWN]
+    idle = sorted((h for h in holders if h["idle"] >= IDLE_SHOWN), key=lambda h: -h["idle"])
+    if busy:
+        lines.append("held: " + ", ".join(f"GPU {unit_label(h['minor'])} by {h['user']}" for h in busy))
+    for h in idle:
+        reclaim = ("reclaim is off for them" if h["reclaim_after"] is None else
+                   f"reclaim takes it back after {format_duration(h['reclaim_after'])} idle while someone waits")
+        lines.append(f"idle: GPU {unit_label(h['minor'])} of {h['user']}, unused for {_minutes(h['idle'])}; {reclaim}")
+    expiries = [h["expires_at"] for h in holders if h["expires_at"] is not None]
+    if expiries:
+        first = min(expiries)
+        lines.append(f"the first grant to end runs until {clock(first)} (in {_minutes(first - now)})")
+    elif holders:
+        lines.append("no grant has a time limit: a GPU comes free when its holder releases it or logs out")
+    lines.append("you can: wait here (you are told on your terminals), see gpuguard status, ask a holder to run "
+                 "gpuguard release, ask your admin, or leave with gpuguard cancel")
+    return lines
+
+
+def _minutes(seconds: float) -> str:
+    """`2h04m` as `2h4m`: whole minutes, since store times are up to a minute old anyway."""
+    return format_duration(max(1, int(seconds // 60)) * 60)
 
 
 HINT = "see gpuguard whoami"

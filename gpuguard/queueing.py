@@ -8,7 +8,7 @@ All calls come from the event-loop thread, as the store requires.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuguard import allocator, policy, rules, scheduler
@@ -18,6 +18,27 @@ from gpuguard.model import Grant, Origin, Quota
 from gpuguard.store import Queued, Store
 
 Listener = Callable[[Queued, tuple[int, ...]], None]
+
+# Why a request waits, one word each as squeue prints them (`gpuguard status`'s REASON column).
+RESOURCES = "Resources"   # first in line (or only behind earlier askers): waiting for GPUs to be free
+PRIORITY = "Priority"     # behind a request of higher priority
+FAIRSHARE = "FairShare"   # behind a user with less recent usage
+RESERVED = "Reserved"     # GPUs are free, but held for a request that has waited reserve_after
+
+
+def reason(ahead: Sequence[scheduler.Waiter], mine: scheduler.Waiter, usage: Mapping[int, float], free: int,
+           now: float, reserve_after: float) -> str:
+    """Why `mine` waits, behind `ahead` (in order), with `free` units nobody holds."""
+    if free and any(now - waiter.since >= reserve_after for waiter in ahead):
+        return RESERVED
+    if not ahead:
+        return RESOURCES
+    nearest = ahead[-1]
+    if nearest.priority != mine.priority:
+        return PRIORITY
+    if usage.get(nearest.uid, 0.0) / nearest.share != usage.get(mine.uid, 0.0) / mine.share:
+        return FAIRSHARE
+    return RESOURCES
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,16 @@ class Queue:
             return [], {}
         usage = self.usage(now, {q.waiter.uid for q in entries.values()})
         return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage)], usage
+
+    def reasons(self, now: float) -> list[tuple[Queued, str]]:
+        """The waiters in the order they are served, each with why it waits (`reason`)."""
+        ordered, usage = self._ordered(now)
+        if not ordered:
+            return []
+        waiters, free = [q.waiter for q in ordered], self.free()
+        reserve_after = self.config().scheduler.reserve_after
+        return [(queued, reason(waiters[:i], queued.waiter, usage, free, now, reserve_after))
+                for i, queued in enumerate(ordered)]
 
     def standing(self, uid: int, now: float) -> Standing | None:
         ordered, usage = self._ordered(now)

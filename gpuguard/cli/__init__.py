@@ -75,7 +75,7 @@ COMMANDS = {
     "gate": "gate_cmd", "acl": "gate_cmd", "gpus": "gpus_cmd", "quota": "quota_cmd",
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
     "simulate": "simulate_cmd", "trace": "simulate_cmd",
-    "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd",
+    "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
     "doctor": "doctor_cmd",
 }
 PAM_HOOK = "pam-hook"

@@ -82,8 +82,9 @@ def show_status(args: argparse.Namespace) -> int:
             print(f"{args.user} holds no GPU and runs nothing on one" if args.user else "no GPUs")
         if reply.get("queue"):
             print("\nqueue (served in this order; gpuguard whoami says why):")
-            print_rows([["  #", "USER", "GPUS", "SINCE", "PRIORITY"]] + [
-                [f"  {q['position']}", q["user"], str(q["gpus"]), clock(q["since"]), str(q["priority"])]
+            print_rows([["  #", "USER", "GPUS", "SINCE", "WAITED", "PRIORITY", "REASON"]] + [
+                [f"  {q['position']}", q["user"], str(q["gpus"]), clock(q["since"]), time_left(q["waited"]),
+                 str(q["priority"]), q["reason"]]
                 for q in reply["queue"]])
         if "sessions" in reply:
             print(f"\n{len(reply['sessions'])} open session(s); exempt uids {number_list(reply['exempt'])}; "

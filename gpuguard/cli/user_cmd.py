@@ -11,7 +11,7 @@ from gpuguard import client
 from gpuguard.cli import CommandError, load_config, print_json, print_rows, unit_arg
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.messages import clock, cuda_export, queue_message, stale_devices, unit_list
+from gpuguard.messages import clock, cuda_export, queue_message, queue_why, stale_devices
 from gpuguard.model import unit_label
 from gpuguard.units import UnitError, format_duration, format_size, parse_duration
 
@@ -34,8 +34,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="when they are not free, wait in the queue until they are (exit 0 once granted)")
     request.add_argument("--timeout", metavar="DURATION",
                          help="with --wait: give up after this long, e.g. 30m (exit 1, leaving the queue)")
+    request.add_argument("--cancel", action="store_true",
+                         help="leave the queue instead (the same as gpuguard cancel)")
     request.add_argument("--json", action="store_true", help="print JSON")
     request.set_defaults(func=run_request)
+
+    cancel = subparsers.add_parser("cancel", help="leave the queue (your GPUs stay yours)",
+                                   description="Take your waiting requests out of the queue, a login's place "
+                                               "included, like Slurm's scancel. Example: gpuguard cancel")
+    cancel.set_defaults(func=run_cancel)
 
     release = subparsers.add_parser("release", help="give GPUs back (refused while your processes use them)")
     release.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
@@ -65,7 +72,8 @@ def show_whoami(args: argparse.Namespace) -> int:
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(cuda_export(_uuids(reply)))
     elif reply["member"]:
-        print("GPUs: none (gpuguard request --wait queues for one)")
+        print("GPUs: none (you are in the queue, below)" if reply.get("queue") else
+              "GPUs: none (gpuguard request --wait queues for one)")
     if reply.get("queue"):
         q = reply["queue"]
         when = f"; expected by {clock(q['estimate'])}" if q["estimate"] is not None else ""
@@ -73,6 +81,8 @@ def show_whoami(args: argparse.Namespace) -> int:
               f"since {clock(q['since'])}{when}")
         for ahead in q["ahead"]:
             print(f"  ahead of you: {ahead['user']}: {ahead['why']}")
+        for line in queue_why(q, time.time()):
+            print(f"  {line}")
     if not reply["exempt"] and args.user is None and (note := stale_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
                                                                              _uuids(reply))):
         print(note)
@@ -112,14 +122,30 @@ def _uuids(whoami: dict[str, Any]) -> list[str]:
     return [g["uuid"] for g in whoami["grants"] if g["uuid"]]
 
 
+def run_cancel(args: argparse.Namespace) -> int:
+    print(ask(args, "cancel")["message"])
+    return EXIT_OK
+
+
 def run_request(args: argparse.Namespace) -> int:
+    if args.cancel:
+        if args.wait or args.gpus is not None or args.timeout is not None:
+            raise CommandError("--cancel goes alone (it leaves the queue)", EXIT_USAGE)
+        return run_cancel(args)
     timeout = _timeout(args)
     deadline = None if timeout is None else time.monotonic() + timeout
     reply = ask(args, "request", gpus=args.gpus, wait=args.wait or None)
     if reply.get("queued"):
         print(queue_message(reply["position"], reply["waiting"], reply["gpus"], reply["estimate"], then="waiting"),
               file=sys.stderr, flush=True)
-        reply = _wait(args, reply["ticket"], deadline)
+        try:
+            reply = _wait(args, reply["ticket"], deadline)
+        except KeyboardInterrupt:
+            # The daemon takes the request out when this connection closes; a login's place stays.
+            print("\ngpuguard: interrupted: "
+                  + ("you stopped waiting; your login keeps its place in the queue (gpuguard cancel leaves it)"
+                     if reply.get("login_place") else "you left the queue"), file=sys.stderr)
+            return 130
     if args.json:
         print_json(reply)
         return EXIT_OK
@@ -165,6 +191,5 @@ def run_release(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
-    left = f"; you still hold GPU {unit_list(reply['gpus'])}" if reply["gpus"] else ""
-    print(f"gpuguard: released GPU {unit_list(reply['released'])}{left}")
+    print(reply["message"])
     return EXIT_OK

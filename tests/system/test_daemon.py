@@ -311,7 +311,7 @@ def test_request_and_release_by_the_user(start_daemon, make_user):
     first, second = more["gpus"]
     burn = start_burn(d.config_path, first, user=alice)
     try:
-        busy = d.cli_as(alice, "release")
+        busy = d.cli_as(alice, "release", "--gpu", str(first), "--gpu", str(second))  # named: all or nothing
         assert busy.returncode == 1
         assert f"GPU {first} still in use by your process {burn.pid}: stop them, then release" in busy.stderr
         assert d.granted_minors(alice) == [first, second]  # nothing released, nothing killed
