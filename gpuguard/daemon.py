@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard import config as configuration
-from gpuguard import sampling
+from gpuguard import held_devices, sampling
 from gpuguard.api import Api
 from gpuguard.backends import (
     GateError,
@@ -45,6 +45,7 @@ from gpuguard.backends.node_watcher import NodeWatcher
 from gpuguard.config import AccessMode, Config, GpuBackend
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.held_devices import HeldDevices
 from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
@@ -125,6 +126,11 @@ class Daemon:
         self.follow_layout(first_layout)
         for repaired in self.grants.reconcile():  # what changed while no daemon ran
             event(logging.INFO, "reconcile", repaired=repaired)
+        # Each holder's CUDA_VISIBLE_DEVICES for the PAM module, should it find no daemon at a login.
+        held = HeldDevices(held_devices.directory_for(self.config.paths.socket), self.store.grants,
+                           lambda unit: gpu.uuid if (gpu := self.grants.gpus.get(unit)) else None)
+        self.grants.on_changed.append(held.sync)
+        held.sync_all()
         self.node_watchers = [NodeWatcher(self.config.paths.device_dir, self._node_changed)]
         caps_dir = self.config.paths.device_dir / "nvidia-caps"
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices

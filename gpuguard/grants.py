@@ -80,6 +80,9 @@ class Grants:
         # Told of every grant taken back, whatever took it (the queue: fair-share charge, then
         # the freed GPUs go to the waiters first).
         self.on_removed: list[Callable[[list[Grant], float], None]] = []
+        # Told the uid of every grant given or taken back (the per-user file the PAM module reads
+        # while the daemon is down: held_devices).
+        self.on_changed: list[Callable[[int], None]] = []
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -149,6 +152,8 @@ class Grants:
             self.store.add_event(Event(now, uid, user, "grant", message, minor=minor, rule=origin, action="grant"))
         event(logging.INFO, "grant", user=user, uid=uid, gpus=unit_list(minors), origin=origin, expires_at=expires_at,
               shared=shared or None)
+        for changed in self.on_changed:
+            changed(uid)
 
     def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: str, rule: str,
                message: str, end_holders: bool = True) -> list[Grant]:
@@ -184,6 +189,8 @@ class Grants:
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=unit_list(g.minor for g in held), rule=rule)
         if self.holders is not None and end_holders and kind != "error":  # error: the gate never opened
             self.holders.schedule(uid, held[0].user, [g.minor for g in held], rule)
+        for changed in self.on_changed:
+            changed(uid)
         for listener in self.on_removed:
             listener(held, now)
         return held

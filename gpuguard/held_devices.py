@@ -1,0 +1,78 @@
+"""Each user's CUDA_VISIBLE_DEVICES in a small file, for logins while the daemon is down.
+
+`<socket directory>/held/<uid>` (`/run/gpuguard/held/1001`) holds the UUIDs of the user's
+grants, comma-separated, on one line: what `gpuguard env` would print. The PAM module reads
+it when no daemon answers, so a user who still holds GPUs (the gate keeps their grants while
+the daemon is down) gets CUDA_VISIBLE_DEVICES and not "no CUDA-capable device". The file is
+root's, mode 0400 plus a POSIX ACL entry giving read to that uid only; it is rewritten
+atomically (a temporary file renamed over it) after every grant change and removed when the
+user holds nothing. A failure to write is logged and changes no grant: the file is a courtesy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from gpuguard.backends import posix_acl
+from gpuguard.logs import event
+from gpuguard.model import Grant
+
+DIRECTORY = "held"
+READ = 0o4
+
+
+def directory_for(socket: Path) -> Path:
+    """Where the files live: beside the daemon's socket (the PAM module derives it the same way)."""
+    return socket.parent / DIRECTORY
+
+
+class HeldDevices:
+    def __init__(self, directory: Path, grants_of: Callable[[int | None], list[Grant]],
+                 uuid_of: Callable[[int], str | None]):
+        self.directory = directory
+        self._grants_of = grants_of  # store.grants: uid -> that user's grants (None: everyone's)
+        self._uuid_of = uuid_of
+
+    def sync_all(self) -> None:
+        """Every holder's file as the store says, and no file for anyone else (at start)."""
+        try:
+            self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+            present = {int(name) for name in os.listdir(self.directory) if name.isdigit()}
+        except OSError as exc:
+            event(logging.WARNING, "held_devices_failed", path=self.directory, error=exc.strerror or str(exc))
+            return
+        holders = {grant.uid for grant in self._grants_of(None)}
+        for uid in present | holders:
+            self.sync(uid)
+
+    def sync(self, uid: int) -> None:
+        path = self.directory / str(uid)
+        try:
+            devices = ",".join(self._uuids(self._grants_of(uid)))
+            if devices:
+                self._write(path, uid, devices)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            event(logging.WARNING, "held_devices_failed", uid=uid, path=path, error=exc.strerror or str(exc))
+
+    def _uuids(self, grants: Iterable[Grant]) -> list[str]:
+        return [uuid for grant in sorted(grants, key=lambda g: g.minor) if (uuid := self._uuid_of(grant.minor))]
+
+    def _write(self, path: Path, uid: int, devices: str) -> None:
+        fd, temporary = tempfile.mkstemp(prefix=f".{uid}.", dir=self.directory)
+        try:
+            os.write(fd, f"{devices}\n".encode())
+            os.fchmod(fd, 0o400)
+            os.close(fd)
+            fd = -1
+            posix_acl.apply_acls(temporary, [uid], perm=READ)
+            os.replace(temporary, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            Path(temporary).unlink(missing_ok=True)
+            raise
