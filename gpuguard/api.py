@@ -29,6 +29,7 @@ from gpuguard.lookups import AccountLookup
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
 from gpuguard.model import Grant, Origin, Quota
 from gpuguard.queueing import Queue, Standing
+from gpuguard.reload_effects import ReloadEffects
 from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
 from gpuguard.store import Queued, Store
@@ -89,6 +90,7 @@ class Api:
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
         self._served: dict[int, tuple[int, ...]] = {}
         queue.listeners.append(self._queue_served)
+        self.reload_effects = ReloadEffects(store, grants, lookup, notifier, self._leave_queue)
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         op = request["op"]
@@ -130,7 +132,7 @@ class Api:
         if policy.is_exempt(account.uid, account.name, account.groups, access):
             self.exempt.add(account.uid)  # a no-op unless joined since, or missed by NSS member lists
             return reply
-        if not policy.is_member(account.groups, access):
+        if self.reload_effects.expel_if_gone(account, config, now):  # left the group since: grants and place end
             return reply
         held = store.grants(account.uid)
         if held:  # a second session reuses the grant it already has

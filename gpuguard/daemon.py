@@ -71,6 +71,7 @@ class Daemon:
         self.gate_name = gate_name
         self._stop = asyncio.Event()
         self._layout_read: asyncio.Task | None = None  # the MIG layout read a reload asked for
+        self._reload_effects: asyncio.Task | None = None  # what the last reload does to grants (reload_effects)
 
     def current_config(self) -> Config:
         """What the services read the config through: a reload replaces self.config."""
@@ -186,7 +187,7 @@ class Daemon:
 
     def reload(self) -> Config:
         """Load the config again; raises ConfigError and keeps the old one when it is broken."""
-        new = configuration.load(self.config.source)
+        new, old = configuration.load(self.config.source), self.config
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
         fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
                         access=replace(new.access, mode=self.config.access.mode))
@@ -197,6 +198,9 @@ class Daemon:
         self.exempt.refresh()
         # The MIG layout is read again at once, through the sampler: NVML is used from one thread at a time.
         self._layout_read = asyncio.get_running_loop().create_task(self.read_layout())
+        # Former members lose their grants, lowered idle limits warn first (NSS lookups: off this call).
+        self._reload_effects = asyncio.get_running_loop().create_task(
+            self.api.reload_effects.apply(old, fixed, time.time()))
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         systemd.status(self._status_text())
@@ -292,6 +296,8 @@ class Daemon:
             self.drop_dead_sessions()
             self.drop_gone_waiters()
             await self.logout.release_unused(sample)
+            if self._reload_effects is not None:  # a reload's notices go first: its new limits act after them
+                await asyncio.wait({self._reload_effects})
             await self.watcher.check(sample, time.time())
             self.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
         await self.metrics.after_tick(time.monotonic() - started)
