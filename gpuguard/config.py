@@ -124,6 +124,23 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class NotifyConfig:
+    """Notices for people without a terminal (VS Code, Jupyter): every line the daemon writes to a
+    user's terminals also goes to their webhook and e-mail address, when configured."""
+
+    webhook: str | None = None             # URL for a JSON POST; "{user}" becomes the user's name
+    mail: str | None = None                # e-mail address; "{user}" becomes the user's name
+    addresses: Path | None = None          # TOML file of [users.NAME] webhook/mail, over the templates
+    sendmail: Path = Path("/usr/sbin/sendmail")  # the MTA's sendmail interface (Debian: any MTA provides it)
+    per_user_hour: int = 20                # notices per user and hour; more are dropped (and counted)
+    users: dict[str, dict[str, str]] = field(default_factory=dict)  # read from `addresses`
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.webhook or self.mail or self.users)
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     backend: GpuBackend = GpuBackend.NVML
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
@@ -151,6 +168,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
 
 
 # --- value parsers: each takes the raw TOML value and returns the typed one or raises ValueError
@@ -307,6 +325,24 @@ def _mig(value: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
     return tuple(sorted((int(minor), tuple(profiles)) for minor, profiles in value.items()))
 
 
+def _template(kind: str, check: Callable[[str], bool]) -> Callable[[Any], str]:
+    """A webhook URL or an e-mail address, where {user} stands for the user's name."""
+    def parse(value: Any) -> str:
+        text = _string(value)
+        try:
+            example = text.format(user="alice")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"expected a {kind} where only {{user}} is replaced, got {value!r}") from None
+        if not check(example) or any(ch.isspace() or ord(ch) < 32 for ch in example):
+            raise ValueError(f"not a {kind}: {value!r}")
+        return text
+    return parse
+
+
+_WEBHOOK = _template("http:// or https:// URL", lambda url: url.startswith(("http://", "https://")))
+_MAIL = _template("mail address", lambda address: address.count("@") == 1 and not address.startswith(("-", "@")))
+
+
 def _slice_limit(value: Any) -> int | None:
     """How many of a user's units may be MIG slices: a count, or "any" (no limit of its own)."""
     if value == "any":
@@ -349,6 +385,8 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
+    "notify": {"webhook": _WEBHOOK, "mail": _MAIL, "addresses": _absolute_path, "sendmail": _absolute_path,
+               "per_user_hour": _count(1, 3600)},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
                       "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups, "mig": _mig},
 }
@@ -421,6 +459,15 @@ def load_quotas(path: Path, floors: bool = True) -> QuotaOverrides:
     return QuotaOverrides(users=tables["users"], groups=tables["groups"])
 
 
+def load_addresses(path: Path) -> dict[str, dict[str, str]]:
+    """The per-user notice addresses: `[users.NAME]` tables of `webhook` and `mail`."""
+    data = _read_toml(path)
+    if set(data) - {"users"} or not isinstance(data.get("users", {}), dict):
+        raise ConfigError(f"{path}: expected only tables like [users.NAME]")
+    return {name: _parse_table(path, f"users.{name}", table, {"webhook": _WEBHOOK, "mail": _MAIL})
+            for name, table in data.get("users", {}).items()}
+
+
 def load(path: Path | str | None = None) -> Config:
     """Load and validate a config file (and the quotas file it names). Raises ConfigError."""
     source = Path(path) if path else default_path()
@@ -457,11 +504,17 @@ def load(path: Path | str | None = None) -> Config:
         gpu=GpuConfig(simulated=simulated, **gpu_section),
         metrics=MetricsConfig(**sections.get("metrics", {})),
         quotas=load_quotas(paths.quotas, floors),
+        notify=_notify(sections.get("notify", {})),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:
         # NVML process queries serialize on the driver lock; faster polling slows every CUDA call.
         raise ConfigError(f"{source}: watcher.interval: must be at least 1s with the nvml backend")
     return config
+
+
+def _notify(section: dict[str, Any]) -> NotifyConfig:
+    addresses = section.get("addresses")
+    return NotifyConfig(**section, users=load_addresses(addresses) if addresses else {})
 
 
 def default_path() -> Path:

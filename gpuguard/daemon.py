@@ -42,6 +42,7 @@ from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.backends.node_watcher import NodeWatcher
+from gpuguard.backends.remote_notify import RemoteNotifier
 from gpuguard.config import AccessMode, Config, GpuBackend
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
@@ -107,7 +108,8 @@ class Daemon:
             self.gate.attach(exempt)  # a new gate starts with its exempt map filled: no moment without it
         self.exempt.set(exempt)
         self.lookup = AccountLookup()
-        self.notifier = notify.Notifier()
+        self.remote_notifier = RemoteNotifier(lambda: self.config.notify)
+        self.notifier = notify.Notifier(remote=self.remote_notifier)
         find_holders = partial(sampling.node_holders, devices_of=self.grants.holder_devices)
         self.holders = HolderEnder(find_holders, self.sampler, self.exempt, self.store,
                                    lambda: self.config.watcher.kill_wait)
@@ -121,7 +123,7 @@ class Daemon:
                        account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
                        queue=self.queue, notifier=self.notifier)
         self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
-                               self.watcher.account_of)
+                               self.watcher.account_of, notices=self.remote_notifier.counts)
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
         # users told) before the gate and the ACLs are rebuilt from the store.
         self.follow_layout(first_layout)
@@ -177,6 +179,7 @@ class Daemon:
         self.holders.close()
         self.watcher.close()
         self.notifier.close()
+        self.remote_notifier.close()
         self.lookup.close()
         for watcher in self.node_watchers:
             watcher.close()

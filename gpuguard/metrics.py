@@ -82,6 +82,7 @@ class Snapshot:
     queue_requests: int = 0                    # requests waiting
     queue_units: int = 0                       # GPUs (or MIG slices) they ask for
     queue_oldest: float | None = None          # when the longest-waiting one joined; None: nobody waits
+    notices: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (channel, outcome) -> remote notices
 
 
 @dataclass
@@ -172,6 +173,12 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily("gpuguard_queue_oldest_wait_seconds", "How long the longest-waiting request has waited "
                             "(0 when nobody waits)", value=0.0 if s.queue_oldest is None else max(0.0, s.time - s.queue_oldest))
     yield from _event_families(s.events)
+    notices = CounterMetricFamily("gpuguard_notices", "Notices to webhooks and e-mail, by channel and outcome "
+                                  "(sent, failed, dropped over the per-user rate or a full queue)",
+                                  labels=["channel", "outcome"])
+    for (channel, outcome), count in sorted(s.notices.items()):
+        notices.add_metric([channel, outcome], count)
+    yield notices
 
     errors = CounterMetricFamily("gpuguard_nvml_errors", "NVML process queries that failed, by GPU", labels=["gpu"])
     for minor, count in sorted(s.nvml_errors.items()):
@@ -249,8 +256,10 @@ class Metrics:
     """The loop side: publishes a snapshot per tick and feeds the endpoint and the files."""
 
     def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
-                 account_of: Callable[[int], tuple[str, Quota]]) -> None:
+                 account_of: Callable[[int], tuple[str, Quota]],
+                 notices: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
         self.settings = settings
+        self.notices = notices  # remote notices sent, failed and dropped (remote_notify), thread-safe
         self.account_of = account_of  # user names as the watcher last resolved them (no NSS on the loop)
         self.store = store
         self.gpus = gpus
@@ -301,7 +310,7 @@ class Metrics:
             gate_attached=attached, gate_grants=len(entries) if gate else None,
             gate_exempt=len(gate.exempt() - {0}) if gate and attached else (0 if gate else None),
             queue_requests=len(waiting), queue_units=sum(w.gpus for w in waiting),
-            queue_oldest=min((w.since for w in waiting), default=None))
+            queue_oldest=min((w.since for w in waiting), default=None), notices=self.notices())
         return self.snapshot
 
     async def after_tick(self, tick_seconds: float) -> None:

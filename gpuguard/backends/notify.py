@@ -18,6 +18,7 @@ import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
@@ -76,15 +77,23 @@ def format_line(message: str) -> str:
     return "\r\n\a" + message + "\r\n"
 
 
-class Notifier:
-    """Delivers lines to users' terminals on a background thread; `tell` never blocks."""
+class RemoteChannel(Protocol):
+    def tell(self, user: str, message: str) -> None: ...
 
-    def __init__(self) -> None:
+
+class Notifier:
+    """Delivers lines to users' terminals on a background thread; `tell` never blocks. Each line
+    also goes to `remote` (remote_notify: webhook and e-mail), for users without a terminal."""
+
+    def __init__(self, remote: RemoteChannel | None = None) -> None:
+        self.remote = remote
         self._queue: queue.Queue[tuple[str, int, tuple[str, ...], str] | None] = queue.Queue(QUEUE_SIZE)
         self._thread = threading.Thread(target=self._run, name="gpuguard-notify", daemon=True)
         self._thread.start()
 
     def tell(self, user: str, uid: int, message: str, ttys: Iterable[str] = ()) -> None:
+        if self.remote is not None:
+            self.remote.tell(user, message.replace("\r\n", "\n"))
         try:
             self._queue.put_nowait((user, uid, tuple(ttys), message))
         except queue.Full:

@@ -146,6 +146,12 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
     ('[metrics]\ntextfile = "/var/lib/node_exporter/gpuguard.txt"', "metrics.textfile: must end in .prom"),
     ('[metrics]\ntextfile = "gpuguard.prom"', "metrics.textfile: expected an absolute path"),
     ('[metrics]\ndcgm_job_mapping_dir = "jobs"', "metrics.dcgm_job_mapping_dir: expected an absolute path"),
+    ('[notify]\nwebhook = "ftp://chat/{user}"', "notify.webhook: not a http:// or https:// URL"),
+    ('[notify]\nwebhook = "https://chat/{name}"', "notify.webhook: expected a http:// or https:// URL where only "
+                                                  "{user} is replaced"),
+    ('[notify]\nmail = "{user}"', "notify.mail: not a mail address"),
+    ('[notify]\nmail = "-oX@lab"', "notify.mail: not a mail address"),
+    ('[notify]\nper_user_hour = 0', "notify.per_user_hour: must be between 1 and 3600"),
 ])
 def test_bad_config_names_file_key_and_problem(tmp_path, text, fragment):
     path = write(tmp_path, text)
