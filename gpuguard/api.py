@@ -244,7 +244,10 @@ class Api:
         limit = _field(request, "limit", int, 200)
         if not 1 <= limit <= reporting.MAX_EVENTS:
             raise Refusal(f"field 'limit': between 1 and {reporting.MAX_EVENTS}, got {limit}", 2)
-        found = self.store.find_events(uid, since, until, _field(request, "rule", str, None), limit)
+        rule = _field(request, "rule", str, None)
+        if rule is not None and rule not in reporting.EVENT_RULES:
+            raise Refusal(f"--rule: no rule {rule!r} (rules: {', '.join(reporting.EVENT_RULES)})", 2)
+        found = self.store.find_events(uid, since, until, rule, limit)
         return protocol.ok(events=[asdict(e) for e in found])
 
     async def _records_of(self, request: dict[str, Any], peer: Peer) -> int | None:
@@ -618,7 +621,7 @@ def _duration(value: Any) -> float | None:
     try:
         seconds = parse_duration(value)
     except UnitError as exc:
-        raise Refusal(f"field 'for': {exc}", 2) from None
+        raise Refusal(f"--for: {exc}", 2) from None
     if not seconds:
-        raise Refusal("field 'for': must be a positive duration like 8h", 2)
+        raise Refusal("--for: must be a positive duration like 8h", 2)
     return seconds

@@ -156,7 +156,7 @@ class Daemon:
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
         systemd.notify("READY=1", f"STATUS={self._status_text()}")
-        event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=unit_list(self.grants.gpus),
+        event(logging.INFO, "ready", socket=self.config.paths.socket, gpu=unit_list(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
         try:
             await self._stop.wait()

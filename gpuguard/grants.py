@@ -150,7 +150,7 @@ class Grants:
             raise
         for minor in minors:
             self.store.add_event(Event(now, uid, user, "grant", message, minor=minor, rule=origin, action="grant"))
-        event(logging.INFO, "grant", user=user, uid=uid, gpus=unit_list(minors), origin=origin, expires_at=expires_at,
+        event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(minors), origin=origin, expires_at=expires_at,
               shared=shared or None)
         for changed in self.on_changed:
             changed(uid)
@@ -186,7 +186,7 @@ class Grants:
         for grant in held:
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
                                        action=kind))
-        event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=unit_list(g.minor for g in held), rule=rule)
+        event(logging.INFO, kind, user=held[0].user, uid=uid, gpu=unit_list(g.minor for g in held), rule=rule)
         if self.holders is not None and end_holders and kind != "error":  # error: the gate never opened
             self.holders.schedule(uid, held[0].user, [g.minor for g in held], rule)
         for changed in self.on_changed:
@@ -242,7 +242,7 @@ class Grants:
         if changed:
             self.physical = physical
             self._set_units(units)
-            event(logging.INFO, "mig_layout", gpus=unit_list(now_seen.mig_gpus), slices=len(now_seen.slices))
+            event(logging.INFO, "mig_layout", gpu=unit_list(now_seen.mig_gpus), slices=len(now_seen.slices))
         stale = layout.stale(self.store.grants(), units, set(physical) - now_seen.unread)
         ended = {}
         for uid in sorted({grant.uid for grant in stale}):

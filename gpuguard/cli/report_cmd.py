@@ -11,17 +11,21 @@ import csv
 import re
 import sys
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.model import unit_label
+from gpuguard.rules import Rule
 from gpuguard.units import UnitError, parse_duration
 
 HOUR = 3600.0
 _FORMATS = ("%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m")
+_DAYS = {"today": -1, "yesterday": -1,
+         **{day: number for number, day in enumerate(("monday", "tuesday", "wednesday", "thursday", "friday",
+                                                        "saturday", "sunday"))}}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _period_options(parser: argparse.ArgumentParser, since_default: str) -> None:
-    parser.add_argument("--since", metavar="WHEN", help=f"from (default {since_default}): 2026-11-01, 2026-11, 7d")
+    parser.add_argument("--since", metavar="WHEN",
+                        help=f"from (default {since_default}): 2026-11-01, 2026-11, 7d, today, yesterday, monday")
     parser.add_argument("--until", metavar="WHEN", help="to, not included (default now)")
     parser.add_argument("--user", metavar="NAME", help="only this user's (root; others see only their own)")
 
@@ -56,18 +61,25 @@ def _output_options(parser: argparse.ArgumentParser, csv_help: str) -> None:
 
 
 def parse_when(text: str, now: float) -> float:
-    """Epoch seconds of a local date, date and time, month, or a duration back from now."""
+    """Epoch seconds of a local date, date and time, month, a duration back from now, or the
+    start of `today`, `yesterday` or the last `monday` ... `sunday` (today if it is that day)."""
+    midnight = datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0)
+    word = text.strip().lower()
+    if word in _DAYS:
+        back = 0 if word == "today" else 1 if word == "yesterday" else (midnight.weekday() - _DAYS[word]) % 7
+        return (midnight - timedelta(days=back)).timestamp()
     for fmt in _FORMATS:
         try:
             return datetime.strptime(text, fmt).timestamp()
         except ValueError:
             continue
-    if re.fullmatch(r"\d+(\.\d+)?[smhd]", text):
+    if re.fullmatch(r"\d+(\.\d+)?[smhdw]", text):
         try:
             return now - (parse_duration(text) or 0.0)
         except UnitError as exc:
             raise CommandError(str(exc), EXIT_USAGE) from None
-    raise CommandError(f"not a time: {text!r} (write 2026-11-01, 2026-11-01T09:00, 2026-11 or 7d)", EXIT_USAGE)
+    raise CommandError(f"not a time: {text!r} (write 2026-11-01, 2026-11-01T09:00, 2026-11, 7d, today, yesterday "
+                       "or monday)", EXIT_USAGE)
 
 
 def month_start(now: float) -> float:
@@ -85,7 +97,9 @@ def show_report(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
-    rules = sorted({rule for row in [*reply["rows"], reply["total"]] for rule in row["kills"]})
+    # Every rule's column always, whatever the data (scripts read columns by position too)
+    found = {rule for row in [*reply["rows"], reply["total"]] for rule in row["kills"]}
+    rules = [*Rule, *sorted(found - set(Rule))]
     if args.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow([args.by, "gpu_hours_granted", "gpu_hours_busy", "gpu_hours_idle", "busy_share",

@@ -4,7 +4,7 @@ One block per GPU, after gpustat's one-line-per-GPU summary and nvitop's memory 
 process table: the GPU line (utilisation, memory bar, holders), one line per holder (a bar of
 their memory against their quota, time left), one line per process (pid, user, memory, name).
 Colour and Unicode bars on a terminal (NO_COLOR or TERM=dumb turn colour off), plain ASCII when
-piped; --json for everything the daemon says, --csv (no header) one line per GPU for scripts.
+piped; --json for everything the daemon says, --csv (a header, or --no-header) one line per GPU.
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from gpuguard.cli import print_json, print_rows
+from gpuguard.backends import accounts
+from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
-from gpuguard.errors import EXIT_OK
+from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.messages import clock, number_list
 from gpuguard.units import format_size
 
@@ -30,12 +31,15 @@ _COLOURS = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33",
 def register(subparsers: argparse._SubParsersAction) -> None:
     status = subparsers.add_parser(
         "status", help="who holds which GPU, memory, utilisation and processes",
-        description="Each GPU with its holders, their memory against their quota, time left and processes.",
+        description="Each GPU with its holders, their memory against their quota, time left and processes, "
+                    "then the queue with the time waited and why each request waits. "
+                    "Examples: gpuguard status; gpuguard status -u alice; gpuguard status --csv",
         epilog=f"--csv columns: {','.join(CSV_COLUMNS)} (holders space-separated; empty when unknown or none)")
     status.add_argument("-u", "--user", metavar="NAME", help="only the GPUs this user holds or runs processes on")
     output = status.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
-    output.add_argument("--csv", action="store_true", help="print CSV without a header, one line per GPU")
+    output.add_argument("--csv", action="store_true", help="print CSV, one line per GPU, after a header line")
+    status.add_argument("--no-header", action="store_true", help="with --csv: leave out the header line")
     status.set_defaults(func=show_status)
 
 
@@ -67,12 +71,18 @@ class Style:
 
 
 def show_status(args: argparse.Namespace) -> int:
+    if args.no_header and not args.csv:
+        raise CommandError("--no-header goes with --csv", EXIT_USAGE)
+    if args.user is not None and not accounts.user_exists(args.user):
+        raise CommandError(f"-u: no such user: {args.user}", EXIT_USAGE)
     reply = ask(args, "status")
     gpus = [gpu for gpu in reply["gpus"] if args.user is None or involves(gpu, args.user)]
     if args.json:
         print_json({**reply, "gpus": gpus})
     elif args.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
+        if not args.no_header:
+            writer.writerow(CSV_COLUMNS)
         writer.writerows(csv_row(gpu, reply["now"]) for gpu in gpus)
     else:
         style = Style.for_stdout()

@@ -19,16 +19,23 @@ RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while w
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    whoami = subparsers.add_parser("whoami", help="your GPUs, quota, sessions and recent events")
+    whoami = subparsers.add_parser("whoami", help="your GPUs, quota, sessions and recent events",
+                                   description="Your GPUs (with CUDA_VISIBLE_DEVICES), quota, place in the queue "
+                                               "and why you wait, sessions and recent events. "
+                                               "Example: gpuguard whoami")
     whoami.add_argument("--user", metavar="NAME", help="another user's (root only)")
     whoami.add_argument("--json", action="store_true", help="print JSON")
     whoami.set_defaults(func=show_whoami)
 
     env = subparsers.add_parser("env", help="the export CUDA_VISIBLE_DEVICES=... line for your GPUs now",
-                                description='For a shell older than your grant (tmux, screen): eval "$(gpuguard env)"')
+                                description='The line that sets CUDA_VISIBLE_DEVICES to your GPUs now, for a shell '
+                                            'older than your grant (tmux, screen). Example: eval "$(gpuguard env)"')
     env.set_defaults(func=show_env)
 
-    request = subparsers.add_parser("request", help="get GPUs now, up to your quota (--wait: queue for them)")
+    request = subparsers.add_parser("request", help="get GPUs now, up to your quota (--wait: queue for them)",
+                                    description="Get GPUs now, up to your quota; with --wait, wait in the queue "
+                                                "until they are yours (^C leaves it). Examples: gpuguard request "
+                                                "--gpus 2; gpuguard request --wait --timeout 1h30m")
     request.add_argument("--gpus", type=int, metavar="N", help="how many GPUs in all (default: your quota)")
     request.add_argument("--wait", action="store_true",
                          help="when they are not free, wait in the queue until they are (exit 0 once granted)")
@@ -44,7 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "included, like Slurm's scancel. Example: gpuguard cancel")
     cancel.set_defaults(func=run_cancel)
 
-    release = subparsers.add_parser("release", help="give GPUs back (refused while your processes use them)")
+    release = subparsers.add_parser("release", help="give GPUs back (the ones your processes still use stay)",
+                                    description="Give GPUs back and leave the queue. Without --gpu the idle ones "
+                                                "go and each one a process of yours still uses stays (named with "
+                                                "the pids); with --gpu, all named or none. Examples: gpuguard "
+                                                "release; gpuguard release --gpu 3")
     release.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
                          help="only this GPU or MIG slice (repeatable; default: all of yours)")
     release.add_argument("--json", action="store_true", help="print JSON")

@@ -395,7 +395,7 @@ def test_admin_commands_check_their_input(gg_daemon, make_user):
     cases = [
         (("grant", alice.name, "--gpu", "7"), 2, "no GPU 7 on this machine (GPUs: 0,1,2,3)"),
         (("grant", alice.name, "--gpus", "5"), 1, "only 4 more GPUs free"),
-        (("grant", alice.name, "--gpus", "1", "--for", "soon"), 2, "field 'for': not a duration"),
+        (("grant", alice.name, "--gpus", "1", "--for", "soon"), 2, "--for: not a duration"),
         (("grant", "ggt-nobody-here", "--gpus", "1"), 2, "no such user: ggt-nobody-here"),
         (("grant", outsider.name, "--gpus", "1"), 1, f"is not in group {d.group}"),
         (("revoke", alice.name), 1, "holds no GPU"),
