@@ -535,7 +535,8 @@ class Api:
 
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
         gpu = self.grants.gpus.get(grant.minor)
-        return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None}
+        return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
+                "index": gpu.index if gpu else None}
 
     def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
                      new: Collection[int] | None = None) -> dict[str, Any]:

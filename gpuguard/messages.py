@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpuguard import rules
-from gpuguard.model import Gpu, unit_label
+from gpuguard.model import Gpu, is_slice, slice_place, unit_label
 from gpuguard.rules import Action
 from gpuguard.units import format_duration, format_size
 
@@ -18,11 +18,24 @@ def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wante
     """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`
     (`ending` replaces the part after "yours ...")."""
     names = ", ".join(sorted({gpu.name for gpu in gpus})) + (", shared" if shared else "")
+    if any(smi_differs(gpu.minor, gpu.index) for gpu in gpus):
+        names += f"; nvidia-smi {','.join(str(gpu.index) for gpu in sorted(gpus, key=lambda g: g.minor))}"
     several = len(gpus) > 1
     subject = f"GPU{'s' if several else ''} {unit_list(gpu.minor for gpu in gpus)} ({names})"
     until = f" until {clock(expires_at)}" if expires_at is not None else ""
     short = f" ({len(gpus)} of {wanted}: no more free)" if wanted and len(gpus) < wanted else ""
     return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short}{ending}"
+
+
+def smi_differs(unit: int, index: int | None) -> bool:
+    """Whether NVML's index of a unit's GPU (what nvidia-smi, nvitop, gpustat and DCGM number GPUs
+    by) differs from its minor (what gpuguard and /dev/nvidiaN use): then both are shown."""
+    return index is not None and index != (slice_place(unit)[0] if is_slice(unit) else unit)
+
+
+def gpu_label(unit: int, index: int | None) -> str:
+    """`3`, or `0 (nvidia-smi 2)` where the numbers differ."""
+    return unit_label(unit) + (f" (nvidia-smi {index})" if smi_differs(unit, index) else "")
 
 
 def cuda_export(uuids: Iterable[str]) -> str:

@@ -19,7 +19,7 @@ from gpuguard.backends import accounts
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.messages import clock, number_list
+from gpuguard.messages import clock, gpu_label, number_list
 from gpuguard.units import format_size
 
 BAR_WIDTH = 20
@@ -112,7 +112,7 @@ def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
     used = gpu["memory_used"]
     memory = f"{'?' if used is None else format_size(used)} / {format_size(gpu['memory_total'])}"
     holders = ", ".join(style.paint(h["user"], "bold", "cyan") for h in gpu["holders"]) or style.paint("free", "green")
-    title = style.paint(f"GPU {gpu['label']}", "bold")
+    title = style.paint(f"GPU {gpu_label(gpu['minor'], gpu.get('index'))}", "bold")
     lines = [f"{title}  {gpu['name']}  {util}%  "
              f"{style.bar(used, gpu['memory_total'])} {memory:<17}  {holders}"]
     for h in gpu["holders"]:

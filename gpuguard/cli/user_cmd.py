@@ -11,7 +11,7 @@ from gpuguard import client
 from gpuguard.cli import CommandError, load_config, print_json, print_rows, unit_arg
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.messages import clock, cuda_export, queue_message, queue_why, stale_devices
+from gpuguard.messages import clock, cuda_export, gpu_label, queue_message, queue_why, stale_devices
 from gpuguard.model import unit_label
 from gpuguard.units import UnitError, format_duration, format_size, parse_duration
 
@@ -78,7 +78,7 @@ def show_whoami(args: argparse.Namespace) -> int:
     if reply["grants"]:
         print("GPUs:")
         print_rows([["  GPU", "NAME", "UUID", "SINCE", "UNTIL", "HOW"]] + [
-            [f"  {unit_label(g['minor'])}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
+            [f"  {gpu_label(g['minor'], g.get('index'))}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(cuda_export(_uuids(reply)))
