@@ -226,6 +226,25 @@ class Api:
                          gate=self.gate.name if self.gate and self.gate.is_attached() else None)
         return reply
 
+    async def fairshare(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Every user's fair-share standing, like Slurm's sshare: recent usage (decayed GPU-seconds),
+        share, and usage / share, which orders the queue after priority (lower first). Anyone may look."""
+        now, config = time.time(), self.config()
+        uids = set(self.store.fairshare()) | {g.uid for g in self.store.grants()} | {
+            q.waiter.uid for q in self.store.queue()}
+        usage = self.queue.usage(now, uids)
+        users: list[dict[str, Any]] = []
+        for uid in sorted(uids):
+            try:
+                account = await self.lookup.by_uid(uid)
+                name, quota = account.name, policy.quota_for(account.name, account.groups, config)
+            except accounts.UnknownUser:  # deleted since: its usage still counts until it decays
+                name, quota = str(uid), config.defaults
+            users.append({"user": name, "uid": uid, "usage": usage[uid], "share": quota.share,
+                          "priority": quota.priority, "normalized": usage[uid] / quota.share})
+        users.sort(key=lambda u: (-u["priority"], u["normalized"], u["user"]))
+        return protocol.ok(users=users, half_life=config.scheduler.half_life, now=now)
+
     # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
 
     async def report(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
@@ -412,13 +431,24 @@ class Api:
 
     async def cancel(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Leave the queue (`gpuguard cancel`, `request --cancel`): every request of the caller's,
-        a login's place included, like scancel. GPUs already held stay."""
-        account = await self._account_of(peer)
+        a login's place included, like scancel; root may take out another user's (`--user`), who is
+        told. GPUs already held stay."""
+        name = _field(request, "user", str, None)
+        if name is not None and peer.uid != 0:
+            raise Refusal("only root may take another user's requests out of the queue")
+        account = await (self._account_named(name) if name is not None else self._account_of(peer))
         waiting = self.queue.standing(account.uid, time.time())
         if not self._leave_queue(account.uid):
-            raise Refusal("you are not in the queue (gpuguard whoami shows your GPUs)")
-        where = f" (you were number {waiting.position} of {waiting.waiting})" if waiting else ""
-        return protocol.ok(message=f"gpuguard: you left the queue{where}; your GPUs, if any, stay yours")
+            raise Refusal("you are not in the queue (gpuguard whoami shows your GPUs)" if name is None else
+                          f"{name} is not in the queue")
+        where = f"number {waiting.position} of {waiting.waiting}" if waiting else ""
+        if name is None:
+            return protocol.ok(message=f"gpuguard: you left the queue{f' (you were {where})' if where else ''}; "
+                                       "your GPUs, if any, stay yours")
+        self.notifier.tell(account.name, account.uid, "gpuguard: root took your request out of the queue; ask your "
+                           "admin why - gpuguard whoami", [s.tty for s in self.store.sessions(account.uid)])
+        return protocol.ok(message=f"gpuguard: took {account.name}'s requests out of the queue"
+                                   f"{f' ({where})' if where else ''}; they were told")
 
     def _leave_queue(self, uid: int) -> int:
         """Take every queued request of uid out of the queue (and wake its waiting clients with a refusal)."""

@@ -77,13 +77,14 @@ COMMANDS = {
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
     "simulate": "simulate_cmd", "trace": "simulate_cmd",
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
+    "fairshare": "user_cmd",
     "doctor": "doctor_cmd",
 }
 # Help lists the commands users run first (in this order), then the admins' and the tools, by module.
 USER_MODULES = ("user_cmd", "status_cmd", "report_cmd", "quota_cmd")
 DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 
-for users:   whoami, status, request, release, cancel, env, report, events, quota show
+for users:   whoami, status, request, release, cancel, env, fairshare, report, events, quota show
 for admins:  grant, revoke, reload, quota set, config check, doctor, gate, acl, daemon
 tools:       simulate, trace, sim, completion, gpus"""
 EPILOG = """examples:

@@ -48,8 +48,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     cancel = subparsers.add_parser("cancel", help="leave the queue (your GPUs stay yours)",
                                    description="Take your waiting requests out of the queue, a login's place "
-                                               "included, like Slurm's scancel. Example: gpuguard cancel")
+                                               "included, like Slurm's scancel; root: another user's, who is "
+                                               "told. Examples: gpuguard cancel; sudo gpuguard cancel --user bob")
+    cancel.add_argument("--user", metavar="NAME", help="another user's requests (root only)")
     cancel.set_defaults(func=run_cancel)
+
+    fairshare = subparsers.add_parser(
+        "fairshare", help="every user's recent GPU usage and share, in queue order (like sshare)",
+        description="Each user's recent usage (GPU-hours, halving every scheduler.half_life), share and usage "
+                    "divided by share, in the order the queue serves them after priority: lower usage per share "
+                    "goes first. Example: gpuguard fairshare")
+    fairshare.add_argument("--json", action="store_true", help="print JSON (usage in GPU-seconds)")
+    fairshare.set_defaults(func=show_fairshare)
 
     release = subparsers.add_parser("release", help="give GPUs back (the ones your processes still use stay)",
                                     description="Give GPUs back and leave the queue. Without --gpu the idle ones "
@@ -134,7 +144,23 @@ def _uuids(whoami: dict[str, Any]) -> list[str]:
 
 
 def run_cancel(args: argparse.Namespace) -> int:
-    print(ask(args, "cancel")["message"])
+    print(ask(args, "cancel", user=getattr(args, "user", None))["message"])
+    return EXIT_OK
+
+
+def show_fairshare(args: argparse.Namespace) -> int:
+    reply = ask(args, "fairshare")
+    if args.json:
+        print_json(reply)
+        return EXIT_OK
+    print(f"recent GPU usage, halving every {format_duration(reply['half_life'])}; the queue serves higher "
+          "priority first, then lower usage per share")
+    if not reply["users"]:
+        print("no usage yet")
+        return EXIT_OK
+    print_rows([["USER", "PRIORITY", "SHARE", "GPU-HOURS", "PER SHARE"]] + [
+        [u["user"], str(u["priority"]), f"{u['share']:g}", f"{u['usage'] / 3600:.2f}",
+         f"{u['normalized'] / 3600:.2f}"] for u in reply["users"]])
     return EXIT_OK
 
 

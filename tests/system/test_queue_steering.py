@@ -153,3 +153,40 @@ def test_a_queue_grant_is_told_with_its_own_end_not_an_older_grants(start_daemon
     told = out.splitlines()[0]
     assert told.startswith("gpuguard: GPU 1 (") and " until " not in told, told  # no time limit of its own
     assert [g["expires_at"] is None for g in d.grants(bob)] == [False, True]
+
+
+def test_root_takes_a_users_request_out_and_others_may_not(start_daemon):
+    d = start_daemon(count=1, gate=False)
+    alice, bob = d.add_member(), d.add_member()
+    d.open_session(alice)
+    d.open_session(bob)
+
+    refused = d.cli_as(alice, "cancel", "--user", bob.name)
+    assert (refused.returncode, refused.stderr) == (
+        1, "gpuguard: only root may take another user's requests out of the queue\n")
+    taken = d.cli("cancel", "--user", bob.name)
+    assert (taken.returncode, taken.stdout) == (
+        0, f"gpuguard: took {bob.name}'s requests out of the queue (number 1 of 1); they were told\n")
+    assert queue_users(d) == []
+    again = d.cli("cancel", "--user", bob.name)
+    assert (again.returncode, again.stderr) == (1, f"gpuguard: {bob.name} is not in the queue\n")
+
+
+def test_fairshare_lists_recent_usage_per_share_in_queue_order(start_daemon):
+    d = start_daemon(count=2, gate=False)
+    alice, bob, carol = d.add_member(), d.add_member(), d.add_member()
+    d.write_config(count=2, gate=False, quotas={"users": {bob.name: {"share": 4}, carol.name: {"priority": 1}}})
+    d.reload()
+    d.call_as(alice, "request")
+    d.call_as(bob, "request")  # both hold one GPU from now on: the same usage, bob's divided by 4
+    assert wait_for(lambda: all(u["usage"] > 0 for u in d.call_as(carol, "fairshare")["users"]))
+
+    listed = d.call_as(carol, "fairshare")["users"]  # anyone may look, as with sshare
+
+    assert [u["user"] for u in listed] == [bob.name, alice.name]  # carol has no usage: not listed
+    by_name = {u["user"]: u for u in listed}
+    assert by_name[bob.name]["share"] == 4 and by_name[alice.name]["share"] == 1
+    assert by_name[bob.name]["normalized"] == by_name[bob.name]["usage"] / 4
+    table = d.cli_as(carol, "fairshare").stdout.splitlines()
+    assert table[1].split() == ["USER", "PRIORITY", "SHARE", "GPU-HOURS", "PER", "SHARE"]
+    assert table[2].split()[:3] == [bob.name, "0", "4"] and table[3].split()[:3] == [alice.name, "0", "1"]
