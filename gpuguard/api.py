@@ -13,12 +13,13 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict
 from typing import Any
 
-from gpuguard import allocator, policy, protocol, reporting
+from gpuguard import allocator, drains, policy, protocol, reporting
 from gpuguard import config as configuration
 from gpuguard.backends import accounts, procfs
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.notify import Notifier
 from gpuguard.config import Config
+from gpuguard.drains import Drain
 from gpuguard.errors import GpuguardError
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
@@ -27,7 +28,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
-from gpuguard.model import Grant, Origin, Quota
+from gpuguard.model import Event, Grant, Origin, Quota, is_slice, unit_label, unit_parent
 from gpuguard.queueing import Queue, Standing
 from gpuguard.reload_effects import ReloadEffects
 from gpuguard.sampling import Sampler
@@ -35,7 +36,8 @@ from gpuguard.server import Peer
 from gpuguard.store import Queued, Store
 from gpuguard.units import UnitError, format_duration, parse_duration
 
-ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes"})
+ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes", "drain",
+                       "resume"})
 WHOAMI_EVENTS = 20
 NO_GPU_FREE = "gpuguard: no GPU is free right now; you are in the queue for one (gpuguard whoami)"
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
@@ -214,6 +216,9 @@ class Api:
         commands = await self.sampler.commands(sample.owners) if sample else {}
         now = time.time()
         gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid, commands)
+        for gpu in gpus:
+            drained = self.grants.drained.get(unit_parent(gpu["minor"]))
+            gpu["drained"] = None if drained is None else asdict(drained)
         reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=now,
                             group=config.access.group,
                             queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,
@@ -535,6 +540,46 @@ class Api:
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
 
+    async def drain(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Give these GPUs to nobody new (`gpuguard drain`): their holders keep them and are told."""
+        minors = self._minors(request)
+        reason = _field(request, "reason", str, "")[:200]
+        if minors is None or any(is_slice(m) for m in minors):
+            raise Refusal("--gpu: name whole GPUs (a drain covers all of a GPU's MIG slices)", 2)
+        now = time.time()
+        for minor in minors:
+            self.grants.drained[minor] = Drain(reason, now)
+        self._save_drains()
+        why = f" ({reason})" if reason else ""
+        for grant in self.store.grants():
+            if unit_parent(grant.minor) in minors:
+                text = (f"gpuguard: GPU {unit_label(grant.minor)} is being drained by root{why}: it stays yours until "
+                        "you release it, but will not be given again until resumed - gpuguard whoami")
+                self.store.add_event(Event(now, grant.uid, grant.user, "warning", text, minor=grant.minor, rule="drain",
+                                           action="warn"))
+                self.notifier.tell(grant.user, grant.uid, text, [s.tty for s in self.store.sessions(grant.uid)])
+        event(logging.WARNING, "drain", gpu=unit_list(minors), reason=reason or None)
+        return protocol.ok(drained=minors, message=f"gpuguard: drained GPU {unit_list(minors)}{why}; holders told")
+
+    async def resume(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        minors = self._minors(request)
+        if minors is None:
+            raise Refusal("--gpu: name the GPUs to resume", 2)
+        if not_drained := [m for m in minors if m not in self.grants.drained]:
+            raise Refusal(f"GPU {unit_list(not_drained)} is not drained")
+        for minor in minors:
+            del self.grants.drained[minor]
+        self._save_drains()
+        event(logging.INFO, "resume", gpu=unit_list(minors))
+        self.queue.dispatch(time.time())  # the queue first, as with any GPU that comes free
+        return protocol.ok(resumed=minors, message=f"gpuguard: GPU {unit_list(minors)} may be given again")
+
+    def _save_drains(self) -> None:
+        try:
+            drains.save(self.config().paths.state_dir / drains.FILE, self.grants.drained)
+        except OSError as exc:
+            raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
+
     async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
         `gpuguard acl apply`. Reads no config, so an admin's half-edited file blocks nothing."""
@@ -566,7 +611,8 @@ class Api:
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
         gpu = self.grants.gpus.get(grant.minor)
         return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
-                "index": gpu.index if gpu else None}
+                "index": gpu.index if gpu else None,
+                "drained": asdict(drain) if (drain := self.grants.drained.get(unit_parent(grant.minor))) else None}
 
     def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
                      new: Collection[int] | None = None) -> dict[str, Any]:

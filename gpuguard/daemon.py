@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard import config as configuration
-from gpuguard import held_devices, sampling
+from gpuguard import drains, held_devices, sampling
 from gpuguard.api import Api
 from gpuguard.backends import (
     GateError,
@@ -101,6 +101,7 @@ class Daemon:
         gpus = {gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]}
         self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir), driver_minors(self.config),
                              gpus=gpus, topology=self.backend.topology(), caps_major=caps_major(self.config))
+        self.grants.drained.update(drains.load(self.config.paths.state_dir / drains.FILE))
         systemd.status("starting: attaching the gate and restoring grants")
         self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
         exempt = self.exempt.compute()
@@ -123,7 +124,8 @@ class Daemon:
                        account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
                        queue=self.queue, notifier=self.notifier)
         self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
-                               self.watcher.account_of, notices=self.remote_notifier.counts)
+                               self.watcher.account_of, notices=self.remote_notifier.counts,
+                               drained=lambda: self.grants.drained)
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
         # users told) before the gate and the ACLs are rebuilt from the store.
         self.follow_layout(first_layout)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 from gpuguard import allocator, layout, policy
 from gpuguard.allocator import Topology
 from gpuguard.backends.gate import Entry, Gate
+from gpuguard.drains import Drain
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
 from gpuguard.model import NVIDIA_MAJOR, Device, Event, Gpu, Grant, Origin, Quota, is_slice, unit_parent
@@ -71,6 +72,7 @@ class Grants:
         # driver stays loaded, so a grant on a slice that has just vanished is still closed fully.
         self._caps: dict[int, tuple[int, int]] = {}
         self.gpus: dict[int, Gpu] = {}  # what can be handed out now: unit -> GPU or slice
+        self.drained: dict[int, Drain] = {}  # GPUs given to nobody new (drains.py), by minor
         self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
@@ -119,9 +121,15 @@ class Grants:
 
     def choose(self, uid: int, count: int, quota: Quota) -> tuple[int, ...]:
         """Up to `count` more units for uid on the terms of `quota` (allocator.choose over the current grants)."""
-        return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
+        return allocator.choose(self.open_units(), self.topology, self.store.grants(),
                                 self.store.last_released(), uid, count, policy.may_share(quota),
                                 self.store.last_held(uid), quota)
+
+    def open_units(self) -> list[Gpu]:
+        """The units that may be given to someone new: all but those on a drained GPU."""
+        if not self.drained:
+            return list(self.gpus.values())
+        return [gpu for unit, gpu in self.gpus.items() if unit_parent(unit) not in self.drained]
 
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
                  message: str) -> tuple[int, ...]:

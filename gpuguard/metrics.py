@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from gpuguard.config import MetricsConfig
 from gpuguard.logs import event
-from gpuguard.model import Gpu, GpuUse, Grant, Origin, Quota, unit_label
+from gpuguard.model import Gpu, GpuUse, Grant, Origin, Quota, unit_label, unit_parent
 from gpuguard.sampling import Sample
 
 # Watcher tick durations (seconds): a healthy tick takes milliseconds; past interval/2 it logs watcher_slow.
@@ -83,6 +83,7 @@ class Snapshot:
     queue_units: int = 0                       # GPUs (or MIG slices) they ask for
     queue_oldest: float | None = None          # when the longest-waiting one joined; None: nobody waits
     notices: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (channel, outcome) -> remote notices
+    drained: frozenset[int] = frozenset()      # GPUs (minors) given to nobody new
 
 
 @dataclass
@@ -146,11 +147,13 @@ def families(s: Snapshot) -> Iterator[Metric]:
     left = per_gpu("gpuguard_grant_remaining_seconds", "Time left on a grant with a time limit", ["user"])
     user_memory = per_gpu("gpuguard_user_gpu_memory_used_bytes",
                           "GPU memory NVML reports for the user's processes on the GPU", ["user"])
+    drained = per_gpu("gpuguard_gpu_drained", "1 while the GPU is drained (given to nobody new), else 0")
     for state in s.gpus:
         gpu = state.gpu
         key = [unit_label(gpu.minor), gpu.uuid]
         info.add_metric(key + [str(gpu.index), gpu.name, gpu.pci_bus_id, gpu.slice.profile if gpu.slice else ""], 1)
         up.add_metric(key, 1 if state.read else 0)
+        drained.add_metric(key, 1 if unit_parent(gpu.minor) in s.drained else 0)
         if state.use is not None:
             used.add_metric(key, state.use.memory_used)
             total.add_metric(key, state.use.memory_total)
@@ -163,7 +166,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
                 left.add_metric(key + [h.user], max(0.0, h.expires_at - s.time))
         for user, memory in state.user_memory:
             user_memory.add_metric(key + [user], memory)
-    yield from (info, up, used, total, util, holder, age, left, user_memory)
+    yield from (info, up, used, total, util, holder, age, left, user_memory, drained)
 
     yield GaugeMetricFamily("gpuguard_grants", "GPU grants in force (one per user and GPU)", value=s.grants)
     yield GaugeMetricFamily("gpuguard_sessions", "Open PAM sessions the daemon knows of", value=s.sessions)
@@ -257,8 +260,10 @@ class Metrics:
 
     def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
                  account_of: Callable[[int], tuple[str, Quota]],
-                 notices: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
+                 notices: Callable[[], Mapping[tuple[str, str], int]] = dict,
+                 drained: Callable[[], Iterable[int]] = tuple) -> None:
         self.settings = settings
+        self.drained = drained  # the drained GPUs' minors (Grants.drained)
         self.notices = notices  # remote notices sent, failed and dropped (remote_notify), thread-safe
         self.account_of = account_of  # user names as the watcher last resolved them (no NSS on the loop)
         self.store = store
@@ -310,7 +315,8 @@ class Metrics:
             gate_attached=attached, gate_grants=len(entries) if gate else None,
             gate_exempt=len(gate.exempt() - {0}) if gate and attached else (0 if gate else None),
             queue_requests=len(waiting), queue_units=sum(w.gpus for w in waiting),
-            queue_oldest=min((w.since for w in waiting), default=None), notices=self.notices())
+            queue_oldest=min((w.since for w in waiting), default=None), notices=self.notices(),
+            drained=frozenset(self.drained()))
         return self.snapshot
 
     async def after_tick(self, tick_seconds: float) -> None:

@@ -132,8 +132,8 @@ class Queue:
     # --- serving
 
     def free(self) -> int:
-        """GPUs nobody holds."""
-        return len(set(self.grants.gpus) - {g.minor for g in self.store.grants()})
+        """GPUs nobody holds (and not drained)."""
+        return len({gpu.minor for gpu in self.grants.open_units()} - {g.minor for g in self.store.grants()})
 
     def demand(self) -> rules.Demand:
         """Units the queue needs beyond the free ones, and which units would serve it: what reclaim
@@ -143,7 +143,7 @@ class Queue:
         waiting = self.store.queue()
         if not waiting:  # the usual case: no grants to read
             return rules.Demand()
-        units = list(self.grants.gpus.values())
+        units = self.grants.open_units()
         if all(gpu.slice is None for gpu in units):
             return rules.Demand(scheduler.demand((q.waiter for q in waiting), self.free()))
         grants = self.store.grants()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the type only: sampling reads /proc, and this module stays 
 GROUPINGS = ("user", "gpu", "day")
 # The rules events are recorded under: the watcher's, a grant's origin, and the other ways a grant ends.
 EVENT_RULES = ("memory", "time", "idle", "stray", "reclaim", "session", "request", "admin", "user", "logout",
-               "layout", "membership")
+               "layout", "membership", "drain")
 MAX_EVENTS = 5000  # one events reply; a longer history is read with --since windows
 
 

@@ -1,4 +1,5 @@
-"""What admins run: `gpuguard grant`, `revoke`, `reload` (the daemon refuses them to anyone but root)."""
+"""What admins run: `gpuguard grant`, `revoke`, `reload`, `drain`, `resume` (the daemon refuses them to
+anyone but root)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     reload = subparsers.add_parser("reload", help="make the daemon read its config again (root)")
     reload.set_defaults(func=run_reload)
 
+    drain = subparsers.add_parser(
+        "drain", help="give GPUs to nobody new, for maintenance (root)",
+        description="Give these GPUs to nobody new (logins, requests and the queue skip them) until resumed; "
+                    "their holders keep them and are told. Kept across restarts. "
+                    "Example: sudo gpuguard drain 3 --reason 'ECC errors, RMA on Monday'")
+    drain.add_argument("minors", type=unit_arg, nargs="+", metavar="GPU", help="a GPU's minor (as status shows it)")
+    drain.add_argument("--reason", default="", help="why, shown to holders and in status and whoami")
+    drain.set_defaults(func=run_drain)
+
+    resume = subparsers.add_parser("resume", help="give drained GPUs out again (root)",
+                                   description="End a drain; the queue is served first. Example: sudo gpuguard resume 3")
+    resume.add_argument("minors", type=unit_arg, nargs="+", metavar="GPU")
+    resume.set_defaults(func=run_resume)
+
 
 def run_grant(args: argparse.Namespace) -> int:
     return _show(args, ask(args, "grant", user=args.user, gpus=args.gpus, minors=args.minors, **{"for": args.duration}))
@@ -41,6 +56,16 @@ def run_revoke(args: argparse.Namespace) -> int:
 
 def run_reload(args: argparse.Namespace) -> int:
     print(f"gpuguard: {ask(args, 'reload')['message']}")
+    return EXIT_OK
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    print(ask(args, "drain", minors=args.minors, reason=args.reason or None)["message"])
+    return EXIT_OK
+
+
+def run_resume(args: argparse.Namespace) -> int:
+    print(ask(args, "resume", minors=args.minors)["message"])
     return EXIT_OK
 
 

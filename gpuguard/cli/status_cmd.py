@@ -113,6 +113,10 @@ def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
     memory = f"{'?' if used is None else format_size(used)} / {format_size(gpu['memory_total'])}"
     holders = ", ".join(style.paint(h["user"], "bold", "cyan") for h in gpu["holders"]) or style.paint("free", "green")
     title = style.paint(f"GPU {gpu_label(gpu['minor'], gpu.get('index'))}", "bold")
+    drained = gpu.get("drained")
+    if drained is not None:
+        holders += "  " + style.paint("DRAINED" + (f" ({drained['reason']})" if drained["reason"] else ""),
+                                      "bold", "yellow")
     lines = [f"{title}  {gpu['name']}  {util}%  "
              f"{style.bar(used, gpu['memory_total'])} {memory:<17}  {holders}"]
     for h in gpu["holders"]:

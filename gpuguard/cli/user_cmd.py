@@ -92,6 +92,11 @@ def show_whoami(args: argparse.Namespace) -> int:
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(cuda_export(_uuids(reply)))
+        for g in reply["grants"]:
+            if g.get("drained"):
+                reason = f" ({g['drained']['reason']})" if g["drained"]["reason"] else ""
+                print(f"GPU {unit_label(g['minor'])} is drained{reason}: yours until you release it, then given to "
+                      "nobody until an admin resumes it")
     elif reply["member"]:
         print("GPUs: none (you are in the queue, below)" if reply.get("queue") else
               "GPUs: none (gpuguard request --wait queues for one)")
