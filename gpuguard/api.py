@@ -600,10 +600,15 @@ class Api:
         minors = request.get("minors")
         if minors is None:
             return None
+        gpus = self.grants.gpus
+        if isinstance(minors, list) and any(isinstance(m, str) for m in minors):
+            by_uuid = {gpu.uuid: unit for unit, gpu in gpus.items()}  # a UUID names one unit, whatever the numbering
+            if unknown_uuids := [m for m in minors if isinstance(m, str) and m not in by_uuid]:
+                raise Refusal(f"--gpu: no GPU or MIG slice {protocol.shown(unknown_uuids[0])} on this machine", 2)
+            minors = [by_uuid[m] if isinstance(m, str) else m for m in minors]
         if not isinstance(minors, list) or not minors or not all(
                 isinstance(m, int) and not isinstance(m, bool) for m in minors):
             raise Refusal(f"field 'minors': expected a non-empty list of GPU numbers, got {minors!r}", 2)
-        gpus = self.grants.gpus
         if unknown := set(minors) - set(gpus):
             raise Refusal(f"no GPU {unit_list(unknown)} on this machine (GPUs: {unit_list(gpus)})", 2)
         return sorted(set(minors))

@@ -32,11 +32,14 @@ class CommandError(GpuguardError):
     """A command's own one-line failure, with the exit code to use."""
 
 
-def unit_arg(text: str) -> int:
-    """argparse type of --gpu: a GPU (3) or a MIG slice (3/gi1/ci0), as whoami and status show them."""
+def unit_arg(text: str) -> int | str:
+    """argparse type of --gpu: a GPU (3) or a MIG slice (3/gi1/ci0), as whoami and status show them,
+    or a UUID (GPU-..., MIG-...) as CUDA_VISIBLE_DEVICES and nvidia-smi -L show it (the daemon maps it)."""
     import argparse
 
     from gpuguard.model import parse_unit
+    if text.startswith(("GPU-", "MIG-")):
+        return text
     try:
         return parse_unit(text)
     except ValueError as exc:

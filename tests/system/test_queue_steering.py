@@ -190,3 +190,16 @@ def test_fairshare_lists_recent_usage_per_share_in_queue_order(start_daemon):
     table = d.cli_as(carol, "fairshare").stdout.splitlines()
     assert table[1].split() == ["USER", "PRIORITY", "SHARE", "GPU-HOURS", "PER", "SHARE"]
     assert table[2].split()[:3] == [bob.name, "0", "4"] and table[3].split()[:3] == [alice.name, "0", "1"]
+
+
+def test_a_gpu_may_be_named_by_its_uuid_as_nvidia_smi_and_cuda_show_it(start_daemon):
+    d = start_daemon(count=2, gate=False, defaults={"gpus": 2})
+    alice = d.add_member()
+    uuid = d.uuid(1)
+    granted = d.cli("grant", alice.name, "--gpu", uuid)
+    assert granted.returncode == 0 and d.granted_minors(alice) == [1], granted
+    released = d.cli_as(alice, "release", "--gpu", uuid)
+    assert (released.returncode, released.stdout) == (0, "gpuguard: released GPU 1\n")
+    unknown = d.cli("grant", alice.name, "--gpu", "GPU-00000000-0000-0000-0000-000000000000")
+    assert (unknown.returncode, unknown.stderr) == (
+        2, "gpuguard: --gpu: no GPU or MIG slice 'GPU-00000000-0000-0000-0000-000000000000' on this machine\n")
