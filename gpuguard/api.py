@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict
 from typing import Any
 
-from gpuguard import allocator, drains, policy, protocol, reporting
+from gpuguard import allocator, drains, policy, protocol, reporting, state_files
 from gpuguard import config as configuration
 from gpuguard.backends import accounts, procfs
 from gpuguard.backends.gate import Gate
@@ -37,7 +37,8 @@ from gpuguard.store import Queued, Store
 from gpuguard.units import UnitError, format_duration, parse_duration
 
 ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes", "drain",
-                       "resume"})
+                       "resume", "hold"})
+HOLDS_FILE = "queue_holds.json"  # the held queue rows, in state_dir (state_files)
 WHOAMI_EVENTS = 20
 NO_GPU_FREE = "gpuguard: no GPU is free right now; you are in the queue for one (gpuguard whoami)"
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
@@ -208,7 +209,8 @@ class Api:
         holders = [{"minor": g.minor, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
                     "reclaim_after": self._account_of_uid(g.uid)[1].reclaim_after}
                    for g in self.store.grants() if g.uid != uid]
-        return {**info, "holders": holders, "free": self.queue.free()}
+        held = any(q.waiter.id in self.queue.holds for q in self.store.queue(uid))
+        return {**info, "holders": holders, "free": self.queue.free(), "held": held}
 
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         config = self.config()
@@ -539,6 +541,32 @@ class Api:
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
+
+    async def hold(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Hold a user's queued requests (`gpuguard hold USER`), or let them go again (`off`): a held
+        request keeps its place but is not served, and reserves nothing, like Slurm's scontrol hold."""
+        account = await self._account_named(_field(request, "user", str))
+        off = _field(request, "off", bool, False)
+        ids = {q.waiter.id for q in self.store.queue(account.uid)}
+        if not ids:
+            raise Refusal(f"{account.name} is not in the queue")
+        self.queue.holds = (self.queue.holds - ids) if off else (self.queue.holds | ids)
+        self._save_holds()
+        event(logging.INFO, "unhold" if off else "hold", user=account.name, requests=len(ids))
+        if off:
+            self.queue.dispatch(time.time())
+            return protocol.ok(message=f"gpuguard: {account.name}'s request goes on in the queue")
+        self.notifier.tell(account.name, account.uid, "gpuguard: root holds your request in the queue: it keeps its "
+                           "place but is not served until released - ask your admin",
+                           [s.tty for s in self.store.sessions(account.uid)])
+        return protocol.ok(message=f"gpuguard: held {account.name}'s request in the queue; they were told")
+
+    def _save_holds(self) -> None:
+        self.queue.holds &= {q.waiter.id for q in self.store.queue()}  # rows gone since: forgotten
+        try:
+            state_files.write(self.config().paths.state_dir / HOLDS_FILE, sorted(self.queue.holds))
+        except OSError as exc:
+            raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
 
     async def drain(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Give these GPUs to nobody new (`gpuguard drain`): their holders keep them and are told."""

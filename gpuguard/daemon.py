@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard import config as configuration
-from gpuguard import drains, held_devices, sampling
-from gpuguard.api import Api
+from gpuguard import drains, held_devices, sampling, state_files
+from gpuguard.api import HOLDS_FILE, Api
 from gpuguard.backends import (
     GateError,
     caps_major,
@@ -117,6 +117,7 @@ class Daemon:
         self.grants.holders = self.holders
         self.logout = LogoutRelease(self.store, self.grants, find_holders, ExitWatch())
         self.queue = Queue(self.current_config, self.store, self.grants)
+        self.queue.holds = state_files.read_ids(self.config.paths.state_dir / HOLDS_FILE)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier, demand=self.queue.demand)
         self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,

@@ -2,18 +2,15 @@
 
 A drain is the admin's, for maintenance or a failing GPU: current holders keep the GPU (they are
 told) and the queue and logins skip it, whole GPU and MIG slices alike. Drains are kept in
-`<state_dir>/drained.json`, {minor: {"reason", "since"}}, rewritten atomically, so a restart
-keeps them; a file that cannot be read drains nothing and is logged.
+`<state_dir>/drained.json`, {minor: {"reason", "since"}} (state_files), so a restart keeps them.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuguard import state_files
 from gpuguard.logs import event
 
 FILE = "drained.json"
@@ -26,25 +23,13 @@ class Drain:
 
 
 def load(path: Path) -> dict[int, Drain]:
+    data = state_files.read(path) or {}
     try:
-        data = json.loads(path.read_text())
         return {int(minor): Drain(str(entry["reason"]), float(entry["since"])) for minor, entry in data.items()}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         event(logging.ERROR, "drains_unreadable", path=path, error=str(exc), action="no GPU drained")
         return {}
 
 
 def save(path: Path, drains: dict[int, Drain]) -> None:
-    text = json.dumps({str(minor): {"reason": d.reason, "since": d.since} for minor, d in sorted(drains.items())})
-    fd, temporary = tempfile.mkstemp(prefix=f".{FILE}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    state_files.write(path, {str(minor): {"reason": d.reason, "since": d.since} for minor, d in sorted(drains.items())})

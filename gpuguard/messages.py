@@ -95,7 +95,8 @@ def queue_why(queue: dict[str, Any], now: float) -> list[str]:
     """Why a queued user waits and what they can do, in words (`gpuguard whoami`): who holds the
     GPUs, which are idle and for how long, whether reclaim would free them, the first expiry."""
     holders = queue.get("holders") or []
-    lines = []
+    lines = ["root holds your request: it keeps its place but is not served until released - ask your admin"] \
+        if queue.get("held") else []
     if queue.get("free"):
         lines.append(f"{queue['free']} GPU{'s are' if queue['free'] != 1 else ' is'} free but held for requests "
                      "ahead of yours")

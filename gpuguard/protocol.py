@@ -23,7 +23,7 @@ MAX_REPLY = 16 * 1024 * 1024  # status of a busy server, with its event history
 OPERATIONS = frozenset({
     "session_open", "session_close", "whoami", "status", "request", "release",
     "grant", "revoke", "reload", "sync_nodes", "report", "events", "wait",
-    "cancel", "fairshare", "drain", "resume",  # steering the queue
+    "cancel", "fairshare", "drain", "resume", "hold",  # steering the queue
 })
 
 

@@ -24,6 +24,7 @@ RESOURCES = "Resources"   # first in line (or only behind earlier askers): waiti
 PRIORITY = "Priority"     # behind a request of higher priority
 FAIRSHARE = "FairShare"   # behind a user with less recent usage
 RESERVED = "Reserved"     # GPUs are free, but held for a request that has waited reserve_after
+HELD = "Held"             # an admin holds the request (`gpuguard hold`): it keeps its place, is not served
 
 
 def reason(ahead: Sequence[scheduler.Waiter], mine: scheduler.Waiter, usage: Mapping[int, float], free: int,
@@ -59,6 +60,7 @@ class Queue:
         self.store = store
         self.grants = grants
         self.listeners: list[Listener] = []
+        self.holds: set[int] = set()  # queue rows an admin holds: kept in place, never served (`gpuguard hold`)
         self._dispatching = False
         grants.on_removed.append(self._freed)
 
@@ -92,7 +94,9 @@ class Queue:
             return []
         waiters, free = [q.waiter for q in ordered], self.free()
         reserve_after = self.config().scheduler.reserve_after
-        return [(queued, reason(waiters[:i], queued.waiter, usage, free, now, reserve_after))
+        return [(queued, HELD if queued.waiter.id in self.holds else
+                 reason([w for w in waiters[:i] if w.id not in self.holds], queued.waiter, usage, free, now,
+                        reserve_after))
                 for i, queued in enumerate(ordered)]
 
     def standing(self, uid: int, now: float) -> Standing | None:
@@ -140,7 +144,7 @@ class Queue:
         on demand may take. With MIG slices a free unit counts only for a waiter whose quota takes
         its kind (allocator.suits), so the waiters are served in turn on paper: allocator.choose
         over the grants plus what those before them got."""
-        waiting = self.store.queue()
+        waiting = [q for q in self.store.queue() if q.waiter.id not in self.holds]
         if not waiting:  # the usual case: no grants to read
             return rules.Demand()
         units = self.grants.open_units()
@@ -177,7 +181,7 @@ class Queue:
                 return len(self.grants.choose(waiter.uid, waiter.gpus, quota)) >= waiter.gpus
 
             served = []
-            for waiter in scheduler.admit([q.waiter for q in ordered], fits, now,
+            for waiter in scheduler.admit([q.waiter for q in ordered if q.waiter.id not in self.holds], fits, now,
                                           self.config().scheduler.reserve_after):
                 queued = entries[waiter.id]
                 # As for gpuguard request: from a login the grant ends with the sessions, else it stays.

@@ -75,6 +75,7 @@ def print_rows(rows: list[list[str]]) -> None:
 # (tests/test_cli_startup.py) sees any command missing here.
 COMMANDS = {
     "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd", "drain": "admin_cmd", "resume": "admin_cmd",
+    "hold": "admin_cmd",
     "completion": "completion_cmd", "config": "config_cmd", "daemon": "daemon_cmd",
     "gate": "gate_cmd", "acl": "gate_cmd", "gpus": "gpus_cmd", "quota": "quota_cmd",
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
@@ -88,7 +89,7 @@ USER_MODULES = ("user_cmd", "status_cmd", "report_cmd", "quota_cmd")
 DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 
 for users:   whoami, status, request, release, cancel, env, fairshare, report, events, quota show
-for admins:  grant, revoke, drain, resume, cancel --user, reload, quota set, config check, doctor, gate,
+for admins:  grant, revoke, drain, resume, hold, cancel --user, reload, quota set, config check, doctor, gate,
              acl, daemon
 tools:       simulate, trace, sim, completion, gpus"""
 EPILOG = """examples:

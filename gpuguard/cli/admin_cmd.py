@@ -40,6 +40,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     drain.add_argument("--reason", default="", help="why, shown to holders and in status and whoami")
     drain.set_defaults(func=run_drain)
 
+    hold = subparsers.add_parser(
+        "hold", help="hold a user's queued request, or let it go on (root)",
+        description="A held request keeps its place in the queue but is not served, and holds no GPUs "
+                    "free for itself, until released (like Slurm's scontrol hold). Kept across restarts. "
+                    "Examples: sudo gpuguard hold bob; sudo gpuguard hold bob --off")
+    hold.add_argument("user")
+    hold.add_argument("--off", action="store_true", help="release the hold")
+    hold.set_defaults(func=run_hold)
+
     resume = subparsers.add_parser("resume", help="give drained GPUs out again (root)",
                                    description="End a drain; the queue is served first. Example: sudo gpuguard resume 3")
     resume.add_argument("minors", type=unit_arg, nargs="+", metavar="GPU")
@@ -61,6 +70,11 @@ def run_reload(args: argparse.Namespace) -> int:
 
 def run_drain(args: argparse.Namespace) -> int:
     print(ask(args, "drain", minors=args.minors, reason=args.reason or None)["message"])
+    return EXIT_OK
+
+
+def run_hold(args: argparse.Namespace) -> int:
+    print(ask(args, "hold", user=args.user, off=args.off or None)["message"])
     return EXIT_OK
 
 

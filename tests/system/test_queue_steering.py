@@ -203,3 +203,26 @@ def test_a_gpu_may_be_named_by_its_uuid_as_nvidia_smi_and_cuda_show_it(start_dae
     unknown = d.cli("grant", alice.name, "--gpu", "GPU-00000000-0000-0000-0000-000000000000")
     assert (unknown.returncode, unknown.stderr) == (
         2, "gpuguard: --gpu: no GPU or MIG slice 'GPU-00000000-0000-0000-0000-000000000000' on this machine\n")
+
+
+def test_root_holds_a_request_it_keeps_its_place_is_not_served_and_survives_a_restart(start_daemon):
+    d = start_daemon(count=1, gate=False)
+    alice, bob, carol = d.add_member(), d.add_member(), d.add_member()
+    d.call_as(alice, "request")
+    d.open_session(bob)
+    d.open_session(carol)  # behind bob
+
+    held = d.cli("hold", bob.name)
+
+    assert (held.returncode, held.stdout) == (0, f"gpuguard: held {bob.name}'s request in the queue; they were told\n")
+    assert [(q["user"], q["reason"]) for q in d.call("status")["queue"]] == [(bob.name, "Held"),
+                                                                           (carol.name, "Resources")]
+    assert "root holds your request" in d.cli_as(bob, "whoami").stdout
+    d.restart()
+    assert d.cli_as(alice, "release").returncode == 0
+    assert wait_for(lambda: d.granted_minors(carol) == [0])  # bob keeps his place, but carol is served
+    assert d.granted_minors(bob) == [] and [q["user"] for q in d.call("status")["queue"]] == [bob.name]
+    assert d.cli("hold", bob.name, "--off").returncode == 0
+    assert [q["reason"] for q in d.call("status")["queue"]] == ["Resources"]
+    refused = d.cli_as(carol, "hold", bob.name)
+    assert (refused.returncode, refused.stderr) == (1, "gpuguard: hold is for root only\n")
