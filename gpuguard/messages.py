@@ -17,9 +17,10 @@ def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wante
                   ending: str = WHOAMI_HINT) -> str:
     """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`
     (`ending` replaces the part after "yours ...")."""
-    names = ", ".join(sorted({gpu.name for gpu in gpus})) + (", shared" if shared else "")
+    names = ", ".join(sorted({gpu.name for gpu in gpus}))
     if any(smi_differs(gpu.minor, gpu.index) for gpu in gpus):
-        names += f"; nvidia-smi {','.join(str(gpu.index) for gpu in sorted(gpus, key=lambda g: g.minor))}"
+        names += f", nvidia-smi {','.join(str(gpu.index) for gpu in sorted(gpus, key=lambda g: g.minor))}"
+    names += ", shared" if shared else ""
     several = len(gpus) > 1
     subject = f"GPU{'s' if several else ''} {unit_list(gpu.minor for gpu in gpus)} ({names})"
     until = f" until {clock(expires_at)}" if expires_at is not None else ""

@@ -63,7 +63,7 @@ def test_a_member_gets_one_gpu_and_can_open_exactly_that_one(gg_daemon):
     gpu_uuid, index = next((g["uuid"], g["index"]) for g in d.whoami(alice)["grants"])
     assert opened["cuda_visible_devices"] == gpu_uuid
     assert index != minor  # the simulation numbers them apart, as real servers may: the line names both
-    assert opened["message"] == (f"gpuguard: GPU {minor} (NVIDIA H100 80GB HBM3; nvidia-smi {index}) is yours - "
+    assert opened["message"] == (f"gpuguard: GPU {minor} (NVIDIA H100 80GB HBM3, nvidia-smi {index}) is yours - "
                                  "run gpuguard whoami for details")
     assert access(d, alice) == only(d, minor)
     assert (minor,) == tuple(m for m in range(4) if alice.uid in posix_acl.acl_users(d.node(m)))
