@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import socket
 import subprocess
 import threading
@@ -26,10 +25,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from email.message import EmailMessage
 
+from gpuguard.backends.notify import Worker
 from gpuguard.config import NotifyConfig
 from gpuguard.logs import event
 
-QUEUE_SIZE = 1000  # notices waiting for delivery; more are dropped
 TIMEOUT = 10.0  # seconds per webhook call or sendmail run
 HOUR = 3600.0
 WEBHOOK, MAIL = "webhook", "mail"
@@ -64,9 +63,7 @@ class RemoteNotifier:
         self._counts: Counter[tuple[str, str]] = Counter()  # (channel, outcome) -> notices
         self._lock = threading.Lock()
         self._host = socket.gethostname()
-        self._queue: queue.Queue[tuple[str, str, NotifyConfig] | None] = queue.Queue(QUEUE_SIZE)
-        self._thread = threading.Thread(target=self._run, name="gpuguard-remote-notify", daemon=True)
-        self._thread.start()
+        self._worker: Worker[tuple[str, str, NotifyConfig]] = Worker("gpuguard-remote-notify", self._deliver)
 
     def counts(self) -> Mapping[tuple[str, str], int]:
         with self._lock:
@@ -82,18 +79,12 @@ class RemoteNotifier:
             self._count(channels, "dropped")
             event(logging.WARNING, "notify_dropped", user=user, reason=f"over {settings.per_user_hour} an hour")
             return
-        try:
-            self._queue.put_nowait((user, message, settings))
-        except queue.Full:
+        if not self._worker.put((user, message, settings)):
             self._count(channels, "dropped")
             event(logging.WARNING, "notify_dropped", user=user, reason="queue full")
 
     def close(self, timeout: float = 2.0) -> None:
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            return
-        self._thread.join(timeout)
+        self._worker.close(timeout)
 
     def _allowed(self, user: str, per_hour: int) -> bool:
         now = self._clock()
@@ -110,21 +101,19 @@ class RemoteNotifier:
             for channel in channels:
                 self._counts[(channel, outcome)] += 1
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            user, message, settings = item
-            for channel, address in addresses(settings, user).items():
-                try:
-                    if channel == WEBHOOK:
-                        self._post(address, user, message)
-                    else:
-                        self._mail(settings, address, message)
-                    outcome = "sent"
-                except Exception as exc:  # noqa: BLE001 - one bad address must not stop the others
-                    outcome = "failed"
-                    event(logging.WARNING, "notify_failed", channel=channel, user=user,
-                          error=f"{type(exc).__name__}: {exc}")
-                self._count({channel: address}, outcome)
+    def _deliver(self, item: tuple[str, str, NotifyConfig]) -> None:
+        user, message, settings = item
+        for channel, address in addresses(settings, user).items():
+            try:
+                if channel == WEBHOOK:
+                    self._post(address, user, message)
+                else:
+                    self._mail(settings, address, message)
+                outcome = "sent"
+            except Exception as exc:  # noqa: BLE001 - one bad address must not stop the others
+                outcome = "failed"
+                event(logging.WARNING, "notify_failed", channel=channel, user=user, error=f"{type(exc).__name__}: {exc}")
+            self._count({channel: address}, outcome)
 
     def _post(self, url: str, user: str, message: str) -> None:
         body = json.dumps({"text": message, "user": user, "host": self._host,
