@@ -10,7 +10,10 @@ from gpuguard.errors import EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    grant = subparsers.add_parser("grant", help="give a user GPUs (beyond login grants; root)")
+    grant = subparsers.add_parser("grant", help="give a user GPUs (beyond login grants; root)",
+                                  description="Give a user GPUs, kept until released, revoked or expired. "
+                                              "Examples: sudo gpuguard grant alice --gpus 2 --for 8h; "
+                                              "sudo gpuguard grant alice --gpu 3")
     grant.add_argument("user")
     which = grant.add_mutually_exclusive_group(required=True)
     which.add_argument("--gpus", type=int, metavar="N", help="this many GPUs, chosen by the allocator")
@@ -21,14 +24,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     grant.add_argument("--json", action="store_true", help="print JSON")
     grant.set_defaults(func=run_grant)
 
-    revoke = subparsers.add_parser("revoke", help="take GPUs back from a user (root)")
+    revoke = subparsers.add_parser("revoke", help="take GPUs back from a user (root)",
+                                   description="Take GPUs back; processes still on them are ended (warned first "
+                                               "when NVML sees them). Examples: sudo gpuguard revoke alice; "
+                                               "sudo gpuguard revoke alice --gpu 3")
     revoke.add_argument("user")
     revoke.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
                         help="only this GPU or MIG slice (repeatable; default: all of the user's)")
     revoke.add_argument("--json", action="store_true", help="print JSON")
     revoke.set_defaults(func=run_revoke)
 
-    reload = subparsers.add_parser("reload", help="make the daemon read its config again (root)")
+    reload = subparsers.add_parser("reload", help="make the daemon read its config again (root)",
+                                   description="Re-read gpuguard.toml and quotas.toml; a broken file is refused and "
+                                               "the running config stays. Example: sudo gpuguard reload")
     reload.set_defaults(func=run_reload)
 
     drain = subparsers.add_parser(

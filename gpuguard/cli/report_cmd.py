@@ -32,14 +32,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report = subparsers.add_parser(
         "report", help="GPU-hours granted, busy and idle, and processes stopped, per user, GPU or day",
         description="GPU-hours granted, busy and idle, the busy share and processes stopped by each rule, "
-                    "counted by the hour. Root sees everyone; a user sees their own.")
+                    "counted by the hour. Root sees everyone; a user sees their own. "
+                    "Examples: gpuguard report --since 2026-11 --until 2026-12; gpuguard report --by gpu --csv")
     _period_options(report, since_default="the start of this month")
     report.add_argument("--by", choices=("user", "gpu", "day"), default="user", help="one row per (default user)")
     _output_options(report, csv_help="print CSV with a header row (hours as decimals)")
     report.set_defaults(func=show_report)
 
     events = subparsers.add_parser("events", help="warnings, kills, grants and releases, newest last",
-                                   description="The event history: root sees everyone's, a user their own.")
+                                   description="The event history: root sees everyone's, a user their own. "
+                                               "Examples: gpuguard events --since today; "
+                                               "sudo gpuguard events --user alice --rule memory")
     _period_options(events, since_default="the oldest kept")
     events.add_argument("--rule", metavar="RULE", help="only this rule (memory, time, idle, stray, admin, user, ...)")
     events.add_argument("--limit", type=int, default=200, metavar="N", help="at most the newest N (default 200)")
