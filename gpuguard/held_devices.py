@@ -4,12 +4,14 @@
 grants, comma-separated, on one line: what `gpuguard env` would print. The PAM module reads
 it when no daemon answers, so a user who still holds GPUs (the gate keeps their grants while
 the daemon is down) gets CUDA_VISIBLE_DEVICES and not "no CUDA-capable device". The file is
-root's, mode 0400 plus a POSIX ACL entry giving read to that uid only; it is rewritten
+root's, mode 0400 plus a POSIX ACL entry giving read to that uid only (root's only on a file system
+without ACLs: the PAM module runs as root); it is rewritten
 atomically (a temporary file renamed over it) after every grant change and removed when the
 user holds nothing. A failure to write is logged and changes no grant: the file is a courtesy.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
@@ -69,7 +71,12 @@ class HeldDevices:
             os.fchmod(fd, 0o400)
             os.close(fd)
             fd = -1
-            posix_acl.apply_acls(temporary, [uid], perm=READ)
+            try:
+                posix_acl.apply_acls(temporary, [uid], perm=READ)
+            except OSError as exc:
+                if exc.errno != errno.EOPNOTSUPP:
+                    raise
+                # a file system without ACLs: root's only, which is all the PAM module needs
             os.replace(temporary, path)
         except BaseException:
             if fd >= 0:
