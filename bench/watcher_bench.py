@@ -40,7 +40,7 @@ WINDOW = 6.0  # seconds of daemon CPU per measurement
 GPU_PROCESS = """
 import os, signal, sys, time
 from pathlib import Path
-from gpuguard.backends.simulated import register_process
+from gpuguard.backends.sim_registry import register_process
 if sys.argv[3] == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 for _ in range(int(sys.argv[4])):
@@ -179,7 +179,7 @@ def own_tick_rows(bench: Bench) -> None:
 
         total = asyncio.run(run())
         sample = statistics.median(nvml)
-        snapshot = per_call(lambda: daemon.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
+        snapshot = per_call(lambda: daemon.services.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
     own = (total - sum(nvml) - sum(nvml_use) - sum(nvml_layout)) / ticks
     row("gpuguard's own part of a tick, 8 GPUs x 50 processes", own, 0.005, 1.0, "budget: 5 ms")
     row("metrics snapshot per tick, 8 GPUs x 50 processes", snapshot, sample, 0.5, "the simulated NVML sample")

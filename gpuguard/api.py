@@ -8,33 +8,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from gpuguard import allocator, drains, policy, protocol, reporting, state_files
 from gpuguard import config as configuration
-from gpuguard.backends import accounts, procfs
-from gpuguard.backends.gate import Gate
-from gpuguard.backends.notify import Notifier
+from gpuguard.backends import accounts
 from gpuguard.config import Config
 from gpuguard.drains import Drain
+from gpuguard.edges import Clock, GateMap, GpuSampler, Lookup, Processes, Terminals
 from gpuguard.errors import GpuguardError
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.holders import HolderEnder, Scan
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
-from gpuguard.lookups import AccountLookup
+from gpuguard.lookups import KnownAccounts
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
-from gpuguard.model import Event, Grant, Origin, Quota, is_slice, unit_label, unit_parent
+from gpuguard.model import Event, EventKind, Grant, Origin, Rule, is_slice, unit_label, unit_parent
 from gpuguard.queueing import Queue, Standing
+from gpuguard.release import Releases
 from gpuguard.reload_effects import ReloadEffects
-from gpuguard.sampling import Sampler
 from gpuguard.server import Peer
 from gpuguard.store import Queued, Store
 from gpuguard.units import UnitError, format_duration, parse_duration
+from gpuguard.usage import UsageMeter
 
 ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes", "drain",
                        "resume", "hold"})
@@ -66,16 +66,18 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
 
 
 class Api:
-    """The operations, built from exactly the services they use (the daemon composes them)."""
+    """The operations, built from exactly the services they use (wiring.build composes them)."""
 
-    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
-                 sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, holders: HolderEnder,
-                 gate: Gate | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
-                 account_of: Callable[[int], tuple[str, Quota]], flush_usage: Callable[[], None], queue: Queue,
-                 notifier: Notifier):
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, releases: Releases, exempt: Exempt,
+                 sampler: GpuSampler, lookup: Lookup, logout: LogoutRelease, holders: HolderEnder,
+                 gate: GateMap | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
+                 accounts: KnownAccounts, usage: UsageMeter, queue: Queue, terminals: Terminals,
+                 processes: Processes, clock: Clock, reload_effects: ReloadEffects, state_dir: Path,
+                 foreign: Sequence[dict[str, Any]] = ()):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
+        self.releases = releases
         self.exempt = exempt
         self.sampler = sampler
         self.lookup = lookup
@@ -84,16 +86,20 @@ class Api:
         self.gate = gate
         self._reload = reload
         self._sync_nodes = sync_nodes
-        self._account_of_uid = account_of  # name and quota as the watcher last resolved them: no NSS wait
-        self._flush_usage = flush_usage  # the watcher's usage of the last minute, not written yet
+        self.accounts = accounts  # names and quotas as the watcher last resolved them: no NSS wait
+        self.usage = usage  # the watcher's usage of the last minute, not written yet
         self.queue = queue
-        self.notifier = notifier
+        self.terminals = terminals
+        self.processes = processes
+        self.clock = clock
+        self.reload_effects = reload_effects  # what a reload or a login does to former members' grants
+        self.state_dir = state_dir  # where the admin's drains and queue holds are kept (state_files)
+        self.foreign = list(foreign)  # status entries of the GPUs Slurm or Kubernetes own (coexist.status_entries)
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
         # `request` reply (a grant may come before the client's `wait` call arrives).
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
         self._served: dict[int, tuple[int, ...]] = {}
         queue.listeners.append(self._queue_served)
-        self.reload_effects = ReloadEffects(store, grants, lookup, notifier, self._leave_queue)
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         op = request["op"]
@@ -124,18 +130,19 @@ class Api:
     def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,
                       grant: str = "auto") -> dict[str, Any]:
         store, config = self.store, self.config()
-        now = time.time()
-        caller = procfs.process_identity(pid)  # None: gone already, and the next tick drops the session
+        now = self.clock()
+        caller = self.processes.identity(pid)  # None: gone already, and the next tick drops the session
         session = store.open_session(account.uid, account.name, service, rhost, tty, pid, now,
                                      caller.start_time if caller else None)
         event(logging.INFO, "session_open", user=account.name, session=session.id, service=service,
               rhost=rhost or None, tty=tty or None, pid=pid)
         reply = protocol.ok(session=session.id, gpus=[], cuda_visible_devices="", message="")
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             self.exempt.add(account.uid)  # a no-op unless joined since, or missed by NSS member lists
             return reply
-        if self.reload_effects.expel_if_gone(account, config, now):  # left the group since: grants and place end
+        if eligible == policy.Eligibility.OUTSIDER:
+            self.reload_effects.expel_if_gone(account, config, now, self.leave_queue)  # left the group since
             return reply
         held = store.grants(account.uid)
         if held:  # a second session reuses the grant it already has
@@ -193,13 +200,13 @@ class Api:
         return protocol.ok(
             user=account.name, uid=account.uid, group=access.group,
             member=policy.is_member(account.groups, access),
-            exempt=policy.is_exempt(account.uid, account.name, account.groups, access),
+            exempt=self._eligibility(account) == policy.Eligibility.EXEMPT,
             quota=asdict(quota),
             grants=[self._grant_info(g) for g in store.grants(account.uid)],
             sessions=[asdict(s) for s in store.sessions(account.uid)],
             events=[asdict(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
             usage=store.usage(account.uid),
-            queue=self._queue_info(account.uid, time.time()))
+            queue=self._queue_info(account.uid, self.clock()))
 
     def _queue_info(self, uid: int, now: float) -> dict[str, Any] | None:
         """The user's place in the queue, with what holds the GPUs (messages.queue_why says it in words)."""
@@ -207,7 +214,7 @@ class Api:
         if info is None:
             return None
         holders = [{"minor": g.minor, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
-                    "reclaim_after": self._account_of_uid(g.uid)[1].reclaim_after}
+                    "reclaim_after": self.accounts.of(g.uid)[1].reclaim_after}
                    for g in self.store.grants() if g.uid != uid]
         held = any(q.waiter.id in self.queue.holds for q in self.store.queue(uid))
         return {**info, "holders": holders, "free": self.queue.free(), "held": held}
@@ -216,11 +223,12 @@ class Api:
         config = self.config()
         sample = self.sampler.last
         commands = await self.sampler.commands(sample.owners) if sample else {}
-        now = time.time()
-        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid, commands)
+        now = self.clock()
+        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self.accounts.of, commands)
         for gpu in gpus:
             drained = self.grants.drained.get(unit_parent(gpu["minor"]))
             gpu["drained"] = None if drained is None else asdict(drained)
+        gpus = sorted([*gpus, *self.foreign], key=lambda gpu: gpu["minor"])
         reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=now,
                             group=config.access.group,
                             queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,
@@ -236,7 +244,7 @@ class Api:
     async def fairshare(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Every user's fair-share standing, like Slurm's sshare: recent usage (decayed GPU-seconds),
         share, and usage / share, which orders the queue after priority (lower first). Anyone may look."""
-        now, config = time.time(), self.config()
+        now, config = self.clock(), self.config()
         uids = set(self.store.fairshare()) | {g.uid for g in self.store.grants()} | {
             q.waiter.uid for q in self.store.queue()}
         usage = self.queue.usage(now, uids)
@@ -256,17 +264,17 @@ class Api:
 
     async def report(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         uid = await self._records_of(request, peer)
-        since, until = _period(request)
+        since, until = _period(request, self.clock())
         by = _field(request, "by", str, "user")
         if by not in reporting.GROUPINGS:
             raise Refusal(f"field 'by': one of {', '.join(reporting.GROUPINGS)}, got {by!r}", 2)
-        self._flush_usage()  # a report made now includes the last tick
+        self.usage.flush()  # a report made now includes the last tick
         rows = self.store.usage_by(by, since, until, uid)
         return protocol.ok(by=by, since=since, until=until, **reporting.report(rows))
 
     async def events(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         uid = await self._records_of(request, peer)
-        since, until = _period(request, default_since=0.0)
+        since, until = _period(request, self.clock(), default_since=0.0)
         limit = _field(request, "limit", int, 200)
         if not 1 <= limit <= reporting.MAX_EVENTS:
             raise Refusal(f"field 'limit': between 1 and {reporting.MAX_EVENTS}, got {limit}", 2)
@@ -281,9 +289,11 @@ class Api:
         Root may name an account deleted since: its records keep the uid it had."""
         name = _field(request, "user", str, None)
         if peer.uid != 0:
-            if name is not None and name != (await self._account_of(peer)).name:
-                raise Refusal("only root may look at another user's records")
-            return peer.uid
+            own = (await self._account_of(peer)).name
+            if own != self.config().web.user:  # the web view's account reads as root does
+                if name is not None and name != own:
+                    raise Refusal("only root may look at another user's records")
+                return peer.uid
         if name is None:
             return None
         try:
@@ -299,11 +309,11 @@ class Api:
     async def request(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         store, config = self.store, self.config()
         account = await self._account_of(peer)
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             raise Refusal("you are exempt: every GPU is open to you without a grant")
-        if not policy.is_member(account.groups, access):
-            raise Refusal(f"only members of group {access.group} get GPUs; ask your admin")
+        if eligible == policy.Eligibility.OUTSIDER:
+            raise Refusal(f"only members of group {config.access.group} get GPUs; ask your admin")
         quota = policy.quota_for(account.name, account.groups, config)
         wanted = _field(request, "gpus", int, quota.gpus)
         if wanted < 1:
@@ -313,7 +323,7 @@ class Api:
         wait = _field(request, "wait", bool, False)
         more = wanted - len(store.grants(account.uid))
         granted: tuple[int, ...] = ()
-        now = time.time()
+        now = self.clock()
         if more > 0 and (mine := store.queue(account.uid)):
             # One place per user: a second one could bring them more than their quota.
             if not wait:
@@ -329,7 +339,7 @@ class Api:
             more -= len(granted)
         if more > 0 and (wait or not store.grants(account.uid)):
             # Not all of it free (or others wait first): the queue decides, whole requests only.
-            caller = procfs.process_identity(peer.pid)
+            caller = self.processes.identity(peer.pid)
             queued, waits = self.queue.join(account.uid, account.name, more, quota, now, Origin.REQUEST, peer.pid,
                                             caller.start_time if caller else None)
             if waits:
@@ -393,11 +403,11 @@ class Api:
         future = self._waiting.get(waiter.id)
         if future is not None and not future.done():
             future.set_result(minors)
-        waited = format_duration(max(0, round(time.time() - waiter.since)))
+        waited = format_duration(max(0, round(self.clock() - waiter.since)))
         reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})",
                                   new=minors)
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
-        self.notifier.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
+        self.terminals.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
     async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Give GPUs back. It kills nothing: a GPU a process of the user still uses is kept, named
@@ -407,7 +417,7 @@ class Api:
         account = await self._account_of(peer)
         held = {g.minor for g in store.grants(account.uid)}
         minors = self._minors(request)
-        left = self._leave_queue(account.uid) if minors is None else 0
+        left = self.leave_queue(account.uid) if minors is None else 0
         if not held:
             if left:
                 return protocol.ok(released=[], kept=[], left_queue=left, gpus=[], cuda_visible_devices="",
@@ -423,8 +433,8 @@ class Api:
         kept = {minor for _, minor in busy}
         if kept and (minors is not None or kept == targets):
             raise Refusal(f"GPU {unit_list(kept)} {in_use}: stop them, then release")
-        removed = self.grants.remove(account.uid, targets - kept, time.time(), kind="release", rule="user",
-                                     message="released with gpuguard release")
+        removed = self.releases.take_back(account.uid, targets - kept, self.clock(), kind=EventKind.RELEASE,
+                                          rule=Rule.USER, message="released with gpuguard release")
         released = [g.minor for g in removed]
         parts = [f"released GPU {unit_list(released)}"]
         if kept:
@@ -444,20 +454,20 @@ class Api:
         if name is not None and peer.uid != 0:
             raise Refusal("only root may take another user's requests out of the queue")
         account = await (self._account_named(name) if name is not None else self._account_of(peer))
-        waiting = self.queue.standing(account.uid, time.time())
-        if not self._leave_queue(account.uid):
+        waiting = self.queue.standing(account.uid, self.clock())
+        if not self.leave_queue(account.uid):
             raise Refusal("you are not in the queue (gpuguard whoami shows your GPUs)" if name is None else
                           f"{name} is not in the queue")
         where = f"number {waiting.position} of {waiting.waiting}" if waiting else ""
         if name is None:
             return protocol.ok(message=f"gpuguard: you left the queue{f' (you were {where})' if where else ''}; "
                                        "your GPUs, if any, stay yours")
-        self.notifier.tell(account.name, account.uid, "gpuguard: root took your request out of the queue; ask your "
+        self.terminals.tell(account.name, account.uid, "gpuguard: root took your request out of the queue; ask your "
                            "admin why - gpuguard whoami", [s.tty for s in self.store.sessions(account.uid)])
         return protocol.ok(message=f"gpuguard: took {account.name}'s requests out of the queue"
                                    f"{f' ({where})' if where else ''}; they were told")
 
-    def _leave_queue(self, uid: int) -> int:
+    def leave_queue(self, uid: int) -> int:
         """Take every queued request of uid out of the queue (and wake its waiting clients with a refusal)."""
         ids = [q.waiter.id for q in self.store.queue(uid)]
         left = self.queue.leave(ids) if ids else 0
@@ -480,11 +490,11 @@ class Api:
         if count is not None and count < 1:
             raise Refusal("gpus must be at least 1", 2)
         duration = _duration(request.get("for"))
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
-        if not policy.is_member(account.groups, access):
-            raise Refusal(f"{account.name} is not in group {access.group}: only members get GPUs")
+        if eligible == policy.Eligibility.OUTSIDER:
+            raise Refusal(f"{account.name} is not in group {config.access.group}: only members get GPUs")
         quota = policy.quota_for(account.name, account.groups, config)
         share = policy.may_share(quota)
         if minors is not None:
@@ -498,7 +508,7 @@ class Api:
             if len(chosen) < count:
                 raise Refusal(f"only {len(chosen)} more GPU{'s' if len(chosen) != 1 else ''} free for "
                               f"{account.name}, {count} asked")
-        now = time.time()
+        now = self.clock()
         expires_at = now + duration if duration is not None else policy.expires_at(quota, now)
         term = f" for {format_duration(duration)}" if duration is not None else ""
         self.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
@@ -521,12 +531,12 @@ class Api:
             uid = next((g.uid for g in store.grants() if g.user == name), None)
         if uid is None:
             raise Refusal(f"no such user: {name}", 2)
-        removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root",
-                                     end_holders=False)
+        removed = self.releases.take_back(uid, minors, self.clock(), kind=EventKind.REVOKE, rule=Rule.ADMIN,
+                                          message="revoked by root", end_holders=False)
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + unit_list(minors)}")
         revoked = {g.minor for g in removed}
-        ending = await self.holders.end(uid, removed[0].user, revoked, "admin")
+        ending = await self.holders.end(uid, removed[0].user, revoked, Rule.ADMIN)
         scan = ending.scan
         note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
         if scan.listed:  # the gate only checks at open(): the watcher warns these as stray use and ends them
@@ -554,9 +564,9 @@ class Api:
         self._save_holds()
         event(logging.INFO, "unhold" if off else "hold", user=account.name, requests=len(ids))
         if off:
-            self.queue.dispatch(time.time())
+            self.queue.dispatch(self.clock())
             return protocol.ok(message=f"gpuguard: {account.name}'s request goes on in the queue")
-        self.notifier.tell(account.name, account.uid, "gpuguard: root holds your request in the queue: it keeps its "
+        self.terminals.tell(account.name, account.uid, "gpuguard: root holds your request in the queue: it keeps its "
                            "place but is not served until released - ask your admin",
                            [s.tty for s in self.store.sessions(account.uid)])
         return protocol.ok(message=f"gpuguard: held {account.name}'s request in the queue; they were told")
@@ -564,7 +574,7 @@ class Api:
     def _save_holds(self) -> None:
         self.queue.holds &= {q.waiter.id for q in self.store.queue()}  # rows gone since: forgotten
         try:
-            state_files.write(self.config().paths.state_dir / HOLDS_FILE, sorted(self.queue.holds))
+            state_files.write(self.state_dir / HOLDS_FILE, sorted(self.queue.holds))
         except OSError as exc:
             raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
 
@@ -574,7 +584,7 @@ class Api:
         reason = _field(request, "reason", str, "")[:200]
         if minors is None or any(is_slice(m) for m in minors):
             raise Refusal("--gpu: name whole GPUs (a drain covers all of a GPU's MIG slices)", 2)
-        now = time.time()
+        now = self.clock()
         for minor in minors:
             self.grants.drained[minor] = Drain(reason, now)
         self._save_drains()
@@ -583,9 +593,9 @@ class Api:
             if unit_parent(grant.minor) in minors:
                 text = (f"gpuguard: GPU {unit_label(grant.minor)} is being drained by root{why}: it stays yours until "
                         "you release it, but will not be given again until resumed - gpuguard whoami")
-                self.store.add_event(Event(now, grant.uid, grant.user, "warning", text, minor=grant.minor, rule="drain",
-                                           action="warn"))
-                self.notifier.tell(grant.user, grant.uid, text, [s.tty for s in self.store.sessions(grant.uid)])
+                self.store.add_event(Event(now, grant.uid, grant.user, EventKind.WARNING, text, minor=grant.minor,
+                                           rule=Rule.DRAIN, action="warn"))
+                self.terminals.tell(grant.user, grant.uid, text, [s.tty for s in self.store.sessions(grant.uid)])
         event(logging.WARNING, "drain", gpu=unit_list(minors), reason=reason or None)
         return protocol.ok(drained=minors, message=f"gpuguard: drained GPU {unit_list(minors)}{why}; holders told")
 
@@ -599,12 +609,12 @@ class Api:
             del self.grants.drained[minor]
         self._save_drains()
         event(logging.INFO, "resume", gpu=unit_list(minors))
-        self.queue.dispatch(time.time())  # the queue first, as with any GPU that comes free
+        self.queue.dispatch(self.clock())  # the queue first, as with any GPU that comes free
         return protocol.ok(resumed=minors, message=f"gpuguard: GPU {unit_list(minors)} may be given again")
 
     def _save_drains(self) -> None:
         try:
-            drains.save(self.config().paths.state_dir / drains.FILE, self.grants.drained)
+            drains.save(self.state_dir / drains.FILE, self.grants.drained)
         except OSError as exc:
             raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
 
@@ -666,6 +676,9 @@ class Api:
 
     # --- who is asking (NSS, off the event loop)
 
+    def _eligibility(self, account: accounts.Account) -> policy.Eligibility:
+        return policy.eligibility(account.uid, account.name, account.groups, self.config().access)
+
     async def _account_named(self, name: str) -> accounts.Account:
         try:
             return await self.lookup.by_name(name)
@@ -684,7 +697,7 @@ class Api:
         if name is None:
             return await self._account_of(peer)
         own = await self._account_of(peer) if peer.uid != 0 else None
-        if own is not None and own.name != name:
+        if own is not None and own.name not in (name, self.config().web.user):  # the web view reads all
             raise Refusal("only root may look at another user's GPUs")
         return await self._account_named(name)
 
@@ -699,12 +712,12 @@ def _readable(scan: Scan) -> Scan:
     return scan
 
 
-def _period(request: dict[str, Any], default_since: float | None = None) -> tuple[float, float]:
+def _period(request: dict[str, Any], now: float, default_since: float | None = None) -> tuple[float, float]:
     """since and until (epoch seconds) of a request; until defaults to now, since to default_since."""
     since = _number(request, "since", default_since)
     until = _number(request, "until", None)
     if until is None:
-        until = time.time()
+        until = now
     if since is None:
         raise Refusal("missing field 'since'", 2)
     if since >= until:

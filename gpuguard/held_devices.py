@@ -15,12 +15,11 @@ import errno
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
 from pathlib import Path
 
 from gpuguard.backends import posix_acl
 from gpuguard.logs import event
-from gpuguard.model import Grant
 
 DIRECTORY = "held"
 READ = 0o4
@@ -32,37 +31,28 @@ def directory_for(socket: Path) -> Path:
 
 
 class HeldDevices:
-    def __init__(self, directory: Path, grants_of: Callable[[int | None], list[Grant]],
-                 uuid_of: Callable[[int], str | None]):
-        self.directory = directory
-        self._grants_of = grants_of  # store.grants: uid -> that user's grants (None: everyone's)
-        self._uuid_of = uuid_of
+    """The files (the real edges.HeldFiles): Grants.write_held says what each one holds."""
 
-    def sync_all(self) -> None:
-        """Every holder's file as the store says, and no file for anyone else (at start)."""
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def users(self) -> set[int]:
         try:
             self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-            present = {int(name) for name in os.listdir(self.directory) if name.isdigit()}
+            return {int(name) for name in os.listdir(self.directory) if name.isdigit()}
         except OSError as exc:
             event(logging.WARNING, "held_devices_failed", path=self.directory, error=exc.strerror or str(exc))
-            return
-        holders = {grant.uid for grant in self._grants_of(None)}
-        for uid in present | holders:
-            self.sync(uid)
+            return set()
 
-    def sync(self, uid: int) -> None:
+    def write(self, uid: int, uuids: Sequence[str]) -> None:
         path = self.directory / str(uid)
         try:
-            devices = ",".join(self._uuids(self._grants_of(uid)))
-            if devices:
-                self._write(path, uid, devices)
+            if uuids:
+                self._write(path, uid, ",".join(uuids))
             else:
                 path.unlink(missing_ok=True)
         except OSError as exc:
             event(logging.WARNING, "held_devices_failed", uid=uid, path=path, error=exc.strerror or str(exc))
-
-    def _uuids(self, grants: Iterable[Grant]) -> list[str]:
-        return [uuid for grant in sorted(grants, key=lambda g: g.minor) if (uuid := self._uuid_of(grant.minor))]
 
     def _write(self, path: Path, uid: int, devices: str) -> None:
         fd, temporary = tempfile.mkstemp(prefix=f".{uid}.", dir=self.directory)

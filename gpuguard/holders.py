@@ -2,7 +2,7 @@
 
 The gate checks only at open(): a process that opened /dev/nvidiaN while its user held the GPU
 keeps its descriptor, and the device behind it, until it exits. So every path that takes a GPU
-away (an admin revoke, a time limit, an idle, logout or user release: Grants.remove) ends the
+away (an admin revoke, a time limit, an idle, logout or user release: Releases.take_back) ends the
 user's processes that /proc shows holding that node:
 
 - those NVML lists (a CUDA context) are the watcher's: on a GPU its user no longer holds they
@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuguard import sampling
-from gpuguard.backends import procfs, signals
 from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.edges import Clock, GpuSampler, Processes
 from gpuguard.exempt import Exempt
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
-from gpuguard.model import Event
-from gpuguard.sampling import Holder, Sampler
+from gpuguard.model import Event, Rule
+from gpuguard.rules import Kind
+from gpuguard.sampling import Holder
 from gpuguard.store import Store
 from gpuguard.units import format_duration
 
@@ -61,13 +62,15 @@ class Ending:
 
 
 class HolderEnder:
-    def __init__(self, find_holders: FindHolders, sampler: Sampler, exempt: Exempt, store: Store,
-                 kill_wait: Callable[[], float]):
+    def __init__(self, find_holders: FindHolders, sampler: GpuSampler, exempt: Exempt, store: Store,
+                 kill_wait: Callable[[], float], processes: Processes, clock: Clock = time.time):
         self.find_holders = find_holders
         self.sampler = sampler
         self.exempt = exempt
         self.store = store
         self.kill_wait = kill_wait  # the config in force, which a reload replaces
+        self.processes = processes
+        self.clock = clock
         self._tasks: set[asyncio.Task] = set()
 
     async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE) -> Scan:
@@ -88,11 +91,11 @@ class HolderEnder:
                            if p.minor in minors and sample.uid_of(p.pid) == uid)
         return Scan(listed, holding - listed, frozenset(m for m in minors if not sample.ok(m)))
 
-    def schedule(self, uid: int, user: str, minors: Iterable[int], why: str) -> None:
+    def schedule(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> None:
         """end() in the background (the caller is the event loop, which must not wait kill_wait)."""
         self._spawn(self.end(uid, user, minors, why))
 
-    async def end(self, uid: int, user: str, minors: Iterable[int], why: str) -> Ending:
+    async def end(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> Ending:
         """SIGTERM uid's processes holding these GPUs' nodes that NVML does not list, and see
         them through to SIGKILL in the background. `why` is the rule that took the GPUs."""
         scan = await self.scan(uid, set(minors), max_age=0)  # fresh: a context made a moment ago is the watcher's
@@ -101,7 +104,7 @@ class HolderEnder:
             holding.setdefault(pid, set()).add(minor)
         termed: dict[ProcessIdentity, set[int]] = {}
         for pid, held in sorted(holding.items()):
-            identity = procfs.process_identity(pid)
+            identity = self.processes.identity(pid)
             if identity is None or identity.uid != uid:
                 continue  # exited since the scan
             if self._signal(identity, held, user, signal.SIGTERM, why):
@@ -110,14 +113,14 @@ class HolderEnder:
             self._spawn(self._escalate(user, termed, why))
         return Ending(scan, tuple(identity.pid for identity in termed))
 
-    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: str) -> None:
+    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: Rule) -> None:
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
             self._signal(identity, termed[identity], user, signal.SIGKILL, why)
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
-            self._record(identity, termed[identity], user, "unkillable", why, {
-                "state": signals.state(identity) or "unknown"},
+            self._record(identity, termed[identity], user, Kind.UNKILLABLE, why, {
+                "state": self.processes.state(identity) or "unknown"},
                 "survives SIGKILL (stuck in the kernel); an administrator must look at it")
 
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
@@ -127,11 +130,11 @@ class HolderEnder:
         holding = {(h.pid, h.minor) for h in found}
         return [identity for identity, minors in termed.items()
                 if any((identity.pid, m) in holding for m in minors)
-                and procfs.process_identity(identity.pid) == identity]
+                and self.processes.identity(identity.pid) == identity]
 
     def _signal(self, identity: ProcessIdentity, minors: set[int], user: str, sig: signal.Signals,
-                why: str) -> bool:
-        result = signals.send(identity, sig, self.exempt.uids)
+                why: Rule) -> bool:
+        result = self.processes.send(identity, sig, self.exempt.uids)
         if not result.sent:
             event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
                   outcome=result.outcome.value, detail=result.detail or None)
@@ -139,20 +142,20 @@ class HolderEnder:
         wait = format_duration(round(self.kill_wait()))
         what = (f"stopping it with SIGTERM; it will be killed if it still holds the GPU in {wait}"
                 if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
-        self._record(identity, minors, user, "kill", why, {"signal": sig.name, "kill_wait": self.kill_wait()},
+        action = Kind.TERM if sig == signal.SIGTERM else Kind.KILL
+        self._record(identity, minors, user, action, why, {"signal": sig.name, "kill_wait": self.kill_wait()},
                      f"holds GPU {unit_list(minors)}, which is no longer yours ({why}); {what}")
         return True
 
-    def _record(self, identity: ProcessIdentity, minors: set[int], user: str, kind: str, why: str,
+    def _record(self, identity: ProcessIdentity, minors: set[int], user: str, action: Kind, why: Rule,
                 numbers: dict[str, Any], what: str) -> None:
-        command = signals.command(identity.pid)
-        action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(str(numbers.get("signal")), kind)
-        event(logging.ERROR if kind == "unkillable" else logging.WARNING, f"holder_{action}", rule=why,
+        command = self.processes.command(identity.pid)
+        event(logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}", rule=why,
               user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(minors),
               **numbers)
         message = f"gpuguard: your process {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         for minor in sorted(minors):
-            self.store.add_event(Event(time.time(), identity.uid, user, kind, message, minor=minor,
+            self.store.add_event(Event(self.clock(), identity.uid, user, action.event, message, minor=minor,
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 

@@ -17,36 +17,34 @@ from collections.abc import Callable
 
 from gpuguard import policy
 from gpuguard.backends import accounts
-from gpuguard.backends.notify import Notifier
 from gpuguard.config import Config
-from gpuguard.grants import Grants
+from gpuguard.edges import Lookup
 from gpuguard.logs import event
-from gpuguard.lookups import AccountLookup
 from gpuguard.messages import clock, unit_list
-from gpuguard.model import Event
+from gpuguard.model import Event, EventKind, Rule
+from gpuguard.release import Releases, Tell
 from gpuguard.store import Store
 from gpuguard.units import format_duration
 
 IDLE_NOTICE = 600.0  # seconds a grant keeps after a reload made it idle past its limit (capped by the limit)
-MEMBERSHIP = "membership"  # the rule of a revoke because the user left the group
+# Takes all of a uid's requests out of the queue, waking their waiting clients (Api.leave_queue); returns how many
+LeaveQueue = Callable[[int], int]
 
 
 class ReloadEffects:
-    def __init__(self, store: Store, grants: Grants, lookup: AccountLookup, notifier: Notifier,
-                 leave_queue: Callable[[int], int]):
+    def __init__(self, store: Store, releases: Releases, lookup: Lookup, tell: Tell):
         self.store = store
-        self.grants = grants
+        self.releases = releases
         self.lookup = lookup
-        self.notifier = notifier
-        self._leave_queue = leave_queue  # takes all of a uid's requests out (waking their clients)
+        self.tell = tell
 
-    async def apply(self, old: Config, new: Config, now: float) -> None:
+    async def apply(self, old: Config, new: Config, now: float, leave_queue: LeaveQueue) -> None:
         """After a reload: expel former members, give idle grants their notice."""
         uids = {g.uid for g in self.store.grants()} | {q.waiter.uid for q in self.store.queue()}
         for uid in sorted(uids):
             try:
                 account = await self.lookup.by_uid(uid)
-                if not self.expel_if_gone(account, new, now):
+                if not self.expel_if_gone(account, new, now, leave_queue):
                     self._idle_notice(account, policy.quota_for(account.name, account.groups, old).idle_timeout,
                                       policy.quota_for(account.name, account.groups, new).idle_timeout, now)
             except accounts.UnknownUser:
@@ -54,15 +52,14 @@ class ReloadEffects:
             except Exception:  # one user's failure (a gate error) must not spare the others
                 event(logging.ERROR, "reload_effects_failed", exc_info=True, uid=uid)
 
-    def expel_if_gone(self, account: accounts.Account, config: Config, now: float) -> bool:
+    def expel_if_gone(self, account: accounts.Account, config: Config, now: float, leave_queue: LeaveQueue) -> bool:
         """Take the grants and the place in the queue of a user who is no longer a member (True)."""
         access = config.access
-        if policy.is_member(account.groups, access) or policy.is_exempt(account.uid, account.name, account.groups,
-                                                                          access):
+        if policy.eligibility(account.uid, account.name, account.groups, access) != policy.Eligibility.OUTSIDER:
             return False
-        left = self._leave_queue(account.uid)
-        removed = self.grants.remove(account.uid, None, now, kind="revoke", rule=MEMBERSHIP,
-                                     message=f"no longer in group {access.group}")
+        left = leave_queue(account.uid)
+        removed = self.releases.take_back(account.uid, None, now, kind=EventKind.REVOKE, rule=Rule.MEMBERSHIP,
+                                          message=f"no longer in group {access.group}")
         if not removed and not left:
             return True
         taken = f"GPU {unit_list(g.minor for g in removed)} taken back" if removed else ""
@@ -71,7 +68,7 @@ class ReloadEffects:
                 "ask your admin if this is a mistake")
         event(logging.INFO, "expelled", user=account.name, uid=account.uid, gpus=len(removed), queue=left,
               group=access.group)
-        self.notifier.tell(account.name, account.uid, text, [s.tty for s in self.store.sessions(account.uid)])
+        self.tell(account.uid, account.name, text)
         return True
 
     def _idle_notice(self, account: accounts.Account, old: float | None, new: float | None, now: float) -> None:
@@ -86,6 +83,7 @@ class ReloadEffects:
             text = (f"gpuguard: your idle release is now {format_duration(new)}; GPU {unit_list([grant.minor])} "
                     f"has been unused for {format_duration(round(now - grant.last_active))}: it will be released "
                     f"at {clock(until)} unless a process of yours uses it - see gpuguard whoami")
-            self.store.add_event(Event(now, account.uid, account.name, "warning", text, minor=grant.minor,
-                                       rule="idle", action="warn", numbers={"idle_timeout": new, "release_at": until}))
-            self.notifier.tell(account.name, account.uid, text, [s.tty for s in self.store.sessions(account.uid)])
+            self.store.add_event(Event(now, account.uid, account.name, EventKind.WARNING, text, minor=grant.minor,
+                                       rule=Rule.IDLE, action="warn",
+                                       numbers={"idle_timeout": new, "release_at": until}))
+            self.tell(account.uid, account.name, text)

@@ -10,15 +10,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.model import Gpu, Grant, Quota, unit_label
+from gpuguard.model import Gpu, Grant, Quota, Rule, unit_label
 
 if TYPE_CHECKING:  # the type only: sampling reads /proc, and this module stays pure
     from gpuguard.sampling import Sample
 
 GROUPINGS = ("user", "gpu", "day")
 # The rules events are recorded under: the watcher's, a grant's origin, and the other ways a grant ends.
-EVENT_RULES = ("memory", "time", "idle", "stray", "reclaim", "session", "request", "admin", "user", "logout",
-               "layout", "membership", "drain")
+EVENT_RULES = tuple(rule.value for rule in Rule)
 MAX_EVENTS = 5000  # one events reply; a longer history is read with --since windows
 
 
@@ -58,7 +57,7 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
             if g.minor == minor:
                 used: list[int] = [p["memory"] for p in processes if p["uid"] == g.uid and p["memory"] is not None]
                 holders.append({"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
-                                "granted_at": g.granted_at, "expires_at": g.expires_at,
+                                "granted_at": g.granted_at, "expires_at": g.expires_at, "last_active": g.last_active,
                                 # a slice's memory is bounded by the hardware, not by the quota
                                 "gpu_memory": None if gpu.slice else account_of(g.uid)[1].gpu_memory,
                                 "memory_used": sum(used) if read else None})
@@ -69,5 +68,6 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
             "utilization": use.utilization if use else None, "holders": holders,
             "processes": len(processes) if read else None,  # None: unknown (not sampled, or failed)
             "process_list": processes if read else None,
+            "owner": "gpuguard",
         })
     return view

@@ -81,6 +81,8 @@ def format_line(message: str) -> str:
 class RemoteChannel(Protocol):
     def tell(self, user: str, message: str) -> None: ...
 
+    def close(self, timeout: float = ...) -> None: ...
+
 
 class Worker(Generic[T]):
     """One background thread fed by a bounded queue: `put` never blocks (False when full), and
@@ -126,8 +128,10 @@ class Notifier:
             event(logging.WARNING, "notify_dropped", user=user, reason="queue full")
 
     def close(self, timeout: float = 2.0) -> None:
-        """Deliver what is queued (for up to `timeout`), then stop the thread."""
+        """Deliver what is queued (for up to `timeout`), then stop the thread (and the remote channel's)."""
         self._worker.close(timeout)
+        if self.remote is not None:
+            self.remote.close(timeout)
 
     def _deliver(self, item: tuple[str, int, tuple[str, ...], str]) -> None:
         user, uid, ttys, message = item

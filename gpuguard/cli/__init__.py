@@ -72,7 +72,7 @@ def print_rows(rows: list[list[str]]) -> None:
 
 # Each command and the module that registers it: a command loads only its own module. The full
 # parser (help, a typo, completion, the man page) loads every `*_cmd` module, so a test
-# (tests/test_cli_startup.py) sees any command missing here.
+# (tests/system/test_cli_startup.py) sees any command missing here.
 COMMANDS = {
     "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd", "drain": "admin_cmd", "resume": "admin_cmd",
     "hold": "admin_cmd",
@@ -82,7 +82,7 @@ COMMANDS = {
     "simulate": "simulate_cmd", "trace": "simulate_cmd",
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
     "fairshare": "user_cmd",
-    "doctor": "doctor_cmd",
+    "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
 }
 # Help lists the commands users run first (in this order), then the admins' and the tools, by module.
 USER_MODULES = ("user_cmd", "status_cmd", "report_cmd", "quota_cmd")
@@ -90,7 +90,7 @@ DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 
 for users:   whoami, status, request, release, cancel, env, fairshare, report, events, quota show
 for admins:  grant, revoke, drain, resume, hold, cancel --user, reload, quota set, config check, doctor, gate,
-             acl, daemon
+             acl, daemon, enable, disable, web
 tools:       simulate, trace, sim, completion, gpus"""
 EPILOG = """examples:
   gpuguard whoami                  your GPUs, quota, place in the queue and why

@@ -152,6 +152,12 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
     ('[notify]\nmail = "{user}"', "notify.mail: not a mail address"),
     ('[notify]\nmail = "-oX@lab"', "notify.mail: not a mail address"),
     ('[notify]\nper_user_hour = 0', "notify.per_user_hour: must be between 1 and 3600"),
+    ('[coexist]\nslurm = "yes"', "coexist.slurm: must be one of auto, off, got 'yes'"),
+    ('[coexist]\nslurm = [0, 0]', "coexist.slurm: a GPU is listed twice"),
+    ('[coexist]\nk8s_gpus = [254]', "coexist.k8s_gpus: GPU minors are 0 to 253, got 254"),
+    ('[coexist]\nk8s_gpus = "6,7"', "coexist.k8s_gpus: expected a list of GPU minors"),
+    ('[coexist]\nslurm = [0, 1]\nk8s_gpus = [1]', "coexist.k8s_gpus: GPU 1 is also in coexist.slurm"),
+    ('[coexist]\ngres_conf = "gres.conf"', "coexist.gres_conf: expected an absolute path"),
 ])
 def test_bad_config_names_file_key_and_problem(tmp_path, text, fragment):
     path = write(tmp_path, text)
