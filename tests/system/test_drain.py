@@ -20,9 +20,10 @@ def test_a_drained_gpu_is_given_to_nobody_new_and_resume_serves_the_queue(start_
     assert "GPU 0 is drained (ECC errors): yours until you release it" in d.cli_as(alice, "whoami").stdout
     line = next(line for line in d.cli_as(bob, "status").stdout.splitlines() if line.startswith("GPU 0 "))
     assert line.endswith("DRAINED (ECC errors)"), line
-    assert wait_for(lambda: textfile.exists() and 'gpuguard_gpu_drained{gpu="0"' in textfile.read_text())
-    assert any(line.startswith('gpuguard_gpu_drained{gpu="0"') and line.endswith(" 1.0")
-               for line in textfile.read_text().splitlines())
+    # The file is rewritten each tick, also before the drain (0.0 then): wait for the tick after it.
+    assert wait_for(lambda: textfile.exists() and any(
+        line.startswith('gpuguard_gpu_drained{gpu="0"') and line.endswith(" 1.0")
+        for line in textfile.read_text().splitlines()))
 
     assert d.cli_as(alice, "release").returncode == 0  # ... and when it is given back, nobody new gets it
     assert d.cli_as(bob, "request").returncode == 0 and d.granted_minors(bob) == [1]
