@@ -18,7 +18,7 @@ from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.model import unit_label
-from gpuguard.rules import Rule
+from gpuguard.rules import WATCHER_RULES
 from gpuguard.units import UnitError, parse_duration
 
 HOUR = 3600.0
@@ -100,9 +100,9 @@ def show_report(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
-    # Every rule's column always, whatever the data (scripts read columns by position too)
+    # Every watcher rule's column always, whatever the data (scripts read columns by position too)
     found = {rule for row in [*reply["rows"], reply["total"]] for rule in row["kills"]}
-    rules = [*Rule, *sorted(found - set(Rule))]
+    rules = [*WATCHER_RULES, *sorted(found - set(WATCHER_RULES))]
     if args.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow([args.by, "gpu_hours_granted", "gpu_hours_busy", "gpu_hours_idle", "busy_share",
