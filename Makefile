@@ -21,6 +21,7 @@ TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd l
 	python3-aiohttp python3-pampy python3-prometheus-client python3-psutil python3-pyroute2 python3-shtab python3-tomlkit \
 	kmod man-db chromium chromium-driver \
 	postgresql
+TEST_PACKAGES += fish  # the fish completion script is loaded by fish itself in the tests
 
 # `make install` (other distributions): the application's venv in APPDIR (the unit and the udev rule
 # name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, the unit where systemd reads it, the

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-from gpuguard import allocator, policy, protocol, reporting
+from gpuguard import allocator, drains, policy, protocol, reporting, state_files
 from gpuguard import config as configuration
 from gpuguard.backends import accounts
 from gpuguard.config import Config
+from gpuguard.drains import Drain
 from gpuguard.edges import Clock, GateMap, GpuSampler, Lookup, Processes, Terminals
 from gpuguard.errors import GpuguardError
 from gpuguard.exempt import Exempt
@@ -25,15 +27,18 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import KnownAccounts
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
-from gpuguard.model import EventKind, Grant, Origin, Quota, Rule
+from gpuguard.model import Event, EventKind, Grant, Origin, Quota, Rule, is_slice, unit_label, unit_parent
 from gpuguard.queueing import Queue, Standing
 from gpuguard.release import Releases
+from gpuguard.reload_effects import ReloadEffects
 from gpuguard.server import Peer
 from gpuguard.store import Queued, Store
 from gpuguard.units import UnitError, format_duration, parse_duration
 from gpuguard.usage import UsageMeter
 
-ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes"})
+ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes", "drain",
+                       "resume", "hold"})
+HOLDS_FILE = "queue_holds.json"  # the held queue rows, in state_dir (state_files)
 WHOAMI_EVENTS = 20
 NO_GPU_FREE = "gpuguard: no GPU is free right now; you are in the queue for one (gpuguard whoami)"
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
@@ -70,8 +75,8 @@ class Api:
                  sampler: GpuSampler, lookup: Lookup, logout: LogoutRelease, holders: HolderEnder,
                  gate: GateMap | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
                  accounts: KnownAccounts, usage: UsageMeter, queue: Queue, terminals: Terminals,
-                 processes: Processes, clock: Clock, foreign: Sequence[dict[str, Any]] = (),
-                 elsewhere: Elsewhere | None = None):
+                 processes: Processes, clock: Clock, reload_effects: ReloadEffects, state_dir: Path,
+                 foreign: Sequence[dict[str, Any]] = (), elsewhere: Elsewhere | None = None):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
@@ -90,6 +95,8 @@ class Api:
         self.terminals = terminals
         self.processes = processes
         self.clock = clock
+        self.reload_effects = reload_effects  # what a reload or a login does to former members' grants
+        self.state_dir = state_dir  # where the admin's drains and queue holds are kept (state_files)
         self.foreign = list(foreign)  # status entries of the GPUs Slurm or Kubernetes own (coexist.status_entries)
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
         # `request` reply (a grant may come before the client's `wait` call arrives).
@@ -140,6 +147,7 @@ class Api:
             self.exempt.add(account.uid)  # a no-op unless joined since, or missed by NSS member lists
             return reply
         if eligible == policy.Eligibility.OUTSIDER:
+            self.reload_effects.expel_if_gone(account, config, now, self.leave_queue)  # left the group since
             return reply
         held = store.grants(account.uid)
         if held:  # a second session reuses the grant it already has
@@ -204,24 +212,59 @@ class Api:
             sessions=[asdict(s) for s in store.sessions(account.uid)],
             events=[asdict(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
             usage=store.usage(account.uid),
-            queue=_standing_info(self.queue.standing(account.uid, self.clock())))
+            queue=self._queue_info(account.uid, self.clock()))
+
+    def _queue_info(self, uid: int, now: float) -> dict[str, Any] | None:
+        """The user's place in the queue, with what holds the GPUs (messages.queue_why says it in words)."""
+        info = _standing_info(self.queue.standing(uid, now))
+        if info is None:
+            return None
+        holders = [{"minor": g.minor, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
+                    "reclaim_after": self.accounts.of(g.uid)[1].reclaim_after}
+                   for g in self.store.grants() if g.uid != uid]
+        held = any(q.waiter.id in self.queue.holds for q in self.store.queue(uid))
+        return {**info, "holders": holders, "free": self.queue.free(), "held": held}
 
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         config = self.config()
         sample = self.sampler.last
         commands = await self.sampler.commands(sample.owners) if sample else {}
+        now = self.clock()
         gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self.accounts.of, commands)
+        for gpu in gpus:
+            drained = self.grants.drained.get(unit_parent(gpu["minor"]))
+            gpu["drained"] = None if drained is None else asdict(drained)
         gpus = sorted([*gpus, *self.foreign], key=lambda gpu: gpu["minor"])
-        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=self.clock(),
+        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=now,
                             group=config.access.group,
                             queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,
-                                    "since": q.waiter.since, "priority": q.waiter.priority}
-                                   for i, q in enumerate(self.queue.ordered(self.clock()), start=1)])
+                                    "since": q.waiter.since, "priority": q.waiter.priority,
+                                    "waited": now - q.waiter.since, "reason": why}
+                                   for i, (q, why) in enumerate(self.queue.reasons(now), start=1)])
         if peer.uid == 0:
             reply.update(sessions=[asdict(s) for s in self.store.sessions()],
                          exempt=sorted(self.exempt.uids), mode=config.access.mode,
                          gate=self.gate.name if self.gate and self.gate.is_attached() else None)
         return reply
+
+    async def fairshare(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Every user's fair-share standing, like Slurm's sshare: recent usage (decayed GPU-seconds),
+        share, and usage / share, which orders the queue after priority (lower first). Anyone may look."""
+        now, config = self.clock(), self.config()
+        uids = set(self.store.fairshare()) | {g.uid for g in self.store.grants()} | {
+            q.waiter.uid for q in self.store.queue()}
+        usage = self.queue.usage(now, uids)
+        users: list[dict[str, Any]] = []
+        for uid in sorted(uids):
+            try:
+                account = await self.lookup.by_uid(uid)
+                name, quota = account.name, policy.quota_for(account.name, account.groups, config)
+            except accounts.UnknownUser:  # deleted since: its usage still counts until it decays
+                name, quota = str(uid), config.defaults
+            users.append({"user": name, "uid": uid, "usage": usage[uid], "share": quota.share,
+                          "priority": quota.priority, "normalized": usage[uid] / quota.share})
+        users.sort(key=lambda u: (-u["priority"], u["normalized"], u["user"]))
+        return protocol.ok(users=users, half_life=config.scheduler.half_life, now=now)
 
     # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
 
@@ -241,7 +284,10 @@ class Api:
         limit = _field(request, "limit", int, 200)
         if not 1 <= limit <= reporting.MAX_EVENTS:
             raise Refusal(f"field 'limit': between 1 and {reporting.MAX_EVENTS}, got {limit}", 2)
-        found = self.store.find_events(uid, since, until, _field(request, "rule", str, None), limit)
+        rule = _field(request, "rule", str, None)
+        if rule is not None and rule not in reporting.EVENT_RULES:
+            raise Refusal(f"--rule: no rule {rule!r} (rules: {', '.join(reporting.EVENT_RULES)})", 2)
+        found = self.store.find_events(uid, since, until, rule, limit)
         return protocol.ok(events=[asdict(e) for e in found])
 
     async def _records_of(self, request: dict[str, Any], peer: Peer) -> int | None:
@@ -289,7 +335,7 @@ class Api:
             if not wait:
                 raise Refusal("no GPU is free right now; you are in the queue already (gpuguard whoami shows your "
                               "place); gpuguard request --wait waits for your turn")
-            return protocol.ok(queued=True, ticket=mine[0].waiter.id,
+            return protocol.ok(queued=True, ticket=mine[0].waiter.id, login_place=mine[0].origin == Origin.SESSION,
                                **(_standing_info(self.queue.standing(account.uid, now)) or {}))
         if more > 0 and not store.queue():
             # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
@@ -313,7 +359,7 @@ class Api:
         held = store.grants(account.uid)
         if not held:
             raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
-        return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted))
+        return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted, new=granted or None))
 
     async def wait(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Block until a queued request (`ticket`, from request --wait) is granted, or `limit`
@@ -352,7 +398,7 @@ class Api:
         return self.queue.leave([ticket]) > 0
 
     def _served_reply(self, uid: int, minors: tuple[int, ...]) -> dict[str, Any]:
-        return protocol.ok(queued=False, granted=list(minors), **self._grant_reply(self.store.grants(uid)))
+        return protocol.ok(queued=False, granted=list(minors), **self._grant_reply(self.store.grants(uid), new=minors))
 
     def _queue_served(self, queued: Queued, minors: tuple[int, ...]) -> None:
         """Queue listener: wake the blocked client, and tell the user on their terminals."""
@@ -364,31 +410,80 @@ class Api:
         if future is not None and not future.done():
             future.set_result(minors)
         waited = format_duration(max(0, round(self.clock() - waiter.since)))
-        reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})")
+        reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})",
+                                  new=minors)
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
         self.terminals.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
     async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        """Give GPUs back. It kills nothing: while a process of the user still uses one of
-        them, the release is refused with the pids, so no job loses its GPU by surprise."""
+        """Give GPUs back. It kills nothing: a GPU a process of the user still uses is kept, named
+        with the pids, so no job loses its GPU by surprise. Without --gpu the idle ones go and the
+        busy ones stay (refused only when all are busy), and a place in the queue is left too."""
         store = self.store
         account = await self._account_of(peer)
         held = {g.minor for g in store.grants(account.uid)}
         minors = self._minors(request)
+        left = self.leave_queue(account.uid) if minors is None else 0
         if not held:
+            if left:
+                return protocol.ok(released=[], kept=[], left_queue=left, gpus=[], cuda_visible_devices="",
+                                   message="gpuguard: you held no GPU; you left the queue")
             raise Refusal("you hold no GPU")
         if minors is not None and set(minors) - held:
             raise Refusal(f"you do not hold GPU {unit_list(set(minors) - held)} (you hold {unit_list(held)})")
         targets = set(minors) if minors is not None else held
         scan = _readable(await self.holders.scan(account.uid, targets))
         busy = scan.listed | scan.unlisted
-        if busy:
-            pids = sorted({pid for pid, _ in busy})
-            raise Refusal(f"GPU {unit_list({m for _, m in busy})} still in use by your process"
-                          f"{'es' if len(pids) > 1 else ''} {number_list(pids)}: stop them, then release")
-        removed = self.releases.take_back(account.uid, targets, self.clock(), kind=EventKind.RELEASE, rule=Rule.USER,
-                                          message="released with gpuguard release")
-        return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
+        in_use = f"still in use by your process{'es' if len({p for p, _ in busy}) > 1 else ''} " \
+                 f"{number_list({pid for pid, _ in busy})}"
+        kept = {minor for _, minor in busy}
+        if kept and (minors is not None or kept == targets):
+            raise Refusal(f"GPU {unit_list(kept)} {in_use}: stop them, then release")
+        removed = self.releases.take_back(account.uid, targets - kept, self.clock(), kind=EventKind.RELEASE,
+                                          rule=Rule.USER, message="released with gpuguard release")
+        released = [g.minor for g in removed]
+        parts = [f"released GPU {unit_list(released)}"]
+        if kept:
+            parts.append(f"GPU {unit_list(kept)} stays: {in_use} (stop them, then release)")
+        if still := held - set(released) - kept:
+            parts.append(f"you still hold GPU {unit_list(still)}")
+        if left:
+            parts.append("you left the queue")
+        return protocol.ok(released=released, kept=sorted(kept), left_queue=left,
+                           **{**self._grant_reply(store.grants(account.uid)), "message": f"gpuguard: {'; '.join(parts)}"})
+
+    async def cancel(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Leave the queue (`gpuguard cancel`, `request --cancel`): every request of the caller's,
+        a login's place included, like scancel; root may take out another user's (`--user`), who is
+        told. GPUs already held stay."""
+        name = _field(request, "user", str, None)
+        if name is not None and peer.uid != 0:
+            raise Refusal("only root may take another user's requests out of the queue")
+        account = await (self._account_named(name) if name is not None else self._account_of(peer))
+        waiting = self.queue.standing(account.uid, self.clock())
+        if not self.leave_queue(account.uid):
+            raise Refusal("you are not in the queue (gpuguard whoami shows your GPUs)" if name is None else
+                          f"{name} is not in the queue")
+        where = f"number {waiting.position} of {waiting.waiting}" if waiting else ""
+        if name is None:
+            return protocol.ok(message=f"gpuguard: you left the queue{f' (you were {where})' if where else ''}; "
+                                       "your GPUs, if any, stay yours")
+        self.terminals.tell(account.name, account.uid, "gpuguard: root took your request out of the queue; ask your "
+                           "admin why - gpuguard whoami", [s.tty for s in self.store.sessions(account.uid)])
+        return protocol.ok(message=f"gpuguard: took {account.name}'s requests out of the queue"
+                                   f"{f' ({where})' if where else ''}; they were told")
+
+    def leave_queue(self, uid: int) -> int:
+        """Take every queued request of uid out of the queue (and wake its waiting clients with a refusal)."""
+        ids = [q.waiter.id for q in self.store.queue(uid)]
+        left = self.queue.leave(ids) if ids else 0
+        for ticket in ids:
+            future = self._waiting.get(ticket)
+            if future is not None and not future.done():
+                future.set_exception(Refusal("you left the queue (gpuguard cancel)"))
+        if left:
+            event(logging.INFO, "queue_left", uid=uid, reason="cancel")
+        return left
 
     # --- admin
 
@@ -463,6 +558,72 @@ class Api:
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
 
+    async def hold(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Hold a user's queued requests (`gpuguard hold USER`), or let them go again (`off`): a held
+        request keeps its place but is not served, and reserves nothing, like Slurm's scontrol hold."""
+        account = await self._account_named(_field(request, "user", str))
+        off = _field(request, "off", bool, False)
+        ids = {q.waiter.id for q in self.store.queue(account.uid)}
+        if not ids:
+            raise Refusal(f"{account.name} is not in the queue")
+        self.queue.holds = (self.queue.holds - ids) if off else (self.queue.holds | ids)
+        self._save_holds()
+        event(logging.INFO, "unhold" if off else "hold", user=account.name, requests=len(ids))
+        if off:
+            self.queue.dispatch(self.clock())
+            return protocol.ok(message=f"gpuguard: {account.name}'s request goes on in the queue")
+        self.terminals.tell(account.name, account.uid, "gpuguard: root holds your request in the queue: it keeps its "
+                           "place but is not served until released - ask your admin",
+                           [s.tty for s in self.store.sessions(account.uid)])
+        return protocol.ok(message=f"gpuguard: held {account.name}'s request in the queue; they were told")
+
+    def _save_holds(self) -> None:
+        self.queue.holds &= {q.waiter.id for q in self.store.queue()}  # rows gone since: forgotten
+        try:
+            state_files.write(self.state_dir / HOLDS_FILE, sorted(self.queue.holds))
+        except OSError as exc:
+            raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
+
+    async def drain(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Give these GPUs to nobody new (`gpuguard drain`): their holders keep them and are told."""
+        minors = self._minors(request)
+        reason = _field(request, "reason", str, "")[:200]
+        if minors is None or any(is_slice(m) for m in minors):
+            raise Refusal("--gpu: name whole GPUs (a drain covers all of a GPU's MIG slices)", 2)
+        now = self.clock()
+        for minor in minors:
+            self.grants.drained[minor] = Drain(reason, now)
+        self._save_drains()
+        why = f" ({reason})" if reason else ""
+        for grant in self.store.grants():
+            if unit_parent(grant.minor) in minors:
+                text = (f"gpuguard: GPU {unit_label(grant.minor)} is being drained by root{why}: it stays yours until "
+                        "you release it, but will not be given again until resumed - gpuguard whoami")
+                self.store.add_event(Event(now, grant.uid, grant.user, EventKind.WARNING, text, minor=grant.minor,
+                                           rule=Rule.DRAIN, action="warn"))
+                self.terminals.tell(grant.user, grant.uid, text, [s.tty for s in self.store.sessions(grant.uid)])
+        event(logging.WARNING, "drain", gpu=unit_list(minors), reason=reason or None)
+        return protocol.ok(drained=minors, message=f"gpuguard: drained GPU {unit_list(minors)}{why}; holders told")
+
+    async def resume(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        minors = self._minors(request)
+        if minors is None:
+            raise Refusal("--gpu: name the GPUs to resume", 2)
+        if not_drained := [m for m in minors if m not in self.grants.drained]:
+            raise Refusal(f"GPU {unit_list(not_drained)} is not drained")
+        for minor in minors:
+            del self.grants.drained[minor]
+        self._save_drains()
+        event(logging.INFO, "resume", gpu=unit_list(minors))
+        self.queue.dispatch(self.clock())  # the queue first, as with any GPU that comes free
+        return protocol.ok(resumed=minors, message=f"gpuguard: GPU {unit_list(minors)} may be given again")
+
+    def _save_drains(self) -> None:
+        try:
+            drains.save(self.state_dir / drains.FILE, self.grants.drained)
+        except OSError as exc:
+            raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
+
     async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
         `gpuguard acl apply`. Reads no config, so an admin's half-edited file blocks nothing."""
@@ -483,27 +644,40 @@ class Api:
         minors = request.get("minors")
         if minors is None:
             return None
+        gpus = self.grants.gpus
+        if isinstance(minors, list) and any(isinstance(m, str) for m in minors):
+            by_uuid = {gpu.uuid: unit for unit, gpu in gpus.items()}  # a UUID names one unit, whatever the numbering
+            if unknown_uuids := [m for m in minors if isinstance(m, str) and m not in by_uuid]:
+                raise Refusal(f"--gpu: no GPU or MIG slice {protocol.shown(unknown_uuids[0])} on this machine", 2)
+            minors = [by_uuid[m] if isinstance(m, str) else m for m in minors]
         if not isinstance(minors, list) or not minors or not all(
                 isinstance(m, int) and not isinstance(m, bool) for m in minors):
             raise Refusal(f"field 'minors': expected a non-empty list of GPU numbers, got {minors!r}", 2)
-        gpus = self.grants.gpus
         if unknown := set(minors) - set(gpus):
             raise Refusal(f"no GPU {unit_list(unknown)} on this machine (GPUs: {unit_list(gpus)})", 2)
         return sorted(set(minors))
 
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
         gpu = self.grants.gpus.get(grant.minor)
-        return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None}
+        return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
+                "index": gpu.index if gpu else None,
+                "drained": asdict(drain) if (drain := self.grants.drained.get(unit_parent(grant.minor))) else None}
 
-    def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT) -> dict[str, Any]:
-        """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message)."""
+    def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
+                     new: Collection[int] | None = None) -> dict[str, Any]:
+        """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message).
+        new: the units just granted, which the message is about (with their own end, not an older grant's)."""
         gpus = [self.grants.gpus[g.minor] for g in held if g.minor in self.grants.gpus]
         if not gpus:
             return {"gpus": [], "cuda_visible_devices": "", "message": ""}
-        expiries = [g.expires_at for g in held if g.expires_at is not None]
+        told = [g for g in held if new is None or g.minor in new] or held
+        expiries = [g.expires_at for g in told if g.expires_at is not None]
+        told_gpus = [gpu for gpu in gpus if any(g.minor == gpu.minor for g in told)]
+        if wanted is not None:
+            wanted -= len(gpus) - len(told_gpus)  # the ones held before count towards it
         return {"gpus": [gpu.minor for gpu in gpus],
                 "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
-                "message": grant_message(gpus, min(expiries, default=None), any(g.shared for g in held), wanted,
+                "message": grant_message(told_gpus, min(expiries, default=None), any(g.shared for g in told), wanted,
                                          ending)}
 
     # --- who is asking (NSS, off the event loop)
@@ -576,7 +750,7 @@ def _duration(value: Any) -> float | None:
     try:
         seconds = parse_duration(value)
     except UnitError as exc:
-        raise Refusal(f"field 'for': {exc}", 2) from None
+        raise Refusal(f"--for: {exc}", 2) from None
     if not seconds:
-        raise Refusal("field 'for': must be a positive duration like 8h", 2)
+        raise Refusal("--for: must be a positive duration like 8h", 2)
     return seconds

@@ -31,7 +31,8 @@ def call(socket_path: str, op: str, timeout: float | None = 5.0, **fields: Any) 
             sock.sendall(request)
             reply = _read_line(sock)
     except (OSError, TimeoutError) as exc:
-        raise DaemonUnreachable(f"gpuguard daemon not reachable at {socket_path}: {exc.strerror or exc}") from None
+        raise DaemonUnreachable(f"gpuguard daemon not reachable at {socket_path}: {exc.strerror or exc}; "
+                                "tell your admin") from None
     try:
         message = protocol.decode(reply)
     except protocol.ProtocolError as exc:

@@ -18,7 +18,7 @@ from gpuguard import mig_profiles
 from gpuguard.compat import StrEnum, tomllib
 from gpuguard.errors import UsageError
 from gpuguard.model import MIG_PROFILE, Quota
-from gpuguard.units import UnitError, parse_duration, parse_size
+from gpuguard.units import UnitError, format_duration, format_size, parse_duration, parse_size
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 # Accounts of the NVIDIA driver's own services, exempt by default where they exist:
@@ -27,6 +27,8 @@ DRIVER_ACCOUNTS = ("nvidia-persistenced",)
 MAX_GPUS = 64  # per machine; more is a typo
 MAX_GPU_MINOR = 253  # /dev/nvidia254 and 255 are nvidia-modeset and nvidiactl
 MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
+MIN_GPU_MEMORY = 256 << 20  # a memory quota under this cannot hold a CUDA context: a missing or wrong unit
+MIN_LIMIT = 60.0  # max_time, idle_timeout under a minute on real GPUs: a missing or wrong unit
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -124,6 +126,23 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class NotifyConfig:
+    """Notices for people without a terminal (VS Code, Jupyter): every line the daemon writes to a
+    user's terminals also goes to their webhook and e-mail address, when configured."""
+
+    webhook: str | None = None             # URL for a JSON POST; "{user}" becomes the user's name
+    mail: str | None = None                # e-mail address; "{user}" becomes the user's name
+    addresses: Path | None = None          # TOML file of [users.NAME] webhook/mail, over the templates
+    sendmail: Path = Path("/usr/sbin/sendmail")  # the MTA's sendmail interface (Debian: any MTA provides it)
+    per_user_hour: int = 20                # notices per user and hour; more are dropped (and counted)
+    users: dict[str, dict[str, str]] = field(default_factory=dict)  # read from `addresses`
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.webhook or self.mail or self.users)
+
+
+@dataclass(frozen=True)
 class WebConfig:
     """`gpuguard web`, the read-only web view (gpuguard.web): off until `listen` is set."""
 
@@ -204,6 +223,7 @@ class Config:
     coexist: CoexistConfig = field(default_factory=CoexistConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
     cluster: ClusterConfig | None = None  # None: a single server
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
 
 
 # --- value parsers: each takes the raw TOML value and returns the typed one or raises ValueError
@@ -246,6 +266,38 @@ def _positive_size(value: Any) -> int:
     if not size:
         raise ValueError(f"expected a positive size, got {value!r}")
     return size
+
+
+def _gpu_memory(value: Any) -> int | None:
+    size = parse_size(value)
+    if size == 0:
+        raise ValueError(f"{value!r} would leave no memory at all; write unlimited for no limit")
+    if size is not None and size < MIN_GPU_MEMORY:
+        number = value.strip().rstrip("BbKkMmGgTtIi ") if isinstance(value, str) else value
+        raise ValueError(f"{value!r} is under {format_size(MIN_GPU_MEMORY)}, too little for any GPU job; "
+                         f"did you mean {number}GiB?")
+    return size
+
+
+def _limit(what: str) -> Callable[[Any], float | None]:
+    """A quota's time limit: a duration or none, never zero (it would act at once on every grant)."""
+    def parse(value: Any) -> float | None:
+        seconds = parse_duration(value)
+        if seconds == 0:
+            raise ValueError(f"{value!r} would {what} at once; write none for no limit")
+        return seconds
+    return parse
+
+
+def _check_floors(where: str, fields: dict[str, Any]) -> None:
+    """Quota limits too short for real GPUs, where a test or demo on simulated GPUs may want them:
+    a minute for max_time and idle_timeout (`30s` was most likely `30m`). reclaim_after acts only
+    while someone waits, so a few seconds is a policy (bench/scheduling-exclusive.toml), not a typo."""
+    for key in ("max_time", "idle_timeout"):
+        seconds = fields.get(key)
+        if seconds is not None and seconds < MIN_LIMIT:
+            raise ConfigError(f"{where}.{key}: {format_duration(seconds)} is under a minute; "
+                              f"did you mean {format_duration(seconds * 60)}?")
 
 
 def _positive_duration(minimum: float) -> Callable[[Any], float]:
@@ -349,6 +401,24 @@ def _fleet_limit(value: Any) -> int | None:
     return _count(0, 100_000)(value)
 
 
+def _template(kind: str, check: Callable[[str], bool]) -> Callable[[Any], str]:
+    """A webhook URL or an e-mail address, where {user} stands for the user's name."""
+    def parse(value: Any) -> str:
+        text = _string(value)
+        try:
+            example = text.format(user="alice")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"expected a {kind} where only {{user}} is replaced, got {value!r}") from None
+        if not check(example) or any(ch.isspace() or ord(ch) < 32 for ch in example):
+            raise ValueError(f"not a {kind}: {value!r}")
+        return text
+    return parse
+
+
+_WEBHOOK = _template("http:// or https:// URL", lambda url: url.startswith(("http://", "https://")))
+_MAIL = _template("mail address", lambda address: address.count("@") == 1 and not address.startswith(("-", "@")))
+
+
 def _minors(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(m, int) and not isinstance(m, bool) for m in value):
         raise ValueError(f"expected a list of GPU minors, got {value!r}")
@@ -382,13 +452,13 @@ def _profiles(value: Any) -> tuple[str, ...]:
 
 QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "gpus": _count(0, MAX_GPUS),
-    "gpu_memory": parse_size,
-    "max_time": parse_duration,
-    "idle_timeout": parse_duration,
+    "gpu_memory": _gpu_memory,
+    "max_time": _limit("end every grant"),
+    "idle_timeout": _limit("release every grant"),
     "sharing": _bool,
     "priority": _integer,
     "share": _weight,
-    "reclaim_after": parse_duration,
+    "reclaim_after": _limit("take back every grant someone waits for"),
     "cluster_gpus": _fleet_limit,
     "slices": _slice_limit,
     "whole_gpus": _bool,
@@ -409,6 +479,8 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
+    "notify": {"webhook": _WEBHOOK, "mail": _MAIL, "addresses": _absolute_path, "sendmail": _absolute_path,
+               "per_user_hour": _count(1, 3600)},
     "web": {"listen": _listen, "user": _string, "show_users": _bool, "admin_group": _string,
             "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
             "secure_cookies": _bool},
@@ -488,8 +560,9 @@ def _coexist(source: Path, section: dict[str, Any]) -> CoexistConfig:
     return coexist
 
 
-def load_quotas(path: Path) -> QuotaOverrides:
-    """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none."""
+def load_quotas(path: Path, floors: bool = True) -> QuotaOverrides:
+    """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none.
+    floors: refuse time limits under a minute (real GPUs; the simulated ones allow them, for tests)."""
     if not path.exists():
         return QuotaOverrides()
     data = _read_toml(path)
@@ -501,7 +574,18 @@ def load_quotas(path: Path) -> QuotaOverrides:
             raise ConfigError(f"{path}: {kind}: expected tables like [{kind}.NAME]")
         for name, table in entries.items():
             tables[kind][name] = _parse_table(path, f"{kind}.{name}", table, QUOTA_KEYS)
+            if floors:
+                _check_floors(f"{path}: {kind}.{name}", tables[kind][name])
     return QuotaOverrides(users=tables["users"], groups=tables["groups"])
+
+
+def load_addresses(path: Path) -> dict[str, dict[str, str]]:
+    """The per-user notice addresses: `[users.NAME]` tables of `webhook` and `mail`."""
+    data = _read_toml(path)
+    if set(data) - {"users"} or not isinstance(data.get("users", {}), dict):
+        raise ConfigError(f"{path}: expected only tables like [users.NAME]")
+    return {name: _parse_table(path, f"users.{name}", table, {"webhook": _WEBHOOK, "mail": _MAIL})
+            for name, table in data.get("users", {}).items()}
 
 
 def load(path: Path | str | None = None) -> Config:
@@ -519,6 +603,9 @@ def load(path: Path | str | None = None) -> Config:
     _check_topology(source, simulated)
     _check_mig(source, simulated)
 
+    floors = gpu_section.get("backend", GpuBackend.NVML) == GpuBackend.NVML
+    if floors:
+        _check_floors(f"{source}: defaults", sections.get("defaults", {}))
     paths_section = sections.get("paths", {})
     # The quotas file sits next to the config file unless the admin names another one.
     paths = replace(PathsConfig(**paths_section),
@@ -538,13 +625,19 @@ def load(path: Path | str | None = None) -> Config:
         metrics=MetricsConfig(**sections.get("metrics", {})),
         web=WebConfig(**sections.get("web", {})),
         coexist=_coexist(source, sections.get("coexist", {})),
-        quotas=load_quotas(paths.quotas),
+        quotas=load_quotas(paths.quotas, floors),
+        notify=_notify(sections.get("notify", {})),
         cluster=_cluster(source, sections.get("cluster")),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:
         # NVML process queries serialize on the driver lock; faster polling slows every CUDA call.
         raise ConfigError(f"{source}: watcher.interval: must be at least 1s with the nvml backend")
     return config
+
+
+def _notify(section: dict[str, Any]) -> NotifyConfig:
+    addresses = section.get("addresses")
+    return NotifyConfig(**section, users=load_addresses(addresses) if addresses else {})
 
 
 def default_path() -> Path:

@@ -23,6 +23,9 @@ SECTIONS: dict[str, str] = {
     "paths": "Where gpuguard keeps its state, its socket and its nodes.",
     "gpu": "Where the GPUs come from.",
     "metrics": "Prometheus metrics and the files other tools read; read at start only, every one off until set.",
+    "notify": "Notices for users without a terminal (VS Code, Jupyter): every line gpuguard writes to a user's "
+              "terminals also goes to their webhook and e-mail address; off until webhook or mail is set "
+              "(or addresses names some). Taken up again by a reload.",
     "web": "gpuguard web, the read-only web view (its own process and unit, gpuguard-web.service): off until listen is set.",
     "coexist": "GPUs another system (Slurm, Kubernetes) hands out on this machine: left out of the gate, the ACLs "
                "and allocation; read at start only.",
@@ -74,6 +77,15 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("metrics", "listen"): ("string", "ADDRESS:PORT of the /metrics endpoint, e.g. 127.0.0.1:9447 (unset: off)"),
     ("metrics", "textfile"): ("path", "node_exporter textfile collector file, ending in .prom (unset: off)"),
     ("metrics", "dcgm_job_mapping_dir"): ("path", "dcgm-exporter's HPC job mapping directory (unset: off)"),
+    ("notify", "webhook"): ("string", "URL that gets each notice as a JSON POST ({\"text\", \"user\", \"host\", "
+                                      "\"time\"}); {user} becomes the user's name, URL-quoted (unset: off)"),
+    ("notify", "mail"): ("string", "e-mail address each notice is mailed to through sendmail; {user} becomes the "
+                                   "user's name, e.g. \"{user}@lab.example\" (unset: off)"),
+    ("notify", "addresses"): ("path", "TOML file of [users.NAME] tables with webhook and mail, used over the templates "
+                                      "above for those users (unset: none)"),
+    ("notify", "sendmail"): ("path", "the MTA's sendmail program, run as sendmail -oi -- ADDRESS"),
+    ("notify", "per_user_hour"): ("integer", "notices per user and hour sent to the webhook and mail; more are "
+                                             "dropped and counted"),
     ("web", "listen"): ("string", "ADDRESS:PORT it serves on, e.g. 127.0.0.1:8447 (unset: off)"),
     ("web", "user"): ("string", "the account gpuguard web runs as (never root); the daemon lets it read every "
                                 "user's whoami, report and events, and nothing more"),

@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gpuguard import cluster, coexist, sampling, wiring
+from gpuguard import cluster, coexist, held_devices, sampling, wiring
 from gpuguard import config as configuration
 from gpuguard.backends import (
     GateError,
@@ -42,6 +42,7 @@ from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.backends.node_watcher import NodeWatcher
 from gpuguard.backends.owned import OwnedGpus
 from gpuguard.backends.processes import HostProcesses
+from gpuguard.backends.remote_notify import RemoteNotifier
 from gpuguard.coexist import Owner
 from gpuguard.config import AccessMode, Config, GpuBackend
 from gpuguard.logs import event
@@ -61,6 +62,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._layout_read: asyncio.Task | None = None  # the MIG layout read a reload asked for
         self._exempt_read: asyncio.Task | None = None  # the exempt users' lookup a reload asked for
+        self._reload_effects: asyncio.Task | None = None  # what the last reload does to grants (reload_effects)
 
     def current_config(self) -> Config:
         """What the services read the config through: a reload replaces self.config."""
@@ -88,17 +90,19 @@ class Daemon:
         # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         first_layout = self.backend.layout()
+        remote = RemoteNotifier(lambda: self.config.notify)  # webhook and e-mail, beside the terminals
         services = self.services = wiring.build(wiring.Edges(
             config=self.current_config, store_path=self.config.paths.state_dir / "state.db",
             sampler=sampling.Sampler(self.backend),
             units={gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
             driver_minors=present - self.ownership.foreign.keys(), nodes=AclNodes(self.config.paths.device_dir),
-            lookup=AccountLookup(), terminals=notify.Notifier(), exits=ExitWatch(),
+            lookup=AccountLookup(), terminals=notify.Notifier(remote=remote), exits=ExitWatch(),
             find_holders=sampling.node_holders, processes=HostProcesses(), gate=self.gate,
             topology=self.backend.topology(), caps_major=caps_major(self.config),
             reload=self.reload, sync_nodes=self.sync_nodes,
             foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership),
-            fleet_db=cluster.database(self.config)))
+            held=held_devices.HeldDevices(held_devices.directory_for(self.config.paths.socket)),
+            notices=remote.counts, fleet_db=cluster.database(self.config)))
         self.store, self.grants, self.sampler = services.store, services.grants, services.edges.sampler
         systemd.status("starting: attaching the gate and restoring grants")
         exempt = services.exempt.compute()
@@ -111,6 +115,8 @@ class Daemon:
         self.services.releases.follow_layout(first_layout, time.time())
         for repaired in self.grants.reconcile():  # what changed while no daemon ran
             event(logging.INFO, "reconcile", repaired=repaired)
+        # Each holder's CUDA_VISIBLE_DEVICES for the PAM module, should it find no daemon at a login.
+        self.grants.write_all_held()
         self.node_watchers = [NodeWatcher(self.config.paths.device_dir, self._node_changed)]
         caps_dir = self.config.paths.device_dir / "nvidia-caps"
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
@@ -148,7 +154,7 @@ class Daemon:
         fleet = self.services.fleet
         heartbeat = asyncio.create_task(fleet.cluster.run()) if fleet else None
         systemd.notify("READY=1", f"STATUS={self._status_text()}")
-        event(logging.INFO, "ready", socket=self.config.paths.socket, gpus=unit_list(self.grants.gpus),
+        event(logging.INFO, "ready", socket=self.config.paths.socket, gpu=unit_list(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
         try:
             await self._stop.wait()
@@ -161,7 +167,7 @@ class Daemon:
                 heartbeat.cancel()
             for watcher in self.node_watchers:
                 loop.remove_reader(watcher.fileno())
-            for task in (self._layout_read, self._exempt_read):
+            for task in (self._layout_read, self._exempt_read, self._reload_effects):
                 if task is not None:
                     task.cancel()
             await self.server.close()
@@ -178,7 +184,7 @@ class Daemon:
 
     def reload(self) -> Config:
         """Load the config again; raises ConfigError and keeps the old one when it is broken."""
-        new = configuration.load(self.config.source)
+        new, old = configuration.load(self.config.source), self.config
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
         fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
                         coexist=self.config.coexist, cluster=self.config.cluster,
@@ -191,6 +197,9 @@ class Daemon:
         self._exempt_read = loop.create_task(self.services.exempt.refresh())  # NSS, off the loop
         # The MIG layout is read again at once, through the sampler: NVML is used from one thread at a time.
         self._layout_read = loop.create_task(self.read_layout())
+        # Former members lose their grants, lowered idle limits warn first (NSS lookups: off this call).
+        self._reload_effects = loop.create_task(
+            self.services.reload_effects.apply(old, fixed, time.time(), self.services.api.leave_queue))
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         systemd.status(self._status_text())
@@ -282,6 +291,8 @@ class Daemon:
             self.services.logout.drop_dead_sessions()
             self.services.queue.drop_gone(self.services.logout.caller_alive)
             await self.services.logout.release_unused(sample)
+            if self._reload_effects is not None:  # a reload's notices go first: its new limits act after them
+                await asyncio.wait({self._reload_effects})
             await self.services.watcher.check(sample, time.time())
             self.services.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
         await self.services.metrics.after_tick(time.monotonic() - started)

@@ -7,7 +7,7 @@ real class. Nothing here runs: the types only.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -127,3 +127,14 @@ class FleetDatabase(Protocol):
     def release(self, pairs: list[tuple[int, str]]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class HeldFiles(Protocol):
+    """Each user's held GPUs (UUIDs) where the PAM module finds them when no daemon answers
+    (held_devices.HeldDevices: /run/gpuguard/held/UID)."""
+
+    def write(self, uid: int, uuids: Sequence[str]) -> None:
+        """Say these UUIDs for uid (none: the user's file goes); a failure is logged, never raised."""
+
+    def users(self) -> set[int]:
+        """The uids with a file now."""

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpuguard import allocator, layout, policy
 from gpuguard.allocator import Topology
-from gpuguard.edges import Entry, GateMap, Nodes
+from gpuguard.drains import Drain
+from gpuguard.edges import Entry, GateMap, HeldFiles, Nodes
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
 from gpuguard.model import NVIDIA_MAJOR, Device, Event, EventKind, Gpu, Grant, Origin, Quota, Rule, is_slice, unit_parent
@@ -51,11 +52,14 @@ class Admit(Protocol):
 class Grants:
     def __init__(self, store: Store, gate: GateMap | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
-                 topology: Topology | None = None, caps_major: int | None = None, admit: Admit | None = None):
+                 topology: Topology | None = None, caps_major: int | None = None, admit: Admit | None = None,
+                 held: HeldFiles | None = None):
         """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
         nvidia-caps character major (None: no MIG capability nodes on this machine); admit: a
-        fleet's grant-time check (gpuguard.cluster), None on a single server."""
+        fleet's grant-time check (gpuguard.cluster), None on a single server; held: each user's
+        CUDA_VISIBLE_DEVICES for logins while the daemon is down (None: not kept)."""
         self.store = store
+        self.held = held
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
         self.nodes = nodes
         self.caps_major = caps_major
@@ -72,12 +76,26 @@ class Grants:
         # driver stays loaded, so a grant on a slice that has just vanished is still closed fully.
         self._caps: dict[int, tuple[int, int]] = {}
         self.gpus: dict[int, Gpu] = {}  # what can be handed out now: unit -> GPU or slice
+        self.drained: dict[int, Drain] = {}  # GPUs given to nobody new (drains.py), by minor
         self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
         # The part of the chosen units a fleet quota allows, recorded in the fleet database: it
         # may only make a grant smaller.
         self.admit = admit
+
+    def write_held(self, uid: int) -> None:
+        """The user's held-devices file as the store now says (after every grant given or taken
+        back: add and remove are the only ways a grant changes, so no listener is needed)."""
+        if self.held is not None:
+            self.held.write(uid, [self.gpus[g.minor].uuid for g in sorted(self.store.grants(uid), key=lambda g: g.minor)
+                                  if g.minor in self.gpus])
+
+    def write_all_held(self) -> None:
+        """Every holder's file, and none for anyone else (at start: grants changed while no daemon ran)."""
+        if self.held is not None:
+            for uid in sorted(self.held.users() | {g.uid for g in self.store.grants()}):
+                self.write_held(uid)
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -114,9 +132,15 @@ class Grants:
 
     def choose(self, uid: int, count: int, quota: Quota) -> tuple[int, ...]:
         """Up to `count` more units for uid on the terms of `quota` (allocator.choose over the current grants)."""
-        return allocator.choose(list(self.gpus.values()), self.topology, self.store.grants(),
+        return allocator.choose(self.open_units(), self.topology, self.store.grants(),
                                 self.store.last_released(), uid, count, policy.may_share(quota),
                                 self.store.last_held(uid), quota)
+
+    def open_units(self) -> list[Gpu]:
+        """The units that may be given to someone new: all but those on a drained GPU."""
+        if not self.drained:
+            return list(self.gpus.values())
+        return [gpu for unit, gpu in self.gpus.items() if unit_parent(unit) not in self.drained]
 
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
                  message: str) -> tuple[int, ...]:
@@ -148,8 +172,9 @@ class Grants:
         for minor in minors:
             self.store.add_event(Event(now, uid, user, EventKind.GRANT, message, minor=minor, rule=Rule(origin),
                                        action=EventKind.GRANT))
-        event(logging.INFO, "grant", user=user, uid=uid, gpus=unit_list(minors), origin=origin, expires_at=expires_at,
+        event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(minors), origin=origin, expires_at=expires_at,
               shared=shared or None)
+        self.write_held(uid)
 
     def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
                message: str) -> list[Grant]:
@@ -180,7 +205,8 @@ class Grants:
         for grant in held:
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
                                        action=kind))
-        event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=unit_list(g.minor for g in held), rule=rule)
+        event(logging.INFO, kind, user=held[0].user, uid=uid, gpu=unit_list(g.minor for g in held), rule=rule)
+        self.write_held(uid)
         return held
 
     def sync_nodes(self, units: Iterable[int]) -> list[str]:
@@ -230,7 +256,7 @@ class Grants:
         if changed:
             self.physical = physical
             self._set_units(units)
-            event(logging.INFO, "mig_layout", gpus=unit_list(now_seen.mig_gpus), slices=len(now_seen.slices))
+            event(logging.INFO, "mig_layout", gpu=unit_list(now_seen.mig_gpus), slices=len(now_seen.slices))
         stale = layout.stale(self.store.grants(), units, set(physical) - now_seen.unread)
         if changed:
             self.sync_nodes(unit for unit in units if is_slice(unit))

@@ -1,4 +1,4 @@
-"""The daemon's log lines: `gpuguard level=info event=grant user=alice gpus=3`.
+"""The daemon's log lines: `gpuguard level=info event=grant user=alice gpu=3 expires_at=2026-12-01T18:56:00+0100`.
 
 One `key=value` line per event on stderr (the journal under systemd adds time and unit),
 so that admins can grep and machines can parse them. Values with spaces, quotes, `=` or
@@ -89,7 +89,15 @@ def stderr_is_journal(stream: TextIO | None = None, environ: dict[str, str] | No
 
 
 def pairs(**fields: object) -> str:
-    return " ".join(f"{key}={_value(value)}" for key, value in fields.items() if value is not None)
+    """`key=value ...`; a time (a key ending in `_at`, epoch seconds) as local ISO 8601 to the second."""
+    return " ".join(f"{key}={_iso(value) if key.endswith('_at') else _value(value)}"
+                    for key, value in fields.items() if value is not None)
+
+
+def _iso(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _value(value)
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(value))
 
 
 def _value(value: object) -> str:
@@ -102,7 +110,8 @@ def _value(value: object) -> str:
 
 
 def event(level: int, name: str, /, exc_info: bool = False, **fields: object) -> None:
-    """Log one event: `event("grant", user="alice", gpus=[3])` -> `event=grant user=alice gpus=3`."""
+    """Log one event: `event("grant", user="alice", gpu=[3])` -> `event=grant user=alice gpu=3`
+    (`gpu=` names GPUs, `gpus=` counts them)."""
     logger.log(level, "%s", pairs(event=name, **fields), exc_info=exc_info, extra={"event_name": name})
 
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from gpuguard import rules
-from gpuguard.model import Gpu, unit_label
+from gpuguard.model import Gpu, is_slice, slice_place, unit_label
 from gpuguard.rules import Action
 from gpuguard.units import format_duration, format_size
 
@@ -16,12 +17,26 @@ def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wante
                   ending: str = WHOAMI_HINT) -> str:
     """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`
     (`ending` replaces the part after "yours ...")."""
-    names = ", ".join(sorted({gpu.name for gpu in gpus})) + (", shared" if shared else "")
+    names = ", ".join(sorted({gpu.name for gpu in gpus}))
+    if any(smi_differs(gpu.minor, gpu.index) for gpu in gpus):
+        names += f", nvidia-smi {','.join(str(gpu.index) for gpu in sorted(gpus, key=lambda g: g.minor))}"
+    names += ", shared" if shared else ""
     several = len(gpus) > 1
     subject = f"GPU{'s' if several else ''} {unit_list(gpu.minor for gpu in gpus)} ({names})"
     until = f" until {clock(expires_at)}" if expires_at is not None else ""
     short = f" ({len(gpus)} of {wanted}: no more free)" if wanted and len(gpus) < wanted else ""
     return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short}{ending}"
+
+
+def smi_differs(unit: int, index: int | None) -> bool:
+    """Whether NVML's index of a unit's GPU (what nvidia-smi, nvitop, gpustat and DCGM number GPUs
+    by) differs from its minor (what gpuguard and /dev/nvidiaN use): then both are shown."""
+    return index is not None and index != (slice_place(unit)[0] if is_slice(unit) else unit)
+
+
+def gpu_label(unit: int, index: int | None) -> str:
+    """`3`, or `0 (nvidia-smi 2)` where the numbers differ."""
+    return unit_label(unit) + (f" (nvidia-smi {index})" if smi_differs(unit, index) else "")
 
 
 def cuda_export(uuids: Iterable[str]) -> str:
@@ -72,6 +87,42 @@ def queue_message(position: int, waiting: int, gpus: int, estimate: float | None
     when = f" (expected by {clock(estimate)})" if estimate is not None else ""
     return (f"gpuguard: no GPU is free right now; you are number {position} of {waiting} in the queue for "
             f"{gpus} GPU{'s' if gpus != 1 else ''}{when}; {then} - gpuguard whoami shows the queue")
+
+
+IDLE_SHOWN = 120.0  # idle shorter than this is "in use": the store's last-active time is up to a minute old
+
+
+def queue_why(queue: dict[str, Any], now: float) -> list[str]:
+    """Why a queued user waits and what they can do, in words (`gpuguard whoami`): who holds the
+    GPUs, which are idle and for how long, whether reclaim would free them, the first expiry."""
+    holders = queue.get("holders") or []
+    lines = ["root holds your request: it keeps its place but is not served until released - ask your admin"] \
+        if queue.get("held") else []
+    if queue.get("free"):
+        lines.append(f"{queue['free']} GPU{'s are' if queue['free'] != 1 else ' is'} free but held for requests "
+                     "ahead of yours")
+    busy = [h for h in holders if h["idle"] < IDLE_SHOWN]
+    idle = sorted((h for h in holders if h["idle"] >= IDLE_SHOWN), key=lambda h: -h["idle"])
+    if busy:
+        lines.append("held: " + ", ".join(f"GPU {unit_label(h['minor'])} by {h['user']}" for h in busy))
+    for h in idle:
+        reclaim = ("reclaim is off for them" if h["reclaim_after"] is None else
+                   f"reclaim takes it back after {format_duration(h['reclaim_after'])} idle while someone waits")
+        lines.append(f"idle: GPU {unit_label(h['minor'])} of {h['user']}, unused for {_minutes(h['idle'])}; {reclaim}")
+    expiries = [h["expires_at"] for h in holders if h["expires_at"] is not None]
+    if expiries:
+        first = min(expiries)
+        lines.append(f"the first grant to end runs until {clock(first)} (in {_minutes(first - now)})")
+    elif holders:
+        lines.append("no grant has a time limit: a GPU comes free when its holder releases it or logs out")
+    lines.append("you can: wait here (you are told on your terminals), see gpuguard status, ask a holder to run "
+                 "gpuguard release, ask your admin, or leave with gpuguard cancel")
+    return lines
+
+
+def _minutes(seconds: float) -> str:
+    """`2h04m` as `2h4m`: whole minutes, since store times are up to a minute old anyway."""
+    return format_duration(max(1, int(seconds // 60)) * 60)
 
 
 HINT = "see gpuguard whoami"

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from gpuguard.config import MetricsConfig
 from gpuguard.logs import event
-from gpuguard.model import EventKind, Gpu, GpuUse, Grant, Origin, Quota, Rule, unit_label
+from gpuguard.model import EventKind, Gpu, GpuUse, Grant, Origin, Quota, Rule, unit_label, unit_parent
 from gpuguard.rules import Kind
 from gpuguard.sampling import Sample
 
@@ -84,6 +84,8 @@ class Snapshot:
     queue_requests: int = 0                    # requests waiting
     queue_units: int = 0                       # GPUs (or MIG slices) they ask for
     queue_oldest: float | None = None          # when the longest-waiting one joined; None: nobody waits
+    notices: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (channel, outcome) -> remote notices
+    drained: frozenset[int] = frozenset()      # GPUs (minors) given to nobody new
 
 
 @dataclass
@@ -147,11 +149,13 @@ def families(s: Snapshot) -> Iterator[Metric]:
     left = per_gpu("gpuguard_grant_remaining_seconds", "Time left on a grant with a time limit", ["user"])
     user_memory = per_gpu("gpuguard_user_gpu_memory_used_bytes",
                           "GPU memory NVML reports for the user's processes on the GPU", ["user"])
+    drained = per_gpu("gpuguard_gpu_drained", "1 while the GPU is drained (given to nobody new), else 0")
     for state in s.gpus:
         gpu = state.gpu
         key = [unit_label(gpu.minor), gpu.uuid]
         info.add_metric(key + [str(gpu.index), gpu.name, gpu.pci_bus_id, gpu.slice.profile if gpu.slice else ""], 1)
         up.add_metric(key, 1 if state.read else 0)
+        drained.add_metric(key, 1 if unit_parent(gpu.minor) in s.drained else 0)
         if state.use is not None:
             used.add_metric(key, state.use.memory_used)
             total.add_metric(key, state.use.memory_total)
@@ -164,7 +168,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
                 left.add_metric(key + [h.user], max(0.0, h.expires_at - s.time))
         for user, memory in state.user_memory:
             user_memory.add_metric(key + [user], memory)
-    yield from (info, up, used, total, util, holder, age, left, user_memory)
+    yield from (info, up, used, total, util, holder, age, left, user_memory, drained)
 
     yield GaugeMetricFamily("gpuguard_grants", "GPU grants in force (one per user and GPU)", value=s.grants)
     yield GaugeMetricFamily("gpuguard_sessions", "Open PAM sessions the daemon knows of", value=s.sessions)
@@ -174,6 +178,12 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily("gpuguard_queue_oldest_wait_seconds", "How long the longest-waiting request has waited "
                             "(0 when nobody waits)", value=0.0 if s.queue_oldest is None else max(0.0, s.time - s.queue_oldest))
     yield from _event_families(s.events)
+    notices = CounterMetricFamily("gpuguard_notices", "Notices to webhooks and e-mail, by channel and outcome "
+                                  "(sent, failed, dropped over the per-user rate or a full queue)",
+                                  labels=["channel", "outcome"])
+    for (channel, outcome), count in sorted(s.notices.items()):
+        notices.add_metric([channel, outcome], count)
+    yield notices
 
     errors = CounterMetricFamily("gpuguard_nvml_errors", "NVML process queries that failed, by GPU", labels=["gpu"])
     for minor, count in sorted(s.nvml_errors.items()):
@@ -252,8 +262,12 @@ class Metrics:
     """The loop side: publishes a snapshot per tick and feeds the endpoint and the files."""
 
     def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
-                 account_of: Callable[[int], tuple[str, Quota]]) -> None:
+                 account_of: Callable[[int], tuple[str, Quota]],
+                 notices: Callable[[], Mapping[tuple[str, str], int]] = dict,
+                 drained: Callable[[], Iterable[int]] = tuple) -> None:
         self.settings = settings
+        self.drained = drained  # the drained GPUs' minors (Grants.drained)
+        self.notices = notices  # remote notices sent, failed and dropped (remote_notify), thread-safe
         self.account_of = account_of  # user names as the watcher last resolved them (no NSS on the loop)
         self.store = store
         self.gpus = gpus
@@ -304,7 +318,8 @@ class Metrics:
             gate_attached=attached, gate_grants=len(entries) if gate else None,
             gate_exempt=len(gate.exempt() - {0}) if gate and attached else (0 if gate else None),
             queue_requests=len(waiting), queue_units=sum(w.gpus for w in waiting),
-            queue_oldest=min((w.since for w in waiting), default=None))
+            queue_oldest=min((w.since for w in waiting), default=None), notices=self.notices(),
+            drained=frozenset(self.drained()))
         return self.snapshot
 
     async def after_tick(self, tick_seconds: float) -> None:

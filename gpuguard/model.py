@@ -117,6 +117,8 @@ class Rule(StrEnum):
     USER = "user"        # the user released it (gpuguard release)
     ADMIN = "admin"      # an admin granted or revoked it (also Origin.ADMIN)
     COEXIST = "coexist"  # its GPU is Slurm's or Kubernetes' now ([coexist])
+    MEMBERSHIP = "membership"  # the user is no longer in the GPU group (reload_effects)
+    DRAIN = "drain"      # the admin drained its GPU (gpuguard drain): a warning, the grant stays
     SESSION = "session"  # granted at login or to a user with a session (Origin.SESSION)
     REQUEST = "request"  # granted on request with no session open (Origin.REQUEST)
 

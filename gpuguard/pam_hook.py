@@ -42,6 +42,8 @@ TIMEOUT = 2.0  # seconds, for everything: config, connect, send, reply
 DEFAULT_CONFIG = "/etc/gpuguard/gpuguard.toml"
 DEFAULT_SOCKET = "/run/gpuguard/gpuguard.sock"
 OPERATIONS = {"open_session": "session_open", "close_session": "session_close"}
+# What a login is told when no daemon answers (the same line as pam_gpuguard.so's)
+UNAVAILABLE = "gpuguard: GPU service unavailable; your GPUs stay as they were; tell your admin"
 
 
 class HookError(GpuguardError):
@@ -131,6 +133,7 @@ def run(config_path: str | None = None, socket: str | None = None, quiet: bool =
     caller_pid = os.getppid() if caller_pid is None else caller_pid
     out = sys.stdout if out is None else out
     request: dict[str, Any] | None = None
+    answered = False
     try:
         with _deadline(TIMEOUT):
             request = build_request(environ, caller_pid)
@@ -142,6 +145,7 @@ def run(config_path: str | None = None, socket: str | None = None, quiet: bool =
             path = socket_path(config_path, socket, environ)
             fields = {key: value for key, value in request.items() if key != "op"}
             reply = client.call(path, request["op"], timeout=TIMEOUT, **fields)
+            answered = True
             message = " ".join(str(reply.get("message") or "").split())  # one line, no controls
             if message and not quiet and request["op"] == "session_open":
                 print(message, file=out, flush=True)
@@ -153,6 +157,11 @@ def run(config_path: str | None = None, socket: str | None = None, quiet: bool =
         _log(f"{_describe(request)}: no answer within {TIMEOUT:g}s; no GPUs for this session")
     except Exception as exc:  # noqa: BLE001 - a login must never fail because of this hook
         _log(f"{_describe(request)}: {type(exc).__name__}: {exc}")
+    if request is not None and request["op"] == "session_open" and not answered and not quiet:
+        try:
+            print(UNAVAILABLE, file=out, flush=True)
+        except OSError:
+            pass
     return 0
 
 

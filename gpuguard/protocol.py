@@ -24,6 +24,7 @@ OPERATIONS = frozenset({
     "session_open", "session_close", "whoami", "status", "request", "release",
     "grant", "revoke", "reload", "sync_nodes", "report", "events", "wait",
     "cluster_status", "where",  # a fleet's (gpuguard.cluster.ops)
+    "cancel", "fairshare", "drain", "resume", "hold",  # steering the queue
 })
 
 

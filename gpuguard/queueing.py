@@ -10,7 +10,7 @@ All calls come from the event-loop thread, as the store requires.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuguard import allocator, policy, rules, scheduler
@@ -22,6 +22,28 @@ from gpuguard.store import Queued, Store
 
 Listener = Callable[[Queued, tuple[int, ...]], None]
 Alive = Callable[[int | None, int | None], bool]  # (pid, its start time) -> whether that process still runs
+
+# Why a request waits, one word each as squeue prints them (`gpuguard status`'s REASON column).
+RESOURCES = "Resources"   # first in line (or only behind earlier askers): waiting for GPUs to be free
+PRIORITY = "Priority"     # behind a request of higher priority
+FAIRSHARE = "FairShare"   # behind a user with less recent usage
+RESERVED = "Reserved"     # GPUs are free, but held for a request that has waited reserve_after
+HELD = "Held"             # an admin holds the request (`gpuguard hold`): it keeps its place, is not served
+
+
+def reason(ahead: Sequence[scheduler.Waiter], mine: scheduler.Waiter, usage: Mapping[int, float], free: int,
+           now: float, reserve_after: float) -> str:
+    """Why `mine` waits, behind `ahead` (in order), with `free` units nobody holds."""
+    if free and any(now - waiter.since >= reserve_after for waiter in ahead):
+        return RESERVED
+    if not ahead:
+        return RESOURCES
+    nearest = ahead[-1]
+    if nearest.priority != mine.priority:
+        return PRIORITY
+    if usage.get(nearest.uid, 0.0) / nearest.share != usage.get(mine.uid, 0.0) / mine.share:
+        return FAIRSHARE
+    return RESOURCES
 
 
 @dataclass(frozen=True)
@@ -45,6 +67,7 @@ class Queue:
         self.store = store
         self.grants = grants
         self.listeners: list[Listener] = []
+        self.holds: set[int] = set()  # queue rows an admin holds: kept in place, never served (`gpuguard hold`)
 
     # --- the order
 
@@ -71,6 +94,18 @@ class Queue:
             names = {q.waiter.uid: q.waiter.user for q in entries.values()}
             usage = {uid: value + self.remote_usage(names[uid]) for uid, value in usage.items()}
         return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage)], usage
+
+    def reasons(self, now: float) -> list[tuple[Queued, str]]:
+        """The waiters in the order they are served, each with why it waits (`reason`)."""
+        ordered, usage = self._ordered(now)
+        if not ordered:
+            return []
+        waiters, free = [q.waiter for q in ordered], self.free()
+        reserve_after = self.config().scheduler.reserve_after
+        return [(queued, HELD if queued.waiter.id in self.holds else
+                 reason([w for w in waiters[:i] if w.id not in self.holds], queued.waiter, usage, free, now,
+                        reserve_after))
+                for i, queued in enumerate(ordered)]
 
     def standing(self, uid: int, now: float) -> Standing | None:
         ordered, usage = self._ordered(now)
@@ -120,18 +155,18 @@ class Queue:
     # --- serving
 
     def free(self) -> int:
-        """GPUs nobody holds."""
-        return len(set(self.grants.gpus) - {g.minor for g in self.store.grants()})
+        """GPUs nobody holds (and not drained)."""
+        return len({gpu.minor for gpu in self.grants.open_units()} - {g.minor for g in self.store.grants()})
 
     def demand(self) -> rules.Demand:
         """Units the queue needs beyond the free ones, and which units would serve it: what reclaim
         on demand may take. With MIG slices a free unit counts only for a waiter whose quota takes
         its kind (allocator.suits), so the waiters are served in turn on paper: allocator.choose
         over the grants plus what those before them got."""
-        waiting = self.store.queue()
+        waiting = [q for q in self.store.queue() if q.waiter.id not in self.holds]
         if not waiting:  # the usual case: no grants to read
             return rules.Demand()
-        units = list(self.grants.gpus.values())
+        units = self.grants.open_units()
         if all(gpu.slice is None for gpu in units):
             return rules.Demand(scheduler.demand((q.waiter for q in waiting), self.free()))
         grants = self.store.grants()
@@ -161,7 +196,8 @@ class Queue:
             return len(self.grants.choose(waiter.uid, waiter.gpus, quota)) >= waiter.gpus
 
         served = []
-        for waiter in scheduler.admit([q.waiter for q in ordered], fits, now, self.config().scheduler.reserve_after):
+        for waiter in scheduler.admit([q.waiter for q in ordered if q.waiter.id not in self.holds], fits, now,
+                                      self.config().scheduler.reserve_after):
             queued = entries[waiter.id]
             # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
             origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST

@@ -28,10 +28,10 @@ from gpuguard.units import format_duration, format_size
 DEFAULTS = ("defaults",)  # the [defaults] table of gpuguard.toml; ("users"|"groups", NAME) in quotas.toml
 NEW_FILE_MODE = 0o644      # quota files are world-readable: anyone may run `gpuguard quota show`
 
-# How each quota field reads back to a person (and to `quota set`: the same syntax).
+# How each quota field reads back to a person (and to `quota set`: the same syntax; a size also in bytes).
 _SHOWN: dict[str, Callable[[Any], str]] = {
     "gpus": str,
-    "gpu_memory": format_size,
+    "gpu_memory": lambda value: format_size(value) + ("" if value is None else f" ({value} bytes)"),
     "max_time": format_duration,
     "idle_timeout": format_duration,
     "sharing": lambda value: "true" if value else "false",

@@ -10,12 +10,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.model import Gpu, Grant, Quota, unit_label
+from gpuguard.model import Gpu, Grant, Quota, Rule, unit_label
 
 if TYPE_CHECKING:  # the type only: sampling reads /proc, and this module stays pure
     from gpuguard.sampling import Sample
 
 GROUPINGS = ("user", "gpu", "day")
+# The rules events are recorded under: the watcher's, a grant's origin, and the other ways a grant ends.
+EVENT_RULES = tuple(rule.value for rule in Rule)
 MAX_EVENTS = 5000  # one events reply; a longer history is read with --since windows
 
 

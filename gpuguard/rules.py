@@ -107,6 +107,7 @@ class Kind(StrEnum):
 # watcher's rules are model.Rule's first five; the others say what else takes grants back.
 WARN, TERM, KILL, UNKILLABLE, REVOKE, RELEASE, REPORT = Kind
 MEMORY, TIME, IDLE, STRAY, RECLAIM = Rule.MEMORY, Rule.TIME, Rule.IDLE, Rule.STRAY, Rule.RECLAIM
+WATCHER_RULES = (MEMORY, TIME, IDLE, STRAY, RECLAIM)  # the rules that stop processes (a report's kills_RULE)
 
 ProcKey = tuple[int, int]          # (pid, start_time): a pid is reused, this pair is not
 Slot = tuple[int, int]             # (uid, minor)

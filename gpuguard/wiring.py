@@ -14,9 +14,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuguard import cluster
+from gpuguard import cluster, drains, state_files
 from gpuguard.allocator import Topology
-from gpuguard.api import Api
+from gpuguard.api import HOLDS_FILE, Api
 from gpuguard.config import Config
 from gpuguard.edges import (
     Clock,
@@ -24,6 +24,7 @@ from gpuguard.edges import (
     FleetDatabase,
     GateMap,
     GpuSampler,
+    HeldFiles,
     HolderSearch,
     Lookup,
     Nodes,
@@ -39,6 +40,7 @@ from gpuguard.metrics import Metrics
 from gpuguard.model import Gpu
 from gpuguard.queueing import Queue
 from gpuguard.release import Releases
+from gpuguard.reload_effects import ReloadEffects
 from gpuguard.store import Store
 from gpuguard.usage import UsageMeter
 from gpuguard.watcher import Watcher
@@ -74,6 +76,10 @@ class Edges:
     foreign: Sequence[dict[str, Any]] = ()
     # A fleet's PostgreSQL ([cluster]: cluster.database makes it); None on a single server
     fleet_db: FleetDatabase | None = None
+    # each holder's CUDA_VISIBLE_DEVICES for the PAM module when no daemon answers (None: not kept)
+    held: HeldFiles | None = None
+    # webhook and e-mail notices by (channel, outcome): sent, failed, dropped (remote_notify)
+    notices: Callable[[], Mapping[tuple[str, str], int]] = dict
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,7 @@ class Services:
     queue: Queue
     releases: Releases
     logout: LogoutRelease
+    reload_effects: ReloadEffects
     watcher: Watcher
     api: Api
     metrics: Metrics
@@ -112,14 +119,16 @@ class Services:
 def build(edges: Edges) -> Services:
     """The one wiring of the services (see the README's architecture section)."""
     config = edges.config
+    state_dir = edges.store_path.parent  # the admin's drains and queue holds are kept beside the store
     store = Store(edges.store_path, lambda: config().events, durable=edges.durable)
     # The fleet mirrors what Grants hands out now (its units change with the MIG layout): read
     # through a function, as the fleet's check is handed to Grants when it is made.
     fleet = None if edges.fleet_db is None else cluster.build(
         edges.fleet_db, config, store, lambda: grants.gpus, edges.foreign, edges.lookup)
     grants = Grants(store, edges.gate, edges.nodes, edges.driver_minors, gpus=edges.units,
-                    topology=edges.topology, caps_major=edges.caps_major,
+                    topology=edges.topology, caps_major=edges.caps_major, held=edges.held,
                     admit=fleet.cluster.admit if fleet else None)
+    grants.drained.update(drains.load(state_dir / drains.FILE))
 
     def apply_exempt(uids: frozenset[int]) -> None:
         if edges.gate is not None:
@@ -133,6 +142,7 @@ def build(edges: Edges) -> Services:
     holders = HolderEnder(find_holders, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
                           edges.processes, edges.clock)
     queue = Queue(config, store, grants, remote_usage=fleet.cluster.remote_usage if fleet else None)
+    queue.holds = state_files.read_ids(state_dir / HOLDS_FILE)
 
     def tell(uid: int, user: str, message: str) -> None:
         if uid not in exempt.uids:
@@ -140,12 +150,15 @@ def build(edges: Edges) -> Services:
 
     releases = Releases(grants, queue, holders.schedule, tell, fleet_ended=fleet.cluster.ended if fleet else None)
     logout = LogoutRelease(store, releases, find_holders, edges.exits, edges.processes, edges.clock)
+    reload_effects = ReloadEffects(store, releases, edges.lookup, tell)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
                       usage, demand=queue.demand)
     api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, holders, edges.gate,
               reload=edges.reload or config, sync_nodes=edges.sync_nodes, accounts=accounts, usage=usage,
               queue=queue, terminals=edges.terminals, processes=edges.processes, clock=edges.clock,
-              foreign=edges.foreign, elsewhere=fleet.cluster.elsewhere if fleet else None)
-    metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of)
-    return Services(store, grants, exempt, accounts, usage, holders, queue, releases, logout, watcher, api, metrics,
-                    fleet, edges)
+              foreign=edges.foreign, reload_effects=reload_effects, state_dir=state_dir,
+              elsewhere=fleet.cluster.elsewhere if fleet else None)
+    metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of,
+                      notices=edges.notices, drained=lambda: grants.drained)
+    return Services(store, grants, exempt, accounts, usage, holders, queue, releases, logout, reload_effects, watcher,
+                    api, metrics, fleet, edges)

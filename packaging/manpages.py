@@ -26,9 +26,10 @@ DATE = "2026-12-01"
 SOURCE = f"gpuguard {__version__}"
 # Which page documents which command: the users' page holds what anyone runs (a few with
 # root-only options), the admins' page what only root runs. Every command is in exactly one.
-USER_COMMANDS = ("whoami", "env", "status", "request", "release", "gpus", "where", "report", "events", "quota",
-                 "config", "completion", "simulate", "trace", "sim")
-ADMIN_COMMANDS = ("enable", "disable", "daemon", "web", "doctor", "grant", "revoke", "reload", "gate", "acl", PAM_HOOK)
+USER_COMMANDS = ("whoami", "env", "status", "request", "release", "cancel", "fairshare", "gpus", "where", "report",
+                 "events", "quota", "config", "completion", "simulate", "trace", "sim")
+ADMIN_COMMANDS = ("enable", "disable", "daemon", "web", "doctor", "grant", "revoke", "drain", "resume", "hold", "reload",
+                  "gate", "acl", PAM_HOOK)
 
 
 def roff(text: str) -> str:
@@ -205,6 +206,9 @@ def admin_page() -> list[str]:
         *items([("/etc/gpuguard/gpuguard.toml, /etc/gpuguard/quotas.toml", "the configuration (gpuguard.toml(5))"),
                 ("/var/lib/gpuguard", "the store: grants, sessions, the queue, events, usage"),
                 ("/run/gpuguard/gpuguard.sock", "the daemon's socket"),
+                ("/run/gpuguard/held/UID", "each holder's GPU UUIDs, for pam_gpuguard(8) while the daemon is down"),
+                ("/var/lib/gpuguard/drained.json, /var/lib/gpuguard/queue_holds.json",
+                 "the drained GPUs (gpuguard drain) and held queue requests (gpuguard hold), kept across restarts"),
                 ("/sys/fs/bpf/gpuguard", "the gate's program and maps, pinned"),
                 ("/usr/lib/gpuguard/modprobe.d/gpuguard.conf, /usr/lib/gpuguard/udev/70-gpuguard.rules",
                  "the inert copies gpuguard enable links to /etc/modprobe.d/gpuguard.conf and "
@@ -328,7 +332,10 @@ def pam_page() -> list[str]:
             "is closed and no process of theirs still holds a granted GPU.",
             "Nothing here can block a login: the module always returns PAM_SUCCESS. If the daemon is down, slow (2 "
             "seconds at most) or refuses, the session opens as usual, one line goes to syslog, and GPU access stays "
-            "closed (the gate denies by default). It trusts only a daemon running as root: it checks the socket's "
+            "as the gate holds it (it denies by default and keeps the grants it had). With no usable answer the user "
+            "is told \"gpuguard: GPU service unavailable; your GPUs stay as they were; tell your admin\", and a user "
+            "who still holds GPUs gets CUDA_VISIBLE_DEVICES from the daemon's file /run/gpuguard/held/UID (used only "
+            "when it is a root-owned regular file nobody else may write). It trusts only a daemon running as root: it checks the socket's "
             "peer (SO_PEERCRED) and otherwise sends and sets nothing."),
         ".SH OPTIONS",
         *items([("socket=PATH", "the daemon's socket (default /run/gpuguard/gpuguard.sock; must match paths.socket in "
@@ -345,7 +352,9 @@ def pam_page() -> list[str]:
         *items([("CUDA_VISIBLE_DEVICES", "set in the PAM environment to the UUIDs of the user's granted GPUs, "
                                          "comma-separated (unset when they hold none)")]),
         ".SH FILES",
-        *items([("/usr/share/pam-configs/gpuguard", "the pam-auth-update profile: gpuguard enable turns it on, which "
+        *items([("/run/gpuguard/held/UID", "the UUIDs of the GPUs the user holds, which the daemon rewrites after "
+                                           "each grant change: CUDA_VISIBLE_DEVICES when the daemon does not answer"),
+                ("/usr/share/pam-configs/gpuguard", "the pam-auth-update profile: gpuguard enable turns it on, which "
                                                     "adds the module to /etc/pam.d/common-session after pam_systemd "
                                                     "(not to common-session-noninteractive: cron uses the grant its "
                                                     "user holds)")]),

@@ -24,14 +24,23 @@
  * daemon, a refusal, a garbled reply) it writes one syslog line and returns PAM_SUCCESS;
  * GPU access then simply stays closed, because the gate denies by default. The whole
  * exchange is bounded by a 2 s deadline. All policy lives in the daemon.
+ *
+ * At a login with no usable answer the user is told so in one line (UNAVAILABLE), and the
+ * GPUs they still hold (the gate keeps grants while the daemon is down) go into
+ * CUDA_VISIBLE_DEVICES from the file the daemon keeps for them beside its socket,
+ * <socket directory>/held/<uid> (root's, read only when it is a root-owned regular file
+ * that nobody else may write).
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <syslog.h>
 #include <time.h>
@@ -40,6 +49,7 @@
 #define PAM_SM_SESSION
 #include <security/pam_ext.h>
 #include <security/pam_modules.h>
+#include <security/pam_modutil.h>
 
 #include "reply.h"
 
@@ -47,6 +57,7 @@
 #define TIMEOUT_MS 2000
 #define MAX_REQUEST 8192        /* user, service, rhost and tty: far less in practice */
 #define MAX_REPLY (64 * 1024)   /* a session reply is a few hundred bytes */
+#define UNAVAILABLE "gpuguard: GPU service unavailable; your GPUs stay as they were; tell your admin"
 
 struct options {
     const char *socket;
@@ -368,6 +379,52 @@ static int ask_daemon(pam_handle_t *pamh, const struct options *opt, const char 
     return rc;
 }
 
+/*
+ * The GPUs the user held when the daemon last wrote <socket directory>/held/<uid> into
+ * out[cap]; "" when there is no such file or it is not to be trusted.
+ */
+static void held_devices(pam_handle_t *pamh, const struct options *opt, char *out, size_t cap)
+{
+    const char *user = item(pamh, PAM_USER);
+    const char *slash = strrchr(opt->socket, '/');
+    const struct passwd *pw;
+    struct stat st;
+    char path[4096];
+    ssize_t n;
+    int fd;
+
+    out[0] = '\0';
+    if (!user || !slash || !(pw = pam_modutil_getpwnam(pamh, user)))
+        return;
+    if (snprintf(path, sizeof path, "%.*s/held/%lu", (int)(slash - opt->socket), opt->socket,
+                 (unsigned long)pw->pw_uid) >= (int)sizeof path)
+        return;
+    fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == 0 && !(st.st_mode & 022)) {
+        n = read(fd, out, cap - 1);
+        out[n > 0 ? n : 0] = '\0';
+        out[strcspn(out, "\n")] = '\0';
+        if (!gg_valid_devices(out)) {
+            pam_syslog(pamh, LOG_WARNING, "gpuguard: ignoring malformed %s", path);
+            out[0] = '\0';
+        }
+    }
+    close(fd);
+}
+
+static void set_devices(pam_handle_t *pamh, const char *devices)
+{
+    char env[sizeof ((struct reply *)0)->cuda + 32];
+
+    if (!devices[0])
+        return;
+    snprintf(env, sizeof env, "CUDA_VISIBLE_DEVICES=%s", devices);
+    if (pam_putenv(pamh, env) != PAM_SUCCESS)
+        pam_syslog(pamh, LOG_WARNING, "gpuguard: pam_putenv failed");
+}
+
 PAM_EXTERN int pam_sm_open_session(pam_handle_t *pamh, int flags, int argc, const char **argv)
 {
     struct options opt;
@@ -378,17 +435,18 @@ PAM_EXTERN int pam_sm_open_session(pam_handle_t *pamh, int flags, int argc, cons
     if (!r)
         return PAM_SUCCESS;
     if (ask_daemon(pamh, &opt, "session_open", 1, r) == 0) {
-        if (r->cuda_truncated || !gg_valid_devices(r->cuda)) {
+        if (r->cuda_truncated || !gg_valid_devices(r->cuda))
             pam_syslog(pamh, LOG_WARNING, "gpuguard: ignoring malformed cuda_visible_devices from daemon");
-        } else if (r->cuda[0]) {
-            char env[sizeof r->cuda + 32];
-            snprintf(env, sizeof env, "CUDA_VISIBLE_DEVICES=%s", r->cuda);
-            if (pam_putenv(pamh, env) != PAM_SUCCESS)
-                pam_syslog(pamh, LOG_WARNING, "gpuguard: pam_putenv failed");
-        }
+        else
+            set_devices(pamh, r->cuda);
         gg_sanitize(r->message);
         if (r->message[0] && !opt.quiet && !(flags & PAM_SILENT))
             pam_info(pamh, "%s", r->message);
+    } else if (item(pamh, PAM_USER) && *item(pamh, PAM_USER)) {
+        held_devices(pamh, &opt, r->cuda, sizeof r->cuda);  /* the reply's buffer: unused now */
+        set_devices(pamh, r->cuda);
+        if (!opt.quiet && !(flags & PAM_SILENT))
+            pam_info(pamh, "%s", UNAVAILABLE);
     }
     free(r);
     return PAM_SUCCESS;

@@ -16,8 +16,9 @@ import os
 import queue
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import psutil
 
@@ -25,6 +26,7 @@ from gpuguard.logs import event
 
 DEV = Path("/dev")
 QUEUE_SIZE = 1000  # lines waiting for terminals; more than this and new ones are dropped (and logged)
+T = TypeVar("T")
 
 
 def terminals(user: str, extra: Iterable[str] = ()) -> list[Path]:
@@ -76,22 +78,30 @@ def format_line(message: str) -> str:
     return "\r\n\a" + message + "\r\n"
 
 
-class Notifier:
-    """Delivers lines to users' terminals on a background thread; `tell` never blocks."""
+class RemoteChannel(Protocol):
+    def tell(self, user: str, message: str) -> None: ...
 
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[str, int, tuple[str, ...], str] | None] = queue.Queue(QUEUE_SIZE)
-        self._thread = threading.Thread(target=self._run, name="gpuguard-notify", daemon=True)
+    def close(self, timeout: float = ...) -> None: ...
+
+
+class Worker(Generic[T]):
+    """One background thread fed by a bounded queue: `put` never blocks (False when full), and
+    `close` lets the thread deliver what is queued (for up to `timeout`), then stops it."""
+
+    def __init__(self, name: str, handle: Callable[[T], None], size: int = QUEUE_SIZE):
+        self._handle = handle
+        self._queue: queue.Queue[T | None] = queue.Queue(size)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def tell(self, user: str, uid: int, message: str, ttys: Iterable[str] = ()) -> None:
+    def put(self, item: T) -> bool:
         try:
-            self._queue.put_nowait((user, uid, tuple(ttys), message))
+            self._queue.put_nowait(item)
+            return True
         except queue.Full:
-            event(logging.WARNING, "notify_dropped", user=user, reason="queue full")
+            return False
 
     def close(self, timeout: float = 2.0) -> None:
-        """Deliver what is queued (for up to `timeout`), then stop the thread."""
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
@@ -100,9 +110,33 @@ class Notifier:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            user, uid, ttys, message = item
-            try:
-                written = [str(path) for path in terminals(user, ttys) if write_tty(path, uid, format_line(message))]
-                event(logging.DEBUG, "notified", user=user, ttys=written or "none")
-            except Exception:
-                event(logging.ERROR, "notify_failed", exc_info=True, user=user)
+            self._handle(item)
+
+
+class Notifier:
+    """Delivers lines to users' terminals on a background thread; `tell` never blocks. Each line
+    also goes to `remote` (remote_notify: webhook and e-mail), for users without a terminal."""
+
+    def __init__(self, remote: RemoteChannel | None = None) -> None:
+        self.remote = remote
+        self._worker: Worker[tuple[str, int, tuple[str, ...], str]] = Worker("gpuguard-notify", self._deliver)
+
+    def tell(self, user: str, uid: int, message: str, ttys: Iterable[str] = ()) -> None:
+        if self.remote is not None:
+            self.remote.tell(user, message.replace("\r\n", "\n"))
+        if not self._worker.put((user, uid, tuple(ttys), message)):
+            event(logging.WARNING, "notify_dropped", user=user, reason="queue full")
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Deliver what is queued (for up to `timeout`), then stop the thread (and the remote channel's)."""
+        self._worker.close(timeout)
+        if self.remote is not None:
+            self.remote.close(timeout)
+
+    def _deliver(self, item: tuple[str, int, tuple[str, ...], str]) -> None:
+        user, uid, ttys, message = item
+        try:
+            written = [str(path) for path in terminals(user, ttys) if write_tty(path, uid, format_line(message))]
+            event(logging.DEBUG, "notified", user=user, ttys=written or "none")
+        except Exception:
+            event(logging.ERROR, "notify_failed", exc_info=True, user=user)

@@ -45,8 +45,9 @@ def named_users(entries: Iterable[Entry]) -> set[int]:
     return {uid for tag, _, uid in entries if tag == USER}
 
 
-def apply_acls(path: str | os.PathLike, uids: Iterable[int], current: list[Entry] | None = None) -> bool:
-    """Give exactly these uids rw on the node (the minimal 3-entry ACL when there are none);
+def apply_acls(path: str | os.PathLike, uids: Iterable[int], current: list[Entry] | None = None,
+               perm: int = RW) -> bool:
+    """Give exactly these uids `perm` (rw) on the node (the minimal 3-entry ACL when there are none);
     True when something had to be written. current: the node's entries as the caller has just
     read them (acl_entries), so they are not read twice.
 
@@ -56,10 +57,10 @@ def apply_acls(path: str | os.PathLike, uids: Iterable[int], current: list[Entry
         current = acl_entries(path)
     base = {tag: perm for tag, perm, _ in current if tag in (USER_OBJ, GROUP_OBJ, OTHER)}
     users = sorted(set(uids))
-    wanted = [(USER_OBJ, base[USER_OBJ], UNDEFINED_ID), *[(USER, RW, uid) for uid in users],
+    wanted = [(USER_OBJ, base[USER_OBJ], UNDEFINED_ID), *[(USER, perm, uid) for uid in users],
               (GROUP_OBJ, base[GROUP_OBJ], UNDEFINED_ID)]
     if users:  # named entries need a mask; it must not cut the owning group's rights either
-        wanted.append((MASK, RW | base[GROUP_OBJ], UNDEFINED_ID))
+        wanted.append((MASK, perm | base[GROUP_OBJ], UNDEFINED_ID))
     wanted.append((OTHER, base[OTHER], UNDEFINED_ID))
     if current == wanted:
         return False

@@ -22,6 +22,7 @@ from gpuguard.errors import GpuguardError  # no imports of its own: cheap
 TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (see above)
 if TYPE_CHECKING:
     import argparse
+    import typing
     from typing import Any
 
     from gpuguard import config
@@ -31,11 +32,14 @@ class CommandError(GpuguardError):
     """A command's own one-line failure, with the exit code to use."""
 
 
-def unit_arg(text: str) -> int:
-    """argparse type of --gpu: a GPU (3) or a MIG slice (3/gi1/ci0), as whoami and status show them."""
+def unit_arg(text: str) -> int | str:
+    """argparse type of --gpu: a GPU (3) or a MIG slice (3/gi1/ci0), as whoami and status show them,
+    or a UUID (GPU-..., MIG-...) as CUDA_VISIBLE_DEVICES and nvidia-smi -L show it (the daemon maps it)."""
     import argparse
 
     from gpuguard.model import parse_unit
+    if text.startswith(("GPU-", "MIG-")):
+        return text
     try:
         return parse_unit(text)
     except ValueError as exc:
@@ -70,15 +74,32 @@ def print_rows(rows: list[list[str]]) -> None:
 # parser (help, a typo, completion, the man page) loads every `*_cmd` module, so a test
 # (tests/system/test_cli_startup.py) sees any command missing here.
 COMMANDS = {
-    "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd",
+    "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd", "drain": "admin_cmd", "resume": "admin_cmd",
+    "hold": "admin_cmd",
     "completion": "completion_cmd", "config": "config_cmd", "daemon": "daemon_cmd",
     "gate": "gate_cmd", "acl": "gate_cmd", "gpus": "gpus_cmd", "quota": "quota_cmd",
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
     "simulate": "simulate_cmd", "trace": "simulate_cmd",
-    "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd",
+    "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
+    "fairshare": "user_cmd",
     "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
     "where": "cluster_cmd",
 }
+# Help lists the commands users run first (in this order), then the admins' and the tools, by module.
+USER_MODULES = ("user_cmd", "status_cmd", "report_cmd", "quota_cmd")
+DESCRIPTION = """Fair, kernel-enforced GPU sharing.
+
+for users:   whoami, status, request, release, cancel, env, fairshare, report, events, quota show
+for admins:  grant, revoke, drain, resume, hold, cancel --user, reload, quota set, config check, doctor, gate,
+             acl, daemon, enable, disable, web
+tools:       simulate, trace, sim, completion, gpus"""
+EPILOG = """examples:
+  gpuguard whoami                  your GPUs, quota, place in the queue and why
+  gpuguard request --wait          get GPUs, waiting in the queue if none is free
+  eval "$(gpuguard env)"           set CUDA_VISIBLE_DEVICES in an older shell (tmux, screen)
+  gpuguard COMMAND --help          what a command does, with an example
+
+exit codes: 0 ok, 1 refused or failed, 2 bad usage or input, 3 daemon unreachable (tell your admin)"""
 PAM_HOOK = "pam-hook"
 PAM_HOOK_HELP = "pam_exec session hook (fallback for pam_gpuguard.so; always exits 0; see pam/README)"
 
@@ -93,18 +114,34 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from gpuguard import __version__
     from gpuguard.config import DEFAULT_PATH
 
-    parser = argparse.ArgumentParser(prog="gpuguard", description="Fair, kernel-enforced GPU sharing.")
+    parser = _parser_class()(prog="gpuguard", description=DESCRIPTION, epilog=EPILOG,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
     parser.add_argument("--config", metavar="PATH",
                         help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_PATH})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     modules = ([COMMANDS[command]] if command in COMMANDS
-               else sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd")))
+               else sorted((m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd")),
+                           key=lambda name: (name not in USER_MODULES, USER_MODULES.index(name)
+                                             if name in USER_MODULES else 0, name)))
     for module in modules:
         importlib.import_module(f"{__name__}.{module}").register(subparsers)
     if command not in COMMANDS:  # listed for help; main runs it before any parser
         subparsers.add_parser(PAM_HOOK, help=PAM_HOOK_HELP)
     return parser
+
+
+def _parser_class() -> type[argparse.ArgumentParser]:
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        """argparse with one-line errors, as every other gpuguard error (its usage block is --help's)."""
+
+        def error(self, message: str) -> typing.NoReturn:
+            from gpuguard.escape import printable
+            self.exit(2, f"gpuguard: {printable(message)} (see {self.prog} --help)\n")
+
+    return Parser
 
 
 def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:

@@ -1,4 +1,5 @@
-"""What admins run: `gpuguard grant`, `revoke`, `reload` (the daemon refuses them to anyone but root)."""
+"""What admins run: `gpuguard grant`, `revoke`, `reload`, `drain`, `resume` (the daemon refuses them to
+anyone but root)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,10 @@ from gpuguard.errors import EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    grant = subparsers.add_parser("grant", help="give a user GPUs (beyond login grants; root)")
+    grant = subparsers.add_parser("grant", help="give a user GPUs (beyond login grants; root)",
+                                  description="Give a user GPUs, kept until released, revoked or expired. "
+                                              "Examples: sudo gpuguard grant alice --gpus 2 --for 8h; "
+                                              "sudo gpuguard grant alice --gpu 3")
     grant.add_argument("user")
     which = grant.add_mutually_exclusive_group(required=True)
     which.add_argument("--gpus", type=int, metavar="N", help="this many GPUs, chosen by the allocator")
@@ -20,15 +24,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     grant.add_argument("--json", action="store_true", help="print JSON")
     grant.set_defaults(func=run_grant)
 
-    revoke = subparsers.add_parser("revoke", help="take GPUs back from a user (root)")
+    revoke = subparsers.add_parser("revoke", help="take GPUs back from a user (root)",
+                                   description="Take GPUs back; processes still on them are ended (warned first "
+                                               "when NVML sees them). Examples: sudo gpuguard revoke alice; "
+                                               "sudo gpuguard revoke alice --gpu 3")
     revoke.add_argument("user")
     revoke.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
                         help="only this GPU or MIG slice (repeatable; default: all of the user's)")
     revoke.add_argument("--json", action="store_true", help="print JSON")
     revoke.set_defaults(func=run_revoke)
 
-    reload = subparsers.add_parser("reload", help="make the daemon read its config again (root)")
+    reload = subparsers.add_parser("reload", help="make the daemon read its config again (root)",
+                                   description="Re-read gpuguard.toml and quotas.toml; a broken file is refused and "
+                                               "the running config stays. Example: sudo gpuguard reload")
     reload.set_defaults(func=run_reload)
+
+    drain = subparsers.add_parser(
+        "drain", help="give GPUs to nobody new, for maintenance (root)",
+        description="Give these GPUs to nobody new (logins, requests and the queue skip them) until resumed; "
+                    "their holders keep them and are told. Kept across restarts. "
+                    "Example: sudo gpuguard drain 3 --reason 'ECC errors, RMA on Monday'")
+    drain.add_argument("minors", type=unit_arg, nargs="+", metavar="GPU", help="a GPU's minor (as status shows it)")
+    drain.add_argument("--reason", default="", help="why, shown to holders and in status and whoami")
+    drain.set_defaults(func=run_drain)
+
+    hold = subparsers.add_parser(
+        "hold", help="hold a user's queued request, or let it go on (root)",
+        description="A held request keeps its place in the queue but is not served, and holds no GPUs "
+                    "free for itself, until released (like Slurm's scontrol hold). Kept across restarts. "
+                    "Examples: sudo gpuguard hold bob; sudo gpuguard hold bob --off")
+    hold.add_argument("user")
+    hold.add_argument("--off", action="store_true", help="release the hold")
+    hold.set_defaults(func=run_hold)
+
+    resume = subparsers.add_parser("resume", help="give drained GPUs out again (root)",
+                                   description="End a drain; the queue is served first. Example: sudo gpuguard resume 3")
+    resume.add_argument("minors", type=unit_arg, nargs="+", metavar="GPU")
+    resume.set_defaults(func=run_resume)
 
 
 def run_grant(args: argparse.Namespace) -> int:
@@ -41,6 +73,21 @@ def run_revoke(args: argparse.Namespace) -> int:
 
 def run_reload(args: argparse.Namespace) -> int:
     print(f"gpuguard: {ask(args, 'reload')['message']}")
+    return EXIT_OK
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    print(ask(args, "drain", minors=args.minors, reason=args.reason or None)["message"])
+    return EXIT_OK
+
+
+def run_hold(args: argparse.Namespace) -> int:
+    print(ask(args, "hold", user=args.user, off=args.off or None)["message"])
+    return EXIT_OK
+
+
+def run_resume(args: argparse.Namespace) -> int:
+    print(ask(args, "resume", minors=args.minors)["message"])
     return EXIT_OK
 
 

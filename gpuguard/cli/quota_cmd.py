@@ -41,7 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     change.add_argument("--unset", action="append", default=[], metavar="KEY", help="remove KEY (repeatable)")
     change.set_defaults(func=run_set)
 
-    show = actions.add_parser("show", help="the defaults and every entry, or one user's effective quota")
+    show = actions.add_parser("show", help="the defaults and every entry, or one user's effective quota",
+                              description="The defaults and every entry, or one user's quota key by key with "
+                                          "where each value comes from. Examples: gpuguard quota show; "
+                                          "gpuguard quota show --user alice")
     whom = show.add_mutually_exclusive_group()
     whom.add_argument("--user", metavar="NAME", help="the user's quota, field by field with where it comes from")
     whom.add_argument("--group", metavar="NAME", help="the group's entry")
@@ -67,7 +70,8 @@ def run_set(args: argparse.Namespace) -> int:
         _warn_if_unknown(kind, name)
         # config.load reads nothing else from quotas.toml, so the loaded config plus this file
         # is the whole configuration the daemon would load.
-        table, path, check = (kind, name), current.paths.quotas, config.load_quotas
+        floors = current.gpu.backend == config.GpuBackend.NVML
+        table, path, check = (kind, name), current.paths.quotas, lambda p: config.load_quotas(p, floors)
     assert path is not None  # load() always sets source
 
     old = path.read_bytes().decode("utf-8") if path.exists() else ""  # bytes: keep CRLF files as they are

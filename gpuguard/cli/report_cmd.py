@@ -11,31 +11,38 @@ import csv
 import re
 import sys
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.model import unit_label
+from gpuguard.rules import WATCHER_RULES
 from gpuguard.units import UnitError, parse_duration
 
 HOUR = 3600.0
 _FORMATS = ("%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m")
+_DAYS = {"today": -1, "yesterday": -1,
+         **{day: number for number, day in enumerate(("monday", "tuesday", "wednesday", "thursday", "friday",
+                                                        "saturday", "sunday"))}}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     report = subparsers.add_parser(
         "report", help="GPU-hours granted, busy and idle, and processes stopped, per user, GPU or day",
         description="GPU-hours granted, busy and idle, the busy share and processes stopped by each rule, "
-                    "counted by the hour. Root sees everyone; a user sees their own.")
+                    "counted by the hour. Root sees everyone; a user sees their own. "
+                    "Examples: gpuguard report --since 2026-11 --until 2026-12; gpuguard report --by gpu --csv")
     _period_options(report, since_default="the start of this month")
     report.add_argument("--by", choices=("user", "gpu", "day"), default="user", help="one row per (default user)")
     _output_options(report, csv_help="print CSV with a header row (hours as decimals)")
     report.set_defaults(func=show_report)
 
     events = subparsers.add_parser("events", help="warnings, kills, grants and releases, newest last",
-                                   description="The event history: root sees everyone's, a user their own.")
+                                   description="The event history: root sees everyone's, a user their own. "
+                                               "Examples: gpuguard events --since today; "
+                                               "sudo gpuguard events --user alice --rule memory")
     _period_options(events, since_default="the oldest kept")
     events.add_argument("--rule", metavar="RULE", help="only this rule (memory, time, idle, stray, admin, user, ...)")
     events.add_argument("--limit", type=int, default=200, metavar="N", help="at most the newest N (default 200)")
@@ -44,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _period_options(parser: argparse.ArgumentParser, since_default: str) -> None:
-    parser.add_argument("--since", metavar="WHEN", help=f"from (default {since_default}): 2026-11-01, 2026-11, 7d")
+    parser.add_argument("--since", metavar="WHEN",
+                        help=f"from (default {since_default}): 2026-11-01, 2026-11, 7d, today, yesterday, monday")
     parser.add_argument("--until", metavar="WHEN", help="to, not included (default now)")
     parser.add_argument("--user", metavar="NAME", help="only this user's (root; others see only their own)")
 
@@ -56,18 +64,25 @@ def _output_options(parser: argparse.ArgumentParser, csv_help: str) -> None:
 
 
 def parse_when(text: str, now: float) -> float:
-    """Epoch seconds of a local date, date and time, month, or a duration back from now."""
+    """Epoch seconds of a local date, date and time, month, a duration back from now, or the
+    start of `today`, `yesterday` or the last `monday` ... `sunday` (today if it is that day)."""
+    midnight = datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0)
+    word = text.strip().lower()
+    if word in _DAYS:
+        back = 0 if word == "today" else 1 if word == "yesterday" else (midnight.weekday() - _DAYS[word]) % 7
+        return (midnight - timedelta(days=back)).timestamp()
     for fmt in _FORMATS:
         try:
             return datetime.strptime(text, fmt).timestamp()
         except ValueError:
             continue
-    if re.fullmatch(r"\d+(\.\d+)?[smhd]", text):
+    if re.fullmatch(r"\d+(\.\d+)?[smhdw]", text):
         try:
             return now - (parse_duration(text) or 0.0)
         except UnitError as exc:
             raise CommandError(str(exc), EXIT_USAGE) from None
-    raise CommandError(f"not a time: {text!r} (write 2026-11-01, 2026-11-01T09:00, 2026-11 or 7d)", EXIT_USAGE)
+    raise CommandError(f"not a time: {text!r} (write 2026-11-01, 2026-11-01T09:00, 2026-11, 7d, today, yesterday "
+                       "or monday)", EXIT_USAGE)
 
 
 def month_start(now: float) -> float:
@@ -85,7 +100,9 @@ def show_report(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
-    rules = sorted({rule for row in [*reply["rows"], reply["total"]] for rule in row["kills"]})
+    # Every watcher rule's column always, whatever the data (scripts read columns by position too)
+    found = {rule for row in [*reply["rows"], reply["total"]] for rule in row["kills"]}
+    rules = [*WATCHER_RULES, *sorted(found - set(WATCHER_RULES))]
     if args.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow([args.by, "gpu_hours_granted", "gpu_hours_busy", "gpu_hours_idle", "busy_share",

@@ -69,7 +69,7 @@ def _memory(text: str) -> int | None:
 
 def _duration(text: str) -> float | None:
     try:
-        return parse_duration(text)
+        return parse_duration(text, bare_unit="s")  # the option is --seconds
     except UnitError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

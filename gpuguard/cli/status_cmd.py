@@ -4,7 +4,7 @@ One block per GPU, after gpustat's one-line-per-GPU summary and nvitop's memory 
 process table: the GPU line (utilisation, memory bar, holders), one line per holder (a bar of
 their memory against their quota, time left), one line per process (pid, user, memory, name).
 Colour and Unicode bars on a terminal (NO_COLOR or TERM=dumb turn colour off), plain ASCII when
-piped; --json for everything the daemon says, --csv (no header) one line per GPU for scripts.
+piped; --json for everything the daemon says, --csv (a header, or --no-header) one line per GPU.
 """
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from gpuguard.cli import print_json, print_rows
+from gpuguard.backends import accounts
+from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
-from gpuguard.errors import EXIT_OK
-from gpuguard.messages import clock, number_list
+from gpuguard.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.messages import clock, gpu_label, number_list
 from gpuguard.units import format_size
 
 BAR_WIDTH = 20
@@ -30,14 +31,17 @@ _COLOURS = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33",
 def register(subparsers: argparse._SubParsersAction) -> None:
     status = subparsers.add_parser(
         "status", help="who holds which GPU, memory, utilisation and processes",
-        description="Each GPU with its holders, their memory against their quota, time left and processes.",
+        description="Each GPU with its holders, their memory against their quota, time left and processes, "
+                    "then the queue with the time waited and why each request waits. "
+                    "Examples: gpuguard status; gpuguard status -u alice; gpuguard status --csv",
         epilog=f"--csv columns: {','.join(CSV_COLUMNS)} (holders space-separated; empty when unknown or none)")
     status.add_argument("-u", "--user", metavar="NAME", help="only the GPUs this user holds or runs processes on")
     status.add_argument("--cluster", action="store_true",
                         help="every server of the fleet: GPUs, holders, queue, staleness (with --json too)")
     output = status.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
-    output.add_argument("--csv", action="store_true", help="print CSV without a header, one line per GPU")
+    output.add_argument("--csv", action="store_true", help="print CSV, one line per GPU, after a header line")
+    status.add_argument("--no-header", action="store_true", help="with --csv: leave out the header line")
     status.set_defaults(func=show_status)
 
 
@@ -72,12 +76,18 @@ def show_status(args: argparse.Namespace) -> int:
     if args.cluster:
         from gpuguard.cli import cluster_cmd
         return cluster_cmd.show_cluster(args)
+    if args.no_header and not args.csv:
+        raise CommandError("--no-header goes with --csv", EXIT_USAGE)
+    if args.user is not None and not accounts.user_exists(args.user):
+        raise CommandError(f"-u: no such user: {args.user}", EXIT_USAGE)
     reply = ask(args, "status")
     gpus = [gpu for gpu in reply["gpus"] if args.user is None or involves(gpu, args.user)]
     if args.json:
         print_json({**reply, "gpus": gpus})
     elif args.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
+        if not args.no_header:
+            writer.writerow(CSV_COLUMNS)
         writer.writerows(csv_row(gpu, reply["now"]) for gpu in gpus)
     else:
         style = Style.for_stdout()
@@ -87,8 +97,9 @@ def show_status(args: argparse.Namespace) -> int:
             print(f"{args.user} holds no GPU and runs nothing on one" if args.user else "no GPUs")
         if reply.get("queue"):
             print("\nqueue (served in this order; gpuguard whoami says why):")
-            print_rows([["  #", "USER", "GPUS", "SINCE", "PRIORITY"]] + [
-                [f"  {q['position']}", q["user"], str(q["gpus"]), clock(q["since"]), str(q["priority"])]
+            print_rows([["  #", "USER", "GPUS", "SINCE", "WAITED", "PRIORITY", "REASON"]] + [
+                [f"  {q['position']}", q["user"], str(q["gpus"]), clock(q["since"]), time_left(q["waited"]),
+                 str(q["priority"]), q["reason"]]
                 for q in reply["queue"]])
         if "sessions" in reply:
             print(f"\n{len(reply['sessions'])} open session(s); exempt uids {number_list(reply['exempt'])}; "
@@ -109,7 +120,11 @@ def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
     used = gpu["memory_used"]
     memory = f"{'?' if used is None else format_size(used)} / {format_size(gpu['memory_total'])}"
     holders = ", ".join(style.paint(h["user"], "bold", "cyan") for h in gpu["holders"]) or style.paint("free", "green")
-    title = style.paint(f"GPU {gpu['label']}", "bold")
+    title = style.paint(f"GPU {gpu_label(gpu['minor'], gpu.get('index'))}", "bold")
+    drained = gpu.get("drained")
+    if drained is not None:
+        holders += "  " + style.paint("DRAINED" + (f" ({drained['reason']})" if drained["reason"] else ""),
+                                      "bold", "yellow")
     lines = [f"{title}  {gpu['name']}  {util}%  "
              f"{style.bar(used, gpu['memory_total'])} {memory:<17}  {holders}"]
     for h in gpu["holders"]:

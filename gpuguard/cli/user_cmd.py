@@ -11,7 +11,7 @@ from gpuguard import client
 from gpuguard.cli import CommandError, load_config, print_json, print_rows, unit_arg
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.messages import clock, cuda_export, queue_message, stale_devices, unit_list
+from gpuguard.messages import clock, cuda_export, gpu_label, queue_message, queue_why, stale_devices
 from gpuguard.model import unit_label
 from gpuguard.units import UnitError, format_duration, format_size, parse_duration
 
@@ -19,25 +19,53 @@ RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while w
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    whoami = subparsers.add_parser("whoami", help="your GPUs, quota, sessions and recent events")
+    whoami = subparsers.add_parser("whoami", help="your GPUs, quota, sessions and recent events",
+                                   description="Your GPUs (with CUDA_VISIBLE_DEVICES), quota, place in the queue "
+                                               "and why you wait, sessions and recent events. "
+                                               "Example: gpuguard whoami")
     whoami.add_argument("--user", metavar="NAME", help="another user's (root only)")
     whoami.add_argument("--json", action="store_true", help="print JSON")
     whoami.set_defaults(func=show_whoami)
 
     env = subparsers.add_parser("env", help="the export CUDA_VISIBLE_DEVICES=... line for your GPUs now",
-                                description='For a shell older than your grant (tmux, screen): eval "$(gpuguard env)"')
+                                description='The line that sets CUDA_VISIBLE_DEVICES to your GPUs now, for a shell '
+                                            'older than your grant (tmux, screen). Example: eval "$(gpuguard env)"')
     env.set_defaults(func=show_env)
 
-    request = subparsers.add_parser("request", help="get GPUs now, up to your quota (--wait: queue for them)")
+    request = subparsers.add_parser("request", help="get GPUs now, up to your quota (--wait: queue for them)",
+                                    description="Get GPUs now, up to your quota; with --wait, wait in the queue "
+                                                "until they are yours (^C leaves it). Examples: gpuguard request "
+                                                "--gpus 2; gpuguard request --wait --timeout 1h30m")
     request.add_argument("--gpus", type=int, metavar="N", help="how many GPUs in all (default: your quota)")
     request.add_argument("--wait", action="store_true",
                          help="when they are not free, wait in the queue until they are (exit 0 once granted)")
     request.add_argument("--timeout", metavar="DURATION",
                          help="with --wait: give up after this long, e.g. 30m (exit 1, leaving the queue)")
+    request.add_argument("--cancel", action="store_true",
+                         help="leave the queue instead (the same as gpuguard cancel)")
     request.add_argument("--json", action="store_true", help="print JSON")
     request.set_defaults(func=run_request)
 
-    release = subparsers.add_parser("release", help="give GPUs back (refused while your processes use them)")
+    cancel = subparsers.add_parser("cancel", help="leave the queue (your GPUs stay yours)",
+                                   description="Take your waiting requests out of the queue, a login's place "
+                                               "included, like Slurm's scancel; root: another user's, who is "
+                                               "told. Examples: gpuguard cancel; sudo gpuguard cancel --user bob")
+    cancel.add_argument("--user", metavar="NAME", help="another user's requests (root only)")
+    cancel.set_defaults(func=run_cancel)
+
+    fairshare = subparsers.add_parser(
+        "fairshare", help="every user's recent GPU usage and share, in queue order (like sshare)",
+        description="Each user's recent usage (GPU-hours, halving every scheduler.half_life), share and usage "
+                    "divided by share, in the order the queue serves them after priority: lower usage per share "
+                    "goes first. Example: gpuguard fairshare")
+    fairshare.add_argument("--json", action="store_true", help="print JSON (usage in GPU-seconds)")
+    fairshare.set_defaults(func=show_fairshare)
+
+    release = subparsers.add_parser("release", help="give GPUs back (the ones your processes still use stay)",
+                                    description="Give GPUs back and leave the queue. Without --gpu the idle ones "
+                                                "go and each one a process of yours still uses stays (named with "
+                                                "the pids); with --gpu, all named or none. Examples: gpuguard "
+                                                "release; gpuguard release --gpu 3")
     release.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
                          help="only this GPU or MIG slice (repeatable; default: all of yours)")
     release.add_argument("--json", action="store_true", help="print JSON")
@@ -60,12 +88,18 @@ def show_whoami(args: argparse.Namespace) -> int:
     if reply["grants"]:
         print("GPUs:")
         print_rows([["  GPU", "NAME", "UUID", "SINCE", "UNTIL", "HOW"]] + [
-            [f"  {unit_label(g['minor'])}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
+            [f"  {gpu_label(g['minor'], g.get('index'))}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(cuda_export(_uuids(reply)))
+        for g in reply["grants"]:
+            if g.get("drained"):
+                reason = f" ({g['drained']['reason']})" if g["drained"]["reason"] else ""
+                print(f"GPU {unit_label(g['minor'])} is drained{reason}: yours until you release it, then given to "
+                      "nobody until an admin resumes it")
     elif reply["member"]:
-        print("GPUs: none (gpuguard request --wait queues for one)")
+        print("GPUs: none (you are in the queue, below)" if reply.get("queue") else
+              "GPUs: none (gpuguard request --wait queues for one)")
     if reply.get("queue"):
         q = reply["queue"]
         when = f"; expected by {clock(q['estimate'])}" if q["estimate"] is not None else ""
@@ -73,6 +107,8 @@ def show_whoami(args: argparse.Namespace) -> int:
               f"since {clock(q['since'])}{when}")
         for ahead in q["ahead"]:
             print(f"  ahead of you: {ahead['user']}: {ahead['why']}")
+        for line in queue_why(q, time.time()):
+            print(f"  {line}")
     if not reply["exempt"] and args.user is None and (note := stale_devices(os.environ.get("CUDA_VISIBLE_DEVICES"),
                                                                              _uuids(reply))):
         print(note)
@@ -112,14 +148,46 @@ def _uuids(whoami: dict[str, Any]) -> list[str]:
     return [g["uuid"] for g in whoami["grants"] if g["uuid"]]
 
 
+def run_cancel(args: argparse.Namespace) -> int:
+    print(ask(args, "cancel", user=getattr(args, "user", None))["message"])
+    return EXIT_OK
+
+
+def show_fairshare(args: argparse.Namespace) -> int:
+    reply = ask(args, "fairshare")
+    if args.json:
+        print_json(reply)
+        return EXIT_OK
+    print(f"recent GPU usage, halving every {format_duration(reply['half_life'])}; the queue serves higher "
+          "priority first, then lower usage per share")
+    if not reply["users"]:
+        print("no usage yet")
+        return EXIT_OK
+    print_rows([["USER", "PRIORITY", "SHARE", "GPU-HOURS", "PER SHARE"]] + [
+        [u["user"], str(u["priority"]), f"{u['share']:g}", f"{u['usage'] / 3600:.2f}",
+         f"{u['normalized'] / 3600:.2f}"] for u in reply["users"]])
+    return EXIT_OK
+
+
 def run_request(args: argparse.Namespace) -> int:
+    if args.cancel:
+        if args.wait or args.gpus is not None or args.timeout is not None:
+            raise CommandError("--cancel goes alone (it leaves the queue)", EXIT_USAGE)
+        return run_cancel(args)
     timeout = _timeout(args)
     deadline = None if timeout is None else time.monotonic() + timeout
     reply = ask(args, "request", gpus=args.gpus, wait=args.wait or None)
     if reply.get("queued"):
         print(queue_message(reply["position"], reply["waiting"], reply["gpus"], reply["estimate"], then="waiting"),
               file=sys.stderr, flush=True)
-        reply = _wait(args, reply["ticket"], deadline)
+        try:
+            reply = _wait(args, reply["ticket"], deadline)
+        except KeyboardInterrupt:
+            # The daemon takes the request out when this connection closes; a login's place stays.
+            print("\ngpuguard: interrupted: "
+                  + ("you stopped waiting; your login keeps its place in the queue (gpuguard cancel leaves it)"
+                     if reply.get("login_place") else "you left the queue"), file=sys.stderr)
+            return 130
     if args.json:
         print_json(reply)
         return EXIT_OK
@@ -165,6 +233,5 @@ def run_release(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
-    left = f"; you still hold GPU {unit_list(reply['gpus'])}" if reply["gpus"] else ""
-    print(f"gpuguard: released GPU {unit_list(reply['released'])}{left}")
+    print(reply["message"])
     return EXIT_OK

@@ -4,6 +4,8 @@ help text, and every key the loader knows is in gpuguard.toml(5)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -31,8 +33,9 @@ def complete(script: str, line: str) -> list[str]:
     return result.stdout.split()
 
 
-def test_bash_completion_knows_every_command_and_the_choices_of_options():
-    result = subprocess.run(gpuguard(None, "completion", "bash"), capture_output=True, text=True)
+def test_bash_completion_knows_every_command_and_the_choices_of_options(tmp_path):
+    result = subprocess.run(gpuguard(None, "completion", "bash"), capture_output=True, text=True,
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})  # no cache left behind
     assert result.returncode == 0, result.stderr
     script = result.stdout
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
@@ -40,8 +43,37 @@ def test_bash_completion_knows_every_command_and_the_choices_of_options():
     assert complete(script, "gpuguard rep") == ["report"]
     assert complete(script, "gpuguard report --by ") == ["user", "gpu", "day"]
     assert "--csv" in complete(script, "gpuguard status --")
-    refused = subprocess.run(gpuguard(None, "completion", "fish"), capture_output=True, text=True)
+    refused = subprocess.run(gpuguard(None, "completion", "ksh"), capture_output=True, text=True)
     assert refused.returncode == 2 and "invalid choice" in refused.stderr
+
+
+def test_fish_completion_knows_every_command_and_each_commands_options(tmp_path):
+    result = subprocess.run(gpuguard(None, "completion", "fish"), capture_output=True, text=True,
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "gpuguard.fish"
+    script.write_text(result.stdout)
+
+    def complete_fish(line: str) -> list[str]:
+        done = subprocess.run(["fish", "--no-config", "-c", f"source {script}; complete -C '{line}'"],
+                              capture_output=True, text=True, check=True)
+        return [entry.split("\t")[0] for entry in done.stdout.splitlines()]
+
+    assert sorted(complete_fish("gpuguard ")) == sorted(commands())
+    assert complete_fish("gpuguard canc") == ["cancel"]
+    assert {"--csv", "--no-header", "--user"} <= set(complete_fish("gpuguard status --"))
+
+
+def test_completion_is_cached_and_a_cached_run_loads_no_command_module(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    first = subprocess.run(gpuguard(None, "completion", "bash"), capture_output=True, text=True, env=env)
+    (cached,) = (tmp_path / "gpuguard").iterdir()
+    assert cached.read_text() == first.stdout
+    probe = ("import json, sys\nfrom gpuguard.cli import main\nmain(['completion', 'bash'])\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.endswith('_cmd') or m == 'shtab')), file=sys.stderr)")
+    second = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO)
+    assert second.stdout == first.stdout
+    assert json.loads(second.stderr.splitlines()[-1]) == ["gpuguard.cli.completion_cmd"]  # no shtab, no parser
 
 
 def man_pages(outdir) -> dict[str, str]:

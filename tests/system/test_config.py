@@ -106,9 +106,22 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
     ('[defaults]\ngpus = -1', "defaults.gpus: must be between 0 and 64"),
     ('[defaults]\ngpus = 1000', "defaults.gpus: must be between 0 and 64"),
     ('[defaults]\ngpus = true', "defaults.gpus: expected a whole number"),
-    ('[defaults]\ngpu_memory = "20G"', "defaults.gpu_memory: not a size"),
+    ('[defaults]\ngpu_memory = "20 gigs"', "defaults.gpu_memory: not a size"),
     ('[defaults]\ngpu_memory = "-5GiB"', "defaults.gpu_memory: not a size"),
-    ('[defaults]\nmax_time = "8 hours"', "defaults.max_time: not a duration"),
+    ('[defaults]\nmax_time = "8 fortnights"', "defaults.max_time: not a duration"),
+    # every size and duration takes a unit; zero and implausible values are refused with the likely fix
+    ('[defaults]\ngpu_memory = 20', "defaults.gpu_memory: 20 has no unit; did you mean 20GiB?"),
+    ('[defaults]\ngpu_memory = "0"', "defaults.gpu_memory: '0' has no unit"),
+    ('[defaults]\ngpu_memory = "0GiB"', "defaults.gpu_memory: '0GiB' would leave no memory at all; write unlimited"),
+    ('[defaults]\ngpu_memory = "20MiB"', "defaults.gpu_memory: '20MiB' is under 256MiB, too little for any GPU job; "
+                                         "did you mean 20GiB?"),
+    ('[defaults]\nmax_time = "0s"', "defaults.max_time: '0s' would end every grant at once; write none"),
+    ('[defaults]\nmax_time = 3600', "defaults.max_time: 3600 has no unit; did you mean 3600s (1h)?"),
+    ('[defaults]\nidle_timeout = 0', "defaults.idle_timeout: 0 has no unit"),
+    ('[defaults]\nidle_timeout = "0m"', "defaults.idle_timeout: '0m' would release every grant at once"),
+    ('[defaults]\nreclaim_after = "0s"', "defaults.reclaim_after: '0s' would take back every grant"),
+    ('[defaults]\nmax_time = "30s"', "defaults.max_time: 30s is under a minute; did you mean 30m?"),
+    ('[defaults]\nidle_timeout = "5s"', "defaults.idle_timeout: 5s is under a minute; did you mean 5m?"),
     ('[defaults]\nmax_time = "999d"', "defaults.max_time: duration '999d' is absurdly long"),
     ('[defaults]\nsharing = "yes"', "defaults.sharing: expected true or false"),
     ('[watcher]\ninterval = "0s"', "watcher.interval: must be a duration of at least 0.1s"),
@@ -117,7 +130,7 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
     ('[defaults]\ngpu_memory = 20.5', "defaults.gpu_memory: expected a size like 20GiB, got 20.5"),
     ('[defaults]\nmax_time = [1]', "defaults.max_time: expected a duration like 30m"),
     ('[gpu]\nbackend = "cuda"', "gpu.backend: must be one of nvml, simulated"),
-    ('[watcher]\ninterval = 0.5', "watcher.interval: must be at least 1s with the nvml backend"),
+    ('[watcher]\ninterval = "0.5s"', "watcher.interval: must be at least 1s with the nvml backend"),
     ('[gpu]\nbackend = "simulated"\n[gpu.simulated]\ncount = 2\nnvlink_groups = [[0, 5]]',
      "gpu.simulated.nvlink_groups: GPU 5 does not exist"),
     ('[gpu]\nbackend = "simulated"\n[gpu.simulated]\nnuma_nodes = [[0, 1], [1, 2]]',
@@ -133,6 +146,12 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
     ('[metrics]\ntextfile = "/var/lib/node_exporter/gpuguard.txt"', "metrics.textfile: must end in .prom"),
     ('[metrics]\ntextfile = "gpuguard.prom"', "metrics.textfile: expected an absolute path"),
     ('[metrics]\ndcgm_job_mapping_dir = "jobs"', "metrics.dcgm_job_mapping_dir: expected an absolute path"),
+    ('[notify]\nwebhook = "ftp://chat/{user}"', "notify.webhook: not a http:// or https:// URL"),
+    ('[notify]\nwebhook = "https://chat/{name}"', "notify.webhook: expected a http:// or https:// URL where only "
+                                                  "{user} is replaced"),
+    ('[notify]\nmail = "{user}"', "notify.mail: not a mail address"),
+    ('[notify]\nmail = "-oX@lab"', "notify.mail: not a mail address"),
+    ('[notify]\nper_user_hour = 0', "notify.per_user_hour: must be between 1 and 3600"),
     ('[coexist]\nslurm = "yes"', "coexist.slurm: must be one of auto, off, got 'yes'"),
     ('[coexist]\nslurm = [0, 0]', "coexist.slurm: a GPU is listed twice"),
     ('[coexist]\nk8s_gpus = [254]', "coexist.k8s_gpus: GPU minors are 0 to 253, got 254"),
@@ -155,12 +174,25 @@ def test_bad_config_names_file_key_and_problem(tmp_path, text, fragment):
     ('[users.bob]\nwalltime = "1h"', "users.bob.walltime: unknown key"),
     ('[teams.x]\ngpus = 1', "teams: unknown table"),
     ('users = 1', "users: expected tables like [users.NAME]"),
+    ('[groups.x]\ngpu_memory = "4"', "groups.x.gpu_memory: '4' has no unit; did you mean 4GiB?"),
 ])
 def test_bad_quotas_file(tmp_path, quotas, fragment):
     write(tmp_path, GOOD, quotas)
     with pytest.raises(ConfigError, match=r"quotas\.toml: ") as error:
         config.load(tmp_path / "gpuguard.toml")
     assert fragment in str(error.value)
+
+
+def test_short_time_limits_are_for_simulated_gpus_only(tmp_path):
+    """Tests and demos on simulated GPUs run limits of seconds; on real GPUs a limit under a minute is a typo."""
+    quotas = '[users.bob]\nidle_timeout = "2s"\n'
+    write(tmp_path, '[gpu]\nbackend = "simulated"\n[defaults]\nmax_time = "5s"\n', quotas)
+    loaded = config.load(tmp_path / "gpuguard.toml")
+    assert loaded.defaults.max_time == 5 and loaded.quotas.users["bob"] == {"idle_timeout": 2}
+    write(tmp_path, "[defaults]\ngpus = 1\n", quotas)  # the nvml backend
+    with pytest.raises(ConfigError, match=r"quotas\.toml: users\.bob\.idle_timeout: 2s is under a minute; "
+                                          r"did you mean 2m\?"):
+        config.load(tmp_path / "gpuguard.toml")
 
 
 def test_missing_file(tmp_path):

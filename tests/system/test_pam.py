@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import BIN, PYTHON, popen_as, run_as
@@ -40,6 +41,7 @@ from ssh_harness import (
 
 from devtools.harness import wait_for
 from gpuguard import config, pam_hook
+from gpuguard.backends import posix_acl
 
 pytestmark = pytest.mark.usefixtures("pam_module")  # built once per session (tests/ssh_harness.py)
 
@@ -164,7 +166,7 @@ def test_module_trusts_no_reply_from_a_non_root_peer(stacks, sandbox, make_user)
         result = pamtester(service, "ggt-alice", "open_session")
         assert opened(result), result  # the login goes on ...
         assert probed_devices(result.stdout) is None  # ... with nothing from the impostor in it
-        assert info_lines(result.stdout) == []
+        assert info_lines(result.stdout) == [pam_hook.UNAVAILABLE]  # not the impostor's words
         # It was asked nothing either: the module hung up before sending the request.
         assert json.loads(impostor.stdout.readline()) == ""
     finally:
@@ -195,6 +197,14 @@ def _hang(request):
     return None
 
 
+def _bad_devices(request):
+    return b'{"v":1,"ok":true,"cuda_visible_devices":"GPU-1 x"}\n'
+
+
+def _newline_devices(request):
+    return b'{"v":1,"ok":true,"cuda_visible_devices":"GPU-1\\nX=1"}\n'
+
+
 @pytest.mark.parametrize("reply", [
     pytest.param(None, id="no-daemon"),
     pytest.param(_hang, id="daemon-hangs"),
@@ -202,21 +212,23 @@ def _hang(request):
     pytest.param(lambda r: b"", id="closes-without-reply"),
     pytest.param(lambda r: b"this is not json\n", id="not-json"),
     pytest.param(lambda r: b'{"v":1,"ok":true,"cuda_visible_devices":"GPU-1', id="truncated"),
-    pytest.param(lambda r: b'{"v":1,"ok":true,"cuda_visible_devices":"GPU-1 x"}\n', id="bad-devices"),
-    pytest.param(lambda r: b'{"v":1,"ok":true,"cuda_visible_devices":"GPU-1\\nX=1"}\n', id="newline-devices"),
+    pytest.param(_bad_devices, id="bad-devices"),
+    pytest.param(_newline_devices, id="newline-devices"),
     pytest.param(lambda r: b'{"v":1,"ok":true,"pad":"' + b"x" * 100_000 + b'"}\n', id="oversized"),
     pytest.param(lambda r: b'{"v":1,"ok":true,"deep":' + b"[" * 100 + b"]" * 100 + b"}\n", id="too-deep"),
 ])
 @pytest.mark.parametrize("control", ["optional", "required"])
 def test_module_never_fails_or_hangs_a_login(stacks, stub, sandbox, reply, control):
-    """Whatever the daemon does, the session opens (even as `required`) and gets no GPUs."""
+    """Whatever the daemon does, the session opens (even as `required`) and gets no GPUs; with no
+    usable answer the user is told in one line (a reply that parses but names bad devices is an answer)."""
     path = sandbox / "absent.sock" if reply is None else stub(reply).path
     service = stacks.make(module_line(path, control=control), env_probe(sandbox))
     result = pamtester(service, "ggt-alice", timeout=30)  # 2 s per call, by design
     assert opened(result), result
     assert "session has successfully been closed" in result.stdout
     assert probed_devices(result.stdout) is None
-    assert info_lines(result.stdout) == []
+    answered = reply in (_bad_devices, _newline_devices)
+    assert info_lines(result.stdout) == ([] if answered else [pam_hook.UNAVAILABLE])
 
 
 def test_module_ignores_unknown_options(stacks, stub, sandbox):
@@ -274,7 +286,7 @@ def test_hook_always_exits_zero(stacks, stub, sandbox, case, direct):
     service = stacks.make(hook_line(*args, direct=direct, control="required"))
     result = pamtester(service, "ggt-alice", timeout=30)
     assert opened(result), result
-    assert info_lines(result.stdout) == []
+    assert info_lines(result.stdout) == [pam_hook.UNAVAILABLE]
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["gpuguard-pam-hook", "python-m"])
@@ -503,9 +515,58 @@ def test_daemon_down_login_succeeds_with_gpus_closed(gg_daemon, stacks, sandbox,
     result = pamtester(service, alice.name)
     assert opened(result), result
     assert "session has successfully been closed" in result.stdout
-    assert info_lines(result.stdout) == []
-    assert probed_devices(result.stdout) is None
+    assert info_lines(result.stdout) == [pam_hook.UNAVAILABLE]  # the same line from module and hook
+    assert probed_devices(result.stdout) is None  # alice holds nothing
     with PamSession(stacks.make(session_line(gg_daemon, path)), alice.name) as session:
         assert "CUDA_VISIBLE_DEVICES" not in session.env
         assert usable_gpus(gg_daemon, alice) == []
 
+
+
+@pytest.mark.gate
+def test_daemon_down_a_holder_gets_the_gpus_it_held_from_the_daemons_file(gg_daemon, stacks, sandbox, make_user):
+    """The gate keeps a grant while the daemon is down; the login says the service is down and sets
+    CUDA_VISIBLE_DEVICES from <socket dir>/held/<uid>, a file only root and that user can read."""
+    d = gg_daemon
+    alice, bob = d.add_member(), d.add_member()
+    assert d.cli("grant", alice.name, "--gpu", "2").returncode == 0
+    held, uuid = Path(d.socket).parent / "held" / str(alice.uid), d.uuid(2)
+    assert held.read_text() == f"{uuid}\n"
+    status = held.stat()
+    assert status.st_uid == 0 and status.st_mode & 0o077 == 0o040  # group bits: the ACL mask
+    assert posix_acl.acl_entries(held) == [(posix_acl.USER_OBJ, 4, posix_acl.UNDEFINED_ID),
+                                           (posix_acl.USER, 4, alice.uid),
+                                           (posix_acl.GROUP_OBJ, 0, posix_acl.UNDEFINED_ID),
+                                           (posix_acl.MASK, 4, posix_acl.UNDEFINED_ID),
+                                           (posix_acl.OTHER, 0, posix_acl.UNDEFINED_ID)]
+    assert run_as(alice, ["cat", str(held)]).stdout == f"{uuid}\n"  # the ACL entry: alice may read it
+    assert run_as(bob, ["cat", str(held)]).returncode != 0                  # nobody else
+    assert d.stop() == 0
+
+    service = stacks.make(module_line(d.socket, control="required"), env_probe(sandbox))
+    result = pamtester(service, alice.name)
+
+    assert opened(result), result
+    assert info_lines(result.stdout) == [pam_hook.UNAVAILABLE]
+    assert probed_devices(result.stdout) == uuid
+    assert usable_gpus(d, alice) == [2]  # the gate kept the grant
+    other = pamtester(service, bob.name)
+    assert info_lines(other.stdout) == [pam_hook.UNAVAILABLE] and probed_devices(other.stdout) is None
+
+
+@pytest.mark.gate
+def test_the_held_file_follows_grants_and_a_forged_one_is_ignored(gg_daemon, stacks, sandbox):
+    d = gg_daemon
+    alice = d.add_member()
+    assert d.cli("grant", alice.name, "--gpu", "1").returncode == 0
+    held = Path(d.socket).parent / "held" / str(alice.uid)
+    assert held.exists()
+    assert d.cli("revoke", alice.name).returncode == 0
+    assert not held.exists()  # nothing held: no file
+    assert d.stop() == 0
+    held.write_text("GPU-0950a11d-6246-54e9-a026-fb5cd4088e0c\n")  # root's but writable by others: not trusted
+    held.chmod(0o666)
+    service = stacks.make(module_line(d.socket), env_probe(sandbox))
+    result = pamtester(service, alice.name)
+    assert opened(result) and probed_devices(result.stdout) is None, result
+    held.unlink()

@@ -166,6 +166,10 @@ def test_mode_owner_and_symlink_are_kept(sandbox, make_user):
     ["--user", "ggt-alice"],
     ["--user", "", "gpus=1"],
     ["--defaults", "gpus=-1"],
+    ["--user", "ggt-alice", "gpu_memory=20"],   # 20 bytes: did you mean 20GiB?
+    ["--user", "ggt-alice", "gpu_memory=0"],
+    ["--user", "ggt-alice", "max_time=0s"],
+    ["--user", "ggt-alice", "idle_timeout=3600"],
 ], ids=lambda args: " ".join(args))
 def test_bad_input_exits_2_with_one_line_and_touches_nothing(sandbox, args):
     config_path = make_files(sandbox)
@@ -177,6 +181,18 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(sandbox, args):
     assert result.stdout == ""
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("gpuguard: "), result.stderr
     assert snapshot(sandbox) == before
+
+
+def test_a_size_without_a_unit_is_refused_with_the_fix_and_gb_is_binary(sandbox):
+    config_path = make_files(sandbox)
+
+    result = cli(config_path, "quota", "set", "--user", "ggt-alice", "gpu_memory=20")
+
+    assert (result.returncode, result.stderr) == (2, "gpuguard: gpu_memory: 20 has no unit; did you mean 20GiB? "
+                                                      "(sizes: 512MiB, 20GiB, unlimited)\n")
+    assert cli(config_path, "quota", "set", "--user", "ggt-alice", "gpu_memory=40GB").returncode == 0
+    shown = cli(config_path, "quota", "show", "--user", "ggt-alice")
+    assert re.search(r"gpu_memory +40GiB \(42949672960 bytes\) +user ggt-alice", shown.stdout), shown.stdout
 
 
 def test_the_whole_file_is_checked_before_it_replaces_the_old_one(sandbox):
@@ -231,7 +247,7 @@ def test_show_lists_defaults_users_and_groups_in_file_order(sandbox, make_user):
         f"users ({sandbox / 'quotas.toml'}):\n"
         "  ggt-alice: gpus=2\n"
         "groups (for a key set by several of a user's groups, the first listed wins):\n"
-        "  ggt-interns: gpu_memory=20GiB max_time=4h\n"
+        "  ggt-interns: gpu_memory=20GiB (21474836480 bytes) max_time=4h\n"
         "  ggt-staff: gpus=2\n")
     listed = json.loads(cli(config_path, "quota", "show", "--json").stdout)
     assert [g["name"] for g in listed["groups"]] == ["ggt-interns", "ggt-staff"]

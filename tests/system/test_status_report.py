@@ -55,8 +55,12 @@ def test_status_shows_memory_against_the_quota_processes_and_time_left(start_dae
         assert alice.name in holder_line and "3GiB of 4GiB quota" in holder_line and "1h59m left" in holder_line
         assert process_line.split()[:3] == [str(proc.pid), alice.name, "3GiB"] and "python" in process_line
 
-        rows = list(csv.reader(d.cli_as(bob, "status", "--csv").stdout.splitlines()))
-        assert [row[0] for row in rows] == ["0", "1", "2", "3"]  # no header: the first line is GPU 0
+        header, *rows = csv.reader(d.cli_as(bob, "status", "--csv").stdout.splitlines())
+        assert header == ["gpu", "name", "uuid", "utilization_percent", "memory_used_bytes", "memory_total_bytes",
+                          "holders", "processes", "time_left_seconds", "owner"]
+        assert [row[0] for row in rows] == ["0", "1", "2", "3"]
+        bare = list(csv.reader(d.cli_as(bob, "status", "--csv", "--no-header").stdout.splitlines()))
+        assert bare == rows
         row = rows[minor]
         assert row[4:8] == [str(3 * GiB), str(80 * GiB), alice.name, "1"]
         assert 0 < int(row[8]) <= 7200
@@ -101,3 +105,17 @@ def test_report_and_events_root_sees_everyone_a_user_only_themself(start_daemon)
     assert bobs and {(e["user"], e["kind"]) for e in bobs} == {(bob.name, "grant")}
     bad = d.cli("events", "--since", "last tuesday")
     assert bad.returncode == 2 and "not a time" in bad.stderr
+    # words people use for a start, and refusals instead of a silently empty answer
+    assert json.loads(d.cli("events", "--since", "today", "--json").stdout) == json.loads(
+        d.cli("events", "--json").stdout)  # everything happened today
+    assert d.cli("report", "--since", "yesterday", "--csv").returncode == 0
+    assert d.cli("report", "--since", "monday", "--csv").returncode == 0
+    unknown_rule = d.cli("events", "--rule", "memroy")
+    assert (unknown_rule.returncode, unknown_rule.stderr.count("\n")) == (2, 1)
+    assert unknown_rule.stderr.startswith("gpuguard: --rule: no rule 'memroy' (rules: memory, time,")
+    nobody = d.cli("status", "-u", "ggt-nosuchuser")
+    assert (nobody.returncode, nobody.stderr) == (2, "gpuguard: -u: no such user: ggt-nosuchuser\n")
+    assert d.cli("events", "--user", "ggt-nosuchuser").returncode == 2
+    # report --csv: a column for every rule, whether or not anything was stopped
+    header = d.cli("report", "--since", "1d", "--csv").stdout.splitlines()[0]
+    assert header.endswith(",kills_memory,kills_time,kills_idle,kills_stray,kills_reclaim")

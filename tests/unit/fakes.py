@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,24 @@ class FakeNotifier:
         pass
 
 
+class FakeHeldFiles:
+    """held_devices.HeldDevices without files: what each user's file would say now (no key: no file)."""
+
+    def __init__(self) -> None:
+        self.files: dict[int, list[str]] = {}
+        self.writes = 0
+
+    def write(self, uid: int, uuids: Sequence[str]) -> None:
+        self.writes += 1
+        if uuids:
+            self.files[uid] = list(uuids)
+        else:
+            self.files.pop(uid, None)
+
+    def users(self) -> set[int]:
+        return set(self.files)
+
+
 class FakeProcesses:
     """The processes the sample names, as the sampler saw them (their identities); a signal to one
     of them is recorded and delivered (`signals`), to any other pid it finds nobody (GONE)."""
@@ -266,13 +284,14 @@ class World:
         self.notifier = FakeNotifier()
         self.exits = FakeExits()
         self.processes = FakeProcesses(self.sampler)
+        self.held_files = FakeHeldFiles()
         self.reloads = 0
         self.services = wiring.build(wiring.Edges(
             config=lambda: self.config, store_path=self.tmp / "state.db", sampler=self.sampler,
             units={g.minor: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
             terminals=self.notifier, exits=self.exits, find_holders=self.find_holders, processes=self.processes,
             gate=self.gate, caps_major=CAPS_MAJOR, reload=self._reload, foreign=self.foreign,
-            fleet_db=self.fleet_db))
+            fleet_db=self.fleet_db, held=self.held_files))
         s = self.services
         self.store, self.grants, self.exempt, self.queue = s.store, s.grants, s.exempt, s.queue
         self.watcher, self.api, self.logout, self.holder_ender = s.watcher, s.api, s.logout, s.holders

@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,8 +21,19 @@ def failing_step() -> None:
 
 
 def test_values_with_spaces_quotes_and_newlines_stay_on_one_line():
-    assert pairs(event="grant", user="alice", gpus=[1, 3], note=None) == "event=grant user=alice gpus=1,3"
+    assert pairs(event="grant", user="alice", gpu=[1, 3], note=None) == "event=grant user=alice gpu=1,3"
     assert pairs(error='a "b"\nc') == r'error="a \"b\"\nc"'
+
+
+def test_times_are_iso_not_epoch_floats(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    try:
+        assert pairs(event="grant", expires_at=1796135696.328396, since=5.5) == (
+            "event=grant expires_at=2026-12-01T14:34:56+0000 since=5.5")
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 def test_an_exception_keeps_its_traceback_on_the_same_line():

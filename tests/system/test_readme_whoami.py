@@ -1,0 +1,38 @@
+"""The README's `gpuguard whoami` example against a real run: the same lines in the same order,
+once names, numbers, times and UUIDs are set aside (issue 22: the README's examples match what
+the commands print)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_example() -> list[str]:
+    text = README.read_text()
+    block = text[text.index("alice@gpu1:~$ gpuguard whoami\n"):]
+    return block.split("\n", 1)[1].split("```", 1)[0].rstrip("\n").splitlines()
+
+
+def shape(line: str, user: str, group: str) -> str:
+    """The line with what varies between machines and runs replaced by placeholders."""
+    line = line.replace(user, "<user>").replace(group, "<group>")
+    line = re.sub(r" \(nvidia-smi \d+\)", "", line)  # shown only where NVML's index differs from the minor
+    line = re.sub(r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", "<uuid>", line)
+    line = re.sub(r"\b\d{1,2}:\d{2}\b", "<time>", line)
+    line = re.sub(r"\b\d+\b", "<n>", line)
+    return " ".join(line.split())  # column widths follow the values
+
+
+def test_the_readme_whoami_example_has_the_shape_of_a_real_run(start_daemon):
+    d = start_daemon(defaults={"gpus": 1, "gpu_memory": "20GiB", "max_time": "8h"})
+    alice = d.add_member()
+    d.call("session_open", user=alice.name, service="sshd", rhost="10.0.0.7", tty="/dev/pts/3", pid=d.caller().pid)
+
+    real = d.cli_as(alice, "whoami")
+
+    assert real.returncode == 0, real.stderr
+    example = readme_example()
+    assert [shape(line, "alice", "gpugroup") for line in example] == \
+        [shape(line, alice.name, d.group) for line in real.stdout.splitlines()]
