@@ -296,6 +296,7 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "priority": _integer,
     "share": _weight,
     "reclaim_after": parse_duration,
+    "max_sharers": _count(1, MAX_GPUS),
     "slices": _slice_limit,
     "whole_gpus": _bool,
     "slice_profiles": _profiles,

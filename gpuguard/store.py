@@ -98,6 +98,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE grants ADD COLUMN uuid TEXT NOT NULL DEFAULT '';
     """,
+    # The memory quota a shared grant was promised on its GPU (allocator: sharers' promises never
+    # add up to more than the GPU has). NULL: not shared, or shared before this column (then the
+    # GPU takes no further sharer: its promise is unknown).
+    """
+    ALTER TABLE grants ADD COLUMN memory INTEGER;
+    """,
 )
 HOUR = 3600
 
@@ -167,14 +173,16 @@ class Store:
 
     def add_grants(self, uid: int, user: str, minors: Iterable[int], now: float,
                    expires_at: float | None, shared: bool = False, origin: Origin = Origin.SESSION,
-                   uuids: Mapping[int, str] | None = None) -> None:
-        """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''."""
+                   uuids: Mapping[int, str] | None = None, memory: int | None = None) -> None:
+        """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''.
+        memory: a shared grant's memory quota per GPU (Grant.memory)."""
         uuids = uuids or {}
         with self.transaction() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin,"
-                " uuid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(uid, user, minor, now, expires_at, now, int(shared), origin, uuids.get(minor, ""))
+                " uuid, memory) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(uid, user, minor, now, expires_at, now, int(shared), origin, uuids.get(minor, ""),
+                  memory if shared else None)
                  for minor in minors])
 
     def grants(self, uid: int | None = None) -> list[Grant]:
