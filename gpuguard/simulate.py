@@ -53,13 +53,19 @@ FIRST_UID = 100000
 
 @dataclass
 class Result:
-    """What one policy did with the trace (seconds and counts)."""
+    """What one policy did with the trace (seconds and counts). Every job is counted: one that
+    never ran (dropped with its session, over quota, or still waiting at the end) has a censored
+    time to GPU, up to when it left (or the end of the replay)."""
 
     granted: float = 0.0             # GPU-seconds granted
-    busy: float = 0.0                # GPU-seconds jobs ran
+    busy: float = 0.0                # GPU-seconds with at least one job on the GPU (one job's worth at most)
+    shared: float = 0.0              # of busy: GPU-seconds with two jobs or more on the GPU
     demanded: float = 0.0            # GPU-seconds the jobs asked for
+    work_lost: float = 0.0           # GPU-seconds of work thrown away: jobs stopped by a rule, from their start
     span: float = 0.0                # seconds from the first login to the last event
-    waits: list[float] = field(default_factory=list)  # time to GPU of each job that ran
+    waits: list[float] = field(default_factory=list)     # time to GPU of each job that ran
+    censored: list[float] = field(default_factory=list)  # time waited by each job that never ran
+    stretch: list[float] = field(default_factory=list)   # run time / trace duration of each job that ended by itself
     never_ran: int = 0
     over_quota: int = 0              # of never_ran: asked for more GPUs than the quota allows
     releases: int = 0                # idle and logout releases (GPU grants)
@@ -68,22 +74,56 @@ class Result:
     kills: int = 0                   # jobs ended by a rule
     most_sharers: int = 0            # the most jobs seen on one GPU at once (1 unless users share)
     per_user: dict[str, list[float]] = field(default_factory=dict)  # user -> [granted, demanded]
+    user_waits: dict[str, list[float]] = field(default_factory=dict)     # user -> every job's (censored) wait
+    user_slowdown: dict[str, list[float]] = field(default_factory=dict)  # user -> [sum of slowdowns, jobs]
+
+    def count(self, user: str, wait: float, duration: float, ran: float | None) -> None:
+        """One job's outcome: waited `wait`, then ran `ran` seconds of wall time (None: never ran,
+        so its wait is censored). Its slowdown is (wait + run) / duration, where a job that never
+        ran or was stopped still needs its whole duration (it runs again from scratch)."""
+        if ran is None:
+            self.censored.append(wait)
+        else:
+            self.waits.append(wait)
+        self.user_waits.setdefault(user, []).append(wait)
+        slowdown = self.user_slowdown.setdefault(user, [0.0, 0])
+        slowdown[0] += (wait + (duration if ran is None else ran)) / duration
+        slowdown[1] += 1
 
     def summary(self, gpus: int) -> dict[str, float | int | None]:
         waits = sorted(self.waits)
+        every = sorted(self.waits + self.censored)
+        censored = sorted(self.censored)
+        stretch = sorted(self.stretch)
         shares = [g / d for g, d in self.per_user.values() if d > 0]
+        slowdowns = [total / jobs for total, jobs in self.user_slowdown.values() if jobs]
+        user_p95 = sorted(percentile(sorted(w), 0.95) or 0.0 for w in self.user_waits.values())
         return {
             "gpu_seconds_granted": round(self.granted, 1),
             "gpu_seconds_busy": round(self.busy, 1),
+            "gpu_seconds_shared": round(self.shared, 1),
+            "gpu_seconds_lost": round(self.work_lost, 1),
+            "lost_of_demanded": round(self.work_lost / self.demanded, 4) if self.demanded else None,
             "busy_of_granted": round(self.busy / self.granted, 4) if self.granted else None,
             "pool_busy": round(self.busy / (gpus * self.span), 4) if self.span else None,
-            "wait_p50": percentile(waits, 0.50),
-            "wait_p95": percentile(waits, 0.95),
-            "wait_max": waits[-1] if waits else None,
+            "wait_p50": percentile(every, 0.50),
+            "wait_p95": percentile(every, 0.95),
+            "wait_max": every[-1] if every else None,
+            "ran_wait_p95": percentile(waits, 0.95),
+            "ran_wait_max": waits[-1] if waits else None,
+            "censored_wait_p95": percentile(censored, 0.95),
+            "user_wait_p95_median": percentile(user_p95, 0.50),
+            "user_wait_p95_worst": user_p95[-1] if user_p95 else None,
+            "jobs": len(every),
             "jobs_ran": len(waits),
             "jobs_never_ran": self.never_ran,
             "jobs_over_quota": self.over_quota,
+            "jobs_dropped": self.never_ran - self.over_quota,
             "jain": round(jain(shares), 4) if shares else None,
+            "jain_slowdown": round(jain(slowdowns), 4) if slowdowns else None,
+            "slowdown_worst_user": round(max(slowdowns), 2) if slowdowns else None,
+            "stretch_mean": round(sum(stretch) / len(stretch), 4) if stretch else None,
+            "stretch_p95": round(percentile(stretch, 0.95) or 0.0, 4) if stretch else None,
             "releases": self.releases,
             "reclaims": self.reclaims,
             "revokes": self.revokes,
@@ -165,12 +205,29 @@ class _NoNodes:
 
 @dataclass
 class _Running:
+    """A job on its GPUs. Its work is its trace duration; it progresses at `rate` (1 alone; 1/n
+    while its most crowded GPU has n jobs on it), so it ends when the work is done."""
+
     job: Job
+    user: str
     uid: int
+    session: int
     minors: tuple[int, ...]
     pid: int
+    arrived: float
     started: float
-    ends: float
+    left: float          # seconds of work still to do at `since`
+    rate: float = 1.0
+    since: float = 0.0
+    version: int = 0     # its end event is for this version; an older one is stale
+
+
+@dataclass
+class _Session:
+    uid: int
+    user: str
+    jobs_left: int
+    open: bool           # no end in the trace: it ends once its last job has run
 
 
 class Replay:
@@ -194,8 +251,11 @@ class Replay:
         self.names: dict[int, str] = {}
         self.quotas: dict[str, Quota] = {}
         self.running: dict[int, _Running] = {}    # pid -> job
+        self.on_gpu: dict[int, set[int]] = {}     # minor -> pids of the jobs on it
+        self.busy_since: dict[int, float] = {}    # minor -> when its job count last changed
+        self.busy_of: dict[int, Counter[int]] = {}  # uid -> minors its jobs are on (how many jobs each)
         self.pending: dict[int, tuple[Job, int]] = {}  # queue row id -> (job, session pid)
-        self.session_uid: dict[int, int] = {}     # session pid -> uid
+        self.sessions: dict[int, _Session] = {}   # session pid -> its user and jobs still to run
         self._joining: tuple[Job, int] | None = None  # the job whose request is being queued
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
@@ -243,25 +303,26 @@ class Replay:
         uid = self._uid(session.user)
         pid = next(self._pids)
         self.store.open_session(uid, session.user, "replay", "", "", pid, self.now)
-        self.session_uid[pid] = uid
+        self.sessions[pid] = _Session(uid, session.user, len(session.jobs), session.end is None)
         for job in session.jobs:
             self.result.demanded += job.gpus * job.duration
             self._user_totals(session.user)[1] += job.gpus * job.duration
             self._at(job.start, "arrive", (job, pid))
-        self._at(session.end, "logout", (uid, pid))
+        if session.end is not None:
+            self._at(session.end, "logout", pid)
 
     async def _on_arrive(self, payload: tuple[Job, int]) -> None:
         job, session = payload
-        uid = self.session_uid[session]
+        uid = self.sessions[session].uid
         name = self.names[uid]
         quota = self._quota(name)
         if job.gpus > quota.gpus:
-            self.result.never_ran += 1
             self.result.over_quota += 1
+            self._never_ran(job, session)
             return
         more = job.gpus - len(self._idle_held(uid))
         if more <= 0:
-            self._start(job, uid, job.start)
+            self._start(job, session)
             return
         self._joining = (job, session)
         try:
@@ -271,21 +332,28 @@ class Replay:
         if waits:
             self.pending[queued.waiter.id] = (job, session)
 
-    async def _on_end(self, pid: int) -> None:
-        running = self.running.pop(pid, None)
-        if running is None:
-            return  # ended earlier by a rule
-        self._stop(running, self.now)
+    async def _on_end(self, payload: tuple[int, int]) -> None:
+        pid, version = payload
+        running = self.running.get(pid)
+        if running is None or running.version != version:
+            return  # ended earlier by a rule, or slowed or sped up since: a later end event stands
+        self._stop(running)
+        self.result.count(running.user, running.started - running.arrived, running.job.duration,
+                          self.now - running.started)
+        self.result.stretch.append((self.now - running.started) / running.job.duration)
+        self._job_done(running.session)
 
-    async def _on_logout(self, payload: tuple[int, int]) -> None:
-        uid, pid = payload
+    async def _on_logout(self, pid: int) -> None:
+        session = self.sessions.pop(pid)
+        uid = session.uid
         self.store.close_session(uid, pid)
         logged_in = {s.uid for s in self.store.sessions()}
         gone = self.queue.gone(logged_in, alive=lambda pid, start: True)
         self.queue.leave(q.waiter.id for q in gone)
         for queued in gone:
-            if self.pending.pop(queued.waiter.id, None) is not None:
-                self.result.never_ran += 1
+            dropped = self.pending.pop(queued.waiter.id, None)
+            if dropped is not None:
+                self._never_ran(*dropped)
         if uid not in logged_in:
             await self.logout.release_unused(self._sample(), [uid], now=self.now)
 
@@ -298,26 +366,74 @@ class Replay:
         """The queue granted a waiter its GPUs: its job starts now."""
         waiting = self.pending.pop(queued.waiter.id, None) or self._joining  # None: served as it joined
         assert waiting is not None, "the queue served a request the replay did not make"
-        self._start(waiting[0], queued.waiter.uid, waiting[0].start)
+        self._start(*waiting)
 
-    def _start(self, job: Job, uid: int, arrived: float) -> None:
-        minors = tuple(sorted(self._idle_held(uid)))[:job.gpus]
+    def _start(self, job: Job, session: int) -> None:
+        owner = self.sessions[session]
+        minors = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
-        self.running[pid] = _Running(job, uid, minors, pid, self.now, self.now + job.duration)
-        on = [m for r in self.running.values() for m in r.minors]
-        self.result.most_sharers = max(self.result.most_sharers, *(on.count(m) for m in minors))
-        self.result.waits.append(self.now - arrived)
-        self._at(self.now + job.duration, "end", pid)
+        running = _Running(job, owner.user, owner.uid, session, minors, pid, job.start, self.now, job.duration,
+                           since=self.now)
+        self.running[pid] = running
+        self.busy_of.setdefault(owner.uid, Counter()).update(minors)
+        self._crowd(minors, add=pid)
+        self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in minors))
 
-    def _stop(self, running: _Running, when: float) -> None:
-        self.result.busy += len(running.minors) * (when - running.started)
+    def _stop(self, running: _Running) -> None:
+        """The job leaves its GPUs (ended, or stopped by a rule)."""
+        del self.running[running.pid]
+        mine = self.busy_of[running.uid]
+        mine.subtract(running.minors)
+        for minor in running.minors:
+            if mine[minor] <= 0:
+                del mine[minor]
+        self._crowd(running.minors, remove=running.pid)
         # The watcher saw it there up to its last moment: the idle clocks start from here.
-        seen = {**self.state.seen, **{(running.uid, m): when for m in running.minors}}
+        seen = {**self.state.seen, **{(running.uid, m): self.now for m in running.minors}}
         self.state = replace(self.state, seen=seen)
 
+    def _crowd(self, minors: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
+        """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then
+        set every job there to the pace of its most crowded GPU (contention: n jobs on a GPU
+        progress at 1/n each) and move its end accordingly."""
+        for minor in minors:
+            jobs = self.on_gpu.setdefault(minor, set())
+            if jobs:
+                since = self.busy_since[minor]
+                self.result.busy += self.now - since
+                if len(jobs) > 1:
+                    self.result.shared += self.now - since
+            self.busy_since[minor] = self.now
+            if add is not None:
+                jobs.add(add)
+            if remove is not None:
+                jobs.discard(remove)
+        for pid in set().union(*(self.on_gpu[m] for m in minors)):
+            running = self.running[pid]
+            rate = 1.0 / max(len(self.on_gpu[m]) for m in running.minors)
+            if pid != add and rate == running.rate:
+                continue
+            running.left -= running.rate * (self.now - running.since)
+            running.rate, running.since, running.version = rate, self.now, running.version + 1
+            self._at(self.now + running.left / rate, "end", (pid, running.version))
+
+    def _job_done(self, session: int) -> None:
+        """One of the session's jobs ran or will never run; an open session ends with its last."""
+        owner = self.sessions.get(session)
+        if owner is None:
+            return
+        owner.jobs_left -= 1
+        if owner.open and owner.jobs_left == 0:
+            self._at(self.now, "logout", session)
+
+    def _never_ran(self, job: Job, session: int) -> None:
+        self.result.never_ran += 1
+        self.result.count(self.sessions[session].user, self.now - job.start, job.duration, None)
+        self._job_done(session)
+
     def _idle_held(self, uid: int) -> set[int]:
-        busy = {m for r in self.running.values() if r.uid == uid for m in r.minors}
-        return {g.minor for g in self.store.grants(uid)} - busy
+        busy = self.busy_of.get(uid, ())
+        return {g.minor for g in self.store.grants(uid) if g.minor not in busy}
 
     # --- the watcher's rules
 
@@ -354,8 +470,7 @@ class Replay:
                 self._at(wake, "wake")
 
     def _act(self, action: rules.Action) -> bool:
-        if action.kind == rules.RELEASE and any(
-                r.uid == action.uid and action.minor in r.minors for r in self.running.values()):
+        if action.kind == rules.RELEASE and action.minor in self.busy_of.get(action.uid, ()):
             # A job of this user started on it since the decision (an earlier action of this tick
             # freed a GPU the queue gave them): the daemon's confirming re-sample would see it busy.
             return False
@@ -363,11 +478,16 @@ class Replay:
             return bool(self.grants.remove(action.uid, [action.minor], self.now, kind=action.kind,
                                            rule=action.rule, message=messages.action_message(action)))
         if action.kind in (rules.TERM, rules.KILL) and action.proc is not None:
-            running = self.running.pop(action.proc.pid, None)
+            running = self.running.get(action.proc.pid)
             if running is None:
                 return False
-            self._stop(running, self.now)  # a replayed job ends at SIGTERM
+            self._stop(running)  # a replayed job ends at SIGTERM, and what it did is lost
+            ran = self.now - running.started
+            self.result.work_lost += len(running.minors) * ran
+            self.result.count(running.user, running.started - running.arrived, running.job.duration,
+                              ran + running.job.duration)  # it needs its whole duration again
             self.result.kills += 1
+            self._job_done(running.session)
         return True
 
     # --- bookkeeping
@@ -381,7 +501,8 @@ class Replay:
         for grant in self.store.grants():
             self.result.granted += self.now - grant.granted_at
             self._user_totals(grant.user)[0] += self.now - grant.granted_at
-        self.result.never_ran += len(self.pending)
+        for job, session in list(self.pending.values()):  # still waiting at the end: censored there
+            self._never_ran(job, session)
         counts = self.store.event_counts
         self.result.releases = sum(n for (kind, rule), n in counts.items()
                                    if kind == "release" and rule != rules.RECLAIM)
@@ -429,6 +550,8 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
             continue
         if need > gpus:
             result.never_ran += len(session.jobs)
+            for job in session.jobs:
+                result.count(session.user, 0.0, job.duration, None)
             continue
         at = max(session.start, last_grant)  # nobody overtakes an earlier session
         while holding and holding[0][0] <= at:
@@ -439,13 +562,16 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
             at = max(at, end)
         delay = at - session.start
         free -= need
-        heapq.heappush(holding, (session.end + delay, need))
+        end = session.last
+        heapq.heappush(holding, (end + delay, need))
         last_grant = at
-        last_end = max(last_end, session.end + delay)
-        result.granted += need * (session.end - session.start)
-        totals[0] += need * (session.end - session.start)
-        result.busy += demanded
-        result.waits.extend([delay] * len(session.jobs))
+        last_end = max(last_end, end + delay)
+        result.granted += need * (end - session.start)
+        totals[0] += need * (end - session.start)
+        result.busy += demanded  # each job alone on its GPUs, at full speed
+        for job in session.jobs:
+            result.count(session.user, delay, job.duration, job.duration)
+            result.stretch.append(1.0)
         result.releases += 1
         result.most_sharers = 1
     result.span = last_end - (first or 0.0)
@@ -464,7 +590,7 @@ def describe(sessions: Iterable[Session]) -> dict[str, float | int]:
     for session in sessions:
         count += 1
         jobs += len(session.jobs)
-        first, last = min(first, session.start), max(last, session.end)
+        first, last = min(first, session.start), max(last, session.last)
     return {"sessions": count, "jobs": jobs, "hours": (last - first) / 3600 if count else 0.0}
 
 

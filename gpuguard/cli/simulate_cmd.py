@@ -26,13 +26,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     tracing = subparsers.add_parser("trace", help="make trace files for gpuguard simulate")
     actions = tracing.add_subparsers(dest="action", metavar="ACTION", required=True)
-    convert = actions.add_parser("convert", help="write a trace (e.g. the Adobe JSON) as trace CSV on stdout")
+    convert = actions.add_parser("convert", help="write a trace (the Adobe JSON, sacct -P output) as trace CSV "
+                                                 "on stdout")
     convert.add_argument("trace", type=Path, metavar="TRACE")
     convert.set_defaults(func=run_convert)
     generate = actions.add_parser("generate", help="write a synthetic trace CSV on stdout")
     generate.add_argument("--jobs", type=int, default=1000, metavar="N")
     generate.add_argument("--users", type=int, default=20, metavar="N")
     generate.add_argument("--seed", type=int, default=1, metavar="N")
+    generate.add_argument("--profile", choices=("interactive", "batch"), default="interactive",
+                          help="interactive: logins with bursts (default); batch: a cluster's 1/4/8-GPU jobs with "
+                               "heavy-tailed durations, each waiting as long as it takes")
+    generate.add_argument("--days", type=float, default=30.0, metavar="N", help="batch: the span of arrivals")
+    generate.add_argument("--assign", choices=("zipf", "round-robin"), default="zipf",
+                          help="batch: users Zipf-skewed (default) or in turn")
     generate.set_defaults(func=run_generate)
 
 
@@ -111,5 +118,11 @@ def run_convert(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     if args.jobs < 1 or args.users < 1:
         raise CommandError("--jobs and --users must be at least 1", EXIT_USAGE)
-    trace.write_csv(trace.generate(args.jobs, args.users, args.seed), sys.stdout)
+    if not args.days > 0:
+        raise CommandError(f"--days must be more than 0, got {args.days:g}", EXIT_USAGE)
+    if args.profile == "batch":
+        sessions = trace.generate_batch(args.jobs, args.users, args.seed, args.days, args.assign)
+    else:
+        sessions = trace.generate(args.jobs, args.users, args.seed)
+    trace.write_csv(sessions, sys.stdout)
     return EXIT_OK
