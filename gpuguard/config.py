@@ -81,6 +81,7 @@ class SchedulerConfig:
     half_life: float = 7 * 86400.0  # recent usage (fair share) halves in this time
     reserve_after: float = 300.0    # a waiter this long in the queue has free GPUs held for it (no backfill past it)
     soft_max_time: bool = False     # true: a grant past max_time is taken only when someone waits
+    max_wait_boost: float = 86400.0  # a waiter this long in the queue goes ahead of younger ones, whatever its usage
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "events": {"max_age": parse_duration, "per_user": _count(1, MAX_EVENTS_PER_USER)},
 
     "scheduler": {"half_life": _positive_duration(1), "reserve_after": _positive_duration(0),
-                  "soft_max_time": _bool},
+                  "soft_max_time": _bool, "max_wait_boost": _positive_duration(0)},
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},

@@ -30,6 +30,9 @@ class Standing:
     since: float
     ahead: list[tuple[str, str]]     # (user, why they go first), nearest first
     estimate: float | None           # when the GPUs should be free (from grant expiries), None: unknown
+    priority: int = 0                # the factors of this request's place: its priority,
+    usage: float = 0.0               # its user's recent usage (decayed GPU-seconds) over their share,
+    boost_at: float | None = None    # and when it goes ahead of younger requests whatever their usage
 
 
 class Queue:
@@ -62,7 +65,8 @@ class Queue:
         if not entries:
             return [], {}
         usage = self.usage(now, {q.waiter.uid for q in entries.values()})
-        return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage)], usage
+        boost = self.config().scheduler.max_wait_boost
+        return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage, now, boost)], usage
 
     def standing(self, uid: int, now: float) -> Standing | None:
         ordered, usage = self._ordered(now)
@@ -71,10 +75,13 @@ class Queue:
         if place is None:
             return None
         mine = waiters[place - 1]
-        ahead = [(w.user, scheduler.why_ahead(w, mine, usage)) for w in reversed(waiters[:place - 1])]
+        boost = self.config().scheduler.max_wait_boost
+        ahead = [(w.user, scheduler.why_ahead(w, mine, usage, now, boost)) for w in reversed(waiters[:place - 1])]
         need = sum(w.gpus for w in waiters[:place]) - self.free()
         expiries = [g.expires_at for g in self.store.grants() if g.expires_at is not None]
-        return Standing(place, len(waiters), mine.gpus, mine.since, ahead, scheduler.estimate(need, expiries, now))
+        return Standing(place, len(waiters), mine.gpus, mine.since, ahead, scheduler.estimate(need, expiries, now),
+                        mine.priority, usage.get(mine.uid, 0.0) / mine.share,
+                        mine.since + boost if boost < float("inf") else None)
 
     # --- joining and leaving
 
