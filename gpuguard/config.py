@@ -136,12 +136,19 @@ class QuotaOverrides:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+# The [defaults] a config starts from. Reclaim on demand is on: a GPU with none of its user's
+# processes for 30 minutes goes to someone waiting (never while nobody waits, and never while a
+# process, an open notebook kernel included, is on it), so a forgotten grant does not hold the
+# queue for ever; everything else is Quota's own default (no idle release, no time limit).
+DEFAULT_QUOTA = Quota(reclaim_after=1800.0)
+
+
 @dataclass(frozen=True)
 class Config:
     source: Path | None = None
     access: AccessConfig = field(default_factory=AccessConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
-    defaults: Quota = field(default_factory=Quota)
+    defaults: Quota = DEFAULT_QUOTA
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
 
@@ -410,7 +417,7 @@ def load(path: Path | str | None = None) -> Config:
         source=source,
         access=AccessConfig(**sections.get("access", {})),
         sessions=SessionsConfig(**sections.get("sessions", {})),
-        defaults=Quota(**sections.get("defaults", {})),
+        defaults=replace(DEFAULT_QUOTA, **sections.get("defaults", {})),
         watcher=WatcherConfig(**sections.get("watcher", {})),
         events=EventsConfig(**sections.get("events", {})),
 

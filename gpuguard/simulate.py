@@ -220,6 +220,7 @@ class _Running:
     rate: float = 1.0
     since: float = 0.0
     version: int = 0     # its end event is for this version; an older one is stale
+    procs: tuple[rules.Proc, ...] = ()  # its process on each of its GPUs, as the watcher sees it
 
 
 @dataclass
@@ -372,8 +373,9 @@ class Replay:
         owner = self.sessions[session]
         minors = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
+        procs = tuple(rules.Proc(pid, owner.uid, pid, m, job.memory or None) for m in minors)
         running = _Running(job, owner.user, owner.uid, session, minors, pid, job.start, self.now, job.duration,
-                           since=self.now)
+                           since=self.now, procs=procs)
         self.running[pid] = running
         self.busy_of.setdefault(owner.uid, Counter()).update(minors)
         self._crowd(minors, add=pid)
@@ -438,8 +440,7 @@ class Replay:
     # --- the watcher's rules
 
     def _procs(self) -> list[rules.Proc]:
-        return [rules.Proc(r.pid, r.uid, r.pid, m, r.job.memory or None)
-                for r in self.running.values() for m in r.minors]
+        return [proc for running in self.running.values() for proc in running.procs]
 
     def _sample(self) -> Sample:
         procs = self._procs()
