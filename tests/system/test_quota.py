@@ -256,7 +256,8 @@ def test_show_user_gives_the_effective_quota_and_where_each_key_comes_from(sandb
     assert shown["source"] == {"gpus": f"user {user.name}", "gpu_memory": f"group {first}",
                                "max_time": f"group {second}", "idle_timeout": "defaults", "sharing": "defaults",
                                "priority": "defaults", "share": "defaults", "reclaim_after": "defaults",
-                               "max_sharers": "defaults", "slices": "defaults", "whole_gpus": "defaults", "slice_profiles": "defaults"}
+                               "max_sharers": "defaults", "slices": "defaults", "whole_gpus": "defaults",
+                               "slice_profiles": "defaults"}
     assert {first, second} <= set(shown["groups"])
 
     lines = cli(config_path, "quota", "show", "--user", user.name).stdout.splitlines()
