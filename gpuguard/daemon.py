@@ -20,13 +20,11 @@ import resource
 import signal
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard import config as configuration
-from gpuguard import sampling
-from gpuguard.api import Api
+from gpuguard import sampling, wiring
 from gpuguard.backends import (
     GateError,
     caps_major,
@@ -42,20 +40,13 @@ from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.backends.node_watcher import NodeWatcher
+from gpuguard.backends.processes import HostProcesses
 from gpuguard.config import AccessMode, Config, GpuBackend
-from gpuguard.exempt import Exempt
-from gpuguard.grants import Grants
-from gpuguard.holders import HolderEnder
-from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.messages import layout_message, unit_list
-from gpuguard.metrics import Metrics
 from gpuguard.model import Origin
-from gpuguard.queueing import Queue
 from gpuguard.server import Server
-from gpuguard.store import Store
-from gpuguard.watcher import Watcher
 
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import MigLayout
@@ -70,6 +61,7 @@ class Daemon:
         self.gate_name = gate_name
         self._stop = asyncio.Event()
         self._layout_read: asyncio.Task | None = None  # the MIG layout read a reload asked for
+        self._exempt_read: asyncio.Task | None = None  # the exempt users' lookup a reload asked for
 
     def current_config(self) -> Config:
         """What the services read the config through: a reload replaces self.config."""
@@ -85,41 +77,29 @@ class Daemon:
         systemd.status("starting: opening the store and the GPUs")
         if self.config.access.mode == AccessMode.ACL:
             _refuse_stale_gate(self.gate_name)
-        self.store = Store(self.config.paths.state_dir / "state.db", self.config.events)
         self._ensure_driver_nodes()  # NVML needs them to start
         self.backend = open_gpu_backend(self.config)
-        self.sampler = sampling.Sampler(self.backend)
         for error in self.backend.unavailable:  # GPUs NVML cannot read at start: the others are still guarded
             event(logging.ERROR, "gpu_unavailable", error=error, action="left out until a restart")
         self.gate = open_gate(self.config, self.gate_name) if self.config.access.mode == AccessMode.GATE else None
         # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         first_layout = self.backend.layout()
-        gpus = {gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]}
-        self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir), driver_minors(self.config),
-                             gpus=gpus, topology=self.backend.topology(), caps_major=caps_major(self.config))
+        services = self.services = wiring.build(wiring.Edges(
+            config=self.current_config, store_path=self.config.paths.state_dir / "state.db",
+            sampler=sampling.Sampler(self.backend),
+            units={gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
+            driver_minors=driver_minors(self.config), nodes=AclNodes(self.config.paths.device_dir),
+            lookup=AccountLookup(), terminals=notify.Notifier(), exits=ExitWatch(),
+            find_holders=sampling.node_holders, processes=HostProcesses(), gate=self.gate,
+            topology=self.backend.topology(), caps_major=caps_major(self.config),
+            reload=self.reload, sync_nodes=self.sync_nodes))
+        self.store, self.grants, self.sampler = services.store, services.grants, services.edges.sampler
         systemd.status("starting: attaching the gate and restoring grants")
-        self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
-        exempt = self.exempt.compute()
+        exempt = services.exempt.compute()
         if self.gate:
             self.gate.attach(exempt)  # a new gate starts with its exempt map filled: no moment without it
-        self.exempt.set(exempt)
-        self.lookup = AccountLookup()
-        self.notifier = notify.Notifier()
-        find_holders = partial(sampling.node_holders, devices_of=self.grants.holder_devices)
-        self.holders = HolderEnder(find_holders, self.sampler, self.exempt, self.store,
-                                   lambda: self.config.watcher.kill_wait)
-        self.grants.holders = self.holders
-        self.logout = LogoutRelease(self.store, self.grants, find_holders, ExitWatch())
-        self.queue = Queue(self.current_config, self.store, self.grants)
-        self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
-                               self.lookup, self.notifier, demand=self.queue.demand)
-        self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
-                       self.logout, self.holders, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
-                       account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
-                       queue=self.queue, notifier=self.notifier)
-        self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
-                               self.watcher.account_of)
+        services.exempt.set(exempt)
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
         # users told) before the gate and the ACLs are rebuilt from the store.
         self.follow_layout(first_layout)
@@ -129,10 +109,10 @@ class Daemon:
         caps_dir = self.config.paths.device_dir / "nvidia-caps"
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
             self.node_watchers.append(NodeWatcher(caps_dir, self._node_changed, pattern="nvidia-cap*", uevents=False))
-        self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
+        self.services.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
 
     async def _handle(self, request: dict, peer) -> dict:
-        return await self.api.handle(request, peer)
+        return await self.services.api.handle(request, peer)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -158,23 +138,18 @@ class Daemon:
                 pinger.cancel()
             for watcher in self.node_watchers:
                 loop.remove_reader(watcher.fileno())
-            if self._layout_read is not None:
-                self._layout_read.cancel()
+            for task in (self._layout_read, self._exempt_read):
+                if task is not None:
+                    task.cancel()
             await self.server.close()
             self.close()
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
-        self.metrics.close()
-        self.logout.close()
-        self.holders.close()
-        self.watcher.close()
-        self.notifier.close()
-        self.lookup.close()
+        self.services.close()
         for watcher in self.node_watchers:
             watcher.close()
         self.backend.close()
-        self.store.close()
         if self.gate:
             self.gate.close()  # our descriptors only: the program stays attached and pinned
 
@@ -187,10 +162,10 @@ class Daemon:
         if fixed != new:
             event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics and access.mode change at restart")
         self.config = fixed
-        self.store.retention = fixed.events
-        self.exempt.refresh()
+        loop = asyncio.get_running_loop()
+        self._exempt_read = loop.create_task(self.services.exempt.refresh())  # NSS, off the loop
         # The MIG layout is read again at once, through the sampler: NVML is used from one thread at a time.
-        self._layout_read = asyncio.get_running_loop().create_task(self.read_layout())
+        self._layout_read = loop.create_task(self.read_layout())
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         systemd.status(self._status_text())
@@ -212,11 +187,6 @@ class Daemon:
             self.reload()
         except configuration.ConfigError as exc:
             event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
-
-    def _apply_exempt(self, uids: frozenset[int]) -> None:
-        if self.gate:
-            self.gate.set_exempt(uids)
-        self.grants.set_exempt(uids)  # exempt users need ACL entries too: the nodes are 0660 root:root
 
     # --- device nodes
 
@@ -253,7 +223,7 @@ class Daemon:
         while True:
             interval = self.config.watcher.interval
             wake = regular
-            if (deadline := self.watcher.next_deadline(time.time())) is not None:
+            if (deadline := self.services.watcher.next_deadline(time.time())) is not None:
                 at_deadline = loop.time() + deadline - time.time() + DEADLINE_MARGIN
                 wake = min(regular, max(at_deadline, last + interval / 4))
             await asyncio.sleep(max(0.0, wake - loop.time()))
@@ -285,10 +255,10 @@ class Daemon:
             self.follow_layout(sample.layout)
             self.drop_dead_sessions()
             self.drop_gone_waiters()
-            await self.logout.release_unused(sample)
-            await self.watcher.check(sample, time.time())
-            self.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
-        await self.metrics.after_tick(time.monotonic() - started)
+            await self.services.logout.release_unused(sample)
+            await self.services.watcher.check(sample, time.time())
+            self.services.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
+        await self.services.metrics.after_tick(time.monotonic() - started)
 
     async def read_layout(self) -> None:
         sample = await self.sampler.take_or_log("MIG layout read at the next tick", max_age=0)
@@ -304,16 +274,16 @@ class Daemon:
         for grant, why in self.grants.update_layout(seen, time.time()).items():
             ended.setdefault((grant.uid, grant.user), []).append(why)
         for (uid, user), whys in ended.items():
-            if uid not in self.exempt.uids:
-                self.notifier.tell(user, uid, layout_message(whys), [s.tty for s in self.store.sessions(uid)])
+            if uid not in self.services.exempt.uids:
+                self.services.edges.terminals.tell(user, uid, layout_message(whys), [s.tty for s in self.store.sessions(uid)])
 
     def drop_gone_waiters(self) -> None:
         """Queued requests nobody waits for: a login's whose user has no session left, a request's
         whose client is gone (also one that died while no daemon ran)."""
         logged_in = {s.uid for s in self.store.sessions()}
-        gone = self.queue.gone(logged_in, lambda pid, start: pid is not None and _caller_alive(pid, start))
+        gone = self.services.queue.gone(logged_in, lambda pid, start: pid is not None and _caller_alive(pid, start))
         if gone:
-            self.queue.leave(q.waiter.id for q in gone)
+            self.services.queue.leave(q.waiter.id for q in gone)
             for queued in gone:
                 event(logging.INFO, "queue_left", user=queued.waiter.user, ticket=queued.waiter.id,
                       reason="no session left" if queued.origin == Origin.SESSION else "client gone")

@@ -22,11 +22,11 @@ import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gpuguard import allocator, layout, policy
 from gpuguard.allocator import Topology
-from gpuguard.backends.gate import Entry, Gate
+from gpuguard.edges import Entry, GateMap, Nodes
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
 from gpuguard.model import NVIDIA_MAJOR, Device, Event, Gpu, Grant, Origin, Quota, is_slice, unit_parent
@@ -40,16 +40,8 @@ _NODE = re.compile(r"nvidia(\d+)")
 _CAP_NODE = re.compile(r"nvidia-cap(\d+)")
 
 
-class Nodes(Protocol):
-    """The device nodes of GPUs and MIG capabilities (backends.gpu_nodes.AclNodes on a real machine)."""
-
-    def sync(self, device: Device, users: Collection[int]) -> list[str]:
-        """Make the node exist, 0660 root:root, with an ACL entry for exactly `users`;
-        returns what was wrong (empty when the node was right and nothing was written)."""
-
-
 class Grants:
-    def __init__(self, store: Store, gate: Gate | None, nodes: Nodes, minors: Collection[int],
+    def __init__(self, store: Store, gate: GateMap | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
                  topology: Topology | None = None, caps_major: int | None = None):
         """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the

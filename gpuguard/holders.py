@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuguard import sampling
-from gpuguard.backends import procfs, signals
 from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.edges import Clock, GpuSampler, Processes
 from gpuguard.exempt import Exempt
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
 from gpuguard.model import Event
-from gpuguard.sampling import Holder, Sampler
+from gpuguard.sampling import Holder
 from gpuguard.store import Store
 from gpuguard.units import format_duration
 
@@ -61,13 +61,15 @@ class Ending:
 
 
 class HolderEnder:
-    def __init__(self, find_holders: FindHolders, sampler: Sampler, exempt: Exempt, store: Store,
-                 kill_wait: Callable[[], float]):
+    def __init__(self, find_holders: FindHolders, sampler: GpuSampler, exempt: Exempt, store: Store,
+                 kill_wait: Callable[[], float], processes: Processes, clock: Clock = time.time):
         self.find_holders = find_holders
         self.sampler = sampler
         self.exempt = exempt
         self.store = store
         self.kill_wait = kill_wait  # the config in force, which a reload replaces
+        self.processes = processes
+        self.clock = clock
         self._tasks: set[asyncio.Task] = set()
 
     async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE) -> Scan:
@@ -101,7 +103,7 @@ class HolderEnder:
             holding.setdefault(pid, set()).add(minor)
         termed: dict[ProcessIdentity, set[int]] = {}
         for pid, held in sorted(holding.items()):
-            identity = procfs.process_identity(pid)
+            identity = self.processes.identity(pid)
             if identity is None or identity.uid != uid:
                 continue  # exited since the scan
             if self._signal(identity, held, user, signal.SIGTERM, why):
@@ -117,7 +119,7 @@ class HolderEnder:
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
             self._record(identity, termed[identity], user, "unkillable", why, {
-                "state": signals.state(identity) or "unknown"},
+                "state": self.processes.state(identity) or "unknown"},
                 "survives SIGKILL (stuck in the kernel); an administrator must look at it")
 
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
@@ -127,11 +129,11 @@ class HolderEnder:
         holding = {(h.pid, h.minor) for h in found}
         return [identity for identity, minors in termed.items()
                 if any((identity.pid, m) in holding for m in minors)
-                and procfs.process_identity(identity.pid) == identity]
+                and self.processes.identity(identity.pid) == identity]
 
     def _signal(self, identity: ProcessIdentity, minors: set[int], user: str, sig: signal.Signals,
                 why: str) -> bool:
-        result = signals.send(identity, sig, self.exempt.uids)
+        result = self.processes.send(identity, sig, self.exempt.uids)
         if not result.sent:
             event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
                   outcome=result.outcome.value, detail=result.detail or None)
@@ -145,14 +147,14 @@ class HolderEnder:
 
     def _record(self, identity: ProcessIdentity, minors: set[int], user: str, kind: str, why: str,
                 numbers: dict[str, Any], what: str) -> None:
-        command = signals.command(identity.pid)
+        command = self.processes.command(identity.pid)
         action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(str(numbers.get("signal")), kind)
         event(logging.ERROR if kind == "unkillable" else logging.WARNING, f"holder_{action}", rule=why,
               user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(minors),
               **numbers)
         message = f"gpuguard: your process {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         for minor in sorted(minors):
-            self.store.add_event(Event(time.time(), identity.uid, user, kind, message, minor=minor,
+            self.store.add_event(Event(self.clock(), identity.uid, user, kind, message, minor=minor,
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from gpuguard import rules
-from gpuguard.backends.exits import Cancel, ExitWatch
+from gpuguard.edges import Cancel, Clock, ExitWatch
 from gpuguard.grants import Grants
 from gpuguard.holders import FindHolders
 from gpuguard.logs import event
@@ -38,11 +38,13 @@ class _Kept:
 
 
 class LogoutRelease:
-    def __init__(self, store: Store, grants: Grants, find_holders: FindHolders, exits: ExitWatch):
+    def __init__(self, store: Store, grants: Grants, find_holders: FindHolders, exits: ExitWatch,
+                 clock: Clock = time.time):
         self.store = store
         self.grants = grants
         self.find_holders = find_holders
         self.exits = exits
+        self.clock = clock
         self._kept: dict[int, _Kept] = {}  # uid -> grants kept for holders that are being watched
         self._pending: dict[int, asyncio.Task] = {}  # uid -> its check after logout, running
 
@@ -79,8 +81,7 @@ class LogoutRelease:
         """Release what unused() finds, unless /proc shows a process of its user holding one of
         its nodes: then the grant stays and those holders are watched. Only those users'
         processes are read. A released grant goes through Grants.remove, whose HolderEnder ends
-        any holder that opened a node since this look. now: the clock (wall time by default; a
-        replay's virtual one)."""
+        any holder that opened a node since this look. now: when (default: the clock's now)."""
         candidates = self.unused(sample, uids)
         for uid in list(self._kept if uids is None else set(uids) & self._kept.keys()):
             kept = self._kept[uid]
@@ -91,7 +92,7 @@ class LogoutRelease:
             return
         # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
         holders = await asyncio.to_thread(self.find_holders, set().union(*to_check.values()), set(to_check))
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         # Re-checked after the await: a login or a grant may have come in meanwhile.
         for uid, minors in self.unused(sample, to_check).items():
             if minors != to_check[uid] or uid in self._kept:

@@ -233,11 +233,11 @@ def test_gate_entries_are_the_union_of_a_users_grants(tmp_path: Path) -> None:
     world.grants.add(1001, "alice", [a.minor], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
     world.grants.add(1001, "alice", [b.minor], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
     caps = {(1001, (CAPS_MAJOR, cap)) for piece in (a, b) for cap in piece.slice.caps}
-    assert gate.entries == {(1001, (NVIDIA_MAJOR, 1))} | caps
+    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 1))} | caps
     _remove(world, 1001, [a.minor])  # the other slice still needs the parent's node
-    assert gate.entries == {(1001, (NVIDIA_MAJOR, 1))} | {(1001, (CAPS_MAJOR, cap)) for cap in b.slice.caps}
+    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 1))} | {(1001, (CAPS_MAJOR, cap)) for cap in b.slice.caps}
     _remove(world, 1001, None)
-    assert gate.entries == set()
+    assert gate.entries() == set()
 
 
 def _remove(world: World, uid: int, units: list[int] | None) -> None:
@@ -307,9 +307,9 @@ def test_caps_learned_after_start_open_the_gate_for_the_grants_on_them(tmp_path:
     world = World(tmp_path, gpus=[gpu(0, mig_mode=True)], gate=FakeGate())  # its slices could not be read at start
     world.store.add_grants(1001, "alice", [piece.minor], 0.0, None, uuids={piece.minor: piece.uuid})
     world.grants.reconcile()
-    assert world.gate.entries == {(1001, (NVIDIA_MAJOR, 0))}
+    assert world.gate.entries() == {(1001, (NVIDIA_MAJOR, 0))}
     assert _update(world, Layout([piece], frozenset({0})), 5.0) == {}
-    assert world.gate.entries == {(1001, (NVIDIA_MAJOR, 0))} | {(1001, (CAPS_MAJOR, cap)) for cap in piece.slice.caps}
+    assert world.gate.entries() == {(1001, (NVIDIA_MAJOR, 0))} | {(1001, (CAPS_MAJOR, cap)) for cap in piece.slice.caps}
 
 
 def test_reclaim_on_demand_frees_only_units_the_waiter_can_have(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ def test_the_watcher_counts_granted_busy_and_idle_seconds_in_the_hour_they_happe
         check(world, DAY + HOUR - 3 * interval + tick * interval)
     world.sampler.set([])
     check(world, DAY + HOUR + 3 * interval)  # idle, in the next hour
-    world.watcher.flush_usage()
+    world.services.usage.flush()
     rows = {r["key"]: r for r in world.store.usage_by("day", since=DAY, until=DAY + 2 * HOUR)}
     (day,) = rows.values()
     assert day["granted_seconds"] == pytest.approx(5 * interval)

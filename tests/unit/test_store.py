@@ -90,7 +90,7 @@ def event(time: float, uid: int | None, message: str = "") -> Event:
 
 
 def test_events_beyond_the_newest_per_user_are_dropped_at_each_insert(tmp_path):
-    store = Store(tmp_path / "state.db", EventsConfig(max_age=None, per_user=5))
+    store = Store(tmp_path / "state.db", lambda: EventsConfig(max_age=None, per_user=5))
     try:
         store.add_event(event(0.0, 1002, "bob's only"))
         for i in range(200):  # a user looping request/release
@@ -104,7 +104,7 @@ def test_events_beyond_the_newest_per_user_are_dropped_at_each_insert(tmp_path):
 
 
 def test_events_older_than_max_age_are_dropped(tmp_path):
-    store = Store(tmp_path / "state.db", EventsConfig(max_age=100.0, per_user=1000))
+    store = Store(tmp_path / "state.db", lambda: EventsConfig(max_age=100.0, per_user=1000))
     try:
         store.add_event(event(1000.0, 1002, "old"))
         store.add_event(event(1050.0, 1001, "kept"))
