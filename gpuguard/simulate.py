@@ -34,19 +34,19 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from gpuguard import messages, policy, rules
-from gpuguard.backends.exits import ExitWatch
+from gpuguard import logs, policy, rules, wiring
+from gpuguard.backends.accounts import Account
 from gpuguard.backends.procfs import ProcessIdentity
-from gpuguard.config import Config
-from gpuguard.grants import Grants
-from gpuguard.logout import LogoutRelease
-from gpuguard.model import Event, Gpu, GpuProcess, Grant, Origin, Quota
-from gpuguard.queueing import Queue
-from gpuguard.sampling import Sample
-from gpuguard.store import Queued, Store
+from gpuguard.backends.signals import Outcome
+from gpuguard.backends.signals import Result as SignalResult
+from gpuguard.config import AccessConfig, Config
+from gpuguard.model import Gpu, GpuProcess, Grant, Origin, Quota
+from gpuguard.sampling import Holder, Sample
+from gpuguard.server import Peer
+from gpuguard.store import Queued
 from gpuguard.trace import Job, Session
-from gpuguard.watcher import timing_of
 
 FIRST_UID = 100000
 
@@ -145,62 +145,92 @@ def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * squares) if squares else 1.0
 
 
-class _ScratchStore(Store):
-    """The store with its grants and queue read once per change (a replay is its only writer, and
-    reads them far more often than it changes them), and events counted by kind and rule instead
-    of kept (a replay reports how many releases, reclaims and revokes there were, never a history)."""
+class _ReplayGpus:
+    """The GPU sampler edge: every sample is the running jobs' processes, as NVML would list them."""
 
-    def __init__(self, path: Path):
-        super().__init__(path, durable=False)
-        self._grants: list[Grant] | None = None
-        self._queue: list[Queued] | None = None
-        self.event_counts: Counter[tuple[str, str]] = Counter()
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+        self.errors: dict[str, int] = {}
 
-    def add_event(self, event: Event) -> int:
-        self.event_counts[(event.kind, event.rule)] += 1
-        return 0
+    @property
+    def last(self) -> Sample:
+        return self.replay.sample()
 
-    def grants(self, uid: int | None = None) -> list[Grant]:
-        if self._grants is None:
-            self._grants = super().grants()
-        return self._grants if uid is None else [g for g in self._grants if g.uid == uid]
+    async def take(self, max_age: float = 0.0) -> Sample:
+        return self.replay.sample()
 
-    def queue(self, uid: int | None = None) -> list[Queued]:
-        if self._queue is None:
-            self._queue = super().queue()
-        return self._queue if uid is None else [q for q in self._queue if q.waiter.uid == uid]
+    async def take_or_log(self, action: str, max_age: float = 0.0, **fields: Any) -> Sample | None:
+        return self.replay.sample()
 
-    def join_queue(self, *args, **kwargs) -> Queued:
-        self._queue = None
-        return super().join_queue(*args, **kwargs)
-
-    def leave_queue(self, ids: Iterable[int]) -> int:
-        self._queue = None
-        return super().leave_queue(ids)
-
-    def add_grants(self, uid: int, *args, **kwargs) -> None:
-        super().add_grants(uid, *args, **kwargs)
-        if self._grants is not None:  # only this user's rows are read again
-            others = [g for g in self._grants if g.uid != uid]
-            self._grants = sorted(others + super().grants(uid), key=lambda g: (g.uid, g.minor))
-
-    def remove_grants(self, uid: int, *args, **kwargs) -> list[Grant]:
-        removed = super().remove_grants(uid, *args, **kwargs)
-        if self._grants is not None:
-            gone = {(g.uid, g.minor) for g in removed}
-            self._grants = [g for g in self._grants if (g.uid, g.minor) not in gone]
-        return removed
-
-    def mark_active(self, *args, **kwargs) -> None:
-        self._grants = None
-        super().mark_active(*args, **kwargs)
+    async def commands(self, pids: Iterable[int]) -> dict[int, str]:
+        return {pid: "replayed job" for pid in pids}
 
 
-class _NoNodes:
-    """A replay has no device nodes to keep in step."""
+class _ReplayAccounts:
+    """The NSS edge: each trace user is an account in access.group, numbered from FIRST_UID."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+
+    async def by_name(self, name: str) -> Account:
+        return self.replay.account(name)
+
+    async def by_uid(self, uid: int) -> Account:
+        return self.replay.account(self.replay.names[uid])
+
+    async def exempt_uids(self, access: AccessConfig, logged_in: Collection[int]) -> frozenset[int]:
+        return frozenset({0})
+
+    def close(self) -> None:
+        pass
+
+
+class _ReplayProcesses:
+    """The processes edge: a job's process is its pid; a signal to it ends the job there."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+
+    def identity(self, pid: int) -> ProcessIdentity | None:
+        running = self.replay.running.get(pid)
+        return ProcessIdentity(pid, running.uid, pid) if running else None
+
+    def command(self, pid: int) -> str:
+        return "replayed job"
+
+    def state(self, identity: ProcessIdentity) -> str | None:
+        return None
+
+    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> SignalResult:
+        if self.identity(identity.pid) != identity:
+            return SignalResult(Outcome.GONE, "the job has ended")
+        self.replay.stopped(identity.pid)
+        return SignalResult(Outcome.SENT)
+
+
+class _Nowhere:
+    """The edges a replay has none of: device nodes, terminals, exit watches."""
 
     def sync(self, device: tuple[int, int], users: Collection[int]) -> list[str]:
         return []
+
+    def tell(self, user: str, uid: int, message: str, ttys: Iterable[str] = ()) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def watch(self, pids: Collection[int], uid: int, on_exit: Callable[[], None]) -> None:
+        return None
+
+
+def _no_holders(units: Iterable[int], uids: Collection[int],
+                devices_of: Callable[[int], Iterable[tuple[int, int]]]) -> list[Holder]:
+    """A replay's jobs hold no device nodes beyond what the sample shows."""
+    return []
+
+
+ROOT = Peer(pid=1, uid=0, gid=0)  # the PAM module's calls come from root
 
 
 @dataclass
@@ -236,16 +266,21 @@ class Replay:
 
     def __init__(self, config: Config, gpus: int, scratch: Path):
         self.config = config
-        self.store = _ScratchStore(scratch / "state.db")
         inventory = {m: Gpu(m, m, f"GPU-replay-{m}", "replay", f"replay:{m}", 80 << 30, 0, None, None)
                      for m in range(gpus)}
-        self.grants = Grants(self.store, None, _NoNodes(), range(gpus), gpus=inventory)
-        self.queue = Queue(lambda: config, self.store, self.grants)
+        nowhere = _Nowhere()
+        self.services = wiring.build(wiring.Edges(
+            config=lambda: config, store_path=scratch / "state.db", sampler=_ReplayGpus(self), units=inventory,
+            driver_minors=range(gpus), nodes=nowhere, lookup=_ReplayAccounts(self), terminals=nowhere,
+            exits=nowhere, find_holders=_no_holders, processes=_ReplayProcesses(self), clock=lambda: self.now,
+            durable=False))
+        self.store, self.grants, self.queue = self.services.store, self.services.grants, self.services.queue
+        self.api, self.watcher = self.services.api, self.services.watcher
+        # Nothing holds a replayed GPU's node beyond the jobs the sample shows, which the rules
+        # end: no background /proc scan after each release (one per grant taken back).
+        self.grants.holders = None
         self.queue.listeners.append(self._served)
         self.grants.on_removed.append(self._removed)
-        self.logout = LogoutRelease(self.store, self.grants, lambda minors, uids: [], ExitWatch())  # no /proc to scan
-        self.timing = timing_of(config)
-        self.state = rules.State()
         self.result = Result()
         self.now = 0.0
         self.uids: dict[str, int] = {}
@@ -263,6 +298,9 @@ class Replay:
         self._pids = itertools.count(1000)
         self._next_wake: float | None = None
         self._first: float | None = None
+        self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
+        self._taken_back = 0                      # grants taken back (released or revoked), for the counts
+        self.checks = 0                           # Watcher.check calls: every decision of a rule comes from one
 
     # --- the event loop
 
@@ -275,6 +313,7 @@ class Replay:
                 self._open_at(following)
                 following = next(upcoming, None)
             when = self._events[0][0]
+            self.watcher.unchanged_until(when)  # the sample stood still since the last event
             self.now = when
             kinds = set()
             while self._events and self._events[0][0] == when:
@@ -284,9 +323,9 @@ class Replay:
             if kinds == {"end"}:
                 # Jobs ending change no grant and no demand, and no rule acts the moment a GPU
                 # falls idle: only the time at which one may act (idle, reclaim) moves.
-                self._wake_for(self._view())
+                self._wake_for(self.sample())
             else:
-                self._tick()
+                await self._tick()
         self._finish()
         return self.result
 
@@ -303,7 +342,10 @@ class Replay:
     async def _on_login(self, session: Session) -> None:
         uid = self._uid(session.user)
         pid = next(self._pids)
-        self.store.open_session(uid, session.user, "replay", "", "", pid, self.now)
+        # As the PAM module asks; grant "never": a replayed login takes no GPU, its jobs ask for theirs.
+        opened = await self.api.handle({"op": "session_open", "user": session.user, "pid": pid, "service": "replay",
+                                        "grant": "never"}, ROOT)
+        assert opened.get("session") is not None, opened
         self.sessions[pid] = _Session(uid, session.user, len(session.jobs), session.end is None)
         for job in session.jobs:
             self.result.demanded += job.gpus * job.duration
@@ -345,18 +387,16 @@ class Replay:
         self._job_done(running.session)
 
     async def _on_logout(self, pid: int) -> None:
-        session = self.sessions.pop(pid)
-        uid = session.uid
-        self.store.close_session(uid, pid)
-        logged_in = {s.uid for s in self.store.sessions()}
-        gone = self.queue.gone(logged_in, alive=lambda pid, start: True)
-        self.queue.leave(q.waiter.id for q in gone)
-        for queued in gone:
-            dropped = self.pending.pop(queued.waiter.id, None)
-            if dropped is not None:
-                self._never_ran(*dropped)
-        if uid not in logged_in:
-            await self.logout.release_unused(self._sample(), [uid], now=self.now)
+        session = self.sessions[pid]
+        await self.api.handle({"op": "session_close", "user": session.user, "pid": pid}, ROOT)
+        await self.services.logout.settled()  # the release check after a last logout, in the background
+        del self.sessions[pid]
+        waiting = {q.waiter.id for q in self.store.queue(session.uid)}
+        for queue_id, (job, owner) in list(self.pending.items()):
+            if owner == pid and queue_id not in waiting:  # its place ended with the last session
+                del self.pending[queue_id]
+                self.result.never_ran += 1
+                self.result.count(session.user, self.now - job.start, job.duration, None)
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
@@ -378,6 +418,7 @@ class Replay:
                            since=self.now, procs=procs)
         self.running[pid] = running
         self.busy_of.setdefault(owner.uid, Counter()).update(minors)
+        self._sample = None
         self._crowd(minors, add=pid)
         self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in minors))
 
@@ -390,9 +431,10 @@ class Replay:
             if mine[minor] <= 0:
                 del mine[minor]
         self._crowd(running.minors, remove=running.pid)
-        # The watcher saw it there up to its last moment: the idle clocks start from here.
-        seen = {**self.state.seen, **{(running.uid, m): self.now for m in running.minors}}
-        self.state = replace(self.state, seen=seen)
+        self._sample = None
+        # The daemon's tick just before the job ended saw it there: the idle clocks start from here.
+        state = self.watcher.state
+        self.watcher.state = replace(state, seen={**state.seen, **{(running.uid, m): self.now for m in running.minors}})
 
     def _crowd(self, minors: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
         """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then
@@ -437,32 +479,29 @@ class Replay:
         busy = self.busy_of.get(uid, ())
         return {g.minor for g in self.store.grants(uid) if g.minor not in busy}
 
-    # --- the watcher's rules
+    # --- the watcher
 
-    def _procs(self) -> list[rules.Proc]:
-        return [proc for running in self.running.values() for proc in running.procs]
+    def sample(self) -> Sample:
+        """The running jobs as a GPU sample: each job's process on each of its GPUs."""
+        if self._sample is None or self._sample.time != self.now:
+            procs = [proc for running in self.running.values() for proc in running.procs]
+            self._sample = Sample(self.now, tuple(GpuProcess(p.pid, p.minor, p.used_memory) for p in procs),
+                                  {p.pid: ProcessIdentity(p.pid, p.uid, p.start_time) for p in procs},
+                                  frozenset(self.grants.gpus))
+        return self._sample
 
-    def _sample(self) -> Sample:
-        procs = self._procs()
-        return Sample(self.now, tuple(GpuProcess(p.pid, p.minor, p.used_memory) for p in procs),
-                      {p.pid: ProcessIdentity(p.pid, p.uid, p.start_time) for p in procs},
-                      frozenset(self.grants.gpus))
+    async def _tick(self) -> None:
+        sample = self.sample()
+        self.checks += 1
+        for action in await self.watcher.check(sample, self.now):
+            if action.kind == rules.RELEASE and action.rule == rules.RECLAIM:
+                self.result.reclaims += 1
+            elif action.kind == rules.REVOKE:
+                self.result.revokes += 1
+        self._wake_for(self.sample())
 
-    def _view(self) -> rules.View:
-        grants = self.store.grants()
-        quotas = {g.uid: self._quota(g.user) for g in grants}
-        wanted = self.queue.demand()
-        return rules.View(self._procs(), grants, quotas, demand=wanted.short, useful=wanted.useful)
-
-    def _tick(self) -> None:
-        view = self._view()
-        actions = rules.decide(view, self.state, self.now, self.timing)
-        done = [action for action in actions if self._act(action)]
-        self.state = rules.advance(view, self.state, done, self.now)
-        self._wake_for(self._view() if done else view)
-
-    def _wake_for(self, view: rules.View) -> None:
-        wake = rules.next_change(view, self.state, self.timing, self.now)
+    def _wake_for(self, sample: Sample) -> None:
+        wake = self.watcher.next_change(sample, self.now)
         if wake is not None:
             interval = self.config.watcher.interval
             wake = math.ceil(wake / interval) * interval  # the daemon's tick comes at its own pace
@@ -470,30 +509,21 @@ class Replay:
                 self._next_wake = wake
                 self._at(wake, "wake")
 
-    def _act(self, action: rules.Action) -> bool:
-        if action.kind == rules.RELEASE and action.minor in self.busy_of.get(action.uid, ()):
-            # A job of this user started on it since the decision (an earlier action of this tick
-            # freed a GPU the queue gave them): the daemon's confirming re-sample would see it busy.
-            return False
-        if action.kind in (rules.RELEASE, rules.REVOKE):
-            return bool(self.grants.remove(action.uid, [action.minor], self.now, kind=action.kind,
-                                           rule=action.rule, message=messages.action_message(action)))
-        if action.kind in (rules.TERM, rules.KILL) and action.proc is not None:
-            running = self.running.get(action.proc.pid)
-            if running is None:
-                return False
-            self._stop(running)  # a replayed job ends at SIGTERM, and what it did is lost
-            ran = self.now - running.started
-            self.result.work_lost += len(running.minors) * ran
-            self.result.count(running.user, running.started - running.arrived, running.job.duration,
-                              ran + running.job.duration)  # it needs its whole duration again
-            self.result.kills += 1
-            self._job_done(running.session)
-        return True
+    def stopped(self, pid: int) -> None:
+        """A rule's signal reached the job: it ends here, and what it did is lost."""
+        running = self.running[pid]
+        self._stop(running)
+        ran = self.now - running.started
+        self.result.work_lost += len(running.minors) * ran
+        self.result.count(running.user, running.started - running.arrived, running.job.duration,
+                          ran + running.job.duration)  # it needs its whole duration again
+        self.result.kills += 1
+        self._job_done(running.session)
 
     # --- bookkeeping
 
     def _removed(self, grants: list[Grant], now: float) -> None:
+        self._taken_back += len(grants)
         for grant in grants:
             self.result.granted += now - grant.granted_at
             self._user_totals(grant.user)[0] += now - grant.granted_at
@@ -504,19 +534,18 @@ class Replay:
             self._user_totals(grant.user)[0] += self.now - grant.granted_at
         for job, session in list(self.pending.values()):  # still waiting at the end: censored there
             self._never_ran(job, session)
-        counts = self.store.event_counts
-        self.result.releases = sum(n for (kind, rule), n in counts.items()
-                                   if kind == "release" and rule != rules.RECLAIM)
-        self.result.reclaims = counts.get(("release", rules.RECLAIM), 0)
-        self.result.revokes = counts.get(("revoke", rules.TIME), 0)
+        self.result.releases = self._taken_back - self.result.reclaims - self.result.revokes
         self.result.span = self.now - (self._first or 0.0)
-        self.store.close()
+        self.services.close()
 
     def _quota(self, user: str) -> Quota:
         """The user's quota as the daemon resolves it (every replayed user is in access.group)."""
         if user not in self.quotas:
             self.quotas[user] = policy.quota_for(user, {self.config.access.group}, self.config)
         return self.quotas[user]
+
+    def account(self, user: str) -> Account:
+        return Account(user, self._uid(user), frozenset({self.config.access.group}))
 
     def _uid(self, user: str) -> int:
         if user not in self.uids:
@@ -580,9 +609,15 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
 
 
 def replay(sessions: Iterable[Session], config: Config, gpus: int) -> Result:
-    """The configured policy on `gpus` GPUs."""
-    with tempfile.TemporaryDirectory(prefix="gpuguard-replay-") as scratch:
-        return asyncio.run(Replay(config, gpus, Path(scratch)).run(sessions))
+    """The configured policy on `gpuguard simulate`'s pool of `gpus` GPUs. The services' event
+    log (a line per grant, release and warning, as the daemon logs them) is silenced meanwhile:
+    a replay reports counts."""
+    quiet, logs.logger.disabled = logs.logger.disabled, True
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpuguard-replay-") as scratch:
+            return asyncio.run(Replay(config, gpus, Path(scratch)).run(sessions))
+    finally:
+        logs.logger.disabled = quiet
 
 
 def describe(sessions: Iterable[Session]) -> dict[str, float | int]:

@@ -10,7 +10,7 @@ import json
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from gpuguard.config import EventsConfig
@@ -132,6 +132,11 @@ class Store:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
         self._db.row_factory = sqlite3.Row
+        # The grants as last read, and the data_version they were read at: the watcher, the queue
+        # and the allocator read them many times per change. Another connection's commit moves
+        # data_version; this one's own writes drop the copy (or, last_active, update it).
+        self._grants: tuple[Grant, ...] | None = None
+        self._grants_version = -1
         self._db.execute("PRAGMA journal_mode=WAL")
         # durable=False (a replay's scratch store): nothing to keep across a crash, so no fsync.
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
@@ -178,6 +183,7 @@ class Store:
         """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''.
         memory: a shared grant's memory quota per GPU (Grant.memory)."""
         uuids = uuids or {}
+        self._grants = None
         with self.transaction() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin,"
@@ -187,11 +193,15 @@ class Store:
                  for minor in minors])
 
     def grants(self, uid: int | None = None) -> list[Grant]:
-        query, params = _rows_of("grants", uid)
-        return [_grant(row) for row in self._db.execute(query + " ORDER BY uid, minor", params)]
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if self._grants is None or version != self._grants_version:
+            self._grants = tuple(_grant(row) for row in self._db.execute("SELECT * FROM grants ORDER BY uid, minor"))
+            self._grants_version = version
+        return list(self._grants) if uid is None else [g for g in self._grants if g.uid == uid]
 
     def remove_grants(self, uid: int, minors: Iterable[int] | None, now: float) -> list[Grant]:
         """Remove a user's grants (all, or those minors); returns what was removed."""
+        self._grants = None
         with self.transaction() as db:
             held = [_grant(row) for row in db.execute("SELECT * FROM grants WHERE uid = ?", (uid,))]
             wanted = set(minors) if minors is not None else None
@@ -204,9 +214,14 @@ class Store:
         return removed
 
     def mark_active(self, uid: int, minors: Iterable[int], now: float) -> None:
+        minors = set(minors)
+        cached, self._grants = self._grants, None
         with self.transaction() as db:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
                            [(now, uid, minor) for minor in minors])
+        if cached is not None:  # written: the copy follows (no other change came in meanwhile)
+            self._grants = tuple(replace(g, last_active=now) if g.uid == uid and g.minor in minors else g
+                                 for g in cached)
 
     def last_held(self, uid: int) -> dict[int, float]:
         """When this user last gave back each GPU they ever held (for sticky allocation)."""

@@ -74,6 +74,17 @@ class Watcher:
 
     # --- the tick
 
+    def next_change(self, sample: Sample, now: float) -> float | None:
+        """The earliest moment after `now` at which a check of this same sample could act
+        (rules.next_change): a replay, which has no ticks of its own, checks then."""
+        return rules.next_change(self._view(sample), self.state, timing_of(self.config()), now)
+
+    def unchanged_until(self, now: float) -> None:
+        """Nothing changed since the last check until `now`: a replay, which checks only when
+        something may change, has no gap in observation (which would restart the idle clocks)."""
+        if self._last_check is not None:
+            self._last_check = now
+
     def next_deadline(self, after: float) -> float | None:
         """When the first wait (grace, kill_wait) after `after` ends: the daemon ticks then too."""
         return rules.next_deadline(self.state, timing_of(self.config()), after)
