@@ -27,6 +27,7 @@ from gpuguard.lookups import KnownAccounts
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
 from gpuguard.model import Grant, Origin
 from gpuguard.queueing import Queue, Standing
+from gpuguard.release import Releases
 from gpuguard.server import Peer
 from gpuguard.store import Queued, Store
 from gpuguard.units import UnitError, format_duration, parse_duration
@@ -62,7 +63,7 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
 class Api:
     """The operations, built from exactly the services they use (the daemon composes them)."""
 
-    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, releases: Releases, exempt: Exempt,
                  sampler: GpuSampler, lookup: Lookup, logout: LogoutRelease, holders: HolderEnder,
                  gate: GateMap | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
                  accounts: KnownAccounts, usage: UsageMeter, queue: Queue, terminals: Terminals,
@@ -70,6 +71,7 @@ class Api:
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
+        self.releases = releases
         self.exempt = exempt
         self.sampler = sampler
         self.lookup = lookup
@@ -126,11 +128,11 @@ class Api:
         event(logging.INFO, "session_open", user=account.name, session=session.id, service=service,
               rhost=rhost or None, tty=tty or None, pid=pid)
         reply = protocol.ok(session=session.id, gpus=[], cuda_visible_devices="", message="")
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             self.exempt.add(account.uid)  # a no-op unless joined since, or missed by NSS member lists
             return reply
-        if not policy.is_member(account.groups, access):
+        if eligible == policy.Eligibility.OUTSIDER:
             return reply
         held = store.grants(account.uid)
         if held:  # a second session reuses the grant it already has
@@ -188,7 +190,7 @@ class Api:
         return protocol.ok(
             user=account.name, uid=account.uid, group=access.group,
             member=policy.is_member(account.groups, access),
-            exempt=policy.is_exempt(account.uid, account.name, account.groups, access),
+            exempt=self._eligibility(account) == policy.Eligibility.EXEMPT,
             quota=asdict(quota),
             grants=[self._grant_info(g) for g in store.grants(account.uid)],
             sessions=[asdict(s) for s in store.sessions(account.uid)],
@@ -256,11 +258,11 @@ class Api:
     async def request(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         store, config = self.store, self.config()
         account = await self._account_of(peer)
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             raise Refusal("you are exempt: every GPU is open to you without a grant")
-        if not policy.is_member(account.groups, access):
-            raise Refusal(f"only members of group {access.group} get GPUs; ask your admin")
+        if eligible == policy.Eligibility.OUTSIDER:
+            raise Refusal(f"only members of group {config.access.group} get GPUs; ask your admin")
         quota = policy.quota_for(account.name, account.groups, config)
         wanted = _field(request, "gpus", int, quota.gpus)
         if wanted < 1:
@@ -373,8 +375,8 @@ class Api:
             pids = sorted({pid for pid, _ in busy})
             raise Refusal(f"GPU {unit_list({m for _, m in busy})} still in use by your process"
                           f"{'es' if len(pids) > 1 else ''} {number_list(pids)}: stop them, then release")
-        removed = self.grants.remove(account.uid, targets, self.clock(), kind="release", rule="user",
-                                       message="released with gpuguard release")
+        removed = self.releases.take_back(account.uid, targets, self.clock(), kind="release", rule="user",
+                                          message="released with gpuguard release")
         return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
 
     # --- admin
@@ -388,11 +390,11 @@ class Api:
         if count is not None and count < 1:
             raise Refusal("gpus must be at least 1", 2)
         duration = _duration(request.get("for"))
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
-        if not policy.is_member(account.groups, access):
-            raise Refusal(f"{account.name} is not in group {access.group}: only members get GPUs")
+        if eligible == policy.Eligibility.OUTSIDER:
+            raise Refusal(f"{account.name} is not in group {config.access.group}: only members get GPUs")
         quota = policy.quota_for(account.name, account.groups, config)
         share = policy.may_share(quota)
         if minors is not None:
@@ -429,8 +431,8 @@ class Api:
             uid = next((g.uid for g in store.grants() if g.user == name), None)
         if uid is None:
             raise Refusal(f"no such user: {name}", 2)
-        removed = self.grants.remove(uid, minors, self.clock(), kind="revoke", rule="admin", message="revoked by root",
-                                     end_holders=False)
+        removed = self.releases.take_back(uid, minors, self.clock(), kind="revoke", rule="admin",
+                                          message="revoked by root", end_holders=False)
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + unit_list(minors)}")
         revoked = {g.minor for g in removed}
@@ -494,6 +496,9 @@ class Api:
                                          ending)}
 
     # --- who is asking (NSS, off the event loop)
+
+    def _eligibility(self, account: accounts.Account) -> policy.Eligibility:
+        return policy.eligibility(account.uid, account.name, account.groups, self.config().access)
 
     async def _account_named(self, name: str) -> accounts.Account:
         try:

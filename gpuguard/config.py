@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpuguard.backends import mig_profiles
+from gpuguard import mig_profiles
 from gpuguard.compat import StrEnum, tomllib
 from gpuguard.errors import UsageError
 from gpuguard.model import MIG_PROFILE, Quota

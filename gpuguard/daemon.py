@@ -21,7 +21,6 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpuguard import config as configuration
 from gpuguard import sampling, wiring
@@ -33,7 +32,6 @@ from gpuguard.backends import (
     notify,
     open_gate,
     open_gpu_backend,
-    procfs,
     systemd,
 )
 from gpuguard.backends.exits import ExitWatch
@@ -44,12 +42,8 @@ from gpuguard.backends.processes import HostProcesses
 from gpuguard.config import AccessMode, Config, GpuBackend
 from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
-from gpuguard.messages import layout_message, unit_list
-from gpuguard.model import Origin
+from gpuguard.messages import unit_list
 from gpuguard.server import Server
-
-if TYPE_CHECKING:
-    from gpuguard.backends.nvml import MigLayout
 
 DEADLINE_MARGIN = 0.001  # seconds past a wait's end: the tick's clock must read it as over
 CHECK_EVERY = 30.0  # seconds between checks that the gate, its maps and the node ACLs are as the store says
@@ -102,7 +96,7 @@ class Daemon:
         services.exempt.set(exempt)
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
         # users told) before the gate and the ACLs are rebuilt from the store.
-        self.follow_layout(first_layout)
+        self.services.releases.follow_layout(first_layout, time.time())
         for repaired in self.grants.reconcile():  # what changed while no daemon ran
             event(logging.INFO, "reconcile", repaired=repaired)
         self.node_watchers = [NodeWatcher(self.config.paths.device_dir, self._node_changed)]
@@ -252,9 +246,9 @@ class Daemon:
         started = time.monotonic()
         sample = await self.sampler.take_or_log("skipped this tick", max_age=0)  # the tick paces NVML polling
         if sample is not None:
-            self.follow_layout(sample.layout)
-            self.drop_dead_sessions()
-            self.drop_gone_waiters()
+            self.services.releases.follow_layout(sample.layout, time.time())
+            self.services.logout.drop_dead_sessions()
+            self.services.queue.drop_gone(self.services.logout.caller_alive)
             await self.services.logout.release_unused(sample)
             await self.services.watcher.check(sample, time.time())
             self.services.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
@@ -263,47 +257,7 @@ class Daemon:
     async def read_layout(self) -> None:
         sample = await self.sampler.take_or_log("MIG layout read at the next tick", max_age=0)
         if sample is not None:
-            self.follow_layout(sample.layout)
-
-    def follow_layout(self, seen: MigLayout | None) -> None:
-        """Follow the admin's MIG layout (`nvidia-smi mig ...`), read at each sample and on reload:
-        the grants a change ends are revoked (Grants.update_layout) and their users told why."""
-        if seen is None:
-            return
-        ended: dict[tuple[int, str], list[str]] = {}
-        for grant, why in self.grants.update_layout(seen, time.time()).items():
-            ended.setdefault((grant.uid, grant.user), []).append(why)
-        for (uid, user), whys in ended.items():
-            if uid not in self.services.exempt.uids:
-                self.services.edges.terminals.tell(user, uid, layout_message(whys), [s.tty for s in self.store.sessions(uid)])
-
-    def drop_gone_waiters(self) -> None:
-        """Queued requests nobody waits for: a login's whose user has no session left, a request's
-        whose client is gone (also one that died while no daemon ran)."""
-        logged_in = {s.uid for s in self.store.sessions()}
-        gone = self.services.queue.gone(logged_in, lambda pid, start: pid is not None and _caller_alive(pid, start))
-        if gone:
-            self.services.queue.leave(q.waiter.id for q in gone)
-            for queued in gone:
-                event(logging.INFO, "queue_left", user=queued.waiter.user, ticket=queued.waiter.id,
-                      reason="no session left" if queued.origin == Origin.SESSION else "client gone")
-
-    def drop_dead_sessions(self) -> None:
-        """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost message)."""
-        starts = self.store.caller_starts()
-        gone = [s for s in self.store.sessions() if not _caller_alive(s.pid, starts.get(s.id))]
-        if gone:
-            self.store.remove_sessions(s.id for s in gone)
-            for session in gone:
-                event(logging.INFO, "session_gone", user=session.user, session=session.id, pid=session.pid)
-
-
-def _caller_alive(pid: int, start: int | None) -> bool:
-    """The caller lives while a process with its pid and start time does. Start times count
-    clock ticks since boot, so a stepped wall clock (chrony at boot) changes nothing. A session
-    from before the store kept start times has none: then any process with the pid will do."""
-    identity = procfs.process_identity(pid)
-    return identity is not None and (start is None or identity.start_time == start)
+            self.services.releases.follow_layout(sample.layout, time.time())
 
 
 def _refuse_stale_gate(name: str) -> None:

@@ -2,8 +2,8 @@
 
 Each check reads `Facts` and returns one `Finding`: ok, warn or fail, what was seen, and for
 anything not ok the command or edit that fixes it. Nothing here touches the system, so every
-verdict is tested on made-up facts (tests/test_doctor_checks.py) and on the real thing
-(tests/test_doctor.py).
+verdict is tested on made-up facts (tests/unit/test_doctor_checks.py) and on the real thing
+(tests/system/test_doctor.py).
 """
 from __future__ import annotations
 

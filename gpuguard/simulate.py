@@ -42,7 +42,7 @@ from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.backends.signals import Outcome
 from gpuguard.backends.signals import Result as SignalResult
 from gpuguard.config import AccessConfig, Config
-from gpuguard.model import Gpu, GpuProcess, Grant, Origin, Quota
+from gpuguard.model import Gpu, GpuProcess, Origin, Quota
 from gpuguard.sampling import Holder, Sample
 from gpuguard.server import Peer
 from gpuguard.store import Queued
@@ -276,11 +276,10 @@ class Replay:
             durable=False))
         self.store, self.grants, self.queue = self.services.store, self.services.grants, self.services.queue
         self.api, self.watcher = self.services.api, self.services.watcher
-        # Nothing holds a replayed GPU's node beyond the jobs the sample shows, which the rules
-        # end: no background /proc scan after each release (one per grant taken back).
-        self.grants.holders = None
         self.queue.listeners.append(self._served)
-        self.grants.on_removed.append(self._removed)
+        # Nothing holds a replayed GPU's node beyond the jobs the sample shows, which the rules
+        # end: no background /proc scan after each grant taken back.
+        self.services.releases.end_holders = lambda uid, user, units, why: None
         self.result = Result()
         self.now = 0.0
         self.uids: dict[str, int] = {}
@@ -300,6 +299,7 @@ class Replay:
         self._first: float | None = None
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
+        self._held: dict[tuple[int, int, float], str] = {}  # the grants after the last batch: (uid, unit, since) -> user
         self.checks = 0                           # Watcher.check calls: every decision of a rule comes from one
 
     # --- the event loop
@@ -326,6 +326,7 @@ class Replay:
                 self._wake_for(self.sample())
             else:
                 await self._tick()
+                self._count_granted()
         self._finish()
         return self.result
 
@@ -522,16 +523,17 @@ class Replay:
 
     # --- bookkeeping
 
-    def _removed(self, grants: list[Grant], now: float) -> None:
-        self._taken_back += len(grants)
-        for grant in grants:
-            self.result.granted += now - grant.granted_at
-            self._user_totals(grant.user)[0] += now - grant.granted_at
+    def _count_granted(self, end: bool = False) -> None:
+        """Count the GPU-seconds of the grants that ended in the last batch of events (all, at the end)."""
+        held = {} if end else {(g.uid, g.minor, g.granted_at): g.user for g in self.store.grants()}
+        for key in self._held.keys() - held.keys():
+            self._taken_back += not end
+            self.result.granted += self.now - key[2]
+            self._user_totals(self._held[key])[0] += self.now - key[2]
+        self._held = held
 
     def _finish(self) -> None:
-        for grant in self.store.grants():
-            self.result.granted += self.now - grant.granted_at
-            self._user_totals(grant.user)[0] += self.now - grant.granted_at
+        self._count_granted(end=True)
         for job, session in list(self.pending.values()):  # still waiting at the end: censored there
             self._never_ran(job, session)
         self.result.releases = self._taken_back - self.result.reclaims - self.result.revokes

@@ -7,9 +7,11 @@ The decisions are gpuguard.rules (pure); this module is the edge around them:
     what both decisions agree on -> remember (rules.advance) -> account usage
 
 Acting means: signals through pidfds with the identity re-checked (backends.signals),
-revoking and releasing through the grant manager (grants.Grants, which closes the gate, rewrites
-the ACLs and records the revoke/release event), telling the user on their terminals
-(backends.notify), a log line, and an event in the store that `gpuguard whoami` shows.
+revoking and releasing through the release step (release.Releases: the grant manager closes the
+gate, rewrites the ACLs and records the revoke/release event; the holders are ended, the user
+charged, and the queue served once after the tick's batch of actions, which was decided on one
+view), telling the user on their terminals (backends.notify), a log line, and an event in the
+store that `gpuguard whoami` shows.
 
 Everything here runs on the daemon's event-loop thread, as the store requires. The awaits
 are the confirming re-sample (NVML and /proc in a worker thread), after which the grants are
@@ -35,10 +37,10 @@ from gpuguard.backends.signals import Outcome
 from gpuguard.config import Config
 from gpuguard.edges import GpuSampler, Processes, Terminals
 from gpuguard.exempt import Exempt
-from gpuguard.grants import Grants
 from gpuguard.logs import event
 from gpuguard.lookups import KnownAccounts
 from gpuguard.model import Event, unit_label
+from gpuguard.release import Releases
 from gpuguard.rules import Action
 from gpuguard.sampling import Sample
 from gpuguard.store import Store, hour_of
@@ -56,12 +58,12 @@ _SIGNAL = {rules.TERM: signal.SIGTERM, rules.KILL: signal.SIGKILL}
 
 
 class Watcher:
-    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
+    def __init__(self, config: Callable[[], Config], store: Store, releases: Releases, exempt: Exempt,
                  sampler: GpuSampler, accounts: KnownAccounts, terminals: Terminals, processes: Processes,
                  usage: UsageMeter, demand: Callable[[], rules.Demand] = rules.Demand) -> None:
         self.config = config  # the config in force, which a reload replaces
         self.store = store
-        self.grants = grants
+        self.releases = releases
         self.exempt = exempt
         self.sampler = sampler
         self.accounts = accounts  # names and quotas, NSS asked off the loop
@@ -107,13 +109,14 @@ class Watcher:
             view = self._view(confirming)  # grants read again: a request may have come in meanwhile
             actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
         done = []
-        for action in actions:
-            try:
-                if self._act(action, now):
-                    done.append(action)
-            except Exception:  # one failing action (a gate error, a full disk) must not stop the others
-                event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
-                      uid=action.uid, gpu=unit_label(action.minor), pid=action.proc.pid if action.proc else None)
+        with self.releases.batch(now):  # decided on one view: the queue is served after all of it
+            for action in actions:
+                try:
+                    if self._act(action, now):
+                        done.append(action)
+                except Exception:  # one failing action (a gate error, a full disk) must not stop the others
+                    event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
+                          uid=action.uid, gpu=unit_label(action.minor), pid=action.proc.pid if action.proc else None)
         self.state = rules.advance(view, self.state, done, now)
         self._account(view, now)
         self._mark_active(view, now)
@@ -176,8 +179,8 @@ class Watcher:
         elif action.kind == rules.UNKILLABLE and proc is not None:
             numbers["state"] = self.processes.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
-            removed = self.grants.remove(action.uid, [action.minor], now, kind=action.kind, rule=action.rule,
-                                         message=text)
+            removed = self.releases.take_back(action.uid, [action.minor], now, kind=action.kind, rule=action.rule,
+                                              message=text)
             if not removed:
                 return False  # released by someone else meanwhile
         self._record(action, user, command, text, numbers, now)

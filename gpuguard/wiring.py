@@ -35,6 +35,7 @@ from gpuguard.lookups import KnownAccounts
 from gpuguard.metrics import Metrics
 from gpuguard.model import Gpu
 from gpuguard.queueing import Queue
+from gpuguard.release import Releases
 from gpuguard.store import Store
 from gpuguard.usage import UsageMeter
 from gpuguard.watcher import Watcher
@@ -75,8 +76,9 @@ class Services:
     accounts: KnownAccounts
     usage: UsageMeter
     holders: HolderEnder
-    logout: LogoutRelease
     queue: Queue
+    releases: Releases
+    logout: LogoutRelease
     watcher: Watcher
     api: Api
     metrics: Metrics
@@ -112,13 +114,19 @@ def build(edges: Edges) -> Services:
     find_holders = partial(edges.find_holders, devices_of=grants.holder_devices)
     holders = HolderEnder(find_holders, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
                           edges.processes, edges.clock)
-    grants.holders = holders
-    logout = LogoutRelease(store, grants, find_holders, edges.exits, edges.clock)
     queue = Queue(config, store, grants)
-    watcher = Watcher(config, store, grants, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
+
+    def tell(uid: int, user: str, message: str) -> None:
+        if uid not in exempt.uids:
+            edges.terminals.tell(user, uid, message, [s.tty for s in store.sessions(uid)])
+
+    releases = Releases(grants, queue, holders.schedule, tell)
+    logout = LogoutRelease(store, releases, find_holders, edges.exits, edges.processes, edges.clock)
+    watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
                       usage, demand=queue.demand)
-    api = Api(config, store, grants, exempt, edges.sampler, edges.lookup, logout, holders, edges.gate,
+    api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, holders, edges.gate,
               reload=edges.reload or config, sync_nodes=edges.sync_nodes, accounts=accounts, usage=usage,
               queue=queue, terminals=edges.terminals, processes=edges.processes, clock=edges.clock)
     metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of)
-    return Services(store, grants, exempt, accounts, usage, holders, logout, queue, watcher, api, metrics, edges)
+    return Services(store, grants, exempt, accounts, usage, holders, queue, releases, logout, watcher, api, metrics,
+                    edges)

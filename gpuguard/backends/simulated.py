@@ -72,7 +72,8 @@ from typing import Any
 
 import pynvml
 
-from gpuguard.backends import GpuError, mig_caps, mig_profiles, procfs
+from gpuguard import mig_profiles
+from gpuguard.backends import GpuError, mig_caps, procfs
 from gpuguard.backends.devnodes import caps_node
 from gpuguard.backends.nvml import NvmlBackend
 from gpuguard.config import SimulatedConfig

@@ -68,7 +68,7 @@ def print_rows(rows: list[list[str]]) -> None:
 
 # Each command and the module that registers it: a command loads only its own module. The full
 # parser (help, a typo, completion, the man page) loads every `*_cmd` module, so a test
-# (tests/test_cli_startup.py) sees any command missing here.
+# (tests/system/test_cli_startup.py) sees any command missing here.
 COMMANDS = {
     "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd",
     "completion": "completion_cmd", "config": "config_cmd", "daemon": "daemon_cmd",

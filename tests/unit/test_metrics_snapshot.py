@@ -5,21 +5,13 @@ import asyncio
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-from fakes import GROUP, World, gpu
+from fakes import GROUP, gpu
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.config import MetricsConfig
 from gpuguard.metrics import GpuState, Holding, Metrics, job_mapping, write_job_mapping
 from gpuguard.model import GpuUse
-
-
-@pytest.fixture
-def world(tmp_path) -> World:
-    w = World(tmp_path)
-    yield w
-    w.store.close()
 
 
 def exposition(metrics: Metrics) -> dict[tuple[str, frozenset], float]:

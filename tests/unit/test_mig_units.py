@@ -124,10 +124,10 @@ def test_stale_grants_follow_the_layout() -> None:
 # --- grants on slices, through the services the daemon wires
 
 def _update(world: World, seen: Layout, now: float) -> dict[Grant, str]:
-    """Grants.update_layout on the event loop, as the daemon's tick calls it (the holders of a
+    """Releases.follow_layout on the event loop, as the daemon's tick calls it (the holders of a
     revoked slice are ended in the background)."""
     async def update() -> dict[Grant, str]:
-        return world.grants.update_layout(seen, now)  # type: ignore[arg-type]
+        return world.services.releases.follow_layout(seen, now)  # type: ignore[arg-type]
     return asyncio.run(update())
 
 
@@ -247,11 +247,8 @@ def _remove(world: World, uid: int, units: list[int] | None) -> None:
 
 
 def _restarted(world: World, tmp_path: Path, gpus: list[Gpu]) -> World:
-    """The same store under a daemon started again on `gpus` (the layout of now)."""
-    again = World(tmp_path, gpus=gpus, gate=FakeGate())
-    again.store = world.store
-    again.grants.store = world.store
-    return again
+    """The same store (the same database file) under a daemon started again on `gpus` (the layout of now)."""
+    return World(tmp_path, gpus=gpus, gate=FakeGate())
 
 
 def test_grants_on_slices_changed_while_no_daemon_ran_end_at_the_first_look(tmp_path: Path) -> None:

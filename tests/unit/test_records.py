@@ -13,13 +13,6 @@ from gpuguard.store import HOUR
 DAY = 1_700_006_400  # a UTC midnight
 
 
-@pytest.fixture
-def world(tmp_path) -> World:
-    w = World(tmp_path)
-    yield w
-    w.store.close()
-
-
 def check(world: World, now: float) -> None:
     asyncio.run(world.watcher.check(world.sampler.last, now))
 

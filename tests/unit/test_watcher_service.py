@@ -8,15 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from fakes import GROUP, World
-
-
-@pytest.fixture
-def world(tmp_path) -> World:
-    w = World(tmp_path)
-    yield w
-    w.store.close()
 
 
 def check(world: World, now: float) -> list:
