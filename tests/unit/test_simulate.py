@@ -164,3 +164,33 @@ def test_a_heavy_users_request_under_a_stream_of_light_users_is_served_within_th
     # without the bound fair share serves every light user first: it waits for the whole stream
     starved = _heavy_under_light_stream(tmp_path, 10 * 86400.0)
     assert starved["heavy"][1] > 15000
+
+
+def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path, monkeypatch):
+    """The replay has no rules of its own: every release and stop is an action of Watcher.check,
+    and a watcher that decides nothing leaves the replay with nothing decided."""
+    from gpuguard.watcher import Watcher
+    path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
+                           "a,0,1000,0,100,1,0\n"
+                           "b,10,1000,10,100,1,0\n")
+    real_check = Watcher.check
+    acted: list = []
+    calls = [0]
+
+    async def counted(self, sample, now):
+        calls[0] += 1
+        done = await real_check(self, sample, now)
+        acted.extend(done)
+        return done
+    monkeypatch.setattr(Watcher, "check", counted)
+    summary = simulate.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
+    assert calls[0] >= 3  # the arrivals and the wake at which the reclaim is due
+    assert [(a.kind, a.rule) for a in acted] == [("release", "reclaim")] and summary["reclaims"] == 1
+
+    async def idle(self, sample, now):
+        calls[0] += 1
+        return []
+    monkeypatch.setattr(Watcher, "check", idle)
+    blind = simulate.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
+    # nobody reclaims a's idle GPU for b: b waits until a's session ends at 1000 s
+    assert blind["reclaims"] == 0 and blind["wait_max"] == pytest.approx(990.0)
