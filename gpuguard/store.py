@@ -213,15 +213,17 @@ class Store:
                            [(g.uid, g.minor, now) for g in removed])
         return removed
 
-    def mark_active(self, uid: int, minors: Iterable[int], now: float) -> None:
-        minors = set(minors)
+    def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
+        """Set last_active to now for these (uid, unit) grants, in one transaction."""
+        slots = set(slots)
+        if not slots:
+            return
         cached, self._grants = self._grants, None
         with self.transaction() as db:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
-                           [(now, uid, minor) for minor in minors])
+                           [(now, uid, minor) for uid, minor in slots])
         if cached is not None:  # written: the copy follows (no other change came in meanwhile)
-            self._grants = tuple(replace(g, last_active=now) if g.uid == uid and g.minor in minors else g
-                                 for g in cached)
+            self._grants = tuple(replace(g, last_active=now) if (g.uid, g.minor) in slots else g for g in cached)
 
     def last_held(self, uid: int) -> dict[int, float]:
         """When this user last gave back each GPU they ever held (for sticky allocation)."""

@@ -212,13 +212,10 @@ class Watcher:
 
     def _mark_active(self, view: rules.View, now: float) -> None:
         """grants.last_active follows the watcher's exact memory (state.seen) within ACTIVE_WRITE_EVERY."""
-        stale: dict[int, list[int]] = {}
-        for grant in view.grants:
-            seen = self.state.seen.get((grant.uid, grant.minor))
-            if seen is not None and seen - grant.last_active >= ACTIVE_WRITE_EVERY:
-                stale.setdefault(grant.uid, []).append(grant.minor)
-        for uid, minors in stale.items():
-            self.store.mark_active(uid, minors, now)
+        seen = self.state.seen
+        self.store.mark_active([(g.uid, g.minor) for g in view.grants
+                                if (g.uid, g.minor) in seen and seen[(g.uid, g.minor)] - g.last_active >= ACTIVE_WRITE_EVERY],
+                               now)
 
 
 def timing_of(config: Config) -> rules.Timing:

@@ -53,7 +53,7 @@ def test_grants_round_trip_and_removal_history(store):
     alice = store.grants(1001)
     assert [(g.minor, g.expires_at, g.last_active, g.shared) for g in alice] == [(0, 3610.0, 10.0, False),
                                                                              (1, 3610.0, 10.0, False)]
-    store.mark_active(1001, [1], now=50.0)
+    store.mark_active([(1001, 1)], now=50.0)
     assert [g.last_active for g in store.grants(1001)] == [10.0, 50.0]
     removed = store.remove_grants(1001, [1], now=60.0)
     assert [g.minor for g in removed] == [1]
