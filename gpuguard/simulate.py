@@ -1,26 +1,33 @@
-"""`gpuguard simulate`: replay a trace on a virtual clock through the daemon's own code.
+"""`gpuguard simulate`: replay a trace on a virtual clock through the daemon's own services.
 
-What runs is what the daemon runs: the quotas (policy.quota_for), the store, the grant manager
-and its allocator (grants.Grants), the queue (queueing.Queue over gpuguard.scheduler), the
-watcher's rules (rules.decide / rules.advance: idle, reclaim, time, memory) and the logout
-release (logout.LogoutRelease). Only the edges are replaced: the clock is virtual, the GPU
-sample is built from the jobs running at that moment, the store is a scratch file without
-fsync, and there are no device nodes, gate, NSS or terminals.
+The services are the daemon's, built by the same wiring.build; only the edges differ: the clock
+is virtual, the GPU sample is the jobs running at that moment (_ReplayGpus), the trace's users
+are accounts in access.group (_ReplayAccounts), a signal to a job's process ends the job
+(_ReplayProcesses), the store is a scratch file without fsync, and there are no device nodes,
+gate, terminals or /proc holders. The replay decides nothing itself: logins and logouts are
+Api.session_open / session_close (and the logout release after it), a job's request is the
+queue's join (whose dispatch serves the waiters), and every release, revoke and stop is an
+action of Watcher.check.
 
-The replay: a session opens (a login; it grants nothing: jobs ask for their GPUs); each job asks
-for the GPUs it needs as `gpuguard request --wait` would (its user's idle granted GPUs count) and
-runs once they are granted: the time between is its time to GPU. A job still waiting when its
-session ends never runs (its waiter leaves the queue, as a login's does). While it runs, its
-processes are on its GPUs, so the rules see them busy; a SIGTERM from a rule ends the job there.
-The rules are evaluated after every batch of simultaneous events (one of job ends only, which no
-rule acts on at once, just moves the next wake) and at the next moment one of them can fire
-(rules.next_change), rounded up to the watcher's interval as the daemon's tick would see it.
-A grant freed there goes to the queue in the same instant, so a replay's time to GPU is up to
-one watcher interval shorter than a daemon's would be.
+The replay: a session opens (a login with grant "never": jobs ask for their GPUs); each job asks
+the queue for the GPUs it needs beyond its user's idle granted ones, as `gpuguard request --wait`
+would, and runs once they are granted: the time between is its time to GPU. (Api.request is not
+used for this: it asks for a user's total and keeps one place in the queue per user, while a
+trace's user may have many jobs waiting at once; the queue's join is what it calls.) A job still
+waiting when its session ends never runs (its waiter leaves the queue with the last session); an
+open session (no end in the trace) ends once its last job has run. While a job runs its process
+is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
+jobs are on it (a job on several GPUs at the pace of its most crowded one): its end moves when
+another job joins or leaves. Watcher.check runs after every batch of simultaneous events (except
+one of job ends only, which no rule acts on at once: it just moves the next wake) and at the next
+moment one of the rules can fire (Watcher.next_change), rounded up to the watcher's interval as
+the daemon's tick would see it; between events the sample stands still, so the watcher is told
+there was no gap (Watcher.unchanged_until). When a job ends, the watcher's memory of when it saw
+the job last is set to that moment, as the daemon's tick just before it would have left it.
 
 Beside it, in the same run, static reservation: each session holds the GPUs of its largest job
-from its start to its end, sessions served first come first served, a session that waits is
-shifted by its wait (its jobs then wait as long).
+from its start to its end (an open one to its last job's end), sessions served first come first
+served, a session that waits is shifted by its wait (its jobs then wait as long).
 """
 from __future__ import annotations
 
