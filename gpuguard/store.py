@@ -132,11 +132,11 @@ class Store:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
         self._db.row_factory = sqlite3.Row
-        # The grants as last read, and the data_version they were read at: the watcher, the queue
-        # and the allocator read them many times per change. Another connection's commit moves
-        # data_version; this one's own writes drop the copy (or, last_active, update it).
-        self._grants: tuple[Grant, ...] | None = None
-        self._grants_version = -1
+        # The grants and the queue as last read, with the data_version they were read at: the
+        # watcher, the queue and the allocator read them many times per change. Another
+        # connection's commit moves data_version; this one's own writes drop the copy (or, for
+        # last_active, update it).
+        self._copies: dict[str, tuple[int, tuple]] = {}
         self._db.execute("PRAGMA journal_mode=WAL")
         # durable=False (a replay's scratch store): nothing to keep across a crash, so no fsync.
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
@@ -183,7 +183,7 @@ class Store:
         """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''.
         memory: a shared grant's memory quota per GPU (Grant.memory)."""
         uuids = uuids or {}
-        self._grants = None
+        self._copies.pop("grants", None)
         with self.transaction() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin,"
@@ -192,16 +192,22 @@ class Store:
                   memory if shared else None)
                  for minor in minors])
 
-    def grants(self, uid: int | None = None) -> list[Grant]:
+    def _copy(self, table: str, read: Callable[[sqlite3.Connection], Iterable]) -> tuple:
+        """The table's rows as last read (see _copies), read again when another connection changed it."""
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
-        if self._grants is None or version != self._grants_version:
-            self._grants = tuple(_grant(row) for row in self._db.execute("SELECT * FROM grants ORDER BY uid, minor"))
-            self._grants_version = version
-        return list(self._grants) if uid is None else [g for g in self._grants if g.uid == uid]
+        copy = self._copies.get(table)
+        if copy is None or copy[0] != version:
+            copy = self._copies[table] = (version, tuple(read(self._db)))
+        return copy[1]
+
+    def grants(self, uid: int | None = None) -> list[Grant]:
+        rows: tuple[Grant, ...] = self._copy("grants", lambda db: map(
+            _grant, db.execute("SELECT * FROM grants ORDER BY uid, minor")))
+        return list(rows) if uid is None else [g for g in rows if g.uid == uid]
 
     def remove_grants(self, uid: int, minors: Iterable[int] | None, now: float) -> list[Grant]:
         """Remove a user's grants (all, or those minors); returns what was removed."""
-        self._grants = None
+        self._copies.pop("grants", None)
         with self.transaction() as db:
             held = [_grant(row) for row in db.execute("SELECT * FROM grants WHERE uid = ?", (uid,))]
             wanted = set(minors) if minors is not None else None
@@ -218,12 +224,13 @@ class Store:
         slots = set(slots)
         if not slots:
             return
-        cached, self._grants = self._grants, None
+        copy = self._copies.pop("grants", None)
         with self.transaction() as db:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
                            [(now, uid, minor) for uid, minor in slots])
-        if cached is not None:  # written: the copy follows (no other change came in meanwhile)
-            self._grants = tuple(replace(g, last_active=now) if (g.uid, g.minor) in slots else g for g in cached)
+        if copy is not None:  # written: the copy follows (its data_version stays: this connection wrote)
+            self._copies["grants"] = (copy[0], tuple(replace(g, last_active=now) if (g.uid, g.minor) in slots
+                                                     else g for g in copy[1]))
 
     def last_held(self, uid: int) -> dict[int, float]:
         """When this user last gave back each GPU they ever held (for sticky allocation)."""
@@ -374,6 +381,7 @@ class Store:
 
     def join_queue(self, uid: int, user: str, gpus: int, now: float, quota: Quota, origin: Origin,
                    pid: int | None = None, pid_start: int | None = None) -> Queued:
+        self._copies.pop("queue", None)
         with self.transaction() as db:
             cursor = db.execute(
                 "INSERT INTO queue (uid, user, gpus, since, priority, share, quota, origin, pid, pid_start)"
@@ -384,11 +392,12 @@ class Store:
                       pid, pid_start)
 
     def queue(self, uid: int | None = None) -> list[Queued]:
-        query, params = _rows_of("queue", uid)
-        return [_queued(row) for row in self._db.execute(query + " ORDER BY id", params)]
+        rows: tuple[Queued, ...] = self._copy("queue", lambda db: map(_queued, db.execute("SELECT * FROM queue ORDER BY id")))
+        return list(rows) if uid is None else [q for q in rows if q.waiter.uid == uid]
 
     def leave_queue(self, ids: Iterable[int]) -> int:
         """Remove these queue rows; how many were there."""
+        self._copies.pop("queue", None)
         with self.transaction() as db:
             return sum(db.execute("DELETE FROM queue WHERE id = ?", (i,)).rowcount for i in ids)
 
