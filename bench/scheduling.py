@@ -69,7 +69,8 @@ def generate(path: Path, jobs: int, days: float | None = None) -> Path:
 def pool_for(path: Path, load: float) -> int:
     """The largest pool that static reservation keeps at least `load` busy. Its busy share falls as
     the pool grows, once the pool takes the load at all (smaller, the queue grows without end), so
-    the search stays between half and twice the pool the mean demand alone would need."""
+    the search stays between half and twice the pool the mean demand alone would need; where no
+    pool there reaches `load`, the smallest (the table shows the busy share static reached)."""
     described = simulate.describe(trace.read(path))
     demand = simulate.static_reservation(trace.read(path), simulate.MAX_POOL).demanded
     guess = max(1, round(demand / (described["hours"] * 3600) / load))
@@ -141,7 +142,7 @@ def generated_replays(directory: Path) -> list[tuple[str, str, int, dict, dict]]
     pools = {}
     for load in LOADS:
         gpus = pool_for(path, load)
-        pools[f"batch {JOBS} jobs, {gpus} GPUs (static {100 * load:.0f}% busy)"] = gpus
+        pools[f"batch {JOBS} jobs, {gpus} GPUs (sized for static {100 * load:.0f}% busy)"] = gpus
     return replays(path, pools)
 
 
