@@ -266,6 +266,7 @@ class _Session:
     user: str
     jobs_left: int
     open: bool           # no end in the trace: it ends once its last job has run
+    closed: bool = False  # logged out (its jobs may still wait, until the user's last session ends)
 
 
 class Replay:
@@ -396,15 +397,16 @@ class Replay:
 
     async def _on_logout(self, pid: int) -> None:
         session = self.sessions[pid]
+        session.closed = True
         await self.api.handle({"op": "session_close", "user": session.user, "pid": pid}, ROOT)
         await self.services.logout.settled()  # the release check after a last logout, in the background
-        del self.sessions[pid]
         waiting = {q.waiter.id for q in self.store.queue(session.uid)}
         for queue_id, (job, owner) in list(self.pending.items()):
-            if owner == pid and queue_id not in waiting:  # its place ended with the last session
+            # The user's places end with their last session, also those of sessions closed before.
+            if self.sessions[owner].uid == session.uid and queue_id not in waiting:
                 del self.pending[queue_id]
-                self.result.never_ran += 1
-                self.result.count(session.user, self.now - job.start, job.duration, None)
+                self._never_ran(job, owner)
+        self._forget_if_done(pid)
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
@@ -471,12 +473,17 @@ class Replay:
 
     def _job_done(self, session: int) -> None:
         """One of the session's jobs ran or will never run; an open session ends with its last."""
-        owner = self.sessions.get(session)
-        if owner is None:
-            return
+        owner = self.sessions[session]
         owner.jobs_left -= 1
-        if owner.open and owner.jobs_left == 0:
+        if owner.open and owner.jobs_left == 0 and not owner.closed:
             self._at(self.now, "logout", session)
+        self._forget_if_done(session)
+
+    def _forget_if_done(self, session: int) -> None:
+        """A session logged out with no job left to run or wait is forgotten (memory stays flat)."""
+        owner = self.sessions.get(session)
+        if owner is not None and owner.closed and owner.jobs_left <= 0:
+            del self.sessions[session]
 
     def _never_ran(self, job: Job, session: int) -> None:
         self.result.never_ran += 1

@@ -138,3 +138,12 @@ def test_the_batch_generator_is_heavy_tailed_and_zipf_skewed():
     even = list(trace.generate_batch(600, users=60, seed=4, assign="round-robin"))
     assert {sum(s.user == u for s in even) for u in {s.user for s in even}} == {10}
     assert list(trace.generate_batch(50, seed=7)) == list(trace.generate_batch(50, seed=7))
+
+
+def test_a_job_waiting_after_its_session_closed_leaves_with_its_users_last_session(tmp_path):
+    # alice's first session closes at 300 with its job still waiting (her second one keeps the place);
+    # her last session ends at 600: the job never ran, its wait censored there.
+    path = write(tmp_path, "bob,0,,0,5000,1,0", "alice,10,300,10,100,1,0", "alice,20,600,20,100,1,0")
+    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    assert summary["jobs_never_ran"] == 2 and summary["jobs_ran"] == 1
+    assert sorted(simulate.replay(trace.read(path), policy(), 1).censored) == [580.0, 590.0]
