@@ -8,8 +8,11 @@ isolation in hardware): free slices of an allowed profile, in the quota's order 
 lowest unit.
 
 Order of preference among whole GPUs, most important first:
-1. free GPUs before shared ones (sharing only when the caller allows it, onto GPUs whose
-   holders all share too), and among shared ones the least crowded;
+1. free GPUs before shared ones, and among shared ones the least crowded. Sharing only when the
+   caller allows it, onto a GPU whose holders all share too, where one more sharer keeps its
+   promises (room_to_share): at most the quota's `max_sharers` users on the GPU, and the memory
+   quotas promised to them all (Grant.memory, the joiner's gpu_memory included) within the GPU's
+   memory. A sharing grant without a known memory promise lets nobody join;
 2. the GPUs this user held last (sticky: a returning user gets them back when they are free,
    so the CUDA_VISIBLE_DEVICES of their tmux and screen shells still names their GPUs), the
    most recently held first;
@@ -40,11 +43,31 @@ def link(topology: Topology, a: int, b: int) -> Link:
     return topology.get((a, b), topology.get((b, a), Link.SYSTEM))
 
 
-def blocking(grants: Iterable[Grant], uid: int, minors: Collection[int], share: bool) -> list[Grant]:
+def room_to_share(gpu: Gpu, others: Sequence[Grant], quota: Quota) -> bool:
+    """Whether a user on `quota` may join `others` (other users' grants on this GPU) as one more
+    sharer: a whole GPU of known memory, every holder sharing with a known memory promise, fewer
+    than max_sharers users on it, and all promises, the joiner's gpu_memory included, within
+    the GPU's memory."""
+    if quota.gpu_memory is None or gpu.slice is not None or gpu.memory_total <= 0:
+        return False
+    promised = 0
+    for grant in others:
+        if not grant.shared or grant.memory is None:
+            return False
+        promised += grant.memory
+    return len({g.uid for g in others}) < quota.max_sharers and promised + quota.gpu_memory <= gpu.memory_total
+
+
+def blocking(grants: Iterable[Grant], uid: int, minors: Collection[int], share: bool,
+             gpus: Mapping[int, Gpu], quota: Quota) -> list[Grant]:
     """Other users' grants that keep `uid` off these units: all of them, unless `uid` may share
-    and they share too, on a whole GPU (a slice is never shared)."""
-    return [g for g in grants
-            if g.minor in minors and g.uid != uid and not (share and g.shared and not is_slice(g.minor))]
+    (share) and room_to_share says the unit takes one more sharer on `quota`'s terms."""
+    others: dict[int, list[Grant]] = {}
+    for grant in grants:
+        if grant.minor in minors and grant.uid != uid:
+            others.setdefault(grant.minor, []).append(grant)
+    return [g for minor, held in others.items()
+            if not (share and minor in gpus and room_to_share(gpus[minor], held, quota)) for g in held]
 
 
 def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], last_released: Mapping[int, float],
@@ -63,7 +86,7 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
     if sliced:  # a GPU with a slice held is not free whole (its node is the slice holder's too)
         cut = {unit_parent(g.minor) for g in sliced}
         whole = [gpu for gpu in whole if gpu.minor not in cut]
-    chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last)
+    chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last, quota)
     if not slices:  # no MIG here: the common case stops here
         return chosen
     # Nor is a slice free on a GPU held whole (a grant the layout has ended, until its revoke is through).
@@ -103,14 +126,15 @@ def _profile(gpu: Gpu) -> str:
 
 
 def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], last_released: Mapping[int, float],
-                  uid: int, count: int, share: bool, held_last: Mapping[int, float]) -> tuple[int, ...]:
+                  uid: int, count: int, share: bool, held_last: Mapping[int, float], quota: Quota) -> tuple[int, ...]:
     """Up to `count` more whole GPUs (see the module's docstring)."""
     numa = {gpu.minor: gpu.numa_node for gpu in gpus}
     # A grant on a GPU missing from the inventory (NVML could not read it at start) still counts
     # as held, but has no NUMA node or links to weigh: only the GPUs known here are placed.
     own = {g.minor for g in grants if g.uid == uid and g.minor in numa}
     holders = Counter(g.minor for g in grants if g.uid != uid)
-    blocked = {g.minor for g in blocking(grants, uid, {gpu.minor for gpu in gpus}, share)}
+    blocked = {g.minor for g in blocking(grants, uid, {gpu.minor for gpu in gpus}, share,
+                                         {gpu.minor: gpu for gpu in gpus}, quota)}
     candidates = [gpu.minor for gpu in gpus if gpu.minor not in own and gpu.minor not in blocked]
     want = min(count, len(candidates))
     if want <= 0:

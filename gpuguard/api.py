@@ -504,7 +504,7 @@ class Api:
         quota = policy.quota_for(account.name, account.groups, config)
         share = policy.may_share(quota)
         if minors is not None:
-            blocked = allocator.blocking(store.grants(), account.uid, minors, share)
+            blocked = allocator.blocking(store.grants(), account.uid, minors, share, self.grants.gpus, quota)
             if blocked:
                 raise Refusal(f"GPU {unit_list({g.minor for g in blocked})} is held by "
                               f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
@@ -518,7 +518,7 @@ class Api:
         expires_at = now + duration if duration is not None else policy.expires_at(quota, now)
         term = f" for {format_duration(duration)}" if duration is not None else ""
         self.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
-                          origin=Origin.ADMIN, message=f"granted by root{term}")
+                          origin=Origin.ADMIN, message=f"granted by root{term}", memory=quota.gpu_memory)
         return protocol.ok(user=account.name, gpus=sorted(chosen), expires_at=expires_at,
                            message=f"granted GPU {unit_list(chosen)} to {account.name}{term}")
 

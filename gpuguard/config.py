@@ -85,6 +85,7 @@ class SchedulerConfig:
     half_life: float = 7 * 86400.0  # recent usage (fair share) halves in this time
     reserve_after: float = 300.0    # a waiter this long in the queue has free GPUs held for it (no backfill past it)
     soft_max_time: bool = False     # true: a grant past max_time is taken only when someone waits
+    max_wait_boost: float = 86400.0  # a waiter this long in the queue goes ahead of younger ones, whatever its usage
 
 
 @dataclass(frozen=True)
@@ -206,12 +207,19 @@ class QuotaOverrides:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+# The [defaults] a config starts from. Reclaim on demand is on: a GPU with none of its user's
+# processes for 30 minutes goes to someone waiting (never while nobody waits, and never while a
+# process, an open notebook kernel included, is on it), so a forgotten grant does not hold the
+# queue for ever; everything else is Quota's own default (no idle release, no time limit).
+DEFAULT_QUOTA = Quota(reclaim_after=1800.0)
+
+
 @dataclass(frozen=True)
 class Config:
     source: Path | None = None
     access: AccessConfig = field(default_factory=AccessConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
-    defaults: Quota = field(default_factory=Quota)
+    defaults: Quota = DEFAULT_QUOTA
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
 
@@ -460,6 +468,7 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "share": _weight,
     "reclaim_after": _limit("take back every grant someone waits for"),
     "cluster_gpus": _fleet_limit,
+    "max_sharers": _count(1, MAX_GPUS),
     "slices": _slice_limit,
     "whole_gpus": _bool,
     "slice_profiles": _profiles,
@@ -475,7 +484,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "events": {"max_age": parse_duration, "per_user": _count(1, MAX_EVENTS_PER_USER)},
 
     "scheduler": {"half_life": _positive_duration(1), "reserve_after": _positive_duration(0),
-                  "soft_max_time": _bool},
+                  "soft_max_time": _bool, "max_wait_boost": _positive_duration(0)},
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
@@ -615,7 +624,7 @@ def load(path: Path | str | None = None) -> Config:
         source=source,
         access=AccessConfig(**sections.get("access", {})),
         sessions=SessionsConfig(**sections.get("sessions", {})),
-        defaults=Quota(**sections.get("defaults", {})),
+        defaults=replace(DEFAULT_QUOTA, **sections.get("defaults", {})),
         watcher=WatcherConfig(**sections.get("watcher", {})),
         events=EventsConfig(**sections.get("events", {})),
 

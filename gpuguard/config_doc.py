@@ -53,12 +53,15 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("defaults", "sharing"): ("bool", "may share a GPU with other sharing users (needs gpu_memory)"),
     ("defaults", "priority"): ("integer", "the queue serves higher first (any whole number)"),
     ("defaults", "share"): ("number", "fair-share weight: recent usage counts divided by it"),
-    ("defaults", "reclaim_after"): ("duration", "release after this long with no process, only while someone waits"),
+    ("defaults", "reclaim_after"): ("duration", "release after this long with no process, only while someone waits "
+                                                "(\"none\": never)"),
     ("defaults", "slices"): ("count", "how many of gpus may be MIG slices, or \"any\""),
     ("defaults", "whole_gpus"): ("bool", "whether whole GPUs may be granted (false: MIG slices only)"),
     ("defaults", "slice_profiles"): ("names", "which MIG profiles, preferred in this order (empty: any, smallest first)"),
     ("defaults", "cluster_gpus"): ("integer", "GPUs a user may hold on all servers of a fleet together ([cluster]), "
                                               "or \"none\" (unset: no fleet limit)"),
+    ("defaults", "max_sharers"): ("integer", "sharing: at most this many users on one GPU (and never more memory "
+                                             "quotas promised than it has)"),
     ("watcher", "interval"): ("duration", "how often GPUs are sampled (at least 1s with the nvml backend)"),
     ("watcher", "grace"): ("duration", "over quota this long before the first SIGTERM"),
     ("watcher", "kill_wait"): ("duration", "SIGTERM this long before SIGKILL"),
@@ -67,6 +70,8 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("scheduler", "half_life"): ("duration", "recent usage (fair share) halves in this time"),
     ("scheduler", "reserve_after"): ("duration", "a request this long in the queue has free GPUs held for it"),
     ("scheduler", "soft_max_time"): ("bool", "past max_time, a grant is taken only when someone waits"),
+    ("scheduler", "max_wait_boost"): ("duration", "a request this long in the queue goes ahead of every younger one "
+                                                  "of its priority, whatever its user's recent usage"),
     ("paths", "state_dir"): ("path", "the store (SQLite) and the daemon's state"),
     ("paths", "socket"): ("path", "the daemon's socket (the PAM module's socket= option must match)"),
     ("paths", "device_dir"): ("path", "where the GPU nodes are"),

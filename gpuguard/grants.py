@@ -149,17 +149,20 @@ class Grants:
         expires_at, shared = policy.expires_at(quota, now), policy.may_share(quota)
         if chosen and self.admit is not None:
             chosen = self.admit(uid, user, quota, chosen, now, expires_at, shared, origin)
-        self.add(uid, user, chosen, now, expires_at=expires_at, shared=shared, origin=origin, message=message)
+        self.add(uid, user, chosen, now, expires_at=expires_at, shared=shared, origin=origin, message=message,
+                 memory=quota.gpu_memory)
         return chosen
 
     def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,
-            shared: bool, origin: Origin, message: str) -> None:
+            shared: bool, origin: Origin, message: str, memory: int | None = None) -> None:
+        """memory: a shared grant's memory quota per GPU, what the allocator counts against the
+        GPU's memory when others share it too (None: unknown, so nobody joins)."""
         minors = sorted(minors)
         if not minors:
             return
         before = self._entries(self.store.grants(uid))
         self.store.add_grants(uid, user, minors, now, expires_at, shared=shared, origin=origin,
-                              uuids={m: self.gpus[m].uuid for m in minors if m in self.gpus})
+                              uuids={m: self.gpus[m].uuid for m in minors if m in self.gpus}, memory=memory)
         try:
             if self.gate:
                 for _, device in sorted(self._entries(self.store.grants(uid)) - before):

@@ -134,6 +134,7 @@ class Quota:
     share: float = 1.0                  # fair-share weight: recent usage counts divided by it
     reclaim_after: float | None = None  # seconds without a process before release, only while someone waits
     cluster_gpus: int | None = None     # GPUs on all servers of a fleet together (gpuguard.cluster); None = no limit
+    max_sharers: int = 2                # sharing: at most this many users on one GPU (allocator)
     # MIG: `gpus` counts units, a whole GPU or a slice each. At most `slices` of them slices (None:
     # all may be), whole GPUs only when whole_gpus, slices of these profiles only, preferred in
     # this order (empty: any profile, the smallest first).
@@ -198,6 +199,7 @@ class Grant:
     shared: bool = False
     origin: Origin = Origin.SESSION
     uuid: str = ""           # the unit's UUID when granted: a slice re-created under the same ids has another
+    memory: int | None = None  # a shared grant: the memory quota (bytes) promised to it on that GPU
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ All calls come from the event-loop thread, as the store requires.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,14 +26,14 @@ Alive = Callable[[int | None, int | None], bool]  # (pid, its start time) -> whe
 
 # Why a request waits, one word each as squeue prints them (`gpuguard status`'s REASON column).
 RESOURCES = "Resources"   # first in line (or only behind earlier askers): waiting for GPUs to be free
-PRIORITY = "Priority"     # behind a request of higher priority
+PRIORITY = "Priority"     # behind a request of higher priority, or one past max_wait_boost (age, as in Slurm)
 FAIRSHARE = "FairShare"   # behind a user with less recent usage
 RESERVED = "Reserved"     # GPUs are free, but held for a request that has waited reserve_after
 HELD = "Held"             # an admin holds the request (`gpuguard hold`): it keeps its place, is not served
 
 
 def reason(ahead: Sequence[scheduler.Waiter], mine: scheduler.Waiter, usage: Mapping[int, float], free: int,
-           now: float, reserve_after: float) -> str:
+           now: float, reserve_after: float, max_wait_boost: float = math.inf) -> str:
     """Why `mine` waits, behind `ahead` (in order), with `free` units nobody holds."""
     if free and any(now - waiter.since >= reserve_after for waiter in ahead):
         return RESERVED
@@ -41,6 +42,8 @@ def reason(ahead: Sequence[scheduler.Waiter], mine: scheduler.Waiter, usage: Map
     nearest = ahead[-1]
     if nearest.priority != mine.priority:
         return PRIORITY
+    if scheduler.boosted(nearest, now, max_wait_boost):  # ahead by its age; both past the bound: by arrival
+        return RESOURCES if scheduler.boosted(mine, now, max_wait_boost) else PRIORITY
     if usage.get(nearest.uid, 0.0) / nearest.share != usage.get(mine.uid, 0.0) / mine.share:
         return FAIRSHARE
     return RESOURCES
@@ -56,6 +59,9 @@ class Standing:
     since: float
     ahead: list[tuple[str, str]]     # (user, why they go first), nearest first
     estimate: float | None           # when the GPUs should be free (from grant expiries), None: unknown
+    priority: int = 0                # the factors of this request's place: its priority,
+    usage: float = 0.0               # its user's recent usage (decayed GPU-seconds) over their share,
+    boost_at: float | None = None    # and when it goes ahead of younger requests whatever their usage
 
 
 class Queue:
@@ -93,7 +99,8 @@ class Queue:
         if self.remote_usage is not None:
             names = {q.waiter.uid: q.waiter.user for q in entries.values()}
             usage = {uid: value + self.remote_usage(names[uid]) for uid, value in usage.items()}
-        return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage)], usage
+        boost = self.config().scheduler.max_wait_boost
+        return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage, now, boost)], usage
 
     def reasons(self, now: float) -> list[tuple[Queued, str]]:
         """The waiters in the order they are served, each with why it waits (`reason`)."""
@@ -101,10 +108,10 @@ class Queue:
         if not ordered:
             return []
         waiters, free = [q.waiter for q in ordered], self.free()
-        reserve_after = self.config().scheduler.reserve_after
+        scheduling = self.config().scheduler
         return [(queued, HELD if queued.waiter.id in self.holds else
                  reason([w for w in waiters[:i] if w.id not in self.holds], queued.waiter, usage, free, now,
-                        reserve_after))
+                        scheduling.reserve_after, scheduling.max_wait_boost))
                 for i, queued in enumerate(ordered)]
 
     def standing(self, uid: int, now: float) -> Standing | None:
@@ -114,10 +121,13 @@ class Queue:
         if place is None:
             return None
         mine = waiters[place - 1]
-        ahead = [(w.user, scheduler.why_ahead(w, mine, usage)) for w in reversed(waiters[:place - 1])]
+        boost = self.config().scheduler.max_wait_boost
+        ahead = [(w.user, scheduler.why_ahead(w, mine, usage, now, boost)) for w in reversed(waiters[:place - 1])]
         need = sum(w.gpus for w in waiters[:place]) - self.free()
         expiries = [g.expires_at for g in self.store.grants() if g.expires_at is not None]
-        return Standing(place, len(waiters), mine.gpus, mine.since, ahead, scheduler.estimate(need, expiries, now))
+        return Standing(place, len(waiters), mine.gpus, mine.since, ahead, scheduler.estimate(need, expiries, now),
+                        mine.priority, usage.get(mine.uid, 0.0) / mine.share,
+                        mine.since + boost if boost < float("inf") else None)
 
     # --- joining and leaving
 

@@ -79,7 +79,7 @@ class ReloadEffects:
             if now - grant.last_active < new - grace:
                 continue  # not due within the notice anyway
             until = now + grace
-            self.store.mark_active(account.uid, [grant.minor], until - new)
+            self.store.mark_active([(account.uid, grant.minor)], until - new)
             text = (f"gpuguard: your idle release is now {format_duration(new)}; GPU {unit_list([grant.minor])} "
                     f"has been unused for {format_duration(round(now - grant.last_active))}: it will be released "
                     f"at {clock(until)} unless a process of yours uses it - see gpuguard whoami")

@@ -42,7 +42,10 @@ The rules, with their boundaries:
   whole GPU for a slice-only waiter frees nothing for it). Nobody waiting, nothing is reclaimed.
 - Soft time (`Timing.soft_max_time`). A grant past `expires_at` is not revoked at once: its user
   is warned once that the time is over, and it is revoked (as above) only while the queue wants
-  GPUs that reclaim did not cover, and it frees a unit a waiter could have, the longest over first.
+  GPUs that reclaim did not cover, and it frees a unit a waiter could have; least work lost
+  first: grants whose processes span the fewest GPUs (so a multi-GPU job is never stopped while
+  stopping a single-GPU one would do), then the least GPU-seconds those processes have run (as
+  the watcher has seen them: State.running_since), then the longest over.
 - Stray (rule "stray"). Processes of a user on a GPU that user holds no grant for. The
   grace runs per user and GPU, not per process: the first such process is reported (exempt
   users, root always included: that report is all) or warned at once, and once `grace` has
@@ -193,6 +196,7 @@ class State:
     stopping: Mapping[ProcKey, Stopping] = field(default_factory=dict)
     time_warned: Mapping[GrantKey, float] = field(default_factory=dict)  # smallest threshold warned
     seen: Mapping[Slot, float] = field(default_factory=dict)            # last tick a process was there
+    running_since: Mapping[ProcKey, float] = field(default_factory=dict)  # first tick a process was seen
 
 
 class Numbers(TypedDict, total=False):
@@ -323,8 +327,19 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         actions.append(Action(RELEASE, RECLAIM, grant.uid, grant.minor, None, {
             "idle": now - last, "reclaim_after": after, "last_active": last, "waiting": view.demand}))
     overtime = [(g, p) for g, p in overtime if (g.uid, g.minor) not in reclaimed]
-    longest_over = sorted(overtime, key=lambda o: (o[0].expires_at, o[0].uid, o[0].minor))
-    for grant, procs in longest_over[:wanted - len(reclaimed)]:
+    spans: dict[ProcKey, int] = {}
+    for proc in view.procs:
+        spans[proc.key] = spans.get(proc.key, 0) + 1
+
+    def work_lost(over: tuple[Grant, list[Proc]]) -> tuple[int, float, float, int, int]:
+        """What revoking this grant throws away: its processes' widest span (GPUs), then their
+        GPU-seconds run so far; the longest over first among equals."""
+        grant, procs = over
+        keys = {p.key for p in procs}
+        lost = sum(spans[k] * (now - state.running_since.get(k, now)) for k in keys)
+        return (max((spans[k] for k in keys), default=0), lost, grant.expires_at or 0.0, grant.uid, grant.minor)
+
+    for grant, procs in sorted(overtime, key=work_lost)[:wanted - len(reclaimed)]:
         revoke(grant, procs)
 
     for slot, procs in _by_slot(p for p in view.procs if (p.uid, p.minor) not in granted).items():
@@ -438,6 +453,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     stopping = dict(state.stopping)
     time_warned = dict(state.time_warned)
     seen = dict(state.seen)
+    running_since = {p.key: state.running_since.get(p.key, now) for p in view.procs}
     failed = frozenset(view.failed)
     for proc in view.procs:
         seen[(proc.uid, proc.minor)] = now
@@ -486,6 +502,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
         stopping={k: s for k, s in stopping.items() if k in present or s.minor in failed},
         time_warned={k: t for k, t in time_warned.items() if k in grant_keys},
         seen={slot: t for slot, t in seen.items() if slot in granted},
+        running_since=running_since,  # of the processes in this sample: one gone is forgotten
     )
 
 

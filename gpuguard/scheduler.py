@@ -3,19 +3,28 @@
 When no GPU is free, a request waits. The waiters are served in this order:
 
 1. priority (the quota key `priority`), higher first;
-2. fair share: the user's recent usage divided by their `share`, less first. Recent usage is the
+2. age: a request that has waited `[scheduler] max_wait_boost` goes ahead of every request of its
+   priority that has not, however heavy its user; such requests are served among themselves in
+   order of arrival;
+3. fair share: the user's recent usage divided by their `share`, less first. Recent usage is the
    GPU-seconds they were granted, each second counting less the longer ago it was: its weight
    halves every `[scheduler] half_life` (a second granted one half-life ago counts 1/2, two ago 1/4);
-3. arrival: who asked first.
+4. arrival: who asked first.
+
+So priority, fair share and age combine as in Slurm's multifactor plugin, except that age here
+is a bound rather than a weight: fair share orders the requests younger than max_wait_boost,
+and none waits behind younger ones past it.
 
 A request is served whole or not at all (a job asking for 4 GPUs cannot start on 3). Walking the
 order, every waiter whose GPUs are free gets them. A waiter whose GPUs are not free does not stop
 the walk at first: later, smaller requests may use what it cannot fill yet (backfill). Once it
 has waited `[scheduler] reserve_after`, it does stop the walk: the free GPUs are held for it and
-nobody behind it is served before it. So a request for several GPUs waits at most
-`reserve_after` plus the time until enough grants end (release, idle release, reclaim, expiry),
-however many single-GPU requests keep arriving. Priority is the one exception, by design: a
-higher-priority request that arrives meanwhile goes ahead of it.
+nobody behind it is served before it. So a request waits at most max_wait_boost (then it is
+ahead of all younger requests of its priority, and past reserve_after it holds the free GPUs),
+plus the waits of the older boosted requests ahead of it, plus the time until enough grants end
+(release, idle release, reclaim, expiry), however heavy its user and however many light users'
+requests keep arriving. Priority is the one exception, by design: a higher-priority request that
+arrives meanwhile goes ahead of it.
 """
 from __future__ import annotations
 
@@ -62,19 +71,33 @@ def recent_usage(stored: tuple[float, float] | None, held: Iterable[Grant], now:
 
 # --- the order
 
-def order_key(waiter: Waiter, usage: Mapping[int, float]) -> tuple[int, float, float, int]:
-    return (-waiter.priority, usage.get(waiter.uid, 0.0) / waiter.share, waiter.since, waiter.id)
+def boosted(waiter: Waiter, now: float, max_wait_boost: float) -> bool:
+    """Whether the request has waited long enough to go ahead of younger ones whatever their usage."""
+    return now - waiter.since >= max_wait_boost
 
 
-def order(waiters: Iterable[Waiter], usage: Mapping[int, float]) -> list[Waiter]:
-    """The waiters in the order they are served (usage: uid -> recent usage)."""
-    return sorted(waiters, key=lambda w: order_key(w, usage))
+def order_key(waiter: Waiter, usage: Mapping[int, float], now: float = 0.0,
+              max_wait_boost: float = math.inf) -> tuple[int, bool, float, float, int]:
+    old = boosted(waiter, now, max_wait_boost)
+    return (-waiter.priority, not old, 0.0 if old else usage.get(waiter.uid, 0.0) / waiter.share, waiter.since,
+            waiter.id)
 
 
-def why_ahead(first: Waiter, second: Waiter, usage: Mapping[int, float]) -> str:
+def order(waiters: Iterable[Waiter], usage: Mapping[int, float], now: float = 0.0,
+          max_wait_boost: float = math.inf) -> list[Waiter]:
+    """The waiters in the order they are served (usage: uid -> recent usage; max_wait_boost: the age bound)."""
+    return sorted(waiters, key=lambda w: order_key(w, usage, now, max_wait_boost))
+
+
+def why_ahead(first: Waiter, second: Waiter, usage: Mapping[int, float], now: float = 0.0,
+              max_wait_boost: float = math.inf) -> str:
     """Why `first` is served before `second`, in words for `gpuguard whoami`."""
     if first.priority != second.priority:
         return f"higher priority ({first.priority} > {second.priority})"
+    if boosted(first, now, max_wait_boost) and not boosted(second, now, max_wait_boost):
+        return f"waited longer than max_wait_boost ({max_wait_boost / 3600:g} h)"
+    if boosted(first, now, max_wait_boost):
+        return "asked earlier (both waited longer than max_wait_boost)"
     mine, theirs = (usage.get(w.uid, 0.0) / w.share for w in (first, second))
     if mine != theirs:
         return (f"less recent GPU usage ({mine / 3600:.1f} < {theirs / 3600:.1f} GPU-hours"

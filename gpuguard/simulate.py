@@ -1,26 +1,33 @@
-"""`gpuguard simulate`: replay a trace on a virtual clock through the daemon's own code.
+"""`gpuguard simulate`: replay a trace on a virtual clock through the daemon's own services.
 
-What runs is what the daemon runs: the quotas (policy.quota_for), the store, the grant manager
-and its allocator (grants.Grants), the queue (queueing.Queue over gpuguard.scheduler), the
-watcher's rules (rules.decide / rules.advance: idle, reclaim, time, memory) and the logout
-release (logout.LogoutRelease). Only the edges are replaced: the clock is virtual, the GPU
-sample is built from the jobs running at that moment, the store is a scratch file without
-fsync, and there are no device nodes, gate, NSS or terminals.
+The services are the daemon's, built by the same wiring.build; only the edges differ: the clock
+is virtual, the GPU sample is the jobs running at that moment (_ReplayGpus), the trace's users
+are accounts in access.group (_ReplayAccounts), a signal to a job's process ends the job
+(_ReplayProcesses), the store is a scratch file without fsync, and there are no device nodes,
+gate, terminals or /proc holders. The replay decides nothing itself: logins and logouts are
+Api.session_open / session_close (and the logout release after it), a job's request is the
+queue's join (whose dispatch serves the waiters), and every release, revoke and stop is an
+action of Watcher.check.
 
-The replay: a session opens (a login; it grants nothing: jobs ask for their GPUs); each job asks
-for the GPUs it needs as `gpuguard request --wait` would (its user's idle granted GPUs count) and
-runs once they are granted: the time between is its time to GPU. A job still waiting when its
-session ends never runs (its waiter leaves the queue, as a login's does). While it runs, its
-processes are on its GPUs, so the rules see them busy; a SIGTERM from a rule ends the job there.
-The rules are evaluated after every batch of simultaneous events (one of job ends only, which no
-rule acts on at once, just moves the next wake) and at the next moment one of them can fire
-(rules.next_change), rounded up to the watcher's interval as the daemon's tick would see it.
-A grant freed there goes to the queue in the same instant, so a replay's time to GPU is up to
-one watcher interval shorter than a daemon's would be.
+The replay: a session opens (a login with grant "never": jobs ask for their GPUs); each job asks
+the queue for the GPUs it needs beyond its user's idle granted ones, as `gpuguard request --wait`
+would, and runs once they are granted: the time between is its time to GPU. (Api.request is not
+used for this: it asks for a user's total and keeps one place in the queue per user, while a
+trace's user may have many jobs waiting at once; the queue's join is what it calls.) A job still
+waiting when its session ends never runs (its waiter leaves the queue with the last session); an
+open session (no end in the trace) ends once its last job has run. While a job runs its process
+is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
+jobs are on it (a job on several GPUs at the pace of its most crowded one): its end moves when
+another job joins or leaves. Watcher.check runs after every batch of simultaneous events (except
+one of job ends only, which no rule acts on at once: it just moves the next wake) and at the next
+moment one of the rules can fire (Watcher.next_change), rounded up to the watcher's interval as
+the daemon's tick would see it; between events the sample stands still, so the watcher is told
+there was no gap (Watcher.unchanged_until). When a job ends, the watcher's memory of when it saw
+the job last is set to that moment, as the daemon's tick just before it would have left it.
 
 Beside it, in the same run, static reservation: each session holds the GPUs of its largest job
-from its start to its end, sessions served first come first served, a session that waits is
-shifted by its wait (its jobs then wait as long).
+from its start to its end (an open one to its last job's end), sessions served first come first
+served, a session that waits is shifted by its wait (its jobs then wait as long).
 """
 from __future__ import annotations
 
@@ -34,34 +41,38 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from gpuguard import messages, policy, rules
-from gpuguard.backends.exits import ExitWatch
-from gpuguard.backends.processes import HostProcesses
+from gpuguard import logs, policy, rules, wiring
+from gpuguard.backends.accounts import Account
 from gpuguard.backends.procfs import ProcessIdentity
-from gpuguard.config import Config
-from gpuguard.grants import Grants
-from gpuguard.logout import LogoutRelease
-from gpuguard.model import Event, Gpu, GpuProcess, Grant, Origin, Quota
-from gpuguard.queueing import Queue
-from gpuguard.release import Releases
-from gpuguard.sampling import Sample
-from gpuguard.store import Queued, Store
+from gpuguard.backends.signals import Outcome
+from gpuguard.backends.signals import Result as SignalResult
+from gpuguard.config import AccessConfig, Config
+from gpuguard.model import Gpu, GpuProcess, Origin, Quota
+from gpuguard.sampling import Holder, Sample
+from gpuguard.server import Peer
+from gpuguard.store import Queued
 from gpuguard.trace import Job, Session
-from gpuguard.watcher import timing_of
 
 FIRST_UID = 100000
 
 
 @dataclass
 class Result:
-    """What one policy did with the trace (seconds and counts)."""
+    """What one policy did with the trace (seconds and counts). Every job is counted: one that
+    never ran (dropped with its session, over quota, or still waiting at the end) has a censored
+    time to GPU, up to when it left (or the end of the replay)."""
 
     granted: float = 0.0             # GPU-seconds granted
-    busy: float = 0.0                # GPU-seconds jobs ran
+    busy: float = 0.0                # GPU-seconds with at least one job on the GPU (one job's worth at most)
+    shared: float = 0.0              # of busy: GPU-seconds with two jobs or more on the GPU
     demanded: float = 0.0            # GPU-seconds the jobs asked for
+    work_lost: float = 0.0           # GPU-seconds of work thrown away: jobs stopped by a rule, from their start
     span: float = 0.0                # seconds from the first login to the last event
-    waits: list[float] = field(default_factory=list)  # time to GPU of each job that ran
+    waits: list[float] = field(default_factory=list)     # time to GPU of each job that ran
+    censored: list[float] = field(default_factory=list)  # time waited by each job that never ran
+    stretch: list[float] = field(default_factory=list)   # run time / trace duration of each job that ended by itself
     never_ran: int = 0
     over_quota: int = 0              # of never_ran: asked for more GPUs than the quota allows
     releases: int = 0                # idle and logout releases (GPU grants)
@@ -70,22 +81,56 @@ class Result:
     kills: int = 0                   # jobs ended by a rule
     most_sharers: int = 0            # the most jobs seen on one GPU at once (1 unless users share)
     per_user: dict[str, list[float]] = field(default_factory=dict)  # user -> [granted, demanded]
+    user_waits: dict[str, list[float]] = field(default_factory=dict)     # user -> every job's (censored) wait
+    user_slowdown: dict[str, list[float]] = field(default_factory=dict)  # user -> [sum of slowdowns, jobs]
+
+    def count(self, user: str, wait: float, duration: float, ran: float | None) -> None:
+        """One job's outcome: waited `wait`, then ran `ran` seconds of wall time (None: never ran,
+        so its wait is censored). Its slowdown is (wait + run) / duration, where a job that never
+        ran or was stopped still needs its whole duration (it runs again from scratch)."""
+        if ran is None:
+            self.censored.append(wait)
+        else:
+            self.waits.append(wait)
+        self.user_waits.setdefault(user, []).append(wait)
+        slowdown = self.user_slowdown.setdefault(user, [0.0, 0])
+        slowdown[0] += (wait + (duration if ran is None else ran)) / duration
+        slowdown[1] += 1
 
     def summary(self, gpus: int) -> dict[str, float | int | None]:
         waits = sorted(self.waits)
+        every = sorted(self.waits + self.censored)
+        censored = sorted(self.censored)
+        stretch = sorted(self.stretch)
         shares = [g / d for g, d in self.per_user.values() if d > 0]
+        slowdowns = [total / jobs for total, jobs in self.user_slowdown.values() if jobs]
+        user_p95 = sorted(percentile(sorted(w), 0.95) or 0.0 for w in self.user_waits.values())
         return {
             "gpu_seconds_granted": round(self.granted, 1),
             "gpu_seconds_busy": round(self.busy, 1),
+            "gpu_seconds_shared": round(self.shared, 1),
+            "gpu_seconds_lost": round(self.work_lost, 1),
+            "lost_of_demanded": round(self.work_lost / self.demanded, 4) if self.demanded else None,
             "busy_of_granted": round(self.busy / self.granted, 4) if self.granted else None,
             "pool_busy": round(self.busy / (gpus * self.span), 4) if self.span else None,
-            "wait_p50": percentile(waits, 0.50),
-            "wait_p95": percentile(waits, 0.95),
-            "wait_max": waits[-1] if waits else None,
+            "wait_p50": percentile(every, 0.50),
+            "wait_p95": percentile(every, 0.95),
+            "wait_max": every[-1] if every else None,
+            "ran_wait_p95": percentile(waits, 0.95),
+            "ran_wait_max": waits[-1] if waits else None,
+            "censored_wait_p95": percentile(censored, 0.95),
+            "user_wait_p95_median": percentile(user_p95, 0.50),
+            "user_wait_p95_worst": user_p95[-1] if user_p95 else None,
+            "jobs": len(every),
             "jobs_ran": len(waits),
             "jobs_never_ran": self.never_ran,
             "jobs_over_quota": self.over_quota,
+            "jobs_dropped": self.never_ran - self.over_quota,
             "jain": round(jain(shares), 4) if shares else None,
+            "jain_slowdown": round(jain(slowdowns), 4) if slowdowns else None,
+            "slowdown_worst_user": round(max(slowdowns), 2) if slowdowns else None,
+            "stretch_mean": round(sum(stretch) / len(stretch), 4) if stretch else None,
+            "stretch_p95": round(percentile(stretch, 0.95) or 0.0, 4) if stretch else None,
             "releases": self.releases,
             "reclaims": self.reclaims,
             "revokes": self.revokes,
@@ -107,72 +152,121 @@ def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * squares) if squares else 1.0
 
 
-class _ScratchStore(Store):
-    """The store with its grants and queue read once per change (a replay is its only writer, and
-    reads them far more often than it changes them), and events counted by kind and rule instead
-    of kept (a replay reports how many releases, reclaims and revokes there were, never a history)."""
+class _ReplayGpus:
+    """The GPU sampler edge: every sample is the running jobs' processes, as NVML would list them."""
 
-    def __init__(self, path: Path):
-        super().__init__(path, durable=False)
-        self._grants: list[Grant] | None = None
-        self._queue: list[Queued] | None = None
-        self.event_counts: Counter[tuple[str, str]] = Counter()
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+        self.errors: dict[str, int] = {}
 
-    def add_event(self, event: Event) -> int:
-        self.event_counts[(event.kind, event.rule)] += 1
-        return 0
+    @property
+    def last(self) -> Sample:
+        return self.replay.sample()
 
-    def grants(self, uid: int | None = None) -> list[Grant]:
-        if self._grants is None:
-            self._grants = super().grants()
-        return self._grants if uid is None else [g for g in self._grants if g.uid == uid]
+    async def take(self, max_age: float = 0.0) -> Sample:
+        return self.replay.sample()
 
-    def queue(self, uid: int | None = None) -> list[Queued]:
-        if self._queue is None:
-            self._queue = super().queue()
-        return self._queue if uid is None else [q for q in self._queue if q.waiter.uid == uid]
+    async def take_or_log(self, action: str, max_age: float = 0.0, **fields: Any) -> Sample | None:
+        return self.replay.sample()
 
-    def join_queue(self, *args, **kwargs) -> Queued:
-        self._queue = None
-        return super().join_queue(*args, **kwargs)
-
-    def leave_queue(self, ids: Iterable[int]) -> int:
-        self._queue = None
-        return super().leave_queue(ids)
-
-    def add_grants(self, uid: int, *args, **kwargs) -> None:
-        super().add_grants(uid, *args, **kwargs)
-        if self._grants is not None:  # only this user's rows are read again
-            others = [g for g in self._grants if g.uid != uid]
-            self._grants = sorted(others + super().grants(uid), key=lambda g: (g.uid, g.minor))
-
-    def remove_grants(self, uid: int, *args, **kwargs) -> list[Grant]:
-        removed = super().remove_grants(uid, *args, **kwargs)
-        if self._grants is not None:
-            gone = {(g.uid, g.minor) for g in removed}
-            self._grants = [g for g in self._grants if (g.uid, g.minor) not in gone]
-        return removed
-
-    def mark_active(self, *args, **kwargs) -> None:
-        self._grants = None
-        super().mark_active(*args, **kwargs)
+    async def commands(self, pids: Iterable[int]) -> dict[int, str]:
+        return {pid: "replayed job" for pid in pids}
 
 
-class _NoNodes:
-    """A replay has no device nodes to keep in step."""
+class _ReplayAccounts:
+    """The NSS edge: each trace user is an account in access.group, numbered from FIRST_UID."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+
+    async def by_name(self, name: str) -> Account:
+        return self.replay.account(name)
+
+    async def by_uid(self, uid: int) -> Account:
+        return self.replay.account(self.replay.names[uid])
+
+    async def exempt_uids(self, access: AccessConfig, logged_in: Collection[int]) -> frozenset[int]:
+        return frozenset({0})
+
+    def close(self) -> None:
+        pass
+
+
+class _ReplayProcesses:
+    """The processes edge: a job's process is its pid; a signal to it ends the job there."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+
+    def identity(self, pid: int) -> ProcessIdentity | None:
+        running = self.replay.running.get(pid)
+        return ProcessIdentity(pid, running.uid, pid) if running else None
+
+    def command(self, pid: int) -> str:
+        return "replayed job"
+
+    def state(self, identity: ProcessIdentity) -> str | None:
+        return None
+
+    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> SignalResult:
+        if self.identity(identity.pid) != identity:
+            return SignalResult(Outcome.GONE, "the job has ended")
+        self.replay.stopped(identity.pid)
+        return SignalResult(Outcome.SENT)
+
+
+class _Nowhere:
+    """The edges a replay has none of: device nodes, terminals, exit watches."""
 
     def sync(self, device: tuple[int, int], users: Collection[int]) -> list[str]:
         return []
 
+    def tell(self, user: str, uid: int, message: str, ttys: Iterable[str] = ()) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def watch(self, pids: Collection[int], uid: int, on_exit: Callable[[], None]) -> None:
+        return None
+
+
+def _no_holders(units: Iterable[int], uids: Collection[int],
+                devices_of: Callable[[int], Iterable[tuple[int, int]]]) -> list[Holder]:
+    """A replay's jobs hold no device nodes beyond what the sample shows."""
+    return []
+
+
+ROOT = Peer(pid=1, uid=0, gid=0)  # the PAM module's calls come from root
+
 
 @dataclass
 class _Running:
+    """A job on its GPUs. Its work is its trace duration; it progresses at `rate` (1 alone; 1/n
+    while its most crowded GPU has n jobs on it), so it ends when the work is done."""
+
     job: Job
+    user: str
     uid: int
+    session: int
     minors: tuple[int, ...]
     pid: int
+    arrived: float
     started: float
-    ends: float
+    left: float          # seconds of work still to do at `since`
+    rate: float = 1.0
+    since: float = 0.0
+    version: int = 0     # its end event is for this version; an older one is stale
+    procs: tuple[rules.Proc, ...] = ()  # its process on each of its GPUs, as the watcher sees it
+
+
+@dataclass
+class _Session:
+    uid: int
+    user: str
+    jobs_left: int
+    open: bool           # no end in the trace: it ends once its last job has run
+    closed: bool = False  # logged out (its jobs may still wait, until the user's last session ends)
 
 
 class Replay:
@@ -180,31 +274,41 @@ class Replay:
 
     def __init__(self, config: Config, gpus: int, scratch: Path):
         self.config = config
-        self.store = _ScratchStore(scratch / "state.db")
         inventory = {m: Gpu(m, m, f"GPU-replay-{m}", "replay", f"replay:{m}", 80 << 30, 0, None, None)
                      for m in range(gpus)}
-        self.grants = Grants(self.store, None, _NoNodes(), range(gpus), gpus=inventory)
-        self.queue = Queue(lambda: config, self.store, self.grants)
+        nowhere = _Nowhere()
+        self.services = wiring.build(wiring.Edges(
+            config=lambda: config, store_path=scratch / "state.db", sampler=_ReplayGpus(self), units=inventory,
+            driver_minors=range(gpus), nodes=nowhere, lookup=_ReplayAccounts(self), terminals=nowhere,
+            exits=nowhere, find_holders=_no_holders, processes=_ReplayProcesses(self), clock=lambda: self.now,
+            durable=False))
+        self.store, self.grants, self.queue = self.services.store, self.services.grants, self.services.queue
+        self.api, self.watcher = self.services.api, self.services.watcher
         self.queue.listeners.append(self._served)
-        self.releases = Releases(self.grants, self.queue, end_holders=lambda *_: None, tell=lambda *_: None)
-        self.logout = LogoutRelease(self.store, self.releases, lambda minors, uids: [], ExitWatch(),  # no /proc to scan
-                                    HostProcesses())
-        self.timing = timing_of(config)
-        self.state = rules.State()
+        # Nothing holds a replayed GPU's node beyond the jobs the sample shows, which the rules
+        # end: no background /proc scan after each grant taken back.
+        self.services.releases.end_holders = lambda uid, user, units, why: None
         self.result = Result()
         self.now = 0.0
         self.uids: dict[str, int] = {}
         self.names: dict[int, str] = {}
         self.quotas: dict[str, Quota] = {}
         self.running: dict[int, _Running] = {}    # pid -> job
+        self.on_gpu: dict[int, set[int]] = {}     # minor -> pids of the jobs on it
+        self.busy_since: dict[int, float] = {}    # minor -> when its job count last changed
+        self.busy_of: dict[int, Counter[int]] = {}  # uid -> minors its jobs are on (how many jobs each)
         self.pending: dict[int, tuple[Job, int]] = {}  # queue row id -> (job, session pid)
-        self.session_uid: dict[int, int] = {}     # session pid -> uid
+        self.sessions: dict[int, _Session] = {}   # session pid -> its user and jobs still to run
         self._joining: tuple[Job, int] | None = None  # the job whose request is being queued
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._pids = itertools.count(1000)
         self._next_wake: float | None = None
         self._first: float | None = None
+        self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
+        self._taken_back = 0                      # grants taken back (released or revoked), for the counts
+        self._held: dict[tuple[int, int, float], str] = {}  # the grants after the last batch: (uid, unit, since) -> user
+        self.checks = 0                           # Watcher.check calls: every decision of a rule comes from one
 
     # --- the event loop
 
@@ -217,6 +321,7 @@ class Replay:
                 self._open_at(following)
                 following = next(upcoming, None)
             when = self._events[0][0]
+            self.watcher.unchanged_until(when)  # the sample stood still since the last event
             self.now = when
             kinds = set()
             while self._events and self._events[0][0] == when:
@@ -226,9 +331,10 @@ class Replay:
             if kinds == {"end"}:
                 # Jobs ending change no grant and no demand, and no rule acts the moment a GPU
                 # falls idle: only the time at which one may act (idle, reclaim) moves.
-                self._wake_for(self._view())
+                self._wake_for(self.sample())
             else:
-                self._tick()
+                await self._tick()
+                self._count_granted()
         self._finish()
         return self.result
 
@@ -245,26 +351,30 @@ class Replay:
     async def _on_login(self, session: Session) -> None:
         uid = self._uid(session.user)
         pid = next(self._pids)
-        self.store.open_session(uid, session.user, "replay", "", "", pid, self.now)
-        self.session_uid[pid] = uid
+        # As the PAM module asks; grant "never": a replayed login takes no GPU, its jobs ask for theirs.
+        opened = await self.api.handle({"op": "session_open", "user": session.user, "pid": pid, "service": "replay",
+                                        "grant": "never"}, ROOT)
+        assert opened.get("session") is not None, opened
+        self.sessions[pid] = _Session(uid, session.user, len(session.jobs), session.end is None)
         for job in session.jobs:
             self.result.demanded += job.gpus * job.duration
             self._user_totals(session.user)[1] += job.gpus * job.duration
             self._at(job.start, "arrive", (job, pid))
-        self._at(session.end, "logout", (uid, pid))
+        if session.end is not None:
+            self._at(session.end, "logout", pid)
 
     async def _on_arrive(self, payload: tuple[Job, int]) -> None:
         job, session = payload
-        uid = self.session_uid[session]
+        uid = self.sessions[session].uid
         name = self.names[uid]
         quota = self._quota(name)
         if job.gpus > quota.gpus:
-            self.result.never_ran += 1
             self.result.over_quota += 1
+            self._never_ran(job, session)
             return
         more = job.gpus - len(self._idle_held(uid))
         if more <= 0:
-            self._start(job, uid, job.start)
+            self._start(job, session)
             return
         self._joining = (job, session)
         try:
@@ -274,23 +384,29 @@ class Replay:
         if waits:
             self.pending[queued.waiter.id] = (job, session)
 
-    async def _on_end(self, pid: int) -> None:
-        running = self.running.pop(pid, None)
-        if running is None:
-            return  # ended earlier by a rule
-        self._stop(running, self.now)
+    async def _on_end(self, payload: tuple[int, int]) -> None:
+        pid, version = payload
+        running = self.running.get(pid)
+        if running is None or running.version != version:
+            return  # ended earlier by a rule, or slowed or sped up since: a later end event stands
+        self._stop(running)
+        self.result.count(running.user, running.started - running.arrived, running.job.duration,
+                          self.now - running.started)
+        self.result.stretch.append((self.now - running.started) / running.job.duration)
+        self._job_done(running.session)
 
-    async def _on_logout(self, payload: tuple[int, int]) -> None:
-        uid, pid = payload
-        self.store.close_session(uid, pid)
-        logged_in = {s.uid for s in self.store.sessions()}
-        gone = self.queue.gone(logged_in, alive=lambda pid, start: True)
-        self.queue.leave(q.waiter.id for q in gone)
-        for queued in gone:
-            if self.pending.pop(queued.waiter.id, None) is not None:
-                self.result.never_ran += 1
-        if uid not in logged_in:
-            self._removed(await self.logout.release_unused(self._sample(), [uid], now=self.now), self.now)
+    async def _on_logout(self, pid: int) -> None:
+        session = self.sessions[pid]
+        session.closed = True
+        await self.api.handle({"op": "session_close", "user": session.user, "pid": pid}, ROOT)
+        await self.services.logout.settled()  # the release check after a last logout, in the background
+        waiting = {q.waiter.id for q in self.store.queue(session.uid)}
+        for queue_id, (job, owner) in list(self.pending.items()):
+            # The user's places end with their last session, also those of sessions closed before.
+            if self.sessions[owner].uid == session.uid and queue_id not in waiting:
+                del self.pending[queue_id]
+                self._never_ran(job, owner)
+        self._forget_if_done(pid)
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
@@ -301,54 +417,106 @@ class Replay:
         """The queue granted a waiter its GPUs: its job starts now."""
         waiting = self.pending.pop(queued.waiter.id, None) or self._joining  # None: served as it joined
         assert waiting is not None, "the queue served a request the replay did not make"
-        self._start(waiting[0], queued.waiter.uid, waiting[0].start)
+        self._start(*waiting)
 
-    def _start(self, job: Job, uid: int, arrived: float) -> None:
-        minors = tuple(sorted(self._idle_held(uid)))[:job.gpus]
+    def _start(self, job: Job, session: int) -> None:
+        owner = self.sessions[session]
+        minors = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
-        self.running[pid] = _Running(job, uid, minors, pid, self.now, self.now + job.duration)
-        on = [m for r in self.running.values() for m in r.minors]
-        self.result.most_sharers = max(self.result.most_sharers, *(on.count(m) for m in minors))
-        self.result.waits.append(self.now - arrived)
-        self._at(self.now + job.duration, "end", pid)
+        procs = tuple(rules.Proc(pid, owner.uid, pid, m, job.memory or None) for m in minors)
+        running = _Running(job, owner.user, owner.uid, session, minors, pid, job.start, self.now, job.duration,
+                           since=self.now, procs=procs)
+        self.running[pid] = running
+        self.busy_of.setdefault(owner.uid, Counter()).update(minors)
+        self._sample = None
+        self._crowd(minors, add=pid)
+        self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in minors))
 
-    def _stop(self, running: _Running, when: float) -> None:
-        self.result.busy += len(running.minors) * (when - running.started)
-        # The watcher saw it there up to its last moment: the idle clocks start from here.
-        seen = {**self.state.seen, **{(running.uid, m): when for m in running.minors}}
-        self.state = replace(self.state, seen=seen)
+    def _stop(self, running: _Running) -> None:
+        """The job leaves its GPUs (ended, or stopped by a rule)."""
+        del self.running[running.pid]
+        mine = self.busy_of[running.uid]
+        mine.subtract(running.minors)
+        for minor in running.minors:
+            if mine[minor] <= 0:
+                del mine[minor]
+        self._crowd(running.minors, remove=running.pid)
+        self._sample = None
+        # The daemon's tick just before the job ended saw it there: the idle clocks start from here.
+        state = self.watcher.state
+        self.watcher.state = replace(state, seen={**state.seen, **{(running.uid, m): self.now for m in running.minors}})
+
+    def _crowd(self, minors: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
+        """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then
+        set every job there to the pace of its most crowded GPU (contention: n jobs on a GPU
+        progress at 1/n each) and move its end accordingly."""
+        for minor in minors:
+            jobs = self.on_gpu.setdefault(minor, set())
+            if jobs:
+                since = self.busy_since[minor]
+                self.result.busy += self.now - since
+                if len(jobs) > 1:
+                    self.result.shared += self.now - since
+            self.busy_since[minor] = self.now
+            if add is not None:
+                jobs.add(add)
+            if remove is not None:
+                jobs.discard(remove)
+        for pid in set().union(*(self.on_gpu[m] for m in minors)):
+            running = self.running[pid]
+            rate = 1.0 / max(len(self.on_gpu[m]) for m in running.minors)
+            if pid != add and rate == running.rate:
+                continue
+            running.left -= running.rate * (self.now - running.since)
+            running.rate, running.since, running.version = rate, self.now, running.version + 1
+            self._at(self.now + running.left / rate, "end", (pid, running.version))
+
+    def _job_done(self, session: int) -> None:
+        """One of the session's jobs ran or will never run; an open session ends with its last."""
+        owner = self.sessions[session]
+        owner.jobs_left -= 1
+        if owner.open and owner.jobs_left == 0 and not owner.closed:
+            self._at(self.now, "logout", session)
+        self._forget_if_done(session)
+
+    def _forget_if_done(self, session: int) -> None:
+        """A session logged out with no job left to run or wait is forgotten (memory stays flat)."""
+        owner = self.sessions.get(session)
+        if owner is not None and owner.closed and owner.jobs_left <= 0:
+            del self.sessions[session]
+
+    def _never_ran(self, job: Job, session: int) -> None:
+        self.result.never_ran += 1
+        self.result.count(self.sessions[session].user, self.now - job.start, job.duration, None)
+        self._job_done(session)
 
     def _idle_held(self, uid: int) -> set[int]:
-        busy = {m for r in self.running.values() if r.uid == uid for m in r.minors}
-        return {g.minor for g in self.store.grants(uid)} - busy
+        busy = self.busy_of.get(uid, ())
+        return {g.minor for g in self.store.grants(uid) if g.minor not in busy}
 
-    # --- the watcher's rules
+    # --- the watcher
 
-    def _procs(self) -> list[rules.Proc]:
-        return [rules.Proc(r.pid, r.uid, r.pid, m, r.job.memory or None)
-                for r in self.running.values() for m in r.minors]
+    def sample(self) -> Sample:
+        """The running jobs as a GPU sample: each job's process on each of its GPUs."""
+        if self._sample is None or self._sample.time != self.now:
+            procs = [proc for running in self.running.values() for proc in running.procs]
+            self._sample = Sample(self.now, tuple(GpuProcess(p.pid, p.minor, p.used_memory) for p in procs),
+                                  {p.pid: ProcessIdentity(p.pid, p.uid, p.start_time) for p in procs},
+                                  frozenset(self.grants.gpus))
+        return self._sample
 
-    def _sample(self) -> Sample:
-        procs = self._procs()
-        return Sample(self.now, tuple(GpuProcess(p.pid, p.minor, p.used_memory) for p in procs),
-                      {p.pid: ProcessIdentity(p.pid, p.uid, p.start_time) for p in procs},
-                      frozenset(self.grants.gpus))
+    async def _tick(self) -> None:
+        sample = self.sample()
+        self.checks += 1
+        for action in await self.watcher.check(sample, self.now):
+            if action.kind == rules.RELEASE and action.rule == rules.RECLAIM:
+                self.result.reclaims += 1
+            elif action.kind == rules.REVOKE:
+                self.result.revokes += 1
+        self._wake_for(self.sample())
 
-    def _view(self) -> rules.View:
-        grants = self.store.grants()
-        quotas = {g.uid: self._quota(g.user) for g in grants}
-        wanted = self.queue.demand()
-        return rules.View(self._procs(), grants, quotas, demand=wanted.short, useful=wanted.useful)
-
-    def _tick(self) -> None:
-        view = self._view()
-        actions = rules.decide(view, self.state, self.now, self.timing)
-        done = [action for action in actions if self._act(action)]
-        self.state = rules.advance(view, self.state, done, self.now)
-        self._wake_for(self._view() if done else view)
-
-    def _wake_for(self, view: rules.View) -> None:
-        wake = rules.next_change(view, self.state, self.timing, self.now)
+    def _wake_for(self, sample: Sample) -> None:
+        wake = self.watcher.next_change(sample, self.now)
         if wake is not None:
             interval = self.config.watcher.interval
             wake = math.ceil(wake / interval) * interval  # the daemon's tick comes at its own pace
@@ -356,50 +524,44 @@ class Replay:
                 self._next_wake = wake
                 self._at(wake, "wake")
 
-    def _act(self, action: rules.Action) -> bool:
-        if action.kind == rules.RELEASE and any(
-                r.uid == action.uid and action.minor in r.minors for r in self.running.values()):
-            # A job of this user started on it since the decision (an earlier action of this tick
-            # freed a GPU the queue gave them): the daemon's confirming re-sample would see it busy.
-            return False
-        if action.kind in (rules.RELEASE, rules.REVOKE):
-            removed = self.releases.take_back(action.uid, [action.minor], self.now, kind=action.kind.event,
-                                              rule=action.rule, message=messages.action_message(action))
-            self._removed(removed, self.now)
-            return bool(removed)
-        if action.kind in (rules.TERM, rules.KILL) and action.proc is not None:
-            running = self.running.pop(action.proc.pid, None)
-            if running is None:
-                return False
-            self._stop(running, self.now)  # a replayed job ends at SIGTERM
-            self.result.kills += 1
-        return True
+    def stopped(self, pid: int) -> None:
+        """A rule's signal reached the job: it ends here, and what it did is lost."""
+        running = self.running[pid]
+        self._stop(running)
+        ran = self.now - running.started
+        self.result.work_lost += len(running.minors) * ran
+        self.result.count(running.user, running.started - running.arrived, running.job.duration,
+                          ran + running.job.duration)  # it needs its whole duration again
+        self.result.kills += 1
+        self._job_done(running.session)
 
     # --- bookkeeping
 
-    def _removed(self, grants: list[Grant], now: float) -> None:
-        for grant in grants:
-            self.result.granted += now - grant.granted_at
-            self._user_totals(grant.user)[0] += now - grant.granted_at
+    def _count_granted(self, end: bool = False) -> None:
+        """Count the GPU-seconds of the grants that ended in the last batch of events (all, at the end)."""
+        held = {} if end else {(g.uid, g.minor, g.granted_at): g.user for g in self.store.grants()}
+        for key in self._held.keys() - held.keys():
+            self._taken_back += not end
+            self.result.granted += self.now - key[2]
+            self._user_totals(self._held[key])[0] += self.now - key[2]
+        self._held = held
 
     def _finish(self) -> None:
-        for grant in self.store.grants():
-            self.result.granted += self.now - grant.granted_at
-            self._user_totals(grant.user)[0] += self.now - grant.granted_at
-        self.result.never_ran += len(self.pending)
-        counts = self.store.event_counts
-        self.result.releases = sum(n for (kind, rule), n in counts.items()
-                                   if kind == "release" and rule != rules.RECLAIM)
-        self.result.reclaims = counts.get(("release", rules.RECLAIM), 0)
-        self.result.revokes = counts.get(("revoke", rules.TIME), 0)
+        self._count_granted(end=True)
+        for job, session in list(self.pending.values()):  # still waiting at the end: censored there
+            self._never_ran(job, session)
+        self.result.releases = self._taken_back - self.result.reclaims - self.result.revokes
         self.result.span = self.now - (self._first or 0.0)
-        self.store.close()
+        self.services.close()
 
     def _quota(self, user: str) -> Quota:
         """The user's quota as the daemon resolves it (every replayed user is in access.group)."""
         if user not in self.quotas:
             self.quotas[user] = policy.quota_for(user, {self.config.access.group}, self.config)
         return self.quotas[user]
+
+    def account(self, user: str) -> Account:
+        return Account(user, self._uid(user), frozenset({self.config.access.group}))
 
     def _uid(self, user: str) -> int:
         if user not in self.uids:
@@ -434,6 +596,8 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
             continue
         if need > gpus:
             result.never_ran += len(session.jobs)
+            for job in session.jobs:
+                result.count(session.user, 0.0, job.duration, None)
             continue
         at = max(session.start, last_grant)  # nobody overtakes an earlier session
         while holding and holding[0][0] <= at:
@@ -444,13 +608,16 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
             at = max(at, end)
         delay = at - session.start
         free -= need
-        heapq.heappush(holding, (session.end + delay, need))
+        end = session.last
+        heapq.heappush(holding, (end + delay, need))
         last_grant = at
-        last_end = max(last_end, session.end + delay)
-        result.granted += need * (session.end - session.start)
-        totals[0] += need * (session.end - session.start)
-        result.busy += demanded
-        result.waits.extend([delay] * len(session.jobs))
+        last_end = max(last_end, end + delay)
+        result.granted += need * (end - session.start)
+        totals[0] += need * (end - session.start)
+        result.busy += demanded  # each job alone on its GPUs, at full speed
+        for job in session.jobs:
+            result.count(session.user, delay, job.duration, job.duration)
+            result.stretch.append(1.0)
         result.releases += 1
         result.most_sharers = 1
     result.span = last_end - (first or 0.0)
@@ -458,9 +625,15 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
 
 
 def replay(sessions: Iterable[Session], config: Config, gpus: int) -> Result:
-    """The configured policy on `gpus` GPUs."""
-    with tempfile.TemporaryDirectory(prefix="gpuguard-replay-") as scratch:
-        return asyncio.run(Replay(config, gpus, Path(scratch)).run(sessions))
+    """The configured policy on `gpuguard simulate`'s pool of `gpus` GPUs. The services' event
+    log (a line per grant, release and warning, as the daemon logs them) is silenced meanwhile:
+    a replay reports counts."""
+    quiet, logs.logger.disabled = logs.logger.disabled, True
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpuguard-replay-") as scratch:
+            return asyncio.run(Replay(config, gpus, Path(scratch)).run(sessions))
+    finally:
+        logs.logger.disabled = quiet
 
 
 def describe(sessions: Iterable[Session]) -> dict[str, float | int]:
@@ -469,7 +642,7 @@ def describe(sessions: Iterable[Session]) -> dict[str, float | int]:
     for session in sessions:
         count += 1
         jobs += len(session.jobs)
-        first, last = min(first, session.start), max(last, session.end)
+        first, last = min(first, session.start), max(last, session.last)
     return {"sessions": count, "jobs": jobs, "hours": (last - first) / 3600 if count else 0.0}
 
 

@@ -10,7 +10,7 @@ import json
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from gpuguard.config import EventsConfig
@@ -98,6 +98,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE grants ADD COLUMN uuid TEXT NOT NULL DEFAULT '';
     """,
+    # The memory quota a shared grant was promised on its GPU (allocator: sharers' promises never
+    # add up to more than the GPU has). NULL: not shared, or shared before this column (then the
+    # GPU takes no further sharer: its promise is unknown).
+    """
+    ALTER TABLE grants ADD COLUMN memory INTEGER;
+    """,
 )
 HOUR = 3600
 
@@ -126,6 +132,11 @@ class Store:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
         self._db.row_factory = sqlite3.Row
+        # The grants and the queue as last read, with the data_version they were read at: the
+        # watcher, the queue and the allocator read them many times per change. Another
+        # connection's commit moves data_version; this one's own writes drop the copy (or, for
+        # last_active, update it).
+        self._copies: dict[str, tuple[int, tuple]] = {}
         self._db.execute("PRAGMA journal_mode=WAL")
         # durable=False (a replay's scratch store): nothing to keep across a crash, so no fsync.
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
@@ -168,22 +179,35 @@ class Store:
 
     def add_grants(self, uid: int, user: str, minors: Iterable[int], now: float,
                    expires_at: float | None, shared: bool = False, origin: Origin = Origin.SESSION,
-                   uuids: Mapping[int, str] | None = None) -> None:
-        """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''."""
+                   uuids: Mapping[int, str] | None = None, memory: int | None = None) -> None:
+        """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''.
+        memory: a shared grant's memory quota per GPU (Grant.memory)."""
         uuids = uuids or {}
+        self._copies.pop("grants", None)
         with self.transaction() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin,"
-                " uuid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(uid, user, minor, now, expires_at, now, int(shared), origin, uuids.get(minor, ""))
+                " uuid, memory) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(uid, user, minor, now, expires_at, now, int(shared), origin, uuids.get(minor, ""),
+                  memory if shared else None)
                  for minor in minors])
 
+    def _copy(self, table: str, read: Callable[[sqlite3.Connection], Iterable]) -> tuple:
+        """The table's rows as last read (see _copies), read again when another connection changed it."""
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        copy = self._copies.get(table)
+        if copy is None or copy[0] != version:
+            copy = self._copies[table] = (version, tuple(read(self._db)))
+        return copy[1]
+
     def grants(self, uid: int | None = None) -> list[Grant]:
-        query, params = _rows_of("grants", uid)
-        return [_grant(row) for row in self._db.execute(query + " ORDER BY uid, minor", params)]
+        rows: tuple[Grant, ...] = self._copy("grants", lambda db: map(
+            _grant, db.execute("SELECT * FROM grants ORDER BY uid, minor")))
+        return list(rows) if uid is None else [g for g in rows if g.uid == uid]
 
     def remove_grants(self, uid: int, minors: Iterable[int] | None, now: float) -> list[Grant]:
         """Remove a user's grants (all, or those minors); returns what was removed."""
+        self._copies.pop("grants", None)
         with self.transaction() as db:
             held = [_grant(row) for row in db.execute("SELECT * FROM grants WHERE uid = ?", (uid,))]
             wanted = set(minors) if minors is not None else None
@@ -195,10 +219,18 @@ class Store:
                            [(g.uid, g.minor, now) for g in removed])
         return removed
 
-    def mark_active(self, uid: int, minors: Iterable[int], now: float) -> None:
+    def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
+        """Set last_active to now for these (uid, unit) grants, in one transaction."""
+        slots = set(slots)
+        if not slots:
+            return
+        copy = self._copies.pop("grants", None)
         with self.transaction() as db:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
-                           [(now, uid, minor) for minor in minors])
+                           [(now, uid, minor) for uid, minor in slots])
+        if copy is not None:  # written: the copy follows (its data_version stays: this connection wrote)
+            self._copies["grants"] = (copy[0], tuple(replace(g, last_active=now) if (g.uid, g.minor) in slots
+                                                     else g for g in copy[1]))
 
     def last_held(self, uid: int) -> dict[int, float]:
         """When this user last gave back each GPU they ever held (for sticky allocation)."""
@@ -349,6 +381,7 @@ class Store:
 
     def join_queue(self, uid: int, user: str, gpus: int, now: float, quota: Quota, origin: Origin,
                    pid: int | None = None, pid_start: int | None = None) -> Queued:
+        self._copies.pop("queue", None)
         with self.transaction() as db:
             cursor = db.execute(
                 "INSERT INTO queue (uid, user, gpus, since, priority, share, quota, origin, pid, pid_start)"
@@ -359,11 +392,12 @@ class Store:
                       pid, pid_start)
 
     def queue(self, uid: int | None = None) -> list[Queued]:
-        query, params = _rows_of("queue", uid)
-        return [_queued(row) for row in self._db.execute(query + " ORDER BY id", params)]
+        rows: tuple[Queued, ...] = self._copy("queue", lambda db: map(_queued, db.execute("SELECT * FROM queue ORDER BY id")))
+        return list(rows) if uid is None else [q for q in rows if q.waiter.uid == uid]
 
     def leave_queue(self, ids: Iterable[int]) -> int:
         """Remove these queue rows; how many were there."""
+        self._copies.pop("queue", None)
         with self.transaction() as db:
             return sum(db.execute("DELETE FROM queue WHERE id = ?", (i,)).rowcount for i in ids)
 

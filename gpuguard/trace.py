@@ -1,5 +1,5 @@
 """Workload traces for `gpuguard simulate`: the CSV format, the Adobe notebook trace as published,
-and a small synthetic generator.
+Slurm's accounting (sacct), and two synthetic generators.
 
 The CSV format, one line per job, times in seconds from any origin, after a header line
 (lines starting with # are comments):
@@ -10,8 +10,17 @@ The CSV format, one line per job, times in seconds from any origin, after a head
 A session is a user logged in from session_start to session_end (the user's GPUs that came from
 it go back when their last session ends); its jobs start inside it (job_start in [session_start,
 session_end)), run `duration` > 0 seconds on `gpus` >= 1 GPUs and use `gpu_memory` bytes on each
-(0: unknown). A session's lines come together, and sessions come in order of session_start, so a
-replay reads the file as it goes (memory stays flat however long the trace).
+(0: unknown). session_end may be empty: an open session, which lasts until its last job has run
+(a batch job, which waits in the queue however long it takes, rather than leaving with a login).
+A session's lines come together, and sessions come in order of session_start, so a replay reads
+the file as it goes (memory stays flat however long the trace). Times are written exactly (the
+shortest text that reads back as the same number).
+
+Slurm's accounting, `sacct -a -P -X -o JobID,User,Submit,Start,End,AllocTRES` (recognised by its
+header line), is read as one open session per job with GPUs: it arrives at Submit and runs
+End - Start seconds on its gres/gpu count. Job steps (JobID with a dot), jobs without GPUs and
+jobs that never started or have not ended are left out; the times are read as the local time
+sacct prints, memory as unknown.
 
 The Adobe file (../shared/data/adobe-notebook-sessions-2021-06-01.json, a JSON object with a
 `sessions` list, ticks of one minute) is read as it is: each session is one user named after
@@ -22,9 +31,12 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
@@ -33,6 +45,8 @@ from gpuguard.errors import UsageError
 HEADER = ("user", "session_start", "session_end", "job_start", "duration", "gpus", "gpu_memory")
 ADOBE_TICK = 60.0  # seconds per tick in the Adobe file
 GB = 10 ** 9
+SACCT_FIELDS = ("JobID", "User", "Submit", "Start", "End", "AllocTRES")
+_GRES_GPU = re.compile(r"(?:^|,)gres/gpu(?::[^=,]+)?=(\d+)")
 
 
 class TraceError(UsageError):
@@ -51,8 +65,15 @@ class Job:
 class Session:
     user: str
     start: float
-    end: float
+    end: float | None  # None: open, until its last job has run
     jobs: tuple[Job, ...]
+
+    @property
+    def last(self) -> float:
+        """When the session ends if none of its jobs waits: its end, or its last job's end when open."""
+        if self.end is not None:
+            return self.end
+        return max((job.start + job.duration for job in self.jobs), default=self.start)
 
 
 def read(path: Path) -> Iterator[Session]:
@@ -68,7 +89,11 @@ def read(path: Path) -> Iterator[Session]:
         handle.seek(0)
         if first == "{":
             yield from _adobe(path, handle)
+        elif handle.readline().startswith("JobID|"):
+            handle.seek(0)
+            yield from _sacct(path, handle)
         else:
+            handle.seek(0)
             yield from _csv(path, handle)
 
 
@@ -77,9 +102,9 @@ def _csv(path: Path, handle: TextIO) -> Iterator[Session]:
     header = next(rows, None)
     if header is None or tuple(c.strip() for c in header[1].strip().split(",")) != HEADER:
         raise TraceError(f"{path}: line {header[0] if header else 1}: expected the header {','.join(HEADER)}")
-    current: tuple[str, float, float] | None = None
+    current: tuple[str, float, float | None] | None = None
     jobs: list[Job] = []
-    seen: set[tuple[str, float, float]] = set()  # finished sessions, to refuse one split in two
+    seen: set[tuple[str, float, float | None]] = set()  # finished sessions, to refuse one split in two
     last_start = float("-inf")
     for number, line in rows:
         user, session_start, session_end, job = _csv_line(path, number, line)
@@ -99,7 +124,7 @@ def _csv(path: Path, handle: TextIO) -> Iterator[Session]:
         yield Session(*current, tuple(jobs))
 
 
-def _csv_line(path: Path, number: int, line: str) -> tuple[str, float, float, Job]:
+def _csv_line(path: Path, number: int, line: str) -> tuple[str, float, float | None, Job]:
     def bad(why: str) -> TraceError:
         return TraceError(f"{path}: line {number}: {why}")
     cells = next(csv.reader([line]))
@@ -109,12 +134,17 @@ def _csv_line(path: Path, number: int, line: str) -> tuple[str, float, float, Jo
     if not user:
         raise bad("empty user")
     try:
-        session_start, session_end, job_start, duration = (float(c) for c in cells[1:5])
+        session_start, job_start, duration = (float(cells[i]) for i in (1, 3, 4))
+        session_end = float(cells[2]) if cells[2].strip() else None
         gpus, memory = int(cells[5]), int(cells[6])
     except ValueError:
-        raise bad("times must be numbers of seconds, gpus and gpu_memory whole numbers") from None
-    if not session_start <= job_start < session_end:
-        raise bad(f"job_start {job_start:g} is outside its session [{session_start:g}, {session_end:g})")
+        raise bad("times must be numbers of seconds (session_end may be empty), gpus and gpu_memory whole "
+                  "numbers") from None
+    if not all(math.isfinite(t) for t in (session_start, job_start, duration, session_end or 0.0)):
+        raise bad("times must be finite")
+    if job_start < session_start or (session_end is not None and job_start >= session_end):
+        raise bad(f"job_start {job_start:g} is outside its session [{session_start:g}, "
+                  f"{'open' if session_end is None else f'{session_end:g}'})")
     if duration <= 0 or gpus < 1 or memory < 0:
         raise bad("duration must be > 0, gpus >= 1 and gpu_memory >= 0")
     return user, session_start, session_end, Job(job_start, duration, gpus, memory)
@@ -139,15 +169,61 @@ def _adobe(path: Path, handle: TextIO) -> Iterator[Session]:
     yield from sorted(sessions, key=lambda s: s.start)
 
 
+def _sacct(path: Path, handle: TextIO) -> Iterator[Session]:
+    lines = enumerate(handle, start=1)
+    _, header = next(lines)
+    names = header.rstrip("\n").split("|")
+    if missing := [name for name in SACCT_FIELDS if name not in names]:
+        raise TraceError(f"{path}: line 1: sacct output without {', '.join(missing)} (run sacct -P -o "
+                         f"{','.join(SACCT_FIELDS)})")
+    at = {name: names.index(name) for name in SACCT_FIELDS}
+    sessions = []
+    for number, line in lines:
+        cells = line.rstrip("\n").split("|")
+        if not line.strip():
+            continue
+        if len(cells) != len(names):
+            raise TraceError(f"{path}: line {number}: expected {len(names)} fields separated by |, got {len(cells)}")
+        job_id, user, tres = cells[at["JobID"]], cells[at["User"]].strip(), cells[at["AllocTRES"]]
+        gpus = sum(int(count) for count in _GRES_GPU.findall(tres))
+        if "." in job_id or not user or gpus < 1:
+            continue  # a step (its job has the line that counts), or no GPUs
+        try:
+            submit, start, end = (_sacct_time(cells[at[name]]) for name in ("Submit", "Start", "End"))
+        except ValueError as exc:
+            raise TraceError(f"{path}: line {number}: {exc}") from None
+        if submit is None or start is None or end is None or end <= start:
+            continue  # never started (cancelled while pending), still running, or ran no time
+        sessions.append(Session(user, submit, None, (Job(submit, end - start, gpus, 0),)))
+    yield from sorted(sessions, key=lambda s: s.start)
+
+
+def _sacct_time(text: str) -> float | None:
+    """Seconds since the epoch of sacct's local time (2024-03-01T09:30:00); None for Unknown/None."""
+    text = text.strip()
+    if text in ("", "Unknown", "None"):
+        return None
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ValueError(f"expected a time such as 2024-03-01T09:30:00, got {text!r}") from None
+
+
+def exact(number: float) -> str:
+    """The shortest text that reads back as exactly `number` (whole numbers without a fraction)."""
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
 def write_csv(sessions: Iterable[Session], out: TextIO) -> int:
     """The CSV form of sessions (e.g. the Adobe file converted); returns the number of jobs written."""
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(HEADER)
     count = 0
     for session in sessions:
+        end = "" if session.end is None else exact(session.end)
         for job in session.jobs:
-            writer.writerow([session.user, f"{session.start:g}", f"{session.end:g}", f"{job.start:g}",
-                             f"{job.duration:g}", job.gpus, job.memory])
+            writer.writerow([session.user, exact(session.start), end, exact(job.start), exact(job.duration),
+                             job.gpus, job.memory])
             count += 1
     return count
 
@@ -172,3 +248,24 @@ def generate(jobs: int, users: int = 20, seed: int = 1, max_gpus: int = 4) -> It
             t += int(duration) + rng.randrange(60, 1800)
         made += len(batch)
         yield Session(user, float(start), float(t + rng.randrange(60, 1800)), tuple(batch))
+
+
+def generate_batch(jobs: int, users: int = 60, seed: int = 1, days: float = 30.0, assign: str = "zipf",
+                   median: float = 600.0, sigma: float = 2.0) -> Iterator[Session]:
+    """A synthetic batch cluster, as production GPU clusters' traces show it: jobs of 1, 4 or 8
+    GPUs (75/15/10 %), each its own open session (it waits however long it takes), arriving as a
+    Poisson stream over `days`; lognormal durations (median `median` seconds, shape `sigma`: with
+    the defaults the p99 is about 17 hours, the longest of 30,000 about three weeks, and jobs over
+    4 hours hold about 70 % of the GPU-time); users Zipf-skewed (user k submits in proportion to
+    1/k) or in turn ("round-robin"). The same arguments always give the same trace."""
+    rng = random.Random(seed)
+    weights = [1 / k for k in range(1, users + 1)]
+    rate = jobs / (days * 86400.0)
+    clock = 0.0
+    for number in range(jobs):
+        clock += rng.expovariate(rate)
+        who = number % users if assign == "round-robin" else rng.choices(range(users), weights)[0]
+        duration = float(max(30, round(rng.lognormvariate(math.log(median), sigma))))
+        gpus = rng.choices((1, 4, 8), (75, 15, 10))[0]
+        start = float(round(clock))
+        yield Session(f"u{who:03d}", start, None, (Job(start, duration, gpus, rng.randrange(1, 80) * GB),))

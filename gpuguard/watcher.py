@@ -73,6 +73,17 @@ class Watcher:
 
     # --- the tick
 
+    def next_change(self, sample: Sample, now: float) -> float | None:
+        """The earliest moment after `now` at which a check of this same sample could act
+        (rules.next_change): a replay, which has no ticks of its own, checks then."""
+        return rules.next_change(self._view(sample), self.state, timing_of(self.config()), now)
+
+    def unchanged_until(self, now: float) -> None:
+        """Nothing changed since the last check until `now`: a replay, which checks only when
+        something may change, has no gap in observation (which would restart the idle clocks)."""
+        if self._last_check is not None:
+            self._last_check = now
+
     def next_deadline(self, after: float) -> float | None:
         """When the first wait (grace, kill_wait) after `after` ends: the daemon ticks then too."""
         return rules.next_deadline(self.state, timing_of(self.config()), after)
@@ -198,13 +209,10 @@ class Watcher:
 
     def _mark_active(self, view: rules.View, now: float) -> None:
         """grants.last_active follows the watcher's exact memory (state.seen) within ACTIVE_WRITE_EVERY."""
-        stale: dict[int, list[int]] = {}
-        for grant in view.grants:
-            seen = self.state.seen.get((grant.uid, grant.minor))
-            if seen is not None and seen - grant.last_active >= ACTIVE_WRITE_EVERY:
-                stale.setdefault(grant.uid, []).append(grant.minor)
-        for uid, minors in stale.items():
-            self.store.mark_active(uid, minors, now)
+        seen = self.state.seen
+        self.store.mark_active([(g.uid, g.minor) for g in view.grants
+                                if (g.uid, g.minor) in seen and seen[(g.uid, g.minor)] - g.last_active >= ACTIVE_WRITE_EVERY],
+                               now)
 
 
 def timing_of(config: Config) -> rules.Timing:

@@ -26,13 +26,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     tracing = subparsers.add_parser("trace", help="make trace files for gpuguard simulate")
     actions = tracing.add_subparsers(dest="action", metavar="ACTION", required=True)
-    convert = actions.add_parser("convert", help="write a trace (e.g. the Adobe JSON) as trace CSV on stdout")
+    convert = actions.add_parser("convert", help="write a trace (the Adobe JSON, sacct -P output) as trace CSV "
+                                                 "on stdout")
     convert.add_argument("trace", type=Path, metavar="TRACE")
     convert.set_defaults(func=run_convert)
     generate = actions.add_parser("generate", help="write a synthetic trace CSV on stdout")
     generate.add_argument("--jobs", type=int, default=1000, metavar="N")
     generate.add_argument("--users", type=int, default=20, metavar="N")
     generate.add_argument("--seed", type=int, default=1, metavar="N")
+    generate.add_argument("--profile", choices=("interactive", "batch"), default="interactive",
+                          help="interactive: logins with bursts (default); batch: a cluster's 1/4/8-GPU jobs with "
+                               "heavy-tailed durations, each waiting as long as it takes")
+    generate.add_argument("--days", type=float, default=30.0, metavar="N", help="batch: the span of arrivals")
+    generate.add_argument("--assign", choices=("zipf", "round-robin"), default="zipf",
+                          help="batch: users Zipf-skewed (default) or in turn")
     generate.set_defaults(func=run_generate)
 
 
@@ -61,16 +68,25 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 ROWS = [
     ("GPU-time granted", "gpu_seconds_granted", "hours"),
-    ("GPU-time busy", "gpu_seconds_busy", "hours"),
+    ("GPU-time busy (one job's worth a GPU)", "gpu_seconds_busy", "hours"),
+    ("  of it shared by 2+ jobs", "gpu_seconds_shared", "hours"),
+    ("GPU-time of work lost to stops", "gpu_seconds_lost", "hours"),
     ("busy / granted", "busy_of_granted", "percent"),
     ("pool busy", "pool_busy", "percent"),
-    ("time to GPU p50", "wait_p50", "duration"),
-    ("time to GPU p95", "wait_p95", "duration"),
-    ("time to GPU max", "wait_max", "duration"),
+    ("time to GPU p50, every job", "wait_p50", "duration"),
+    ("time to GPU p95, every job", "wait_p95", "duration"),
+    ("time to GPU max, every job", "wait_max", "duration"),
+    ("time to GPU p95, jobs that ran", "ran_wait_p95", "duration"),
+    ("censored wait p95, jobs never run", "censored_wait_p95", "duration"),
+    ("per-user p95: median user", "user_wait_p95_median", "duration"),
+    ("per-user p95: worst user", "user_wait_p95_worst", "duration"),
     ("jobs that ran", "jobs_ran", "count"),
     ("jobs never ran", "jobs_never_ran", "count"),
     ("  of them over quota", "jobs_over_quota", "count"),
+    ("Jain fairness (per-user slowdown)", "jain_slowdown", "ratio"),
+    ("worst user's mean slowdown", "slowdown_worst_user", "ratio"),
     ("Jain fairness (granted/demanded)", "jain", "ratio"),
+    ("stretch (run / trace duration) p95", "stretch_p95", "ratio"),
     ("releases (idle, logout)", "releases", "count"),
     ("reclaims", "reclaims", "count"),
     ("time revokes", "revokes", "count"),
@@ -111,5 +127,11 @@ def run_convert(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     if args.jobs < 1 or args.users < 1:
         raise CommandError("--jobs and --users must be at least 1", EXIT_USAGE)
-    trace.write_csv(trace.generate(args.jobs, args.users, args.seed), sys.stdout)
+    if not args.days > 0:
+        raise CommandError(f"--days must be more than 0, got {args.days:g}", EXIT_USAGE)
+    if args.profile == "batch":
+        sessions = trace.generate_batch(args.jobs, args.users, args.seed, args.days, args.assign)
+    else:
+        sessions = trace.generate(args.jobs, args.users, args.seed)
+    trace.write_csv(sessions, sys.stdout)
     return EXIT_OK

@@ -105,6 +105,9 @@ def show_whoami(args: argparse.Namespace) -> int:
         when = f"; expected by {clock(q['estimate'])}" if q["estimate"] is not None else ""
         print(f"queue: number {q['position']} of {q['waiting']}, for {q['gpus']} GPU{'s' if q['gpus'] != 1 else ''}, "
               f"since {clock(q['since'])}{when}")
+        boost = f"; ahead of all younger requests from {clock(q['boost_at'])}" if q.get("boost_at") else ""
+        print(f"  your place comes from: priority {q.get('priority', 0)}, recent usage "
+              f"{q.get('usage', 0.0) / 3600:.1f} GPU-hours (after your share), waiting since {clock(q['since'])}{boost}")
         for ahead in q["ahead"]:
             print(f"  ahead of you: {ahead['user']}: {ahead['why']}")
         for line in queue_why(q, time.time()):

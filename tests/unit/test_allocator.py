@@ -8,9 +8,11 @@ from math import comb
 import pytest
 
 from gpuguard import allocator
-from gpuguard.model import Gpu, Grant, Link
+from gpuguard.model import Gpu, Grant, Link, Quota
 
-ALICE, BOB, CAROL = 1001, 1002, 1003
+ALICE, BOB, CAROL, DAVE = 1001, 1002, 1003, 1004
+GIB = 1 << 30
+SHARER = Quota(gpus=8, sharing=True, gpu_memory=20 * GIB)  # 4 such promises fit an 80 GiB GPU
 
 
 def gpus(count: int, numa: dict[int, int] | None = None) -> list[Gpu]:
@@ -32,15 +34,16 @@ def box(count: int = 8) -> dict[tuple[int, int], Link]:
     return links
 
 
-def held(uid: int, *minors: int, shared: bool = False) -> list[Grant]:
-    return [Grant(uid=uid, user=str(uid), minor=m, granted_at=0.0, expires_at=None, last_active=0.0, shared=shared)
+def held(uid: int, *minors: int, shared: bool = False, memory: int | None = 20 * GIB) -> list[Grant]:
+    return [Grant(uid=uid, user=str(uid), minor=m, granted_at=0.0, expires_at=None, last_active=0.0, shared=shared,
+                  memory=memory if shared else None)
             for m in minors]
 
 
 def choose(count: int = 1, grants=(), uid: int = ALICE, share: bool = False, last_released=None,
-           inventory=None, topology=None, held_last=None) -> tuple[int, ...]:
+           inventory=None, topology=None, held_last=None, quota: Quota | None = None) -> tuple[int, ...]:
     return allocator.choose(inventory or gpus(8), box() if topology is None else topology, list(grants),
-                            last_released or {}, uid, count, share, held_last)
+                            last_released or {}, uid, count, share, held_last, quota or (SHARER if share else None))
 
 
 def test_one_gpu_is_a_free_one_lowest_first():
@@ -123,6 +126,30 @@ def test_sharing_users_still_prefer_free_gpus_then_the_least_crowded():
     assert choose(grants=crowded, share=True) == (1,)
 
 
+def test_sharers_promised_memory_never_adds_up_to_more_than_the_gpu():
+    quota = Quota(gpus=1, sharing=True, gpu_memory=40 * GIB, max_sharers=8)
+    one = gpus(1)
+    assert choose(grants=held(BOB, 0, shared=True, memory=40 * GIB), share=True, inventory=one, quota=quota) == (0,)
+    full = held(BOB, 0, shared=True, memory=40 * GIB) + held(CAROL, 0, shared=True, memory=40 * GIB)
+    assert choose(grants=full, share=True, inventory=one, quota=quota) == ()  # 120 GiB on 80 would not fit
+    over = held(BOB, 0, shared=True, memory=41 * GIB)
+    assert choose(grants=over, share=True, inventory=one, quota=quota) == ()  # 81 GiB
+
+
+def test_at_most_max_sharers_users_on_a_gpu():
+    one = gpus(1)
+    two = held(BOB, 0, shared=True) + held(CAROL, 0, shared=True)  # 40 GiB of 80 promised: memory is no bar
+    assert choose(grants=two, share=True, inventory=one) == ()  # the default max_sharers is 2
+    assert choose(grants=two, share=True, inventory=one, quota=Quota(sharing=True, gpu_memory=GIB,
+                                                                      max_sharers=3)) == (0,)
+
+
+def test_a_sharing_grant_without_a_memory_promise_takes_no_sharer():
+    assert choose(grants=held(BOB, 0, shared=True, memory=None), share=True, inventory=gpus(1)) == ()
+    # nor does a user without a memory quota join anyone: sharing needs one
+    assert choose(grants=held(BOB, 0, shared=True), share=True, inventory=gpus(1), quota=Quota(sharing=True)) == ()
+
+
 def test_a_user_never_gets_a_gpu_twice():
     assert choose(count=8, grants=held(ALICE, 0, 1)) == (2, 3, 4, 5, 6, 7)
 
@@ -148,14 +175,15 @@ def test_random_machines_never_break_the_invariants(seed):
         grants += held(uid, *rng.sample(range(count), rng.randint(0, count // 2)), shared=rng.random() < 0.5)
     share = rng.random() < 0.5
     want = rng.randint(1, count)
-    chosen = allocator.choose(inventory, topology, grants, {}, ALICE, want, share)
+    chosen = allocator.choose(inventory, topology, grants, {}, ALICE, want, share, None, SHARER)
     exclusive = {g.minor for g in grants if not g.shared}
     taken = {g.minor for g in grants}
+    full = {m for m in taken if sum(g.minor == m for g in grants) >= SHARER.max_sharers}
     assert len(chosen) == len(set(chosen)) <= want
-    assert not set(chosen) & exclusive
+    assert not set(chosen) & (exclusive | full)
     if not share:
         assert not set(chosen) & taken
-    available = [m for m in range(count) if m not in (exclusive if share else taken)]
+    available = [m for m in range(count) if m not in (exclusive | full if share else taken)]
     assert len(chosen) == min(want, len(available))
     # free GPUs are used up before any shared one
     free = set(range(count)) - taken

@@ -98,7 +98,8 @@ def test_a_slice_is_never_shared_and_a_returning_user_gets_theirs_back() -> None
     two = [gpu(0, mig_mode=True), mig_slice(0, 1), mig_slice(0, 2)]
     held = [_grant(2000, slice_unit(0, 1, 0), shared=True), _grant(2001, slice_unit(0, 2, 0), shared=True)]
     assert _choose(two, held, share=True) == ()
-    assert allocator.blocking(held, 1001, {slice_unit(0, 1, 0)}, share=True) == held[:1]
+    sharer = Quota(sharing=True, gpu_memory=1 << 30, max_sharers=8)  # a promise that would fit: still no
+    assert allocator.blocking(held, 1001, {slice_unit(0, 1, 0)}, True, {g.minor: g for g in two}, sharer) == held[:1]
     assert _choose(two, held_last={slice_unit(0, 2, 0): 50.0}) == (slice_unit(0, 2, 0),)
 
 

@@ -1,6 +1,7 @@
 """Policy on its own: membership, exemption and quota precedence, over names only."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from gpuguard import config, policy
@@ -41,7 +42,7 @@ def test_eligibility_is_exempt_first_then_membership():
 
 def test_defaults_when_nothing_else_applies(tmp_path):
     loaded = load(tmp_path, '[defaults]\ngpus = 2\nmax_time = "8h"\n', "")
-    assert policy.quota_for("alice", {"gpugroup"}, loaded) == Quota(gpus=2, max_time=8 * 3600.0)
+    assert policy.quota_for("alice", {"gpugroup"}, loaded) == replace(config.DEFAULT_QUOTA, gpus=2, max_time=8 * 3600.0)
 
 
 def test_user_over_group_over_defaults_field_by_field(tmp_path):
@@ -50,11 +51,11 @@ def test_user_over_group_over_defaults_field_by_field(tmp_path):
                   '[users.alice]\ngpu_memory = "40GiB"\n')
     alice = policy.quota_for("alice", {"gpugroup", "phd"}, loaded)
     # memory from her own entry, GPUs from her group, time from the defaults
-    assert alice == Quota(gpus=2, gpu_memory=40 << 30, max_time=8 * 3600.0)
+    assert alice == replace(config.DEFAULT_QUOTA, gpus=2, gpu_memory=40 << 30, max_time=8 * 3600.0)
     bob = policy.quota_for("bob", {"gpugroup", "phd"}, loaded)
-    assert bob == Quota(gpus=2, gpu_memory=20 << 30, max_time=8 * 3600.0)
+    assert bob == replace(config.DEFAULT_QUOTA, gpus=2, gpu_memory=20 << 30, max_time=8 * 3600.0)
     carol = policy.quota_for("carol", {"gpugroup"}, loaded)
-    assert carol == Quota(gpus=1, gpu_memory=10 << 30, max_time=8 * 3600.0)
+    assert carol == replace(config.DEFAULT_QUOTA, gpus=1, gpu_memory=10 << 30, max_time=8 * 3600.0)
 
 
 def test_between_groups_the_one_written_first_wins_per_field(tmp_path):

@@ -44,3 +44,11 @@ def test_whoami_says_when_free_gpus_are_held_for_others_and_when_nothing_ends():
                                     "reclaim_after": None}], "free": 1}, NOW)
     assert lines[0] == "1 GPU is free but held for requests ahead of yours"
     assert "no grant has a time limit" in lines[2]
+
+
+def test_behind_a_request_past_the_age_bound_the_reason_is_its_priority_whatever_the_usage():
+    aged, young = waiter(1, since=NOW - 7200), waiter(2, since=NOW - 60)
+    assert queueing.reason([aged], young, {1: 90.0, 2: 10.0}, 0, NOW, 86400, 3600) == queueing.PRIORITY
+    both_aged = waiter(2, since=NOW - 5000)  # both past the bound: served by arrival
+    assert queueing.reason([aged], both_aged, {1: 90.0, 2: 10.0}, 0, NOW, 86400, 3600) == queueing.RESOURCES
+    assert queueing.reason([aged], young, {1: 90.0, 2: 10.0}, 0, NOW, 86400) == queueing.FAIRSHARE  # no bound

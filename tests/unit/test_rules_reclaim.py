@@ -82,3 +82,32 @@ def test_next_change_is_when_decide_first_acts():
                  quota=Quota())
     assert rules.next_change(timed, State(), T, NOW) == NOW + 300  # the 10-minute warning
     assert rules.next_change(view([], quota=Quota()), State(), T, NOW) is None
+
+
+def test_soft_max_time_stops_a_single_gpu_job_before_a_multi_gpu_one_and_the_least_work_first():
+    # alice's 4-GPU job (one process on GPUs 0-3) started long ago; bob's and carol's 1-GPU jobs since.
+    carol = 1003
+    wide = [Proc(7, ALICE, 70, m, None) for m in range(4)]
+    old_single, young_single = Proc(8, BOB, 80, 4, None), Proc(9, carol, 90, 5, None)
+    grants = [grant(ALICE, m, NOW, expires_at=NOW - 7200) for m in range(4)]
+    grants += [grant(BOB, 4, NOW, expires_at=NOW - 1), grant(carol, 5, NOW, expires_at=NOW - 1)]
+    procs = [*wide, old_single, young_single]
+    seen = View(procs, grants, {g.uid: Quota() for g in grants})
+    state = rules.advance(seen, State(), [], NOW - 3 * 3600)  # all first seen 3 hours ago ...
+    state = replace(state, running_since={**state.running_since, young_single.key: NOW - 600})  # ... carol's 10 min
+    v = replace(seen, demand=1)
+    actions = [a for a in rules.decide(v, state, NOW, SOFT) if a.kind != WARN]
+    assert kinds(actions) == [(REVOKE, TIME, carol, 5), (TERM, TIME, carol, 5)]  # 600 GPU-s lost, not 10,800
+    actions = [a for a in rules.decide(replace(v, demand=2), state, NOW, SOFT) if a.kind != WARN]
+    assert [(a.uid, a.minor) for a in actions if a.kind == REVOKE] == [(carol, 5), (BOB, 4)]
+    # the 4-GPU job, the longest over, goes only when stopping single-GPU jobs cannot cover the demand
+    actions = [a for a in rules.decide(replace(v, demand=3), state, NOW, SOFT) if a.kind == REVOKE]
+    assert [(a.uid, a.minor) for a in actions][:2] == [(carol, 5), (BOB, 4)] and actions[2].uid == ALICE
+
+
+def test_the_watcher_remembers_when_it_first_saw_each_process():
+    proc = Proc(7, ALICE, 70, 0, None)
+    v = View([proc], [grant(ALICE, 0, NOW)], {ALICE: Quota()})
+    state = rules.advance(v, State(), [], NOW)
+    assert rules.advance(v, state, [], NOW + 50).running_since == {proc.key: NOW}
+    assert rules.advance(replace(v, procs=[]), state, [], NOW + 50).running_since == {}

@@ -53,6 +53,21 @@ def test_order_is_priority_then_fair_share_then_arrival():
     assert scheduler.why_ahead(light, light_later, usage) == "asked earlier"
 
 
+def test_a_request_older_than_max_wait_boost_goes_ahead_of_younger_ones_whatever_the_usage():
+    usage = {1: 500 * 3600.0, 2: 0.0, 3: 0.0}
+    heavy = waiter(1, 1, since=0)
+    light = waiter(2, 2, since=50)
+    older_light = waiter(3, 3, since=-10, priority=0)
+    assert [w.id for w in scheduler.order([heavy, light], usage, now=99, max_wait_boost=100)] == [2, 1]
+    assert [w.id for w in scheduler.order([heavy, light], usage, now=100, max_wait_boost=100)] == [1, 2]
+    assert scheduler.why_ahead(heavy, light, usage, 100, 100) == "waited longer than max_wait_boost (0.0277778 h)"
+    # among boosted requests, arrival decides (fair share no longer does)
+    assert [w.id for w in scheduler.order([heavy, older_light], usage, now=200, max_wait_boost=100)] == [3, 1]
+    # priority stays first
+    urgent = waiter(4, 4, since=150, priority=1)
+    assert scheduler.order([heavy, urgent], usage, now=200, max_wait_boost=100)[0] is urgent
+
+
 def test_share_divides_usage():
     usage = {1: 10 * 3600.0, 2: 6 * 3600.0}
     weighted = waiter(1, 1, since=5, share=2.0)  # 10 h / 2 = 5 h < 6 h

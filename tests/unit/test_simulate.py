@@ -143,3 +143,54 @@ def test_the_adobe_file_is_read_as_it_is_and_converts_to_the_same_trace(tmp_path
     out = io.StringIO()
     trace.write_csv(sessions, out)
     assert list(trace.read(write(tmp_path, out.getvalue()))) == sessions
+
+
+def _heavy_under_light_stream(tmp_path: Path, max_wait_boost: float) -> dict[str, list[float]]:
+    """One GPU: a heavy user's 10-hour job, then a request of theirs at 36,050 s while 200 light
+    users (no usage) each ask for 100 s, one every 100 s from 35,990 s: the GPU is never free for long."""
+    lines = [",".join(trace.HEADER), "heavy,0,,0,36000,1,0"]
+    lights = [f"l{i:03d},{35990 + 100 * i},,{35990 + 100 * i},100,1,0" for i in range(200)]
+    lines += lights[:1] + ["heavy,36050,,36050,100,1,0"] + lights[1:]
+    config = policy()
+    config = replace(config, scheduler=replace(config.scheduler, max_wait_boost=max_wait_boost))
+    return simulate.replay(trace.read(write(tmp_path, "\n".join(lines) + "\n")), config, 1).user_waits
+
+
+def test_a_heavy_users_request_under_a_stream_of_light_users_is_served_within_the_age_bound(tmp_path):
+    bound = 1000.0
+    waits = _heavy_under_light_stream(tmp_path, bound)
+    # the bound, plus the light request that came before it, plus the job running when it is boosted
+    assert bound <= waits["heavy"][1] <= bound + 2 * 100 + 2 * policy().watcher.interval
+    # without the bound fair share serves every light user first: it waits for the whole stream
+    starved = _heavy_under_light_stream(tmp_path, 10 * 86400.0)
+    assert starved["heavy"][1] > 15000
+
+
+def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path, monkeypatch):
+    """The replay has no rules of its own: every release and stop is an action of Watcher.check,
+    and a watcher that decides nothing leaves the replay with nothing decided."""
+    from gpuguard.watcher import Watcher
+    path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
+                           "a,0,1000,0,100,1,0\n"
+                           "b,10,1000,10,100,1,0\n")
+    real_check = Watcher.check
+    acted: list = []
+    calls = [0]
+
+    async def counted(self, sample, now):
+        calls[0] += 1
+        done = await real_check(self, sample, now)
+        acted.extend(done)
+        return done
+    monkeypatch.setattr(Watcher, "check", counted)
+    summary = simulate.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
+    assert calls[0] >= 3  # the arrivals and the wake at which the reclaim is due
+    assert [(a.kind, a.rule) for a in acted] == [("release", "reclaim")] and summary["reclaims"] == 1
+
+    async def idle(self, sample, now):
+        calls[0] += 1
+        return []
+    monkeypatch.setattr(Watcher, "check", idle)
+    blind = simulate.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
+    # nobody reclaims a's idle GPU for b: b waits until a's session ends at 1000 s
+    assert blind["reclaims"] == 0 and blind["wait_max"] == pytest.approx(990.0)

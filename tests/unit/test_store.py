@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.config import EventsConfig
-from gpuguard.model import Event
+from gpuguard.model import Event, Origin, Quota
 from gpuguard.store import HOUR, MIGRATIONS, Store, StoreError
 
 
@@ -53,7 +53,7 @@ def test_grants_round_trip_and_removal_history(store):
     alice = store.grants(1001)
     assert [(g.minor, g.expires_at, g.last_active, g.shared) for g in alice] == [(0, 3610.0, 10.0, False),
                                                                              (1, 3610.0, 10.0, False)]
-    store.mark_active(1001, [1], now=50.0)
+    store.mark_active([(1001, 1)], now=50.0)
     assert [g.last_active for g in store.grants(1001)] == [10.0, 50.0]
     removed = store.remove_grants(1001, [1], now=60.0)
     assert [g.minor for g in removed] == [1]
@@ -304,30 +304,70 @@ def test_version_one_database_is_upgraded_in_place(tmp_path):
     store.close()
 
 
-def test_a_database_of_the_latest_schema_opens_as_it_was_written(tmp_path):
+def _frozen(tmp_path: Path, name: str) -> Store:
+    path = tmp_path / "state.db"
+    shutil.copy(Path(__file__).parent / "data" / name, path)
+    return Store(path)
+
+
+def _assert_the_schema_8_rows(store: Store) -> None:
+    """What the schema-8 code of commit 69ed6dd wrote into state-v8.db (and state-v9.db kept)."""
+    assert store.schema_version == len(MIGRATIONS)
+    assert [(g.uid, g.minor, g.origin, g.uuid, g.expires_at, g.shared, g.memory) for g in store.grants()][:2] == [
+        (1001, 3, "session", "GPU-0003", 3610.0, False, None), (1002, 2, "admin", "GPU-0002", None, False, None)]
+    assert store.last_released() == {1: 12.0} and store.last_held(1002) == {1: 12.0}
+    [session] = store.sessions()
+    assert (session.user, session.rhost, session.tty, session.pid) == ("alice", "10.0.0.5", "pts/1", 4242)
+    assert store.caller_starts() == {session.id: 777}
+    assert [e.message for e in store.events(1001)] == ["granted at login (sshd)"]
+    assert store.usage_by("user", since=0, until=2 * HOUR) == [
+        {"key": "alice", "granted_seconds": 60.0, "busy_seconds": 45.0, "idle_seconds": 15.0,
+         "kills": {"memory": 1}}]
+    [queued] = store.queue()
+    assert (queued.waiter.user, queued.waiter.gpus, queued.origin, queued.pid, queued.pid_start) == (
+        "carol", 2, "request", 5555, 888)
+    assert (queued.quota.gpus, queued.quota.whole_gpus) == (2, False)
+    assert store.fairshare() == {1002: (2.0, 12.0)}
+
+
+def test_a_database_of_schema_8_opens_as_it_was_written(tmp_path):
     """A state.db of schema 8 (grants with origin and uuid, sessions with their caller's start time,
     hourly usage and kills, the queue, fair share, the last release per GPU), frozen in tests/unit/data
     (written by the schema-8 code of commit 69ed6dd): editing a migration that has shipped, instead of
-    adding one, changes what such a file reads back, and fails here."""
-    path = tmp_path / "state.db"
-    shutil.copy(Path(__file__).parent / "data" / "state-v8.db", path)
-    store = Store(path)
+    adding one, changes what such a file reads back, and fails here. Its grants get no memory promise."""
+    store = _frozen(tmp_path, "state-v8.db")
     try:
-        assert store.schema_version == len(MIGRATIONS)
-        assert [(g.uid, g.minor, g.origin, g.uuid, g.expires_at, g.shared) for g in store.grants()] == [
-            (1001, 3, "session", "GPU-0003", 3610.0, False), (1002, 2, "admin", "GPU-0002", None, False)]
-        assert store.last_released() == {1: 12.0} and store.last_held(1002) == {1: 12.0}
-        [session] = store.sessions()
-        assert (session.user, session.rhost, session.tty, session.pid) == ("alice", "10.0.0.5", "pts/1", 4242)
-        assert store.caller_starts() == {session.id: 777}
-        assert [e.message for e in store.events(1001)] == ["granted at login (sshd)"]
-        assert store.usage_by("user", since=0, until=2 * HOUR) == [
-            {"key": "alice", "granted_seconds": 60.0, "busy_seconds": 45.0, "idle_seconds": 15.0,
-             "kills": {"memory": 1}}]
-        [queued] = store.queue()
-        assert (queued.waiter.user, queued.waiter.gpus, queued.origin, queued.pid, queued.pid_start) == (
-            "carol", 2, "request", 5555, 888)
-        assert (queued.quota.gpus, queued.quota.whole_gpus) == (2, False)
-        assert store.fairshare() == {1002: (2.0, 12.0)}
+        _assert_the_schema_8_rows(store)
+        assert len(store.grants()) == 2
     finally:
         store.close()
+
+
+def test_a_database_of_the_latest_schema_opens_as_it_was_written(tmp_path):
+    """state-v9.db, the latest schema: state-v8.db opened by the schema-9 code (migration 9: a
+    shared grant's memory promise, Grant.memory), then a sharing grant with its promise added."""
+    store = _frozen(tmp_path, "state-v9.db")
+    try:
+        _assert_the_schema_8_rows(store)
+        assert [(g.uid, g.minor, g.uuid, g.shared, g.memory) for g in store.grants()][2:] == [
+            (1003, 1, "GPU-0001", True, 40 << 30)]
+    finally:
+        store.close()
+
+
+def test_the_copies_of_grants_and_queue_follow_another_connections_writes(tmp_path):
+    mine, other = Store(tmp_path / "state.db"), Store(tmp_path / "state.db")
+    try:
+        assert mine.grants() == [] and mine.queue() == []  # read, and kept
+        other.add_grants(1001, "alice", [0], now=10.0, expires_at=None)
+        other.join_queue(1002, "bob", 1, 20.0, Quota(), Origin.REQUEST)
+        assert [g.minor for g in mine.grants()] == [0] and [q.waiter.user for q in mine.queue()] == ["bob"]
+        mine.mark_active([(1001, 0)], now=30.0)  # its own write: the copy follows
+        assert [g.last_active for g in mine.grants(1001)] == [30.0]
+        assert [g.last_active for g in other.grants(1001)] == [30.0]
+        other.remove_grants(1001, None, now=40.0)
+        other.leave_queue([q.waiter.id for q in other.queue()])
+        assert mine.grants() == [] and mine.queue() == []
+    finally:
+        mine.close()
+        other.close()

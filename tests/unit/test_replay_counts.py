@@ -1,0 +1,149 @@
+"""What the replay counts (every job, censored waits, contention, work lost) and the trace formats
+of batch clusters (open sessions, exact times, sacct, the heavy-tailed generator)."""
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpuguard import config as configuration
+from gpuguard import simulate, trace
+
+HEADER = ",".join(trace.HEADER)
+GIB = 1 << 30
+
+
+def policy(scheduler: dict | None = None, **quota) -> configuration.Config:
+    base = configuration.Config()
+    return replace(base, defaults=replace(base.defaults, gpus=8, **quota),
+                   scheduler=replace(base.scheduler, **(scheduler or {})))
+
+
+def write(tmp_path: Path, *lines: str) -> Path:
+    path = tmp_path / "trace.csv"
+    path.write_text("\n".join([HEADER, *lines]) + "\n")
+    return path
+
+
+def test_a_job_dropped_with_its_session_counts_with_its_censored_wait(tmp_path):
+    path = write(tmp_path, "a,0,1000,0,900,1,0", "b,10,400,10,100,1,0")  # b leaves at 400, never served
+    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    assert summary["jobs"] == 2 and summary["jobs_ran"] == 1 and summary["jobs_dropped"] == 1
+    assert summary["censored_wait_p95"] == 390.0 and summary["wait_max"] == 390.0
+    assert summary["ran_wait_max"] == 0.0  # only a ran, at once
+    assert summary["user_wait_p95_worst"] == 390.0 and summary["user_wait_p95_median"] == 0.0
+    # b's slowdown counts its wait and the whole run it never had: (390 + 100) / 100
+    assert summary["slowdown_worst_user"] == pytest.approx(4.9)
+
+
+def test_an_open_session_lasts_until_its_last_job_has_run(tmp_path):
+    path = write(tmp_path, "a,0,,0,900,1,0", "b,10,,10,100,1,0")
+    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    assert summary["jobs_ran"] == 2 and summary["jobs_never_ran"] == 0
+    assert summary["wait_max"] == 890.0  # a's session ends with its job, and its grant with it
+    static = simulate.static_reservation(trace.read(path), 1).summary(1)
+    assert static["wait_max"] == 890.0 and static["gpu_seconds_granted"] == 1000.0
+
+
+def test_sharers_slow_each_other_and_the_gpu_counts_busy_once(tmp_path):
+    # Two sharers of 40 GiB on one 80 GiB GPU, each job 100 s alone: together from 0 they take 200 s.
+    path = write(tmp_path, f"a,0,1000,0,100,1,{GIB}", f"b,0,1000,0,100,1,{GIB}")
+    summary = simulate.replay(trace.read(path), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
+    assert summary["jobs_ran"] == 2 and summary["wait_max"] == 0.0 and summary["most_sharers"] == 2
+    assert summary["stretch_p95"] == 2.0
+    assert summary["gpu_seconds_busy"] == 200.0 and summary["gpu_seconds_shared"] == 200.0  # not 400
+    # b joins half-way: a has 50 s of work left, both at half pace until a ends at 150, b alone after.
+    later = write(tmp_path, f"a,0,1000,0,100,1,{GIB}", f"b,50,1000,50,100,1,{GIB}")
+    summary = simulate.replay(trace.read(later), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
+    assert summary["gpu_seconds_busy"] == 200.0 and summary["gpu_seconds_shared"] == 100.0
+    assert summary["stretch_mean"] == pytest.approx((150 / 100 + 150 / 100) / 2)
+
+
+def test_the_replayed_pool_never_oversubscribes_memory(tmp_path):
+    lines = [f"u{i},0,10000,0,1000,1,{GIB}" for i in range(6)]
+    summary = simulate.replay(trace.read(write(tmp_path, *lines)), policy(sharing=True, gpu_memory=40 * GIB,
+                                                                          max_sharers=8), 1).summary(1)
+    assert summary["most_sharers"] == 2 and summary["jobs_ran"] == 6
+    assert summary["gpu_seconds_busy"] <= summary["gpu_seconds_granted"]
+
+
+def test_work_thrown_away_by_a_stop_is_counted(tmp_path):
+    # a's 1-hour grant runs out at 3600 with b waiting: its 10-hour job is stopped, an hour's work lost.
+    path = write(tmp_path, "a,0,,0,36000,1,0", "b,100,,100,100,1,0")
+    summary = simulate.replay(trace.read(path), policy({"soft_max_time": True}, max_time=3600.0), 1).summary(1)
+    assert summary["kills"] == 1 and summary["revokes"] == 1
+    assert summary["gpu_seconds_lost"] == pytest.approx(3600.0, abs=2 * configuration.Config().watcher.interval)
+    assert summary["lost_of_demanded"] == pytest.approx(3600 / 36100, rel=0.01)
+
+
+def test_times_are_written_exactly():
+    long = trace.Session("a", 1_234_567.0, None, (trace.Job(1_234_567.25, 2_000_003.0, 8, 0),))
+    out = io.StringIO()
+    trace.write_csv([long], out)
+    assert out.getvalue().splitlines()[1] == "a,1234567,,1234567.25,2000003,8,0"
+    assert trace.exact(0.1) == "0.1" and float(trace.exact(1 / 3)) == 1 / 3
+
+
+def test_a_session_end_that_is_empty_is_open_and_round_trips(tmp_path):
+    sessions = list(trace.generate_batch(40, users=5, seed=2, days=1))
+    out = io.StringIO()
+    trace.write_csv(sessions, out)
+    assert list(trace.read(write(tmp_path, *out.getvalue().splitlines()[1:]))) == sessions
+    assert all(s.end is None for s in sessions)
+
+
+SACCT = """JobID|User|Submit|Start|End|AllocTRES
+100|alice|2024-03-01T09:00:00|2024-03-01T09:10:00|2024-03-01T10:10:00|billing=8,cpu=8,gres/gpu=2,mem=64G,node=1
+100.batch||2024-03-01T09:10:00|2024-03-01T09:10:00|2024-03-01T10:10:00|cpu=8,gres/gpu=2,mem=64G,node=1
+101|bob|2024-03-01T08:00:00|2024-03-01T08:00:05|2024-03-01T08:30:05|cpu=4,gres/gpu:a100=4,mem=32G,node=1
+102|carol|2024-03-01T09:30:00|Unknown|Unknown|cpu=4,gres/gpu=1
+103|dave|2024-03-01T09:40:00|2024-03-01T09:41:00|2024-03-01T09:50:00|cpu=4,mem=8G,node=1
+104|erin|2024-03-01T09:45:00|None|2024-03-01T09:46:00|cpu=4,gres/gpu=1
+"""
+
+
+def test_slurm_accounting_is_read_as_one_open_session_per_gpu_job(tmp_path):
+    path = tmp_path / "sacct.txt"
+    path.write_text(SACCT)
+    sessions = list(trace.read(path))
+    # bob's job (submitted first) then alice's; steps, jobs without GPUs and jobs that never ran are left out
+    assert [(s.user, s.end, len(s.jobs)) for s in sessions] == [("bob", None, 1), ("alice", None, 1)]
+    bob, alice = sessions
+    assert bob.jobs[0].gpus == 4 and bob.jobs[0].duration == 1800.0
+    assert alice.jobs[0].gpus == 2 and alice.jobs[0].duration == 3600.0
+    assert alice.start - bob.start == 3600.0 and alice.jobs[0].start == alice.start
+    summary = simulate.replay(trace.read(path), policy(), 4).summary(4)
+    assert summary["jobs_ran"] == 2
+
+
+def test_sacct_output_without_the_fields_is_refused_on_one_line(tmp_path):
+    path = tmp_path / "sacct.txt"
+    path.write_text("JobID|User|Start\n1|a|2024-03-01T09:00:00\n")
+    with pytest.raises(trace.TraceError, match="without Submit, End, AllocTRES"):
+        list(trace.read(path))
+
+
+def test_the_batch_generator_is_heavy_tailed_and_zipf_skewed():
+    sessions = list(trace.generate_batch(5000, users=60, seed=4))
+    durations = sorted(s.jobs[0].duration for s in sessions)
+    assert 300 <= durations[len(durations) // 2] <= 1200  # median: minutes
+    assert 8 * 3600 <= durations[math.ceil(0.99 * len(durations)) - 1] <= 40 * 3600  # p99: hours
+    gpus = [s.jobs[0].gpus for s in sessions]
+    assert set(gpus) == {1, 4, 8} and gpus.count(1) > gpus.count(4) > gpus.count(8)
+    by_user = sorted((sum(s.user == u for s in sessions) for u in {s.user for s in sessions}), reverse=True)
+    assert by_user[0] > 10 * by_user[len(by_user) // 2]  # Zipf: the heaviest user far above the median one
+    even = list(trace.generate_batch(600, users=60, seed=4, assign="round-robin"))
+    assert {sum(s.user == u for s in even) for u in {s.user for s in even}} == {10}
+    assert list(trace.generate_batch(50, seed=7)) == list(trace.generate_batch(50, seed=7))
+
+
+def test_a_job_waiting_after_its_session_closed_leaves_with_its_users_last_session(tmp_path):
+    # alice's first session closes at 300 with its job still waiting (her second one keeps the place);
+    # her last session ends at 600: the job never ran, its wait censored there.
+    path = write(tmp_path, "bob,0,,0,5000,1,0", "alice,10,300,10,100,1,0", "alice,20,600,20,100,1,0")
+    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    assert summary["jobs_never_ran"] == 2 and summary["jobs_ran"] == 1
+    assert sorted(simulate.replay(trace.read(path), policy(), 1).censored) == [580.0, 590.0]
