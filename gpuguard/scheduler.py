@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuguard.model import Grant
+from gpuguard.units import format_duration
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def why_ahead(first: Waiter, second: Waiter, usage: Mapping[int, float], now: fl
     if first.priority != second.priority:
         return f"higher priority ({first.priority} > {second.priority})"
     if boosted(first, now, max_wait_boost) and not boosted(second, now, max_wait_boost):
-        return f"waited longer than max_wait_boost ({max_wait_boost / 3600:g} h)"
+        return f"waited longer than max_wait_boost ({format_duration(max_wait_boost)})"
     if boosted(first, now, max_wait_boost):
         return "asked earlier (both waited longer than max_wait_boost)"
     mine, theirs = (usage.get(w.uid, 0.0) / w.share for w in (first, second))
