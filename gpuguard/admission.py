@@ -73,7 +73,7 @@ class Budget:
             if self.others >= self.limit:
                 return "the daemon has too many connections open; try again in a moment"
             cap, what = self._cap(key)
-            if self.held[key] >= cap:
+            if self._count(key) >= cap:
                 return f"more than {cap} connections at once {what}"
             if key[0] == "pending":
                 if self.held_pending >= self.pending:
@@ -91,6 +91,12 @@ class Budget:
             self.others -= 1
         if key[0] == "pending":
             self.held_pending -= 1
+
+    def _count(self, key: Key) -> int:
+        """Connections counting against key's cap: a uid's own, waiting for NSS or not."""
+        if key[0] in ("uid", "pending"):
+            return self.held[uid_key(key[1])] + self.held[pending_key(key[1])]
+        return self.held[key]
 
     def _cap(self, key: Key) -> tuple[int, str]:
         if key == METRICS_KEY:

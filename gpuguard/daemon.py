@@ -119,7 +119,7 @@ class Daemon:
                        account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
                        queue=self.queue, notifier=self.notifier)
         self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
-                               self.watcher.account_of)
+                               self.watcher.account_of, self.server.budget)
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
         # users told) before the gate and the ACLs are rebuilt from the store.
         self.follow_layout(first_layout)
@@ -129,7 +129,7 @@ class Daemon:
         caps_dir = self.config.paths.device_dir / "nvidia-caps"
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
             self.node_watchers.append(NodeWatcher(caps_dir, self._node_changed, pattern="nvidia-cap*", uevents=False))
-        self.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
+        self.metrics.start()  # bound now; served on the loop, a scrape reads the snapshot each tick publishes
 
     async def _handle(self, request: dict, peer) -> dict:
         return await self.api.handle(request, peer)
@@ -143,6 +143,7 @@ class Daemon:
         for watcher in self.node_watchers:
             loop.add_reader(watcher.fileno(), watcher.process)
         await self.server.start()
+        await self.metrics.serve()
         ticker = asyncio.create_task(self._ticker())
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
