@@ -155,3 +155,31 @@ class AccountKinds:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class RateLimit:
+    """At most `burst` actions per key at once, one more back every `every` seconds (a token
+    bucket, pure: the caller gives the clock). For requests that each cost a /proc scan."""
+
+    burst: int = 5
+    every: float = 2.0
+    _tokens: dict[object, tuple[float, float]] = field(default_factory=dict)  # key -> (tokens, at)
+
+    def allow(self, key: object, now: float) -> float:
+        """0 when the action may go now (and it is counted), else the seconds until it may."""
+        tokens, at = self._tokens.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) / self.every)
+        if tokens < 1:
+            self._tokens[key] = (tokens, now)
+            return (1 - tokens) * self.every
+        if tokens - 1 >= self.burst - 1 and len(self._tokens) > 10000:
+            self._forget_full(now)
+        self._tokens[key] = (tokens - 1, now)
+        return 0.0
+
+    def _forget_full(self, now: float) -> None:
+        """Keys whose bucket has refilled are as good as new: the table holds active keys only."""
+        for key, (tokens, at) in list(self._tokens.items()):
+            if tokens + (now - at) / self.every >= self.burst:
+                del self._tokens[key]

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from gpuguard import allocator, policy, protocol, reporting
+from gpuguard import admission, allocator, policy, protocol, reporting
 from gpuguard import config as configuration
 from gpuguard.backends import accounts, procfs
 from gpuguard.backends.gate import Gate
@@ -87,7 +88,8 @@ class Api:
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
         # `request` reply (a grant may come before the client's `wait` call arrives).
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
-        self._served: dict[int, tuple[int, ...]] = {}
+        self._served: dict[int, tuple[int, tuple[int, ...]]] = {}  # ticket -> (its uid, the GPUs)
+        self._releases = admission.RateLimit()  # each release scans /proc: per uid, a few at once
         queue.listeners.append(self._queue_served)
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
@@ -296,7 +298,7 @@ class Api:
                 self.queue.leave([queued.waiter.id])
                 raise Refusal("no GPU is free right now; gpuguard request --wait queues for one "
                               "(gpuguard status shows who holds them and who waits)")
-            granted += self._served.pop(queued.waiter.id, ())
+            granted += self._served.pop(queued.waiter.id, (account.uid, ()))[1]
         held = store.grants(account.uid)
         if not held:
             raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
@@ -309,10 +311,10 @@ class Api:
         ticket = _field(request, "ticket", int)
         timeout = request.get("limit")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout < 0):
+                                    or not 0 <= timeout < math.inf):  # NaN fails both
             raise Refusal(f"field 'limit': expected seconds >= 0, got {timeout!r}", 2)
-        if ticket in self._served:
-            return self._served_reply(peer.uid, self._served.pop(ticket))
+        if self._served.get(ticket, (None,))[0] == peer.uid:  # another user's ticket is not theirs to take
+            return self._served_reply(peer.uid, self._served.pop(ticket)[1])
         if not any(q.waiter.id == ticket for q in self.store.queue(peer.uid)):
             raise Refusal(f"request {ticket} is not in the queue (left it, or not yours)")
         future = self._waiting.setdefault(ticket, asyncio.get_running_loop().create_future())
@@ -344,7 +346,7 @@ class Api:
     def _queue_served(self, queued: Queued, minors: tuple[int, ...]) -> None:
         """Queue listener: wake the blocked client, and tell the user on their terminals."""
         waiter = queued.waiter
-        self._served[waiter.id] = minors
+        self._served[waiter.id] = (waiter.uid, minors)
         if len(self._served) > 1000:  # tickets nobody came back for: forget the oldest
             self._served.pop(next(iter(self._served)))
         future = self._waiting.get(waiter.id)
@@ -359,6 +361,8 @@ class Api:
         """Give GPUs back. It kills nothing: while a process of the user still uses one of
         them, the release is refused with the pids, so no job loses its GPU by surprise."""
         store = self.store
+        if wait := self._releases.allow(peer.uid, time.monotonic()):
+            raise Refusal(f"too many releases at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
         held = {g.minor for g in store.grants(account.uid)}
         minors = self._minors(request)
@@ -367,7 +371,7 @@ class Api:
         if minors is not None and set(minors) - held:
             raise Refusal(f"you do not hold GPU {unit_list(set(minors) - held)} (you hold {unit_list(held)})")
         targets = set(minors) if minors is not None else held
-        scan = _readable(await self.holders.scan(account.uid, targets))
+        scan = _readable(await self.holders.scan(account.uid, targets, for_user=True))
         busy = scan.listed | scan.unlisted
         if busy:
             pids = sorted({pid for pid, _ in busy})

@@ -53,6 +53,7 @@ from gpuguard.messages import layout_message, unit_list
 from gpuguard.metrics import Metrics
 from gpuguard.model import Origin
 from gpuguard.queueing import Queue
+from gpuguard.scans import Scans
 from gpuguard.server import Server
 from gpuguard.store import Store
 from gpuguard.watcher import Watcher
@@ -106,11 +107,11 @@ class Daemon:
         self.exempt.set(exempt)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
-        find_holders = partial(sampling.node_holders, devices_of=self.grants.holder_devices)
-        self.holders = HolderEnder(find_holders, self.sampler, self.exempt, self.store,
+        self.scans = Scans(partial(sampling.node_holders, devices_of=self.grants.holder_devices))
+        self.holders = HolderEnder(self.scans, self.sampler, self.exempt, self.store,
                                    lambda: self.config.watcher.kill_wait)
         self.grants.holders = self.holders
-        self.logout = LogoutRelease(self.store, self.grants, find_holders, ExitWatch())
+        self.logout = LogoutRelease(self.store, self.grants, self.scans, ExitWatch())
         self.queue = Queue(self.current_config, self.store, self.grants)
         self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
                                self.lookup, self.notifier, demand=self.queue.demand)
@@ -169,6 +170,8 @@ class Daemon:
         self.metrics.close()
         self.logout.close()
         self.holders.close()
+        self.scans.close()
+        self.sampler.close()
         self.watcher.close()
         self.notifier.close()
         self.lookup.close()

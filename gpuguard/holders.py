@@ -32,13 +32,11 @@ from gpuguard.exempt import Exempt
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
 from gpuguard.model import Event
-from gpuguard.sampling import Holder, Sampler
+from gpuguard.sampling import Sampler
+from gpuguard.scans import Scans
 from gpuguard.store import Store
 from gpuguard.units import format_duration
 
-# (minors, uids) -> those users' processes holding these GPUs' nodes; blocking (a /proc scan of
-# only their processes, procfs.holders_of): runs in a worker thread
-FindHolders = Callable[[Collection[int], Collection[int]], list[Holder]]
 Pair = tuple[int, int]  # (pid, minor)
 
 
@@ -61,20 +59,22 @@ class Ending:
 
 
 class HolderEnder:
-    def __init__(self, find_holders: FindHolders, sampler: Sampler, exempt: Exempt, store: Store,
+    def __init__(self, scans: Scans, sampler: Sampler, exempt: Exempt, store: Store,
                  kill_wait: Callable[[], float]):
-        self.find_holders = find_holders
+        self.scans = scans
         self.sampler = sampler
         self.exempt = exempt
         self.store = store
         self.kill_wait = kill_wait  # the config in force, which a reload replaces
         self._tasks: set[asyncio.Task] = set()
 
-    async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE) -> Scan:
+    async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE,
+                   for_user: bool = False) -> Scan:
         """uid's processes holding these GPUs' nodes (only that user's processes are read). /proc is
-        scanned first: a process NVML does not list in the later sample had no context when it was found."""
+        scanned first: a process NVML does not list in the later sample had no context when it was found.
+        for_user: a request of uid's asks (scans.Scans.for_user: bounded, one per uid at a time)."""
         minors = frozenset(minors)
-        found = await asyncio.to_thread(self.find_holders, minors, {uid})
+        found = await (self.scans.for_user(uid, minors) if for_user else self.scans.for_daemon(minors, {uid}))
         holding = frozenset((h.pid, h.minor) for h in found if h.uid == uid)
         if not holding:
             # A CUDA process holds its node open too: none in /proc, none for NVML to list. No
@@ -122,8 +122,7 @@ class HolderEnder:
 
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
         """Those of `termed` that are the same process as before and still hold one of their nodes."""
-        found = await asyncio.to_thread(self.find_holders, set().union(*termed.values()),
-                                        {identity.uid for identity in termed})
+        found = await self.scans.for_daemon(set().union(*termed.values()), {identity.uid for identity in termed})
         holding = {(h.pid, h.minor) for h in found}
         return [identity for identity, minors in termed.items()
                 if any((identity.pid, m) in holding for m in minors)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from gpuguard import rules
 from gpuguard.backends.exits import Cancel, ExitWatch
 from gpuguard.grants import Grants
-from gpuguard.holders import FindHolders
 from gpuguard.logs import event
 from gpuguard.model import Origin
 from gpuguard.sampling import Sample
+from gpuguard.scans import Scans
 from gpuguard.store import Store
 
 RECHECK_HELD = 60.0  # seconds between looks in /proc for a kept grant whose holders all still run
@@ -38,10 +38,10 @@ class _Kept:
 
 
 class LogoutRelease:
-    def __init__(self, store: Store, grants: Grants, find_holders: FindHolders, exits: ExitWatch):
+    def __init__(self, store: Store, grants: Grants, scans: Scans, exits: ExitWatch):
         self.store = store
         self.grants = grants
-        self.find_holders = find_holders
+        self.scans = scans
         self.exits = exits
         self._kept: dict[int, _Kept] = {}  # uid -> grants kept for holders that are being watched
         self._pending: dict[int, asyncio.Task] = {}  # uid -> its check after logout, running
@@ -90,7 +90,7 @@ class LogoutRelease:
         if not to_check:
             return
         # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
-        holders = await asyncio.to_thread(self.find_holders, set().union(*to_check.values()), set(to_check))
+        holders = await self.scans.for_daemon(set().union(*to_check.values()), set(to_check))
         now = time.time() if now is None else now
         # Re-checked after the await: a login or a grant may have come in meanwhile.
         for uid, minors in self.unused(sample, to_check).items():

@@ -44,6 +44,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.model import Event, Gpu, GpuProcess, Grant, Origin, Quota
 from gpuguard.queueing import Queue
 from gpuguard.sampling import Sample
+from gpuguard.scans import Scans
 from gpuguard.store import Queued, Store
 from gpuguard.trace import Job, Session
 from gpuguard.watcher import timing_of
@@ -185,7 +186,7 @@ class Replay:
         self.queue = Queue(lambda: config, self.store, self.grants)
         self.queue.listeners.append(self._served)
         self.grants.on_removed.append(self._removed)
-        self.logout = LogoutRelease(self.store, self.grants, lambda minors, uids: [], ExitWatch())  # no /proc to scan
+        self.logout = LogoutRelease(self.store, self.grants, Scans(lambda minors, uids: []), ExitWatch())  # no /proc to scan
         self.timing = timing_of(config)
         self.state = rules.State()
         self.result = Result()

@@ -23,6 +23,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.model import NVIDIA_MAJOR, Gpu, GpuProcess, MigSlice, Quota, slice_unit
 from gpuguard.queueing import Queue
 from gpuguard.sampling import Holder, Sample
+from gpuguard.scans import Scans
 from gpuguard.server import Peer
 from gpuguard.store import Store
 from gpuguard.watcher import Watcher
@@ -187,8 +188,9 @@ class World:
         self.sampler = FakeSampler()
         self.notifier = FakeNotifier()
         self.exits = FakeExits()
-        self.logout = LogoutRelease(self.store, self.grants, self.find_holders, self.exits)  # type: ignore[arg-type]
-        self.holder_ender = HolderEnder(self.find_holders, self.sampler, self.exempt, self.store,  # type: ignore[arg-type]
+        self.scanning = Scans(self.find_holders)
+        self.logout = LogoutRelease(self.store, self.grants, self.scanning, self.exits)  # type: ignore[arg-type]
+        self.holder_ender = HolderEnder(self.scanning, self.sampler, self.exempt, self.store,  # type: ignore[arg-type]
                                         lambda: self.config.watcher.kill_wait)
         self.grants.holders = self.holder_ender
         self.reloads = 0
