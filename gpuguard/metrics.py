@@ -258,27 +258,34 @@ def write_job_mapping(directory: Path, files: Mapping[str, str]) -> None:
 
 
 class _Endpoint(web.Server):
-    """aiohttp's low-level server with every connection admitted by the budget and given a deadline."""
+    """aiohttp's low-level server with every connection admitted by the budget and given a deadline.
+    When the endpoint's own cap is full, a new connection takes the place of the oldest: a scrape
+    is over in milliseconds, so what has lasted longest is the idle or trickling one."""
 
     def __init__(self, handler, budget: admission.Budget, refused: Callable[[str], None]) -> None:
         super().__init__(handler, keepalive_timeout=KEEPALIVE, access_log=None)
         self.budget = budget
         self.refused = refused
-        self._deadlines: dict[object, asyncio.TimerHandle] = {}
+        self._admitted: dict[object, tuple[asyncio.Transport, asyncio.TimerHandle]] = {}  # in order of arrival
 
     def connection_made(self, handler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
-        if (refusal := self.budget.take(admission.METRICS_KEY)) is not None:
+        if len(self._admitted) >= self.budget.metrics:
+            oldest, (dropped, deadline) = next(iter(self._admitted.items()))
+            del self._admitted[oldest]  # its slot in the budget passes to this one
+            deadline.cancel()
+            dropped.abort()
+        elif (refusal := self.budget.take(admission.METRICS_KEY)) is not None:
             self.refused(refusal)
-            transport.abort()  # connection_lost follows, with nothing to give back
+            transport.abort()
             return
-        self._deadlines[handler] = self._loop.call_later(CONNECTION_LIFETIME, transport.abort)
+        self._admitted[handler] = (transport, self._loop.call_later(CONNECTION_LIFETIME, transport.abort))
 
     def connection_lost(self, handler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
-        deadline = self._deadlines.pop(handler, None)
-        if deadline is not None:
-            deadline.cancel()
+        admitted = self._admitted.pop(handler, None)
+        if admitted is not None:
+            admitted[1].cancel()
             self.budget.give_back(admission.METRICS_KEY)
 
 

@@ -42,6 +42,10 @@ READ_CHUNK = 64 * 1024
 # Connections the kernel queues before accept (it caps this at net.core.somaxconn). asyncio's
 # default of 100 filled up under one user's connect flood, and a login then got EAGAIN.
 LISTEN_BACKLOG = 4096
+# asyncio accepts up to its `backlog` connections in one go before any of them is admitted
+# (admission.py): 4096 at once would pass any descriptor limit. It is given this batch, and the
+# kernel's queue is set to LISTEN_BACKLOG afterwards (listen() again changes only the queue).
+ACCEPT_BATCH = 32
 
 
 class ServerError(GpuguardError):
@@ -85,7 +89,8 @@ class Server:
             sock.bind(str(self.path))
             os.chmod(self.path, 0o666)  # before listen(): nobody can connect yet
             self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=protocol.MAX_REQUEST,
-                                                           backlog=LISTEN_BACKLOG)
+                                                           backlog=ACCEPT_BATCH)
+            sock.listen(LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
             raise ServerError(f"cannot serve on {self.path}: {exc.strerror}") from None
