@@ -17,6 +17,7 @@ the runner starts it in a session of its own).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -36,18 +37,23 @@ def _forever(children: int) -> None:
 
 def slowloris(port: int, count: int) -> None:
     held: list[socket.socket | None] = [None] * count
+    asked = [False] * count  # whether the request line went out on that connection
     started = False
     while True:
         for i, sock in enumerate(held):
             try:
-                if sock is None:
-                    sock = socket.create_connection(("127.0.0.1", port), timeout=1)
-                    sock.sendall(b"GET /metrics HTTP/1.1\r\n")
-                    held[i] = sock
-                else:
-                    sock.sendall(b"X")  # one byte of a header line that never ends
-            except OSError:
-                if sock is not None:
+                if sock is None:  # connected without waiting: a server that stopped accepting costs no time
+                    sock = held[i] = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    sock.setblocking(False)
+                    sock.connect_ex(("127.0.0.1", port))
+                    asked[i] = False
+                else:  # the request line, then one byte of a header line that never ends
+                    sock.send(b"X" if asked[i] else b"GET /metrics HTTP/1.1\r\n")
+                    asked[i] = True
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.ENOTCONN):
+                    continue  # still in the server's listen queue: it stays there
+                if sock is not None:  # closed by the server: a new one next round
                     sock.close()
                 held[i] = None
         if not started:

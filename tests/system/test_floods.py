@@ -28,6 +28,8 @@ FLOOD = Path(__file__).with_name("flood_procs.py")
 NOFILE = 640  # the daemon's descriptor limit here (the finding's was 1,500): the floods below pass it
 LIMITED = ("prlimit", f"--nofile={NOFILE}:{NOFILE}", "--")
 LOG_LINES = 60  # more than any flood here may add to the log (the findings: a million lines)
+# A user namespace of the user's own subuids (/etc/subuid, as useradd gave them), as its root
+NAMESPACE = ("unshare", "--user", "--map-auto", "--setuid", "0", "--setgid", "0", "--")
 THREADS = 40    # more than the daemon runs (the slowloris finding: 1,487)
 
 
@@ -94,7 +96,7 @@ def test_a_subuid_flood_from_a_user_namespace_shares_one_small_cap(start_daemon,
     d = start_daemon(wrapper=LIMITED)
     mallory = make_user()  # useradd gave them a subuid range; newuidmap maps it
     lines = len(d.log().splitlines())
-    flood(mallory, "subuids", d.socket, 20, 40, before=("unshare", "--user", "--map-auto", "--setuid", "0", "--setgid", "0", "--"))
+    flood(mallory, "subuids", d.socket, 20, 40, before=NAMESPACE)
     assert_guarding(d)
     assert daemon_tasks(d)[1] < NOFILE * 3 // 4
     log = d.log()
