@@ -35,7 +35,7 @@ def unit_arg(text: str) -> int:
     """argparse type of --gpu: a GPU (3) or a MIG slice (3/gi1/ci0), as whoami and status show them."""
     import argparse
 
-    from gpuguard.model import parse_unit
+    from gpuguard.unit_numbers import parse_unit
     try:
         return parse_unit(text)
     except ValueError as exc:
@@ -87,23 +87,26 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     completion and the man page: None)."""
     import argparse
     import importlib
-    import pkgutil
 
     from gpuguard import __version__
-    from gpuguard.config import DEFAULT_PATH
+    from gpuguard.daemon_socket import DEFAULT_CONFIG
 
     parser = argparse.ArgumentParser(prog="gpuguard", description="Fair, kernel-enforced GPU sharing.")
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
     parser.add_argument("--config", metavar="PATH",
-                        help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_PATH})")
+                        help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_CONFIG})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    modules = ([COMMANDS[command]] if command in COMMANDS
-               else sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd")))
+    modules = [COMMANDS[command]] if command in COMMANDS else _every_command_module()
     for module in modules:
         importlib.import_module(f"{__name__}.{module}").register(subparsers)
     if command not in COMMANDS:  # listed for help; main runs it before any parser
         subparsers.add_parser(PAM_HOOK, help=PAM_HOOK_HELP)
     return parser
+
+
+def _every_command_module() -> list[str]:
+    import pkgutil  # only for the full parser: a command's own needs none of it
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd"))
 
 
 def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:

@@ -9,17 +9,19 @@ piped; --json for everything the daemon says, --csv (no header) one line per GPU
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any
+from collections import namedtuple
 
 from gpuguard.cli import print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK
 from gpuguard.messages import clock, number_list
 from gpuguard.units import format_size
+
+TYPE_CHECKING = False  # not typing's, nor dataclasses: `status` starts within a few ms of Python itself
+if TYPE_CHECKING:
+    from typing import Any
 
 BAR_WIDTH = 20
 CSV_COLUMNS = ("gpu", "name", "uuid", "utilization_percent", "memory_used_bytes", "memory_total_bytes",
@@ -39,10 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status.set_defaults(func=show_status)
 
 
-@dataclass(frozen=True)
-class Style:
-    colour: bool
-    unicode: bool
+class Style(namedtuple("Style", "colour unicode")):  # colour: bool, unicode: bool
+    __slots__ = ()
 
     @classmethod
     def for_stdout(cls) -> Style:
@@ -72,6 +72,7 @@ def show_status(args: argparse.Namespace) -> int:
     if args.json:
         print_json({**reply, "gpus": gpus})
     elif args.csv:
+        import csv
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerows(csv_row(gpu, reply["now"]) for gpu in gpus)
     else:
