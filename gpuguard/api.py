@@ -10,11 +10,12 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from gpuguard import admission, allocator, policy, protocol, reporting
+from gpuguard import admission, allocator, inventory, policy, protocol, reporting
 from gpuguard import config as configuration
 from gpuguard.backends import accounts, procfs
 from gpuguard.backends.gate import Gate
@@ -213,6 +214,14 @@ class Api:
                          exempt=sorted(self.exempt.uids), mode=config.access.mode,
                          gate=self.gate.name if self.gate and self.gate.is_attached() else None)
         return reply
+
+    async def gpus(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """`gpuguard gpus` for anyone: from what the daemon read already (no NVML call of its own)."""
+        sample, grants = self.sampler.last, self.grants
+        return protocol.ok(**inventory.view(
+            grants.physical.values(), [unit for unit in grants.gpus.values() if unit.slice is not None],
+            sample.layout.unread if sample and sample.layout else (), grants.topology,
+            Counter(p.minor for p in sample.processes) if sample else Counter(), sample.use if sample else None))
 
     # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
 
