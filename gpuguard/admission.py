@@ -163,7 +163,7 @@ class RateLimit:
     bucket, pure: the caller gives the clock). For requests that each cost a /proc scan."""
 
     burst: int = 5
-    every: float = 2.0
+    every: float = 0.5
     _tokens: dict[object, tuple[float, float]] = field(default_factory=dict)  # key -> (tokens, at)
 
     def allow(self, key: object, now: float) -> float:

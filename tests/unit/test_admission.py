@@ -84,3 +84,13 @@ def test_account_kinds_does_not_remember_a_failure_of_nss():
             kinds.close()
 
     assert asyncio.run(main()) == (None, None)
+
+
+def test_a_rate_limit_lets_a_burst_through_then_one_per_period_per_key():
+    limit = admission.RateLimit(burst=3, every=2.0)
+    assert [limit.allow("alice", 100.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert limit.allow("alice", 100.0) == 2.0      # empty: the next token in 2 s
+    assert limit.allow("bob", 100.0) == 0.0        # another key has its own
+    assert limit.allow("alice", 101.0) == 1.0      # refused calls do not push the refill back
+    assert limit.allow("alice", 102.0) == 0.0 and limit.allow("alice", 102.0) > 0
+    assert [limit.allow("alice", 1000.0) for _ in range(4)].count(0.0) == 3  # never more than the burst
