@@ -458,9 +458,15 @@ class Api:
             wait = format_duration(round(self.config().watcher.kill_wait))
             note += (f"; process {number_list(ending.termed)} held the node open (no CUDA context): sent SIGTERM, "
                      f"SIGKILL in {wait} if it still holds it")
+        if ended := [o.pid for o in ending.others if o.ended]:
+            note += f"; process {number_list(ended)} of other users (not members) held it too: sent SIGTERM"
+        if reported := [o.pid for o in ending.others if not o.ended]:
+            note += f"; process {number_list(reported)} of other members hold it too (passed on): reported"
         holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
+                           other_holders=[{"pid": o.pid, "uid": o.uid, "minors": sorted(o.minors), "ended": o.ended}
+                                          for o in ending.others],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
 
     async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:

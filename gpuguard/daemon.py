@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard import config as configuration
-from gpuguard import sampling
+from gpuguard import policy, sampling
 from gpuguard.api import Api
 from gpuguard.backends import (
     GateError,
+    accounts,
     caps_major,
     devnodes,
     driver_minors,
@@ -48,7 +49,7 @@ from gpuguard.grants import Grants
 from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
-from gpuguard.lookups import AccountLookup
+from gpuguard.lookups import AccountLookup, LookupTimeout
 from gpuguard.messages import layout_message, unit_list
 from gpuguard.metrics import Metrics
 from gpuguard.model import Origin
@@ -109,7 +110,7 @@ class Daemon:
         self.notifier = notify.Notifier()
         self.scans = Scans(partial(sampling.node_holders, devices_of=self.grants.holder_devices))
         self.holders = HolderEnder(self.scans, self.sampler, self.exempt, self.store,
-                                   lambda: self.config.watcher.kill_wait)
+                                   lambda: self.config.watcher.kill_wait, is_member=self._is_member)
         self.grants.holders = self.holders
         self.logout = LogoutRelease(self.store, self.grants, self.scans, ExitWatch())
         self.queue = Queue(self.current_config, self.store, self.grants)
@@ -131,6 +132,16 @@ class Daemon:
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
             self.node_watchers.append(NodeWatcher(caps_dir, self._node_changed, pattern="nvidia-cap*", uevents=False))
         self.metrics.start()  # bound now; served on the loop, a scrape reads the snapshot each tick publishes
+
+    async def _is_member(self, uid: int) -> bool | None:
+        """Whether uid is in the GPU group now; None when NSS cannot say (HolderEnder then reports)."""
+        try:
+            account = await self.lookup.by_uid(uid)
+        except (accounts.NssFailure, LookupTimeout):
+            return None
+        except accounts.UnknownUser:  # no account: a user namespace's uid, or deleted
+            return False
+        return policy.is_member(account.groups, self.config.access)
 
     async def _handle(self, request: dict, peer) -> dict:
         return await self.api.handle(request, peer)

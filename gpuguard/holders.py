@@ -13,7 +13,14 @@ user's processes that /proc shows holding that node:
   counts as one of these: the GPU was taken away, so access fails closed.
 
 Each signal is re-checked against the process's identity (backends.signals, which also refuses
-root and exempt processes), logged, and stored as an event of the user (`gpuguard whoami`).
+root and exempt processes), logged, and stored as an event of the user (`gpuguard whoami`). A
+holder running as root (a setuid program that inherited the descriptor) is not signalled: that
+too goes to the user's events, so they know what still holds their GPU.
+
+A descriptor can be passed to any other process (SCM_RIGHTS over a unix socket), so after a GPU
+is taken (not at logout, whose cost must follow the user) the holders of every uid are looked
+for as well: a non-member's are ended the same way, a member's are reported (the log and the
+user's events), and either is listed in a revoke's reply.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,17 +58,33 @@ class Scan:
 
 
 @dataclass(frozen=True)
+class Other:
+    """A holder of another uid than the grantee's (a descriptor passed on)."""
+
+    pid: int
+    uid: int
+    minors: frozenset[int]
+    ended: bool  # sent SIGTERM (a non-member's); False: reported (a member's, or NSS could not say)
+
+
+@dataclass(frozen=True)
 class Ending:
     """What end() did at once; SIGKILL and the unkillable report follow in the background."""
 
     scan: Scan
     termed: tuple[int, ...]  # pids sent SIGTERM
+    others: tuple[Other, ...] = ()
+
+
+# uid -> whether it is a member (True), not one (False), or NSS could not say (None)
+IsMember = Callable[[int], Awaitable[bool | None]]
 
 
 class HolderEnder:
     def __init__(self, scans: Scans, sampler: Sampler, exempt: Exempt, store: Store,
-                 kill_wait: Callable[[], float]):
+                 kill_wait: Callable[[], float], is_member: IsMember | None = None):
         self.scans = scans
+        self.is_member = is_member  # None: holders of other uids are not looked for
         self.sampler = sampler
         self.exempt = exempt
         self.store = store
@@ -104,21 +127,49 @@ class HolderEnder:
             identity = procfs.process_identity(pid)
             if identity is None or identity.uid != uid:
                 continue  # exited since the scan
-            if self._signal(identity, held, user, signal.SIGTERM, why):
+            if self._signal(identity, held, user, signal.SIGTERM, why, uid):
                 termed[identity] = held
+        others = await self._others(uid, user, frozenset(minors), why, termed) if why != "logout" else ()
         if termed:
-            self._spawn(self._escalate(user, termed, why))
-        return Ending(scan, tuple(identity.pid for identity in termed))
+            self._spawn(self._escalate(user, termed, why, uid))
+        return Ending(scan, tuple(identity.pid for identity in termed if identity.uid == uid), others)
 
-    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: str) -> None:
+    async def _others(self, uid: int, user: str, minors: frozenset[int], why: str,
+                      termed: dict[ProcessIdentity, set[int]]) -> tuple[Other, ...]:
+        """Holders of other uids (root and exempt users pass the gate anyway): a non-member's get
+        SIGTERM (added to `termed`), a member's are reported."""
+        if self.is_member is None or not minors:
+            return ()
+        holding: dict[ProcessIdentity, set[int]] = {}
+        for holder in await self.scans.for_daemon(minors, None):  # every process: a walk of all of /proc
+            if holder.uid in (uid, 0) or holder.uid in self.exempt.uids:
+                continue
+            identity = procfs.process_identity(holder.pid)
+            if identity is not None and identity.uid == holder.uid:
+                holding.setdefault(identity, set()).add(holder.minor)
+        others = []
+        for identity, held in sorted(holding.items()):
+            member = await self.is_member(identity.uid)
+            if member is False and self._signal(identity, held, user, signal.SIGTERM, why, uid):
+                termed[identity] = held
+                others.append(Other(identity.pid, identity.uid, frozenset(held), True))
+            elif member is not False:
+                self._record(identity, held, user, "report", why, {"holder_uid": identity.uid},
+                             f"of uid {identity.uid} holds GPU {unit_list(held)}, which was yours ({why}): a "
+                             f"descriptor passed on; it {'belongs to a member' if member else 'could not be looked up'}"
+                             " and is reported, not ended", uid)
+                others.append(Other(identity.pid, identity.uid, frozenset(held), False))
+        return tuple(others)
+
+    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: str, uid: int) -> None:
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
-            self._signal(identity, termed[identity], user, signal.SIGKILL, why)
+            self._signal(identity, termed[identity], user, signal.SIGKILL, why, uid)
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
             self._record(identity, termed[identity], user, "unkillable", why, {
                 "state": signals.state(identity) or "unknown"},
-                "survives SIGKILL (stuck in the kernel); an administrator must look at it")
+                "survives SIGKILL (stuck in the kernel); an administrator must look at it", uid)
 
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
         """Those of `termed` that are the same process as before and still hold one of their nodes."""
@@ -129,29 +180,38 @@ class HolderEnder:
                 and procfs.process_identity(identity.pid) == identity]
 
     def _signal(self, identity: ProcessIdentity, minors: set[int], user: str, sig: signal.Signals,
-                why: str) -> bool:
+                why: str, uid: int) -> bool:
+        """Signal a holder; its events go to uid (the user whose GPU it was), named `user`."""
         result = signals.send(identity, sig, self.exempt.uids)
         if not result.sent:
             event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
                   outcome=result.outcome.value, detail=result.detail or None)
+            if result.outcome is signals.Outcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
+                self._record(identity, minors, user, "report", why, {"euid": 0},
+                             f"runs as root and holds GPU {unit_list(minors)}, which is no longer yours ({why}); "
+                             "gpuguard does not signal root's processes: end it yourself, or ask your admin", uid)
             return False
         wait = format_duration(round(self.kill_wait()))
         what = (f"stopping it with SIGTERM; it will be killed if it still holds the GPU in {wait}"
                 if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
+        held = (f"holds GPU {unit_list(minors)}, which is no longer yours" if identity.uid == uid else
+                f"of uid {identity.uid} holds GPU {unit_list(minors)}, which was yours (a descriptor passed on)")
         self._record(identity, minors, user, "kill", why, {"signal": sig.name, "kill_wait": self.kill_wait()},
-                     f"holds GPU {unit_list(minors)}, which is no longer yours ({why}); {what}")
+                     f"{held} ({why}); {what}", uid)
         return True
 
     def _record(self, identity: ProcessIdentity, minors: set[int], user: str, kind: str, why: str,
-                numbers: dict[str, Any], what: str) -> None:
+                numbers: dict[str, Any], what: str, uid: int) -> None:
+        """Log, and store as an event of uid (named `user`): the holder's own, or the grantee's."""
         command = signals.command(identity.pid)
         action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(str(numbers.get("signal")), kind)
         event(logging.ERROR if kind == "unkillable" else logging.WARNING, f"holder_{action}", rule=why,
               user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(minors),
               **numbers)
-        message = f"gpuguard: your process {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
+        whose = "your process" if identity.uid == uid else "process"
+        message = f"gpuguard: {whose} {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         for minor in sorted(minors):
-            self.store.add_event(Event(time.time(), identity.uid, user, kind, message, minor=minor,
+            self.store.add_event(Event(time.time(), uid, user, kind, message, minor=minor,
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 

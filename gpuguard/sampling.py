@@ -139,10 +139,11 @@ class Holder(NamedTuple):
 
 
 
-def node_holders(units: Iterable[int], uids: Collection[int],
+def node_holders(units: Iterable[int], uids: Collection[int] | None,
                  devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]:
-    """Processes of these users holding these units' nodes open per /proc (blocking: one pass
-    over /proc for all). devices_of: the nodes whose holders use a unit (Grants.holder_devices).
+    """Processes of these users (None: of anyone, a walk of all of /proc) holding these units'
+    nodes open per /proc (blocking: one pass over /proc for all). devices_of: the nodes whose
+    holders use a unit (Grants.holder_devices).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
     (or before creating it) shows up only here. Only the users' own processes are looked at
@@ -156,6 +157,6 @@ def node_holders(units: Iterable[int], uids: Collection[int],
     for device, pids in procfs.holders_of(list(units_of), uids).items():
         for pid in pids:
             uid = procfs.user_of(pid)
-            if uid is not None and uid in uids:
+            if uid is not None and (uids is None or uid in uids):
                 found.update(Holder(pid, uid, unit) for unit in units_of[device])
     return sorted(found, key=lambda h: (h.minor, h.pid))

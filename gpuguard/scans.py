@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gpuguard.sampling import Holder
 
-# (minors, uids) -> those users' processes holding these GPUs' nodes; blocking (procfs.holders_of)
-FindHolders = Callable[[Collection[int], Collection[int]], list[Holder]]
+# (minors, uids) -> those users' processes (None: anyone's) holding these GPUs' nodes; blocking (procfs.holders_of)
+FindHolders = Callable[[Collection[int], Collection[int] | None], list[Holder]]
 
 USER_THREADS = 2    # users' scans at once, all users together
 DAEMON_THREADS = 2  # the daemon's own
@@ -37,7 +37,7 @@ class Scans:
         self._turns: dict[int, asyncio.Lock] = {}  # uid -> its one scan at a time
         self._queued: Counter[int] = Counter()     # scans of uid running or waiting for their turn
 
-    async def for_daemon(self, minors: Collection[int], uids: Collection[int]) -> list[Holder]:
+    async def for_daemon(self, minors: Collection[int], uids: Collection[int] | None) -> list[Holder]:
         return await asyncio.get_running_loop().run_in_executor(self._daemon, self.find_holders, minors, uids)
 
     async def for_user(self, uid: int, minors: Collection[int]) -> list[Holder]:
