@@ -31,7 +31,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "pam", "watcher", "gate")
+SECTIONS = ("micro", "pam", "watcher", "floods", "gate")
 
 
 def machine() -> str:
@@ -76,6 +76,9 @@ def main() -> int:
             watcher_bench.watcher_rows(bench)  # its daemon holds the gate lock (start_daemon)
             with env.gate_lock():  # a Daemon in this process, not start_daemon: its gate needs the lock
                 watcher_bench.own_tick_rows(bench)
+        if "floods" in sections:
+            import flood_bench
+            flood_bench.flood_rows(bench)  # its daemon holds the gate lock (start_daemon)
         if "gate" in sections:
             import gate_bench
             with env.gate_lock():  # the baseline too: no other run's gate attached while timing

@@ -58,6 +58,7 @@ _SIGNAL_OF_ACTION = {"term": "SIGTERM", "kill": "SIGKILL"}
 CONNECTION_LIFETIME = 10.0  # seconds: a scrape takes milliseconds (Prometheus's own timeout is 10 s)
 KEEPALIVE = 5.0             # seconds an idle connection is kept between requests (and before the first)
 RENDER_EVERY = 1.0          # seconds a rendered page is served again
+EVICT_AFTER = 1.0           # seconds a connection has lasted before a new one may take its place
 LISTEN_BACKLOG = 128
 
 
@@ -259,27 +260,34 @@ def write_job_mapping(directory: Path, files: Mapping[str, str]) -> None:
 
 class _Endpoint(web.Server):
     """aiohttp's low-level server with every connection admitted by the budget and given a deadline.
-    When the endpoint's own cap is full, a new connection takes the place of the oldest: a scrape
-    is over in milliseconds, so what has lasted longest is the idle or trickling one."""
+    When the endpoint's own cap is full, a new connection takes the place of the oldest if that
+    one has lasted EVICT_AFTER (a scrape is over in milliseconds: what lasts is idle or trickling),
+    and is refused otherwise."""
 
     def __init__(self, handler, budget: admission.Budget, refused: Callable[[str], None]) -> None:
         super().__init__(handler, keepalive_timeout=KEEPALIVE, access_log=None)
         self.budget = budget
         self.refused = refused
-        self._admitted: dict[object, tuple[asyncio.Transport, asyncio.TimerHandle]] = {}  # in order of arrival
+        # handler -> (transport, its deadline, when admitted), in order of arrival
+        self._admitted: dict[object, tuple[asyncio.Transport, asyncio.TimerHandle, float]] = {}
 
     def connection_made(self, handler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
+        now = self._loop.time()
         if len(self._admitted) >= self.budget.metrics:
-            oldest, (dropped, deadline) = next(iter(self._admitted.items()))
+            oldest, (dropped, deadline, since) = next(iter(self._admitted.items()))
+            if now - since < EVICT_AFTER:
+                self.refused(f"more than {self.budget.metrics} connections at once to the metrics endpoint")
+                transport.abort()
+                return
             del self._admitted[oldest]  # its slot in the budget passes to this one
             deadline.cancel()
             dropped.abort()
         elif (refusal := self.budget.take(admission.METRICS_KEY)) is not None:
             self.refused(refusal)
-            transport.abort()
+            transport.abort()  # connection_lost follows, with nothing to give back
             return
-        self._admitted[handler] = (transport, self._loop.call_later(CONNECTION_LIFETIME, transport.abort))
+        self._admitted[handler] = (transport, self._loop.call_later(CONNECTION_LIFETIME, transport.abort), now)
 
     def connection_lost(self, handler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)

@@ -1,4 +1,5 @@
-"""Floods a hostile local user can make, run as that user: `PYTHON tests/system/flood_procs.py KIND ...`.
+"""Floods a hostile local user can make, run as that user: `PYTHON devtools/floods.py KIND ...`
+(the flood tests and `make bench` share them).
 
 Each prints `ready` once its flood stands, then keeps it up until killed (its process group:
 the runner starts it in a session of its own).
