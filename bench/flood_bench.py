@@ -76,10 +76,11 @@ def ticks(port: int) -> float:
 
 
 def tick_interval(port: int) -> float:
-    """Seconds per tick over WINDOW, on the daemon's own count."""
-    first = ticks(port)
+    """Seconds per tick over about WINDOW between two scrapes, on the daemon's own count."""
+    first, started = ticks(port), time.monotonic()
     time.sleep(WINDOW)
-    return WINDOW / max(1.0, ticks(port) - first)
+    last = ticks(port)  # a scrape refused under a slowloris retries: the window is what it took
+    return (time.monotonic() - started) / max(1.0, last - first)
 
 
 def login_logout(sock: str, user: str, caller: int) -> float:

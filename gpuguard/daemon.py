@@ -108,7 +108,8 @@ class Daemon:
         self.exempt.set(exempt)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
-        self.scans = Scans(partial(sampling.node_holders, devices_of=self.grants.holder_devices))
+        self.scans = Scans(partial(sampling.node_holders, devices_of=self.grants.holder_devices,
+                                   real_uids=procfs.RealUids()))
         self.holders = HolderEnder(self.scans, self.sampler, self.exempt, self.store,
                                    lambda: self.config.watcher.kill_wait, is_member=self._is_member)
         self.grants.holders = self.holders

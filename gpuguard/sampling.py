@@ -140,7 +140,7 @@ class Holder(NamedTuple):
 
 
 def node_holders(units: Iterable[int], uids: Collection[int] | None,
-                 devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]:
+                 devices_of: Callable[[int], Iterable[Device]], real_uids: procfs.RealUids | None = None) -> list[Holder]:
     """Processes of these users (None: of anyone, a walk of all of /proc) holding these units'
     nodes open per /proc (blocking: one pass over /proc for all). devices_of: the nodes whose
     holders use a unit (Grants.holder_devices).
@@ -154,7 +154,7 @@ def node_holders(units: Iterable[int], uids: Collection[int] | None,
         for device in devices_of(unit):
             units_of.setdefault(device, []).append(unit)
     found: set[Holder] = set()
-    for device, pids in procfs.holders_of(list(units_of), uids).items():
+    for device, pids in procfs.holders_of(list(units_of), uids, real_uids).items():
         for pid in pids:
             uid = procfs.user_of(pid)
             if uid is not None and (uids is None or uid in uids):
