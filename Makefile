@@ -13,7 +13,7 @@ VENV310   ?= .venv310
 # Debian/Ubuntu packages, installed only when missing: what building needs (`make build-deps`),
 # and what only the tests and the demo need (`make deps`). A server needs neither list.
 BUILD_PACKAGES = python3-venv gcc make libpam0g-dev dpkg-dev
-TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd
+TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd uidmap
 
 # `make install` (other distributions): the application's venv in APPDIR (the unit, the udev rule
 # and the PAM profile name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, vendor files
