@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -34,28 +34,9 @@ THREADS = 40    # more than the daemon runs (the slowloris finding: 1,487)
 
 
 @pytest.fixture
-def flood() -> Iterator:
-    """Start a devtools/floods.py flood as a user (argv before it: e.g. unshare); killed at the end."""
-    started: list[subprocess.Popen] = []
-
-    def start(user, kind: str, *args: object, before: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
-        proc = popen_as(user, [*before, PYTHON, str(FLOOD), kind, *map(str, args)], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, **(env or {})})
-        started.append(proc)
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
-        assert line == "ready\n", f"{kind} did not start: {line!r} {proc.stderr.read() if proc.poll() else ''}"
-        return proc
-
-    yield start
-    for proc in started:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(30)
-        proc.stdout.close()
-        proc.stderr.close()
+def flood(hostile) -> Callable[..., subprocess.Popen]:
+    """Start a devtools/floods.py flood as a user (before: argv in front, e.g. unshare); killed at the end."""
+    return partial(hostile, script=FLOOD, within=60)
 
 
 def daemon_tasks(d) -> tuple[int, int]:
