@@ -31,7 +31,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "pam", "watcher", "floods", "gate")
+SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "gate")
 
 
 def machine() -> str:
@@ -68,7 +68,10 @@ def main() -> int:
         if "micro" in sections:
             import micro
             micro.run(bench)
-        stack.enter_context(bpffs_restored())  # from here on gates are attached, each under the gate lock
+        stack.enter_context(bpffs_restored())
+        if "cli" in sections:
+            import cli_bench
+            cli_bench.cli_rows(bench)  # from here on gates are attached, each under the gate lock
         if "pam" in sections:
             run_pam(bench)
         if "watcher" in sections:

@@ -22,6 +22,7 @@ from gpuguard.errors import GpuguardError  # no imports of its own: cheap
 TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (see above)
 if TYPE_CHECKING:
     import argparse
+    from types import SimpleNamespace
     from typing import Any
 
     from gpuguard import config
@@ -122,13 +123,49 @@ def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     return config_path, None, []
 
 
+# Commands users run at every prompt, with the only options that skip argparse (importing and
+# building it is a third of their start-up): (function, flags, options taking a value, defaults).
+# Anything else (--help, a typo, another option) goes through the full parser, which a test
+# (tests/system/test_cli_startup.py) checks reads every argv accepted here the same way.
+QUICK: dict[str, tuple[str, dict[str, str], dict[str, str], dict[str, object]]] = {
+    "whoami": ("show_whoami", {"--json": "json"}, {"--user": "user"}, {"json": False, "user": None}),
+    "env": ("show_env", {}, {}, {}),
+    "status": ("show_status", {"--json": "json", "--csv": "csv"}, {"--user": "user", "-u": "user"},
+               {"json": False, "csv": False, "user": None}),
+}
+
+
+def quick_arguments(config_path: str | None, command: str | None, rest: list[str]) -> SimpleNamespace | None:
+    """The parsed arguments of a QUICK command whose options are all plain, without argparse;
+    None for anything the full parser must read."""
+    if command not in QUICK:
+        return None
+    function, flags, valued, defaults = QUICK[command]
+    values = dict(defaults)
+    words = iter(rest)
+    for word in words:
+        name, has_value, value = word.partition("=")
+        if word in flags and not values[flags[word]]:
+            values[flags[word]] = True
+        elif name in valued and (value if has_value else (value := next(words, ""))) and not value.startswith("-"):
+            values[valued[name]] = value
+        else:
+            return None
+    if values.get("json") and values.get("csv"):
+        return None  # argparse's mutually exclusive group says why
+    import importlib
+    from types import SimpleNamespace
+    module = importlib.import_module(f"{__name__}.{COMMANDS[command]}")
+    return SimpleNamespace(config=config_path, command=command, func=getattr(module, function), **values)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config_path, command, rest = split_command(argv)
     if command == PAM_HOOK:
         from gpuguard import pam_hook
         return pam_hook.main(rest, config_path)
-    args = build_parser(command).parse_args(argv)
+    args = quick_arguments(config_path, command, rest) or build_parser(command).parse_args(argv)
     from gpuguard.cli.output import PrintableOutput  # not before: pam-hook needs none of it
     sys.stdout = PrintableOutput(sys.stdout)
     try:

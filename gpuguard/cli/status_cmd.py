@@ -8,7 +8,6 @@ piped; --json for everything the daemon says, --csv (no header) one line per GPU
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections import namedtuple
@@ -21,6 +20,7 @@ from gpuguard.units import format_size
 
 TYPE_CHECKING = False  # not typing's, nor dataclasses: `status` starts within a few ms of Python itself
 if TYPE_CHECKING:
+    import argparse
     from typing import Any
 
 BAR_WIDTH = 20

@@ -1,7 +1,6 @@
 """What every user runs: `gpuguard whoami`, `env`, `request`, `release` (`status` is status_cmd)."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ from gpuguard.units import UnitError, format_duration, format_size, parse_durati
 
 TYPE_CHECKING = False  # not typing's: whoami starts within a few ms of Python itself
 if TYPE_CHECKING:
+    import argparse
     from typing import Any
 
 RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while waiting

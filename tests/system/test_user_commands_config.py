@@ -19,7 +19,7 @@ import json, sys
 from gpuguard.cli import main
 code = main(sys.argv[1:])
 print(json.dumps([code, sorted(m for m in sys.modules if m.startswith("gpuguard") or m in (
-    "typing", "tomllib", "dataclasses", "pkgutil", "csv"))]))
+    "typing", "tomllib", "dataclasses", "pkgutil", "csv", "argparse", "socket"))]))
 """
 
 
@@ -56,4 +56,4 @@ def test_whoami_and_status_load_neither_the_config_nor_the_model(start_daemon, a
     code, loaded = json.loads(result.stdout.splitlines()[-1])
     assert code == 0, result.stderr
     assert not set(loaded) & {"gpuguard.config", "gpuguard.model", "gpuguard.rules", "gpuguard.policy", "tomllib",
-                              "typing", "dataclasses", "pkgutil", "csv"}, loaded
+                              "typing", "dataclasses", "pkgutil", "csv", "argparse", "socket"}, loaded
