@@ -91,6 +91,8 @@ class Api:
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
         self._served: dict[int, tuple[int, tuple[int, ...]]] = {}  # ticket -> (its uid, the GPUs)
         self._releases = admission.RateLimit()  # each release scans /proc: per uid, a few at once
+        # each request writes the store (a grant, or a queue place that a hang-up takes back and logs)
+        self._requests = admission.RateLimit()
         queue.listeners.append(self._queue_served)
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
@@ -266,6 +268,8 @@ class Api:
 
     async def request(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         store, config = self.store, self.config()
+        if wait := self._requests.allow(peer.uid, time.monotonic()):
+            raise Refusal(f"too many requests at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
         access = config.access
         if policy.is_exempt(account.uid, account.name, account.groups, access):
