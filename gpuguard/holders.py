@@ -118,7 +118,8 @@ class HolderEnder:
     async def end(self, uid: int, user: str, minors: Iterable[int], why: str) -> Ending:
         """SIGTERM uid's processes holding these GPUs' nodes that NVML does not list, and see
         them through to SIGKILL in the background. `why` is the rule that took the GPUs."""
-        scan = await self.scan(uid, set(minors), max_age=0)  # fresh: a context made a moment ago is the watcher's
+        # fresh: a context made a moment ago is the watcher's; after a user's own release, in the users' pool
+        scan = await self.scan(uid, set(minors), max_age=0, for_user=why == "user")
         holding: dict[int, set[int]] = {}
         for pid, minor in scan.unlisted:
             holding.setdefault(pid, set()).add(minor)
@@ -141,7 +142,10 @@ class HolderEnder:
         if self.is_member is None or not minors:
             return ()
         holding: dict[ProcessIdentity, set[int]] = {}
-        for holder in await self.scans.for_daemon(minors, None):  # every process: a walk of all of /proc
+        # every process: a walk of all of /proc; after a user's own release, in the users' pool (one
+        # per user at a time), so that releases cannot queue host-sized walks ahead of the tick's scans
+        walk = self.scans.for_user(uid, minors, everyone=True) if why == "user" else self.scans.for_daemon(minors, None)
+        for holder in await walk:
             if holder.uid in (uid, 0) or holder.uid in self.exempt.uids:
                 continue
             identity = procfs.process_identity(holder.pid)

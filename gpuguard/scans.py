@@ -33,28 +33,29 @@ class Scans:
         self.find_holders = find_holders
         self._users = ThreadPoolExecutor(user_threads, thread_name_prefix="scan-user")
         self._daemon = ThreadPoolExecutor(daemon_threads, thread_name_prefix="scan")
-        self._running: dict[tuple[int, frozenset[int]], asyncio.Future[list[Holder]]] = {}
+        self._running: dict[tuple[int, frozenset[int], bool], asyncio.Future[list[Holder]]] = {}
         self._turns: dict[int, asyncio.Lock] = {}  # uid -> its one scan at a time
         self._queued: Counter[int] = Counter()     # scans of uid running or waiting for their turn
 
     async def for_daemon(self, minors: Collection[int], uids: Collection[int] | None) -> list[Holder]:
         return await asyncio.get_running_loop().run_in_executor(self._daemon, self.find_holders, minors, uids)
 
-    async def for_user(self, uid: int, minors: Collection[int]) -> list[Holder]:
-        """uid's processes holding these nodes, for a request of uid's."""
-        key = (uid, frozenset(minors))
+    async def for_user(self, uid: int, minors: Collection[int], everyone: bool = False) -> list[Holder]:
+        """uid's processes (everyone: anyone's, a walk of all of /proc) holding these nodes, for
+        what a request of uid's caused."""
+        key = (uid, frozenset(minors), everyone)
         running = self._running.get(key)
         if running is None:
-            running = self._running[key] = asyncio.ensure_future(self._in_turn(uid, key[1]))
+            running = self._running[key] = asyncio.ensure_future(self._in_turn(uid, key[1], None if everyone else {uid}))
             running.add_done_callback(lambda _: self._running.pop(key, None))
         return await asyncio.shield(running)
 
-    async def _in_turn(self, uid: int, minors: frozenset[int]) -> list[Holder]:
+    async def _in_turn(self, uid: int, minors: frozenset[int], uids: Collection[int] | None) -> list[Holder]:
         turn = self._turns.setdefault(uid, asyncio.Lock())
         self._queued[uid] += 1
         try:
             async with turn:
-                return await asyncio.get_running_loop().run_in_executor(self._users, self.find_holders, minors, {uid})
+                return await asyncio.get_running_loop().run_in_executor(self._users, self.find_holders, minors, uids)
         finally:
             self._queued[uid] -= 1
             if not self._queued[uid]:

@@ -110,3 +110,25 @@ def test_a_setuid_root_holder_is_recorded_in_the_users_whoami(start_daemon, sand
         holder.kill()
         holder.wait()
         holder.stdout.close()
+
+
+def test_a_release_ends_a_non_members_holder_of_a_passed_descriptor(start_daemon, make_user, sandbox):
+    d = start_daemon(defaults={"gpus": 1}, watcher=WATCHER)
+    alice, mallory = d.add_member(), make_user()
+    minor = session_gpu(d, alice)
+    meeting = sandbox / "meet"
+    meeting.mkdir()
+    meeting.chmod(0o1777)
+    taker = receiver(mallory, meeting / "mallory.sock")
+    try:
+        sent = run_as(alice, [PYTHON, "-c", SEND, str(d.node(minor)), str(meeting / "mallory.sock")])
+        assert sent.returncode == 0, sent.stderr
+        assert taker.stdout.readline() == "holding 1\n"
+        released = d.call_as(alice, "release")  # none of alice's own processes holds it
+        assert released["ok"] and released["released"] == [minor], released
+        assert taker.wait(timeout=MARGIN) == -signal.SIGTERM
+        assert [e["kind"] for e in events(d, alice, pid=taker.pid)] == ["kill"]
+    finally:
+        taker.kill()
+        taker.wait()
+        taker.stdout.close()
