@@ -1,4 +1,4 @@
-# gpuguard: the two quick-start targets are `sudo make demo` and `sudo make test`; a server gets
+# gpuguard: the two quick-start targets are `make demo` and `make test`, as root; a server gets
 # the Debian package (`make deb`) or, elsewhere, `make install`.
 # Everything runs from a virtual environment built with the system Python, so that
 # the non-root test users (and researchers, for `gpuguard whoami`) can execute it.
@@ -12,18 +12,24 @@ VENV310   ?= .venv310
 
 # Debian/Ubuntu packages, installed only when missing: what building needs (`make build-deps`),
 # and what only the tests and the demo need (`make deps`). A server needs neither list.
-BUILD_PACKAGES = python3-venv gcc make libpam0g-dev dpkg-dev
-TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd uidmap
+# The Debian package's build (debian/control's Build-Depends) and its checker (lintian) are build tools too.
+BUILD_PACKAGES = python3-venv gcc make libpam0g-dev dpkg-dev debhelper dh-python pybuild-plugin-pyproject \
+	python3-all python3-setuptools python3-shtab python3-tomlkit lintian
+# tests/system/test_deb.py installs the package with dpkg, which needs its Depends installed (debian/control),
+# reads `modprobe -c` (kmod) and finds the man pages with man-db.
+TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd \
+	python3-aiohttp python3-pampy python3-prometheus-client python3-psutil python3-pyroute2 python3-shtab python3-tomlkit \
+	kmod man-db chromium chromium-driver uidmap
 
-# `make install` (other distributions): the application's venv in APPDIR (the unit, the udev rule
-# and the PAM profile name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, vendor files
-# where systemd, udev and kmod read them. Everything under $(DESTDIR) when it is set.
+# `make install` (other distributions): the application's venv in APPDIR (the unit and the udev rule
+# name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, the unit where systemd reads it, the
+# modprobe.d option and the udev rule inert in LIBDIR (`gpuguard enable` links them into /etc, as
+# for the Debian package). Everything under $(DESTDIR) when it is set.
 PREFIX     ?= /usr/local
 APPDIR     ?= /opt/gpuguard
 SYSCONFDIR ?= /etc
 UNITDIR    ?= /usr/lib/systemd/system
-UDEVDIR    ?= /usr/lib/udev/rules.d
-MODPROBEDIR ?= /usr/lib/modprobe.d
+LIBDIR     ?= /usr/lib/gpuguard
 MANDIR     ?= $(PREFIX)/share/man
 # bash-completion looks in $XDG_DATA_DIRS (/usr/local/share:/usr/share) too.
 BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
@@ -53,9 +59,8 @@ deps: build-deps
 $(PY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# compat: a plain path in a .pth; the default editable finder adds ~12 ms to every Python start,
-	# the pam_exec hook's at each login included.
-	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+	# Editable: a plain path in a .pth (pyproject.toml's package-dir says why).
+	$(PY) -m pip install -q -e '.[test]'
 	@touch $(PY)
 
 venv: $(PY)
@@ -99,20 +104,23 @@ bench: deps venv pam
 gpu-smoke: venv
 	$(PY) bench/gpu-smoke
 
-# gpuguard_<version>_<arch>.deb in the current directory (packaging/build-deb.sh; DEB_VERSION
-# overrides the package version, e.g. for a local rebuild).
+# gpuguard_<version>_<arch>.deb in the current directory: dpkg-buildpackage -us -uc -b on debian/,
+# in a copy of the checkout (packaging/build-deb.sh; DEB_VERSION overrides the package version,
+# e.g. for a local rebuild). Then `lintian gpuguard_*.deb` (README: what it still says, and why).
 deb: build-deps
-	packaging/build-deb.sh $(PYTHON) . $(DEB_VERSION)
+	packaging/build-deb.sh . $(DEB_VERSION)
 
-# The man page and the bash completion in build/, generated from the argparse definitions
-# (packaging/build-docs.sh): the help text has one copy.
-man:
-	packaging/build-docs.sh $(PYTHON) build
+# The man pages (gpuguard.1, gpuguard.8, gpuguard.toml.5, pam_gpuguard.8) and the bash completion
+# in build/, generated from the argparse definitions and the config loader's table
+# (packaging/manpages.py): the help text and the list of keys have one copy each.
+man: venv
+	PYTHONPATH=$(CURDIR) PYTHONDONTWRITEBYTECODE=1 $(PY) packaging/manpages.py build
+	PYTHONPATH=$(CURDIR) PYTHONDONTWRITEBYTECODE=1 $(PY) -m gpuguard completion bash > build/gpuguard.bash
 
 # requirements.lock: every dependency pinned, with the hashes of all its files on PyPI, solved on
 # the oldest Python supported so that tomli (3.10 only) is in it, under its marker. The extras
-# (test tools) stay out: a server runs none of them. packaging/build-requirements.lock and
-# docs-requirements.lock: the same for the tools that build the wheel and the man page.
+# (test tools) stay out: a server runs none of them. packaging/build-requirements.lock: the same
+# for the tools that build the wheel.
 LOCK = CUSTOM_COMPILE_COMMAND="make lock" $(CURDIR)/.venv-lock/bin/pip-compile -q --generate-hashes --allow-unsafe \
 	--strip-extras --no-emit-index-url --no-emit-find-links
 lock:
@@ -120,7 +128,6 @@ lock:
 	.venv-lock/bin/python -m pip install -q pip-tools
 	$(LOCK) --output-file requirements.lock pyproject.toml
 	cd packaging && $(LOCK) --output-file build-requirements.lock build-requirements.in
-	cd packaging && $(LOCK) --output-file docs-requirements.lock docs-requirements.in
 
 install: pam man
 	@test "$$(id -u)" = 0 || [ -n "$(DESTDIR)" ] || { echo "make install: run as root (or set DESTDIR)" >&2; exit 1; }
@@ -128,24 +135,34 @@ install: pam man
 	install -d -m 0755 $(DESTDIR)$(PREFIX)/bin
 	ln -sfn $(APPDIR)/bin/gpuguard $(DESTDIR)$(PREFIX)/bin/gpuguard
 	$(MAKE) -C pam install DESTDIR=$(DESTDIR)
-	install -D -m 0644 etc/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard.service
-	install -D -m 0644 etc/modprobe.d/gpuguard.conf $(DESTDIR)$(MODPROBEDIR)/gpuguard.conf
-	install -D -m 0644 udev/70-gpuguard.rules $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules
+	@# The sources name the Debian package's /usr/bin/gpuguard; this install's is in APPDIR.
+	install -d -m 0755 $(DESTDIR)$(UNITDIR) $(DESTDIR)$(LIBDIR)/modprobe.d $(DESTDIR)$(LIBDIR)/udev
+	sed 's|/usr/bin/gpuguard|$(APPDIR)/bin/gpuguard|g' etc/gpuguard.service > $(DESTDIR)$(UNITDIR)/gpuguard.service
+	sed 's|/usr/bin/gpuguard|$(APPDIR)/bin/gpuguard|g' udev/70-gpuguard.rules > $(DESTDIR)$(LIBDIR)/udev/70-gpuguard.rules
+	install -m 0644 etc/modprobe.d/gpuguard.conf $(DESTDIR)$(LIBDIR)/modprobe.d/gpuguard.conf
+	chmod 0644 $(DESTDIR)$(UNITDIR)/gpuguard.service $(DESTDIR)$(LIBDIR)/udev/70-gpuguard.rules
+	sed 's|/usr/bin/gpuguard|$(APPDIR)/bin/gpuguard|g' etc/gpuguard-web.service > $(DESTDIR)$(UNITDIR)/gpuguard-web.service
+	chmod 0644 $(DESTDIR)$(UNITDIR)/gpuguard-web.service
+	[ -e $(DESTDIR)$(SYSCONFDIR)/pam.d/gpuguard-web ] || install -D -m 0644 etc/pam.d/gpuguard-web $(DESTDIR)$(SYSCONFDIR)/pam.d/gpuguard-web
 	install -D -m 0644 build/gpuguard.1 $(DESTDIR)$(MANDIR)/man1/gpuguard.1
+	install -D -m 0644 build/gpuguard.8 $(DESTDIR)$(MANDIR)/man8/gpuguard.8
+	install -D -m 0644 build/pam_gpuguard.8 $(DESTDIR)$(MANDIR)/man8/pam_gpuguard.8
+	install -D -m 0644 build/gpuguard.toml.5 $(DESTDIR)$(MANDIR)/man5/gpuguard.toml.5
 	install -D -m 0644 build/gpuguard.bash $(DESTDIR)$(BASHCOMPDIR)/gpuguard
 	install -d -m 0755 $(DESTDIR)$(SYSCONFDIR)/gpuguard
 	@# The admin's configuration is never overwritten.
 	[ -e $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.toml ] || install -m 0644 etc/gpuguard.toml $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.toml
 	[ -e $(DESTDIR)$(SYSCONFDIR)/gpuguard/quotas.toml ] || install -m 0644 etc/quotas.toml $(DESTDIR)$(SYSCONFDIR)/gpuguard/quotas.toml
-	@echo "installed; next: systemctl daemon-reload, udevadm control --reload, enable the PAM module (pam/README)"
+	@echo "installed, inert; next: configure $(SYSCONFDIR)/gpuguard, systemctl daemon-reload, then gpuguard enable"
 
 # Removes what `make install` installed, never the configuration or the state (/var/lib/gpuguard);
-# run `gpuguard gate detach` first to open the GPUs (the gate outlives the daemon).
+# run `gpuguard disable` first (the gate outlives the daemon, the links in /etc outlive LIBDIR).
 uninstall:
-	rm -rf $(DESTDIR)$(APPDIR)
-	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service \
-		$(DESTDIR)$(MODPROBEDIR)/gpuguard.conf $(DESTDIR)$(UDEVDIR)/70-gpuguard.rules \
-		$(DESTDIR)$(MANDIR)/man1/gpuguard.1 $(DESTDIR)$(BASHCOMPDIR)/gpuguard
+	rm -rf $(DESTDIR)$(APPDIR) $(DESTDIR)$(LIBDIR)
+	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard-web.service \
+		$(DESTDIR)$(MANDIR)/man1/gpuguard.1 $(DESTDIR)$(MANDIR)/man8/gpuguard.8 \
+		$(DESTDIR)$(MANDIR)/man8/pam_gpuguard.8 $(DESTDIR)$(MANDIR)/man5/gpuguard.toml.5 \
+		$(DESTDIR)$(BASHCOMPDIR)/gpuguard
 	$(MAKE) -C pam uninstall DESTDIR=$(DESTDIR)
 
 clean:

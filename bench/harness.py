@@ -1,5 +1,5 @@
 """What bench/torture and bench/soak set up: a group, members, a daemon on simulated GPUs with a gate
-of its own (all named ggt-*, removed on exit), and a Target (tests/torture.py) to aim at it."""
+of its own (all named ggt-*, removed on exit), and a Target (tests/system/torture.py) to aim at it."""
 from __future__ import annotations
 
 import secrets

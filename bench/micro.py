@@ -12,7 +12,8 @@ from rows import per_call, row
 
 from gpuguard import allocator, rules
 from gpuguard import config as configuration
-from gpuguard.backends.simulated import SimulatedBackend, register_process
+from gpuguard.backends.sim_registry import register_process
+from gpuguard.backends.simulated import SimulatedBackend
 from gpuguard.model import Grant, Quota
 from gpuguard.store import Store
 

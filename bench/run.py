@@ -11,7 +11,11 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
   a login storm; at ~100 and at 5,000 host processes;
 - watcher_bench.py: the daemon's CPU per tick at 500 and 5,000 processes, its own part of a
   tick, the metrics snapshot per tick, kill latency;
-- gate_bench.py: open(2) with and without the gate (bench/openloop.c).
+- gate_bench.py: open(2) with and without the gate (bench/openloop.c);
+- cli_bench.py: `gpuguard whoami` and `status` start-up against an empty `python3 -I -S`;
+- flood_bench.py: the tick and logins under release, metrics-slowloris and subuid floods, and a
+  logout's release among 10,000 root-owned processes, each against the same daemon without;
+- web_bench.py: the web view's grid for 50 servers x 8 GPUs against a static file of its size.
 
 Small C helpers (bench/*.c) are built by the run with gcc. `--only SECTION` runs one section.
 """
@@ -31,7 +35,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "gate")
+SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "gate", "web")
 
 
 def machine() -> str:
@@ -86,6 +90,9 @@ def main() -> int:
             import gate_bench
             with env.gate_lock():  # the baseline too: no other run's gate attached while timing
                 gate_bench.gate_rows(bench)
+        if "web" in sections:
+            import web_bench
+            web_bench.web_rows()
     print(f"\n{table(ROWS)}\n\nbench: {len(ROWS)} rows in {time.monotonic() - started:.0f} s on {host}")
     missed = [r for r in ROWS if r.missed]
     for r in missed:

@@ -41,7 +41,7 @@ WINDOW = 6.0  # seconds of daemon CPU per measurement
 GPU_PROCESS = """
 import os, signal, sys, time
 from pathlib import Path
-from gpuguard.backends.simulated import register_process
+from gpuguard.backends.sim_registry import register_process
 if sys.argv[3] == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 for _ in range(int(sys.argv[4])):
@@ -184,7 +184,7 @@ def own_tick_rows(bench: Bench) -> None:
 
         own = asyncio.run(run()) / ticks
         sample = statistics.median(nvml)
-        snapshot = per_call(lambda: daemon.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
+        snapshot = per_call(lambda: daemon.services.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
     row("gpuguard's own part of a tick (loop CPU), 8 GPUs x 50 processes", own, sample, 0.25,
         "the simulated NVML sample")
     row("metrics snapshot per tick, 8 GPUs x 50 processes", snapshot, sample, 0.5, "the simulated NVML sample")

@@ -11,30 +11,30 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from gpuguard import admission, allocator, inventory, policy, protocol, reporting
 from gpuguard import config as configuration
-from gpuguard.backends import accounts, procfs
-from gpuguard.backends.gate import Gate
-from gpuguard.backends.notify import Notifier
+from gpuguard.backends import accounts
 from gpuguard.config import Config
+from gpuguard.edges import Clock, GateMap, GpuSampler, Lookup, Processes, Terminals
 from gpuguard.errors import GpuguardError
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.holders import HolderEnder, Scan
 from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
-from gpuguard.lookups import AccountLookup
+from gpuguard.lookups import KnownAccounts
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
-from gpuguard.model import Grant, Origin, Quota
+from gpuguard.model import EventKind, Grant, Origin, Rule
 from gpuguard.queueing import Queue, Standing
-from gpuguard.sampling import Sampler
+from gpuguard.release import Releases
 from gpuguard.server import Peer
 from gpuguard.store import Queued, Store
 from gpuguard.units import UnitError, format_duration, parse_duration
+from gpuguard.usage import UsageMeter
 
 ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes"})
 WHOAMI_EVENTS = 20
@@ -64,16 +64,17 @@ def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIR
 
 
 class Api:
-    """The operations, built from exactly the services they use (the daemon composes them)."""
+    """The operations, built from exactly the services they use (wiring.build composes them)."""
 
-    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
-                 sampler: Sampler, lookup: AccountLookup, logout: LogoutRelease, holders: HolderEnder,
-                 gate: Gate | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
-                 account_of: Callable[[int], tuple[str, Quota]], flush_usage: Callable[[], None], queue: Queue,
-                 notifier: Notifier):
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, releases: Releases, exempt: Exempt,
+                 sampler: GpuSampler, lookup: Lookup, logout: LogoutRelease, holders: HolderEnder,
+                 gate: GateMap | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
+                 accounts: KnownAccounts, usage: UsageMeter, queue: Queue, terminals: Terminals,
+                 processes: Processes, clock: Clock, foreign: Sequence[dict[str, Any]] = ()):
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.grants = grants
+        self.releases = releases
         self.exempt = exempt
         self.sampler = sampler
         self.lookup = lookup
@@ -82,10 +83,13 @@ class Api:
         self.gate = gate
         self._reload = reload
         self._sync_nodes = sync_nodes
-        self._account_of_uid = account_of  # name and quota as the watcher last resolved them: no NSS wait
-        self._flush_usage = flush_usage  # the watcher's usage of the last minute, not written yet
+        self.accounts = accounts  # names and quotas as the watcher last resolved them: no NSS wait
+        self.usage = usage  # the watcher's usage of the last minute, not written yet
         self.queue = queue
-        self.notifier = notifier
+        self.terminals = terminals
+        self.processes = processes
+        self.clock = clock
+        self.foreign = list(foreign)  # status entries of the GPUs Slurm or Kubernetes own (coexist.status_entries)
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
         # `request` reply (a grant may come before the client's `wait` call arrives).
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
@@ -124,18 +128,18 @@ class Api:
     def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,
                       grant: str = "auto") -> dict[str, Any]:
         store, config = self.store, self.config()
-        now = time.time()
-        caller = procfs.process_identity(pid)  # None: gone already, and the next tick drops the session
+        now = self.clock()
+        caller = self.processes.identity(pid)  # None: gone already, and the next tick drops the session
         session = store.open_session(account.uid, account.name, service, rhost, tty, pid, now,
                                      caller.start_time if caller else None)
         event(logging.INFO, "session_open", user=account.name, session=session.id, service=service,
               rhost=rhost or None, tty=tty or None, pid=pid)
         reply = protocol.ok(session=session.id, gpus=[], cuda_visible_devices="", message="")
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             self.exempt.add(account.uid)  # a no-op unless joined since, or missed by NSS member lists
             return reply
-        if not policy.is_member(account.groups, access):
+        if eligible == policy.Eligibility.OUTSIDER:
             return reply
         held = store.grants(account.uid)
         if held:  # a second session reuses the grant it already has
@@ -193,24 +197,25 @@ class Api:
         return protocol.ok(
             user=account.name, uid=account.uid, group=access.group,
             member=policy.is_member(account.groups, access),
-            exempt=policy.is_exempt(account.uid, account.name, account.groups, access),
+            exempt=self._eligibility(account) == policy.Eligibility.EXEMPT,
             quota=asdict(quota),
             grants=[self._grant_info(g) for g in store.grants(account.uid)],
             sessions=[asdict(s) for s in store.sessions(account.uid)],
             events=[asdict(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
             usage=store.usage(account.uid),
-            queue=_standing_info(self.queue.standing(account.uid, time.time())))
+            queue=_standing_info(self.queue.standing(account.uid, self.clock())))
 
     async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         config = self.config()
         sample = self.sampler.last
         commands = await self.sampler.commands(sample.owners) if sample else {}
-        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self._account_of_uid, commands)
-        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=time.time(),
+        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self.accounts.of, commands)
+        gpus = sorted([*gpus, *self.foreign], key=lambda gpu: gpu["minor"])
+        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=self.clock(),
                             group=config.access.group,
                             queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,
                                     "since": q.waiter.since, "priority": q.waiter.priority}
-                                   for i, q in enumerate(self.queue.ordered(time.time()), start=1)])
+                                   for i, q in enumerate(self.queue.ordered(self.clock()), start=1)])
         if peer.uid == 0:
             reply.update(sessions=[asdict(s) for s in self.store.sessions()],
                          exempt=sorted(self.exempt.uids), mode=config.access.mode,
@@ -220,26 +225,28 @@ class Api:
     async def gpus(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """`gpuguard gpus` for anyone: from what the daemon read already (no NVML call of its own)."""
         sample, grants = self.sampler.last, self.grants
-        return protocol.ok(**inventory.view(
+        found = inventory.view(
             grants.physical.values(), [unit for unit in grants.gpus.values() if unit.slice is not None],
             sample.layout.unread if sample and sample.layout else (), grants.topology,
-            Counter(p.minor for p in sample.processes) if sample else Counter(), sample.use if sample else None))
+            Counter(p.minor for p in sample.processes) if sample else Counter(), sample.use if sample else None)
+        found["gpus"] = sorted([*found["gpus"], *inventory.foreign(self.foreign)], key=lambda gpu: gpu["minor"])
+        return protocol.ok(**found)
 
     # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
 
     async def report(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         uid = await self._records_of(request, peer)
-        since, until = _period(request)
+        since, until = _period(request, self.clock())
         by = _field(request, "by", str, "user")
         if by not in reporting.GROUPINGS:
             raise Refusal(f"field 'by': one of {', '.join(reporting.GROUPINGS)}, got {by!r}", 2)
-        self._flush_usage()  # a report made now includes the last tick
+        self.usage.flush()  # a report made now includes the last tick
         rows = self.store.usage_by(by, since, until, uid)
         return protocol.ok(by=by, since=since, until=until, **reporting.report(rows))
 
     async def events(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         uid = await self._records_of(request, peer)
-        since, until = _period(request, default_since=0.0)
+        since, until = _period(request, self.clock(), default_since=0.0)
         limit = _field(request, "limit", int, 200)
         if not 1 <= limit <= reporting.MAX_EVENTS:
             raise Refusal(f"field 'limit': between 1 and {reporting.MAX_EVENTS}, got {limit}", 2)
@@ -251,9 +258,11 @@ class Api:
         Root may name an account deleted since: its records keep the uid it had."""
         name = _field(request, "user", str, None)
         if peer.uid != 0:
-            if name is not None and name != (await self._account_of(peer)).name:
-                raise Refusal("only root may look at another user's records")
-            return peer.uid
+            own = (await self._account_of(peer)).name
+            if own != self.config().web.user:  # the web view's account reads as root does
+                if name is not None and name != own:
+                    raise Refusal("only root may look at another user's records")
+                return peer.uid
         if name is None:
             return None
         try:
@@ -271,11 +280,11 @@ class Api:
         if wait := self._requests.allow(peer.uid, time.monotonic()):
             raise Refusal(f"too many requests at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             raise Refusal("you are exempt: every GPU is open to you without a grant")
-        if not policy.is_member(account.groups, access):
-            raise Refusal(f"only members of group {access.group} get GPUs; ask your admin")
+        if eligible == policy.Eligibility.OUTSIDER:
+            raise Refusal(f"only members of group {config.access.group} get GPUs; ask your admin")
         quota = policy.quota_for(account.name, account.groups, config)
         wanted = _field(request, "gpus", int, quota.gpus)
         if wanted < 1:
@@ -285,7 +294,7 @@ class Api:
         wait = _field(request, "wait", bool, False)
         more = wanted - len(store.grants(account.uid))
         granted: tuple[int, ...] = ()
-        now = time.time()
+        now = self.clock()
         if more > 0 and (mine := store.queue(account.uid)):
             # One place per user: a second one could bring them more than their quota.
             if not wait:
@@ -301,7 +310,7 @@ class Api:
             more -= len(granted)
         if more > 0 and (wait or not store.grants(account.uid)):
             # Not all of it free (or others wait first): the queue decides, whole requests only.
-            caller = procfs.process_identity(peer.pid)
+            caller = self.processes.identity(peer.pid)
             queued, waits = self.queue.join(account.uid, account.name, more, quota, now, Origin.REQUEST, peer.pid,
                                             caller.start_time if caller else None)
             if waits:
@@ -365,10 +374,10 @@ class Api:
         future = self._waiting.get(waiter.id)
         if future is not None and not future.done():
             future.set_result(minors)
-        waited = format_duration(max(0, round(time.time() - waiter.since)))
+        waited = format_duration(max(0, round(self.clock() - waiter.since)))
         reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})")
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
-        self.notifier.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
+        self.terminals.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
     async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Give GPUs back. It kills nothing: while a process of the user still uses one of
@@ -390,8 +399,8 @@ class Api:
             pids = sorted({pid for pid, _ in busy})
             raise Refusal(f"GPU {unit_list({m for _, m in busy})} still in use by your process"
                           f"{'es' if len(pids) > 1 else ''} {number_list(pids)}: stop them, then release")
-        removed = self.grants.remove(account.uid, targets, time.time(), kind="release", rule="user",
-                                       message="released with gpuguard release")
+        removed = self.releases.take_back(account.uid, targets, self.clock(), kind=EventKind.RELEASE, rule=Rule.USER,
+                                          message="released with gpuguard release")
         return protocol.ok(released=[g.minor for g in removed], **self._grant_reply(store.grants(account.uid)))
 
     # --- admin
@@ -405,11 +414,11 @@ class Api:
         if count is not None and count < 1:
             raise Refusal("gpus must be at least 1", 2)
         duration = _duration(request.get("for"))
-        access = config.access
-        if policy.is_exempt(account.uid, account.name, account.groups, access):
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
             raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
-        if not policy.is_member(account.groups, access):
-            raise Refusal(f"{account.name} is not in group {access.group}: only members get GPUs")
+        if eligible == policy.Eligibility.OUTSIDER:
+            raise Refusal(f"{account.name} is not in group {config.access.group}: only members get GPUs")
         quota = policy.quota_for(account.name, account.groups, config)
         share = policy.may_share(quota)
         if minors is not None:
@@ -423,7 +432,7 @@ class Api:
             if len(chosen) < count:
                 raise Refusal(f"only {len(chosen)} more GPU{'s' if len(chosen) != 1 else ''} free for "
                               f"{account.name}, {count} asked")
-        now = time.time()
+        now = self.clock()
         expires_at = now + duration if duration is not None else policy.expires_at(quota, now)
         term = f" for {format_duration(duration)}" if duration is not None else ""
         self.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
@@ -446,12 +455,12 @@ class Api:
             uid = next((g.uid for g in store.grants() if g.user == name), None)
         if uid is None:
             raise Refusal(f"no such user: {name}", 2)
-        removed = self.grants.remove(uid, minors, time.time(), kind="revoke", rule="admin", message="revoked by root",
-                                     end_holders=False)
+        removed = self.releases.take_back(uid, minors, self.clock(), kind=EventKind.REVOKE, rule=Rule.ADMIN,
+                                          message="revoked by root", end_holders=False)
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + unit_list(minors)}")
         revoked = {g.minor for g in removed}
-        ending = await self.holders.end(uid, removed[0].user, revoked, "admin")
+        ending = await self.holders.end(uid, removed[0].user, revoked, Rule.ADMIN)
         scan = ending.scan
         note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
         if scan.listed:  # the gate only checks at open(): the watcher warns these as stray use and ends them
@@ -518,6 +527,9 @@ class Api:
 
     # --- who is asking (NSS, off the event loop)
 
+    def _eligibility(self, account: accounts.Account) -> policy.Eligibility:
+        return policy.eligibility(account.uid, account.name, account.groups, self.config().access)
+
     async def _account_named(self, name: str) -> accounts.Account:
         try:
             return await self.lookup.by_name(name)
@@ -536,7 +548,7 @@ class Api:
         if name is None:
             return await self._account_of(peer)
         own = await self._account_of(peer) if peer.uid != 0 else None
-        if own is not None and own.name != name:
+        if own is not None and own.name not in (name, self.config().web.user):  # the web view reads all
             raise Refusal("only root may look at another user's GPUs")
         return await self._account_named(name)
 
@@ -551,12 +563,12 @@ def _readable(scan: Scan) -> Scan:
     return scan
 
 
-def _period(request: dict[str, Any], default_since: float | None = None) -> tuple[float, float]:
+def _period(request: dict[str, Any], now: float, default_since: float | None = None) -> tuple[float, float]:
     """since and until (epoch seconds) of a request; until defaults to now, since to default_since."""
     since = _number(request, "since", default_since)
     until = _number(request, "until", None)
     if until is None:
-        until = time.time()
+        until = now
     if since is None:
         raise Refusal("missing field 'since'", 2)
     if since >= until:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpuguard.backends import mig_profiles
+from gpuguard import mig_profiles
 from gpuguard.compat import StrEnum, tomllib
 from gpuguard.errors import UsageError
 from gpuguard.model import MIG_PROFILE, Quota
@@ -24,6 +24,7 @@ DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 # nvidia-persistenced runs as this user and keeps every GPU open.
 DRIVER_ACCOUNTS = ("nvidia-persistenced",)
 MAX_GPUS = 64  # per machine; more is a typo
+MAX_GPU_MINOR = 253  # /dev/nvidia254 and 255 are nvidia-modeset and nvidiactl
 MAX_EVENTS_PER_USER = 1_000_000  # more is a typo (whoami shows 20)
 
 E = TypeVar("E", bound=StrEnum)
@@ -122,6 +123,32 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class WebConfig:
+    """`gpuguard web`, the read-only web view (gpuguard.web): off until `listen` is set."""
+
+    listen: tuple[str, int] | None = None  # (address, port) it serves on
+    # The account `gpuguard web` runs as: the daemon lets it read every user's records (whoami,
+    # report, events), as root may, and nothing more; it changes nothing.
+    user: str = "gpuguard-web"
+    show_users: bool = True                # false: other users' names are hidden from non-admins
+    admin_group: str | None = None         # its members see every user's page and usage
+    pam_service: str = "gpuguard-web"      # the PAM service of its login (/etc/pam.d/gpuguard-web)
+    key_file: Path = Path("/var/lib/gpuguard-web/session.key")  # signs the session cookies; made at start
+    session_time: float = 8 * 3600.0       # a login lasts this long
+    secure_cookies: bool = True            # cookies only over HTTPS (browsers allow http://localhost too)
+
+
+@dataclass(frozen=True)
+class CoexistConfig:
+    """GPUs another system owns on this machine (gpuguard.coexist): left out of the gate, the ACLs and allocation."""
+
+    slurm: str | tuple[int, ...] | None = None  # "auto" (gres.conf), "off", or Slurm's GPU minors; None: not set
+    gres_conf: Path = Path("/etc/slurm/gres.conf")
+    slurm_node: str | None = None               # this host's Slurm NodeName; None: the short host name
+    k8s_gpus: tuple[int, ...] = ()              # minors the Kubernetes device plugin hands to containers
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     backend: GpuBackend = GpuBackend.NVML
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
@@ -148,6 +175,8 @@ class Config:
     paths: PathsConfig = field(default_factory=PathsConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    web: WebConfig = field(default_factory=WebConfig)
+    coexist: CoexistConfig = field(default_factory=CoexistConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
 
 
@@ -240,6 +269,9 @@ def _listen(value: Any) -> tuple[str, int]:
     return host, int(port)
 
 
+parse_listen = _listen  # `gpuguard web --listen` takes the same form
+
+
 def _choice(*options: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in options:
@@ -271,6 +303,23 @@ def _mig(value: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
         raise ValueError(f'expected GPU minors and their MIG profiles, like {{ "0" = ["1g.10gb", "3g.40gb"] }}, '
                          f"got {value!r}")
     return tuple(sorted((int(minor), tuple(profiles)) for minor, profiles in value.items()))
+
+
+def _minors(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(m, int) and not isinstance(m, bool) for m in value):
+        raise ValueError(f"expected a list of GPU minors, got {value!r}")
+    if bad := [m for m in value if not 0 <= m <= MAX_GPU_MINOR]:
+        raise ValueError(f"GPU minors are 0 to {MAX_GPU_MINOR}, got {bad[0]}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"a GPU is listed twice in {value!r}")
+    return tuple(sorted(value))
+
+
+def _slurm(value: Any) -> str | tuple[int, ...]:
+    """"auto" (read gres.conf), "off" (Slurm owns no GPU here), or the minors Slurm owns."""
+    if isinstance(value, list):
+        return _minors(value)
+    return _choice("auto", "off")(value)
 
 
 def _slice_limit(value: Any) -> int | None:
@@ -315,6 +364,10 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},
+    "web": {"listen": _listen, "user": _string, "show_users": _bool, "admin_group": _string,
+            "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
+            "secure_cookies": _bool},
+    "coexist": {"slurm": _slurm, "gres_conf": _absolute_path, "slurm_node": _string, "k8s_gpus": _minors},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
                       "nvlink_groups": _groups, "pcie_switches": _groups, "numa_nodes": _groups, "mig": _mig},
 }
@@ -368,6 +421,13 @@ def _check_mig(source: Path, sim: SimulatedConfig) -> None:
             raise ConfigError(f"{source}: gpu.simulated.mig.{minor}: {exc}") from None
 
 
+def _coexist(source: Path, section: dict[str, Any]) -> CoexistConfig:
+    coexist = CoexistConfig(**section)
+    if isinstance(coexist.slurm, tuple) and (both := sorted(set(coexist.slurm) & set(coexist.k8s_gpus))):
+        raise ConfigError(f"{source}: coexist.k8s_gpus: GPU {both[0]} is also in coexist.slurm: one system owns a GPU")
+    return coexist
+
+
 def load_quotas(path: Path) -> QuotaOverrides:
     """Read quotas.toml: `[users.NAME]` and `[groups.NAME]` tables of quota keys. Missing file: none."""
     if not path.exists():
@@ -416,6 +476,8 @@ def load(path: Path | str | None = None) -> Config:
         paths=paths,
         gpu=GpuConfig(simulated=simulated, **gpu_section),
         metrics=MetricsConfig(**sections.get("metrics", {})),
+        web=WebConfig(**sections.get("web", {})),
+        coexist=_coexist(source, sections.get("coexist", {})),
         quotas=load_quotas(paths.quotas),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:

@@ -1,7 +1,8 @@
-"""`gpuguard daemon`: the composition root and the event loop.
+"""`gpuguard daemon`: the real edges (kernel, NVML, NSS, terminals) handed to wiring.build, and the event loop.
 
-Start: claim the socket path (refused while another daemon serves) -> store -> GPU backend ->
-gate (attach or find) -> exemptions -> reconcile the gate map and node ACLs from the store ->
+Start: claim the socket path (refused while another daemon serves) -> GPU backend -> gate ->
+the services (wiring.build, which opens the store) -> exemptions, the gate attached or found with
+them -> the MIG layout followed -> reconcile the gate map and node ACLs from the store ->
 watch the device directory -> serve the socket -> READY=1. Under systemd it also says what it
 is doing (STATUS=) and pings the watchdog (WATCHDOG=1, WatchdogSec= in etc/gpuguard.service)
 from the event loop, so a loop that hangs gets the daemon restarted. One asyncio loop in the main thread
@@ -22,14 +23,11 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from gpuguard import coexist, sampling, wiring
 from gpuguard import config as configuration
-from gpuguard import policy, sampling
-from gpuguard.api import Api
 from gpuguard.backends import (
     GateError,
-    accounts,
     caps_major,
     devnodes,
     driver_minors,
@@ -37,30 +35,22 @@ from gpuguard.backends import (
     open_gate,
     open_gpu_backend,
     procfs,
+    slurm,
     systemd,
 )
 from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.backends.node_watcher import NodeWatcher
+from gpuguard.backends.owned import OwnedGpus
+from gpuguard.backends.processes import HostProcesses
+from gpuguard.coexist import Owner
 from gpuguard.config import AccessMode, Config, GpuBackend
-from gpuguard.exempt import Exempt
-from gpuguard.grants import Grants
-from gpuguard.holders import HolderEnder
-from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
-from gpuguard.lookups import AccountLookup, LookupTimeout
-from gpuguard.messages import layout_message, unit_list
-from gpuguard.metrics import Metrics
-from gpuguard.model import Origin
-from gpuguard.queueing import Queue
-from gpuguard.scans import Scans
+from gpuguard.lookups import AccountLookup
+from gpuguard.messages import unit_list
+from gpuguard.model import EventKind, Rule, unit_parent
 from gpuguard.server import Server
-from gpuguard.store import Store
-from gpuguard.watcher import Watcher
-
-if TYPE_CHECKING:
-    from gpuguard.backends.nvml import MigLayout
 
 DEADLINE_MARGIN = 0.001  # seconds past a wait's end: the tick's clock must read it as over
 CHECK_EVERY = 30.0  # seconds between checks that the gate, its maps and the node ACLs are as the store says
@@ -72,6 +62,7 @@ class Daemon:
         self.gate_name = gate_name
         self._stop = asyncio.Event()
         self._layout_read: asyncio.Task | None = None  # the MIG layout read a reload asked for
+        self._exempt_read: asyncio.Task | None = None  # the exempt users' lookup a reload asked for
 
     def current_config(self) -> Config:
         """What the services read the config through: a reload replaces self.config."""
@@ -85,67 +76,62 @@ class Daemon:
         self.server = Server(self.config.paths.socket, self._handle, abandoned_on_hangup=frozenset({"wait"}))
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
         systemd.status("starting: opening the store and the GPUs")
+        # Before anything is touched: on a Slurm node nobody has decided about, refusing is safe
+        present = driver_minors(self.config)
+        self.ownership = slurm.ownership(self.config.coexist, present)
+        coexist.check_some_left(self.ownership, present)
         if self.config.access.mode == AccessMode.ACL:
             _refuse_stale_gate(self.gate_name)
-        self.store = Store(self.config.paths.state_dir / "state.db", self.config.events)
         self._ensure_driver_nodes()  # NVML needs them to start
-        self.backend = open_gpu_backend(self.config)
-        self.sampler = sampling.Sampler(self.backend)
+        self.backend = OwnedGpus(open_gpu_backend(self.config), self.ownership.foreign)
         for error in self.backend.unavailable:  # GPUs NVML cannot read at start: the others are still guarded
             event(logging.ERROR, "gpu_unavailable", error=error, action="left out until a restart")
-        self.gate = open_gate(self.config, self.gate_name) if self.config.access.mode == AccessMode.GATE else None
+        self.gate = open_gate(self.config, self.gate_name, self.ownership) if self.config.access.mode == AccessMode.GATE else None
         # Every GPU the driver has keeps a managed node, also one NVML cannot read now: left
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         first_layout = self.backend.layout()
-        gpus = {gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]}
-        self.grants = Grants(self.store, self.gate, AclNodes(self.config.paths.device_dir), driver_minors(self.config),
-                             gpus=gpus, topology=self.backend.topology(), caps_major=caps_major(self.config))
+        sampler = self.sampler = sampling.Sampler(self.backend)
+        services = self.services = wiring.build(wiring.Edges(
+            config=self.current_config, store_path=self.config.paths.state_dir / "state.db",
+            sampler=sampler, connections=self.server.budget,
+            units={gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
+            driver_minors=present - self.ownership.foreign.keys(), nodes=AclNodes(self.config.paths.device_dir),
+            lookup=AccountLookup(), terminals=notify.Notifier(), exits=ExitWatch(),
+            find_holders=partial(sampling.node_holders, real_uids=procfs.RealUids()), processes=HostProcesses(),
+            gate=self.gate,
+            topology=self.backend.topology(), caps_major=caps_major(self.config),
+            reload=self.reload, sync_nodes=self.sync_nodes,
+            foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership)))
+        self.store, self.grants = services.store, services.grants
         systemd.status("starting: attaching the gate and restoring grants")
-        self.exempt = Exempt(lambda: self.config.access, self.store, self._apply_exempt)
-        exempt = self.exempt.compute()
+        exempt = services.exempt.compute()
         if self.gate:
             self.gate.attach(exempt)  # a new gate starts with its exempt map filled: no moment without it
-        self.exempt.set(exempt)
-        self.lookup = AccountLookup()
-        self.notifier = notify.Notifier()
-        self.scans = Scans(partial(sampling.node_holders, devices_of=self.grants.holder_devices,
-                                   real_uids=procfs.RealUids()))
-        self.holders = HolderEnder(self.scans, self.sampler, self.exempt, self.store,
-                                   lambda: self.config.watcher.kill_wait, is_member=self._is_member)
-        self.grants.holders = self.holders
-        self.logout = LogoutRelease(self.store, self.grants, self.scans, ExitWatch())
-        self.queue = Queue(self.current_config, self.store, self.grants)
-        self.watcher = Watcher(self.current_config, self.store, self.grants, self.exempt, self.sampler,
-                               self.lookup, self.notifier, demand=self.queue.demand)
-        self.api = Api(self.current_config, self.store, self.grants, self.exempt, self.sampler, self.lookup,
-                       self.logout, self.holders, self.gate, reload=self.reload, sync_nodes=self.sync_nodes,
-                       account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
-                       queue=self.queue, notifier=self.notifier)
-        self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
-                               self.watcher.account_of, self.server.budget)
+        services.exempt.set(exempt)
+        self._end_foreign_grants()
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
         # users told) before the gate and the ACLs are rebuilt from the store.
-        self.follow_layout(first_layout)
+        self.services.releases.follow_layout(first_layout, time.time())
         for repaired in self.grants.reconcile():  # what changed while no daemon ran
             event(logging.INFO, "reconcile", repaired=repaired)
         self.node_watchers = [NodeWatcher(self.config.paths.device_dir, self._node_changed)]
         caps_dir = self.config.paths.device_dir / "nvidia-caps"
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
             self.node_watchers.append(NodeWatcher(caps_dir, self._node_changed, pattern="nvidia-cap*", uevents=False))
-        self.metrics.start()  # bound now; served on the loop, a scrape reads the snapshot each tick publishes
+        self.services.metrics.start()  # bound now; served on the loop, a scrape reads the snapshot each tick publishes
 
-    async def _is_member(self, uid: int) -> bool | None:
-        """Whether uid is in the GPU group now; None when NSS cannot say (HolderEnder then reports)."""
-        try:
-            account = await self.lookup.by_uid(uid)
-        except (accounts.NssFailure, LookupTimeout):
-            return None
-        except accounts.UnknownUser:  # no account: a user namespace's uid, or deleted
-            return False
-        return policy.is_member(account.groups, self.config.access)
+    def _end_foreign_grants(self) -> None:
+        """Grants made before their GPU became Slurm's or Kubernetes' end: the gate leaves its node alone now."""
+        if self.ownership.foreign:
+            event(logging.INFO, "coexist", owners=self.ownership.summary())
+        for grant in self.store.grants():
+            if (owner := self.ownership.owner(unit_parent(grant.minor))) != Owner.GPUGUARD:
+                gpu = unit_parent(grant.minor)
+                self.services.releases.take_back(grant.uid, [grant.minor], time.time(), kind=EventKind.REVOKE,
+                                                 rule=Rule.COEXIST, message=f"GPU {gpu} belongs to {owner} now (coexist)")
 
     async def _handle(self, request: dict, peer) -> dict:
-        return await self.api.handle(request, peer)
+        return await self.services.api.handle(request, peer)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -156,7 +142,7 @@ class Daemon:
         for watcher in self.node_watchers:
             loop.add_reader(watcher.fileno(), watcher.process)
         await self.server.start()
-        await self.metrics.serve()
+        await self.services.metrics.serve()
         ticker = asyncio.create_task(self._ticker())
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
@@ -172,25 +158,19 @@ class Daemon:
                 pinger.cancel()
             for watcher in self.node_watchers:
                 loop.remove_reader(watcher.fileno())
-            if self._layout_read is not None:
-                self._layout_read.cancel()
+            for task in (self._layout_read, self._exempt_read):
+                if task is not None:
+                    task.cancel()
             await self.server.close()
             self.close()
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
-        self.metrics.close()
-        self.logout.close()
-        self.holders.close()
-        self.scans.close()
-        self.sampler.close()
-        self.watcher.close()
-        self.notifier.close()
-        self.lookup.close()
+        self.services.close()
+        self.sampler.close()  # an edge: the daemon made it
         for watcher in self.node_watchers:
             watcher.close()
         self.backend.close()
-        self.store.close()
         if self.gate:
             self.gate.close()  # our descriptors only: the program stays attached and pinned
 
@@ -199,14 +179,15 @@ class Daemon:
         new = configuration.load(self.config.source)
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
         fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
+                        coexist=self.config.coexist,
                         access=replace(new.access, mode=self.config.access.mode))
         if fixed != new:
-            event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics and access.mode change at restart")
+            event(logging.WARNING, "reload_partial", reason="paths, gpu, metrics, coexist and access.mode change at restart")
         self.config = fixed
-        self.store.retention = fixed.events
-        self.exempt.refresh()
+        loop = asyncio.get_running_loop()
+        self._exempt_read = loop.create_task(self.services.exempt.refresh())  # NSS, off the loop
         # The MIG layout is read again at once, through the sampler: NVML is used from one thread at a time.
-        self._layout_read = asyncio.get_running_loop().create_task(self.read_layout())
+        self._layout_read = loop.create_task(self.read_layout())
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         systemd.status(self._status_text())
@@ -229,11 +210,6 @@ class Daemon:
         except configuration.ConfigError as exc:
             event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
 
-    def _apply_exempt(self, uids: frozenset[int]) -> None:
-        if self.gate:
-            self.gate.set_exempt(uids)
-        self.grants.set_exempt(uids)  # exempt users need ACL entries too: the nodes are 0660 root:root
-
     # --- device nodes
 
     def sync_nodes(self) -> None:
@@ -253,7 +229,8 @@ class Daemon:
         # With NVreg_ModifyDeviceFiles=0 (etc/modprobe.d/gpuguard.conf) nothing else makes them,
         # nvidia-uvm included, whose module usually loads after boot.
         if self.config.gpu.backend == GpuBackend.NVML:
-            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(driver_minors(self.config)))
+            devnodes.ensure_driver_nodes(self.config.paths.device_dir, sorted(driver_minors(self.config)),
+                                         foreign=self.ownership.foreign.keys())
 
     # --- the tick
 
@@ -269,7 +246,7 @@ class Daemon:
         while True:
             interval = self.config.watcher.interval
             wake = regular
-            if (deadline := self.watcher.next_deadline(time.time())) is not None:
+            if (deadline := self.services.watcher.next_deadline(time.time())) is not None:
                 at_deadline = loop.time() + deadline - time.time() + DEADLINE_MARGIN
                 wake = min(regular, max(at_deadline, last + interval / 4))
             await asyncio.sleep(max(0.0, wake - loop.time()))
@@ -298,58 +275,18 @@ class Daemon:
         started = time.monotonic()
         sample = await self.sampler.take_or_log("skipped this tick", max_age=0)  # the tick paces NVML polling
         if sample is not None:
-            self.follow_layout(sample.layout)
-            self.drop_dead_sessions()
-            self.drop_gone_waiters()
-            await self.logout.release_unused(sample)
-            await self.watcher.check(sample, time.time())
-            self.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
-        await self.metrics.after_tick(time.monotonic() - started)
+            self.services.releases.follow_layout(sample.layout, time.time())
+            self.services.logout.drop_dead_sessions()
+            self.services.queue.drop_gone(self.services.logout.caller_alive)
+            await self.services.logout.release_unused(sample)
+            await self.services.watcher.check(sample, time.time())
+            self.services.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
+        await self.services.metrics.after_tick(time.monotonic() - started)
 
     async def read_layout(self) -> None:
         sample = await self.sampler.take_or_log("MIG layout read at the next tick", max_age=0)
         if sample is not None:
-            self.follow_layout(sample.layout)
-
-    def follow_layout(self, seen: MigLayout | None) -> None:
-        """Follow the admin's MIG layout (`nvidia-smi mig ...`), read at each sample and on reload:
-        the grants a change ends are revoked (Grants.update_layout) and their users told why."""
-        if seen is None:
-            return
-        ended: dict[tuple[int, str], list[str]] = {}
-        for grant, why in self.grants.update_layout(seen, time.time()).items():
-            ended.setdefault((grant.uid, grant.user), []).append(why)
-        for (uid, user), whys in ended.items():
-            if uid not in self.exempt.uids:
-                self.notifier.tell(user, uid, layout_message(whys), [s.tty for s in self.store.sessions(uid)])
-
-    def drop_gone_waiters(self) -> None:
-        """Queued requests nobody waits for: a login's whose user has no session left, a request's
-        whose client is gone (also one that died while no daemon ran)."""
-        logged_in = {s.uid for s in self.store.sessions()}
-        gone = self.queue.gone(logged_in, lambda pid, start: pid is not None and _caller_alive(pid, start))
-        if gone:
-            self.queue.leave(q.waiter.id for q in gone)
-            for queued in gone:
-                event(logging.INFO, "queue_left", user=queued.waiter.user, ticket=queued.waiter.id,
-                      reason="no session left" if queued.origin == Origin.SESSION else "client gone")
-
-    def drop_dead_sessions(self) -> None:
-        """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost message)."""
-        starts = self.store.caller_starts()
-        gone = [s for s in self.store.sessions() if not _caller_alive(s.pid, starts.get(s.id))]
-        if gone:
-            self.store.remove_sessions(s.id for s in gone)
-            for session in gone:
-                event(logging.INFO, "session_gone", user=session.user, session=session.id, pid=session.pid)
-
-
-def _caller_alive(pid: int, start: int | None) -> bool:
-    """The caller lives while a process with its pid and start time does. Start times count
-    clock ticks since boot, so a stepped wall clock (chrony at boot) changes nothing. A session
-    from before the store kept start times has none: then any process with the pid will do."""
-    identity = procfs.process_identity(pid)
-    return identity is not None and (start is None or identity.start_time == start)
+            self.services.releases.follow_layout(sample.layout, time.time())
 
 
 def _refuse_stale_gate(name: str) -> None:

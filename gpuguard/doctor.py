@@ -2,8 +2,8 @@
 
 Each check reads `Facts` and returns one `Finding`: ok, warn or fail, what was seen, and for
 anything not ok the command or edit that fixes it. Nothing here touches the system, so every
-verdict is tested on made-up facts (tests/test_doctor_checks.py) and on the real thing
-(tests/test_doctor.py).
+verdict is tested on made-up facts (tests/unit/test_doctor_checks.py) and on the real thing
+(tests/system/test_doctor.py).
 """
 from __future__ import annotations
 
@@ -59,7 +59,11 @@ class Facts:
     exempt_uids: frozenset[int]                      # what the config makes exempt now
     daemon: Mapping | None                           # the daemon's status reply (as root)
     daemon_error: str | None
-    slurm: str | None                                # what shows Slurm is here, None: nothing
+    slurm: str | None                                # what shows Slurm is installed, None: nothing
+    slurm_setting: str | None = None                 # coexist.slurm as written; None: not set
+    owners: str = ""                                 # who owns which GPU (coexist.Ownership.summary())
+    owners_error: str | None = None                  # why that cannot be decided (the daemon refuses to start)
+    foreign: frozenset[int] = frozenset()            # GPUs Slurm or Kubernetes own: their nodes are theirs
 
 
 def check_cgroup(f: Facts) -> Finding:
@@ -132,7 +136,7 @@ def check_nodes(f: Facts) -> Finding:
             holders[gpu["minor"]] = {h["uid"] for h in gpu["holders"]}
     wrong = []
     for minor, node in sorted(f.nodes.items()):
-        if not node.exists:
+        if not node.exists or minor in f.foreign:  # Slurm's or Kubernetes': as their owner keeps them
             continue
         if not node.is_char or node.mode != 0o660 or (node.uid, node.gid) != (0, 0):
             wrong.append(f"{node.path} is {oct(node.mode)} {node.uid}:{node.gid} (want 0660 root:root)")
@@ -155,13 +159,13 @@ def check_modprobe(f: Facts) -> Finding:
             return Finding("modprobe", WARN, "nvidia not loaded; NVreg_ModifyDeviceFiles=0 is set for its next load",
                            "load the driver (modprobe nvidia) and run gpuguard doctor again")
         return Finding("modprobe", FAIL, "no modprobe.d file sets NVreg_ModifyDeviceFiles=0",
-                       "install /usr/lib/modprobe.d/gpuguard.conf (the package does)")
+                       "gpuguard enable (it links /etc/modprobe.d/gpuguard.conf)")
     if f.modprobe_option:
         return Finding("modprobe", FAIL, f"nvidia was loaded with ModifyDeviceFiles={f.modify_device_files}: "
                                          "nvidia-modprobe may reset GPU nodes to 0666",
                        "reboot, or unload and reload the nvidia modules, so the option takes effect")
     return Finding("modprobe", FAIL, f"ModifyDeviceFiles={f.modify_device_files} and no modprobe.d file sets 0",
-                   "install /usr/lib/modprobe.d/gpuguard.conf, then reboot")
+                   "gpuguard enable (it links /etc/modprobe.d/gpuguard.conf), then reboot")
 
 
 def check_pam(f: Facts) -> Finding:
@@ -185,7 +189,7 @@ def check_udev(f: Facts) -> Finding:
     if f.udev_rules:
         return Finding("udev", OK, f"{', '.join(f.udev_rules)} runs gpuguard acl apply")
     return Finding("udev", FAIL, "no udev rule runs gpuguard acl apply when the driver loads",
-                   "install /usr/lib/udev/rules.d/70-gpuguard.rules (the package does)")
+                   "gpuguard enable (it links /etc/udev/rules.d/70-gpuguard.rules)")
 
 
 def check_persistenced(f: Facts) -> Finding:
@@ -207,16 +211,23 @@ def check_daemon(f: Facts) -> Finding:
                                  f"{len(f.daemon.get('sessions', []))} sessions")
 
 
-def check_slurm(f: Facts) -> Finding:
-    if f.slurm is None:
-        return Finding("slurm", OK, "not installed")
-    return Finding("slurm", WARN, f"Slurm is here ({f.slurm}): it hands out GPUs to jobs by itself",
-                   "let one of them own the GPUs of a node: exempt slurm jobs' users, or keep the node out of Slurm")
+def check_coexist(f: Facts) -> Finding:
+    decide = 'set [coexist] slurm = "auto" (gres.conf), "off", or Slurm\'s GPU minors (README: Beside Slurm and Kubernetes)'
+    if f.owners_error is not None:
+        return Finding("coexist", FAIL, f"the daemon will not start: {f.owners_error}", decide)
+    if f.foreign:
+        return Finding("coexist", OK, f"{f.owners}; gpuguard manages the other GPUs")
+    if f.slurm is not None and f.slurm_setting is None:
+        return Finding("coexist", WARN, f"Slurm is installed ({f.slurm}) but this is no Slurm node now (no slurmd "
+                                        "running with a gres.conf); once it is one, gpuguard will not start until "
+                                        "you decide", decide)
+    return Finding("coexist", OK, f"every GPU is gpuguard's (coexist.slurm {f.slurm_setting or 'not set'}, "
+                                  "no Kubernetes GPUs)")
 
 
 CHECKS: Sequence[Callable[[Facts], Finding]] = (
     check_cgroup, check_bpf, check_gate, check_nvml, check_minors, check_nodes, check_modprobe,
-    check_pam, check_udev, check_persistenced, check_daemon, check_slurm)
+    check_pam, check_udev, check_persistenced, check_daemon, check_coexist)
 
 
 def run(facts: Facts) -> list[Finding]:

@@ -7,6 +7,9 @@ Each subclass names where it comes from and its usual code; a raise may give ano
 from __future__ import annotations
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+# LSB's "program is not configured": the daemon will not start until the admin decides something
+# (etc/gpuguard.service names it in RestartPreventExitStatus=, so systemd does not retry it)
+EXIT_NOT_CONFIGURED = 6
 
 
 class GpuguardError(Exception):

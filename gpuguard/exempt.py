@@ -2,49 +2,52 @@
 users whom policy.is_exempt calls exempt. The gate's exempt map and the node ACLs follow."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
-from gpuguard import policy
+from gpuguard import lookups
 from gpuguard.backends import accounts
 from gpuguard.config import AccessConfig
+from gpuguard.edges import Lookup
+from gpuguard.logs import event
 from gpuguard.store import Store
 
 
 class Exempt:
     def __init__(self, access: Callable[[], AccessConfig], store: Store,
-                 apply: Callable[[frozenset[int]], None]):
+                 apply: Callable[[frozenset[int]], None], lookup: Lookup):
         self._access = access  # the config in force: a reload changes the exempt groups
         self._store = store
         self._apply = apply    # the gate map and the ACLs (Grants.set_exempt and Gate.set_exempt)
+        self._lookup = lookup  # NSS off the loop, for refresh
         self.uids: frozenset[int] = frozenset({0})
-
-    def refresh(self) -> None:
-        """Recompute from NSS (blocking: at start and reload, never per login) and apply."""
-        self.set(self.compute())
+        self._added: set[int] | None = None  # logins made exempt while a refresh asks NSS
 
     def compute(self) -> frozenset[int]:
-        """The exempt uids as NSS and the open sessions say now.
+        """The exempt uids as NSS and the open sessions say now (lookups.exempt_uids). Blocking: at
+        start only, before anything is served; a reload refreshes off the loop."""
+        return lookups.exempt_uids((self._access(), self._logged_in()))
 
-        accounts.exempt_uids gives the exempt groups' member lists; to those are added the users
-        with an open session whom policy.is_exempt (their own groups) calls exempt. The two can
-        differ: SSSD/LDAP often list no members whose primary group it is, so a login finds exempt
-        someone the member lists missed, and adds them (add). Asking again for the users with
-        sessions keeps such logins exempt across a reload, while a user taken out of the exempt
-        groups still loses it.
-        """
-        access = self._access()
-        uids = accounts.exempt_uids(access)
-        for uid in {s.uid for s in self._store.sessions()} - uids:
-            try:
-                account = accounts.by_uid(uid)
-            except accounts.UnknownUser:
-                continue
-            if policy.is_exempt(uid, account.name, account.groups, access):
-                uids.add(uid)
-        return frozenset(uids)
+    async def refresh(self) -> None:
+        """Ask NSS again (a reload) in the lookups' pool, bounded in time, and apply. A directory
+        that does not answer keeps the exempt set as it was (logged): the loop never waits for it."""
+        self._added = set()
+        try:
+            uids = await self._lookup.exempt_uids(self._access(), self._logged_in())
+        except accounts.UnknownUser as exc:  # lookups.LookupTimeout
+            event(logging.ERROR, "exempt_refresh_failed", error=str(exc), kept="the exempt users as they were")
+            return
+        finally:
+            added, self._added = self._added, None
+        self.set(uids | added)
+
+    def _logged_in(self) -> set[int]:
+        return {s.uid for s in self._store.sessions()}
 
     def add(self, uid: int) -> None:
         """A login that policy calls exempt, which the last refresh missed."""
+        if self._added is not None:
+            self._added.add(uid)
         if uid not in self.uids:
             self.set(self.uids | {uid})
 

@@ -12,44 +12,36 @@ is written to the store before the gate opens, a release closes the gate before 
 forgets. A crash in between therefore leaves, at worst, a grant the gate does not honour
 yet, which reconcile() at the next start repairs.
 
-Used by the API (logins, requests, admin commands), the logout release and the watcher
-(expiry, idle release); all calls come from the event-loop thread, as the store requires.
+Used by the API (logins, requests, admin commands) and release.Releases, the one step that takes
+grants back (store, gate, ACLs here; then the holders, the fair share and the queue); all calls
+come from the event-loop thread, as the store requires.
 """
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gpuguard import allocator, layout, policy
 from gpuguard.allocator import Topology
-from gpuguard.backends.gate import Entry, Gate
+from gpuguard.edges import Entry, GateMap, Nodes
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
-from gpuguard.model import NVIDIA_MAJOR, Device, Event, Gpu, Grant, Origin, Quota, is_slice, unit_parent
+from gpuguard.model import NVIDIA_MAJOR, Device, Event, EventKind, Gpu, Grant, Origin, Quota, Rule, is_slice, unit_parent
 from gpuguard.store import Store
 
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import MigLayout
-    from gpuguard.holders import HolderEnder
 
 _NODE = re.compile(r"nvidia(\d+)")
 _CAP_NODE = re.compile(r"nvidia-cap(\d+)")
 
 
-class Nodes(Protocol):
-    """The device nodes of GPUs and MIG capabilities (backends.gpu_nodes.AclNodes on a real machine)."""
-
-    def sync(self, device: Device, users: Collection[int]) -> list[str]:
-        """Make the node exist, 0660 root:root, with an ACL entry for exactly `users`;
-        returns what was wrong (empty when the node was right and nothing was written)."""
-
-
 class Grants:
-    def __init__(self, store: Store, gate: Gate | None, nodes: Nodes, minors: Collection[int],
+    def __init__(self, store: Store, gate: GateMap | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
                  topology: Topology | None = None, caps_major: int | None = None):
         """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
@@ -74,12 +66,6 @@ class Grants:
         self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
-        # Ends the processes that still hold a node taken away (set by the daemon once built: it
-        # needs the sampler and the exempt set); None where nothing runs (unit tests of this class).
-        self.holders: HolderEnder | None = None
-        # Told of every grant taken back, whatever took it (the queue: fair-share charge, then
-        # the freed GPUs go to the waiters first).
-        self.on_removed: list[Callable[[list[Grant], float], None]] = []
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -143,21 +129,20 @@ class Grants:
             self.sync_nodes(minors)
         except Exception:
             # Not enforceable: take it back, so the store never claims what the kernel does not do.
-            self.remove(uid, minors, now, kind="error", rule=origin, message="grant could not be applied")
+            self.remove(uid, minors, now, kind=EventKind.ERROR, rule=Rule(origin), message="grant could not be applied")
             raise
         for minor in minors:
-            self.store.add_event(Event(now, uid, user, "grant", message, minor=minor, rule=origin, action="grant"))
+            self.store.add_event(Event(now, uid, user, EventKind.GRANT, message, minor=minor, rule=Rule(origin),
+                                       action=EventKind.GRANT))
         event(logging.INFO, "grant", user=user, uid=uid, gpus=unit_list(minors), origin=origin, expires_at=expires_at,
               shared=shared or None)
 
-    def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: str, rule: str,
-               message: str, end_holders: bool = True) -> list[Grant]:
-        """Take back a user's GPUs (all, or these minors). kind: release (the user's or an
-        idle/logout release), revoke (an admin or a time limit), error. Returns what was held.
-
-        The processes of the user still holding one of those nodes are then ended in the
-        background (holders.HolderEnder), whichever path took the GPUs; a caller that wants to
-        report on them passes end_holders=False and awaits HolderEnder.end itself."""
+    def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
+               message: str) -> list[Grant]:
+        """Take back a user's GPUs (all, or these minors) from the gate, the store and the ACLs, and
+        record it. kind: release, revoke, error (a grant that could not be applied). Returns what
+        was held. Only that: release.Releases.take_back is the whole step (holders, fair share,
+        queue), which every path that takes grants back goes through."""
         wanted = None if minors is None else set(minors)
         everything = self.store.grants(uid)
         held = [g for g in everything if wanted is None or g.minor in wanted]
@@ -182,10 +167,6 @@ class Grants:
             self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
                                        action=kind))
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpus=unit_list(g.minor for g in held), rule=rule)
-        if self.holders is not None and end_holders and kind != "error":  # error: the gate never opened
-            self.holders.schedule(uid, held[0].user, [g.minor for g in held], rule)
-        for listener in self.on_removed:
-            listener(held, now)
         return held
 
     def sync_nodes(self, units: Iterable[int]) -> list[str]:
@@ -218,13 +199,13 @@ class Grants:
         elif _CAP_NODE.fullmatch(path.name):
             self.sync_nodes(unit for unit in self._all_units() if is_slice(unit))
 
-    def update_layout(self, now_seen: MigLayout, now: float) -> dict[Grant, str]:
-        """Follow the MIG layout NVML shows now (NvmlBackend.layout()). The new slices become what
-        can be handed out, first, so that what the revokes free goes to the queue from the layout
-        of now; then every grant the layout ends (gpuguard.layout.stale, asked of the store each
-        time, so grants left from before a restart end too) is revoked, closed with the capability
-        nodes it had. Returns the ended grants with why; a revoke that fails is logged, and the
-        others go on."""
+    def update_layout(self, now_seen: MigLayout) -> dict[Grant, str]:
+        """Follow the MIG layout NVML shows now (NvmlBackend.layout()): the new slices become what
+        can be handed out, so that what the revokes free goes to the queue from the layout of now.
+        Returns every grant the layout ends, with why (gpuguard.layout.stale, asked of the store
+        each time, so grants left from before a restart end too): the caller revokes them
+        (Releases.follow_layout), closed with the capability nodes they had, whose minors stay
+        known here."""
         physical = {minor: replace(gpu, mig_mode=minor in now_seen.mig_gpus) if minor not in now_seen.unread else gpu
                     for minor, gpu in self.physical.items()}
         kept = [gpu for gpu in self.gpus.values() if gpu.slice is not None and gpu.slice.parent in now_seen.unread]
@@ -237,23 +218,13 @@ class Grants:
             self._set_units(units)
             event(logging.INFO, "mig_layout", gpus=unit_list(now_seen.mig_gpus), slices=len(now_seen.slices))
         stale = layout.stale(self.store.grants(), units, set(physical) - now_seen.unread)
-        ended = {}
-        for uid in sorted({grant.uid for grant in stale}):
-            mine = [grant for grant in stale if grant.uid == uid]
-            try:
-                self.remove(uid, [grant.minor for grant in mine], now, kind="revoke", rule="layout",
-                            message="; ".join(stale[grant] for grant in mine))
-            except Exception:  # one user's failing revoke must not keep the others' (retried next sample)
-                event(logging.ERROR, "revoke_failed", exc_info=True, user=mine[0].user, uid=uid, rule="layout",
-                      gpus=unit_list(grant.minor for grant in mine))
-            else:
-                ended.update({grant: stale[grant] for grant in mine})
         if changed:
             self.sync_nodes(unit for unit in units if is_slice(unit))
         if learned and self.gate:  # grants on slices whose capabilities were not known until now
-            for uid, device in sorted(self._entries(g for g in self.store.grants() if g.minor in learned)):
+            reached = [g for g in self.store.grants() if g.minor in learned and g not in stale]
+            for uid, device in sorted(self._entries(reached)):
                 self.gate.grant(uid, device)
-        return ended
+        return stale
 
     def reconcile(self) -> list[str]:
         """Rebuild the derived state from the store: gate entries exactly as granted, every node

@@ -2,7 +2,7 @@
 
 The gate checks only at open(): a process that opened /dev/nvidiaN while its user held the GPU
 keeps its descriptor, and the device behind it, until it exits. So every path that takes a GPU
-away (an admin revoke, a time limit, an idle, logout or user release: Grants.remove) ends the
+away (an admin revoke, a time limit, an idle, logout or user release: Releases.take_back) ends the
 user's processes that /proc shows holding that node:
 
 - those NVML lists (a CUDA context) are the watcher's: on a GPU its user no longer holds they
@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuguard import sampling
-from gpuguard.backends import procfs, signals
 from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.backends.signals import Outcome
+from gpuguard.edges import Clock, GpuSampler, Processes
 from gpuguard.exempt import Exempt
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
-from gpuguard.model import Event
-from gpuguard.sampling import Sampler
+from gpuguard.model import Event, Rule
+from gpuguard.rules import Kind
 from gpuguard.scans import Scans
 from gpuguard.store import Store
 from gpuguard.units import format_duration
@@ -81,14 +82,17 @@ IsMember = Callable[[int], Awaitable[bool | None]]
 
 
 class HolderEnder:
-    def __init__(self, scans: Scans, sampler: Sampler, exempt: Exempt, store: Store,
-                 kill_wait: Callable[[], float], is_member: IsMember | None = None):
+    def __init__(self, scans: Scans, sampler: GpuSampler, exempt: Exempt, store: Store,
+                 kill_wait: Callable[[], float], processes: Processes, clock: Clock = time.time,
+                 is_member: IsMember | None = None):
         self.scans = scans
         self.is_member = is_member  # None: holders of other uids are not looked for
         self.sampler = sampler
         self.exempt = exempt
         self.store = store
         self.kill_wait = kill_wait  # the config in force, which a reload replaces
+        self.processes = processes
+        self.clock = clock
         self._tasks: set[asyncio.Task] = set()
 
     async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE,
@@ -111,31 +115,31 @@ class HolderEnder:
                            if p.minor in minors and sample.uid_of(p.pid) == uid)
         return Scan(listed, holding - listed, frozenset(m for m in minors if not sample.ok(m)))
 
-    def schedule(self, uid: int, user: str, minors: Iterable[int], why: str) -> None:
+    def schedule(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> None:
         """end() in the background (the caller is the event loop, which must not wait kill_wait)."""
         self._spawn(self.end(uid, user, minors, why))
 
-    async def end(self, uid: int, user: str, minors: Iterable[int], why: str) -> Ending:
+    async def end(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> Ending:
         """SIGTERM uid's processes holding these GPUs' nodes that NVML does not list, and see
         them through to SIGKILL in the background. `why` is the rule that took the GPUs."""
         # fresh: a context made a moment ago is the watcher's; after a user's own release, in the users' pool
-        scan = await self.scan(uid, set(minors), max_age=0, for_user=why == "user")
+        scan = await self.scan(uid, set(minors), max_age=0, for_user=why == Rule.USER)
         holding: dict[int, set[int]] = {}
         for pid, minor in scan.unlisted:
             holding.setdefault(pid, set()).add(minor)
         termed: dict[ProcessIdentity, set[int]] = {}
         for pid, held in sorted(holding.items()):
-            identity = procfs.process_identity(pid)
+            identity = self.processes.identity(pid)
             if identity is None or identity.uid != uid:
                 continue  # exited since the scan
             if self._signal(identity, held, user, signal.SIGTERM, why, uid):
                 termed[identity] = held
-        others = await self._others(uid, user, frozenset(minors), why, termed) if why != "logout" else ()
+        others = await self._others(uid, user, frozenset(minors), why, termed) if why != Rule.LOGOUT else ()
         if termed:
             self._spawn(self._escalate(user, termed, why, uid))
         return Ending(scan, tuple(identity.pid for identity in termed if identity.uid == uid), others)
 
-    async def _others(self, uid: int, user: str, minors: frozenset[int], why: str,
+    async def _others(self, uid: int, user: str, minors: frozenset[int], why: Rule,
                       termed: dict[ProcessIdentity, set[int]]) -> tuple[Other, ...]:
         """Holders of other uids (root and exempt users pass the gate anyway): a non-member's get
         SIGTERM (added to `termed`), a member's are reported."""
@@ -144,11 +148,12 @@ class HolderEnder:
         holding: dict[ProcessIdentity, set[int]] = {}
         # every process: a walk of all of /proc; after a user's own release, in the users' pool (one
         # per user at a time), so that releases cannot queue host-sized walks ahead of the tick's scans
-        walk = self.scans.for_user(uid, minors, everyone=True) if why == "user" else self.scans.for_daemon(minors, None)
+        walk = (self.scans.for_user(uid, minors, everyone=True) if why == Rule.USER
+                else self.scans.for_daemon(minors, None))
         for holder in await walk:
             if holder.uid in (uid, 0) or holder.uid in self.exempt.uids:
                 continue
-            identity = procfs.process_identity(holder.pid)
+            identity = self.processes.identity(holder.pid)
             if identity is not None and identity.uid == holder.uid:
                 holding.setdefault(identity, set()).add(holder.minor)
         others = []
@@ -158,21 +163,21 @@ class HolderEnder:
                 termed[identity] = held
                 others.append(Other(identity.pid, identity.uid, frozenset(held), True))
             elif member is not False:
-                self._record(identity, held, user, "report", why, {"holder_uid": identity.uid},
+                self._record(identity, held, user, Kind.REPORT, why, {"holder_uid": identity.uid},
                              f"of uid {identity.uid} holds GPU {unit_list(held)}, which was yours ({why}): a "
                              f"descriptor passed on; it {'belongs to a member' if member else 'could not be looked up'}"
                              " and is reported, not ended", uid)
                 others.append(Other(identity.pid, identity.uid, frozenset(held), False))
         return tuple(others)
 
-    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: str, uid: int) -> None:
+    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: Rule, uid: int) -> None:
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
             self._signal(identity, termed[identity], user, signal.SIGKILL, why, uid)
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
-            self._record(identity, termed[identity], user, "unkillable", why, {
-                "state": signals.state(identity) or "unknown"},
+            self._record(identity, termed[identity], user, Kind.UNKILLABLE, why, {
+                "state": self.processes.state(identity) or "unknown"},
                 "survives SIGKILL (stuck in the kernel); an administrator must look at it", uid)
 
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
@@ -181,17 +186,17 @@ class HolderEnder:
         holding = {(h.pid, h.minor) for h in found}
         return [identity for identity, minors in termed.items()
                 if any((identity.pid, m) in holding for m in minors)
-                and procfs.process_identity(identity.pid) == identity]
+                and self.processes.identity(identity.pid) == identity]
 
     def _signal(self, identity: ProcessIdentity, minors: set[int], user: str, sig: signal.Signals,
-                why: str, uid: int) -> bool:
+                why: Rule, uid: int) -> bool:
         """Signal a holder; its events go to uid (the user whose GPU it was), named `user`."""
-        result = signals.send(identity, sig, self.exempt.uids)
+        result = self.processes.send(identity, sig, self.exempt.uids)
         if not result.sent:
             event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
                   outcome=result.outcome.value, detail=result.detail or None)
-            if result.outcome is signals.Outcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
-                self._record(identity, minors, user, "report", why, {"euid": 0},
+            if result.outcome is Outcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
+                self._record(identity, minors, user, Kind.REPORT, why, {"euid": 0},
                              f"runs as root and holds GPU {unit_list(minors)}, which is no longer yours ({why}); "
                              "gpuguard does not signal root's processes: end it yourself, or ask your admin", uid)
             return False
@@ -200,22 +205,22 @@ class HolderEnder:
                 if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
         held = (f"holds GPU {unit_list(minors)}, which is no longer yours" if identity.uid == uid else
                 f"of uid {identity.uid} holds GPU {unit_list(minors)}, which was yours (a descriptor passed on)")
-        self._record(identity, minors, user, "kill", why, {"signal": sig.name, "kill_wait": self.kill_wait()},
+        action = Kind.TERM if sig == signal.SIGTERM else Kind.KILL
+        self._record(identity, minors, user, action, why, {"signal": sig.name, "kill_wait": self.kill_wait()},
                      f"{held} ({why}); {what}", uid)
         return True
 
-    def _record(self, identity: ProcessIdentity, minors: set[int], user: str, kind: str, why: str,
+    def _record(self, identity: ProcessIdentity, minors: set[int], user: str, action: Kind, why: Rule,
                 numbers: dict[str, Any], what: str, uid: int) -> None:
         """Log, and store as an event of uid (named `user`): the holder's own, or the grantee's."""
-        command = signals.command(identity.pid)
-        action = {"SIGTERM": "term", "SIGKILL": "kill"}.get(str(numbers.get("signal")), kind)
-        event(logging.ERROR if kind == "unkillable" else logging.WARNING, f"holder_{action}", rule=why,
+        command = self.processes.command(identity.pid)
+        event(logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}", rule=why,
               user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(minors),
               **numbers)
         whose = "your process" if identity.uid == uid else "process"
         message = f"gpuguard: {whose} {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         for minor in sorted(minors):
-            self.store.add_event(Event(time.time(), uid, user, kind, message, minor=minor,
+            self.store.add_event(Event(self.clock(), uid, user, action.event, message, minor=minor,
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 

@@ -7,16 +7,19 @@ open. Root's `gpuguard gpus` builds the same view from NVML directly when no dae
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gpuguard.model import Gpu, GpuUse, Link, unit_label
 
+GPUGUARD = "gpuguard"  # the owner of the GPUs the daemon hands out (coexist.Owner.GPUGUARD)
+
 
 def view(gpus: Iterable[Gpu], slices: Iterable[Gpu], unread: Iterable[int], topology: Mapping[tuple[int, int], Link],
-         processes: Counter[int], use: Mapping[int, GpuUse] | None = None) -> dict[str, Any]:
+         processes: Counter[int], use: Mapping[int, GpuUse] | None = None,
+         owner: Callable[[int], str] = lambda minor: GPUGUARD) -> dict[str, Any]:
     """{"gpus": [...], "topology": {a: {b: link}}}; `use`: memory and utilisation newer than the
-    Gpu objects' own (a sample's), by unit."""
+    Gpu objects' own (a sample's), by unit; `owner`: who owns each GPU (coexist.Owner's words)."""
     ordered = sorted(gpus, key=lambda gpu: gpu.minor)
     unread = frozenset(unread)
     under: dict[int, list[Gpu]] = {gpu.minor: [] for gpu in ordered}
@@ -27,6 +30,7 @@ def view(gpus: Iterable[Gpu], slices: Iterable[Gpu], unread: Iterable[int], topo
     minors = [gpu.minor for gpu in ordered]
     return {
         "gpus": [{**_fields(gpu, use.get(gpu.minor)), "processes": processes[gpu.minor], "mig_unread": gpu.minor in unread,
+                  "owner": owner(gpu.minor),
                   "slices": [{**_slice_fields(s, use.get(s.minor)), "processes": processes[s.minor]}
                              for s in under[gpu.minor]]}
                  for gpu in ordered],
@@ -34,6 +38,15 @@ def view(gpus: Iterable[Gpu], slices: Iterable[Gpu], unread: Iterable[int], topo
         "topology": {str(a): {str(b): "X" if a == b else topology[min(a, b), max(a, b)].name for b in minors}
                      for a in minors},
     }
+
+
+def foreign(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of the GPUs Slurm or Kubernetes own, from their `status` entries (coexist.status_entries):
+    what the daemon read of them at start; their use and slices are their owner's business."""
+    return [{"index": entry["index"], "minor": entry["minor"], "uuid": entry["uuid"], "name": entry["name"],
+             "pci_bus_id": None, "memory_total": entry["memory_total"], "memory_used": None, "utilization": None,
+             "numa_node": None, "mig_mode": False, "processes": None, "mig_unread": False, "slices": [],
+             "owner": entry["owner"]} for entry in entries]
 
 
 def _numbers(gpu: Gpu, use: GpuUse | None) -> dict[str, Any]:

@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from gpuguard import rules
-from gpuguard.backends.exits import Cancel, ExitWatch
-from gpuguard.grants import Grants
+from gpuguard.edges import Cancel, Clock, ExitWatch, Processes
 from gpuguard.logs import event
-from gpuguard.model import Origin
+from gpuguard.model import EventKind, Grant, Origin, Rule
+from gpuguard.release import Releases
 from gpuguard.sampling import Sample
 from gpuguard.scans import Scans
 from gpuguard.store import Store
@@ -38,11 +38,14 @@ class _Kept:
 
 
 class LogoutRelease:
-    def __init__(self, store: Store, grants: Grants, scans: Scans, exits: ExitWatch):
+    def __init__(self, store: Store, releases: Releases, scans: Scans, exits: ExitWatch,
+                 processes: Processes, clock: Clock = time.time):
         self.store = store
-        self.grants = grants
+        self.releases = releases
         self.scans = scans
         self.exits = exits
+        self.processes = processes
+        self.clock = clock
         self._kept: dict[int, _Kept] = {}  # uid -> grants kept for holders that are being watched
         self._pending: dict[int, asyncio.Task] = {}  # uid -> its check after logout, running
 
@@ -54,6 +57,26 @@ class LogoutRelease:
             grants = [g for g in grants if g.uid in wanted]
         logged_in = {session.uid for session in self.store.sessions()}
         return rules.unused_after_logout(grants, logged_in, sample.busy_slots(), sample.minors)
+
+    def caller_alive(self, pid: int | None, start: int | None) -> bool:
+        """A session's PAM caller (or a queued request's client) lives while a process with its pid
+        and start time does. Start times count clock ticks since boot, so a stepped wall clock
+        (chrony at boot) changes nothing. A session from before the store kept start times has none:
+        then any process with the pid will do."""
+        if pid is None:
+            return False
+        identity = self.processes.identity(pid)
+        return identity is not None and (start is None or identity.start_time == start)
+
+    def drop_dead_sessions(self) -> None:
+        """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost
+        message): a logout that never came. Each tick; the release check follows in the tick."""
+        starts = self.store.caller_starts()
+        gone = [s for s in self.store.sessions() if not self.caller_alive(s.pid, starts.get(s.id))]
+        if gone:
+            self.store.remove_sessions(s.id for s in gone)
+            for session in gone:
+                event(logging.INFO, "session_gone", user=session.user, session=session.id, pid=session.pid)
 
     def after_logout(self, uid: int, take_sample: Callable[[], Awaitable[Sample | None]]) -> None:
         """Check uid's grants after their last logout, in the background (one check at a time)."""
@@ -75,12 +98,12 @@ class LogoutRelease:
         await asyncio.gather(*self._pending.values())
 
     async def release_unused(self, sample: Sample, uids: Iterable[int] | None = None,
-                             now: float | None = None) -> None:
+                             now: float | None = None) -> list[Grant]:
         """Release what unused() finds, unless /proc shows a process of its user holding one of
         its nodes: then the grant stays and those holders are watched. Only those users'
-        processes are read. A released grant goes through Grants.remove, whose HolderEnder ends
-        any holder that opened a node since this look. now: the clock (wall time by default; a
-        replay's virtual one)."""
+        processes are read. The releases are one batch of the release step (Releases), which
+        also ends any holder that opened a node since this look. now: when (default: the
+        clock's now). Returns the grants released."""
         candidates = self.unused(sample, uids)
         for uid in list(self._kept if uids is None else set(uids) & self._kept.keys()):
             kept = self._kept[uid]
@@ -88,21 +111,25 @@ class LogoutRelease:
                 self._forget(uid)
         to_check = {uid: minors for uid, minors in candidates.items() if uid not in self._kept}
         if not to_check:
-            return
+            return []
         # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
         holders = await self.scans.for_daemon(set().union(*to_check.values()), set(to_check))
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
+        released: list[Grant] = []
         # Re-checked after the await: a login or a grant may have come in meanwhile.
-        for uid, minors in self.unused(sample, to_check).items():
-            if minors != to_check[uid] or uid in self._kept:
-                continue
-            pids = {h.pid for h in holders if h.uid == uid and h.minor in minors}
-            if pids:
-                self._watch(uid, minors, pids)
-            else:
-                bound = [g.minor for g in self.store.grants(uid) if g.origin == Origin.SESSION]
-                self.grants.remove(uid, bound, now, kind="release", rule="logout",
-                                   message="released: your last session ended and no process of yours used it")
+        with self.releases.batch(now):
+            for uid, minors in self.unused(sample, to_check).items():
+                if minors != to_check[uid] or uid in self._kept:
+                    continue
+                pids = {h.pid for h in holders if h.uid == uid and h.minor in minors}
+                if pids:
+                    self._watch(uid, minors, pids)
+                else:
+                    bound = [g.minor for g in self.store.grants(uid) if g.origin == Origin.SESSION]
+                    released += self.releases.take_back(
+                        uid, bound, now, kind=EventKind.RELEASE, rule=Rule.LOGOUT,
+                        message="released: your last session ended and no process of yours used it")
+        return released
 
     def _watch(self, uid: int, minors: frozenset[int], pids: Collection[int]) -> None:
         cancel = self.exits.watch(pids, uid, lambda: self._forget(uid))

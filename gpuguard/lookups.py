@@ -2,19 +2,27 @@
 
 NSS can block for seconds on SSSD or LDAP; run on the loop, one slow answer would stall every
 login and the watcher's tick. Lookups run in a small pool of their own, so a hung directory
-server cannot take the threads that sample NVML either. Nothing is cached here (see
-backends.accounts for why); the watcher keeps its own short cache of quotas.
+server cannot take the threads that sample NVML either. AccountLookup caches nothing (see
+backends.accounts for why); KnownAccounts keeps the short cache of names and quotas that the
+watcher judges by, and that the API and the metrics read without waiting for NSS.
 """
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+from gpuguard import policy
 from gpuguard.backends import accounts
 from gpuguard.backends.accounts import Account
+from gpuguard.config import AccessConfig, Config
+from gpuguard.edges import Lookup
+from gpuguard.model import Quota
 
 NSS_TIMEOUT = 5.0  # seconds: past the PAM module's own 2 s wait, so a slow login still gets its reply
 NSS_THREADS = 4
+ACCOUNT_CACHE = 60.0  # seconds a user's groups (hence quota) are reused; a reload clears it
 
 
 class LookupTimeout(accounts.UnknownUser):
@@ -32,7 +40,11 @@ class AccountLookup:
     async def by_uid(self, uid: int) -> Account:
         return await self._run(accounts.by_uid, uid, f"uid {uid}")
 
-    async def _run(self, lookup, key, what: str) -> Account:
+    async def exempt_uids(self, access: AccessConfig, logged_in: Collection[int]) -> frozenset[int]:
+        """The exempt uids as NSS says now (exempt.Exempt.refresh); raises LookupTimeout."""
+        return await self._run(exempt_uids, (access, frozenset(logged_in)), "the exempt groups")
+
+    async def _run(self, lookup, key, what: str):
         loop = asyncio.get_running_loop()
         try:
             return await asyncio.wait_for(loop.run_in_executor(self._pool, lookup, key), self.timeout)
@@ -41,3 +53,74 @@ class AccountLookup:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class KnownAccounts:
+    """Name and resolved quota per uid, asked of NSS at most once per ACCOUNT_CACHE per user, and
+    again after a reload (another config object)."""
+
+    def __init__(self, lookup: Lookup, config: Callable[[], Config]):
+        self.lookup = lookup
+        self.config = config
+        self._accounts: dict[int, tuple[float, Config, str, Quota]] = {}  # uid -> (when, config, name, quota)
+
+    def _fresh(self, uid: int) -> bool:
+        cached = self._accounts.get(uid)
+        return cached is not None and cached[1] is self.config() and time.monotonic() - cached[0] < ACCOUNT_CACHE
+
+    async def resolve(self, uids: Iterable[int]) -> None:
+        """Look up (off the loop) the users whose name and quota are not cached or are stale."""
+        for uid in sorted(set(uids)):
+            if self._fresh(uid):
+                continue
+            config = self.config()
+            try:
+                account = await self.lookup.by_uid(uid)
+                entry = (account.name, policy.quota_for(account.name, account.groups, config))
+            except accounts.UnknownUser:  # deleted, or NSS too slow: the defaults still bound it
+                cached = self._accounts.get(uid)
+                entry = (cached[2], cached[3]) if cached and cached[1] is config else (str(uid), config.defaults)
+            self._accounts[uid] = (time.monotonic(), config, *entry)
+
+    def of(self, uid: int) -> tuple[str, Quota]:
+        """Name and resolved quota of uid as resolve left them; a uid it never saw (granted during
+        the watcher's confirming re-sample) gets the defaults until the next tick."""
+        cached = self._accounts.get(uid)
+        if cached is None:
+            return str(uid), self.config().defaults
+        return cached[2], cached[3]
+
+    def name_of(self, uid: int) -> str:
+        return self.of(uid)[0]
+
+
+def exempt_uids(asked: tuple[AccessConfig, Collection[int]]) -> frozenset[int]:
+    """The exempt uids (blocking): the exempt groups' member lists (accounts.exempt_uids), and the
+    logged-in users whom policy.is_exempt calls exempt by their own groups.
+
+    The two can differ: SSSD/LDAP often list no members whose primary group it is, so a login finds
+    exempt someone the member lists missed (Exempt.add). Asking again for the logged-in users keeps
+    such logins exempt across a reload, while a user taken out of the exempt groups still loses it.
+    """
+    access, logged_in = asked
+    uids = accounts.exempt_uids(access)
+    for uid in set(logged_in) - uids:
+        try:
+            account = accounts.by_uid(uid)
+        except accounts.UnknownUser:
+            continue
+        if policy.is_exempt(uid, account.name, account.groups, access):
+            uids.add(uid)
+    return frozenset(uids)
+
+
+async def membership(lookup: Lookup, access: AccessConfig, uid: int) -> bool | None:
+    """Whether uid is in the GPU group now; None when NSS cannot say (holders.HolderEnder then
+    reports a holder of that uid, never ends it)."""
+    try:
+        account = await lookup.by_uid(uid)
+    except (accounts.NssFailure, LookupTimeout):
+        return None
+    except accounts.UnknownUser:  # no account: a user namespace's uid, or deleted
+        return False
+    return policy.is_member(account.groups, access)

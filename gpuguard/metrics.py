@@ -35,7 +35,8 @@ from prometheus_client.registry import Collector
 from gpuguard import admission
 from gpuguard.config import MetricsConfig
 from gpuguard.logs import Throttle, event
-from gpuguard.model import Gpu, GpuUse, Grant, Origin, Quota, unit_label
+from gpuguard.model import EventKind, Gpu, GpuUse, Grant, Origin, Quota, Rule, unit_label
+from gpuguard.rules import Kind
 from gpuguard.sampling import Sample
 
 # Watcher tick durations (seconds): a healthy tick takes milliseconds; past interval/2 it logs watcher_slow.
@@ -43,18 +44,19 @@ TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # Event kinds (model.Event.kind) counted, the counter each goes to, and the label its `rule` becomes.
 # Series of the rules that always exist are shown at 0 from the start, so rate() sees the first one.
-EVENT_COUNTERS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+EVENT_COUNTERS: dict[EventKind, tuple[str, str, str, tuple[str, ...]]] = {
     # kind: (metric, help, label for the event's rule, rules shown at 0)
-    "warning": ("gpuguard_warnings", "Warnings given, by rule", "rule", ("memory", "time", "stray")),
-    "kill": ("gpuguard_kills", "Signals sent to stop processes, by rule and signal", "rule",
-             ("memory", "time", "stray")),
-    "unkillable": ("gpuguard_unkillable", "Processes that survived SIGKILL, by rule", "rule", ()),
-    "release": ("gpuguard_releases", "GPU grants released, by rule (user, logout, idle)", "rule",
-                ("user", "logout", "idle")),
-    "revoke": ("gpuguard_revokes", "GPU grants revoked, by rule (admin, time)", "rule", ("admin", "time")),
-    "grant": ("gpuguard_grants_given", "GPU grants made, by origin", "origin", tuple(Origin)),
+    EventKind.WARNING: ("gpuguard_warnings", "Warnings given, by rule", "rule", (Rule.MEMORY, Rule.TIME, Rule.STRAY)),
+    EventKind.KILL: ("gpuguard_kills", "Signals sent to stop processes, by rule and signal", "rule",
+                     (Rule.MEMORY, Rule.TIME, Rule.STRAY)),
+    EventKind.UNKILLABLE: ("gpuguard_unkillable", "Processes that survived SIGKILL, by rule", "rule", ()),
+    EventKind.RELEASE: ("gpuguard_releases", "GPU grants released, by rule (user, logout, idle)", "rule",
+                        (Rule.USER, Rule.LOGOUT, Rule.IDLE)),
+    EventKind.REVOKE: ("gpuguard_revokes", "GPU grants revoked, by rule (admin, time)", "rule",
+                       (Rule.ADMIN, Rule.TIME)),
+    EventKind.GRANT: ("gpuguard_grants_given", "GPU grants made, by origin", "origin", tuple(Origin)),
 }
-_SIGNAL_OF_ACTION = {"term": "SIGTERM", "kill": "SIGKILL"}
+SIGNALS = (Kind.TERM.signal, Kind.KILL.signal)  # the signal label of a kill event, from its action
 CONNECTION_LIFETIME = 10.0  # seconds: a scrape takes milliseconds (Prometheus's own timeout is 10 s)
 KEEPALIVE = 5.0             # seconds an idle connection is kept between requests (and before the first)
 RENDER_EVERY = 1.0          # seconds a rendered page is served again
@@ -214,15 +216,16 @@ def families(s: Snapshot) -> Iterator[Metric]:
 
 def _event_families(counts: Mapping[tuple[str, str, str], int]) -> Iterator[Metric]:
     for kind, (name, doc, label, always) in EVENT_COUNTERS.items():
-        labels = [label, "signal"] if kind == "kill" else [label]
+        labels = [label, "signal"] if kind == EventKind.KILL else [label]
         family = CounterMetricFamily(name, doc, labels=labels)
         values: Counter[tuple[str, ...]] = Counter()
         for rule in always:
-            for signal in (_SIGNAL_OF_ACTION.values() if kind == "kill" else [None]):
+            for signal in (SIGNALS if kind == EventKind.KILL else [None]):
                 values[(rule, signal) if signal else (rule,)] += 0
         for (event_kind, rule, action), count in counts.items():
             if event_kind == kind:
-                values[(rule, _SIGNAL_OF_ACTION.get(action, action)) if kind == "kill" else (rule,)] += count
+                sent = (Kind(action).signal if action in (Kind.TERM, Kind.KILL) else None) or action
+                values[(rule, sent) if kind == EventKind.KILL else (rule,)] += count
         for key, count in sorted(values.items()):
             family.add_metric(list(key), count)
         yield family

@@ -53,6 +53,36 @@ class Origin(StrEnum):
     ADMIN = "admin"      # `gpuguard grant`: until released, revoked or expired
 
 
+class EventKind(StrEnum):
+    """What an event records (Event.kind): the words `gpuguard whoami`, `events` and the metrics use."""
+
+    GRANT = "grant"
+    WARNING = "warning"        # a watcher's warning or report
+    KILL = "kill"              # SIGTERM or SIGKILL sent (Event.action says which)
+    UNKILLABLE = "unkillable"  # still there after SIGKILL
+    REVOKE = "revoke"          # taken back: an admin, a time limit, a MIG layout change
+    RELEASE = "release"        # given back: the user, idle, reclaim, logout
+    ERROR = "error"            # a grant that could not be applied, taken back at once
+
+
+class Rule(StrEnum):
+    """Why something happened (Event.rule): the watcher's rules, what else takes grants back, and
+    where a grant came from (its Origin, the rule of a grant event)."""
+
+    MEMORY = "memory"
+    TIME = "time"
+    IDLE = "idle"
+    STRAY = "stray"
+    RECLAIM = "reclaim"
+    LAYOUT = "layout"    # the admin changed the MIG layout
+    LOGOUT = "logout"    # the user's last session ended and nothing of theirs used the GPU
+    USER = "user"        # the user released it (gpuguard release)
+    ADMIN = "admin"      # an admin granted or revoked it (also Origin.ADMIN)
+    COEXIST = "coexist"  # its GPU is Slurm's or Kubernetes' now ([coexist])
+    SESSION = "session"  # granted at login or to a user with a session (Origin.SESSION)
+    REQUEST = "request"  # granted on request with no session open (Origin.REQUEST)
+
+
 @dataclass(frozen=True)
 class Quota:
     gpus: int = 1
@@ -148,12 +178,12 @@ class Event:
     time: float
     uid: int | None
     user: str
-    kind: str                 # warning | kill | release | grant | revoke | error | unkillable
+    kind: str                 # an EventKind
     message: str
     minor: int | None = None
     pid: int | None = None
     command: str = ""
-    rule: str = ""            # memory | time | idle | stray | admin | login ...
+    rule: str = ""            # a Rule
     action: str = ""          # warn | term | kill | revoke | release ...
     numbers: dict = field(default_factory=dict)
     id: int | None = None

@@ -10,6 +10,7 @@ from collections.abc import Collection
 from dataclasses import fields, replace
 from typing import Any
 
+from gpuguard.compat import StrEnum
 from gpuguard.config import AccessConfig, Config, SessionsConfig
 from gpuguard.model import Quota
 
@@ -38,6 +39,21 @@ def login_takes_gpus(service: str, tty: str, asked: str, sessions: SessionsConfi
 def is_member(groups: Collection[str], access: AccessConfig) -> bool:
     """Only members of access.group are ever given GPUs."""
     return access.group in groups
+
+
+class Eligibility(StrEnum):
+    """Where an account stands with gpuguard: what a login, a request and an admin's grant ask first."""
+
+    EXEMPT = "exempt"    # passes the gate without a grant: never needs (or gets) one
+    MEMBER = "member"    # of access.group: gets GPUs on the terms of their quota
+    OUTSIDER = "outsider"  # neither: never given GPUs
+
+
+def eligibility(uid: int, user: str, groups: Collection[str], access: AccessConfig) -> Eligibility:
+    """The one eligibility check: exempt first (an exempt member is exempt), then membership."""
+    if is_exempt(uid, user, groups, access):
+        return Eligibility.EXEMPT
+    return Eligibility.MEMBER if is_member(groups, access) else Eligibility.OUTSIDER
 
 
 def _layers(user: str, groups: Collection[str], config: Config) -> list[tuple[str, dict]]:

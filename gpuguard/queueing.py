@@ -1,23 +1,27 @@
 """The queue for GPUs as a service: the store's queue rows, served in gpuguard.scheduler's order.
 
-The daemon and `gpuguard simulate` both run it. Every grant taken back (Grants.on_removed:
-release, idle release, reclaim, logout, expiry, revoke) is charged to its user's fair share and
-then offered to the waiters first, so a freed GPU never goes to whoever asks next outside the queue.
-Listeners (the daemon: terminals and blocked `request --wait` clients) hear of each grant it makes.
+The daemon and `gpuguard simulate` both run it. Every grant taken back (release.Releases: release,
+idle release, reclaim, logout, expiry, revoke) is charged to its user's fair share (charge) and
+then offered to the waiters first (dispatch), so a freed GPU never goes to whoever asks next
+outside the queue. Listeners (the daemon: terminals and blocked `request --wait` clients) hear of
+each grant it makes.
 All calls come from the event-loop thread, as the store requires.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuguard import allocator, policy, rules, scheduler
 from gpuguard.config import Config
 from gpuguard.grants import Grants
+from gpuguard.logs import event
 from gpuguard.model import Grant, Origin, Quota
 from gpuguard.store import Queued, Store
 
 Listener = Callable[[Queued, tuple[int, ...]], None]
+Alive = Callable[[int | None, int | None], bool]  # (pid, its start time) -> whether that process still runs
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,6 @@ class Queue:
         self.store = store
         self.grants = grants
         self.listeners: list[Listener] = []
-        self._dispatching = False
-        grants.on_removed.append(self._freed)
 
     # --- the order
 
@@ -91,12 +93,23 @@ class Queue:
     def leave(self, ids: Iterable[int]) -> int:
         return self.store.leave_queue(ids)
 
-    def gone(self, logged_in: set[int], alive: Callable[[int | None, int | None], bool]) -> list[Queued]:
+    def gone(self, logged_in: set[int], alive: Alive) -> list[Queued]:
         """Waiters nobody waits for any more: a login's, once its user has no session; a request's,
         once its client process is gone."""
         return [q for q in self.store.queue()
                 if (q.origin == Origin.SESSION and q.waiter.uid not in logged_in)
                 or (q.origin == Origin.REQUEST and not alive(q.pid, q.pid_start))]
+
+    def drop_gone(self, alive: Alive) -> list[Queued]:
+        """Take out the requests nobody waits for (gone): a login's whose user has no session left,
+        a request's whose client is gone (also one that died while no daemon ran). Each tick."""
+        gone = self.gone({s.uid for s in self.store.sessions()}, alive)
+        if gone:
+            self.leave(q.waiter.id for q in gone)
+            for queued in gone:
+                event(logging.INFO, "queue_left", user=queued.waiter.user, ticket=queued.waiter.id,
+                      reason="no session left" if queued.origin == Origin.SESSION else "client gone")
+        return gone
 
     # --- serving
 
@@ -129,42 +142,31 @@ class Queue:
 
     def dispatch(self, now: float) -> list[tuple[Queued, tuple[int, ...]]]:
         """Grant what the order admits now; each grant is announced to the listeners."""
-        if self._dispatching:  # a grant that failed and was taken back calls in again: the outer walk goes on
+        ordered = self.ordered(now)
+        if not ordered:  # nobody waits: nothing to count
             return []
-        self._dispatching = True
-        try:
-            ordered = self.ordered(now)
-            if not ordered:  # nobody waits: nothing to count
-                return []
-            entries = {q.waiter.id: q for q in ordered}
-            free = self.free()  # counted again after each grant: the cheap answer for a long queue
+        entries = {q.waiter.id: q for q in ordered}
+        free = self.free()  # counted again after each grant: the cheap answer for a long queue
 
-            def fits(waiter: scheduler.Waiter) -> bool:
-                quota = entries[waiter.id].quota
-                if not policy.may_share(quota) and waiter.gpus > free:
-                    return False
-                return len(self.grants.choose(waiter.uid, waiter.gpus, quota)) >= waiter.gpus
+        def fits(waiter: scheduler.Waiter) -> bool:
+            quota = entries[waiter.id].quota
+            if not policy.may_share(quota) and waiter.gpus > free:
+                return False
+            return len(self.grants.choose(waiter.uid, waiter.gpus, quota)) >= waiter.gpus
 
-            served = []
-            for waiter in scheduler.admit([q.waiter for q in ordered], fits, now,
-                                          self.config().scheduler.reserve_after):
-                queued = entries[waiter.id]
-                # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
-                origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST
-                minors = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
-                                              "granted from the queue")
-                self.store.leave_queue([waiter.id])
-                free = self.free()
-                served.append((queued, minors))
-                for listener in self.listeners:
-                    listener(queued, minors)
-            return served
-        finally:
-            self._dispatching = False
-
-    def _freed(self, removed: list[Grant], now: float) -> None:
-        self.charge(removed, now)
-        self.dispatch(now)
+        served = []
+        for waiter in scheduler.admit([q.waiter for q in ordered], fits, now, self.config().scheduler.reserve_after):
+            queued = entries[waiter.id]
+            # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
+            origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST
+            minors = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
+                                          "granted from the queue")
+            self.store.leave_queue([waiter.id])
+            free = self.free()
+            served.append((queued, minors))
+            for listener in self.listeners:
+                listener(queued, minors)
+        return served
 
     def charge(self, removed: list[Grant], now: float) -> None:
         """Add ended grants to their users' recent usage."""

@@ -55,7 +55,7 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
             if g.minor == minor:
                 used: list[int] = [p["memory"] for p in processes if p["uid"] == g.uid and p["memory"] is not None]
                 holders.append({"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
-                                "granted_at": g.granted_at, "expires_at": g.expires_at,
+                                "granted_at": g.granted_at, "expires_at": g.expires_at, "last_active": g.last_active,
                                 # a slice's memory is bounded by the hardware, not by the quota
                                 "gpu_memory": None if gpu.slice else account_of(g.uid)[1].gpu_memory,
                                 "memory_used": sum(used) if read else None})
@@ -66,5 +66,6 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
             "utilization": use.utilization if use else None, "holders": holders,
             "processes": len(processes) if read else None,  # None: unknown (not sampled, or failed)
             "process_list": processes if read else None,
+            "owner": "gpuguard",
         })
     return view

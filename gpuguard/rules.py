@@ -70,7 +70,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, TypedDict, cast
 
 from gpuguard.compat import StrEnum
-from gpuguard.model import Grant, Origin, Quota, is_slice
+from gpuguard.model import EventKind, Grant, Origin, Quota, Rule, is_slice
 from gpuguard.policy import ROOT_UID
 
 TIME_WARNINGS: tuple[float, ...] = (600.0, 60.0, 0.0)  # seconds before expires_at, largest first; 0: over
@@ -88,20 +88,25 @@ class Kind(StrEnum):
     RELEASE = "release"
     REPORT = "report"
 
+    @property
+    def event(self) -> EventKind:
+        """The event an action of this kind records (a report is a warning to the admin)."""
+        if self in (Kind.WARN, Kind.REPORT):
+            return EventKind.WARNING
+        if self in (Kind.TERM, Kind.KILL):
+            return EventKind.KILL
+        return EventKind(self.value)  # unkillable, revoke, release: the same word
 
-class Rule(StrEnum):
-    """Which rule an action follows."""
-
-    MEMORY = "memory"
-    TIME = "time"
-    IDLE = "idle"
-    STRAY = "stray"
-    RECLAIM = "reclaim"
+    @property
+    def signal(self) -> str | None:
+        """The signal an action of this kind sends."""
+        return {Kind.TERM: "SIGTERM", Kind.KILL: "SIGKILL"}.get(self)
 
 
-# The members by their short names too, as the signal module exports its Signals members.
+# The members by their short names too, as the signal module exports its Signals members. The
+# watcher's rules are model.Rule's first five; the others say what else takes grants back.
 WARN, TERM, KILL, UNKILLABLE, REVOKE, RELEASE, REPORT = Kind
-MEMORY, TIME, IDLE, STRAY, RECLAIM = Rule
+MEMORY, TIME, IDLE, STRAY, RECLAIM = Rule.MEMORY, Rule.TIME, Rule.IDLE, Rule.STRAY, Rule.RECLAIM
 
 ProcKey = tuple[int, int]          # (pid, start_time): a pid is reused, this pair is not
 Slot = tuple[int, int]             # (uid, minor)
@@ -163,7 +168,7 @@ class Stopping:
 
     uid: int
     minor: int
-    rule: str
+    rule: Rule
     term_at: float
     kill_at: float | None = None
     unkillable: bool = False  # reported as surviving SIGKILL
@@ -219,7 +224,7 @@ class Numbers(TypedDict, total=False):
 @dataclass(frozen=True)
 class Action:
     kind: Kind
-    rule: str  # a Rule, or where a grant came from for the grant manager's own events
+    rule: Rule
     uid: int
     minor: int
     proc: Proc | None = None
@@ -236,7 +241,7 @@ class Action:
 
     @property
     def signal(self) -> str | None:
-        return {TERM: "SIGTERM", KILL: "SIGKILL"}.get(self.kind)
+        return self.kind.signal
 
 
 def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]:
@@ -247,7 +252,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
     actions: list[Action] = []
     signalled: set[ProcKey] = set()  # one signal per process per tick, whatever its GPUs
 
-    def term(proc: Proc, rule: str, **numbers: Any) -> None:
+    def term(proc: Proc, rule: Rule, **numbers: Any) -> None:
         if proc.uid in exempt or proc.key in signalled or proc.key in state.stopping:
             return
         signalled.add(proc.key)

@@ -37,12 +37,14 @@ from pathlib import Path
 
 from gpuguard import messages, policy, rules
 from gpuguard.backends.exits import ExitWatch
+from gpuguard.backends.processes import HostProcesses
 from gpuguard.backends.procfs import ProcessIdentity
 from gpuguard.config import Config
 from gpuguard.grants import Grants
 from gpuguard.logout import LogoutRelease
 from gpuguard.model import Event, Gpu, GpuProcess, Grant, Origin, Quota
 from gpuguard.queueing import Queue
+from gpuguard.release import Releases
 from gpuguard.sampling import Sample
 from gpuguard.scans import Scans
 from gpuguard.store import Queued, Store
@@ -185,8 +187,9 @@ class Replay:
         self.grants = Grants(self.store, None, _NoNodes(), range(gpus), gpus=inventory)
         self.queue = Queue(lambda: config, self.store, self.grants)
         self.queue.listeners.append(self._served)
-        self.grants.on_removed.append(self._removed)
-        self.logout = LogoutRelease(self.store, self.grants, Scans(lambda minors, uids: []), ExitWatch())  # no /proc to scan
+        self.releases = Releases(self.grants, self.queue, end_holders=lambda *_: None, tell=lambda *_: None)
+        self.logout = LogoutRelease(self.store, self.releases, Scans(lambda minors, uids: []), ExitWatch(),  # no /proc
+                                    HostProcesses())
         self.timing = timing_of(config)
         self.state = rules.State()
         self.result = Result()
@@ -288,7 +291,7 @@ class Replay:
             if self.pending.pop(queued.waiter.id, None) is not None:
                 self.result.never_ran += 1
         if uid not in logged_in:
-            await self.logout.release_unused(self._sample(), [uid], now=self.now)
+            self._removed(await self.logout.release_unused(self._sample(), [uid], now=self.now), self.now)
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
@@ -361,8 +364,10 @@ class Replay:
             # freed a GPU the queue gave them): the daemon's confirming re-sample would see it busy.
             return False
         if action.kind in (rules.RELEASE, rules.REVOKE):
-            return bool(self.grants.remove(action.uid, [action.minor], self.now, kind=action.kind,
-                                           rule=action.rule, message=messages.action_message(action)))
+            removed = self.releases.take_back(action.uid, [action.minor], self.now, kind=action.kind.event,
+                                              rule=action.rule, message=messages.action_message(action))
+            self._removed(removed, self.now)
+            return bool(removed)
         if action.kind in (rules.TERM, rules.KILL) and action.proc is not None:
             running = self.running.pop(action.proc.pid, None)
             if running is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,9 +118,10 @@ class Queued:
 
 
 class Store:
-    def __init__(self, path: Path | str, retention: EventsConfig | None = None, durable: bool = True):
+    def __init__(self, path: Path | str, retention: Callable[[], EventsConfig] = EventsConfig, durable: bool = True):
+        """retention: the events kept, read at each event (the config in force: a reload changes it)."""
         self.path = Path(path)
-        self.retention = retention or EventsConfig()  # a reload may replace it
+        self.retention = retention
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
@@ -252,10 +253,11 @@ class Store:
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (event.time, event.uid, event.user, event.kind, event.message, event.minor, event.pid,
                  event.command, event.rule, event.action, json.dumps(event.numbers)))
-            if self.retention.max_age is not None:
-                db.execute("DELETE FROM events WHERE time < ?", (event.time - self.retention.max_age,))
+            retention = self.retention()
+            if retention.max_age is not None:
+                db.execute("DELETE FROM events WHERE time < ?", (event.time - retention.max_age,))
             db.execute("DELETE FROM events WHERE uid IS ? AND id <= (SELECT id FROM events WHERE uid IS ?"
-                       " ORDER BY id DESC LIMIT 1 OFFSET ?)", (event.uid, event.uid, self.retention.per_user))
+                       " ORDER BY id DESC LIMIT 1 OFFSET ?)", (event.uid, event.uid, retention.per_user))
         return _row_id(cursor)
 
     def event_count(self) -> int:

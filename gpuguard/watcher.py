@@ -7,14 +7,17 @@ The decisions are gpuguard.rules (pure); this module is the edge around them:
     what both decisions agree on -> remember (rules.advance) -> account usage
 
 Acting means: signals through pidfds with the identity re-checked (backends.signals),
-revoking and releasing through the grant manager (grants.Grants, which closes the gate, rewrites
-the ACLs and records the revoke/release event), telling the user on their terminals
-(backends.notify), a log line, and an event in the store that `gpuguard whoami` shows.
+revoking and releasing through the release step (release.Releases: the grant manager closes the
+gate, rewrites the ACLs and records the revoke/release event; the holders are ended, the user
+charged, and the queue served once after the tick's batch of actions, which was decided on one
+view), telling the user on their terminals (backends.notify), a log line, and an event in the
+store that `gpuguard whoami` shows.
 
 Everything here runs on the daemon's event-loop thread, as the store requires. The awaits
 are the confirming re-sample (NVML and /proc in a worker thread), after which the grants are
 read again, so a login or release during the re-sample is seen, and the NSS lookups of users
-whose quota is not cached, made before any decision.
+whose quota is not cached (lookups.KnownAccounts), made before any decision. The seconds each
+tick observed go to the usage accounting (usage.UsageMeter).
 
 A GPU whose processes a sample could not read is passed to the rules as failed: nothing is
 decided about it (the sampler logs it failing and recovering).
@@ -24,56 +27,49 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from gpuguard import messages, policy, rules
-from gpuguard.backends import accounts, notify, signals
+from gpuguard import messages, rules
 from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.backends.signals import Outcome
 from gpuguard.config import Config
+from gpuguard.edges import GpuSampler, Processes, Terminals
 from gpuguard.exempt import Exempt
-from gpuguard.grants import Grants
 from gpuguard.logs import event
-from gpuguard.lookups import AccountLookup
-from gpuguard.model import Event, Quota, unit_label
+from gpuguard.lookups import KnownAccounts
+from gpuguard.model import Event, unit_label
+from gpuguard.release import Releases
 from gpuguard.rules import Action
-from gpuguard.sampling import Sample, Sampler
+from gpuguard.sampling import Sample
 from gpuguard.store import Store, hour_of
+from gpuguard.usage import UsageMeter
 
 ACTIVE_WRITE_EVERY = 30.0  # seconds: how stale grants.last_active may get in the store (memory is exact)
-USAGE_FLUSH_EVERY = 60.0   # seconds of usage accounting kept in memory before it is written
-ACCOUNT_CACHE = 60.0       # seconds a user's groups (hence quota) are reused; a reload clears it
 GAP_TICKS = 3              # a check this many intervals after the last one follows a gap in observation
 
-# Event kinds (model.Event.kind) for each action kind.
-_EVENT_KIND = {rules.WARN: "warning", rules.REPORT: "warning", rules.TERM: "kill", rules.KILL: "kill",
-               rules.UNKILLABLE: "unkillable", rules.REVOKE: "revoke", rules.RELEASE: "release"}
 _LEVEL = {rules.WARN: logging.WARNING, rules.REPORT: logging.WARNING, rules.TERM: logging.WARNING,
           rules.KILL: logging.WARNING, rules.UNKILLABLE: logging.ERROR}
 _SIGNAL = {rules.TERM: signal.SIGTERM, rules.KILL: signal.SIGKILL}
 
 
 class Watcher:
-    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, exempt: Exempt,
-                 sampler: Sampler, lookup: AccountLookup, notifier: notify.Notifier,
-                 demand: Callable[[], rules.Demand] = rules.Demand) -> None:
+    def __init__(self, config: Callable[[], Config], store: Store, releases: Releases, exempt: Exempt,
+                 sampler: GpuSampler, accounts: KnownAccounts, terminals: Terminals, processes: Processes,
+                 usage: UsageMeter, demand: Callable[[], rules.Demand] = rules.Demand) -> None:
         self.config = config  # the config in force, which a reload replaces
         self.store = store
-        self.grants = grants
+        self.releases = releases
         self.exempt = exempt
         self.sampler = sampler
-        self.lookup = lookup
-        self.notifier = notifier
+        self.accounts = accounts  # names and quotas, NSS asked off the loop
+        self.terminals = terminals
+        self.processes = processes  # who a process is, and signals through pidfds
+        self.usage = usage
         self.demand = demand  # what the queue needs beyond the free units: what reclaim may take
         self.state = rules.State()
         self._last_check: float | None = None
-        # (hour, uid, minor) -> [granted, busy, idle] seconds not written yet
-        self._usage: dict[tuple[int, int, int], list[float]] = {}
-        self._usage_flushed = time.monotonic()
-        # uid -> (when, config, name, quota): NSS is asked at most once per ACCOUNT_CACHE per user,
-        # and again after a reload (another config object).
-        self._accounts: dict[int, tuple[float, Config, str, Quota]] = {}
 
     # --- the tick
 
@@ -87,7 +83,7 @@ class Watcher:
         started = time.monotonic()
         timing = timing_of(self.config())
         self._after_gap(now)
-        await self._resolve_accounts(self._users(sample))
+        await self.accounts.resolve(self._users(sample))
         view = self._view(sample)
         actions = rules.decide(view, self.state, now, timing)
         if actions:  # rare (changes only), so every one is confirmed, warnings included
@@ -95,17 +91,18 @@ class Watcher:
                                                         pending=len(actions))
             if confirming is None:
                 return []
-            await self._resolve_accounts(self._users(confirming))
+            await self.accounts.resolve(self._users(confirming))
             view = self._view(confirming)  # grants read again: a request may have come in meanwhile
             actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
         done = []
-        for action in actions:
-            try:
-                if self._act(action, now):
-                    done.append(action)
-            except Exception:  # one failing action (a gate error, a full disk) must not stop the others
-                event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
-                      uid=action.uid, gpu=unit_label(action.minor), pid=action.proc.pid if action.proc else None)
+        with self.releases.batch(now):  # decided on one view: the queue is served after all of it
+            for action in actions:
+                try:
+                    if self._act(action, now):
+                        done.append(action)
+                except Exception:  # one failing action (a gate error, a full disk) must not stop the others
+                    event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
+                          uid=action.uid, gpu=unit_label(action.minor), pid=action.proc.pid if action.proc else None)
         self.state = rules.advance(view, self.state, done, now)
         self._account(view, now)
         self._mark_active(view, now)
@@ -134,7 +131,7 @@ class Watcher:
             procs.append(rules.Proc(process.pid, identity.uid, identity.start_time, process.minor,
                                     process.used_memory))
         grants = self.store.grants()
-        quotas = {g.uid: self.account_of(g.uid)[1] for g in grants}
+        quotas = {g.uid: self.accounts.of(g.uid)[1] for g in grants}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
         failed = frozenset(sample.failed) | {g.minor for g in grants if not sample.ok(g.minor)}
         wanted = self.demand()
@@ -144,48 +141,21 @@ class Watcher:
         """Everyone the rules may judge: grant holders and the owners of the GPU processes."""
         return {g.uid for g in self.store.grants()} | {identity.uid for identity in sample.owners.values()}
 
-    def _fresh(self, uid: int) -> bool:
-        cached = self._accounts.get(uid)
-        return (cached is not None and cached[1] is self.config()
-                and time.monotonic() - cached[0] < ACCOUNT_CACHE)
-
-    async def _resolve_accounts(self, uids: Iterable[int]) -> None:
-        """Look up (off the loop) the users whose name and quota are not cached or are stale."""
-        for uid in sorted(set(uids)):
-            if self._fresh(uid):
-                continue
-            config = self.config()
-            try:
-                account = await self.lookup.by_uid(uid)
-                entry = (account.name, policy.quota_for(account.name, account.groups, config))
-            except accounts.UnknownUser:  # deleted, or NSS too slow: the defaults still bound it
-                cached = self._accounts.get(uid)
-                entry = (cached[2], cached[3]) if cached and cached[1] is config else (str(uid), config.defaults)
-            self._accounts[uid] = (time.monotonic(), config, *entry)
-
-    def account_of(self, uid: int) -> tuple[str, Quota]:
-        """Name and resolved quota of uid as _resolve_accounts left them; a uid it never saw
-        (granted during the confirming re-sample) gets the defaults until the next tick."""
-        cached = self._accounts.get(uid)
-        if cached is None:
-            return str(uid), self.config().defaults
-        return cached[2], cached[3]
-
     # --- acting
 
     def _act(self, action: Action, now: float) -> bool:
         """Carry out one action; True when it happened (a signal to a process that already left
         did not), for rules.advance."""
-        user = self.account_of(action.uid)[0]
+        user = self.accounts.name_of(action.uid)
         proc = action.proc
-        command = signals.command(proc.pid) if proc else ""
+        command = self.processes.command(proc.pid) if proc else ""
         text = messages.action_message(action, command)
         numbers = rules.Numbers(**action.numbers)
         if action.kind in _SIGNAL and proc is not None:  # signals always name their process
             identity = ProcessIdentity(proc.pid, proc.uid, proc.start_time)
-            result = signals.send(identity, _SIGNAL[action.kind], self.exempt.uids)
+            result = self.processes.send(identity, _SIGNAL[action.kind], self.exempt.uids)
             if not result.sent:
-                event(logging.INFO if result.outcome is signals.Outcome.GONE else logging.WARNING,
+                event(logging.INFO if result.outcome is Outcome.GONE else logging.WARNING,
                       f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=unit_label(action.minor),
                       outcome=result.outcome.value, detail=result.detail)
                 return False
@@ -193,10 +163,10 @@ class Watcher:
             if action.kind == rules.TERM:
                 self.store.add_kill(action.uid, user, action.minor, hour_of(now), action.rule)
         elif action.kind == rules.UNKILLABLE and proc is not None:
-            numbers["state"] = signals.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
+            numbers["state"] = self.processes.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
-            removed = self.grants.remove(action.uid, [action.minor], now, kind=action.kind, rule=action.rule,
-                                         message=text)
+            removed = self.releases.take_back(action.uid, [action.minor], now, kind=action.kind.event,
+                                              rule=action.rule, message=text)
             if not removed:
                 return False  # released by someone else meanwhile
         self._record(action, user, command, text, numbers, now)
@@ -211,33 +181,20 @@ class Watcher:
                   gpu=unit_label(action.minor), pid=proc.pid if proc else None, command=command or None,
                   **logged)
             self.store.add_event(Event(
-                now, action.uid, user, _EVENT_KIND[action.kind], text, minor=action.minor,
+                now, action.uid, user, action.kind.event, text, minor=action.minor,
                 pid=proc.pid if proc else None, command=command, rule=action.rule, action=action.kind,
                 numbers=dict(numbers)))
         if action.kind != rules.REPORT and action.uid not in self.exempt.uids:
             ttys = [s.tty for s in self.store.sessions(action.uid)]
-            self.notifier.tell(user, action.uid, text, ttys)
+            self.terminals.tell(user, action.uid, text, ttys)
 
     # --- bookkeeping
 
     def _account(self, view: rules.View, now: float) -> None:
-        """Seconds granted / busy / idle per user and GPU since the last check, counted in the
-        hour of this check and written once a minute."""
+        """Seconds granted / busy / idle per user and GPU since the last check (usage.UsageMeter)."""
         if self._last_check is not None:
             # A long pause (a stalled loop, failed samples) was not observed: count at most a few ticks.
-            seconds = min(now - self._last_check, GAP_TICKS * self.config().watcher.interval)
-            for (uid, minor), added in rules.usage(view, max(0.0, seconds)).items():
-                totals = self._usage.setdefault((hour_of(now), uid, minor), [0.0, 0.0, 0.0])
-                for i, value in enumerate(added):
-                    totals[i] += value
-        if time.monotonic() - self._usage_flushed >= USAGE_FLUSH_EVERY:
-            self.flush_usage()
-
-    def flush_usage(self) -> None:
-        for (hour, uid, minor), (granted, busy, idle) in self._usage.items():
-            self.store.add_usage(uid, self.account_of(uid)[0], minor, hour, granted=granted, busy=busy, idle=idle)
-        self._usage.clear()
-        self._usage_flushed = time.monotonic()
+            self.usage.add(view, min(now - self._last_check, GAP_TICKS * self.config().watcher.interval), now)
 
     def _mark_active(self, view: rules.View, now: float) -> None:
         """grants.last_active follows the watcher's exact memory (state.seen) within ACTIVE_WRITE_EVERY."""
@@ -248,9 +205,6 @@ class Watcher:
                 stale.setdefault(grant.uid, []).append(grant.minor)
         for uid, minors in stale.items():
             self.store.mark_active(uid, minors, now)
-
-    def close(self) -> None:
-        self.flush_usage()
 
 
 def timing_of(config: Config) -> rules.Timing:

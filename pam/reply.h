@@ -2,7 +2,7 @@
  * The daemon's reply to pam_gpuguard: one JSON object, of which the module reads
  * "ok", "cuda_visible_devices", "message" and "error" and skips everything else.
  *
- * Apart from the module so that the fuzz and AddressSanitizer harnesses (tests/pam_fuzz/)
+ * Apart from the module so that the fuzz and AddressSanitizer harnesses (tests/system/pam_fuzz/)
  * build the very same code: the reply comes from a socket, so it is untrusted input.
  */
 #ifndef GPUGUARD_REPLY_H

@@ -2,13 +2,22 @@
 no ctypes) because every CLI command imports it for the backends' errors; backends load on demand."""
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from gpuguard.errors import GpuguardError
 
+# The Debian package runs gpuguard from dist-packages on Debian's libraries, and carries
+# nvidia-ml-py (pynvml), which Debian does not ship, in a directory of its own: only that install
+# looks there (a checkout or venv never does), before anything else, so it runs the pynvml it was built with.
+DEBIAN_VENDOR_DIR = "/usr/lib/gpuguard/vendor"
+if __file__.startswith("/usr/lib/python3/dist-packages/") and DEBIAN_VENDOR_DIR not in sys.path:
+    sys.path.insert(0, DEBIAN_VENDOR_DIR)
+
 if TYPE_CHECKING:
     from gpuguard.backends.gate import Gate
     from gpuguard.backends.nvml import NvmlBackend
+    from gpuguard.coexist import Ownership
     from gpuguard.config import Config
 
 
@@ -49,8 +58,25 @@ def caps_major(config: Config) -> int | None:
     return char_major("nvidia-caps")
 
 
-def open_gate(config: Config, name: str) -> Gate:
-    """The gate over the GPU nodes and the MIG capability nodes of this config's GPUs; the ranges
-    are asked again at every attach and repair (an nvidia-caps module may load after start)."""
+def open_gate(config: Config, name: str, ownership: Ownership | None = None) -> Gate:
+    """The gate over the GPU nodes and the MIG capability nodes of this config's GPUs, less those
+    of the GPUs another system owns (gpuguard.coexist); the ranges are asked again at every attach
+    and repair (an nvidia-caps module may load after start, and its table with it)."""
     from gpuguard.backends.gate import Gate, managed_ranges
-    return Gate(name, managed=lambda: managed_ranges(caps_major(config)))
+
+    def managed() -> tuple:
+        major = caps_major(config)
+        if ownership is None or not ownership.foreign:
+            return managed_ranges(major)
+        return managed_ranges(major, ownership.unmanaged(major, mig_minors(config) if major is not None else {}))
+    return Gate(name, managed=managed)
+
+
+def mig_minors(config: Config) -> dict[str, int]:
+    """The driver's table of MIG capability minors, by name (`gpu0/gi1/access`); empty without nvidia-caps."""
+    from gpuguard.backends import mig_caps
+    from gpuguard.config import GpuBackend
+    if config.gpu.backend == GpuBackend.SIMULATED:
+        from gpuguard.backends.sim_mig import driver_mig_minors
+        return mig_caps.parse_mig_minors(driver_mig_minors())
+    return mig_caps.read_mig_minors()

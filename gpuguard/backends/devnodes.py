@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
+from gpuguard.backends import GpuError
 from gpuguard.backends.posix_acl import acl_entries, apply_acls, named_users
 from gpuguard.backends.procfs import char_major
 from gpuguard.model import NVIDIA_MAJOR
@@ -39,8 +40,10 @@ def driver_loaded() -> bool:
     return any(char_major(name) == NVIDIA_MAJOR for name in ("nvidia-frontend", "nvidia"))
 
 
-def ensure_driver_nodes(device_dir: Path, minors: list[int]) -> list[Path]:
-    """Create whichever driver nodes are missing or wrong, none without the driver; returns the ones made."""
+def ensure_driver_nodes(device_dir: Path, minors: list[int], foreign: Collection[int] = ()) -> list[Path]:
+    """Create whichever driver nodes are missing or wrong, none without the driver; returns the ones made.
+    foreign: GPUs another system owns (gpuguard.coexist), whose nodes are made 0666 as the driver
+    would and otherwise left as they are: Slurm's cgroups or the container runtime guard them."""
     if not driver_loaded():
         return []
     wanted: list[tuple[str, tuple[int, int], int]] = [
@@ -52,7 +55,8 @@ def ensure_driver_nodes(device_dir: Path, minors: list[int]) -> list[Path]:
         wanted += [("nvidia-uvm", (uvm, 0), SHARED_MODE), ("nvidia-uvm-tools", (uvm, 1), SHARED_MODE)]
     made = [device_dir / name for name, dev, mode in wanted if ensure_node(device_dir / name, dev, mode)]
     return made + [gpu_node(device_dir, minor) for minor in minors
-                   if ensure_node(gpu_node(device_dir, minor), (NVIDIA_MAJOR, minor))]
+                   if ensure_node(gpu_node(device_dir, minor), (NVIDIA_MAJOR, minor),
+                                  SHARED_MODE if minor in foreign else BASE_MODE)]
 
 
 def gpu_node(device_dir: Path, minor: int) -> Path:
@@ -113,3 +117,22 @@ def sync_gpu_node(path: Path, dev: tuple[int, int], uids: Iterable[int]) -> list
         wrong.append(f"ACL users {sorted(before)} instead of {sorted(uids)}" if before != uids
                      else "ACL entries")
     return [f"{path}: {what}" for what in wrong]
+
+
+def make_driver_node(path: Path, dev: tuple[int, int], mode: int = 0o666) -> None:
+    """The character device `dev`, created with `mode` as a freshly loaded driver does (GPUs
+    0666; nvidia-modprobe makes capability nodes 0444). An existing node keeps its mode: an
+    admin or gpuguard's ACLs may have set it."""
+    rdev = os.makedev(*dev)
+    try:
+        path.parent.mkdir(mode=0o755, exist_ok=True)
+        os.mknod(path, stat.S_IFCHR | mode, rdev)
+        os.chmod(path, mode)  # mknod applied the umask
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise GpuError(f"cannot create simulated GPU node {path}: {exc.strerror}") from None
+    st = os.lstat(path)
+    if not stat.S_ISCHR(st.st_mode) or st.st_rdev != rdev:
+        raise GpuError(f"{path} exists but is not the device node {dev[0]}:{dev[1]}")

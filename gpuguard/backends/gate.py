@@ -22,7 +22,7 @@ import hashlib
 import os
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -94,14 +94,29 @@ class DeviceRange:
         return f"{self.major}:{self.first}-{self.last}"
 
 
-def managed_ranges(caps_major: int | None) -> tuple[DeviceRange, ...]:
+def managed_ranges(caps_major: int | None, unmanaged: Collection[Device] = ()) -> tuple[DeviceRange, ...]:
     """/dev/nvidia0..253 (254 and 255 are nvidia-modeset and nvidiactl, open to all), plus every
     node of the nvidia-caps major (MIG capabilities: the slices' access, and config and monitor,
-    which no grant ever opens) when there is one."""
+    which no grant ever opens) when there is one; less the `unmanaged` nodes (GPUs another system
+    owns: gpuguard.coexist), which split a range in two."""
     ranges = [DeviceRange(NVIDIA_MAJOR, 0, 253)]
     if caps_major is not None:
         ranges.append(DeviceRange(caps_major))
-    return tuple(ranges)
+    return tuple(part for rng in ranges for part in _without(rng, sorted(m for major, m in unmanaged
+                                                                         if major == rng.major)))
+
+
+def _without(rng: DeviceRange, minors: list[int]) -> list[DeviceRange]:
+    """The parts of a range left between the (sorted) minors taken out of it."""
+    parts, first = [], rng.first
+    for minor in minors:
+        if first <= minor <= rng.last:
+            if minor > first:
+                parts.append(DeviceRange(rng.major, first, minor - 1))
+            first = minor + 1
+    if first <= rng.last:
+        parts.append(DeviceRange(rng.major, first, rng.last))
+    return parts
 
 
 def default_managed() -> tuple[DeviceRange, ...]:

@@ -1,4 +1,4 @@
-"""The device nodes grants.Grants writes through (its Nodes seam): the GPUs' /dev/nvidia<minor>
+"""The device nodes grants.Grants writes through (its Nodes edge, edges.Nodes): the GPUs' /dev/nvidia<minor>
 and the MIG capability nodes /dev/nvidia-caps/nvidia-cap<minor>."""
 from __future__ import annotations
 

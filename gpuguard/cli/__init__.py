@@ -69,7 +69,7 @@ def print_rows(rows: list[list[str]]) -> None:
 
 # Each command and the module that registers it: a command loads only its own module. The full
 # parser (help, a typo, completion, the man page) loads every `*_cmd` module, so a test
-# (tests/test_cli_startup.py) sees any command missing here.
+# (tests/system/test_cli_startup.py) sees any command missing here.
 COMMANDS = {
     "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd",
     "completion": "completion_cmd", "config": "config_cmd", "daemon": "daemon_cmd",
@@ -77,7 +77,7 @@ COMMANDS = {
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
     "simulate": "simulate_cmd", "trace": "simulate_cmd",
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd",
-    "doctor": "doctor_cmd",
+    "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
 }
 PAM_HOOK = "pam-hook"
 PAM_HOOK_HELP = "pam_exec session hook (fallback for pam_gpuguard.so; always exits 0; see pam/README)"

@@ -1,12 +1,13 @@
 """`gpuguard config check [PATH]`: exactly the validation the daemon runs at start and reload,
-then warnings (exit 0) for what loads but likely is not meant (gpuguard/config_warnings.py)."""
+then warnings (exit 0) for what loads but likely is not meant (gpuguard/config_warnings.py), and who
+owns which GPU beside Slurm and Kubernetes (gpuguard/coexist.py; undecided on a Slurm node: exit 6)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from gpuguard import config, config_warnings
-from gpuguard.backends import accounts
+from gpuguard.backends import accounts, driver_minors, slurm
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +22,10 @@ def check_config(args: argparse.Namespace) -> int:
     loaded = config.load(args.path or args.config)
     for line in config_warnings.warnings(loaded, accounts.user_exists, accounts.group_exists):
         print(f"gpuguard: warning: {line}", file=sys.stderr)
+    # What the daemon would decide at start on this host: a Slurm node nobody decided about exits 6 here too.
+    ownership = slurm.ownership(loaded.coexist, driver_minors(loaded))
     print(f"{loaded.source}: ok ({len(loaded.quotas.users)} user and "
           f"{len(loaded.quotas.groups)} group quotas from {loaded.paths.quotas})")
+    if ownership.foreign:
+        print(f"coexist: {ownership.summary()}")
     return 0

@@ -13,8 +13,9 @@ import stat
 from pathlib import Path
 
 from gpuguard import client, doctor
-from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gate, open_gpu_backend
+from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gate, open_gpu_backend, slurm
 from gpuguard.cli import load_config, print_json, require_root
+from gpuguard.coexist import CoexistError, Ownership
 from gpuguard.config import AccessMode, Config
 from gpuguard.errors import EXIT_FAILED, EXIT_OK
 
@@ -54,9 +55,13 @@ def run(args: argparse.Namespace) -> int:
 def gather(config: Config, pam_service: str, root: Path) -> doctor.Facts:
     status, daemon_error = _daemon(config)
     gate_name = (status or {}).get("gate") or "gpuguard"
-    cgroup2, bpf_error, gate, gate_current, gate_error = _kernel(config, gate_name)
-    gpus, nvml_error = _gpus(config)
     driver = sorted(driver_minors(config))
+    try:
+        ownership, owners_error = slurm.ownership(config.coexist, driver), None
+    except CoexistError as exc:
+        ownership, owners_error = Ownership(), exc.line()
+    cgroup2, bpf_error, gate, gate_current, gate_error = _kernel(config, gate_name, ownership)
+    gpus, nvml_error = _gpus(config)
     minors = sorted(set(driver) | {minor for minor, _ in gpus or ()})
     session = _pam_session(root / "etc/pam.d", pam_service)
     exempt = frozenset(status["exempt"]) if status and "exempt" in status else frozenset(accounts.exempt_uids(config.access))
@@ -74,7 +79,13 @@ def gather(config: Config, pam_service: str, root: Path) -> doctor.Facts:
         persistenced_uid=_uid(doctor.PERSISTENCED), exempt_uids=exempt,
         daemon=status, daemon_error=daemon_error,
         slurm=next((what for what in ("slurmd", "slurmctld") if shutil.which(what)), None)
-        or ("/etc/slurm" if (root / "etc/slurm").is_dir() else None))
+        or ("/etc/slurm" if (root / "etc/slurm").is_dir() else None),
+        slurm_setting=_setting(config.coexist.slurm), owners=ownership.summary(), owners_error=owners_error,
+        foreign=frozenset(ownership.foreign))
+
+
+def _setting(slurm: str | tuple[int, ...] | None) -> str | None:
+    return ",".join(map(str, slurm)) if isinstance(slurm, tuple) else slurm
 
 
 def _daemon(config: Config) -> tuple[dict | None, str | None]:
@@ -84,7 +95,7 @@ def _daemon(config: Config) -> tuple[dict | None, str | None]:
         return None, str(exc)
 
 
-def _kernel(config: Config, gate_name: str):
+def _kernel(config: Config, gate_name: str, ownership: Ownership):
     """(cgroup2 mount, bpf error, gate status, gate current, gate error)."""
     from gpuguard.backends.bpf import attached_ids  # ctypes: only for this command
     from gpuguard.backends.mounts import cgroup2_root
@@ -99,7 +110,7 @@ def _kernel(config: Config, gate_name: str):
     if config.access.mode == AccessMode.ACL:
         return str(root), None, None, None, None
     try:
-        with open_gate(config, gate_name) as gate:
+        with open_gate(config, gate_name, ownership) as gate:
             status = gate.status()
             return str(root), None, status, gate.is_current() if status["prog_id"] else None, None
     except GateError as exc:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard import client
 from gpuguard import config as configuration
-from gpuguard.backends import accounts, devnodes
+from gpuguard.backends import accounts, devnodes, slurm
 from gpuguard.cli import CommandError, load_config, print_json, require_root
 from gpuguard.errors import EXIT_OK
 
@@ -37,12 +37,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         .set_defaults(func=acl_apply)
 
 
-def _gate(args: argparse.Namespace, loaded: configuration.Config | None) -> Gate:
-    """The gate over the device ranges of the config's GPUs (MIG capabilities included); with no
-    config, those of the loaded driver: an emergency must not wait for a config that loads."""
-    from gpuguard.backends import open_gate  # ctypes and the assembler: only for these commands
+def _gate(args: argparse.Namespace, loaded: configuration.Config | None, strict: bool = True) -> Gate:
+    """The gate over the device ranges of the config's GPUs (MIG capabilities included), less those
+    Slurm or Kubernetes own (gpuguard.coexist: raises CoexistError when undecided, unless not
+    strict); with no config, those of the loaded driver: an emergency must not wait for a config."""
+    from gpuguard.backends import driver_minors, open_gate  # ctypes and the assembler: only for these commands
     from gpuguard.backends.gate import Gate
-    return open_gate(loaded, args.name) if loaded is not None else Gate(args.name)
+    from gpuguard.coexist import CoexistError, Ownership
+    if loaded is None:
+        return Gate(args.name)
+    try:
+        ownership = slurm.ownership(loaded.coexist, driver_minors(loaded), ask_scontrol=False)
+    except CoexistError as exc:
+        if strict:
+            raise
+        ownership = Ownership()
+        print(f"gpuguard: {exc.line()}; judging the gate as if every GPU were gpuguard's", file=sys.stderr)
+    return open_gate(loaded, args.name, ownership)
 
 
 def gate_status(args: argparse.Namespace) -> int:
@@ -52,7 +63,7 @@ def gate_status(args: argparse.Namespace) -> int:
     except configuration.ConfigError as exc:
         loaded = None  # the ranges of the driver loaded: what a real server's config says too
         print(f"gpuguard: {exc}; judging the gate by the loaded driver's device ranges", file=sys.stderr)
-    status = _gate(args, loaded).status()
+    status = _gate(args, loaded, strict=False).status()
     if args.json:
         print_json(status)
         return EXIT_OK
@@ -90,8 +101,10 @@ def gate_detach(args: argparse.Namespace) -> int:
 def acl_apply(args: argparse.Namespace) -> int:
     """Run by udev when the driver or one of its modules loads, or a GPU binds."""
     require_root("acl apply")
+    loaded: configuration.Config | None = None
     try:
-        paths = load_config(args).paths
+        loaded = load_config(args)
+        paths = loaded.paths
     except configuration.ConfigError as exc:
         # A config in the middle of an edit must not leave new nodes unmade: the paths are
         # nearly always the defaults, and the daemon needs no config for this.
@@ -101,12 +114,26 @@ def acl_apply(args: argparse.Namespace) -> int:
         print(client.call(str(paths.socket), "sync_nodes", timeout=10)["message"])
     except client.DaemonUnreachable:
         # NVML needs these nodes to start, and nothing else makes them (etc/modprobe.d/gpuguard.conf).
-        # GPU nodes come out 0660 root:root: making them opens no GPU to anyone.
-        made = devnodes.ensure_driver_nodes(paths.device_dir, devnodes.driver_minors())
+        # GPU nodes come out 0660 root:root: making them opens no GPU to anyone. Those of Slurm's or
+        # Kubernetes' GPUs (coexist) come out 0666, as the driver makes them, so their jobs still start.
+        minors = devnodes.driver_minors()
+        made = devnodes.ensure_driver_nodes(paths.device_dir, minors, foreign=_foreign(loaded, minors))
         if made:
             print(f"created {', '.join(str(path) for path in made)}")
         print("gpuguard daemon not running: GPU nodes stay closed (0660 root:root) until it starts")
     return EXIT_OK
+
+
+def _foreign(loaded: configuration.Config | None, minors: list[int]) -> frozenset[int]:
+    """The GPUs Slurm or Kubernetes own; none (their nodes closed: fail closed) when that cannot be told."""
+    from gpuguard.coexist import CoexistError
+    if loaded is None:
+        return frozenset()
+    try:
+        return frozenset(slurm.ownership(loaded.coexist, minors, ask_scontrol=False).foreign)
+    except CoexistError as exc:
+        print(f"gpuguard: {exc.line()}; every GPU node made 0660 root:root", file=sys.stderr)
+        return frozenset()
 
 
 def _user_name(uid: int) -> str:

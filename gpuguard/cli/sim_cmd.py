@@ -96,7 +96,7 @@ def _simulated(args: argparse.Namespace, command: str) -> Config:
 
 
 def run_mig(args: argparse.Namespace) -> int:
-    from gpuguard.backends.simulated import change_layout  # imports pynvml: only when needed
+    from gpuguard.backends.sim_mig import change_layout  # imports pynvml: only when needed
 
     config = _simulated(args, "mig")
     if os.geteuid() != 0:
@@ -125,7 +125,8 @@ def run_mig(args: argparse.Namespace) -> int:
 def _slice_of(device_dir: Path, mig_uuid: str) -> tuple[int, tuple[int, int], list[Path]]:
     """(GPU minor, (GI id, CI id), the capability nodes to open) of a simulated MIG slice."""
     from gpuguard.backends import mig_caps
-    from gpuguard.backends.simulated import MIG_MINORS_FILE, REGISTRY_DIR, read_layout
+    from gpuguard.backends.sim_mig import MIG_MINORS_FILE, read_layout
+    from gpuguard.backends.sim_registry import REGISTRY_DIR
 
     try:
         layout = read_layout(device_dir)
@@ -181,7 +182,7 @@ def run_burn(args: argparse.Namespace) -> int:
 
 
 def _in_mig_mode(device_dir: Path, minor: int) -> bool:
-    from gpuguard.backends.simulated import read_layout
+    from gpuguard.backends.sim_mig import read_layout
 
     try:
         return minor in read_layout(device_dir)
@@ -190,7 +191,7 @@ def _in_mig_mode(device_dir: Path, minor: int) -> bool:
 
 
 def _burn(args: argparse.Namespace, device_dir: Path, minor: int, mig: tuple[int, int] | None) -> None:
-    from gpuguard.backends.simulated import register_process  # imports pynvml: only when needed
+    from gpuguard.backends.sim_registry import register_process  # imports pynvml: only when needed
 
     try:
         record = register_process(device_dir, os.getpid(), minor, args.mem, args.util, mig=mig)

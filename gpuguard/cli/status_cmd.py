@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 BAR_WIDTH = 20
 CSV_COLUMNS = ("gpu", "name", "uuid", "utilization_percent", "memory_used_bytes", "memory_total_bytes",
-               "holders", "processes", "time_left_seconds")
+               "holders", "processes", "time_left_seconds", "owner")
 _COLOURS = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
 
 
@@ -98,6 +98,9 @@ def involves(gpu: dict[str, Any], user: str) -> bool:
 
 
 def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
+    if (owner := gpu.get("owner", "gpuguard")) != "gpuguard":  # Slurm's or Kubernetes': its holders are theirs
+        title = style.paint(f"GPU {gpu['label']}", "bold")
+        return [f"{title}  {gpu['name']}  " + style.paint(f"{owner}'s: not managed by gpuguard", "dim")]
     util = "  ?" if gpu["utilization"] is None else f"{gpu['utilization']:3d}"
     used = gpu["memory_used"]
     memory = f"{'?' if used is None else format_size(used)} / {format_size(gpu['memory_total'])}"
@@ -130,7 +133,7 @@ def csv_row(gpu: dict[str, Any], now: float) -> list[Any]:
     expiries = [h["expires_at"] for h in gpu["holders"] if h["expires_at"]]
     return [gpu["label"], gpu["name"], gpu["uuid"], _blank(gpu["utilization"]), _blank(gpu["memory_used"]),
             gpu["memory_total"], " ".join(h["user"] for h in gpu["holders"]), _blank(gpu["processes"]),
-            round(max(0.0, min(expiries) - now)) if expiries else ""]
+            round(max(0.0, min(expiries) - now)) if expiries else "", gpu.get("owner", "gpuguard")]
 
 
 def _blank(value: Any) -> Any:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpuguard.backends.simulated import register_process
+from gpuguard.backends.sim_registry import register_process
 from gpuguard.units import parse_size
 
 MiB = 1 << 20

@@ -24,7 +24,8 @@ from devtools.harness import no_gate_attached
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import open_gpu_backend
 from gpuguard.backends.nvml import NvmlBackend
-from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBackend
+from gpuguard.backends.sim_registry import FAIL_FILE, REGISTRY_DIR
+from gpuguard.backends.simulated import SimulatedBackend
 from gpuguard.config import SimulatedConfig
 
 GiB = 1 << 30
@@ -136,7 +137,7 @@ def backend(device_dir: Path) -> Iterator[SimulatedBackend]:
 
 def set_fault(device_dir: Path, text: str | None) -> None:
     """Make the simulated NVML fail ("NVML_ERROR_GPU_IS_LOST", or "... 2" for GPU 2 alone) until
-    called again with None (see gpuguard/backends/simulated.py)."""
+    called again with None (see gpuguard/backends/sim_registry.py)."""
     path = device_dir / REGISTRY_DIR / FAIL_FILE
     if text is None:
         path.unlink(missing_ok=True)

@@ -1,13 +1,18 @@
-"""Shell completion and the man page, both generated from the argparse definitions: every
-command `gpuguard --help` knows is completed and documented, with the same help text."""
+"""Shell completion and the man pages, generated from the argparse definitions and the config
+loader's table: every command `gpuguard --help` knows is completed and documented, with the same
+help text, and every key the loader knows is in gpuguard.toml(5)."""
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import subprocess
 
-from conftest import BIN, REPO
+import pytest
+from conftest import PYTHON, REPO
 from sim_helpers import gpuguard
 
+from gpuguard import config
 from gpuguard.cli import build_parser
 
 
@@ -39,18 +44,62 @@ def test_bash_completion_knows_every_command_and_the_choices_of_options():
     assert refused.returncode == 2 and "invalid choice" in refused.stderr
 
 
-def test_the_man_page_documents_every_command_with_its_help_text(tmp_path):
-    page = tmp_path / "gpuguard.1"
-    subprocess.run([str(BIN / "argparse-manpage"), "--module", "gpuguard.cli", "--function", "build_parser",
-                    "--prog", "gpuguard", "--output", str(page)], check=True, cwd=REPO)
-    text = page.read_text().replace("\\-", "-")
-    assert text.startswith(".TH GPUGUARD")
+def man_pages(outdir) -> dict[str, str]:
+    """packaging/manpages.py's pages (what `make man` and debian/rules build), as `man` shows them."""
+    subprocess.run([PYTHON, str(REPO / "packaging/manpages.py"), str(outdir)], check=True, cwd=REPO,
+                   env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    shown = {}
+    for page in sorted(outdir.iterdir()):
+        result = subprocess.run(["man", "--warnings", "-P", "cat", "-l", str(page)], capture_output=True, text=True,
+                                env={"MANWIDTH": "250", "LC_ALL": "C.UTF-8", "PATH": "/usr/bin:/bin"})
+        assert result.returncode == 0 and result.stderr == "", (page.name, result.stderr)  # groff has nothing to say
+        shown[page.name] = result.stdout
+    return shown
+
+
+@pytest.mark.skipif(shutil.which("man") is None, reason="man-db is not installed")
+def test_every_command_is_documented_on_one_page_with_its_help_text(tmp_path):
+    pages = man_pages(tmp_path)
+    assert sorted(pages) == ["gpuguard.1", "gpuguard.8", "gpuguard.toml.5", "pam_gpuguard.8"]
+    for name in pages:
+        assert pages[name].split()[0] == name.rsplit(".", 1)[0].upper() + f"({name.rsplit('.', 1)[1]})"
     for name in commands():
-        assert f"gpuguard {name}" in text or f"\\fI\\,{name}\\/" in text, name
+        heading = re.compile(rf"^   gpuguard {re.escape(name)}$", re.MULTILINE)
+        on = [page for page in ("gpuguard.1", "gpuguard.8") if heading.search(pages[page])]
+        assert len(on) == 1, (name, on)
+    for section in ("EXIT STATUS", "FILES", "ENVIRONMENT", "EXAMPLES"):
+        assert f"\n{section}\n" in pages["gpuguard.1"] and f"\n{section}\n" in pages["gpuguard.8"], section
     report = commands()["report"]
     (by,) = [a for a in report._actions if "--by" in a.option_strings]
-    assert by.help in text  # the same words as --help, not a copy kept by hand
-    # make man, make install and make deb build this one, with the same arguments.
-    assert "argparse-manpage --module gpuguard.cli --function build_parser" in (REPO / "packaging/build-docs.sh").read_text()
-    assert "packaging/build-docs.sh" in (REPO / "Makefile").read_text()
-    assert "build-docs.sh" in (REPO / "packaging/build-deb.sh").read_text()
+    assert by.help in pages["gpuguard.1"]  # the same words as --help, not a copy kept by hand
+    assert 'eval "$(gpuguard env)"' in pages["gpuguard.1"]
+    for option in ("socket=PATH", "grant=auto|always|never", "quiet", "debug"):
+        assert re.search(rf"^       {re.escape(option)}(\s|$)", pages["pam_gpuguard.8"], re.MULTILINE), option
+    # make man and the Debian build make these, with the same program.
+    assert "packaging/manpages.py" in (REPO / "Makefile").read_text()
+    assert "packaging/manpages.py" in (REPO / "debian/rules").read_text()
+
+
+@pytest.mark.skipif(shutil.which("man") is None, reason="man-db is not installed")
+def test_every_config_key_the_loader_knows_is_in_gpuguard_toml_5_with_its_default(tmp_path):
+    page = man_pages(tmp_path)["gpuguard.toml.5"]
+    for section, table in config.SCHEMA.items():
+        start = page.index(f"\n[{section}]\n")
+        body = page[start:page.find("\n[", start + 1)]
+        for key in table:
+            assert re.search(rf"^       {re.escape(key)} = \w+ \(default: ", body, re.MULTILINE), f"{section}.{key}"
+    # Defaults are the loader's own, written as the file is.
+    assert re.search(r"^       grace = duration \(default: 30s\)$", page, re.MULTILINE)
+    assert re.search(r"^       group = string \(default: \"gpugroup\"\)$", page, re.MULTILINE)
+
+
+def test_a_key_without_its_words_stops_the_man_page_build(tmp_path):
+    """A key added to the loader's table with no description in gpuguard/config_doc.py fails the build."""
+    code = ("import sys\nfrom gpuguard import config\n"
+            "config.SCHEMA['watcher']['ggt_new_key'] = config._bool\n"
+            "sys.argv = ['manpages.py', sys.argv[1]]\n"
+            "exec(open('packaging/manpages.py').read())\n")
+    result = subprocess.run([PYTHON, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                            env={"PYTHONPATH": str(REPO)})
+    assert result.returncode != 0 and "watcher.ggt_new_key" in result.stderr, result
+    assert not (tmp_path / "gpuguard.toml.5").exists()

@@ -133,6 +133,12 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
     ('[metrics]\ntextfile = "/var/lib/node_exporter/gpuguard.txt"', "metrics.textfile: must end in .prom"),
     ('[metrics]\ntextfile = "gpuguard.prom"', "metrics.textfile: expected an absolute path"),
     ('[metrics]\ndcgm_job_mapping_dir = "jobs"', "metrics.dcgm_job_mapping_dir: expected an absolute path"),
+    ('[coexist]\nslurm = "yes"', "coexist.slurm: must be one of auto, off, got 'yes'"),
+    ('[coexist]\nslurm = [0, 0]', "coexist.slurm: a GPU is listed twice"),
+    ('[coexist]\nk8s_gpus = [254]', "coexist.k8s_gpus: GPU minors are 0 to 253, got 254"),
+    ('[coexist]\nk8s_gpus = "6,7"', "coexist.k8s_gpus: expected a list of GPU minors"),
+    ('[coexist]\nslurm = [0, 1]\nk8s_gpus = [1]', "coexist.k8s_gpus: GPU 1 is also in coexist.slurm"),
+    ('[coexist]\ngres_conf = "gres.conf"', "coexist.gres_conf: expected an absolute path"),
 ])
 def test_bad_config_names_file_key_and_problem(tmp_path, text, fragment):
     path = write(tmp_path, text)

@@ -1,20 +1,26 @@
-"""`make deb`'s package, installed with the real dpkg on this machine: install, upgrade, purge.
+"""`make deb`'s package (dpkg-buildpackage on debian/), installed with the real dpkg on this machine:
+lintian, install, upgrade, purge; an install that changes nothing until `gpuguard enable`; what a
+Python upgrade relies on.
 
-The package goes into the real root, PAM profile in common-session included. That cannot
-disturb another test run on this machine: the tests' PAM services (/etc/pam.d/ggt-*, the sshd and
-`su -` stacks of ssh_harness and the demo) never include common-session, and a gpuguard module
-there without its daemon lets every session open as before. The test attaches the production
-gate (named `gpuguard`, which no test or demo uses) to see the package detach it at removal, under
-the gate lock that every gate-attaching test holds. Two runs of this test wait for each other
-(a flock on /usr/share/pam-configs). A machine where gpuguard is installed for real is left alone.
+The package goes into the real root. That cannot disturb another test run on this machine: the
+tests' PAM services (/etc/pam.d/ggt-*, the sshd and `su -` stacks of ssh_harness and the demo) never
+include common-session, and a gpuguard module there without its daemon lets every session open as
+before; the modprobe.d option is for the nvidia module, which is not loaded here. The tests attach
+the production gate (named `gpuguard`, which no other test or demo uses) or a daemon's own gate
+under the gate lock that every gate-attaching test holds. Two runs of these tests wait for each
+other (a flock on /usr/share/pam-configs). A machine where gpuguard is installed for real is left alone.
+
+The NVIDIA driver is simulated: "the driver loads" is what the real modprobe configuration
+(`modprobe -c`) and the udev rules installed where udev reads them make of it: without
+NVreg_ModifyDeviceFiles=0 nvidia-modprobe makes the GPU nodes 0666 root:root, with it none; then
+the RUN commands of the rules that match the nvidia module's "add" event run.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import gzip
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -23,30 +29,37 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, unique
+from deb_lock import package_lock
+from probes import ALLOWED, open_result
+from test_shipped_files import udev_matches, udev_rules
 
 from devtools.harness import gate_test_lock
-from gpuguard import __version__
+from gpuguard import __version__, config
 from gpuguard.backends.gate import PIN_ROOT, Gate
 
-PYTHON = "/usr/bin/python3"  # what `make deb` builds the venv with
-PACKAGE_LOCK = Path("/usr/share/pam-configs")
 # useradd and groupadd of other test runs hold /etc/passwd.PID, /etc/group.lock and the like for a moment.
 SHADOW_LOCK = re.compile(r"\.(\d+|lock)$")
 PAM_LINE = re.compile(r"^session\s+optional\s+pam_gpuguard\.so\s*$", re.MULTILINE)
 MULTIARCH = subprocess.run(["dpkg-architecture", "-qDEB_HOST_MULTIARCH"], capture_output=True,
                            text=True).stdout.strip()
-# Where the package and its scripts put files, and must leave them as they found them: each
-# directory walked whole, /etc by its own entries (other runs add and remove users meanwhile).
-WATCHED = ["/opt", "/usr/bin", "/usr/lib/systemd/system", "/usr/lib/udev/rules.d", "/usr/lib/modprobe.d",
-           f"/usr/lib/{MULTIARCH}/security", "/usr/share/pam-configs", "/usr/share/doc/gpuguard",
-           "/usr/share/man/man1", "/usr/share/bash-completion/completions",
-           "/etc/pam.d", "/etc/gpuguard", "/etc/systemd/system", "/var/lib/gpuguard", "/var/lib/dpkg/info",
-           "/var/lib/pam", "/run/gpuguard"]
+DIST_PACKAGES = "/usr/lib/python3/dist-packages"
+# Where the package, its scripts and `gpuguard enable` put files, and must leave them as they found
+# them: each directory walked whole, /etc by its own entries (other runs add and remove users meanwhile).
+WATCHED = ["/opt", "/usr/bin", "/usr/lib/gpuguard", f"{DIST_PACKAGES}/gpuguard", "/usr/lib/systemd/system",
+           "/usr/lib/udev/rules.d", "/usr/lib/modprobe.d", f"/usr/lib/{MULTIARCH}/security", "/usr/share/pam-configs",
+           "/usr/share/doc/gpuguard", "/usr/share/man/man1", "/usr/share/man/man5", "/usr/share/man/man8",
+           "/usr/share/bash-completion/completions", "/usr/share/python3/runtime.d",
+           "/etc/pam.d", "/etc/gpuguard", "/etc/systemd/system", "/etc/modprobe.d", "/etc/udev/rules.d",
+           "/var/lib/gpuguard", "/var/lib/dpkg/info", "/var/lib/pam", "/run/gpuguard"]
+# What `gpuguard enable` links, to what.
+LINKS = {Path("/etc/modprobe.d/gpuguard.conf"): "/usr/lib/gpuguard/modprobe.d/gpuguard.conf",
+         Path("/etc/udev/rules.d/70-gpuguard.rules"): "/usr/lib/gpuguard/udev/70-gpuguard.rules"}
+UDEV_DIRS = ["/etc/udev/rules.d", "/run/udev/rules.d", "/usr/lib/udev/rules.d", "/lib/udev/rules.d"]
+GPUS = 4
 
 pytestmark = [
     pytest.mark.gate,
-    pytest.mark.skipif(subprocess.run(["which", "dpkg-deb"], capture_output=True).returncode != 0,
-                       reason="not a Debian system"),
+    pytest.mark.skipif(shutil.which("dpkg-buildpackage") is None, reason="not a Debian system with dpkg-dev"),
 ]
 
 
@@ -63,13 +76,20 @@ def installed_version() -> str | None:
 
 
 def build(outdir: Path, version: str) -> Path:
-    result = subprocess.run([str(REPO / "packaging/build-deb.sh"), PYTHON, str(outdir), version],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([str(REPO / "packaging/build-deb.sh"), str(outdir), version],
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     deb = Path(result.stdout.strip().splitlines()[-1])
     arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True).stdout.strip()
     assert deb.name == f"gpuguard_{version}_{arch}.deb" and deb.is_file()
     return deb
+
+
+@pytest.fixture(scope="module")
+def debs(tmp_path_factory) -> dict[str, Path]:
+    """Two versions of the package, built from this checkout: one to install, one to upgrade to."""
+    outdir = tmp_path_factory.mktemp("deb")
+    return {version: build(outdir, version) for version in ("0.0.1~ggt1", "0.0.1~ggt2")}
 
 
 def package_entries(deb: Path) -> dict[str, str]:
@@ -95,20 +115,10 @@ def snapshot() -> set[str]:
     return paths
 
 
-@contextlib.contextmanager
-def package_lock() -> Iterator[None]:
-    fd = os.open(PACKAGE_LOCK, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 @pytest.fixture
 def clean_machine() -> Iterator[None]:
     with package_lock():
-        if installed_version() or Path("/opt/gpuguard").exists():
+        if installed_version() or Path("/opt/gpuguard").exists() or Path("/usr/lib/gpuguard").exists():
             pytest.skip("gpuguard is installed on this machine for real: not touching it")
         try:
             yield
@@ -117,40 +127,66 @@ def clean_machine() -> Iterator[None]:
                 dpkg("--purge", "gpuguard")
 
 
+def pam_lines() -> int:
+    return len(PAM_LINE.findall(Path("/etc/pam.d/common-session").read_text()))
+
+
 def check_installed(deb: Path, version: str) -> None:
     assert installed_version() == version
-    for path, expected in package_entries(deb).items():
+    entries = package_entries(deb)
+    for path, expected in entries.items():
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
             assert os.readlink(path) == expected, path
         else:
             assert stat.filemode(st.st_mode) == expected, path
             assert (st.st_uid, st.st_gid) == (0, 0), path
-    for path in ["/opt/gpuguard/bin/gpuguard", "/usr/lib/systemd/system/gpuguard.service",
-                 "/usr/lib/udev/rules.d/70-gpuguard.rules", "/usr/lib/modprobe.d/gpuguard.conf",
-                 "/usr/share/pam-configs/gpuguard", f"/usr/lib/{MULTIARCH}/security/pam_gpuguard.so"]:
+    # gpuguard itself in dist-packages, on Debian's Python; no program but gpuguard, nothing in /opt,
+    # only the vendored pynvml besides the inert vendor files in /usr/lib/gpuguard.
+    files = {path for path, mode in entries.items() if not mode.startswith("d")}
+    assert {p for p in files if p.startswith("/usr/bin/") or p.startswith("/usr/sbin/")} == {"/usr/bin/gpuguard"}
+    assert not [p for p in entries if p.startswith("/opt")]
+    assert {p for p in files if p.startswith("/usr/lib/gpuguard/")} == {
+        "/usr/lib/gpuguard/vendor/pynvml.py", *LINKS.values()}
+    assert f"{DIST_PACKAGES}/gpuguard/cli/__init__.py" in files
+    assert Path("/usr/bin/gpuguard").read_text().startswith("#!/usr/bin/python3\n")
+    for path in ["/usr/lib/systemd/system/gpuguard.service", "/usr/share/pam-configs/gpuguard",
+                 f"/usr/lib/{MULTIARCH}/security/pam_gpuguard.so", "/usr/share/doc/gpuguard/copyright",
+                 "/usr/share/doc/gpuguard/changelog.gz"]:
         assert Path(path).is_file(), path
-    # The man page (`man gpuguard` finds it by name) and the bash completion, from the argparse definitions.
-    page = Path("/usr/share/man/man1/gpuguard.1.gz")
-    assert gzip.decompress(page.read_bytes()).decode().startswith(".TH GPUGUARD")
-    if shutil.which("man"):
-        found = subprocess.run(["man", "-w", "gpuguard"], capture_output=True, text=True)
+    # dpkg recorded a checksum of every file, and they match.
+    assert Path("/var/lib/dpkg/info/gpuguard.md5sums").read_text().count("\n") == len(
+        [p for p in files if not p.startswith("/etc/")])
+    verify = subprocess.run(["dpkg", "--verify", "gpuguard"], capture_output=True, text=True)
+    assert verify.returncode == 0, verify
+    assert [line for line in verify.stdout.splitlines() if " c /etc/" not in line] == [], verify.stdout  # conffiles may be edited
+    # The man pages, found by name and section; gpuguard.toml(5) lists every key the loader knows.
+    for name, section in [("gpuguard", "1"), ("gpuguard", "8"), ("gpuguard.toml", "5"), ("pam_gpuguard", "8")]:
+        page = Path(f"/usr/share/man/man{section}/{name}.{section}.gz")
+        assert gzip.decompress(page.read_bytes()).decode().startswith(f".TH {name.upper()} {section} "), page
+        found = subprocess.run(["man", "-w", section, name], capture_output=True, text=True)
         assert found.stdout.strip() == str(page), found
+    shown = subprocess.run(["man", "-P", "cat", "gpuguard.toml"], capture_output=True, text=True,
+                           env={**os.environ, "MANWIDTH": "200", "LC_ALL": "C.UTF-8"})
+    assert shown.returncode == 0, shown.stderr
+    for section, table in config.SCHEMA.items():
+        assert f"[{section}]" in shown.stdout, section
+        for key in table:
+            assert re.search(rf"^\s+{re.escape(key)} = ", shown.stdout, re.MULTILINE), f"{section}.{key}"
     completion = Path("/usr/share/bash-completion/completions/gpuguard").read_text()
     assert "_shtab_gpuguard" in completion and "report" in completion
     conffiles = subprocess.run(["dpkg-query", "-W", "-f=${Conffiles}", "gpuguard"], capture_output=True,
                                text=True, check=True).stdout.split()
     assert {"/etc/gpuguard/gpuguard.toml", "/etc/gpuguard/quotas.toml"} <= set(conffiles)
-    # pam-auth-update put the module in the interactive session stack, after pam_systemd, once.
-    session = Path("/etc/pam.d/common-session").read_text()
-    assert len(PAM_LINE.findall(session)) == 1, session
-    assert session.index("pam_systemd.so") < session.index("pam_gpuguard.so")
-    assert "pam_gpuguard" not in Path("/etc/pam.d/common-session-noninteractive").read_text()
 
     version_line = subprocess.run(["/usr/bin/gpuguard", "--version"], capture_output=True, text=True)
     assert version_line.stdout.strip() == f"gpuguard {__version__}", version_line
     check = subprocess.run(["/usr/bin/gpuguard", "config", "check"], capture_output=True, text=True)
     assert check.returncode == 0 and check.stdout.startswith("/etc/gpuguard/gpuguard.toml: ok"), check
+    # NVML's bindings are the vendored copy (Debian has none), and they load.
+    pynvml = subprocess.run(["/usr/bin/python3", "-c", "import gpuguard.backends.nvml, pynvml; print(pynvml.__file__)"],
+                            capture_output=True, text=True, cwd="/")
+    assert pynvml.stdout.strip() == "/usr/lib/gpuguard/vendor/pynvml.py", pynvml
 
 
 def check_module_loads_by_name() -> None:
@@ -167,35 +203,49 @@ def check_module_loads_by_name() -> None:
         service.unlink()
 
 
-def test_install_upgrade_purge_leaves_nothing(sandbox, clean_machine) -> None:
+@pytest.mark.skipif(shutil.which("lintian") is None, reason="lintian is not installed (make build-deps)")
+def test_lintian_finds_no_error_and_no_warning(debs) -> None:
+    """What lintian still says (information tags only) is listed, with why, in the README."""
+    deb = next(iter(debs.values()))
+    result = subprocess.run(["lintian", "--allow-root", "--fail-on", "error,warning", str(deb)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not re.search(r"^[EW]: ", result.stdout, re.MULTILINE), result.stdout
+
+
+def test_install_upgrade_purge_leaves_nothing(debs, sandbox, clean_machine) -> None:
     common_session = Path("/etc/pam.d/common-session").read_text()
     before = snapshot()
-    first, second = "0.0.1~ggt1-1", "0.0.1~ggt2-1"
-    deb = build(sandbox, first)
+    (first, deb), (second, rebuilt) = debs.items()
 
     installed = dpkg("-i", str(deb))
     assert installed.returncode == 0, installed.stderr
     check_installed(deb, first)
     check_module_loads_by_name()
+    assert pam_lines() == 0  # inert: the profile is registered, not on
 
-    # State the upgrade must keep: an admin's edit of a conffile, the store, the pinned gate.
+    # State the upgrade must keep: an admin's edit of a conffile, the store, the pinned gate, the
+    # PAM profile turned on.
     quotas = Path("/etc/gpuguard/quotas.toml")
     quotas.write_text(quotas.read_text() + "\n[users.ggt-admin-edit]\ngpus = 2\n")
     state = Path("/var/lib/gpuguard/ggt-state")
     state.parent.mkdir(mode=0o700, exist_ok=True)
     state.write_text("grants\n")
     with gate_test_lock():
+        enabled = subprocess.run(["/usr/bin/gpuguard", "enable"], capture_output=True, text=True, timeout=120)
         attached = subprocess.run(["/usr/bin/gpuguard", "gate", "attach"], capture_output=True, text=True)
         try:
+            assert enabled.returncode == 0, enabled.stderr
             assert attached.returncode == 0, attached.stderr
 
-            rebuilt = build(sandbox, second)
             upgraded = dpkg("-i", str(rebuilt))
             assert upgraded.returncode == 0, upgraded.stderr
             check_installed(rebuilt, second)
             assert "ggt-admin-edit" in quotas.read_text()
             assert state.read_text() == "grants\n"
             assert Gate("gpuguard").find(), "the upgrade detached the gate"
+            assert pam_lines() == 1, "the upgrade turned the PAM profile off"
+            assert {link: os.readlink(link) for link in LINKS} == {link: str(t) for link, t in LINKS.items()}
 
             removed = dpkg("--remove", "gpuguard")
             assert removed.returncode == 0, removed.stderr
@@ -206,7 +256,8 @@ def test_install_upgrade_purge_leaves_nothing(sandbox, clean_machine) -> None:
                 gate.detach()
         assert not still_attached, "removing the package left the gate attached"
     assert not (PIN_ROOT / "gpuguard").exists()
-    assert "pam_gpuguard" not in Path("/etc/pam.d/common-session").read_text()
+    assert pam_lines() == 0
+    assert not [link for link in LINKS if os.path.lexists(link)]  # prerm ran `gpuguard disable`
     assert quotas.exists() and state.exists()  # remove keeps the configuration and the state
 
     purged = dpkg("--purge", "gpuguard")
@@ -214,3 +265,150 @@ def test_install_upgrade_purge_leaves_nothing(sandbox, clean_machine) -> None:
     assert dpkg("-s", "gpuguard").returncode != 0
     assert Path("/etc/pam.d/common-session").read_text() == common_session
     assert snapshot() ^ before == set()
+
+
+# --- inert until enabled
+
+def nvidia_options() -> dict[str, str]:
+    """The options modprobe would load the nvidia module with, from its whole configuration."""
+    shown = subprocess.run(["modprobe", "--showconfig"], capture_output=True, text=True, check=True).stdout
+    options: dict[str, str] = {}
+    for line in shown.splitlines():
+        words = line.split()
+        if words[:2] == ["options", "nvidia"]:
+            options.update(word.split("=", 1) for word in words[2:] if "=" in word)
+    return options
+
+
+def udev_runs_when_the_driver_loads() -> list[str]:
+    """The RUN commands of the gpuguard rules udev reads (a file in /etc hides the same name further
+    down) that match the nvidia module's "add" event."""
+    event = {"ACTION": "add", "SUBSYSTEM": "module", "KERNEL": "nvidia", "DRIVER": ""}
+    chosen: dict[str, Path] = {}
+    for directory in UDEV_DIRS:
+        for path in sorted(Path(directory).glob("*.rules")) if Path(directory).is_dir() else []:
+            chosen.setdefault(path.name, path)
+    runs = []
+    for path in (p for name, p in sorted(chosen.items()) if "gpuguard" in name):
+        for tokens in udev_rules(path):
+            matches = [(key, op, value) for key, _, op, value in tokens if op in ("==", "!=")]
+            if all(udev_matches(value, event.get(key, "")) == (op == "==") for key, op, value in matches):
+                runs += [value for key, _, _, value in tokens if key == "RUN"]
+    return runs
+
+
+def load_driver(device_dir: Path, config_path: Path | None) -> list[str]:
+    """The (simulated) nvidia driver loads again: the GPU nodes are gone (a reboot's fresh /dev),
+    nvidia-modprobe makes them 0666 root:root unless told not to, and udev runs the matching RUN
+    commands (with GPUGUARD_CONFIG naming the test's config). Returns those commands."""
+    device_dir.mkdir(mode=0o755, exist_ok=True)
+    for minor in range(GPUS):
+        (device_dir / f"nvidia{minor}").unlink(missing_ok=True)
+    if nvidia_options().get("NVreg_ModifyDeviceFiles") != "0":
+        for minor in range(GPUS):
+            os.mknod(device_dir / f"nvidia{minor}", stat.S_IFCHR | 0o666, os.makedev(195, minor))
+            os.chmod(device_dir / f"nvidia{minor}", 0o666)
+    runs = udev_runs_when_the_driver_loads()
+    for command in runs:
+        env = {**os.environ, "GPUGUARD_CONFIG": str(config_path)} if config_path else None
+        ran = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=60, env=env)
+        assert ran.returncode == 0, (command, ran.stderr)
+    return runs
+
+
+def node_results(user, device_dir: Path) -> dict[int, str]:
+    return {minor: open_result(user, device_dir / f"nvidia{minor}") for minor in range(GPUS)}
+
+
+def test_install_is_inert_until_enable_and_disable_opens_the_gpus_again(
+        debs, sandbox, clean_machine, start_daemon, make_user) -> None:
+    before = snapshot()
+    deb = next(iter(debs.values()))
+    installed = dpkg("-i", str(deb))
+    assert installed.returncode == 0, installed.stderr
+    device_dir = sandbox / "dev"
+    everyone = make_user()  # not in the GPU group
+
+    # Installed, not enabled: the driver loads as if gpuguard were not there.
+    assert "NVreg_ModifyDeviceFiles" not in nvidia_options()
+    assert load_driver(device_dir, None) == []
+    assert node_results(everyone, device_dir) == dict.fromkeys(range(GPUS), ALLOWED)
+    assert pam_lines() == 0
+    assert not Path("/etc/systemd/system/multi-user.target.wants/gpuguard.service").exists()
+
+    enabled = subprocess.run(["/usr/bin/gpuguard", "enable"], capture_output=True, text=True, timeout=120)
+    assert enabled.returncode == 0, enabled.stderr
+    assert {link: os.readlink(link) for link in LINKS} == {link: str(t) for link, t in LINKS.items()}
+    assert nvidia_options()["NVreg_ModifyDeviceFiles"] == "0"
+    assert pam_lines() == 1
+    session = Path("/etc/pam.d/common-session").read_text()
+    assert session.index("pam_systemd.so") < session.index("pam_gpuguard.so")
+    assert "pam_gpuguard" not in Path("/etc/pam.d/common-session-noninteractive").read_text()
+    again = subprocess.run(["/usr/bin/gpuguard", "enable"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and pam_lines() == 1, again.stderr  # idempotent
+
+    # Enabled: the daemon runs (here without systemd, started as the unit would: the test's own
+    # daemon from this checkout, on the same device directory) and the driver's load closes every GPU
+    # but the grants.
+    d = start_daemon(count=GPUS)
+    assert d.device_dir == device_dir
+    member = d.add_member()
+    (granted,) = d.open_session(member)["gpus"]
+    assert load_driver(device_dir, d.config_path) == ["/usr/bin/gpuguard acl apply"]
+    closed = node_results(everyone, device_dir)
+    assert not [minor for minor, result in closed.items() if result == ALLOWED], closed
+    mine = node_results(member, device_dir)
+    assert [minor for minor, result in mine.items() if result == ALLOWED] == [granted], mine
+
+    # Disabled: the daemon stopped (what `systemctl disable --now` does where systemd runs), then
+    # everything undone, and the nodes open as the driver makes them, at once and after its next load.
+    assert d.stop() == 0
+    disabled = subprocess.run(["/usr/bin/gpuguard", "--config", str(d.config_path), "disable",
+                               "--gate-name", d.gate_name], capture_output=True, text=True, timeout=120)
+    assert disabled.returncode == 0, disabled.stderr
+    assert not Gate(d.gate_name).find()
+    assert not [link for link in LINKS if os.path.lexists(link)]
+    assert pam_lines() == 0 and "NVreg_ModifyDeviceFiles" not in nvidia_options()
+    assert node_results(everyone, device_dir) == dict.fromkeys(range(GPUS), ALLOWED)
+    assert node_results(member, device_dir) == dict.fromkeys(range(GPUS), ALLOWED)
+    assert load_driver(device_dir, d.config_path) == []
+    assert node_results(everyone, device_dir) == dict.fromkeys(range(GPUS), ALLOWED)
+
+    purged = dpkg("--purge", "gpuguard")
+    assert purged.returncode == 0, purged.stderr
+    assert snapshot() ^ before == set()
+
+
+# --- a Python upgrade
+
+def debian_pythons() -> list[str]:
+    """The python3.N interpreters Debian packages installed here (they read dist-packages)."""
+    owned = subprocess.run(["dpkg", "-S", "/usr/bin/python3.*"], capture_output=True, text=True).stdout
+    return sorted({m for m in re.findall(r"(/usr/bin/python3\.\d+)$", owned, re.MULTILINE)})
+
+
+def test_the_package_follows_the_distributions_python(debs, clean_machine) -> None:
+    """A release upgrade replaces python3.N by python3.N+1: the package holds no file tied to one
+    minor version and no upper bound on python3, and the hook dh_python3 installed recompiles its
+    private modules when the default Python changes (python3-defaults runs it); every Debian
+    python3.N on this machine runs it."""
+    deb = next(iter(debs.values()))
+    entries = package_entries(deb)
+    assert not [p for p in entries if re.match(r"/usr/lib/python3\.\d+/", p)]
+    depends = subprocess.run(["dpkg-deb", "-f", str(deb), "Depends"], capture_output=True, text=True).stdout
+    assert "python3:any" in depends and "<<" not in depends, depends
+    installed = dpkg("-i", str(deb))
+    assert installed.returncode == 0, installed.stderr
+    pythons = debian_pythons()
+    assert pythons, "no Debian python3.N here"
+    default = subprocess.run(["/usr/bin/python3", "-c", "import sys; print('python%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True).stdout.strip()
+    hook = Path("/usr/share/python3/runtime.d/gpuguard.rtupdate")
+    ran = subprocess.run([str(hook), "rtupdate", default, default], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    for python in pythons:
+        version = subprocess.run([python, "-c", "import gpuguard.cli, gpuguard.backends.nvml, pynvml\n"
+                                  "gpuguard.cli.build_parser(); print(gpuguard.__version__)"],
+                                 capture_output=True, text=True, cwd="/", timeout=60)
+        assert version.stdout.strip() == __version__, (python, version.stderr)
+    dpkg("--purge", "gpuguard")

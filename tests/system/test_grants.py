@@ -5,6 +5,7 @@ stand-in map, so these run without attaching a BPF program.
 """
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 
 import pytest
@@ -15,6 +16,7 @@ from gpuguard.backends import accounts, posix_acl
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
+from gpuguard.lookups import AccountLookup
 from gpuguard.model import NVIDIA_MAJOR
 from gpuguard.store import Store
 
@@ -80,14 +82,16 @@ def test_a_reload_keeps_exempt_the_logged_in_users_the_member_lists_miss(sandbox
     ops, alice = make_user(groups=[admins]), make_user()
     config = gpuguard_config.load(write_config(sandbox, extra=f'\n[access]\nexempt_groups = ["{admins}"]\n'))
     grants = Grants(store, None, AclNodes(sandbox / "dev"), minors=())
-    exempt = Exempt(lambda: config.access, store, grants.set_exempt)
+    lookup = AccountLookup()
+    exempt = Exempt(lambda: config.access, store, grants.set_exempt, lookup)
     # What SSSD/LDAP do with primary groups: the group's member list does not name ops.
     monkeypatch.setattr(accounts, "exempt_uids", lambda access: {0})
     opened = store.open_session(ops.uid, ops.name, "sshd", "", "", 1, 1.0)
     store.open_session(alice.uid, alice.name, "sshd", "", "", 1, 1.0)
     exempt.add(ops.uid)  # what a login of ops does: policy.is_exempt says yes
-    exempt.refresh()
+    asyncio.run(exempt.refresh())  # NSS in the lookups' pool, off the loop
     assert exempt.uids == {0, ops.uid} and grants.exempt == {ops.uid}
     store.close_session(ops.uid, opened.pid)
-    exempt.refresh()  # no session left to vouch for ops: the member lists decide again
+    asyncio.run(exempt.refresh())  # no session left to vouch for ops: the member lists decide again
     assert exempt.uids == {0}
+    lookup.close()

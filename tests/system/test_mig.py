@@ -25,7 +25,8 @@ from test_notify import read_until  # a pty's output up to a needle
 from devtools.harness import wait_for
 from gpuguard.backends import mig_caps, posix_acl
 from gpuguard.backends.devnodes import caps_node
-from gpuguard.backends.simulated import MIG_MINORS_FILE, REGISTRY_DIR
+from gpuguard.backends.sim_mig import MIG_MINORS_FILE
+from gpuguard.backends.sim_registry import REGISTRY_DIR
 from gpuguard.model import NVIDIA_MAJOR, slice_place, unit_label
 
 pytestmark = pytest.mark.gate

@@ -22,7 +22,9 @@ from gpuguard import config as gpuguard_config
 from gpuguard.backends import caps_major, mig_caps
 from gpuguard.backends.devnodes import caps_node
 from gpuguard.backends.nvml import NvmlBackend
-from gpuguard.backends.simulated import MIG_FILE, MIG_MINORS_FILE, REGISTRY_DIR, SimulatedBackend
+from gpuguard.backends.sim_mig import MIG_FILE, MIG_MINORS_FILE
+from gpuguard.backends.sim_registry import REGISTRY_DIR
+from gpuguard.backends.simulated import SimulatedBackend
 from gpuguard.config import SimulatedConfig
 from gpuguard.errors import EXIT_FAILED, EXIT_USAGE
 from gpuguard.model import GpuProcess, slice_unit, unit_label

@@ -19,7 +19,8 @@ import pytest
 from sim_helpers import GiB, burn, gpuguard, open_backend, write_config
 
 from gpuguard.backends import GpuError, procfs
-from gpuguard.backends.simulated import FAIL_FILE, REGISTRY_DIR, SimulatedBackend, register_process
+from gpuguard.backends.sim_registry import FAIL_FILE, REGISTRY_DIR, register_process
+from gpuguard.backends.simulated import SimulatedBackend
 from gpuguard.config import SimulatedConfig
 from gpuguard.model import GpuProcess, Link
 

@@ -79,7 +79,7 @@ def test_holders_passed_a_descriptor_are_found_after_a_revoke(start_daemon, make
         assert taker.wait(timeout=MARGIN) == -signal.SIGTERM
         assert member.poll() is None  # a member's is reported, not ended
         mine = events(d, alice, pid=member.pid)
-        assert [e["kind"] for e in mine] == ["report"] and "passed on" in mine[0]["message"], mine
+        assert [(e["kind"], e["action"]) for e in mine] == [("warning", "report")] and "passed on" in mine[0]["message"], mine
         assert [e["kind"] for e in events(d, alice, pid=taker.pid)] == ["kill"]
     finally:
         for proc in (taker, member):
@@ -103,7 +103,7 @@ def test_a_setuid_root_holder_is_recorded_in_the_users_whoami(start_daemon, sand
         assert wait_for(lambda: open(f"/proc/{holder.pid}/status").read().count("\t0\t") > 0)  # exec'd: euid 0
         d.call("revoke", user=alice.name)
         recorded = wait_for(lambda: events(d, alice, pid=holder.pid), timeout=MARGIN)
-        assert [e["kind"] for e in recorded] == ["report"], recorded
+        assert [(e["kind"], e["action"]) for e in recorded] == [("warning", "report")], recorded
         assert "runs as root" in recorded[0]["message"] and recorded[0]["minor"] == minor
         assert holder.poll() is None  # root's processes are never signalled
     finally:

@@ -14,7 +14,7 @@ from conftest import popen_as
 from sim_helpers import GiB, set_fault
 
 from gpuguard.backends.procfs import holders_of
-from gpuguard.backends.simulated import register_process
+from gpuguard.backends.sim_registry import register_process
 from gpuguard.model import NVIDIA_MAJOR, GpuProcess
 from gpuguard.sampling import Sampler, node_holders
 

@@ -4,8 +4,9 @@
   would rewrite their ACLs and flush gpuguard's grants), RUN commands that gpuguard accepts;
 - etc/modprobe.d/gpuguard.conf: NVreg_ModifyDeviceFiles=0 for the nvidia module;
 - etc/gpuguard.toml: passes `gpuguard config check`;
-- etc/gpuguard.service: Type=notify, ExecStart runs `gpuguard daemon` where the package and
-  `make install` put gpuguard, and `systemd-analyze verify` has nothing to say (when systemd-analyze is there);
+- etc/gpuguard.service: Type=notify, ExecStart runs `gpuguard daemon` where the package puts gpuguard
+  (`make install` names its own), Documentation= names the man pages, and `systemd-analyze verify`
+  has nothing to say (when systemd-analyze is there);
 - pam/: `make -C pam install` with DESTDIR installs the module and the pam-auth-update profile
   into the staging directory and nowhere else.
 """
@@ -18,10 +19,12 @@ import shlex
 import shutil
 import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import BIN, REPO
+from deb_lock import package_lock
 from sim_helpers import cli
 
 from gpuguard.cli import build_parser
@@ -78,9 +81,16 @@ def rules_for_node(rules, name: str) -> list[dict[str, str]]:
     return applied
 
 
+# Where the Debian package puts the command (dh_python3's entry point), as the unit and the udev rule name it.
+INSTALLED_GPUGUARD = "/usr/bin/gpuguard"
+
+
 def installed_gpuguard() -> str:
-    """The gpuguard command in the application's venv, where the package and `make install` put
-    it (the Makefile's APPDIR)."""
+    return INSTALLED_GPUGUARD
+
+
+def appdir_gpuguard() -> str:
+    """The gpuguard command of `make install`: in the application's venv (the Makefile's APPDIR)."""
     appdirs = re.findall(r"^APPDIR\s*\?=\s*(\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
     assert len(appdirs) == 1, appdirs
     return f"{appdirs[0]}/bin/gpuguard"
@@ -182,22 +192,28 @@ def test_unit_is_type_notify_and_runs_the_installed_daemon() -> None:
     assert program == installed_gpuguard()
     assert args[:1] == ["daemon"] and build_parser().parse_args(args).func
     assert setting(sections, "Install", "WantedBy") == "multi-user.target"
+    # `man gpuguard`, `systemctl help gpuguard`: the admin's page first, then the configuration's and the module's.
+    documentation = setting(sections, "Unit", "Documentation").split()
+    assert documentation[:3] == ["man:gpuguard(8)", "man:gpuguard.toml(5)", "man:pam_gpuguard(8)"], documentation
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_has_nothing_to_say(sandbox) -> None:
-    """verify also checks that ExecStart's program exists: in a private mount namespace, a tmpfs
-    over the nearest existing directory above it holds a link to this checkout's gpuguard (gone
-    with the namespace)."""
-    program = Path(installed_gpuguard())
-    mount_point = next(p for p in program.parents if p.is_dir())
+    """verify also checks that ExecStart's program exists, and that `man` finds each man: page of
+    Documentation=: the copy it reads runs this checkout's gpuguard instead of the package's
+    (test_unit_is_type_notify_and_runs_the_installed_daemon checks that path), and MANPATH holds
+    the pages packaging/manpages.py makes."""
     unit = sandbox / UNIT.name  # verify loads the unit from a directory of its own
-    shutil.copy(UNIT, unit)
-    result = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         'mount -t tmpfs ggt-bin "$1" && mkdir -p "$2" && ln -s "$3" "$2/$4" && exec systemd-analyze verify "$5"',
-         "sh", str(mount_point), str(program.parent), str(BIN / "gpuguard"), program.name, str(unit)],
-        capture_output=True, text=True, timeout=120)
+    unit.write_text(UNIT.read_text().replace(installed_gpuguard(), str(BIN / "gpuguard")))
+    built = sandbox / "built"
+    subprocess.run([str(BIN / "python"), str(REPO / "packaging/manpages.py"), str(built)], check=True,
+                   env={"PYTHONPATH": str(REPO)}, timeout=120)
+    for page in built.iterdir():
+        section = sandbox / "man" / f"man{page.suffix[1:]}"
+        section.mkdir(parents=True, exist_ok=True)
+        page.rename(section / page.name)
+    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "MANPATH": str(sandbox / "man")})
     # verify exits 0 even on unknown keys or bad values: any message at all is a finding.
     assert (result.returncode, result.stdout, result.stderr) == (0, "", ""), result
 
@@ -236,7 +252,14 @@ def system_pam_dirs() -> list[Path]:
     return sorted(found) + [Path("/lib/security"), Path("/usr/share/pam-configs")]
 
 
-def test_pam_install_stays_inside_destdir(sandbox, pam_module) -> None:
+@pytest.fixture
+def no_package_install() -> Iterator[None]:
+    """test_deb installs the package into the directories these tests watch: not meanwhile."""
+    with package_lock():
+        yield
+
+
+def test_pam_install_stays_inside_destdir(sandbox, pam_module, no_package_install) -> None:
     stage = sandbox / "stage"
     pamdir = "/lib/security"
     before = {path: tree(path) for path in system_pam_dirs()}
@@ -264,30 +287,39 @@ def test_pam_install_stays_inside_destdir(sandbox, pam_module) -> None:
 
 # --- make install / make uninstall (distributions without the Debian package)
 
-def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configuration(sandbox) -> None:
+def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configuration(sandbox, no_package_install) -> None:
     stage = sandbox / "stage"
-    watched = [Path(p) for p in ("/opt", "/usr/local/bin", "/usr/lib/systemd/system", "/usr/lib/udev/rules.d",
-                                 "/usr/lib/modprobe.d", "/etc/gpuguard")] + system_pam_dirs()
-    # The man page and the completion, by name (apt may add others to those directories meanwhile).
-    outside = [p for p in (Path("/usr/share/man/man1/gpuguard.1"), Path("/usr/share/bash-completion/completions/gpuguard"))
-               if not p.exists()]
+    watched = [Path(p) for p in ("/opt", "/usr/local/bin", "/usr/lib/systemd/system", "/usr/lib/gpuguard",
+                                 "/usr/lib/udev/rules.d", "/usr/lib/modprobe.d", "/etc/gpuguard")] + system_pam_dirs()
+    # The man pages and the completion, by name (apt may add others to those directories meanwhile).
+    pages = ["man1/gpuguard.1", "man8/gpuguard.8", "man8/pam_gpuguard.8", "man5/gpuguard.toml.5"]
+    outside = [p for p in [*(Path("/usr/share/man") / page for page in pages),
+                           Path("/usr/share/bash-completion/completions/gpuguard")] if not p.exists()]
     before = {path: tree(path) for path in watched}
     make = ["make", "-s", "-C", str(REPO), f"DESTDIR={stage}", "PREFIX=/usr"]
 
     result = subprocess.run([*make, "install"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert os.readlink(stage / "usr/bin/gpuguard") == installed_gpuguard()
+    assert os.readlink(stage / "usr/bin/gpuguard") == appdir_gpuguard()
+    # The unit and the rule name this install's gpuguard; the modprobe option and the rule lie inert
+    # where `gpuguard enable` links them from.
     for path, source in [("usr/lib/systemd/system/gpuguard.service", UNIT),
-                         ("usr/lib/udev/rules.d/70-gpuguard.rules", RULES),
-                         ("usr/lib/modprobe.d/gpuguard.conf", MODPROBE), ("etc/gpuguard/gpuguard.toml", CONFIG)]:
-        assert (stage / path).read_bytes() == source.read_bytes(), path
+                         ("usr/lib/systemd/system/gpuguard-web.service", REPO / "etc/gpuguard-web.service"),
+                         ("etc/pam.d/gpuguard-web", REPO / "etc/pam.d/gpuguard-web"),
+                         ("usr/lib/gpuguard/udev/70-gpuguard.rules", RULES),
+                         ("usr/lib/gpuguard/modprobe.d/gpuguard.conf", MODPROBE), ("etc/gpuguard/gpuguard.toml", CONFIG)]:
+        assert (stage / path).read_text() == source.read_text().replace(installed_gpuguard(), appdir_gpuguard()), path
+        assert stat.S_IMODE((stage / path).stat().st_mode) == 0o644, path
+    assert not (stage / "usr/lib/udev").exists() and not (stage / "usr/lib/modprobe.d").exists()
     assert list(stage.rglob("pam_gpuguard.so")) and (stage / "usr/share/pam-configs/gpuguard").is_file()
-    # The man page and the bash completion under PREFIX, generated from the argparse definitions.
-    assert (stage / "usr/share/man/man1/gpuguard.1").read_text().startswith(".TH GPUGUARD")
+    # The man pages and the bash completion under PREFIX, generated (packaging/manpages.py).
+    for page in pages:
+        name, section = page.split("/")[1].rsplit(".", 1)
+        assert (stage / "usr/share/man" / page).read_text().startswith(f".TH {name.upper()} {section} "), page
     assert "_shtab_gpuguard" in (stage / "usr/share/bash-completion/completions/gpuguard").read_text()
     # The application's venv runs from the stage (its interpreter is the system's), and names only
     # where it will be installed: nothing refers to the stage.
-    venv_python = stage / installed_gpuguard().lstrip("/").replace("bin/gpuguard", "bin/python")
+    venv_python = stage / appdir_gpuguard().lstrip("/").replace("bin/gpuguard", "bin/python")
     version = subprocess.run([str(venv_python), "-m", "gpuguard", "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("gpuguard "), version
     leaks = subprocess.run(["grep", "-rlF", str(stage), str(stage)], capture_output=True, text=True)
@@ -302,6 +334,6 @@ def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configu
     result = subprocess.run([*make, "uninstall"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert sorted(str(p.relative_to(stage)) for p in stage.rglob("*") if p.is_file()) == \
-        ["etc/gpuguard/gpuguard.toml", "etc/gpuguard/quotas.toml"]
+        ["etc/gpuguard/gpuguard.toml", "etc/gpuguard/quotas.toml", "etc/pam.d/gpuguard-web"]
     assert {path: tree(path) for path in watched} == before  # nothing outside the stage
     assert not [p for p in outside if p.exists()]

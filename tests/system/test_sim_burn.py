@@ -16,7 +16,7 @@ from conftest import run_as
 from sim_helpers import GiB, burn, gpuguard, open_backend, start_burn, stop_burn, write_config
 
 from gpuguard.backends.nvml import NvmlBackend
-from gpuguard.backends.simulated import REGISTRY_DIR
+from gpuguard.backends.sim_registry import REGISTRY_DIR
 from gpuguard.model import GpuProcess
 
 if TYPE_CHECKING:

@@ -69,7 +69,7 @@ def sample(daemon: Daemon) -> Sample:
 def check(daemon: Daemon, now: float, first: Sample | None = None) -> list:
     """One tick of the watcher on `first` (a new sample when None); the actions carried out."""
     async def tick():
-        return await daemon.watcher.check(first or await daemon.sampler.take(max_age=0), now)
+        return await daemon.services.watcher.check(first or await daemon.sampler.take(max_age=0), now)
     return asyncio.run(tick())
 
 
@@ -94,7 +94,7 @@ def test_nvml_error_in_the_confirming_sample_means_no_action(daemon, alice, burn
         assert check(daemon, time.time(), over) == []
     assert "event=sample_failed" in caplog.text and "GPU is lost" in caplog.text
     assert [e.kind for e in daemon.store.events(alice.uid)] == ["grant"]
-    assert daemon.watcher.state.over == {}
+    assert daemon.services.watcher.state.over == {}
 
 
 def test_the_gpu_failing_in_the_confirming_sample_is_left_alone(daemon, alice, burns, caplog):

@@ -10,23 +10,17 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from gpuguard.api import Api
+from gpuguard import wiring
 from gpuguard.backends import GateError
 from gpuguard.backends.accounts import Account, UnknownUser
 from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.backends.signals import Outcome, Result
 from gpuguard.config import AccessConfig, Config
-from gpuguard.exempt import Exempt
-from gpuguard.grants import Grants
-from gpuguard.holders import HolderEnder
-from gpuguard.logout import LogoutRelease
-from gpuguard.model import NVIDIA_MAJOR, Gpu, GpuProcess, MigSlice, Quota, slice_unit
-from gpuguard.queueing import Queue
+from gpuguard.model import NVIDIA_MAJOR, Device, Gpu, GpuProcess, MigSlice, Quota, slice_unit
 from gpuguard.sampling import Holder, Sample
-from gpuguard.scans import Scans
 from gpuguard.server import Peer
-from gpuguard.store import Store
-from gpuguard.watcher import Watcher
 
 GROUP = "gpugroup"
 
@@ -72,21 +66,40 @@ class FakeGate:
     name = "fake"
 
     def __init__(self) -> None:
-        self.entries: set[tuple[int, tuple[int, int]]] = set()
+        self.entries_now: set[tuple[int, Device]] = set()
+        self.exempt_now: set[int] = {0}
         self.failing: set[int] = set()
+
+    def entries(self) -> set[tuple[int, Device]]:
+        return set(self.entries_now)
+
+    def exempt(self) -> set[int]:
+        return set(self.exempt_now)
+
+    def set_exempt(self, uids: Iterable[int]) -> set[int]:
+        wanted = set(uids) | {0}
+        changed, self.exempt_now = wanted ^ self.exempt_now, wanted
+        return changed
+
+    def is_attached(self) -> bool:
+        return True
+
+    def repair(self, exempt_uids: Iterable[int]) -> list[str]:
+        return []
 
     def grant(self, uid: int, device: tuple[int, int]) -> None:
         self._check(uid)
-        self.entries.add((uid, device))
+        self.entries_now.add((uid, device))
 
     def revoke(self, uid: int, device: tuple[int, int]) -> None:
         self._check(uid)
-        self.entries.discard((uid, device))
+        self.entries_now.discard((uid, device))
 
-    def set_entries(self, wanted: Iterable[tuple[int, tuple[int, int]]]) -> tuple[set, set]:
-        wanted = set(wanted)
-        removed, added = self.entries - wanted, wanted - self.entries
-        self.entries = wanted
+    def set_entries(self, wanted: Iterable[tuple[int, Device]]) -> tuple[set[tuple[int, Device]],
+                                                                          set[tuple[int, Device]]]:
+        target = set(wanted)
+        removed, added = self.entries_now - target, target - self.entries_now
+        self.entries_now = target
         return removed, added
 
     def _check(self, uid: int) -> None:
@@ -95,10 +108,11 @@ class FakeGate:
 
 
 class FakeLookup:
-    """NSS as a dict of accounts."""
+    """NSS as a dict of accounts; `exempt` the uids the exempt groups' member lists name."""
 
     def __init__(self, accounts: Iterable[Account] = ()):
         self.accounts = {a.name: a for a in accounts}
+        self.exempt: set[int] = set()
 
     def add(self, name: str, uid: int, *groups: str) -> Account:
         self.accounts[name] = Account(name, uid, frozenset(groups))
@@ -114,6 +128,14 @@ class FakeLookup:
             if account.uid == uid:
                 return account
         raise UnknownUser(f"no user with uid {uid}")
+
+    async def exempt_uids(self, access: AccessConfig, logged_in: Collection[int]) -> frozenset[int]:
+        groups = set(access.exempt_groups)
+        by_groups = {a.uid for a in self.accounts.values() if a.uid in logged_in and a.groups & groups}
+        return frozenset({0} | self.exempt | by_groups)
+
+    def close(self) -> None:
+        pass
 
 
 class FakeSampler:
@@ -149,6 +171,36 @@ class FakeNotifier:
     def tell(self, user: str, uid: int, message: str, ttys: Iterable[str] = ()) -> None:
         self.told.append((user, message))
 
+    def close(self) -> None:
+        pass
+
+
+class FakeProcesses:
+    """The processes the sample names, as the sampler saw them (their identities); a signal to one
+    of them is recorded and delivered (`signals`), to any other pid it finds nobody (GONE)."""
+
+    def __init__(self, sampler: FakeSampler) -> None:
+        self.sampler = sampler
+        self.signals: list[tuple[int, int]] = []  # (pid, signal) delivered
+        self.states: dict[int, str] = {}  # pid -> state shown for an unkillable process
+
+    def identity(self, pid: int) -> ProcessIdentity | None:
+        return self.sampler.last.owners.get(pid) if self.sampler.last else None
+
+    def command(self, pid: int) -> str:
+        return self.sampler.names.get(pid, "")
+
+    def state(self, identity: ProcessIdentity) -> str | None:
+        return self.states.get(identity.pid)
+
+    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> Result:
+        if self.identity(identity.pid) != identity:
+            return Result(Outcome.GONE, "no such process")
+        if identity.uid in exempt or identity.uid == 0:
+            return Result(Outcome.REFUSED, "root or exempt process")
+        self.signals.append((identity.pid, sig))
+        return Result(Outcome.SENT)
+
 
 class FakeExits:
     """backends.exits.ExitWatch without processes: `exit(pid)` says a watched process ended."""
@@ -156,9 +208,12 @@ class FakeExits:
     def __init__(self) -> None:
         self.watched: dict[int, tuple[Collection[int], Callable[[], None]]] = {}  # uid -> its watch
 
-    def watch(self, pids: Collection[int], uid: int, on_exit: Callable[[], None]) -> Callable[[], None]:
+    def watch(self, pids: Collection[int], uid: int, on_exit: Callable[[], None]) -> Callable[[], None] | None:
         self.watched[uid] = (pids, on_exit)
-        return lambda: self.watched.pop(uid, None)
+        return lambda: self.stop(uid)
+
+    def stop(self, uid: int) -> None:
+        self.watched.pop(uid, None)
 
     def exit(self, pid: int) -> None:
         for pids, on_exit in list(self.watched.values()):
@@ -168,7 +223,7 @@ class FakeExits:
 
 @dataclass
 class World:
-    """Every service, wired as the daemon wires them."""
+    """Every service, wired by wiring.build as the daemon wires them, over the fake edges."""
 
     tmp: Path
     config: Config = field(default_factory=lambda: Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=1)))
@@ -179,40 +234,35 @@ class World:
     gate: FakeGate | None = None  # None: acl mode
 
     def __post_init__(self) -> None:
-        self.store = Store(self.tmp / "state.db")
         self.nodes = FakeNodes()
-        self.grants = Grants(self.store, self.gate, self.nodes, range(4),  # type: ignore[arg-type]
-                             gpus={g.minor: g for g in self.gpus}, caps_major=CAPS_MAJOR)
-        self.exempt = Exempt(lambda: self.config.access, self.store, self.grants.set_exempt)
         self.lookup = FakeLookup()
         self.sampler = FakeSampler()
         self.notifier = FakeNotifier()
         self.exits = FakeExits()
-        self.scanning = Scans(self.find_holders)
-        self.logout = LogoutRelease(self.store, self.grants, self.scanning, self.exits)  # type: ignore[arg-type]
-        self.holder_ender = HolderEnder(self.scanning, self.sampler, self.exempt, self.store,  # type: ignore[arg-type]
-                                        lambda: self.config.watcher.kill_wait)
-        self.grants.holders = self.holder_ender
+        self.processes = FakeProcesses(self.sampler)
         self.reloads = 0
-        self.queue = Queue(lambda: self.config, self.store, self.grants)
-        self.watcher = Watcher(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
-                               self.lookup, self.notifier, demand=self.queue.demand)
-        self.api = Api(lambda: self.config, self.store, self.grants, self.exempt, self.sampler,  # type: ignore[arg-type]
-                       self.lookup, self.logout, self.holder_ender, None, reload=self._reload,
-                       sync_nodes=lambda: None, account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
-                       queue=self.queue, notifier=self.notifier)  # type: ignore[arg-type]
+        self.services = wiring.build(wiring.Edges(
+            config=lambda: self.config, store_path=self.tmp / "state.db", sampler=self.sampler,
+            units={g.minor: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
+            terminals=self.notifier, exits=self.exits, find_holders=self.find_holders, processes=self.processes,
+            gate=self.gate, caps_major=CAPS_MAJOR, reload=self._reload))
+        s = self.services
+        self.store, self.grants, self.exempt, self.queue = s.store, s.grants, s.exempt, s.queue
+        self.watcher, self.api, self.logout, self.holder_ender = s.watcher, s.api, s.logout, s.holders
 
-    def find_holders(self, minors: Collection[int], uids: Collection[int]) -> list[Holder]:
+    def find_holders(self, units: Iterable[int], uids: Collection[int] | None,
+                     devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]:
         """The /proc scan: the holders a test listed, on those GPUs, of those users; counted."""
         self.scans += 1
-        self.scanned_uids.append(frozenset(uids))
-        return [h for h in self.holders if h.minor in minors and h.uid in uids]
+        self.scanned_uids.append(None if uids is None else frozenset(uids))  # None: a walk of all of /proc
+        wanted = set(units)
+        return [h for h in self.holders if h.minor in wanted and (uids is None or h.uid in uids)]
 
     def _reload(self) -> Config:
         self.reloads += 1
         return self.config
 
-    def quota(self, **fields: object) -> None:
+    def quota(self, **fields: Any) -> None:
         self.config = replace(self.config, defaults=replace(self.config.defaults, **fields))
 
     def call(self, op: str, uid: int = 0, **fields: object) -> dict:

@@ -3,18 +3,10 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-from fakes import GROUP, World
+from fakes import GROUP
 
 from gpuguard.config import AccessConfig
 from gpuguard.sampling import Holder
-
-
-@pytest.fixture
-def world(tmp_path) -> World:
-    w = World(tmp_path)
-    yield w
-    w.store.close()
 
 
 def test_a_member_login_gets_a_gpu_and_a_second_session_reuses_it(world):

@@ -71,7 +71,9 @@ def node(minor: int, **changes) -> dict[int, Node]:
     ({"udev_rules": []}, "udev", FAIL),
     ({"persistenced_uid": 105}, "persistenced", FAIL),
     ({"daemon": None, "daemon_error": "not reachable"}, "daemon", FAIL),
-    ({"slurm": "slurmd"}, "slurm", WARN),
+    ({"slurm": "slurmd"}, "coexist", WARN),
+    ({"owners_error": "this is a Slurm node (slurmd runs, /etc/slurm/gres.conf exists) and [coexist] slurm is not set"},
+     "coexist", FAIL),
 ])
 def test_each_problem_is_its_own_line_with_a_fix(changes, check, status) -> None:
     findings = {f.check: f for f in doctor.run(replace(healthy(), **changes))}
@@ -88,3 +90,14 @@ def test_what_is_fine_stays_fine() -> None:
     assert verdicts(replace(healthy(), pam_session=["/opt/x/pam_gpuguard.so"]))["pam"] == OK  # no pam_systemd
     # Without the daemon the node check still judges modes, and does not fail on ACLs it cannot judge.
     assert verdicts(replace(healthy(), daemon=None, daemon_error="down"))["nodes"] == OK
+
+
+def test_slurms_gpus_are_judged_by_their_owner_not_by_gpuguards_rules() -> None:
+    """GPU 0 is Slurm's: its 0666 node with no ACL is how Slurm keeps it, not a fault."""
+    beside = replace(healthy(), slurm="slurmd", slurm_setting="auto", foreign=frozenset({0}),
+                     owners="Slurm: GPUs 0 (/etc/slurm/gres.conf, node gpu1)", nodes=node(0, mode=0o666))
+    findings = {f.check: f for f in doctor.run(beside)}
+    assert findings["nodes"].status == OK and findings["coexist"].status == OK
+    assert findings["coexist"].detail == "Slurm: GPUs 0 (/etc/slurm/gres.conf, node gpu1); gpuguard manages the other GPUs"
+    assert verdicts(replace(beside, foreign=frozenset()))["nodes"] == FAIL  # the same node on a GPU of gpuguard's
+    assert verdicts(replace(healthy(), slurm="slurmd", slurm_setting="off"))["coexist"] == OK

@@ -5,21 +5,13 @@ import asyncio
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-from fakes import GROUP, World, gpu
+from fakes import GROUP, gpu
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.config import MetricsConfig
 from gpuguard.metrics import GpuState, Holding, Metrics, job_mapping, write_job_mapping
 from gpuguard.model import GpuUse
-
-
-@pytest.fixture
-def world(tmp_path) -> World:
-    w = World(tmp_path)
-    yield w
-    w.store.close()
 
 
 def exposition(metrics: Metrics) -> dict[tuple[str, frozenset], float]:
@@ -35,7 +27,7 @@ def test_a_gpu_nvml_cannot_read_is_down_and_counted_and_the_others_keep_their_nu
     world.sampler.last = replace(sample, use={minor: GpuUse(3 << 30, 80 << 30, 40)})
     world.sampler.errors = {"3": 2}
     metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
-                      world.watcher.account_of)
+                      world.services.accounts.of)
     metrics.publish(0.02)
     m = exposition(metrics)
     key = frozenset({"gpu": str(minor), "uuid": f"GPU-{minor:04d}"}.items())
@@ -52,7 +44,7 @@ def test_counters_count_events_recorded_after_the_start_only(world):
     alice = world.lookup.add("alice", 1001, GROUP)
     world.login(alice)  # a grant event before the metrics start: not counted
     metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
-                      world.watcher.account_of)
+                      world.services.accounts.of)
     world.call("release", uid=1001)
     world.login(alice, pid=4343)
     metrics.publish(0.01)
@@ -66,11 +58,11 @@ def test_counters_count_events_recorded_after_the_start_only(world):
 def test_files_are_written_only_when_configured(world, tmp_path: Path):
     textfile = tmp_path / "tf" / "gpuguard.prom"
     metrics = Metrics(MetricsConfig(textfile=textfile), world.store, world.grants.gpus, world.sampler, None,
-                      world.watcher.account_of)
+                      world.services.accounts.of)
     asyncio.run(metrics.after_tick(0.01))
     assert "gpuguard_grants 0.0" in textfile.read_text()
     idle = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
-                      world.watcher.account_of)
+                      world.services.accounts.of)
     asyncio.run(idle.after_tick(0.01))
     assert idle.snapshot is None  # nothing configured: no work each tick
 
@@ -90,7 +82,7 @@ def test_the_job_mapping_names_each_held_gpu_by_index_and_drops_released_ones(tm
 
 def test_the_queue_is_exported_with_its_size_and_oldest_wait(world):
     metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
-                      world.watcher.account_of)
+                      world.services.accounts.of)
     metrics.publish(0.01)
     m = exposition(metrics)
     assert [m[(name, frozenset())] for name in ("gpuguard_queue_requests", "gpuguard_queue_gpus",

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from gpuguard.backends import mig_caps
-from gpuguard.backends.mig_profiles import place
-from gpuguard.backends.simulated import driver_mig_minors
+from gpuguard.backends.sim_mig import driver_mig_minors
+from gpuguard.mig_profiles import place
 
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 

@@ -17,10 +17,12 @@ from gpuguard.config import QuotaOverrides
 from gpuguard.model import (
     NVIDIA_MAJOR,
     SLICE_UNITS,
+    EventKind,
     Gpu,
     Grant,
     Origin,
     Quota,
+    Rule,
     parse_unit,
     slice_place,
     slice_unit,
@@ -121,13 +123,13 @@ def test_stale_grants_follow_the_layout() -> None:
         6: "MIG slice 3/gi1/ci0 was re-created as another slice (the MIG layout changed)"}
 
 
-# --- grants on slices, through the services the daemon wires
+# --- grants on slices, through the services wiring.build wires
 
 def _update(world: World, seen: Layout, now: float) -> dict[Grant, str]:
-    """Grants.update_layout on the event loop, as the daemon's tick calls it (the holders of a
+    """Releases.follow_layout on the event loop, as the daemon's tick calls it (the holders of a
     revoked slice are ended in the background)."""
     async def update() -> dict[Grant, str]:
-        return world.grants.update_layout(seen, now)  # type: ignore[arg-type]
+        return world.services.releases.follow_layout(seen, now)  # type: ignore[arg-type]
     return asyncio.run(update())
 
 
@@ -233,25 +235,20 @@ def test_gate_entries_are_the_union_of_a_users_grants(tmp_path: Path) -> None:
     world.grants.add(1001, "alice", [a.minor], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
     world.grants.add(1001, "alice", [b.minor], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
     caps = {(1001, (CAPS_MAJOR, cap)) for piece in (a, b) for cap in piece.slice.caps}
-    assert gate.entries == {(1001, (NVIDIA_MAJOR, 1))} | caps
+    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 1))} | caps
     _remove(world, 1001, [a.minor])  # the other slice still needs the parent's node
-    assert gate.entries == {(1001, (NVIDIA_MAJOR, 1))} | {(1001, (CAPS_MAJOR, cap)) for cap in b.slice.caps}
+    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 1))} | {(1001, (CAPS_MAJOR, cap)) for cap in b.slice.caps}
     _remove(world, 1001, None)
-    assert gate.entries == set()
+    assert gate.entries() == set()
 
 
 def _remove(world: World, uid: int, units: list[int] | None) -> None:
-    async def remove() -> None:
-        world.grants.remove(uid, units, 1.0, kind="release", rule="user", message="")
-    asyncio.run(remove())
+    world.grants.remove(uid, units, 1.0, kind=EventKind.RELEASE, rule=Rule.USER, message="")
 
 
 def _restarted(world: World, tmp_path: Path, gpus: list[Gpu]) -> World:
-    """The same store under a daemon started again on `gpus` (the layout of now)."""
-    again = World(tmp_path, gpus=gpus, gate=FakeGate())
-    again.store = world.store
-    again.grants.store = world.store
-    return again
+    """The same store (the same database file) under a daemon started again on `gpus` (the layout of now)."""
+    return World(tmp_path, gpus=gpus, gate=FakeGate())
 
 
 def test_grants_on_slices_changed_while_no_daemon_ran_end_at_the_first_look(tmp_path: Path) -> None:
@@ -307,9 +304,9 @@ def test_caps_learned_after_start_open_the_gate_for_the_grants_on_them(tmp_path:
     world = World(tmp_path, gpus=[gpu(0, mig_mode=True)], gate=FakeGate())  # its slices could not be read at start
     world.store.add_grants(1001, "alice", [piece.minor], 0.0, None, uuids={piece.minor: piece.uuid})
     world.grants.reconcile()
-    assert world.gate.entries == {(1001, (NVIDIA_MAJOR, 0))}
+    assert world.gate.entries() == {(1001, (NVIDIA_MAJOR, 0))}
     assert _update(world, Layout([piece], frozenset({0})), 5.0) == {}
-    assert world.gate.entries == {(1001, (NVIDIA_MAJOR, 0))} | {(1001, (CAPS_MAJOR, cap)) for cap in piece.slice.caps}
+    assert world.gate.entries() == {(1001, (NVIDIA_MAJOR, 0))} | {(1001, (CAPS_MAJOR, cap)) for cap in piece.slice.caps}
 
 
 def test_reclaim_on_demand_frees_only_units_the_waiter_can_have(tmp_path: Path) -> None:

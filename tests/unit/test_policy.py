@@ -30,6 +30,15 @@ def test_root_exempt_users_and_exempt_groups_are_exempt():
     assert not policy.is_exempt(1006, "alice", {"gpugroup"}, ACCESS)
 
 
+def test_eligibility_is_exempt_first_then_membership():
+    E = policy.Eligibility
+    assert policy.eligibility(1001, "alice", {"gpugroup"}, ACCESS) == E.MEMBER
+    assert policy.eligibility(1002, "bob", {"users"}, ACCESS) == E.OUTSIDER
+    assert policy.eligibility(1003, "ops", {"gpugroup"}, ACCESS) == E.EXEMPT  # an exempt member is exempt
+    assert policy.eligibility(1004, "carol", {"wheel"}, ACCESS) == E.EXEMPT
+    assert policy.eligibility(0, "root", set(), ACCESS) == E.EXEMPT
+
+
 def test_defaults_when_nothing_else_applies(tmp_path):
     loaded = load(tmp_path, '[defaults]\ngpus = 2\nmax_time = "8h"\n', "")
     assert policy.quota_for("alice", {"gpugroup"}, loaded) == Quota(gpus=2, max_time=8 * 3600.0)

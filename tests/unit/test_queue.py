@@ -5,17 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 from fakes import GROUP, World
 
 from gpuguard.server import Peer
-
-
-@pytest.fixture
-def world(tmp_path) -> World:
-    w = World(tmp_path)
-    yield w
-    w.store.close()
 
 
 def fill(world: World) -> list:

@@ -13,13 +13,6 @@ from gpuguard.store import HOUR
 DAY = 1_700_006_400  # a UTC midnight
 
 
-@pytest.fixture
-def world(tmp_path) -> World:
-    w = World(tmp_path)
-    yield w
-    w.store.close()
-
-
 def check(world: World, now: float) -> None:
     asyncio.run(world.watcher.check(world.sampler.last, now))
 
@@ -33,7 +26,7 @@ def test_the_watcher_counts_granted_busy_and_idle_seconds_in_the_hour_they_happe
         check(world, DAY + HOUR - 3 * interval + tick * interval)
     world.sampler.set([])
     check(world, DAY + HOUR + 3 * interval)  # idle, in the next hour
-    world.watcher.flush_usage()
+    world.services.usage.flush()
     rows = {r["key"]: r for r in world.store.usage_by("day", since=DAY, until=DAY + 2 * HOUR)}
     (day,) = rows.values()
     assert day["granted_seconds"] == pytest.approx(5 * interval)

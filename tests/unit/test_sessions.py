@@ -4,8 +4,9 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 
+from gpuguard.backends.processes import HostProcesses
 from gpuguard.backends.procfs import process_identity
-from gpuguard.daemon import _caller_alive
+from gpuguard.logout import LogoutRelease
 from gpuguard.store import MIGRATIONS, Store
 
 
@@ -29,7 +30,9 @@ def test_the_caller_start_time_column_is_added_to_an_existing_store(tmp_path):
         store.close()
 
 
-def test_a_caller_is_alive_while_a_process_with_its_pid_and_start_time_runs():
+def test_a_caller_is_alive_while_a_process_with_its_pid_and_start_time_runs(world):
+    _caller_alive = LogoutRelease(world.store, world.services.releases, world.find_holders, world.exits,
+                                  HostProcesses()).caller_alive  # the host's processes, not the fakes
     caller = subprocess.Popen(["sleep", "infinity"])
     try:
         start = process_identity(caller.pid).start_time
@@ -40,3 +43,20 @@ def test_a_caller_is_alive_while_a_process_with_its_pid_and_start_time_runs():
         caller.kill()
         caller.wait()
     assert not _caller_alive(caller.pid, start) and not _caller_alive(caller.pid, None)
+
+
+def test_a_tick_drops_the_sessions_whose_caller_is_gone_and_the_waiters_nobody_waits_for(world):
+    for i in range(4):  # the four GPUs held
+        world.login(world.lookup.add(f"h{i}", 2000 + i, "gpugroup"), pid=5000 + i)
+    eve = world.lookup.add("eve", 1005, "gpugroup")
+    world.login(eve, pid=6000)
+    assert len(world.store.queue()) == 1
+    alive = {5000, 5001, 5002, 5003}  # eve's sshd died without a close_session
+    world.sampler.set([(pid, 0, 0, None) for pid in alive])  # the processes the fake edge knows
+    starts = world.store.caller_starts()
+    for session in world.store.sessions():  # as the sessions were opened: start times of those processes
+        assert starts[session.id] is None
+    world.logout.drop_dead_sessions()
+    assert sorted(s.pid for s in world.store.sessions()) == sorted(alive)
+    gone = world.queue.drop_gone(world.logout.caller_alive)
+    assert [q.waiter.user for q in gone] == ["eve"] and world.store.queue() == []

@@ -90,7 +90,7 @@ def event(time: float, uid: int | None, message: str = "") -> Event:
 
 
 def test_events_beyond_the_newest_per_user_are_dropped_at_each_insert(tmp_path):
-    store = Store(tmp_path / "state.db", EventsConfig(max_age=None, per_user=5))
+    store = Store(tmp_path / "state.db", lambda: EventsConfig(max_age=None, per_user=5))
     try:
         store.add_event(event(0.0, 1002, "bob's only"))
         for i in range(200):  # a user looping request/release
@@ -104,7 +104,7 @@ def test_events_beyond_the_newest_per_user_are_dropped_at_each_insert(tmp_path):
 
 
 def test_events_older_than_max_age_are_dropped(tmp_path):
-    store = Store(tmp_path / "state.db", EventsConfig(max_age=100.0, per_user=1000))
+    store = Store(tmp_path / "state.db", lambda: EventsConfig(max_age=100.0, per_user=1000))
     try:
         store.add_event(event(1000.0, 1002, "old"))
         store.add_event(event(1050.0, 1001, "kept"))
@@ -281,7 +281,7 @@ def test_sigkill_inside_a_transaction_leaves_nothing_of_it(tmp_path):
 
 def test_version_one_database_is_upgraded_in_place(tmp_path):
     """A state.db written by the first release (schema 1, before grants had an origin) keeps its
-    grants, sessions, events and usage. The file is frozen in tests/data (made by the v1 code of
+    grants, sessions, events and usage. The file is frozen in tests/unit/data (made by the v1 code of
     commit b3066d5), so an edited old migration cannot pass by rebuilding v1 from today's code."""
     path = tmp_path / "state.db"
     shutil.copy(Path(__file__).parent / "data" / "state-v1.db", path)
@@ -302,3 +302,32 @@ def test_version_one_database_is_upgraded_in_place(tmp_path):
         {"key": "alice", "granted_seconds": 60.0, "busy_seconds": 0.0, "idle_seconds": 0.0, "kills": {}}]
     assert [r["granted_seconds"] for r in store.usage(1001) if r["minor"] == 3] == [totals_before.get((1001, 3), 0) + 60]
     store.close()
+
+
+def test_a_database_of_the_latest_schema_opens_as_it_was_written(tmp_path):
+    """A state.db of schema 8 (grants with origin and uuid, sessions with their caller's start time,
+    hourly usage and kills, the queue, fair share, the last release per GPU), frozen in tests/unit/data
+    (written by the schema-8 code of commit 69ed6dd): editing a migration that has shipped, instead of
+    adding one, changes what such a file reads back, and fails here."""
+    path = tmp_path / "state.db"
+    shutil.copy(Path(__file__).parent / "data" / "state-v8.db", path)
+    store = Store(path)
+    try:
+        assert store.schema_version == len(MIGRATIONS)
+        assert [(g.uid, g.minor, g.origin, g.uuid, g.expires_at, g.shared) for g in store.grants()] == [
+            (1001, 3, "session", "GPU-0003", 3610.0, False), (1002, 2, "admin", "GPU-0002", None, False)]
+        assert store.last_released() == {1: 12.0} and store.last_held(1002) == {1: 12.0}
+        [session] = store.sessions()
+        assert (session.user, session.rhost, session.tty, session.pid) == ("alice", "10.0.0.5", "pts/1", 4242)
+        assert store.caller_starts() == {session.id: 777}
+        assert [e.message for e in store.events(1001)] == ["granted at login (sshd)"]
+        assert store.usage_by("user", since=0, until=2 * HOUR) == [
+            {"key": "alice", "granted_seconds": 60.0, "busy_seconds": 45.0, "idle_seconds": 15.0,
+             "kills": {"memory": 1}}]
+        [queued] = store.queue()
+        assert (queued.waiter.user, queued.waiter.gpus, queued.origin, queued.pid, queued.pid_start) == (
+            "carol", 2, "request", 5555, 888)
+        assert (queued.quota.gpus, queued.quota.whole_gpus) == (2, False)
+        assert store.fairshare() == {1002: (2.0, 12.0)}
+    finally:
+        store.close()

@@ -1,22 +1,15 @@
 """Watcher driven with fakes (tests/unit/fakes.py): no root, no daemon, no GPUs.
 
-Signals are not sent here (that edge has its system tests); these cases cover what the
-watcher decides and does through its services: warnings told and stored, expiry and idle
-release through the grant manager, quotas resolved through the (fake) NSS lookup.
+Signals go to the fake Processes edge, which records them (the real pidfd edge has its system
+tests); these cases cover what the watcher decides and does through its services: warnings told
+and stored, expiry and idle release through the release step, quotas resolved through the (fake)
+NSS lookup.
 """
 from __future__ import annotations
 
 import asyncio
 
-import pytest
 from fakes import GROUP, World
-
-
-@pytest.fixture
-def world(tmp_path) -> World:
-    w = World(tmp_path)
-    yield w
-    w.store.close()
 
 
 def check(world: World, now: float) -> list:

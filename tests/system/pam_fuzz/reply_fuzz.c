@@ -1,7 +1,7 @@
 /*
  * The PAM module's reply parser (pam/reply.c, the very code the module links) fed hostile input.
  *
- * Built two ways by tests/test_pam_reply_fuzz.py:
+ * Built two ways by tests/system/test_pam_reply_fuzz.py:
  *   - with gcc or clang and -fsanitize=address,undefined, plus the main() below: each file named
  *     on the command line is one reply; one result line per file on stdout:
  *         <rc> <ok> <cuda_truncated> <valid_devices> <hex cuda> <hex message> <hex error>

@@ -1,0 +1,119 @@
+"""`gpuguard enable` and `gpuguard disable`: make an installed gpuguard take effect, or undo it.
+
+enable: the modprobe.d option and the udev rule linked into /etc (gpuguard.activation), udev
+reloaded, the PAM profile on (pam-auth-update), the daemon enabled and started (systemctl).
+disable: all of it undone, the daemon stopped first (it would close the nodes again), the gate
+detached, and the GPU nodes opened as the driver makes them. Each tool is used where it exists
+(a container has no systemd, Fedora no pam-auth-update): what is left to do by hand is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuguard import activation
+from gpuguard import config as configuration
+from gpuguard.cli import CommandError, load_config, require_root
+from gpuguard.errors import EXIT_FAILED, EXIT_OK
+
+PAM_PROFILE = Path("/usr/share/pam-configs/gpuguard")
+UNIT = "gpuguard.service"
+MODULE_LINE = "session optional pam_gpuguard.so"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    enable = subparsers.add_parser(
+        "enable", help="make gpuguard take effect: modprobe.d option, udev rule, PAM profile, daemon (root)")
+    enable.set_defaults(func=enable_command)
+    disable = subparsers.add_parser(
+        "disable", help="undo enable: daemon stopped, gate detached, GPU nodes open as the driver makes them (root)")
+    disable.add_argument("--quiet", action="store_true", help="print failures only (the package's prerm)")
+    disable.add_argument("--gate-name", default="gpuguard", help=argparse.SUPPRESS)  # tests run gates of their own
+    disable.set_defaults(func=disable_command)
+
+
+def _systemd() -> bool:
+    return os.path.isdir("/run/systemd/system")
+
+
+def _udev() -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat("/run/udev/control").st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _pam_auth_update() -> bool:
+    return PAM_PROFILE.is_file() and shutil.which("pam-auth-update") is not None
+
+
+class Steps:
+    """Runs each step's command, collecting one line per thing done and per failure."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.failed = 0
+
+    def run(self, argv: list[str], done: str) -> None:
+        result = subprocess.run(argv, capture_output=True, text=True,
+                                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        if result.returncode == 0:
+            self.say(done)
+        else:
+            self.failed += 1
+            detail = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+            print(f"gpuguard: {' '.join(argv)}: {detail}", file=sys.stderr)
+
+
+def enable_command(args: argparse.Namespace) -> int:
+    require_root("enable")
+    loaded = load_config(args)  # a broken configuration stops here, before anything changes
+    steps = Steps(print)
+    for line in activation.make_links(activation.links()):
+        print(line)
+    if _udev():
+        steps.run(["udevadm", "control", "--reload"], "udev: rules reloaded")
+    if _pam_auth_update():
+        steps.run(["pam-auth-update", "--enable", "gpuguard"], "PAM: pam_gpuguard.so in common-session")
+    else:
+        print(f"PAM: add `{MODULE_LINE}` to the session stacks that hand out GPUs (pam_gpuguard(8))")
+    if _systemd():
+        steps.run(["systemctl", "enable", "--now", UNIT], f"systemd: {UNIT} enabled and started")
+    else:
+        print(f"no systemd here: start `gpuguard --config {loaded.source} daemon` as root yourself")
+    print("the modprobe.d option takes effect the next time the nvidia module loads (reboot)")
+    return EXIT_FAILED if steps.failed else EXIT_OK
+
+
+def disable_command(args: argparse.Namespace) -> int:
+    require_root("disable")
+    steps = Steps((lambda _line: None) if args.quiet else print)
+    if _pam_auth_update():
+        steps.run(["pam-auth-update", "--disable", "gpuguard"], "PAM: pam_gpuguard.so out of common-session")
+    if _systemd():
+        steps.run(["systemctl", "disable", "--now", UNIT], f"systemd: {UNIT} stopped and disabled")
+    from gpuguard.backends.gate import Gate  # ctypes and the assembler: only here
+    gate = Gate(args.gate_name)
+    if gate.find():
+        gate.detach()
+        steps.say(f"gate {args.gate_name}: detached")
+    for line in activation.remove_links(activation.links()):
+        steps.say(line)
+    if _udev():
+        steps.run(["udevadm", "control", "--reload"], "udev: rules reloaded")
+    try:
+        device_dir = load_config(args).paths.device_dir
+    except configuration.ConfigError as exc:  # disabling must not wait for a config that loads
+        device_dir = configuration.PathsConfig().device_dir
+        print(f"gpuguard: {exc}; using {device_dir}", file=sys.stderr)
+    opened = activation.open_nodes(device_dir)
+    steps.say(f"opened {', '.join(opened)}" if opened else f"GPU nodes in {device_dir}: open already")
+    if steps.failed:
+        raise CommandError(f"disable: {steps.failed} step(s) failed (above); the rest is done")
+    return EXIT_OK

@@ -1,0 +1,93 @@
+"""What each key of gpuguard.toml means, for gpuguard.toml(5) (packaging/manpages.py).
+
+The keys, and the defaults the page prints, come from the loader itself (config.SCHEMA and the
+config dataclasses); this table only adds the words. The page's generator refuses a key of
+SCHEMA that has no entry here, and an entry for a key SCHEMA does not know, so neither can
+drift from the other.
+
+Each entry: (kind, meaning). The kind says how a value is written and how the default prints:
+"size" (512MiB, 20GiB, unlimited), "duration" (90s, 30m, 8h, 2d, none), "names" (a list of
+strings), "bool", "integer", "count" (a whole number or "any"), "number", "string", "path", "choice", "table".
+"""
+from __future__ import annotations
+
+SECTIONS: dict[str, str] = {
+    "access": "Who gets GPUs, who is never restricted, and how access is enforced.",
+    "sessions": "Which PAM sessions take GPUs; the others only see the GPUs their user already holds.",
+    "defaults": "Every user's quota, unless quotas.toml says otherwise for the user or one of their groups "
+                "(the same keys, in [users.NAME] and [groups.NAME] tables; a user's own entry wins over their "
+                "group's, which wins over these, key by key).",
+    "watcher": "How often the GPUs are sampled, and how long a process over its quota is given.",
+    "events": "How much event history is kept (what gpuguard whoami and gpuguard events show).",
+    "scheduler": "The queue for GPUs when none is free.",
+    "paths": "Where gpuguard keeps its state, its socket and its nodes.",
+    "gpu": "Where the GPUs come from.",
+    "metrics": "Prometheus metrics and the files other tools read; read at start only, every one off until set.",
+    "web": "gpuguard web, the read-only web view (its own process and unit, gpuguard-web.service): off until listen is set.",
+    "coexist": "GPUs another system (Slurm, Kubernetes) hands out on this machine: left out of the gate, the ACLs "
+               "and allocation; read at start only.",
+    "gpu.simulated": "Simulated GPUs (backend = \"simulated\"): the demo and the tests; no GPU needed.",
+}
+
+KEYS: dict[tuple[str, str], tuple[str, str]] = {
+    ("access", "group"): ("string", "only members of this group get GPUs"),
+    ("access", "exempt_users"): ("names", "users never restricted and never stopped (root always is); "
+                                          "nvidia-persistenced keeps every GPU open, so keep it here"),
+    ("access", "exempt_groups"): ("names", "the same for every member of these groups"),
+    ("access", "mode"): ("choice", "gate: the BPF device program plus node ACLs; acl: the ACLs only (weaker, "
+                                   "an explicit choice)"),
+    ("sessions", "grant"): ("choice", "interactive: sessions with a terminal, or of one of services, take GPUs; "
+                                      "all: every session does"),
+    ("sessions", "services"): ("names", "PAM services whose sessions take GPUs without a terminal (jupyterhub)"),
+    ("defaults", "gpus"): ("integer", "GPUs (or MIG slices) a user may hold"),
+    ("defaults", "gpu_memory"): ("size", "GPU memory a user may use on each GPU"),
+    ("defaults", "max_time"): ("duration", "how long a grant lasts"),
+    ("defaults", "idle_timeout"): ("duration", "release a grant after this long with no process on its GPUs"),
+    ("defaults", "sharing"): ("bool", "may share a GPU with other sharing users (needs gpu_memory)"),
+    ("defaults", "priority"): ("integer", "the queue serves higher first (any whole number)"),
+    ("defaults", "share"): ("number", "fair-share weight: recent usage counts divided by it"),
+    ("defaults", "reclaim_after"): ("duration", "release after this long with no process, only while someone waits"),
+    ("defaults", "slices"): ("count", "how many of gpus may be MIG slices, or \"any\""),
+    ("defaults", "whole_gpus"): ("bool", "whether whole GPUs may be granted (false: MIG slices only)"),
+    ("defaults", "slice_profiles"): ("names", "which MIG profiles, preferred in this order (empty: any, smallest first)"),
+    ("watcher", "interval"): ("duration", "how often GPUs are sampled (at least 1s with the nvml backend)"),
+    ("watcher", "grace"): ("duration", "over quota this long before the first SIGTERM"),
+    ("watcher", "kill_wait"): ("duration", "SIGTERM this long before SIGKILL"),
+    ("events", "max_age"): ("duration", "events older than this are deleted"),
+    ("events", "per_user"): ("integer", "a user's events beyond their newest per_user are deleted"),
+    ("scheduler", "half_life"): ("duration", "recent usage (fair share) halves in this time"),
+    ("scheduler", "reserve_after"): ("duration", "a request this long in the queue has free GPUs held for it"),
+    ("scheduler", "soft_max_time"): ("bool", "past max_time, a grant is taken only when someone waits"),
+    ("paths", "state_dir"): ("path", "the store (SQLite) and the daemon's state"),
+    ("paths", "socket"): ("path", "the daemon's socket (the PAM module's socket= option must match)"),
+    ("paths", "device_dir"): ("path", "where the GPU nodes are"),
+    ("paths", "quotas"): ("path", "per-user and per-group quotas; relative to the config file's directory "
+                                  "(default: quotas.toml next to it)"),
+    ("gpu", "backend"): ("choice", "nvml: the real GPUs, through NVIDIA's NVML; simulated: see [gpu.simulated]"),
+    ("gpu", "simulated"): ("table", "the [gpu.simulated] table below"),
+    ("metrics", "listen"): ("string", "ADDRESS:PORT of the /metrics endpoint, e.g. 127.0.0.1:9447 (unset: off)"),
+    ("metrics", "textfile"): ("path", "node_exporter textfile collector file, ending in .prom (unset: off)"),
+    ("metrics", "dcgm_job_mapping_dir"): ("path", "dcgm-exporter's HPC job mapping directory (unset: off)"),
+    ("web", "listen"): ("string", "ADDRESS:PORT it serves on, e.g. 127.0.0.1:8447 (unset: off)"),
+    ("web", "user"): ("string", "the account gpuguard web runs as (never root); the daemon lets it read every "
+                                "user's whoami, report and events, and nothing more"),
+    ("web", "show_users"): ("bool", "false: other users' names are hidden from everyone but admins"),
+    ("web", "admin_group"): ("string", "members see every user's page and usage (unset: nobody)"),
+    ("web", "pam_service"): ("string", "the PAM service of the web login (/etc/pam.d/gpuguard-web)"),
+    ("web", "key_file"): ("path", "the key that signs the session cookies; made at the first start, mode 0600"),
+    ("web", "session_time"): ("duration", "how long a web login lasts"),
+    ("web", "secure_cookies"): ("bool", "cookies only over HTTPS (browsers allow http://localhost too)"),
+    ("coexist", "slurm"): ("string", "\"auto\": the GPUs gres.conf gives this node are Slurm's (AutoDetect=nvml: all); "
+                                     "\"off\": none are; or a list of Slurm's GPU minors. Unset on a Slurm node "
+                                     "(slurmd running, gres.conf present): the daemon refuses to start (exit 6)"),
+    ("coexist", "gres_conf"): ("path", "Slurm's gres.conf (must be root's and writable by root alone)"),
+    ("coexist", "slurm_node"): ("string", "this host's Slurm NodeName (unset: the short host name)"),
+    ("coexist", "k8s_gpus"): ("names", "GPU minors the Kubernetes device plugin hands to containers"),
+    ("gpu.simulated", "count"): ("integer", "how many GPUs"),
+    ("gpu.simulated", "memory"): ("size", "memory of each"),
+    ("gpu.simulated", "name"): ("string", "their model name (H100 or H200 in it: MIG with that GPU's profiles)"),
+    ("gpu.simulated", "nvlink_groups"): ("table", "lists of GPU minors joined by NVLink (unset: consecutive pairs)"),
+    ("gpu.simulated", "pcie_switches"): ("table", "lists of GPU minors behind one PCIe switch (unset: groups of four)"),
+    ("gpu.simulated", "numa_nodes"): ("table", "lists of GPU minors per NUMA node (unset: two halves)"),
+    ("gpu.simulated", "mig"): ("table", "GPUs in MIG mode and their slices, e.g. { \"0\" = [\"3g.40gb\", \"1g.10gb\"] }"),
+}

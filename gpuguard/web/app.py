@@ -1,0 +1,322 @@
+"""The aiohttp application: pages, fragments for the live refresh, the PAM login.
+
+Read-only: the only forms are the login and the logout, both POST with a CSRF token, and neither
+changes anything outside the browser's cookie. Every response carries a Content-Security-Policy
+that allows nothing from elsewhere and no inline script. What one client can make it cost is
+bounded: the daemon is asked at most once per second and key however many browsers poll (Memo),
+PAM runs at most LOGINS_AT_ONCE logins at a time, failed logins are limited per user name and per
+client address (sessions.LoginLimit), and request bodies are small.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gpuguard.client import DaemonUnreachable, Refused
+from gpuguard.config import WebConfig
+from gpuguard.web import pages, views
+from gpuguard.web.assets import SCRIPT, STYLE
+from gpuguard.web.sessions import LoginLimit, Signer
+from gpuguard.web.sources import Memo, Source
+from gpuguard.web.svg import usage_chart
+
+LOGINS_AT_ONCE = 2          # PAM conversations in flight (each a thread; a failure sleeps ~2 s in pam_faildelay)
+MAX_BODY = 8 * 1024         # a login form is a few hundred bytes
+MAX_REASONS = 50            # queue places whose reasons are asked for, per server
+MEMO_AGE = 1.0             # seconds a daemon's answer (and the grid made of it) is kept for every browser
+MAX_PERIOD_DAYS = 366
+DEFAULT_PERIOD_DAYS = 30
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+           "Referrer-Policy": "no-referrer", "Cross-Origin-Opener-Policy": "same-origin"}
+
+Authenticate = Callable[[str, str], bool]   # PAM: user, password -> accepted (blocking)
+GroupsOf = Callable[[str], tuple[str, ...]]  # NSS: the user's groups (blocking)
+
+
+@dataclass
+class Web:
+    config: WebConfig
+    source: Source
+    signer: Signer
+    authenticate: Authenticate
+    groups_of: GroupsOf
+    clock: Callable[[], float] = time.time
+    memo: Memo = field(default_factory=lambda: Memo(MEMO_AGE))
+    roles: Memo = field(default_factory=lambda: Memo(30.0))
+    limit: LoginLimit = field(default_factory=LoginLimit)
+    logins: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOGINS_AT_ONCE))
+
+    @property
+    def cookie(self) -> str:
+        # __Host-: the browser keeps it only when Secure, for this host alone and path /.
+        return "__Host-gpuguard" if self.config.secure_cookies else "gpuguard"
+
+    @property
+    def pre_cookie(self) -> str:
+        return "__Host-gpuguard-login" if self.config.secure_cookies else "gpuguard-login"
+
+    # --- who looks
+
+    async def viewer(self, request: web.Request) -> views.Viewer:
+        login = self.signer.login(request.cookies.get(self.cookie), self.clock())
+        if login is None:
+            return views.Viewer()
+        admin = False
+        if self.config.admin_group:
+            groups = await self.roles.get(("groups", login.user),
+                                          lambda: asyncio.to_thread(self.groups_of, login.user))
+            admin = self.config.admin_group in groups
+        return views.Viewer(login.user, admin)
+
+    def logout_token(self, request: web.Request) -> str:
+        login = self.signer.login(request.cookies.get(self.cookie), self.clock())
+        return self.signer.csrf("logout:" + login.nonce) if login else ""
+
+    def page(self, request: web.Request, viewer: views.Viewer, title: str, body: str, status: int = 200) -> web.Response:
+        return web.Response(text=pages.layout(title, request.path, viewer, body, self.logout_token(request)),
+                            content_type="text/html", status=status, headers={"Cache-Control": "no-store"})
+
+    def cookie_options(self) -> dict[str, Any]:
+        return {"path": "/", "httponly": True, "samesite": "Strict", "secure": self.config.secure_cookies}
+
+    # --- data, through the memo
+
+    async def servers(self, viewer: views.Viewer) -> tuple[list[views.Server], float]:
+        now = self.clock()
+        fetched = await self.memo.get("servers", self.source.servers)
+        return [views.server_view(s.name, s.status, s.error, now, viewer, self.config.show_users)
+                for s in fetched], now
+
+    async def grid(self, viewer: views.Viewer) -> str:
+        """The grid's HTML, rendered once per memo window for all who see the same names."""
+        key = ("grid",) if self.config.show_users else ("grid", viewer.user, viewer.admin)
+        return await self.memo.get(key, lambda: self._render_grid(viewer))
+
+    async def _render_grid(self, viewer: views.Viewer) -> str:
+        servers, now = await self.servers(viewer)
+        return pages.grid(servers, now)
+
+    async def whoami(self, user: str) -> dict[str, dict[str, Any]]:
+        return await self.memo.get(("whoami", user), lambda: self.source.whoami(user))
+
+    async def queue(self, viewer: views.Viewer) -> tuple[list[views.Waiting], list[str]]:
+        rows: list[views.Waiting] = []
+        errors = []
+        for server in await self.memo.get("servers", self.source.servers):
+            if server.status is None:
+                errors.append(f"{server.name}: not read: {server.error}")
+                continue
+            standings: dict[str, Any] = {}
+            if viewer.user is not None:  # the reasons name others' usage: for the lab's members only
+                for entry in server.status.get("queue", ())[:MAX_REASONS]:
+                    try:
+                        standings[entry["user"]] = (await self.whoami(entry["user"])).get(server.name, {}).get("queue")
+                    except (DaemonUnreachable, Refused):
+                        standings[entry["user"]] = None  # left meanwhile, or the account is gone: no reason
+            rows += views.queue_rows(server.name, server.status, standings, viewer, self.config.show_users)
+        return rows, errors
+
+    # --- pages
+
+    async def now(self, request: web.Request) -> web.Response:
+        viewer = await self.viewer(request)
+        return self.page(request, viewer, "Now", pages.now_page(await self.grid(viewer)))
+
+    async def now_fragment(self, request: web.Request) -> web.Response:
+        return _fragment(await self.grid(await self.viewer(request)))
+
+    async def queue_page(self, request: web.Request) -> web.Response:
+        viewer = await self.viewer(request)
+        rows, errors = await self.queue(viewer)
+        return self.page(request, viewer, "Queue", pages.queue_page(rows, errors))
+
+    async def queue_fragment(self, request: web.Request) -> web.Response:
+        rows, errors = await self.queue(await self.viewer(request))
+        return _fragment(pages.queue_table(rows, errors))
+
+    async def me(self, request: web.Request) -> web.Response:
+        viewer = await self.viewer(request)
+        if viewer.user is None:
+            raise web.HTTPSeeOther("/login")
+        return await self._user_page(request, viewer, viewer.user)
+
+    async def user(self, request: web.Request) -> web.Response:
+        viewer = await self.viewer(request)
+        if viewer.user is None:
+            raise web.HTTPSeeOther("/login")
+        name = request.match_info["name"]
+        if name != viewer.user and not viewer.admin:
+            return self.page(request, viewer, "Refused", pages.message_page(
+                "Refused", "Only admins see other users' pages."), status=403)
+        return await self._user_page(request, viewer, name)
+
+    async def _user_page(self, request: web.Request, viewer: views.Viewer, name: str) -> web.Response:
+        try:
+            replies = await self.whoami(name)
+        except Refused as exc:
+            return self.page(request, viewer, "Not found", pages.message_page("Not found", str(exc)), status=404)
+        except DaemonUnreachable as exc:
+            return self.page(request, viewer, "Unavailable", pages.message_page("Unavailable", str(exc)), status=503)
+        body = pages.me_page(name, replies, viewer, self.config.show_users, own=name == viewer.user)
+        return self.page(request, viewer, name, body)
+
+    async def usage(self, request: web.Request) -> web.Response:
+        viewer = await self.viewer(request)
+        if viewer.user is None:
+            raise web.HTTPSeeOther("/login")
+        try:
+            since, until, form = _period(request.query, self.clock())
+            tables = await self._usage_tables(viewer, since, until)
+        except ValueError as exc:
+            return self.page(request, viewer, "Bad period", pages.message_page("Bad period", str(exc)), status=400)
+        except (DaemonUnreachable, Refused) as exc:
+            return self.page(request, viewer, "Unavailable", pages.message_page("Unavailable", str(exc)), status=503)
+        charts = [(f"GPU-hours by {by}", usage_chart(f"GPU-hours by {by}", rows)) for by, rows in tables]
+        scope = "Everyone's usage (admin)." if viewer.admin else "Your own usage (admins see everyone's)."
+        csv_href = f"/usage.csv?since={form['since']}&until={form['until']}"
+        return self.page(request, viewer, "Usage", pages.usage_page(form, charts, csv_href, scope))
+
+    async def usage_csv(self, request: web.Request) -> web.Response:
+        viewer = await self.viewer(request)
+        if viewer.user is None:
+            raise web.HTTPSeeOther("/login")
+        try:
+            since, until, form = _period(request.query, self.clock())
+            tables = await self._usage_tables(viewer, since, until)
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text=str(exc)) from None
+        except (DaemonUnreachable, Refused) as exc:
+            raise web.HTTPServiceUnavailable(text=str(exc)) from None
+        name = f"gpuguard-usage-{form['since']}-{form['until']}.csv"
+        return web.Response(text=views.usage_csv(tables), content_type="text/csv",
+                            headers={"Content-Disposition": f'attachment; filename="{name}"', "Cache-Control": "no-store"})
+
+    async def _usage_tables(self, viewer: views.Viewer, since: float, until: float) -> list[tuple[str, list[views.Usage]]]:
+        user = None if viewer.admin else viewer.user  # as `gpuguard report`: one's own, admins everyone's
+        tables = []
+        for by in ("user", "gpu", "day"):
+            reports = await self._report(by, since, until, user)
+            tables.append((by, views.usage_rows(by, reports, viewer, self.config.show_users)))
+        tables.insert(2, ("server", views.usage_rows("server", reports, viewer, self.config.show_users)))
+        return tables
+
+    async def _report(self, by: str, since: float, until: float, user: str | None) -> dict[str, dict[str, Any]]:
+        return await self.memo.get(("report", by, since, until, user), lambda: self.source.report(by, since, until, user))
+
+    # --- login
+
+    async def login_form(self, request: web.Request) -> web.Response:
+        viewer = await self.viewer(request)
+        seed = request.cookies.get(self.pre_cookie) or secrets.token_urlsafe(16)
+        response = self.page(request, viewer, "Log in", pages.login_page(self.signer.csrf("login:" + seed)))
+        response.set_cookie(self.pre_cookie, seed, max_age=3600, **self.cookie_options())
+        return response
+
+    async def login(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        seed = request.cookies.get(self.pre_cookie)
+        user, password = str(form.get("user", "")), str(form.get("password", ""))
+        viewer = views.Viewer()
+        if not self.signer.csrf_ok(str(form.get("csrf", "")), "login:" + seed if seed else None):
+            return self.page(request, viewer, "Log in", pages.message_page(
+                "Log in", "The form expired or came from another site: load the login page again."), status=403)
+        address = request.remote or "?"
+        now = self.clock()
+
+        def again(message: str, status: int) -> web.Response:
+            body = pages.login_page(self.signer.csrf("login:" + str(seed)), message, user)
+            return self.page(request, viewer, "Log in", body, status=status)
+
+        if not self.limit.allowed(user, address, now):
+            return again("Too many failed logins: wait a few minutes.", 429)
+        if self.logins.locked():
+            return again("Too many logins at once: try again in a moment.", 503)
+        async with self.logins:
+            accepted = _plausible(user, password) and await asyncio.to_thread(self.authenticate, user, password)
+        if not accepted:
+            self.limit.failed(user, address, self.clock())
+            return again("Wrong user name or password.", 401)
+        response = web.HTTPSeeOther("/me")
+        response.set_cookie(self.cookie, self.signer.session(user, now + self.config.session_time),
+                            max_age=int(self.config.session_time), **self.cookie_options())
+        response.del_cookie(self.pre_cookie, path="/")
+        raise response
+
+    async def logout(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        login = self.signer.login(request.cookies.get(self.cookie), self.clock())
+        if login is None or not self.signer.csrf_ok(str(form.get("csrf", "")), "logout:" + login.nonce):
+            raise web.HTTPForbidden(text="logout refused: missing or wrong CSRF token")
+        response = web.HTTPSeeOther("/")
+        response.del_cookie(self.cookie, path="/")
+        raise response
+
+
+def _fragment(text: str) -> web.Response:
+    return web.Response(text=text, content_type="text/html", headers={"Cache-Control": "no-store"})
+
+
+def _plausible(user: str, password: str) -> bool:
+    """Worth a PAM conversation: a name and a password of sane length, no control characters
+    (a NUL would cut the C string PAM gets)."""
+    return (0 < len(user) <= 64 and user.isprintable() and 0 < len(password) <= 512
+            and "\0" not in password)
+
+
+def _period(query: Any, now: float) -> tuple[float, float, dict[str, str]]:
+    """since and until (epoch seconds) from the form's local dates, until included; default the
+    last DEFAULT_PERIOD_DAYS days. Raises ValueError with the reason."""
+    today = datetime.date.fromtimestamp(now)
+    try:
+        first = datetime.date.fromisoformat(query.get("since") or str(today - datetime.timedelta(DEFAULT_PERIOD_DAYS - 1)))
+        last = datetime.date.fromisoformat(query.get("until") or str(today))
+    except ValueError:
+        raise ValueError("dates are written YYYY-MM-DD") from None
+    if last < first:
+        raise ValueError("the period ends before it starts")
+    if (last - first).days >= MAX_PERIOD_DAYS:
+        raise ValueError(f"at most {MAX_PERIOD_DAYS} days at a time")
+    since = time.mktime(first.timetuple())
+    until = time.mktime((last + datetime.timedelta(days=1)).timetuple())
+    return since, until, {"since": first.isoformat(), "until": last.isoformat()}
+
+
+@web.middleware
+async def _headers(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        exc.headers.update(HEADERS)
+        raise
+    response.headers.update(HEADERS)
+    return response
+
+
+def _asset(text: str, content_type: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(text=text, content_type=content_type, headers={"Cache-Control": "max-age=3600"})
+    return serve
+
+
+def build(app_state: Web) -> web.Application:
+    app = web.Application(middlewares=[_headers], client_max_size=MAX_BODY)
+    w = app_state
+    app.add_routes([
+        web.get("/", w.now), web.get("/fragment/now", w.now_fragment),
+        web.get("/queue", w.queue_page), web.get("/fragment/queue", w.queue_fragment),
+        web.get("/me", w.me), web.get("/users/{name}", w.user),
+        web.get("/usage", w.usage), web.get("/usage.csv", w.usage_csv),
+        web.get("/login", w.login_form), web.post("/login", w.login), web.post("/logout", w.logout),
+        web.get("/static/style.css", _asset(STYLE, "text/css")),
+        web.get("/static/app.js", _asset(SCRIPT, "text/javascript")),
+    ])
+    return app

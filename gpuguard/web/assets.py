@@ -1,0 +1,47 @@
+"""The stylesheet and the script, served by the app itself: a lab server is often offline, so
+the pages load nothing from elsewhere (the Content-Security-Policy forbids it anyway)."""
+
+STYLE = """\
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1b1f24;background:#f6f7f9}
+header{display:flex;gap:1.5em;align-items:center;padding:.6em 1em;background:#1b1f24;color:#fff}
+header a{color:#cfd6de}header nav a{color:#cfd6de;margin-right:1em;text-decoration:none}
+header nav a[aria-current]{color:#fff;font-weight:600}
+header .logout{margin-left:auto}header .who{margin-right:.6em}
+main{padding:0 1em 2em}h2 small{font-weight:400;color:#57606a;font-size:.7em}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(210px,1fr));gap:.5em}
+.cell{border:1px solid #d0d7de;border-left:6px solid #999;border-radius:4px;background:#fff;padding:.4em .6em;
+color:#57606a;font-size:.9em}.cell b{color:#1b1f24}.cell i{float:right;font-style:normal}.cell p{margin:.2em 0}
+.key{border-left:6px solid #999;padding:0 .5em;margin-right:.5em}
+[data-state=free]{border-left-color:#2da44e}[data-state=held]{border-left-color:#0969da}
+[data-state=idle]{border-left-color:#bf8700;background:#fff8e1}[data-state=over]{border-left-color:#cf222e;background:#ffebe9}
+[data-state=drained]{border-left-color:#6e7781;background:#eaeef2}[data-state=other]{border-left-color:#8250df;background:#f5f0ff}
+.user{font-weight:600;color:#1b1f24}meter{width:100%}
+.cmd{font-family:monospace}.error,.warn{color:#cf222e}.stamp{color:#57606a}
+table{border-collapse:collapse;background:#fff}td,th{border:1px solid #d0d7de;padding:.25em .5em;text-align:left}
+pre.lines{background:#1b1f24;color:#e6edf3;padding:.6em;border-radius:4px;overflow-x:auto}
+.uuid{font-family:monospace;font-size:.85em}
+form.login{display:grid;gap:.6em;max-width:20em}
+svg.chart text{font-size:12px;fill:#1b1f24}svg.chart .granted{fill:#9ec5fe}svg.chart .busy{fill:#0a58ca}
+"""
+
+# Replaces each [data-refresh] element's content with its fragment every REFRESH ms; the page keeps
+# what it shows (marked stale) while the server does not answer.
+SCRIPT = """\
+"use strict";
+const REFRESH = 2000;
+for (const box of document.querySelectorAll("[data-refresh]")) {
+  const url = box.dataset.refresh;
+  const tick = async () => {
+    try {
+      const reply = await fetch(url, {credentials: "same-origin", cache: "no-store"});
+      if (!reply.ok) throw new Error(String(reply.status));
+      box.innerHTML = await reply.text();
+      box.classList.remove("stale");
+    } catch (error) {
+      box.classList.add("stale");
+    }
+    setTimeout(tick, REFRESH);
+  };
+  setTimeout(tick, REFRESH);
+}
+"""

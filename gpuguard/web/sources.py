@@ -1,0 +1,107 @@
+"""Where the web view reads from: the `Source` protocol, and the local daemon behind it.
+
+A source answers for every server it knows: one for the local daemon, each node of the fleet for
+the cluster database. `LocalDaemon` asks the daemon over its socket, as the web's own account
+(`[web] user`), which the daemon lets read every user's records (as root may) and nothing more:
+the web changes nothing. `Memo` keeps each answer for a moment, so however many browsers poll,
+the daemon is asked at most once per key and window.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from gpuguard import protocol
+from gpuguard.client import DaemonUnreachable, Refused
+
+T = TypeVar("T")
+TIMEOUT = 10.0  # seconds for one daemon call: status of a busy server is large
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """One server's `status` reply, or why there is none."""
+
+    name: str
+    status: dict[str, Any] | None
+    error: str | None = None
+
+
+class Source(Protocol):
+    async def servers(self) -> list[ServerStatus]:
+        """Every server's GPUs, holders and queue."""
+
+    async def whoami(self, user: str) -> dict[str, dict[str, Any]]:
+        """Server name -> the user's `whoami` there (grants, queue place, events, sessions)."""
+
+    async def report(self, by: str, since: float, until: float, user: str | None) -> dict[str, dict[str, Any]]:
+        """Server name -> the usage `report` there (user None: everyone's)."""
+
+
+async def ask(socket_path: Path | str, op: str, timeout: float = TIMEOUT, **fields: Any) -> dict[str, Any]:
+    """One request to a daemon, without blocking the event loop; raises as client.call does."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(str(socket_path), limit=protocol.MAX_REPLY), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise DaemonUnreachable(f"gpuguard daemon not reachable at {socket_path}: "
+                                f"{getattr(exc, 'strerror', None) or exc or 'timed out'}") from None
+    try:
+        writer.write(protocol.encode({"op": op, **fields}))
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        message = protocol.decode(line)
+    except (OSError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: a line past the limit
+        raise DaemonUnreachable(f"no good reply from the gpuguard daemon: {exc or 'timed out'}") from None
+    finally:
+        writer.close()
+    if not message.get("ok"):
+        raise Refused(str(message.get("error", "refused")), int(message.get("code", 1)))
+    return message
+
+
+class LocalDaemon:
+    """The daemon of this server, over its socket."""
+
+    def __init__(self, socket_path: Path | str, name: str):
+        self.socket_path = socket_path
+        self.name = name
+
+    async def servers(self) -> list[ServerStatus]:
+        try:
+            return [ServerStatus(self.name, await ask(self.socket_path, "status"))]
+        except (DaemonUnreachable, Refused) as exc:
+            return [ServerStatus(self.name, None, str(exc))]
+
+    async def whoami(self, user: str) -> dict[str, dict[str, Any]]:
+        return {self.name: await ask(self.socket_path, "whoami", user=user)}
+
+    async def report(self, by: str, since: float, until: float, user: str | None) -> dict[str, dict[str, Any]]:
+        fields: dict[str, Any] = {"by": by, "since": since, "until": until, **({"user": user} if user else {})}
+        return {self.name: await ask(self.socket_path, "report", **fields)}
+
+
+class Memo:
+    """Answers kept `max_age` seconds, one computation at a time per key (callers in the
+    meantime await the same one), at most `max_entries` keys (the oldest go first)."""
+
+    def __init__(self, max_age: float, max_entries: int = 256, clock: Callable[[], float] = time.monotonic):
+        self.max_age = max_age
+        self.max_entries = max_entries
+        self.clock = clock
+        self._kept: dict[Hashable, tuple[float, asyncio.Future[Any]]] = {}
+
+    async def get(self, key: Hashable, make: Callable[[], Awaitable[T]]) -> T:
+        now = self.clock()
+        kept = self._kept.get(key)
+        if kept is None or now - kept[0] > self.max_age or (kept[1].done() and kept[1].exception()):
+            future: asyncio.Future[Any] = asyncio.ensure_future(make())
+            self._kept.pop(key, None)
+            self._kept[key] = (now, future)
+            while len(self._kept) > self.max_entries:
+                self._kept.pop(next(iter(self._kept)))
+            kept = self._kept[key]
+        return await asyncio.shield(kept[1])

@@ -1,0 +1,47 @@
+"""Inline SVG bar charts of GPU-hours granted against busy (no JavaScript, no library).
+
+Every label is escaped (pages.h); numbers are formatted here. The chart scales to the largest
+value and draws one pair of bars per label, granted behind busy, so the idle part shows as the
+granted bar's uncovered end.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gpuguard.web.pages import h
+from gpuguard.web.views import Usage
+
+WIDTH = 720
+LABEL_WIDTH = 180
+ROW = 22
+MAX_BARS = 200  # a period of many days or users still makes a page under its size budget
+
+
+def usage_chart(title: str, rows: Sequence[Usage]) -> str:
+    rows = list(rows)[:MAX_BARS]
+    if not rows:
+        return f'<p class="empty">{h(title)}: no usage in this period.</p>'
+    top = max(max(r.granted_hours for r in rows), 1e-9)
+    plot = WIDTH - LABEL_WIDTH - 70
+    height = ROW * len(rows) + 30
+    parts = [f'<svg class="chart" role="img" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}">',
+             f"<title>{h(title)}</title>"]
+    for i, r in enumerate(rows):
+        y = 20 + i * ROW
+        granted = plot * r.granted_hours / top
+        busy = "busy unknown" if r.busy_hours is None else f"{r.busy_hours:.2f} h busy"
+        share = "" if r.busy_share is None else f", {r.busy_share:.0%} busy"
+        bar = "" if r.busy_hours is None else (
+            f'<rect class="busy" x="{LABEL_WIDTH}" y="{y + 6}" width="{plot * r.busy_hours / top:.1f}" height="{ROW - 14}"/>')
+        parts.append(
+            f'<g><title>{h(r.label)}: {r.granted_hours:.2f} h granted, {busy}{share}</title>'
+            f'<text x="{LABEL_WIDTH - 6}" y="{y + 14}" text-anchor="end">{h(_short(r.label))}</text>'
+            f'<rect class="granted" x="{LABEL_WIDTH}" y="{y + 2}" width="{granted:.1f}" height="{ROW - 6}"/>{bar}'
+            f'<text x="{LABEL_WIDTH + granted + 4:.1f}" y="{y + 14}">{r.granted_hours:.1f} h</text></g>')
+    parts.append(f'<text x="{LABEL_WIDTH}" y="12" class="legend">granted (light) / busy (dark), GPU-hours</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _short(label: str, limit: int = 28) -> str:
+    return label if len(label) <= limit else label[:limit - 1] + "…"

@@ -1,0 +1,251 @@
+"""What each page shows, from the daemon's replies (pure: no I/O, the clock passed in).
+
+The grid's states, in the order they win: a GPU another system owns (Slurm, Kubernetes), one
+drained by its admin, free, over quota (a holder's processes use more than their `gpu_memory`),
+held but idle (no process of its holders there for IDLE_SHOWN), held. Names a viewer may not see
+(`[web] show_users = false`: other users', to anyone but admins) are replaced here, once, before
+anything is drawn, so no page or fragment can leak them.
+"""
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuguard.model import unit_label
+
+IDLE_SHOWN = 300.0  # seconds without a process of its holders before a held GPU shows as idle
+HIDDEN = "another user"
+STATE_WORDS = {"free": "free", "held": "held", "idle": "held, idle", "over": "over quota",
+               "drained": "drained", "other": "owned by", "unknown": "not read"}
+CSV_COLUMNS = ("by", "key", "granted_hours", "busy_hours", "idle_hours", "busy_share")
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who looks: a logged-in user (None: nobody logged in) and whether they are an admin."""
+
+    user: str | None = None
+    admin: bool = False
+
+    def may_see(self, name: str, show_users: bool) -> bool:
+        return show_users or self.admin or name == self.user
+
+    def name(self, name: str | None, show_users: bool) -> str:
+        if name is None:
+            return "?"
+        return name if self.may_see(name, show_users) else HIDDEN
+
+
+@dataclass(frozen=True)
+class Holder:
+    user: str
+    memory_used: int | None
+    quota: int | None           # gpu_memory, None: no limit (or a MIG slice)
+    time_left: float | None     # seconds, None: no time limit
+    idle_for: float | None      # seconds since a process of theirs was last seen there, None: busy now
+    over: bool
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    user: str
+    memory: int | None
+    command: str
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One GPU or MIG slice on the grid."""
+
+    server: str
+    label: str
+    name: str
+    profile: str | None
+    state: str                  # a key of STATE_WORDS
+    owner: str | None           # the system that owns it when not gpuguard (slurm, k8s)
+    holders: tuple[Holder, ...]
+    memory_used: int | None
+    memory_total: int
+    utilization: int | None
+    processes: tuple[Process, ...] | None  # None: NVML could not read them
+
+    @property
+    def words(self) -> str:
+        if self.state == "other":
+            return f"owned by {self.owner}"
+        if self.state == "idle":
+            idle = min(h.idle_for for h in self.holders if h.idle_for is not None)
+            return f"held, idle {duration(idle)}"
+        return STATE_WORDS[self.state]
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    cells: tuple[Cell, ...]
+    error: str | None           # why it could not be read (then no cells), or why what it shows is stale
+    counts: Mapping[str, int]   # state -> cells
+
+
+def server_view(name: str, status: Mapping[str, Any] | None, error: str | None, now: float,
+                viewer: Viewer, show_users: bool) -> Server:
+    if status is None:
+        return Server(name, (), f"not read: {error or 'no answer'}", {})
+    cells = tuple(cell(name, gpu, now, viewer, show_users) for gpu in status.get("gpus", ()))
+    counts: dict[str, int] = {}
+    for c in cells:
+        counts[c.state] = counts.get(c.state, 0) + 1
+    return Server(name, cells, error, counts)  # an error beside a status: stale (a lost node's last word)
+
+
+def cell(server: str, gpu: Mapping[str, Any], now: float, viewer: Viewer, show_users: bool) -> Cell:
+    listed = gpu.get("process_list")
+    busy_uids = {p["uid"] for p in listed or ()}
+    holders = tuple(_holder(h, busy_uids, listed is not None, now, viewer, show_users) for h in gpu["holders"])
+    processes = None if listed is None else tuple(
+        Process(p["pid"], viewer.name(p["user"], show_users), p["memory"], p["command"]) for p in listed)
+    owner = gpu.get("owner")  # the cluster's: which system owns the GPU (absent: gpuguard)
+    if owner not in (None, "gpuguard"):
+        state = "other"
+    elif gpu.get("drained"):
+        state = "drained"
+    elif not holders:
+        state = "free"
+    elif any(h.over for h in holders):
+        state = "over"
+    elif all(h.idle_for is not None and h.idle_for >= IDLE_SHOWN for h in holders):
+        state = "idle"
+    else:
+        state = "held"
+    return Cell(server, gpu.get("label") or unit_label(gpu["minor"]), gpu["name"], gpu.get("profile"), state,
+                owner if state == "other" else None, holders, gpu.get("memory_used"), gpu["memory_total"],
+                gpu.get("utilization"), processes)
+
+
+def _holder(h: Mapping[str, Any], busy_uids: set[int], read: bool, now: float, viewer: Viewer,
+            show_users: bool) -> Holder:
+    used, quota = h.get("memory_used"), h.get("gpu_memory")
+    idle = None
+    if read and h["uid"] not in busy_uids:  # idle only when NVML said so: an unread GPU is not idle
+        idle = max(0.0, now - (h.get("last_active") or h["granted_at"]))
+    expires = h.get("expires_at")
+    return Holder(viewer.name(h["user"], show_users), used, quota,
+                  None if expires is None else max(0.0, expires - now), idle,
+                  bool(quota and used is not None and used > quota))
+
+
+# --- the queue
+
+@dataclass(frozen=True)
+class Waiting:
+    server: str
+    position: int
+    user: str
+    gpus: int
+    since: float
+    priority: int
+    why: str
+    estimate: float | None      # when the GPUs it waits for should be free (grant expiries), None: unknown
+
+
+def queue_rows(server: str, status: Mapping[str, Any], standings: Mapping[str, Mapping[str, Any] | None],
+               viewer: Viewer, show_users: bool) -> list[Waiting]:
+    """The server's queue in the order it is served, each with why it waits where it does: for the
+    first, what it waits for; for the others, why the one just ahead goes first (whoami's reasons).
+    standings: user -> their `whoami` queue place (missing: not asked)."""
+    free = sum(1 for gpu in status.get("gpus", ()) if not gpu["holders"])
+    rows = []
+    for entry in status.get("queue", ()):
+        standing = standings.get(entry["user"])
+        ahead = (standing or {}).get("ahead") or []
+        if entry["position"] == 1 or not ahead:
+            why = f"first in line: wants {plural(entry['gpus'], 'GPU')}, {free} free"
+        else:
+            nearest = ahead[0]
+            why = f"behind {viewer.name(nearest['user'], show_users)}: {nearest['why']}"
+        rows.append(Waiting(server, entry["position"], viewer.name(entry["user"], show_users), entry["gpus"],
+                            entry["since"], entry.get("priority", 0), why, (standing or {}).get("estimate")))
+    return rows
+
+
+# --- usage
+
+@dataclass(frozen=True)
+class Usage:
+    label: str
+    granted_hours: float
+    busy_hours: float | None  # None: the source does not know (the cluster database records grants only)
+    idle_hours: float | None
+
+    @property
+    def busy_share(self) -> float | None:
+        return self.busy_hours / self.granted_hours if self.granted_hours and self.busy_hours is not None else None
+
+
+def usage_rows(by: str, reports: Mapping[str, Mapping[str, Any]], viewer: Viewer, show_users: bool) -> list[Usage]:
+    """One bar per key of `by` summed over the servers (user, day), or per server and GPU (gpu);
+    `server`: one per server."""
+    sums: dict[str, list[float | None]] = {}
+    for server, report in sorted(reports.items()):
+        rows = [report["total"]] if by == "server" else report["rows"]
+        for row in rows:
+            label = _usage_label(by, server, row["key"], len(reports) > 1, viewer, show_users)
+            total = sums.setdefault(label, [0.0, 0.0, 0.0])
+            for i, key in enumerate(("granted_seconds", "busy_seconds", "idle_seconds")):
+                value, known = row[key], total[i]
+                total[i] = None if value is None or known is None else known + value / 3600
+    return [Usage(label, values[0] or 0.0, values[1], values[2]) for label, values in sums.items()]
+
+
+def _usage_label(by: str, server: str, key: Any, fleet: bool, viewer: Viewer, show_users: bool) -> str:
+    if by == "server":
+        return server
+    if by == "user":
+        return viewer.name(str(key), show_users)
+    if by == "gpu":
+        return f"{server} GPU {unit_label(int(key))}" if fleet else f"GPU {unit_label(int(key))}"
+    return str(key)
+
+
+def usage_csv(tables: Iterable[tuple[str, list[Usage]]]) -> str:
+    """CSV with a header: one line per (grouping, key), hours as decimals."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for by, rows in tables:
+        for r in rows:
+            writer.writerow([by, _csv_safe(r.label), f"{r.granted_hours:.3f}", _hours(r.busy_hours),
+                             _hours(r.idle_hours), "" if r.busy_share is None else f"{r.busy_share:.3f}"])
+    return out.getvalue()
+
+
+def _hours(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _csv_safe(text: str) -> str:
+    """A cell a spreadsheet would run as a formula (=, +, -, @ first) is quoted with a leading '."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+# --- words
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def duration(seconds: float) -> str:
+    """2d03h, 5h07m, 42m, 30s."""
+    seconds = int(max(0.0, seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes = seconds // 60
+    days, rest = divmod(minutes, 24 * 60)
+    hours, minutes = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m"

@@ -1,0 +1,145 @@
+"""The service graph, built once (build), from typed edges (Edges, whose kinds edges.py names).
+
+The daemon, the unit tests (tests/unit/fakes.py) and a replay all call build: each service is
+made here and handed exactly the others it uses, so the three cannot wire them differently. The
+callers differ only in the edges they pass: the kernel and the hardware (daemon.py), fakes that
+record what was asked (the unit tests), or a virtual clock and a simulated sample (a replay).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from gpuguard.admission import Budget
+from gpuguard.allocator import Topology
+from gpuguard.api import Api
+from gpuguard.config import Config
+from gpuguard.edges import (
+    Clock,
+    ExitWatch,
+    GateMap,
+    GpuSampler,
+    HolderSearch,
+    Lookup,
+    Nodes,
+    Processes,
+    Terminals,
+)
+from gpuguard.exempt import Exempt
+from gpuguard.grants import Grants
+from gpuguard.holders import HolderEnder
+from gpuguard.logout import LogoutRelease
+from gpuguard.lookups import KnownAccounts, membership
+from gpuguard.metrics import Metrics
+from gpuguard.model import Gpu
+from gpuguard.queueing import Queue
+from gpuguard.release import Releases
+from gpuguard.scans import Scans
+from gpuguard.store import Store
+from gpuguard.usage import UsageMeter
+from gpuguard.watcher import Watcher
+
+
+@dataclass(frozen=True)
+class Edges:
+    """What the services are built from. Only these differ between the daemon, the unit tests
+    and a replay."""
+
+    config: Callable[[], Config]     # the config in force: a reload replaces what this returns
+    store_path: Path                 # the SQLite state (made when missing)
+    sampler: GpuSampler              # samples of the GPUs (NVML, the simulated GPUs, a replay's jobs)
+    units: Mapping[int, Gpu]         # the GPUs and MIG slices read at start, by unit
+    driver_minors: Collection[int]   # the GPUs the driver has, also those NVML cannot read
+    nodes: Nodes                     # the device nodes and their ACLs
+    lookup: Lookup                   # NSS
+    terminals: Terminals             # telling users
+    exits: ExitWatch                 # being told when processes exit
+    find_holders: HolderSearch       # /proc: who holds a node open
+    processes: Processes             # who a process is; signals
+    gate: GateMap | None = None      # None in access.mode = acl
+    topology: Topology | None = None
+    caps_major: int | None = None    # of the MIG capability nodes (None: no MIG capabilities)
+    clock: Clock = time.time
+    durable: bool = True             # False: a scratch store (a replay), no fsync
+    reload: Callable[[], Config] | None = None  # the `reload` operation (None: the config stays)
+    sync_nodes: Callable[[], None] = field(default=lambda: None)  # the `sync_nodes` operation
+    # `status` entries of the GPUs Slurm or Kubernetes own (coexist.status_entries): shown, never handed out
+    foreign: Sequence[dict[str, Any]] = ()
+    # the connection budget the metrics endpoint shares with the socket (server.Server's); None: one of its own
+    connections: Budget | None = None
+
+
+@dataclass(frozen=True)
+class Services:
+    """Every service, wired. Close with close()."""
+
+    store: Store
+    grants: Grants
+    exempt: Exempt
+    accounts: KnownAccounts
+    usage: UsageMeter
+    scans: Scans
+    holders: HolderEnder
+    queue: Queue
+    releases: Releases
+    logout: LogoutRelease
+    watcher: Watcher
+    api: Api
+    metrics: Metrics
+    edges: Edges
+
+    def close(self) -> None:
+        """Stop what runs in the background and write what is kept in memory; the edges that hold
+        threads (NSS, terminals) are closed too. The store is closed last."""
+        self.metrics.close()
+        self.logout.close()
+        self.holders.close()
+        self.scans.close()
+        self.usage.flush()
+        self.edges.terminals.close()
+        self.edges.lookup.close()
+        self.store.close()
+
+
+def build(edges: Edges) -> Services:
+    """The one wiring of the services (see the README's architecture section)."""
+    config = edges.config
+    store = Store(edges.store_path, lambda: config().events, durable=edges.durable)
+    grants = Grants(store, edges.gate, edges.nodes, edges.driver_minors, gpus=edges.units,
+                    topology=edges.topology, caps_major=edges.caps_major)
+
+    def apply_exempt(uids: frozenset[int]) -> None:
+        if edges.gate is not None:
+            edges.gate.set_exempt(uids)
+        grants.set_exempt(uids)  # exempt users need ACL entries too: the nodes are 0660 root:root
+
+    exempt = Exempt(lambda: config().access, store, apply_exempt, edges.lookup)
+    accounts = KnownAccounts(edges.lookup, config)
+    usage = UsageMeter(store, accounts.name_of)
+    # the /proc scans users' requests cause and the daemon's own, in pools of their own (scans.py)
+    scans = Scans(partial(edges.find_holders, devices_of=grants.holder_devices))
+    holders = HolderEnder(scans, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
+                          edges.processes, edges.clock,
+                          is_member=lambda uid: membership(edges.lookup, config().access, uid))
+    queue = Queue(config, store, grants)
+
+    def tell(uid: int, user: str, message: str) -> None:
+        if uid not in exempt.uids:
+            edges.terminals.tell(user, uid, message, [s.tty for s in store.sessions(uid)])
+
+    releases = Releases(grants, queue, holders.schedule, tell)
+    logout = LogoutRelease(store, releases, scans, edges.exits, edges.processes, edges.clock)
+    watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
+                      usage, demand=queue.demand)
+    api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, holders, edges.gate,
+              reload=edges.reload or config, sync_nodes=edges.sync_nodes, accounts=accounts, usage=usage,
+              queue=queue, terminals=edges.terminals, processes=edges.processes, clock=edges.clock,
+              foreign=edges.foreign)
+    metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of,
+                      edges.connections)
+    return Services(store, grants, exempt, accounts, usage, scans, holders, queue, releases, logout, watcher, api,
+                    metrics, edges)

@@ -1,0 +1,140 @@
+"""`gpuguard web` in a real browser (Debian's chromium and chromedriver, headless), on a real daemon.
+
+The web runs as an account of its own, as in production; logins go through a real PAM stack
+(pam_unix against /etc/shadow); grants are real daemon grants. Screenshots of failures land in
+build/test-artefacts/ (web_harness.browser); the grid's screenshot there (web-now.png) is the
+README's picture.
+"""
+from __future__ import annotations
+
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.expected_conditions import staleness_of
+from selenium.webdriver.support.ui import WebDriverWait
+from web_harness import ARTEFACTS, set_password
+
+pytestmark = pytest.mark.gate
+
+LIVE_TIMEOUT = 20.0  # seconds for the page to show a change: the script polls every 2 s
+PASSWORD = "ggt correct horse 7"
+
+
+def cell(driver, label: str):
+    return driver.find_element(By.CSS_SELECTOR, f'.cell[data-unit="{label}"]')
+
+
+def log_in(driver, url: str, user: str, password: str) -> None:
+    driver.get(url + "/login")
+    driver.find_element(By.NAME, "user").send_keys(user)
+    driver.find_element(By.NAME, "password").send_keys(password)
+    button = driver.find_element(By.CSS_SELECTOR, "form.login button")
+    button.click()
+    # The click only starts the POST (PAM's delay after a wrong password included): wait for the
+    # page that answers it before anything reads the page.
+    WebDriverWait(driver, LIVE_TIMEOUT).until(staleness_of(button))
+
+
+def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
+    daemon = start_daemon(web=web.prepare(), defaults={"gpu_memory": "4GiB"})
+    alice, bob, carol = daemon.add_member(), daemon.add_member(), daemon.add_member()
+    daemon.call("grant", user=bob.name, minors=[1])
+    daemon.call("grant", user=carol.name, minors=[2])
+    burns(daemon.config_path, 1, "2GiB", user=bob)
+    burns(daemon.config_path, 2, "6GiB", user=carol)  # over carol's 4 GiB quota
+    site = web.start(daemon)
+    browser.get(site.url + "/")
+    WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "2").get_attribute("data-state") == "over")
+    assert cell(browser, "0").get_attribute("data-state") == "free"
+    assert cell(browser, "1").get_attribute("data-state") == "held"
+    assert "1 proc" in cell(browser, "1").text and "of 4GiB" in cell(browser, "1").text
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".cell")) == 4
+    browser.execute_script("window.ggtSamePage = true")  # gone if the page were loaded again
+
+    daemon.call("grant", user=alice.name, minors=[0])
+
+    WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "0").get_attribute("data-state") == "held")
+    assert browser.execute_script("return window.ggtSamePage") is True
+    assert alice.name in cell(browser, "0").find_element(By.CSS_SELECTOR, ".user").text
+    assert cell(browser, "3").get_attribute("data-state") == "free"
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+    browser.set_window_size(1040, 480)
+    browser.save_screenshot(str(ARTEFACTS / "web-now.png"))  # the README's picture (docs/web.png)
+
+    daemon.call("revoke", user=alice.name)
+    WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "0").get_attribute("data-state") == "free")
+
+
+def test_login_me_page_refusal_and_hostile_strings(start_daemon, web, browser):
+    daemon = start_daemon(web=web.prepare())
+    alice, bob = daemon.add_member(), daemon.add_member()
+    set_password(alice, PASSWORD)
+    hostile_host = "<script>window.ggtPwned=1</script>"
+    hostile_tty = "<b id=ggt-bold>pts/1</b>"
+    caller = daemon.caller()
+    opened = daemon.call("session_open", user=alice.name, service="ggt-test", rhost=hostile_host,
+                         tty=hostile_tty, pid=caller.pid, grant="always")
+    (minor,) = opened["gpus"]
+    site = web.start(daemon)
+
+    # A wrong password is refused, and the name typed is shown back as text.
+    log_in(browser, site.url, "<img src=x id=ggt-img>", "nope")
+    assert "Wrong user name or password." in browser.find_element(By.CSS_SELECTOR, ".error").text
+    assert browser.find_element(By.NAME, "user").get_attribute("value") == "<img src=x id=ggt-img>"
+    assert not browser.find_elements(By.ID, "ggt-img")
+
+    log_in(browser, site.url, alice.name, PASSWORD)
+    assert browser.current_url == site.url + "/me"
+    assert browser.find_element(By.TAG_NAME, "h1").text == "My GPUs"
+    lines = browser.find_element(By.CSS_SELECTOR, "pre.lines").text
+    assert f"export CUDA_VISIBLE_DEVICES={daemon.uuid(minor)}" in lines
+    assert f"ssh {alice.name}@" in lines
+    # What PAM was told by a hostile client is text on the page, not markup.
+    assert browser.find_element(By.CSS_SELECTOR, "td.rhost").text == hostile_host
+    assert browser.find_element(By.CSS_SELECTOR, "td.tty").text == hostile_tty
+    assert not browser.find_elements(By.ID, "ggt-bold")
+    assert browser.execute_script("return window.ggtPwned") is None
+
+    browser.get(f"{site.url}/users/{bob.name}")
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Refused"
+    assert bob.name not in browser.find_element(By.TAG_NAME, "main").text.replace("Refused", "")
+
+    browser.get(f"{site.url}/users/{alice.name}")
+    assert browser.find_element(By.TAG_NAME, "h1").text == "My GPUs"
+
+
+def test_hidden_names_the_queue_usage_and_an_admin(start_daemon, web, browser, make_group):
+    admins = make_group()
+    daemon = start_daemon(count=1, web=web.prepare(show_users=False, admin_group=admins))
+    alice = daemon.add_member(groups=[admins])
+    bob, carol = daemon.add_member(), daemon.add_member()
+    set_password(alice, PASSWORD)
+    assert daemon.open_session(bob)["gpus"] == [0]
+    assert "queue" in daemon.open_session(carol)  # no GPU left: carol waits
+    site = web.start(daemon)
+
+    browser.get(site.url + "/")
+    assert cell(browser, "0").find_element(By.CSS_SELECTOR, ".user").text == "another user"
+    browser.get(site.url + "/queue")
+    assert "another user" in browser.find_element(By.TAG_NAME, "table").text
+    for name in (bob.name, carol.name):
+        assert name not in browser.page_source
+
+    log_in(browser, site.url, alice.name, PASSWORD)
+    assert "(admin)" in browser.find_element(By.CSS_SELECTOR, "header .who").text
+    browser.get(site.url + "/queue")
+    row = browser.find_element(By.CSS_SELECTOR, "tbody tr").text
+    assert carol.name in row and "first in line: wants 1 GPU, 0 free" in row
+    browser.get(f"{site.url}/users/{bob.name}")
+    assert browser.find_element(By.TAG_NAME, "h1").text == f"{bob.name}'s GPUs"
+    browser.get(site.url + "/")
+    assert cell(browser, "0").find_element(By.CSS_SELECTOR, ".user").text == bob.name
+
+    browser.get(site.url + "/usage")
+    charts = browser.find_elements(By.CSS_SELECTOR, "svg.chart")
+    assert len(charts) == 4  # by user, GPU, server and day
+    assert bob.name in charts[0].text
+    table = browser.execute_async_script(
+        "const done = arguments[0]; fetch('/usage.csv').then(r => r.text()).then(done)")
+    lines = table.splitlines()
+    assert lines[0] == "by,key,granted_hours,busy_hours,idle_hours,busy_share"
+    assert any(line.startswith(f"user,{bob.name},") for line in lines)

@@ -1,0 +1,140 @@
+"""`gpuguard web` for the browser tests: its own account, PAM service and key, a headless Chromium.
+
+- `web` (a WebStarter): `table = web.prepare(show_users=...)` makes the web's account (`ggt-*`, in the shadow group
+  so pam_unix can check passwords, as the package's unit does), a PAM service file of its own
+  (/etc/pam.d/ggt-*: pam_unix auth and account) and returns the `[web]` table to start the daemon
+  with (so the daemon lets that account read every user's records); `web.start(daemon)` runs
+  `gpuguard web` as that account on a free port of 127.0.0.1. Stopped and removed afterwards.
+- `browser`: headless Chromium through chromedriver (Debian's packages); on a failed test it saves
+  a screenshot and the page's HTML in build/test-artefacts/.
+- `set_password(user, password)`: chpasswd.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import BIN, REPO, TestUser, popen_as
+from ssh_harness import PamStacks
+
+ARTEFACTS = REPO / "build" / "test-artefacts"
+START_TIMEOUT = 30.0
+WEB_PAM = """\
+auth     required pam_unix.so
+account  required pam_unix.so
+"""
+
+
+@dataclass
+class RunningWeb:
+    url: str
+    account: TestUser
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def set_password(user: TestUser, password: str) -> None:
+    subprocess.run(["chpasswd"], input=f"{user.name}:{password}\n", text=True, check=True)
+
+
+class WebStarter:
+    """prepare() the account, PAM service and key directory (the `[web]` table to start the daemon
+    with), then start(daemon) the web on them."""
+
+    def __init__(self, sandbox: Path, make_user) -> None:
+        self.sandbox = sandbox
+        self.make_user = make_user
+        self.stacks = PamStacks()
+        self.started: list[RunningWeb] = []
+        self.account: TestUser | None = None
+
+    def prepare(self, **table) -> dict:
+        self.account = self.make_user(groups=["shadow"])
+        key_dir = self.sandbox / "web"
+        key_dir.mkdir(mode=0o700)
+        os.chown(key_dir, self.account.uid, self.account.gid)
+        return {"user": self.account.name, "pam_service": self.stacks.make(base=WEB_PAM),
+                "key_file": str(key_dir / "session.key"), **table}
+
+    def start(self, daemon) -> RunningWeb:
+        assert self.account is not None, "prepare() first"
+        port = free_port()
+        log_path = self.sandbox / "web.log"
+        with open(log_path, "ab") as log:
+            proc = popen_as(self.account, [str(BIN / "gpuguard"), "--config", str(daemon.config_path), "web",
+                                           "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=log)
+        running = RunningWeb(f"http://127.0.0.1:{port}", self.account, proc, log_path)
+        self.started.append(running)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(running.url + "/static/style.css", timeout=2).close()
+                return running
+            time.sleep(0.2)
+        raise AssertionError(f"gpuguard web did not start (status {proc.poll()}):\n{running.log()}")
+
+    def stop_all(self) -> None:
+        for running in self.started:
+            running.proc.terminate()
+            try:
+                running.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                running.proc.kill()
+                running.proc.wait()
+            print(f"--- gpuguard web log ---\n{running.log()}")
+        self.stacks.remove_all()
+
+
+@pytest.fixture
+def web(sandbox, make_user) -> Iterator[WebStarter]:
+    starter = WebStarter(sandbox, make_user)
+    try:
+        yield starter
+    finally:
+        starter.stop_all()
+
+
+@pytest.fixture
+def browser(request) -> Iterator:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = Path(tempfile.mkdtemp(prefix="ggt-chromium-"))
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    # --no-sandbox: Chromium's sandbox refuses to start as root (the tests' user).
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     "--window-size=1280,900", f"--user-data-dir={profile}"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    failed_before = request.session.testsfailed
+    try:
+        yield driver
+    finally:
+        if request.session.testsfailed > failed_before:  # the call failed (its report came before teardown)
+            ARTEFACTS.mkdir(parents=True, exist_ok=True)
+            name = request.node.name.replace("/", "_")
+            driver.save_screenshot(str(ARTEFACTS / f"{name}.png"))
+            (ARTEFACTS / f"{name}.html").write_text(driver.page_source)
+            print(f"screenshot and page: {ARTEFACTS / name}.png, .html")
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)

@@ -1,0 +1,106 @@
+"""Signed sessions, CSRF tokens, the login limit and the key file (pure but for a temporary directory)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import stat
+
+import pytest
+
+from gpuguard.web.sessions import LoginLimit, SessionKeyError, Signer, load_key
+from gpuguard.web.sources import Memo
+
+KEY = b"k" * 32
+
+
+def test_a_session_round_trips_and_expires():
+    signer = Signer(KEY)
+    cookie = signer.session("alice", expires=1000.0)
+    login = signer.login(cookie, now=999.0)
+    assert login is not None and login.user == "alice"
+    assert signer.login(cookie, now=1000.0) is None
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda c: ("f" if c[0] != "f" else "g") + c[1:],
+    lambda c: c[:-2] + ("AA" if not c.endswith("AA") else "BB"),
+    lambda c: c.split(".")[0],
+    lambda c: c + ".x",
+    lambda c: "!!!." + c.split(".")[1],
+    lambda c: "x" * 5000,
+    lambda c: "",
+])
+def test_a_forged_or_broken_cookie_is_no_login(tamper):
+    signer = Signer(KEY)
+    cookie = signer.session("alice", expires=1000.0)
+    body = base64.urlsafe_b64encode(json.dumps({"u": "root", "e": 1e12, "n": "x"}).encode()).rstrip(b"=").decode()
+    assert signer.login(body + "." + cookie.split(".")[1], 0.0) is None  # another body under alice's MAC
+    assert signer.login(tamper(cookie), 0.0) is None
+
+
+def test_another_key_or_purpose_does_not_verify():
+    cookie = Signer(KEY).session("alice", 1000.0)
+    assert Signer(b"o" * 32).login(cookie, 0.0) is None
+    signer = Signer(KEY)
+    token = signer.csrf("login:seed")
+    assert signer.csrf_ok(token, "login:seed")
+    assert not signer.csrf_ok(token, "login:other")
+    assert not signer.csrf_ok(token, None) and not signer.csrf_ok("", "login:seed")
+    # a CSRF token is no session MAC and the other way round: each has its own purpose
+    assert signer.login("e30." + token, 0.0) is None
+
+
+def test_the_login_limit_per_user_and_per_address():
+    limit = LoginLimit(per_user=3, per_address=5, window=60.0)
+    for i in range(3):
+        assert limit.allowed("alice", "10.0.0.1", float(i))
+        limit.failed("alice", "10.0.0.1", float(i))
+    assert not limit.allowed("alice", "10.0.0.2", 3.0)  # the name, from anywhere
+    assert limit.allowed("bob", "10.0.0.1", 3.0)
+    limit.failed("bob", "10.0.0.1", 3.0)
+    limit.failed("carol", "10.0.0.1", 3.0)
+    assert not limit.allowed("dave", "10.0.0.1", 4.0)  # the address, for any name
+    assert limit.allowed("alice", "10.0.0.2", 61.0)    # the window passed
+
+
+def test_the_login_limit_memory_is_bounded():
+    limit = LoginLimit(max_keys=100)
+    for i in range(1000):
+        limit.failed(f"user{i}", f"10.0.{i // 256}.{i % 256}", 0.0)
+    assert len(limit._failures) <= 100
+
+
+def test_the_key_file_is_made_once_private_and_checked(tmp_path):
+    path = tmp_path / "web" / "session.key"
+    key = load_key(path)
+    assert len(key) == 32 and load_key(path) == key
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    path.write_bytes(b"short")
+    with pytest.raises(SessionKeyError, match="too short"):
+        load_key(path)
+
+
+def test_memo_asks_once_per_window_and_again_after_a_failure():
+    calls = []
+    clock = [0.0]
+
+    async def make():
+        calls.append(clock[0])
+        await asyncio.sleep(0)
+        if len(calls) == 3:
+            raise OSError("down")
+        return len(calls)
+
+    async def scenario():
+        memo = Memo(1.0, clock=lambda: clock[0])
+        together = await asyncio.gather(*(memo.get("k", make) for _ in range(10)))
+        assert together == [1] * 10 and len(calls) == 1
+        clock[0] = 1.5
+        assert await memo.get("k", make) == 2
+        clock[0] = 3.0
+        with pytest.raises(OSError):
+            await memo.get("k", make)
+        assert await memo.get("k", make) == 4  # a failure is not kept
+    asyncio.run(scenario())
