@@ -6,8 +6,9 @@ them -> the MIG layout followed -> reconcile the gate map and node ACLs from the
 watch the device directory -> serve the socket -> READY=1. Under systemd it also says what it
 is doing (STATUS=) and pings the watchdog (WATCHDOG=1, WatchdogSec= in etc/gpuguard.service)
 from the event loop, so a loop that hangs gets the daemon restarted. One asyncio loop in the main thread
-runs the server and a periodic tick; the store is touched only from that thread, and blocking
-NVML and /proc work runs in worker threads (asyncio.to_thread). Decisions that read state and
+runs the server, the metrics endpoint and a periodic tick; the store is touched only from that
+thread, and blocking NVML and /proc work runs in threads of its own (sampling.Sampler, scans.Scans).
+Decisions that read state and
 then change it never await in between, so concurrent requests cannot interleave inside one.
 
 SIGHUP reloads the config (a broken one is logged and the old one stays); SIGTERM stops
