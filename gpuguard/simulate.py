@@ -46,6 +46,7 @@ from gpuguard.model import Event, Gpu, GpuProcess, Grant, Origin, Quota
 from gpuguard.queueing import Queue
 from gpuguard.release import Releases
 from gpuguard.sampling import Sample
+from gpuguard.scans import Scans
 from gpuguard.store import Queued, Store
 from gpuguard.trace import Job, Session
 from gpuguard.watcher import timing_of
@@ -187,7 +188,7 @@ class Replay:
         self.queue = Queue(lambda: config, self.store, self.grants)
         self.queue.listeners.append(self._served)
         self.releases = Releases(self.grants, self.queue, end_holders=lambda *_: None, tell=lambda *_: None)
-        self.logout = LogoutRelease(self.store, self.releases, lambda minors, uids: [], ExitWatch(),  # no /proc to scan
+        self.logout = LogoutRelease(self.store, self.releases, Scans(lambda minors, uids: []), ExitWatch(),  # no /proc
                                     HostProcesses())
         self.timing = timing_of(config)
         self.state = rules.State()
