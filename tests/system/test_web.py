@@ -8,9 +8,8 @@ README's picture.
 from __future__ import annotations
 
 import pytest
-from selenium.common.exceptions import StaleElementReferenceException
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import WebDriverWait
 from web_harness import ARTEFACTS, set_password
 
@@ -38,7 +37,21 @@ def log_in(driver, url: str, user: str, password: str) -> None:
     button.click()
     # The click only starts the POST (PAM's delay after a wrong password included): wait for the
     # page that answers it before anything reads the page.
-    WebDriverWait(driver, LIVE_TIMEOUT).until(staleness_of(button))
+    WebDriverWait(driver, LIVE_TIMEOUT).until(lambda _: gone(button))
+
+
+def gone(element) -> bool:
+    """staleness_of, also when Chrome is caught mid-navigation: then it answers "Node with given id
+    does not belong to the document" (an unknown error), not a stale reference."""
+    try:
+        element.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as exc:
+        if "does not belong to the document" in (exc.msg or ""):
+            return True
+        raise
+    return False
 
 
 def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
