@@ -36,6 +36,7 @@ from gpuguard.backends import (
     notify,
     open_gate,
     open_gpu_backend,
+    proc_events,
     procfs,
     systemd,
 )
@@ -108,8 +109,10 @@ class Daemon:
         self.exempt.set(exempt)
         self.lookup = AccountLookup()
         self.notifier = notify.Notifier()
+        self.processes = proc_events.ProcessIndex()  # users' pids for holder scans; without it they walk /proc
+        self.processes.start()
         self.scans = Scans(partial(sampling.node_holders, devices_of=self.grants.holder_devices,
-                                   real_uids=procfs.RealUids()))
+                                   real_uids=procfs.RealUids(), pids_of=self.processes.pids_of))
         self.holders = HolderEnder(self.scans, self.sampler, self.exempt, self.store,
                                    lambda: self.config.watcher.kill_wait, is_member=self._is_member)
         self.grants.holders = self.holders
@@ -122,7 +125,8 @@ class Daemon:
                        account_of=self.watcher.account_of, flush_usage=self.watcher.flush_usage,
                        queue=self.queue, notifier=self.notifier)
         self.metrics = Metrics(self.config.metrics, self.store, self.grants.gpus, self.sampler, self.gate,
-                               self.watcher.account_of, self.server.budget)
+                               self.watcher.account_of, self.server.budget,
+                               collectors=[proc_events.IndexCollector(self.processes)])
         # Grants on MIG slices the admin changed while no daemon ran end (their holders ended, their
         # users told) before the gate and the ACLs are rebuilt from the store.
         self.follow_layout(first_layout)
@@ -183,6 +187,7 @@ class Daemon:
         self.logout.close()
         self.holders.close()
         self.scans.close()
+        self.processes.close()
         self.sampler.close()
         self.watcher.close()
         self.notifier.close()

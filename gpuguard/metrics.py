@@ -301,7 +301,8 @@ class Metrics:
     """The loop side: publishes a snapshot per tick and feeds the endpoint and the files."""
 
     def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
-                 account_of: Callable[[int], tuple[str, Quota]], budget: admission.Budget | None = None) -> None:
+                 account_of: Callable[[int], tuple[str, Quota]], budget: admission.Budget | None = None,
+                 collectors: Iterable[Collector] = ()) -> None:
         self.settings = settings
         self.account_of = account_of  # user names as the watcher last resolved them (no NSS on the loop)
         self.store = store
@@ -323,6 +324,9 @@ class Metrics:
         self._served = CollectorRegistry(auto_describe=True)
         self._served.register(SnapshotCollector(self))
         ProcessCollector(registry=self._served)  # the daemon's own memory, CPU and descriptors
+        for collector in collectors:  # the services' own (e.g. the process index's), read as they are
+            self.registry.register(collector)
+            self._served.register(collector)
         self._page: tuple[float, bytes] = (-RENDER_EVERY, b"")  # (time.monotonic() rendered, the page)
 
     @property
