@@ -8,7 +8,8 @@
   from a real user namespace (20 uids x 40 connections reopened every 2 s), against no flood.
 - logout (a section of its own): the time from the PAM module's close to the grant released (the
   reply comes first), at 10,000 host processes owned by root against the ~100 of an idle host,
-  through the process index (a row whose scans walked /proc instead says so).
+  through the process index (a row whose scans walked /proc instead says so); and the watcher's
+  tick interval under a fork flood (the index's events) against none.
 The floods are devtools/floods.py, which the tests (tests/system/test_floods.py) run too.
 """
 from __future__ import annotations
@@ -137,11 +138,11 @@ def flood_rows(bench: Bench) -> None:
 
 
 def index_counts(port: int) -> dict[str, float]:
-    """The daemon's process index metrics (gpuguard_process_index_*)."""
+    """The daemon's process index metrics (gpuguard_process_index_*) and its CPU seconds."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
         text = reply.read().decode()
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name.startswith("gpuguard_process_index")}
+            if s.name.startswith("gpuguard_process_index") or s.name == "process_cpu_seconds_total"}
 
 
 def logout_rows(bench: Bench) -> None:
@@ -154,6 +155,20 @@ def logout_rows(bench: Bench) -> None:
     with bench.daemon(config), ExitStack() as stack:
         caller = subprocess.Popen(["sleep", "3600"])
         stack.callback(caller.kill)
+        quiet = tick_interval(port)
+        time.sleep(2 * RENDER_EVERY)
+        before = index_counts(port)
+        with flood(bench, bench.outsider, "forks", 2):
+            started = time.monotonic()
+            flooded = tick_interval(port)
+            time.sleep(2 * RENDER_EVERY)
+            after = index_counts(port)
+            took = time.monotonic() - started
+        events = after["gpuguard_process_index_events_total"] - before["gpuguard_process_index_events_total"]
+        cpu = after["process_cpu_seconds_total"] - before["process_cpu_seconds_total"]
+        print(f"bench: fork flood: {events / took:,.0f} process events/s applied, daemon CPU {cpu / took:.0%}, "
+              f"losses {after['gpuguard_process_index_losses_total']:.0f}", flush=True)
+        row("watcher tick interval under a fork flood (2 loops)", flooded, quiet, 2.0, "no flood, same daemon")
         user = bench.members[3]
         idle = host_processes()
         small = statistics.median(logout_release(sock, user, caller.pid) for _ in range(LOGOUTS))

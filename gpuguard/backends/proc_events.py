@@ -11,8 +11,9 @@ processes only (threads are not processes: /proc lists thread-group leaders, and
   during the walk has its event queued behind it, applied after it, so none is missed.
 - A lookup first applies every event queued so far (under the index's lock): whatever forked
   before the lookup is in the answer, however late the reading thread runs.
+- The thread reads every DRAIN_EVERY (one wake-up per batch of events, not per event).
 - Overflow (ENOBUFS: events lost under a fork flood), more events than EVENTS_PER_SECOND
-  (the index would cost the daemon a core), or a failing read: the index stops listening and
+  (reading them would cost the daemon more than a quarter of a core), or a failing read: the index stops listening and
   answers None ("walk /proc") until it subscribes and walks again, RESYNC_FIRST seconds later,
   doubling on each overflow up to RESYNC_MAX; a minute in sync resets the delay. A flood thus
   costs at most a few walks a minute, never an index that grows (it holds live pids only).
@@ -57,11 +58,12 @@ _DATA_AT = _NLMSGHDR.size + _CN_MSG.size + _EVENT_HEAD.size  # 52
 _SMALLEST = _DATA_AT + _EVENT_DATA.size
 
 RECEIVE_BUFFER = 16 << 20    # bytes asked for (beyond net.core.rmem_max only with CAP_NET_ADMIN)
-EVENTS_PER_SECOND = 40_000   # more, and the index stands down: parsing them would cost the daemon a core
+EVENTS_PER_SECOND = 40_000   # more, and the index stands down (about 6 µs an event here: a quarter of a core)
 RESYNC_FIRST = 1.0           # seconds from a loss of sync to the next subscription and walk
 RESYNC_MAX = 60.0
 STABLE = 60.0                # seconds in sync after which the delay starts again at RESYNC_FIRST
 ACK_WAIT = 2.0               # seconds the kernel has to acknowledge the subscription
+DRAIN_EVERY = 0.05           # seconds between the thread's reads: a lookup reads what is queued anyway
 
 
 class Change(NamedTuple):
@@ -216,6 +218,7 @@ class ProcessIndex:
         self.fallback_walks = 0      # scans that walked /proc because the index could not answer
         self.resyncs = 0             # walks after a loss of sync
         self.losses = 0              # losses of sync (overflow, event flood, read error)
+        self.events = 0              # changes applied (forks, uid changes, exits of processes)
         self.buffer = 0              # the receive buffer the kernel granted (bytes)
 
     # --- life cycle
@@ -291,6 +294,7 @@ class ProcessIndex:
                 with self._lock:
                     if self._sock is sock:
                         self._pump()
+                self._sleep(DRAIN_EVERY)  # events gather meanwhile: one wake-up per batch, not per event
 
     def _sleep(self, seconds: float) -> None:
         """Sleep, or less when woken (closing)."""
@@ -343,19 +347,22 @@ class ProcessIndex:
                            else f"reading events failed: {exc.strerror}")
                 return
             changes = list(decode(datagram))
-            if self._flooded(len(changes)):
+            if self._flooded():
                 self._lost(f"more than {self.events_per_second:,} process events a second")
                 return
             for change in changes:
                 self._table.apply(change)
+            self.events += len(changes)
 
-    def _flooded(self, count: int) -> bool:
+    def _flooded(self) -> bool:
+        """One more event read: whether more than events_per_second came in this second (every kind
+        counts, exec and comm too: each costs a read)."""
         now = self._clock()
         start, seen = self._window
         if now - start >= 1.0:
             start, seen = now, 0
-        self._window = (start, seen + count)
-        return seen + count > self.events_per_second
+        self._window = (start, seen + 1)
+        return seen + 1 > self.events_per_second
 
     def _lost(self, reason: str) -> None:
         """Stop listening (the lock held) and walk /proc until the next subscription."""
@@ -402,6 +409,8 @@ class IndexCollector(Collector):
         yield GaugeMetricFamily("gpuguard_process_index_processes", "Live processes the index holds", value=index.size())
         yield CounterMetricFamily("gpuguard_process_index_fallback_walks", "Holder scans that walked all of /proc "
                                   "because the index could not answer", value=index.fallback_walks)
+        yield CounterMetricFamily("gpuguard_process_index_events", "Process events applied (forks, uid "
+                                  "changes, exits of processes)", value=index.events)
         yield CounterMetricFamily("gpuguard_process_index_losses", "Times the index lost sync (events lost "
                                   "or flooding)", value=index.losses)
         yield CounterMetricFamily("gpuguard_process_index_resyncs", "Walks of /proc that brought the index back "
