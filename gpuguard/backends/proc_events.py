@@ -5,7 +5,9 @@ A logout's holder scan used to lstat every /proc entry (and read the status of r
 at 10,000 processes. The netlink proc connector (NETLINK_CONNECTOR, group CN_IDX_PROC, after a
 PROC_CN_MCAST_LISTEN; linux/cn_proc.h and linux/connector.h) tells of each fork, uid change and
 exit as it happens, so the index below follows them: pid -> real uid and uid -> pids, live
-processes only (threads are not processes: /proc lists thread-group leaders, and so does this).
+processes only (threads are not processes: /proc lists thread-group leaders, and so does this; an
+exec from a thread other than the leader ends the leader, with an exit event, and the exec event
+brings the process back).
 
 - Subscribed first, then seeded by one walk of /proc: a process that forks, changes uid or exits
   during the walk has its event queued behind it, applied after it, so none is missed.
@@ -48,7 +50,7 @@ CN_IDX_PROC = CN_VAL_PROC = 1
 PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE = 1, 2
 NLMSG_DONE = 3
 SO_RCVBUFFORCE = 33  # asm-generic/socket.h (Python's socket module does not name it)
-PROC_EVENT_NONE, PROC_EVENT_FORK, PROC_EVENT_UID, PROC_EVENT_EXIT = 0, 0x1, 0x4, 0x80000000
+PROC_EVENT_NONE, PROC_EVENT_FORK, PROC_EVENT_EXEC, PROC_EVENT_UID, PROC_EVENT_EXIT = 0, 0x1, 0x2, 0x4, 0x80000000
 
 _NLMSGHDR = struct.Struct("=IHHII")    # len, type, flags, seq, pid
 _CN_MSG = struct.Struct("=IIIIHH")     # idx, val, seq, ack, len, flags
@@ -69,9 +71,9 @@ DRAIN_EVERY = 0.05           # seconds between the thread's reads: a lookup read
 class Change(NamedTuple):
     """One process event that matters to the index (threads' own are left out)."""
 
-    kind: int   # PROC_EVENT_FORK, _UID, _EXIT, or _NONE for the kernel's acknowledgement
+    kind: int   # PROC_EVENT_FORK, _EXEC, _UID, _EXIT, or _NONE for the kernel's acknowledgement
     pid: int    # the process (thread-group id); 0 for an acknowledgement
-    value: int  # FORK: the parent's tgid; UID: the new real uid; EXIT: 0; NONE: the errno (0: subscribed)
+    value: int  # FORK: the parent's tgid; UID: the new real uid; EXEC, EXIT: 0; NONE: the errno (0: subscribed)
 
 
 def decode(datagram: bytes | memoryview) -> Iterator[Change]:
@@ -92,6 +94,8 @@ def decode(datagram: bytes | memoryview) -> Iterator[Change]:
                     yield Change(PROC_EVENT_UID, b, c & 0xFFFFFFFF)
                 elif what == PROC_EVENT_EXIT and a == b:  # the leader: the process is gone from /proc's list
                     yield Change(PROC_EVENT_EXIT, b, 0)
+                elif what == PROC_EVENT_EXEC:  # pid, tgid: equal after the exec, whichever thread called it
+                    yield Change(PROC_EVENT_EXEC, b, 0)
                 elif what == PROC_EVENT_NONE:
                     yield Change(PROC_EVENT_NONE, 0, a)
         offset += (length + 3) & ~3  # NLMSG_ALIGN
@@ -174,6 +178,12 @@ class UidTable:
             self._set(change.pid, change.value)
         elif change.kind == PROC_EVENT_EXIT:
             self._drop(change.pid)
+        elif change.kind == PROC_EVENT_EXEC and change.pid not in self.uid_of:
+            # A thread other than the leader exec'd: the kernel ended the leader (its exit event
+            # came first) and gave the thread its pid. The process goes on, descriptors and all.
+            uid = self._read_uid(change.pid)
+            if uid is not None:
+                self._set(change.pid, uid)
 
     def pids(self, uids: Iterable[int]) -> set[int]:
         return set().union(*(self.pids_of.get(uid, ()) for uid in uids))

@@ -159,3 +159,18 @@ def test_after_logout_a_job_holding_the_node_keeps_the_grant_through_the_index(s
     metrics = index_metrics(textfile)
     assert metrics["gpuguard_process_index_fallback_walks_total"] == 0, metrics
     assert metrics["gpuguard_process_index_processes"] > 0
+
+
+def test_a_process_whose_thread_execs_stays_in_the_index(make_user) -> None:
+    """execve() from a thread other than the main one: the kernel ends the old leader (an exit
+    event for the process's pid) and the thread takes over its pid (an exec event). A holder that
+    did this would otherwise vanish from the index while it still holds its descriptors."""
+    user = make_user()
+    code = "import os, threading; threading.Thread(target=os.execv, args=('/bin/sleep', ['sleep', '300'])).start()"
+    with index() as found:
+        proc = popen_as(user, [PYTHON, "-c", code])
+        try:
+            assert wait_for(lambda: psutil.Process(proc.pid).name() == "sleep", timeout=30)
+            assert proc.pid in found.pids_of([user.uid]) == real_pids(user.uid)
+        finally:
+            stop(proc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 from gpuguard.backends.proc_events import (
+    PROC_EVENT_EXEC,
     PROC_EVENT_EXIT,
     PROC_EVENT_FORK,
     PROC_EVENT_NONE,
@@ -15,7 +16,7 @@ from gpuguard.backends.proc_events import (
     subscription,
 )
 
-EXEC, GID = 0x2, 0x40
+GID = 0x40
 
 
 def datagram(what: int, *data: int, idx: int = 1) -> bytes:
@@ -37,7 +38,7 @@ def test_threads_other_events_and_other_connectors_are_skipped() -> None:
     assert list(decode(datagram(PROC_EVENT_FORK, 100, 100, 201, 100))) == []  # a thread of 100
     assert list(decode(datagram(PROC_EVENT_EXIT, 201, 100, 0, 0))) == []      # a thread ending
     assert list(decode(datagram(PROC_EVENT_UID, 201, 100, 1000, 1000))) == []  # a thread's own setuid
-    assert list(decode(datagram(EXEC, 200, 200))) == list(decode(datagram(GID, 200, 200, 5, 5))) == []
+    assert list(decode(datagram(GID, 200, 200, 5, 5))) == []
     assert list(decode(datagram(PROC_EVENT_EXIT, 200, 200, 0, 0, idx=2))) == []
 
 
@@ -92,3 +93,19 @@ def test_a_reused_pid_is_the_new_process() -> None:
     table.apply(Change(PROC_EVENT_EXIT, 30, 0))
     table.apply(Change(PROC_EVENT_FORK, 30, 1))  # the same pid, forked by root
     assert table.pids([1000]) == set() and table.pids([0]) == {1, 30}
+
+
+def test_an_exec_from_a_thread_brings_back_the_process_its_leaders_exit_took_away() -> None:
+    assert list(decode(datagram(PROC_EVENT_EXEC, 40, 40))) == [Change(PROC_EVENT_EXEC, 40, 0)]
+    read: list[int] = []
+
+    def read_uid(pid: int) -> int | None:
+        read.append(pid)
+        return 1000
+
+    table = UidTable({40: 1000}, read_uid=read_uid)
+    table.apply(Change(PROC_EVENT_EXEC, 40, 0))  # an ordinary exec: known, nothing read
+    assert read == [] and table.pids([1000]) == {40}
+    table.apply(Change(PROC_EVENT_EXIT, 40, 0))  # the leader, ended by a thread's exec
+    table.apply(Change(PROC_EVENT_EXEC, 40, 0))
+    assert read == [40] and table.pids([1000]) == {40}
