@@ -137,23 +137,33 @@ def open_connector(receive_buffer: int = RECEIVE_BUFFER) -> socket.socket:
 
 
 def walk() -> dict[int, int]:
-    """pid -> real uid of every process /proc lists now (those exiting meanwhile are left out)."""
+    """pid -> real uid of every live process /proc lists now (zombies and those exiting meanwhile
+    are left out)."""
     found = {}
     with os.scandir(procfs.PROC) as entries:
         for entry in entries:
-            if entry.name.isdigit():
-                try:
-                    found[int(entry.name)] = procfs.status_real_uid(entry.path)
-                except (OSError, StopIteration, ValueError):
-                    continue
+            if entry.name.isdigit() and (uid := _live_real_uid(entry.path)) is not None:
+                found[int(entry.name)] = uid
     return found
 
 
-def _real_uid(pid: int) -> int | None:
+def _live_real_uid(path: str) -> int | None:
+    """The real uid in /proc/<pid>/status, or None for a process gone or a zombie: its exit event
+    came already (or before the subscription), and it holds no descriptor any more."""
     try:
-        return procfs.status_real_uid(f"{procfs.PROC}/{pid}")
-    except (OSError, StopIteration, ValueError):
-        return None
+        with open(os.path.join(path, "status"), "rb") as status:
+            for line in status:  # State: comes before Uid:
+                if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                    return None
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _real_uid(pid: int) -> int | None:
+    return _live_real_uid(f"{procfs.PROC}/{pid}")
 
 
 class UidTable:

@@ -218,14 +218,13 @@ def _may_belong(entry: os.DirEntry, owners: Collection[int], real_uids: RealUids
         if st.st_uid != 0:
             return False
         # not dumpable (a setuid program) or root's: the real uid decides
-        read = partial(status_real_uid, entry.path)
+        read = partial(_status_real_uid, entry.path)
         return (real_uids.real_uid(int(entry.name), st.st_ino, read) if real_uids else read()) in owners
     except (OSError, StopIteration):
         return False  # exited meanwhile
 
 
-def status_real_uid(path: str) -> int:
-    """The real uid in /proc/<pid>/status (path: /proc/<pid>)."""
+def _status_real_uid(path: str) -> int:
     with open(os.path.join(path, "status"), "rb") as status:
         uid_line = next(line for line in status if line.startswith(b"Uid:"))
     return int(uid_line.split()[1])
