@@ -6,8 +6,10 @@
   Ticks are counted on the daemon's own histogram (gpuguard_watcher_tick_seconds_count).
 - socket login (session_open + session_close, as the PAM module sends them) under a subuid flood
   from a real user namespace (20 uids x 40 connections reopened every 2 s), against no flood.
-- logout: the time from the PAM module's close to the grant released (the reply comes first),
-  at 10,000 host processes owned by root against the ~100 of an idle host.
+- logout (a section of its own): the time from the PAM module's close to the grant released (the
+  reply comes first), at 10,000 host processes owned by root against the ~100 of an idle host,
+  through the process index (a row whose scans walked /proc instead says so); and the watcher's
+  tick interval under a fork flood (the index's events) against none.
 The floods are devtools/floods.py, which the tests (tests/system/test_floods.py) run too.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from rows import row
 from devtools.harness import free_port
 from gpuguard import client
 from gpuguard import config as configuration
+from gpuguard.metrics import RENDER_EVERY
 
 FLOODS = REPO / "devtools" / "floods.py"
 INTERVAL = 0.5
@@ -132,10 +135,50 @@ def flood_rows(bench: Bench) -> None:
             flooded = statistics.median(login_logout(sock, user, caller.pid) for _ in range(LOGINS))
         row("socket login+logout under a subuid flood (20 uids x 40 connections)", flooded, alone, 3.0,
             "no flood, same daemon")
+
+
+def index_counts(port: int) -> dict[str, float]:
+    """The daemon's process index metrics (gpuguard_process_index_*) and its CPU seconds."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("gpuguard_process_index") or s.name == "process_cpu_seconds_total"}
+
+
+def logout_rows(bench: Bench) -> None:
+    """The release after logout on an idle host and with 10,000 root-owned processes; checked to have
+    gone through the process index (no /proc walk: gpuguard_process_index_fallback_walks_total)."""
+    port = free_port()
+    config = bench.write_config("logout", interval=f"{INTERVAL}s",
+                                extra=f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+    sock = str(configuration.load(config).paths.socket)
+    with bench.daemon(config), ExitStack() as stack:
+        caller = subprocess.Popen(["sleep", "3600"])
+        stack.callback(caller.kill)
+        quiet = tick_interval(port)
+        time.sleep(2 * RENDER_EVERY)
+        before = index_counts(port)
+        with flood(bench, bench.outsider, "forks", 2):
+            started = time.monotonic()
+            flooded = tick_interval(port)
+            time.sleep(2 * RENDER_EVERY)
+            after = index_counts(port)
+            took = time.monotonic() - started
+        events = after["gpuguard_process_index_events_total"] - before["gpuguard_process_index_events_total"]
+        cpu = after["process_cpu_seconds_total"] - before["process_cpu_seconds_total"]
+        print(f"bench: fork flood: {events / took:,.0f} process events/s applied, daemon CPU {cpu / took:.0%}, "
+              f"losses {after['gpuguard_process_index_losses_total']:.0f}", flush=True)
+        row("watcher tick interval under a fork flood (2 loops)", flooded, quiet, 2.0, "no flood, same daemon")
         user = bench.members[3]
         idle = host_processes()
         small = statistics.median(logout_release(sock, user, caller.pid) for _ in range(LOGOUTS))
         with busy_host(bench, 10_000, root=True) as reached:
+            time.sleep(2 * RENDER_EVERY)  # the page is rendered at most once a second
+            before = index_counts(port)
             large = statistics.median(logout_release(sock, user, caller.pid) for _ in range(LOGOUTS))
+            time.sleep(2 * RENDER_EVERY)
+            after = index_counts(port)
+        walks = after["gpuguard_process_index_fallback_walks_total"] - before["gpuguard_process_index_fallback_walks_total"]
+        print(f"bench: process index {after}", flush=True)
         row(f"logout: close to grant released, {reached:,} vs {idle} processes (root's)", large, small, 1.5,
-            f"the same at {idle}")
+            f"the same at {idle}", failed_checks=[f"{walks:.0f} scans walked /proc"] if walks else [])

@@ -37,7 +37,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "gate", "cluster", "web")
+SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "logout", "gate", "cluster", "web")
 
 
 def machine() -> str:
@@ -88,6 +88,9 @@ def main() -> int:
         if "floods" in sections:
             import flood_bench
             flood_bench.flood_rows(bench)  # its daemon holds the gate lock (start_daemon)
+        if "logout" in sections:
+            import flood_bench
+            flood_bench.logout_rows(bench)
         if "gate" in sections:
             import gate_bench
             with env.gate_lock():  # the baseline too: no other run's gate attached while timing

@@ -15,6 +15,8 @@ the runner starts it in a session of its own).
     release SOCKET LOOPS    LOOPS processes calling `release` in a loop; each refusal's reason
                             is counted, and the counts written to the file named by $FLOOD_COUNTS
                             (one line per reply) as they come
+    forks LOOPS             LOOPS processes forking children that exit at once, as fast as they
+                            can: a flood of the kernel's process events (fork, exit)
 """
 from __future__ import annotations
 
@@ -113,6 +115,17 @@ def release(path: str, loops: int) -> None:
     _forever(loops)
 
 
+def forks(loops: int) -> None:
+    for _ in range(loops):
+        if os.fork() == 0:
+            while True:
+                if os.fork() == 0:
+                    os._exit(0)
+                os.wait()
+    _ready()
+    _forever(loops)
+
+
 def main(argv: list[str]) -> int:
     kind, args = argv[0], argv[1:]
     if kind == "slowloris":
@@ -123,6 +136,8 @@ def main(argv: list[str]) -> int:
         fds(args[0], int(args[1]), int(args[2]))
     elif kind == "release":
         release(args[0], int(args[1]))
+    elif kind == "forks":
+        forks(int(args[0]))
     else:
         print(f"unknown flood {kind}", file=sys.stderr)
         return 2

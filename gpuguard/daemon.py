@@ -35,6 +35,7 @@ from gpuguard.backends import (
     notify,
     open_gate,
     open_gpu_backend,
+    proc_events,
     procfs,
     slurm,
     systemd,
@@ -95,19 +96,24 @@ class Daemon:
         first_layout = self.backend.layout()
         remote = RemoteNotifier(lambda: self.config.notify)  # webhook and e-mail, beside the terminals
         sampler = self.sampler = sampling.Sampler(self.backend)
+        # The users' pids for holder scans, from the kernel's process events; without it they walk /proc.
+        index = self.process_index = proc_events.ProcessIndex()
+        index.start()
         services = self.services = wiring.build(wiring.Edges(
             config=self.current_config, store_path=self.config.paths.state_dir / "state.db",
             sampler=sampler, connections=self.server.budget,
             units={gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
             driver_minors=present - self.ownership.foreign.keys(), nodes=AclNodes(self.config.paths.device_dir),
             lookup=AccountLookup(), terminals=notify.Notifier(remote=remote), exits=ExitWatch(),
-            find_holders=partial(sampling.node_holders, real_uids=procfs.RealUids()), processes=HostProcesses(),
+            find_holders=partial(sampling.node_holders, real_uids=procfs.RealUids(), pids_of=index.pids_of),
+            processes=HostProcesses(),
             gate=self.gate,
             topology=self.backend.topology(), caps_major=caps_major(self.config),
             reload=self.reload, sync_nodes=self.sync_nodes,
             foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership),
             held=held_devices.HeldDevices(held_devices.directory_for(self.config.paths.socket)),
-            notices=remote.counts, fleet_db=cluster.database(self.config)))
+            notices=remote.counts, fleet_db=cluster.database(self.config),
+            collectors=(proc_events.IndexCollector(index),)))
         self.store, self.grants = services.store, services.grants
         systemd.status("starting: attaching the gate and restoring grants")
         exempt = services.exempt.compute()
@@ -182,7 +188,8 @@ class Daemon:
 
     def close(self) -> None:
         self.services.close()
-        self.sampler.close()  # an edge: the daemon made it
+        self.process_index.close()  # edges: the daemon made them
+        self.sampler.close()
         for watcher in self.node_watchers:
             watcher.close()
         self.backend.close()

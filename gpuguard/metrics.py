@@ -316,7 +316,8 @@ class Metrics:
     def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
                  account_of: Callable[[int], tuple[str, Quota]],
                  notices: Callable[[], Mapping[tuple[str, str], int]] = dict,
-                 drained: Callable[[], Iterable[int]] = tuple, budget: admission.Budget | None = None) -> None:
+                 drained: Callable[[], Iterable[int]] = tuple, budget: admission.Budget | None = None,
+                 collectors: Iterable[Collector] = ()) -> None:
         self.settings = settings
         self.drained = drained  # the drained GPUs' minors (Grants.drained)
         self.notices = notices  # remote notices sent, failed and dropped (remote_notify), thread-safe
@@ -340,6 +341,9 @@ class Metrics:
         self._served = CollectorRegistry(auto_describe=True)
         self._served.register(SnapshotCollector(self))
         ProcessCollector(registry=self._served)  # the daemon's own memory, CPU and descriptors
+        for collector in collectors:  # the services' own (e.g. the process index's), read as they are
+            self.registry.register(collector)
+            self._served.register(collector)
         self._page: tuple[float, bytes] = (-RENDER_EVERY, b"")  # (time.monotonic() rendered, the page)
 
     @property

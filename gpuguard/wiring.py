@@ -14,6 +14,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client.registry import Collector
+
 from gpuguard import cluster, drains, state_files
 from gpuguard.admission import Budget
 from gpuguard.allocator import Topology
@@ -84,6 +86,8 @@ class Edges:
     notices: Callable[[], Mapping[tuple[str, str], int]] = dict
     # the connection budget the metrics endpoint shares with the socket (server.Server's); None: one of its own
     connections: Budget | None = None
+    # the edges' own metrics (the process index's), served beside the services'
+    collectors: Sequence[Collector] = ()
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ def build(edges: Edges) -> Services:
               foreign=edges.foreign, reload_effects=reload_effects, state_dir=state_dir,
               elsewhere=fleet.cluster.elsewhere if fleet else None)
     metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of,
-                      notices=edges.notices, drained=lambda: grants.drained, budget=edges.connections)
+                      notices=edges.notices, drained=lambda: grants.drained, budget=edges.connections,
+                      collectors=edges.collectors)
     return Services(store, grants, exempt, accounts, usage, scans, holders, queue, releases, logout, reload_effects,
                     watcher, api, metrics, fleet, edges)

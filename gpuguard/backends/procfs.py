@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -169,7 +169,8 @@ class RealUids:
 
 def holders_of(devices: Collection[tuple[int, int]],
                owners: Collection[int] | None = None,
-               real_uids: RealUids | None = None) -> dict[tuple[int, int], list[int]]:
+               real_uids: RealUids | None = None,
+               candidates: Iterable[int] | None = None) -> dict[tuple[int, int], list[int]]:
     """holders() for several character devices in one pass over /proc: each device's pids.
 
     Each process's descriptors and mappings are read once whatever the number of devices.
@@ -183,22 +184,29 @@ def holders_of(devices: Collection[tuple[int, int]],
     and fuser walk /proc the same way; /proc/<pid>/fdinfo names the inode, not the device),
     so this walk is the cheapest answer outside the kernel (README "Performance"). real_uids:
     remembered real uids of root-owned entries (RealUids), so that a root process seen before
-    costs the lstat only.
+    costs the lstat only. candidates: the owners' pids as an index knows them (proc_events): then
+    only these are read, no walk at all, and the cost follows the owners' processes alone.
     """
     wanted = {os.makedev(*dev): dev for dev in devices}
     found: dict[tuple[int, int], list[int]] = {dev: [] for dev in wanted.values()}
     if not wanted or (owners is not None and not owners):
         return found
     mapped: dict[tuple[str, str], int | None] = {}  # (fs dev, inode) -> st_rdev, shared across pids
+    for pid in _walk(owners, real_uids) if candidates is None else candidates:
+        proc = PROC / str(pid)
+        for rdev in (_open_devices(proc) | _mapped_devices(proc, mapped)) & wanted.keys():
+            found[wanted[rdev]].append(pid)
+    return {dev: sorted(pids) for dev, pids in found.items()}
+
+
+def _walk(owners: Collection[int] | None, real_uids: RealUids | None) -> Iterator[int]:
+    """The pids in /proc that may belong to `owners` (None: every pid)."""
     with os.scandir(PROC) as entries:
         for entry in entries:
             if entry.name.isdigit() and (owners is None or _may_belong(entry, owners, real_uids)):
-                proc = Path(entry.path)
-                for rdev in (_open_devices(proc) | _mapped_devices(proc, mapped)) & wanted.keys():
-                    found[wanted[rdev]].append(int(entry.name))
+                yield int(entry.name)
     if real_uids is not None and owners is not None:
         real_uids.walked()
-    return {dev: sorted(pids) for dev, pids in found.items()}
 
 
 def _may_belong(entry: os.DirEntry, owners: Collection[int], real_uids: RealUids | None) -> bool:
