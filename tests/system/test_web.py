@@ -94,6 +94,7 @@ def test_login_me_page_refusal_and_hostile_strings(start_daemon, web, browser):
     opened = daemon.call("session_open", user=alice.name, service="ggt-test", rhost=hostile_host,
                          tty=hostile_tty, pid=caller.pid, grant="always")
     (minor,) = opened["gpus"]
+    assert daemon.open_session(bob)["gpus"] != [minor]  # bob's grant starts later: less usage than alice's
     site = web.start(daemon)
 
     # A wrong password is refused, and the name typed is shown back as text.
@@ -113,6 +114,18 @@ def test_login_me_page_refusal_and_hostile_strings(start_daemon, web, browser):
     assert browser.find_element(By.CSS_SELECTOR, "td.tty").text == hostile_tty
     assert not browser.find_elements(By.ID, "ggt-bold")
     assert browser.execute_script("return window.ggtPwned") is None
+
+    # Her fair-share standing, as the daemon's own `fairshare` counts it: both hold a GPU, with
+    # one share each; hers started first, so she has used more and is served after bob.
+    standing = browser.find_element(By.CSS_SELECTOR, "section.fairshare")
+    users = daemon.call("fairshare")["users"]  # asked after the page: her usage has only grown since
+    assert [u["user"] for u in users] == [bob.name, alice.name]
+    assert standing.find_element(By.CSS_SELECTOR, ".rank").text == "2nd of 2"
+    hours = float(standing.find_element(By.CSS_SELECTOR, ".hours").text)
+    (own,) = [u for u in users if u["user"] == alice.name]
+    assert 0 <= hours <= own["usage"] / 3600 + 0.005  # her usage since, rounded to the page's 2 decimals
+    assert standing.find_element(By.CSS_SELECTOR, ".share").text == "1"
+    assert "a lower rank is served first" in standing.text and bob.name not in standing.text
 
     browser.get(f"{site.url}/users/{bob.name}")
     assert browser.find_element(By.TAG_NAME, "h1").text == "Refused"
