@@ -29,7 +29,10 @@ _LEGEND = "NV = NVLink, PIX = same PCIe switch, NODE = same NUMA node, SYS = acr
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("gpus", help="list GPUs, their use and topology")
+    parser = subparsers.add_parser("gpus", help="list GPUs, their use and topology",
+                                   description="Every GPU (and MIG slice): its minor and NVML index, model, memory, "
+                                               "who holds it and how it is linked to the others. "
+                                               "Examples: gpuguard gpus; gpuguard gpus --json")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(func=show_gpus)
 
