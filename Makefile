@@ -19,7 +19,7 @@ BUILD_PACKAGES = python3-venv gcc make libpam0g-dev dpkg-dev debhelper dh-python
 # reads `modprobe -c` (kmod) and finds the man pages with man-db; the cluster tests run a private PostgreSQL.
 TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd libpam-runtime systemd \
 	python3-aiohttp python3-pampy python3-prometheus-client python3-psutil python3-pyroute2 python3-shtab python3-tomlkit \
-	kmod man-db chromium chromium-driver \
+	kmod man-db chromium chromium-driver uidmap \
 	postgresql
 TEST_PACKAGES += fish  # the fish completion script is loaded by fish itself in the tests
 

@@ -106,16 +106,16 @@ def host_processes() -> int:
 
 
 @contextmanager
-def busy_host(bench: Bench, total: int) -> Iterator[int]:
+def busy_host(bench: Bench, total: int, root: bool = False) -> Iterator[int]:
     """At least `total` processes on the host for the block (sleeping forks, owned by a user with
-    no GPUs, like other people's work on a shared server). Yields the count reached."""
+    no GPUs, like other people's work on a shared server; root: owned by root, like kernel threads
+    and root's container processes). Yields the count reached."""
     missing = total - host_processes()
     if missing <= 0:
         yield host_processes()
         return
-    uid = bench.uid(bench.outsider)
-    sleepers = subprocess.Popen([str(bench.helpers["sleepers"]), str(missing)], user=uid,
-                                group=grp.getgrnam(bench.outsider).gr_gid, stdin=subprocess.PIPE,
+    owner = {} if root else {"user": bench.uid(bench.outsider), "group": grp.getgrnam(bench.outsider).gr_gid}
+    sleepers = subprocess.Popen([str(bench.helpers["sleepers"]), str(missing)], **owner, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, cwd="/")
     try:
         if sleepers.stdout.readline().strip() != "ready":

@@ -12,6 +12,9 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
 - watcher_bench.py: the daemon's CPU per tick at 500 and 5,000 processes, its own part of a
   tick, the metrics snapshot per tick, kill latency;
 - gate_bench.py: open(2) with and without the gate (bench/openloop.c);
+- cli_bench.py: `gpuguard whoami` and `status` start-up against an empty `python3 -I -S`;
+- flood_bench.py: the tick and logins under release, metrics-slowloris and subuid floods, and a
+  logout's release among 10,000 root-owned processes, each against the same daemon without;
 - cluster_bench.py: several servers on one PostgreSQL: logins with the database up and down,
   status --cluster, heartbeat load for 50 to 2,000 nodes.
 - web_bench.py: the web view's grid for 50 servers x 8 GPUs against a static file of its size.
@@ -34,7 +37,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "pam", "watcher", "gate", "cluster", "web")
+SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "logout", "gate", "cluster", "web")
 
 
 def machine() -> str:
@@ -71,7 +74,10 @@ def main() -> int:
         if "micro" in sections:
             import micro
             micro.run(bench)
-        stack.enter_context(bpffs_restored())  # from here on gates are attached, each under the gate lock
+        stack.enter_context(bpffs_restored())
+        if "cli" in sections:
+            import cli_bench
+            cli_bench.cli_rows(bench)  # from here on gates are attached, each under the gate lock
         if "pam" in sections:
             run_pam(bench)
         if "watcher" in sections:
@@ -79,6 +85,12 @@ def main() -> int:
             watcher_bench.watcher_rows(bench)  # its daemon holds the gate lock (start_daemon)
             with env.gate_lock():  # a Daemon in this process, not start_daemon: its gate needs the lock
                 watcher_bench.own_tick_rows(bench)
+        if "floods" in sections:
+            import flood_bench
+            flood_bench.flood_rows(bench)  # its daemon holds the gate lock (start_daemon)
+        if "logout" in sections:
+            import flood_bench
+            flood_bench.logout_rows(bench)
         if "gate" in sections:
             import gate_bench
             with env.gate_lock():  # the baseline too: no other run's gate attached while timing

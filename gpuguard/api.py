@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gpuguard import allocator, drains, policy, protocol, reporting, state_files
+from gpuguard import admission, allocator, drains, inventory, policy, protocol, reporting, state_files
 from gpuguard import config as configuration
 from gpuguard.backends import accounts
 from gpuguard.config import Config
@@ -101,7 +104,10 @@ class Api:
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
         # `request` reply (a grant may come before the client's `wait` call arrives).
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
-        self._served: dict[int, tuple[int, ...]] = {}
+        self._served: dict[int, tuple[int, tuple[int, ...]]] = {}  # ticket -> (its uid, the GPUs)
+        self._releases = admission.RateLimit()  # each release scans /proc: per uid, a few at once
+        # each request writes the store (a grant, or a queue place that a hang-up takes back and logs)
+        self._requests = admission.RateLimit()
         queue.listeners.append(self._queue_served)
         # A fleet's (gpuguard.cluster): for a login that queues, where GPUs are free for the user now.
         self.elsewhere: Elsewhere = elsewhere or (lambda user, quota: "")
@@ -266,6 +272,16 @@ class Api:
         users.sort(key=lambda u: (-u["priority"], u["normalized"], u["user"]))
         return protocol.ok(users=users, half_life=config.scheduler.half_life, now=now)
 
+    async def gpus(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """`gpuguard gpus` for anyone: from what the daemon read already (no NVML call of its own)."""
+        sample, grants = self.sampler.last, self.grants
+        found = inventory.view(
+            grants.physical.values(), [unit for unit in grants.gpus.values() if unit.slice is not None],
+            sample.layout.unread if sample and sample.layout else (), grants.topology,
+            Counter(p.minor for p in sample.processes) if sample else Counter(), sample.use if sample else None)
+        found["gpus"] = sorted([*found["gpus"], *inventory.foreign(self.foreign)], key=lambda gpu: gpu["minor"])
+        return protocol.ok(**found)
+
     # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
 
     async def report(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
@@ -314,6 +330,8 @@ class Api:
 
     async def request(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         store, config = self.store, self.config()
+        if wait := self._requests.allow(peer.uid, time.monotonic()):
+            raise Refusal(f"too many requests at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
         eligible = self._eligibility(account)
         if eligible == policy.Eligibility.EXEMPT:
@@ -355,7 +373,7 @@ class Api:
                 self.queue.leave([queued.waiter.id])
                 raise Refusal("no GPU is free right now; gpuguard request --wait queues for one "
                               "(gpuguard status shows who holds them and who waits)")
-            granted += self._served.pop(queued.waiter.id, ())
+            granted += self._served.pop(queued.waiter.id, (account.uid, ()))[1]
         held = store.grants(account.uid)
         if not held:
             raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
@@ -368,10 +386,10 @@ class Api:
         ticket = _field(request, "ticket", int)
         timeout = request.get("limit")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout < 0):
+                                    or not 0 <= timeout < math.inf):  # NaN fails both
             raise Refusal(f"field 'limit': expected seconds >= 0, got {timeout!r}", 2)
-        if ticket in self._served:
-            return self._served_reply(peer.uid, self._served.pop(ticket))
+        if self._served.get(ticket, (None,))[0] == peer.uid:  # another user's ticket is not theirs to take
+            return self._served_reply(peer.uid, self._served.pop(ticket)[1])
         if not any(q.waiter.id == ticket for q in self.store.queue(peer.uid)):
             raise Refusal(f"request {ticket} is not in the queue (left it, or not yours)")
         future = self._waiting.setdefault(ticket, asyncio.get_running_loop().create_future())
@@ -403,7 +421,7 @@ class Api:
     def _queue_served(self, queued: Queued, minors: tuple[int, ...]) -> None:
         """Queue listener: wake the blocked client, and tell the user on their terminals."""
         waiter = queued.waiter
-        self._served[waiter.id] = minors
+        self._served[waiter.id] = (waiter.uid, minors)
         if len(self._served) > 1000:  # tickets nobody came back for: forget the oldest
             self._served.pop(next(iter(self._served)))
         future = self._waiting.get(waiter.id)
@@ -420,6 +438,8 @@ class Api:
         with the pids, so no job loses its GPU by surprise. Without --gpu the idle ones go and the
         busy ones stay (refused only when all are busy), and a place in the queue is left too."""
         store = self.store
+        if wait := self._releases.allow(peer.uid, time.monotonic()):
+            raise Refusal(f"too many releases at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
         held = {g.minor for g in store.grants(account.uid)}
         minors = self._minors(request)
@@ -432,7 +452,7 @@ class Api:
         if minors is not None and set(minors) - held:
             raise Refusal(f"you do not hold GPU {unit_list(set(minors) - held)} (you hold {unit_list(held)})")
         targets = set(minors) if minors is not None else held
-        scan = _readable(await self.holders.scan(account.uid, targets))
+        scan = _readable(await self.holders.scan(account.uid, targets, for_user=True))
         busy = scan.listed | scan.unlisted
         in_use = f"still in use by your process{'es' if len({p for p, _ in busy}) > 1 else ''} " \
                  f"{number_list({pid for pid, _ in busy})}"
@@ -553,9 +573,15 @@ class Api:
             wait = format_duration(round(self.config().watcher.kill_wait))
             note += (f"; process {number_list(ending.termed)} held the node open (no CUDA context): sent SIGTERM, "
                      f"SIGKILL in {wait} if it still holds it")
+        if ended := [o.pid for o in ending.others if o.ended]:
+            note += f"; process {number_list(ended)} of other users (not members) held it too: sent SIGTERM"
+        if reported := [o.pid for o in ending.others if not o.ended]:
+            note += f"; process {number_list(reported)} of other members hold it too (passed on): reported"
         holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
+                           other_holders=[{"pid": o.pid, "uid": o.uid, "minors": sorted(o.minors), "ended": o.ended}
+                                          for o in ending.others],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
 
     async def hold(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:

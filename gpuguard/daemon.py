@@ -6,8 +6,9 @@ them -> the MIG layout followed -> reconcile the gate map and node ACLs from the
 watch the device directory -> serve the socket -> READY=1. Under systemd it also says what it
 is doing (STATUS=) and pings the watchdog (WATCHDOG=1, WatchdogSec= in etc/gpuguard.service)
 from the event loop, so a loop that hangs gets the daemon restarted. One asyncio loop in the main thread
-runs the server and a periodic tick; the store is touched only from that thread, and blocking
-NVML and /proc work runs in worker threads (asyncio.to_thread). Decisions that read state and
+runs the server, the metrics endpoint and a periodic tick; the store is touched only from that
+thread, and blocking NVML and /proc work runs in threads of its own (sampling.Sampler, scans.Scans).
+Decisions that read state and
 then change it never await in between, so concurrent requests cannot interleave inside one.
 
 SIGHUP reloads the config (a broken one is logged and the old one stays); SIGTERM stops
@@ -21,6 +22,7 @@ import resource
 import signal
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from gpuguard import cluster, coexist, held_devices, sampling, wiring
@@ -33,6 +35,8 @@ from gpuguard.backends import (
     notify,
     open_gate,
     open_gpu_backend,
+    proc_events,
+    procfs,
     slurm,
     systemd,
 )
@@ -91,19 +95,26 @@ class Daemon:
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         first_layout = self.backend.layout()
         remote = RemoteNotifier(lambda: self.config.notify)  # webhook and e-mail, beside the terminals
+        sampler = self.sampler = sampling.Sampler(self.backend)
+        # The users' pids for holder scans, from the kernel's process events; without it they walk /proc.
+        index = self.process_index = proc_events.ProcessIndex()
+        index.start()
         services = self.services = wiring.build(wiring.Edges(
             config=self.current_config, store_path=self.config.paths.state_dir / "state.db",
-            sampler=sampling.Sampler(self.backend),
+            sampler=sampler, connections=self.server.budget,
             units={gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
             driver_minors=present - self.ownership.foreign.keys(), nodes=AclNodes(self.config.paths.device_dir),
             lookup=AccountLookup(), terminals=notify.Notifier(remote=remote), exits=ExitWatch(),
-            find_holders=sampling.node_holders, processes=HostProcesses(), gate=self.gate,
+            find_holders=partial(sampling.node_holders, real_uids=procfs.RealUids(), pids_of=index.pids_of),
+            processes=HostProcesses(),
+            gate=self.gate,
             topology=self.backend.topology(), caps_major=caps_major(self.config),
             reload=self.reload, sync_nodes=self.sync_nodes,
             foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership),
             held=held_devices.HeldDevices(held_devices.directory_for(self.config.paths.socket)),
-            notices=remote.counts, fleet_db=cluster.database(self.config)))
-        self.store, self.grants, self.sampler = services.store, services.grants, services.edges.sampler
+            notices=remote.counts, fleet_db=cluster.database(self.config),
+            collectors=(proc_events.IndexCollector(index),)))
+        self.store, self.grants = services.store, services.grants
         systemd.status("starting: attaching the gate and restoring grants")
         exempt = services.exempt.compute()
         if self.gate:
@@ -121,7 +132,7 @@ class Daemon:
         caps_dir = self.config.paths.device_dir / "nvidia-caps"
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
             self.node_watchers.append(NodeWatcher(caps_dir, self._node_changed, pattern="nvidia-cap*", uevents=False))
-        self.services.metrics.start()  # its own thread; a scrape reads the snapshot each tick publishes
+        self.services.metrics.start()  # bound now; served on the loop, a scrape reads the snapshot each tick publishes
 
     def _end_foreign_grants(self) -> None:
         """Grants made before their GPU became Slurm's or Kubernetes' end: the gate leaves its node alone now."""
@@ -148,6 +159,7 @@ class Daemon:
         for watcher in self.node_watchers:
             loop.add_reader(watcher.fileno(), watcher.process)
         await self.server.start()
+        await self.services.metrics.serve()
         ticker = asyncio.create_task(self._ticker())
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
@@ -176,6 +188,8 @@ class Daemon:
 
     def close(self) -> None:
         self.services.close()
+        self.process_index.close()  # edges: the daemon made them
+        self.sampler.close()
         for watcher in self.node_watchers:
             watcher.close()
         self.backend.close()

@@ -97,10 +97,11 @@ class ExitWatch(Protocol):
 
 
 class HolderSearch(Protocol):
-    """Processes of these users holding these units' nodes (sampling.node_holders: a /proc scan,
-    blocking, run in a worker thread). devices_of: the nodes whose holders use a unit."""
+    """Processes of these users (None: anyone's, a walk of all of /proc) holding these units' nodes
+    (sampling.node_holders: a /proc scan, blocking, run in scans.Scans' pools). devices_of: the
+    nodes whose holders use a unit."""
 
-    def __call__(self, units: Iterable[int], uids: Collection[int],
+    def __call__(self, units: Iterable[int], uids: Collection[int] | None,
                  devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]: ...
 
 

@@ -13,7 +13,14 @@ user's processes that /proc shows holding that node:
   counts as one of these: the GPU was taken away, so access fails closed.
 
 Each signal is re-checked against the process's identity (backends.signals, which also refuses
-root and exempt processes), logged, and stored as an event of the user (`gpuguard whoami`).
+root and exempt processes), logged, and stored as an event of the user (`gpuguard whoami`). A
+holder running as root (a setuid program that inherited the descriptor) is not signalled: that
+too goes to the user's events, so they know what still holds their GPU.
+
+A descriptor can be passed to any other process (SCM_RIGHTS over a unix socket), so after a GPU
+is taken (not at logout, whose cost must follow the user) the holders of every uid are looked
+for as well: a non-member's are ended the same way, a member's are reported (the log and the
+user's events), and either is listed in a revoke's reply.
 """
 from __future__ import annotations
 
@@ -21,25 +28,23 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from gpuguard import sampling
 from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.backends.signals import Outcome
 from gpuguard.edges import Clock, GpuSampler, Processes
 from gpuguard.exempt import Exempt
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
 from gpuguard.model import Event, Rule
 from gpuguard.rules import Kind
-from gpuguard.sampling import Holder
+from gpuguard.scans import Scans
 from gpuguard.store import Store
 from gpuguard.units import format_duration
 
-# (minors, uids) -> those users' processes holding these GPUs' nodes; blocking (a /proc scan of
-# only their processes, procfs.holders_of): runs in a worker thread
-FindHolders = Callable[[Collection[int], Collection[int]], list[Holder]]
 Pair = tuple[int, int]  # (pid, minor)
 
 
@@ -54,17 +59,34 @@ class Scan:
 
 
 @dataclass(frozen=True)
+class Other:
+    """A holder of another uid than the grantee's (a descriptor passed on)."""
+
+    pid: int
+    uid: int
+    minors: frozenset[int]
+    ended: bool  # sent SIGTERM (a non-member's); False: reported (a member's, or NSS could not say)
+
+
+@dataclass(frozen=True)
 class Ending:
     """What end() did at once; SIGKILL and the unkillable report follow in the background."""
 
     scan: Scan
     termed: tuple[int, ...]  # pids sent SIGTERM
+    others: tuple[Other, ...] = ()
+
+
+# uid -> whether it is a member (True), not one (False), or NSS could not say (None)
+IsMember = Callable[[int], Awaitable[bool | None]]
 
 
 class HolderEnder:
-    def __init__(self, find_holders: FindHolders, sampler: GpuSampler, exempt: Exempt, store: Store,
-                 kill_wait: Callable[[], float], processes: Processes, clock: Clock = time.time):
-        self.find_holders = find_holders
+    def __init__(self, scans: Scans, sampler: GpuSampler, exempt: Exempt, store: Store,
+                 kill_wait: Callable[[], float], processes: Processes, clock: Clock = time.time,
+                 is_member: IsMember | None = None):
+        self.scans = scans
+        self.is_member = is_member  # None: holders of other uids are not looked for
         self.sampler = sampler
         self.exempt = exempt
         self.store = store
@@ -73,11 +95,13 @@ class HolderEnder:
         self.clock = clock
         self._tasks: set[asyncio.Task] = set()
 
-    async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE) -> Scan:
+    async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE,
+                   for_user: bool = False) -> Scan:
         """uid's processes holding these GPUs' nodes (only that user's processes are read). /proc is
-        scanned first: a process NVML does not list in the later sample had no context when it was found."""
+        scanned first: a process NVML does not list in the later sample had no context when it was found.
+        for_user: a request of uid's asks (scans.Scans.for_user: bounded, one per uid at a time)."""
         minors = frozenset(minors)
-        found = await asyncio.to_thread(self.find_holders, minors, {uid})
+        found = await (self.scans.for_user(uid, minors) if for_user else self.scans.for_daemon(minors, {uid}))
         holding = frozenset((h.pid, h.minor) for h in found if h.uid == uid)
         if not holding:
             # A CUDA process holds its node open too: none in /proc, none for NVML to list. No
@@ -98,7 +122,8 @@ class HolderEnder:
     async def end(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> Ending:
         """SIGTERM uid's processes holding these GPUs' nodes that NVML does not list, and see
         them through to SIGKILL in the background. `why` is the rule that took the GPUs."""
-        scan = await self.scan(uid, set(minors), max_age=0)  # fresh: a context made a moment ago is the watcher's
+        # fresh: a context made a moment ago is the watcher's; after a user's own release, in the users' pool
+        scan = await self.scan(uid, set(minors), max_age=0, for_user=why == Rule.USER)
         holding: dict[int, set[int]] = {}
         for pid, minor in scan.unlisted:
             holding.setdefault(pid, set()).add(minor)
@@ -107,55 +132,95 @@ class HolderEnder:
             identity = self.processes.identity(pid)
             if identity is None or identity.uid != uid:
                 continue  # exited since the scan
-            if self._signal(identity, held, user, signal.SIGTERM, why):
+            if self._signal(identity, held, user, signal.SIGTERM, why, uid):
                 termed[identity] = held
+        others = await self._others(uid, user, frozenset(minors), why, termed) if why != Rule.LOGOUT else ()
         if termed:
-            self._spawn(self._escalate(user, termed, why))
-        return Ending(scan, tuple(identity.pid for identity in termed))
+            self._spawn(self._escalate(user, termed, why, uid))
+        return Ending(scan, tuple(identity.pid for identity in termed if identity.uid == uid), others)
 
-    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: Rule) -> None:
+    async def _others(self, uid: int, user: str, minors: frozenset[int], why: Rule,
+                      termed: dict[ProcessIdentity, set[int]]) -> tuple[Other, ...]:
+        """Holders of other uids (root and exempt users pass the gate anyway): a non-member's get
+        SIGTERM (added to `termed`), a member's are reported."""
+        if self.is_member is None or not minors:
+            return ()
+        holding: dict[ProcessIdentity, set[int]] = {}
+        # every process: a walk of all of /proc; after a user's own release, in the users' pool (one
+        # per user at a time), so that releases cannot queue host-sized walks ahead of the tick's scans
+        walk = (self.scans.for_user(uid, minors, everyone=True) if why == Rule.USER
+                else self.scans.for_daemon(minors, None))
+        for holder in await walk:
+            if holder.uid in (uid, 0) or holder.uid in self.exempt.uids:
+                continue
+            identity = self.processes.identity(holder.pid)
+            if identity is not None and identity.uid == holder.uid:
+                holding.setdefault(identity, set()).add(holder.minor)
+        others = []
+        for identity, held in sorted(holding.items()):
+            member = await self.is_member(identity.uid)
+            if member is False and self._signal(identity, held, user, signal.SIGTERM, why, uid):
+                termed[identity] = held
+                others.append(Other(identity.pid, identity.uid, frozenset(held), True))
+            elif member is not False:
+                self._record(identity, held, user, Kind.REPORT, why, {"holder_uid": identity.uid},
+                             f"of uid {identity.uid} holds GPU {unit_list(held)}, which was yours ({why}): a "
+                             f"descriptor passed on; it {'belongs to a member' if member else 'could not be looked up'}"
+                             " and is reported, not ended", uid)
+                others.append(Other(identity.pid, identity.uid, frozenset(held), False))
+        return tuple(others)
+
+    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: Rule, uid: int) -> None:
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
-            self._signal(identity, termed[identity], user, signal.SIGKILL, why)
+            self._signal(identity, termed[identity], user, signal.SIGKILL, why, uid)
         await asyncio.sleep(self.kill_wait())
         for identity in await self._still_holding(termed):
             self._record(identity, termed[identity], user, Kind.UNKILLABLE, why, {
                 "state": self.processes.state(identity) or "unknown"},
-                "survives SIGKILL (stuck in the kernel); an administrator must look at it")
+                "survives SIGKILL (stuck in the kernel); an administrator must look at it", uid)
 
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
         """Those of `termed` that are the same process as before and still hold one of their nodes."""
-        found = await asyncio.to_thread(self.find_holders, set().union(*termed.values()),
-                                        {identity.uid for identity in termed})
+        found = await self.scans.for_daemon(set().union(*termed.values()), {identity.uid for identity in termed})
         holding = {(h.pid, h.minor) for h in found}
         return [identity for identity, minors in termed.items()
                 if any((identity.pid, m) in holding for m in minors)
                 and self.processes.identity(identity.pid) == identity]
 
     def _signal(self, identity: ProcessIdentity, minors: set[int], user: str, sig: signal.Signals,
-                why: Rule) -> bool:
+                why: Rule, uid: int) -> bool:
+        """Signal a holder; its events go to uid (the user whose GPU it was), named `user`."""
         result = self.processes.send(identity, sig, self.exempt.uids)
         if not result.sent:
             event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
                   outcome=result.outcome.value, detail=result.detail or None)
+            if result.outcome is Outcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
+                self._record(identity, minors, user, Kind.REPORT, why, {"euid": 0},
+                             f"runs as root and holds GPU {unit_list(minors)}, which is no longer yours ({why}); "
+                             "gpuguard does not signal root's processes: end it yourself, or ask your admin", uid)
             return False
         wait = format_duration(round(self.kill_wait()))
         what = (f"stopping it with SIGTERM; it will be killed if it still holds the GPU in {wait}"
                 if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
+        held = (f"holds GPU {unit_list(minors)}, which is no longer yours" if identity.uid == uid else
+                f"of uid {identity.uid} holds GPU {unit_list(minors)}, which was yours (a descriptor passed on)")
         action = Kind.TERM if sig == signal.SIGTERM else Kind.KILL
         self._record(identity, minors, user, action, why, {"signal": sig.name, "kill_wait": self.kill_wait()},
-                     f"holds GPU {unit_list(minors)}, which is no longer yours ({why}); {what}")
+                     f"{held} ({why}); {what}", uid)
         return True
 
     def _record(self, identity: ProcessIdentity, minors: set[int], user: str, action: Kind, why: Rule,
-                numbers: dict[str, Any], what: str) -> None:
+                numbers: dict[str, Any], what: str, uid: int) -> None:
+        """Log, and store as an event of uid (named `user`): the holder's own, or the grantee's."""
         command = self.processes.command(identity.pid)
         event(logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}", rule=why,
               user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(minors),
               **numbers)
-        message = f"gpuguard: your process {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
+        whose = "your process" if identity.uid == uid else "process"
+        message = f"gpuguard: {whose} {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         for minor in sorted(minors):
-            self.store.add_event(Event(self.clock(), identity.uid, user, action.event, message, minor=minor,
+            self.store.add_event(Event(self.clock(), uid, user, action.event, message, minor=minor,
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 

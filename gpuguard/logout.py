@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from gpuguard import rules
 from gpuguard.edges import Cancel, Clock, ExitWatch, Processes
-from gpuguard.holders import FindHolders
 from gpuguard.logs import event
 from gpuguard.model import EventKind, Grant, Origin, Rule
 from gpuguard.release import Releases
 from gpuguard.sampling import Sample
+from gpuguard.scans import Scans
 from gpuguard.store import Store
 
 RECHECK_HELD = 60.0  # seconds between looks in /proc for a kept grant whose holders all still run
@@ -38,11 +38,11 @@ class _Kept:
 
 
 class LogoutRelease:
-    def __init__(self, store: Store, releases: Releases, find_holders: FindHolders, exits: ExitWatch,
+    def __init__(self, store: Store, releases: Releases, scans: Scans, exits: ExitWatch,
                  processes: Processes, clock: Clock = time.time):
         self.store = store
         self.releases = releases
-        self.find_holders = find_holders
+        self.scans = scans
         self.exits = exits
         self.processes = processes
         self.clock = clock
@@ -113,7 +113,7 @@ class LogoutRelease:
         if not to_check:
             return []
         # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
-        holders = await asyncio.to_thread(self.find_holders, set().union(*to_check.values()), set(to_check))
+        holders = await self.scans.for_daemon(set().union(*to_check.values()), set(to_check))
         now = self.clock() if now is None else now
         released: list[Grant] = []
         # Re-checked after the await: a login or a grant may have come in meanwhile.

@@ -112,3 +112,15 @@ def exempt_uids(asked: tuple[AccessConfig, Collection[int]]) -> frozenset[int]:
         if policy.is_exempt(uid, account.name, account.groups, access):
             uids.add(uid)
     return frozenset(uids)
+
+
+async def membership(lookup: Lookup, access: AccessConfig, uid: int) -> bool | None:
+    """Whether uid is in the GPU group now; None when NSS cannot say (holders.HolderEnder then
+    reports a holder of that uid, never ends it)."""
+    try:
+        account = await lookup.by_uid(uid)
+    except (accounts.NssFailure, LookupTimeout):
+        return None
+    except accounts.UnknownUser:  # no account: a user namespace's uid, or deleted
+        return False
+    return policy.is_member(account.groups, access)

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
-from gpuguard import rules
-from gpuguard.model import Gpu, is_slice, slice_place, unit_label
-from gpuguard.rules import Action
+from gpuguard.unit_numbers import is_slice, slice_place, unit_label
 from gpuguard.units import format_duration, format_size
+
+TYPE_CHECKING = False  # not typing's: the users' commands import this module, and start fast
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpuguard.model import Gpu
+    from gpuguard.rules import Action
 
 WHOAMI_HINT = " - run gpuguard whoami for details"
 
@@ -131,6 +135,8 @@ HINT = "see gpuguard whoami"
 def action_message(action: Action, command: str = "") -> str:
     """What the watcher tells the user about an action (rules.decide), on their terminals and in
     `gpuguard whoami`: one line that says what happened, why, and what to do."""
+    from gpuguard import rules  # the daemon's, loaded already there; the users' commands never need it
+
     n = action.numbers
     gpu = f"GPU {unit_label(action.minor)}"
     proc = action.proc

@@ -1,10 +1,15 @@
 """Prometheus metrics, the node_exporter textfile and dcgm-exporter's job mapping.
 
 The event loop publishes after each tick: it reads the store, the last sample and the gate,
-builds one frozen Snapshot and replaces the reference (`Metrics.snapshot`). A scrape, in
-prometheus-client's HTTP server thread, reads only that snapshot: it never touches the store
-(SQLite is the loop's alone), NVML or the gate, and never waits for the loop. The files are
-written from a worker thread, each atomically (a temporary file renamed over the old one).
+builds one frozen Snapshot and replaces the reference (`Metrics.snapshot`). A scrape reads only
+that snapshot: it never touches the store, NVML or the gate. The endpoint is aiohttp's HTTP
+server on the daemon's event loop (no thread per connection, which let two clients holding
+800 idle connections each take every descriptor and 1,487 threads): every connection counts in
+the daemon's connection budget (admission.py, at most METRICS at once, never the descriptors
+root's logins need) and lives at most CONNECTION_LIFETIME, so a slowloris holds a slot for
+seconds, not for ever. The page is rendered at most once a second (scrapes in a loop cost the
+loop nothing more). The files are written from a worker thread, each atomically (a temporary
+file renamed over the old one).
 
 Counters count from the daemon's start, as Prometheus expects (rate() handles restarts); the
 watcher's actions are read from the events the store records, newer than the last id seen.
@@ -14,19 +19,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server, write_to_textfile
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuguard import admission
 from gpuguard.config import MetricsConfig
-from gpuguard.logs import event
+from gpuguard.logs import Throttle, event
 from gpuguard.model import EventKind, Gpu, GpuUse, Grant, Origin, Quota, Rule, unit_label, unit_parent
 from gpuguard.rules import Kind
 from gpuguard.sampling import Sample
@@ -49,6 +57,11 @@ EVENT_COUNTERS: dict[EventKind, tuple[str, str, str, tuple[str, ...]]] = {
     EventKind.GRANT: ("gpuguard_grants_given", "GPU grants made, by origin", "origin", tuple(Origin)),
 }
 SIGNALS = (Kind.TERM.signal, Kind.KILL.signal)  # the signal label of a kill event, from its action
+CONNECTION_LIFETIME = 10.0  # seconds: a scrape takes milliseconds (Prometheus's own timeout is 10 s)
+KEEPALIVE = 5.0             # seconds an idle connection is kept between requests (and before the first)
+RENDER_EVERY = 1.0          # seconds a rendered page is served again
+EVICT_AFTER = 1.0           # seconds a connection has lasted before a new one may take its place
+LISTEN_BACKLOG = 128
 
 
 @dataclass(frozen=True)
@@ -258,13 +271,53 @@ def write_job_mapping(directory: Path, files: Mapping[str, str]) -> None:
             entry.unlink(missing_ok=True)  # the GPU was released
 
 
+class _Endpoint(web.Server):
+    """aiohttp's low-level server with every connection admitted by the budget and given a deadline.
+    When the endpoint's own cap is full, a new connection takes the place of the oldest if that
+    one has lasted EVICT_AFTER (a scrape is over in milliseconds: what lasts is idle or trickling),
+    and is refused otherwise."""
+
+    def __init__(self, handler, budget: admission.Budget, refused: Callable[[str], None]) -> None:
+        super().__init__(handler, keepalive_timeout=KEEPALIVE, access_log=None)
+        self.budget = budget
+        self.refused = refused
+        # handler -> (transport, its deadline, when admitted), in order of arrival
+        self._admitted: dict[object, tuple[asyncio.Transport, asyncio.TimerHandle, float]] = {}
+
+    def connection_made(self, handler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        now = self._loop.time()
+        if len(self._admitted) >= self.budget.metrics:
+            oldest, (dropped, deadline, since) = next(iter(self._admitted.items()))
+            if now - since < EVICT_AFTER:
+                self.refused(f"more than {self.budget.metrics} connections at once to the metrics endpoint")
+                transport.abort()
+                return
+            del self._admitted[oldest]  # its slot in the budget passes to this one
+            deadline.cancel()
+            dropped.abort()
+        elif (refusal := self.budget.take(admission.METRICS_KEY)) is not None:
+            self.refused(refusal)
+            transport.abort()  # connection_lost follows, with nothing to give back
+            return
+        self._admitted[handler] = (transport, self._loop.call_later(CONNECTION_LIFETIME, transport.abort), now)
+
+    def connection_lost(self, handler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        admitted = self._admitted.pop(handler, None)
+        if admitted is not None:
+            admitted[1].cancel()
+            self.budget.give_back(admission.METRICS_KEY)
+
+
 class Metrics:
     """The loop side: publishes a snapshot per tick and feeds the endpoint and the files."""
 
     def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
                  account_of: Callable[[int], tuple[str, Quota]],
                  notices: Callable[[], Mapping[tuple[str, str], int]] = dict,
-                 drained: Callable[[], Iterable[int]] = tuple) -> None:
+                 drained: Callable[[], Iterable[int]] = tuple, budget: admission.Budget | None = None,
+                 collectors: Iterable[Collector] = ()) -> None:
         self.settings = settings
         self.drained = drained  # the drained GPUs' minors (Grants.drained)
         self.notices = notices  # remote notices sent, failed and dropped (remote_notify), thread-safe
@@ -279,7 +332,19 @@ class Metrics:
         self._last_event_id = store.last_event_id()  # counted from the start on
         self.registry = CollectorRegistry(auto_describe=True)  # the textfile's: gpuguard's own metrics only
         self.registry.register(SnapshotCollector(self))
-        self._server: WSGIServer | None = None
+        # Connections, shared with the socket's (the daemon passes its budget).
+        self.budget = budget or admission.Budget.for_descriptors(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self.throttle = Throttle("endpoint")  # refused connections: a few lines a minute, then a count
+        self._listening: socket.socket | None = None
+        self._endpoint: _Endpoint | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._served = CollectorRegistry(auto_describe=True)
+        self._served.register(SnapshotCollector(self))
+        ProcessCollector(registry=self._served)  # the daemon's own memory, CPU and descriptors
+        for collector in collectors:  # the services' own (e.g. the process index's), read as they are
+            self.registry.register(collector)
+            self._served.register(collector)
+        self._page: tuple[float, bytes] = (-RENDER_EVERY, b"")  # (time.monotonic() rendered, the page)
 
     @property
     def enabled(self) -> bool:
@@ -287,18 +352,40 @@ class Metrics:
         return bool(s.listen or s.textfile or s.dcgm_job_mapping_dir)
 
     def start(self) -> None:
-        """Serve /metrics when configured (raises OSError when the address cannot be bound)."""
+        """Bind the /metrics address when configured (raises OSError when it cannot be bound);
+        serve() serves it on the loop."""
         if self.settings.listen is None:
             return
-        served = CollectorRegistry(auto_describe=True)
-        served.register(SnapshotCollector(self))
-        ProcessCollector(registry=served)  # the daemon's own memory, CPU and descriptors
         address, port = self.settings.listen
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        listening = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._server, _ = start_http_server(port, addr=address, registry=served)
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listening.bind((address, port))
+            listening.listen(LISTEN_BACKLOG)
         except OSError as exc:
+            listening.close()
             raise OSError(exc.errno, f"metrics.listen {address}:{port}: {exc.strerror}") from None
+        listening.setblocking(False)
+        self._listening = listening
         event(logging.INFO, "metrics_listening", address=address, port=port)
+
+    async def serve(self) -> None:
+        if self._listening is None:
+            return
+        self._endpoint = _Endpoint(self._scrape, self.budget, self._refused)
+        self._server = await asyncio.get_running_loop().create_server(self._endpoint, sock=self._listening)
+
+    def _refused(self, reason: str) -> None:
+        self.throttle.event("metrics", logging.WARNING, "refused", reason=reason)
+
+    async def _scrape(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path != "/metrics" and request.path != "/":
+            return web.Response(status=404, text="gpuguard serves /metrics\n")
+        rendered, page = self._page
+        if time.monotonic() - rendered >= RENDER_EVERY:
+            self._page = (time.monotonic(), page := generate_latest(self._served))
+        return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def publish(self, tick_seconds: float) -> Snapshot:
         """Build this tick's snapshot on the loop thread (reads only local state and the store)."""
@@ -326,6 +413,7 @@ class Metrics:
         """Publish, then write the configured files off the loop; a failing write is logged, never raised."""
         if not self.enabled:
             return
+        self.throttle.flush()
         snapshot = self.publish(tick_seconds)
         try:
             await asyncio.to_thread(self._write_files, snapshot)
@@ -341,5 +429,9 @@ class Metrics:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
+        if self._endpoint is not None:
+            for handler in self._endpoint.connections:
+                handler.force_close()
+        if self._listening is not None:
+            self._listening.close()

@@ -22,14 +22,13 @@ empty `python3 -I -S` (README "Performance").
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import syslog
 from collections import namedtuple
 from contextlib import contextmanager
 
-from gpuguard import client
+from gpuguard import client, daemon_socket
 from gpuguard.errors import GpuguardError
 
 TYPE_CHECKING = False  # not typing's, which would add a few ms to every login
@@ -38,9 +37,6 @@ if TYPE_CHECKING:
     from typing import Any, TextIO
 
 TIMEOUT = 2.0  # seconds, for everything: config, connect, send, reply
-# The same defaults as gpuguard.config (a test keeps them equal), without importing it.
-DEFAULT_CONFIG = "/etc/gpuguard/gpuguard.toml"
-DEFAULT_SOCKET = "/run/gpuguard/gpuguard.sock"
 OPERATIONS = {"open_session": "session_open", "close_session": "session_close"}
 # What a login is told when no daemon answers (the same line as pam_gpuguard.so's)
 UNAVAILABLE = "gpuguard: GPU service unavailable; your GPUs stay as they were; tell your admin"
@@ -72,57 +68,14 @@ def build_request(environ: Mapping[str, str], caller_pid: int) -> dict[str, Any]
 
 def socket_path(config_path: str | None, socket: str | None,
                 environ: Mapping[str, str] | None = None) -> str:
-    """--socket, else paths.socket from the config file, else the default.
-
-    Only that one key is read, not through gpuguard.config: full validation (and the quotas
-    file) costs a login ~12 ms more, and a typo in quotas.toml must not send the hook to the
-    wrong socket. The daemon validates the config; the hook only needs to find it. A plain
-    `socket = "..."` line in [paths] is read by plain_socket; tomllib (~7 ms to import, with
-    typing) reads anything else.
-    """
+    """--socket, else paths.socket from the config file, else the default (daemon_socket.find);
+    a config it cannot read goes to syslog, and the default is tried."""
     if socket:
         return socket
-    environ = os.environ if environ is None else environ
-    path = config_path or environ.get("GPUGUARD_CONFIG") or DEFAULT_CONFIG
-    try:
-        with open(path, "rb") as file:
-            text = file.read().decode()
-        value = plain_socket(text)
-        if value is _UNSURE:
-            from gpuguard.compat import tomllib  # tomli on Python 3.10
-            value = tomllib.loads(text).get("paths", {}).get("socket", DEFAULT_SOCKET)
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:  # TOMLDecodeError is a ValueError
-        _log(f"gpuguard pam-hook: cannot read {path} ({exc}); trying {DEFAULT_SOCKET}")
-        return DEFAULT_SOCKET
-    if not isinstance(value, str) or not value:
-        _log(f"gpuguard pam-hook: {path}: paths.socket is not a path; trying {DEFAULT_SOCKET}")
-        return DEFAULT_SOCKET
-    return value
-
-
-_UNSURE = object()
-_TABLE = re.compile(r"\[\s*([A-Za-z0-9_.\s-]+?)\s*\]\s*(?:#.*)?")
-_PLAIN_SOCKET = re.compile(r"""socket\s*=\s*(?:"([^"\\\x00-\x1f]*)"|'([^'\x00-\x1f]*)')\s*(?:#.*)?""")
-_ELSEWHERE = re.compile(r"^\s*(?:paths\s*[.=]|\[\s*\[|.*(?:\"\"\"|\'\'\'))", re.MULTILINE)
-
-
-def plain_socket(text: str) -> object:
-    """paths.socket when the file says it plainly: one `socket = "..."` (or '...') line without
-    escapes in a [paths] table, no multi-line strings, arrays of tables or paths keys elsewhere.
-    DEFAULT_SOCKET when such a file does not say it; _UNSURE for anything else (tomllib decides)."""
-    if _ELSEWHERE.search(text):
-        return _UNSURE
-    table = ""
-    for line in (raw.strip() for raw in text.splitlines()):
-        if line.startswith("["):
-            if not (header := _TABLE.fullmatch(line)):
-                return _UNSURE
-            table = re.sub(r"\s+", "", header.group(1))
-        elif table == "paths" and re.match(r"""["']?socket\b""", line):
-            if not (plain := _PLAIN_SOCKET.fullmatch(line)):
-                return _UNSURE
-            return plain.group(1) if plain.group(1) is not None else plain.group(2)
-    return DEFAULT_SOCKET
+    path, problem = daemon_socket.find(config_path, os.environ if environ is None else environ)
+    if problem:
+        _log(f"gpuguard pam-hook: {problem}; trying {path}")
+    return path
 
 
 def run(config_path: str | None = None, socket: str | None = None, quiet: bool = False,

@@ -22,7 +22,7 @@ MAX_REPLY = 16 * 1024 * 1024  # status of a busy server, with its event history
 
 OPERATIONS = frozenset({
     "session_open", "session_close", "whoami", "status", "request", "release",
-    "grant", "revoke", "reload", "sync_nodes", "report", "events", "wait",
+    "grant", "revoke", "reload", "sync_nodes", "report", "events", "wait", "gpus",
     "cluster_status", "where",  # a fleet's (gpuguard.cluster.ops)
     "cancel", "fairshare", "drain", "resume", "hold",  # steering the queue
 })

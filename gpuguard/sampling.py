@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -53,10 +54,14 @@ class Sample:
 
 
 class Sampler:
-    """Samples of one backend, taken in a worker thread and one at a time."""
+    """Samples of one backend, taken in a thread of their own and one at a time: the /proc reads
+    users' requests cause (a reused sample checked for exited processes, the names `status`
+    shows) run in another small pool, so that no flood of requests delays the tick's sample."""
 
     def __init__(self, backend) -> None:
         self.backend = backend
+        self._nvml = ThreadPoolExecutor(1, thread_name_prefix="nvml")
+        self._requests = ThreadPoolExecutor(2, thread_name_prefix="sample-proc")
         self.last: Sample | None = None
         self._taken_at = 0.0  # time.monotonic() when `last` was taken
         self._lock = asyncio.Lock()
@@ -68,11 +73,12 @@ class Sampler:
     async def take(self, max_age: float = MAX_AGE) -> Sample:
         """A sample whose NVML query is at most max_age seconds old (0: a new one). Raises the
         backend's GpuError when NVML fails as a whole: that must never read as 'no processes'."""
+        loop = asyncio.get_running_loop()
         async with self._lock:  # concurrent requests wait for one sample rather than each taking one
             if self.last is None or time.monotonic() - self._taken_at >= max_age:
                 started = time.monotonic()
                 try:
-                    self.last = await asyncio.to_thread(_take, self.backend, self._identities)
+                    self.last = await loop.run_in_executor(self._nvml, _take, self.backend, self._identities)
                 except Exception:
                     self.errors["all"] += 1
                     raise
@@ -80,14 +86,16 @@ class Sampler:
                 self._taken_at = started
                 self._log_changes(self.last.failed)
                 return self.last
-            # Reused, less the processes that exited since: a job stopped a moment ago must not
-            # block its user's release. /proc answers that cheaply; NVML is not asked again.
-            return await asyncio.to_thread(_without_exited, self.last)
+            reused = self.last
+        # Reused, less the processes that exited since: a job stopped a moment ago must not
+        # block its user's release. /proc answers that cheaply, outside the lock; NVML is not asked again.
+        return await loop.run_in_executor(self._requests, _without_exited, reused)
 
     async def commands(self, pids: Iterable[int]) -> dict[int, str]:
         """pid -> process name (escaped), read from /proc now, in a worker thread: only `gpuguard
         status` shows them, so the tick does not pay for them."""
-        return await asyncio.to_thread(lambda: {pid: signals.command(pid) for pid in pids})
+        return await asyncio.get_running_loop().run_in_executor(
+            self._requests, lambda: {pid: signals.command(pid) for pid in pids})
 
     async def take_or_log(self, action: str, max_age: float = MAX_AGE, **fields: Any) -> Sample | None:
         """take(), or None after logging why there is no sample and `action`, what the caller does instead."""
@@ -96,6 +104,10 @@ class Sampler:
         except Exception as exc:  # GpuError and anything a broken driver throws: no data, no action
             event(logging.ERROR, "sample_failed", error=str(exc), action=action, **fields)
             return None
+
+    def close(self) -> None:
+        self._nvml.shutdown(wait=False, cancel_futures=True)
+        self._requests.shutdown(wait=False, cancel_futures=True)
 
     def _log_changes(self, failed: Mapping[int, str]) -> None:
         """One line when a GPU starts failing (or fails differently) and one when it answers again."""
@@ -127,23 +139,27 @@ class Holder(NamedTuple):
 
 
 
-def node_holders(units: Iterable[int], uids: Collection[int],
-                 devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]:
-    """Processes of these users holding these units' nodes open per /proc (blocking: one pass
-    over /proc for all). devices_of: the nodes whose holders use a unit (Grants.holder_devices).
+def node_holders(units: Iterable[int], uids: Collection[int] | None,
+                 devices_of: Callable[[int], Iterable[Device]], real_uids: procfs.RealUids | None = None,
+                 pids_of: Callable[[Collection[int]], Collection[int] | None] | None = None) -> list[Holder]:
+    """Processes of these users (None: of anyone, a walk of all of /proc) holding these units'
+    nodes open per /proc (blocking: one pass over /proc for all). devices_of: the nodes whose
+    holders use a unit (Grants.holder_devices).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
     (or before creating it) shows up only here. Only the users' own processes are looked at
-    (procfs.holders_of), so the cost follows their processes, not the host's.
+    (procfs.holders_of), so the cost follows their processes, not the host's. pids_of: their
+    live pids from the process index (proc_events.ProcessIndex.pids_of; None from it: walk /proc).
     """
     units_of: dict[Device, list[int]] = {}  # two slices of one GPU instance share its capability node
     for unit in units:
         for device in devices_of(unit):
             units_of.setdefault(device, []).append(unit)
     found: set[Holder] = set()
-    for device, pids in procfs.holders_of(list(units_of), uids).items():
+    candidates = pids_of(uids) if pids_of is not None and uids is not None else None
+    for device, pids in procfs.holders_of(list(units_of), uids, real_uids, candidates).items():
         for pid in pids:
             uid = procfs.user_of(pid)
-            if uid is not None and uid in uids:
+            if uid is not None and (uids is None or uid in uids):
                 found.update(Holder(pid, uid, unit) for unit in units_of[device])
     return sorted(found, key=lambda h: (h.minor, h.pid))

@@ -14,7 +14,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client.registry import Collector
+
 from gpuguard import cluster, drains, state_files
+from gpuguard.admission import Budget
 from gpuguard.allocator import Topology
 from gpuguard.api import HOLDS_FILE, Api
 from gpuguard.config import Config
@@ -35,12 +38,13 @@ from gpuguard.exempt import Exempt
 from gpuguard.grants import Grants
 from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
-from gpuguard.lookups import KnownAccounts
+from gpuguard.lookups import KnownAccounts, membership
 from gpuguard.metrics import Metrics
 from gpuguard.model import Gpu
 from gpuguard.queueing import Queue
 from gpuguard.release import Releases
 from gpuguard.reload_effects import ReloadEffects
+from gpuguard.scans import Scans
 from gpuguard.store import Store
 from gpuguard.usage import UsageMeter
 from gpuguard.watcher import Watcher
@@ -80,6 +84,10 @@ class Edges:
     held: HeldFiles | None = None
     # webhook and e-mail notices by (channel, outcome): sent, failed, dropped (remote_notify)
     notices: Callable[[], Mapping[tuple[str, str], int]] = dict
+    # the connection budget the metrics endpoint shares with the socket (server.Server's); None: one of its own
+    connections: Budget | None = None
+    # the edges' own metrics (the process index's), served beside the services'
+    collectors: Sequence[Collector] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class Services:
     exempt: Exempt
     accounts: KnownAccounts
     usage: UsageMeter
+    scans: Scans
     holders: HolderEnder
     queue: Queue
     releases: Releases
@@ -110,6 +119,7 @@ class Services:
         self.metrics.close()
         self.logout.close()
         self.holders.close()
+        self.scans.close()
         self.usage.flush()
         self.edges.terminals.close()
         self.edges.lookup.close()
@@ -138,9 +148,11 @@ def build(edges: Edges) -> Services:
     exempt = Exempt(lambda: config().access, store, apply_exempt, edges.lookup)
     accounts = KnownAccounts(edges.lookup, config)
     usage = UsageMeter(store, accounts.name_of)
-    find_holders = partial(edges.find_holders, devices_of=grants.holder_devices)
-    holders = HolderEnder(find_holders, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
-                          edges.processes, edges.clock)
+    # the /proc scans users' requests cause and the daemon's own, in pools of their own (scans.py)
+    scans = Scans(partial(edges.find_holders, devices_of=grants.holder_devices))
+    holders = HolderEnder(scans, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
+                          edges.processes, edges.clock,
+                          is_member=lambda uid: membership(edges.lookup, config().access, uid))
     queue = Queue(config, store, grants, remote_usage=fleet.cluster.remote_usage if fleet else None)
     queue.holds = state_files.read_ids(state_dir / HOLDS_FILE)
 
@@ -149,7 +161,7 @@ def build(edges: Edges) -> Services:
             edges.terminals.tell(user, uid, message, [s.tty for s in store.sessions(uid)])
 
     releases = Releases(grants, queue, holders.schedule, tell, fleet_ended=fleet.cluster.ended if fleet else None)
-    logout = LogoutRelease(store, releases, find_holders, edges.exits, edges.processes, edges.clock)
+    logout = LogoutRelease(store, releases, scans, edges.exits, edges.processes, edges.clock)
     reload_effects = ReloadEffects(store, releases, edges.lookup, tell)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
                       usage, demand=queue.demand)
@@ -159,6 +171,7 @@ def build(edges: Edges) -> Services:
               foreign=edges.foreign, reload_effects=reload_effects, state_dir=state_dir,
               elsewhere=fleet.cluster.elsewhere if fleet else None)
     metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of,
-                      notices=edges.notices, drained=lambda: grants.drained)
-    return Services(store, grants, exempt, accounts, usage, holders, queue, releases, logout, reload_effects, watcher,
-                    api, metrics, fleet, edges)
+                      notices=edges.notices, drained=lambda: grants.drained, budget=edges.connections,
+                      collectors=edges.collectors)
+    return Services(store, grants, exempt, accounts, usage, scans, holders, queue, releases, logout, reload_effects,
+                    watcher, api, metrics, fleet, edges)

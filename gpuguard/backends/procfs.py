@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -142,8 +143,34 @@ def holders(dev: tuple[int, int], owners: Collection[int] | None = None) -> list
     return holders_of([dev], owners)[dev]
 
 
+class RealUids:
+    """The real uid of the root-owned /proc entries seen before, so that a walk reads
+    /proc/<pid>/status only for those it has not seen: a host has thousands of root's processes
+    (kernel threads, containers) and each logout's scan read every one (577 ms at 5,000).
+
+    An entry is the same process while its inode and owner are (a pid reused gets a new inode,
+    as IdentityCache relies on); a root-owned process keeps its real uid unless it calls
+    setreuid() keeping euid 0, which no login path does. Each walk keeps only what it saw."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[int, int]] = {}  # pid -> (inode, real uid)
+        self._seen: dict[int, tuple[int, int]] = {}
+
+    def real_uid(self, pid: int, inode: int, read: Callable[[], int]) -> int:
+        known = self._known.get(pid)
+        uid = known[1] if known is not None and known[0] == inode else read()
+        self._seen[pid] = (inode, uid)
+        return uid
+
+    def walked(self) -> None:
+        """A walk ended: what it saw is what is known (a swap: walks in two threads lose entries at worst)."""
+        self._known, self._seen = self._seen, {}
+
+
 def holders_of(devices: Collection[tuple[int, int]],
-               owners: Collection[int] | None = None) -> dict[tuple[int, int], list[int]]:
+               owners: Collection[int] | None = None,
+               real_uids: RealUids | None = None,
+               candidates: Iterable[int] | None = None) -> dict[tuple[int, int], list[int]]:
     """holders() for several character devices in one pass over /proc: each device's pids.
 
     Each process's descriptors and mappings are read once whatever the number of devices.
@@ -155,35 +182,52 @@ def holders_of(devices: Collection[tuple[int, int]],
     whose real and effective uids are two different non-root users, which nothing on a
     login path makes. The kernel keeps no index from a file to the processes holding it (lsof
     and fuser walk /proc the same way; /proc/<pid>/fdinfo names the inode, not the device),
-    so this walk is the cheapest answer outside the kernel (README "Performance").
+    so this walk is the cheapest answer outside the kernel (README "Performance"). real_uids:
+    remembered real uids of root-owned entries (RealUids), so that a root process seen before
+    costs the lstat only. candidates: the owners' pids as an index knows them (proc_events): then
+    only these are read, no walk at all, and the cost follows the owners' processes alone.
     """
     wanted = {os.makedev(*dev): dev for dev in devices}
     found: dict[tuple[int, int], list[int]] = {dev: [] for dev in wanted.values()}
     if not wanted or (owners is not None and not owners):
         return found
     mapped: dict[tuple[str, str], int | None] = {}  # (fs dev, inode) -> st_rdev, shared across pids
-    with os.scandir(PROC) as entries:
-        for entry in entries:
-            if entry.name.isdigit() and (owners is None or _may_belong(entry, owners)):
-                proc = Path(entry.path)
-                for rdev in (_open_devices(proc) | _mapped_devices(proc, mapped)) & wanted.keys():
-                    found[wanted[rdev]].append(int(entry.name))
+    for pid in _walk(owners, real_uids) if candidates is None else candidates:
+        proc = PROC / str(pid)
+        for rdev in (_open_devices(proc) | _mapped_devices(proc, mapped)) & wanted.keys():
+            found[wanted[rdev]].append(pid)
     return {dev: sorted(pids) for dev, pids in found.items()}
 
 
-def _may_belong(entry: os.DirEntry, owners: Collection[int]) -> bool:
+def _walk(owners: Collection[int] | None, real_uids: RealUids | None) -> Iterator[int]:
+    """The pids in /proc that may belong to `owners` (None: every pid)."""
+    with os.scandir(PROC) as entries:
+        for entry in entries:
+            if entry.name.isdigit() and (owners is None or _may_belong(entry, owners, real_uids)):
+                yield int(entry.name)
+    if real_uids is not None and owners is not None:
+        real_uids.walked()
+
+
+def _may_belong(entry: os.DirEntry, owners: Collection[int], real_uids: RealUids | None) -> bool:
     """Whether the process of this /proc entry may have one of `owners` as its real uid."""
     try:
-        owner = entry.stat(follow_symlinks=False).st_uid
-        if owner in owners:
+        st = entry.stat(follow_symlinks=False)
+        if st.st_uid in owners:
             return True
-        if owner != 0:
+        if st.st_uid != 0:
             return False
-        with open(os.path.join(entry.path, "status"), "rb") as status:  # not dumpable: the real uid decides
-            uid_line = next(line for line in status if line.startswith(b"Uid:"))
-        return int(uid_line.split()[1]) in owners
+        # not dumpable (a setuid program) or root's: the real uid decides
+        read = partial(_status_real_uid, entry.path)
+        return (real_uids.real_uid(int(entry.name), st.st_ino, read) if real_uids else read()) in owners
     except (OSError, StopIteration):
         return False  # exited meanwhile
+
+
+def _status_real_uid(path: str) -> int:
+    with open(os.path.join(path, "status"), "rb") as status:
+        uid_line = next(line for line in status if line.startswith(b"Uid:"))
+    return int(uid_line.split()[1])
 
 
 def _open_devices(proc: Path) -> set[int]:

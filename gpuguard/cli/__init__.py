@@ -23,6 +23,7 @@ TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (
 if TYPE_CHECKING:
     import argparse
     import typing
+    from types import SimpleNamespace
     from typing import Any
 
     from gpuguard import config
@@ -37,7 +38,7 @@ def unit_arg(text: str) -> int | str:
     or a UUID (GPU-..., MIG-...) as CUDA_VISIBLE_DEVICES and nvidia-smi -L show it (the daemon maps it)."""
     import argparse
 
-    from gpuguard.model import parse_unit
+    from gpuguard.unit_numbers import parse_unit
     if text.startswith(("GPU-", "MIG-")):
         return text
     try:
@@ -109,19 +110,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     completion and the man page: None)."""
     import argparse
     import importlib
-    import pkgutil
 
     from gpuguard import __version__
-    from gpuguard.config import DEFAULT_PATH
+    from gpuguard.daemon_socket import DEFAULT_CONFIG
 
     parser = _parser_class()(prog="gpuguard", description=DESCRIPTION, epilog=EPILOG,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
     parser.add_argument("--config", metavar="PATH",
-                        help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_PATH})")
+                        help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_CONFIG})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     modules = ([COMMANDS[command]] if command in COMMANDS
-               else sorted((m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd")),
+               else sorted(_every_command_module(),
                            key=lambda name: (name not in USER_MODULES, USER_MODULES.index(name)
                                              if name in USER_MODULES else 0, name)))
     for module in modules:
@@ -144,6 +144,11 @@ def _parser_class() -> type[argparse.ArgumentParser]:
     return Parser
 
 
+def _every_command_module() -> list[str]:
+    import pkgutil  # only for the full parser: a command's own needs none of it
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd"))
+
+
 def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     """(--config given before the command, the command, what follows it), without a parser."""
     config_path = None
@@ -157,13 +162,50 @@ def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     return config_path, None, []
 
 
+# Commands users run at every prompt, with the only options that skip argparse (importing and
+# building it is a third of their start-up): (function, flags, options taking a value, defaults).
+# Anything else (--help, a typo, another option) goes through the full parser, which a test
+# (tests/system/test_cli_startup.py) checks reads every argv accepted here the same way.
+QUICK: dict[str, tuple[str, dict[str, str], dict[str, str], dict[str, object]]] = {
+    "whoami": ("show_whoami", {"--json": "json"}, {"--user": "user"}, {"json": False, "user": None}),
+    "env": ("show_env", {}, {}, {}),
+    "status": ("show_status", {"--json": "json", "--csv": "csv", "--no-header": "no_header", "--cluster": "cluster"},
+               {"--user": "user", "-u": "user"},
+               {"json": False, "csv": False, "no_header": False, "cluster": False, "user": None}),
+}
+
+
+def quick_arguments(config_path: str | None, command: str | None, rest: list[str]) -> SimpleNamespace | None:
+    """The parsed arguments of a QUICK command whose options are all plain, without argparse;
+    None for anything the full parser must read."""
+    if command not in QUICK:
+        return None
+    function, flags, valued, defaults = QUICK[command]
+    values = dict(defaults)
+    words = iter(rest)
+    for word in words:
+        name, has_value, value = word.partition("=")
+        if word in flags and not values[flags[word]]:
+            values[flags[word]] = True
+        elif name in valued and (value if has_value else (value := next(words, ""))) and not value.startswith("-"):
+            values[valued[name]] = value
+        else:
+            return None
+    if values.get("json") and values.get("csv"):
+        return None  # argparse's mutually exclusive group says why
+    import importlib
+    from types import SimpleNamespace
+    module = importlib.import_module(f"{__name__}.{COMMANDS[command]}")
+    return SimpleNamespace(config=config_path, command=command, func=getattr(module, function), **values)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config_path, command, rest = split_command(argv)
     if command == PAM_HOOK:
         from gpuguard import pam_hook
         return pam_hook.main(rest, config_path)
-    args = build_parser(command).parse_args(argv)
+    args = quick_arguments(config_path, command, rest) or build_parser(command).parse_args(argv)
     from gpuguard.cli.output import PrintableOutput  # not before: pam-hook needs none of it
     sys.stdout = PrintableOutput(sys.stdout)
     try:

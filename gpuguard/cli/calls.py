@@ -1,17 +1,34 @@
-"""What the user and admin commands share: asking the daemon, and printing times."""
+"""What the user and admin commands share: asking the daemon.
+
+The socket is found from the config's `socket =` line only (daemon_socket): what a command shows
+comes from the daemon, so the admin's files (half-edited, or readable by root only) never stop
+a user's command."""
 from __future__ import annotations
 
-import argparse
-from typing import Any
+import os
 
-from gpuguard import client
-from gpuguard.cli import load_config
+from gpuguard import client, daemon_socket
+
+TYPE_CHECKING = False  # not typing's: whoami and status start in a few ms more than python itself
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
 
 TIMEOUT = 30.0  # revoke and release scan /proc for holders; status of a busy server is large
 
 
+def socket_of(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The daemon's socket, and what was wrong with the config when it did not say (see ask)."""
+    return daemon_socket.find(args.config, os.environ)
+
+
 def ask(args: argparse.Namespace, op: str, **fields: Any) -> dict[str, Any]:
     """One request to the daemon on the configured socket; the reply's fields without the envelope."""
-    socket = load_config(args).paths.socket
-    reply = client.call(str(socket), op, timeout=TIMEOUT, **{k: v for k, v in fields.items() if v is not None})
+    socket, problem = socket_of(args)
+    try:
+        reply = client.call(socket, op, timeout=TIMEOUT, **{k: v for k, v in fields.items() if v is not None})
+    except client.DaemonUnreachable as exc:
+        if problem:  # the default socket was tried for lack of a better one: say why
+            raise client.DaemonUnreachable(f"{exc} (the default socket: {problem})") from None
+        raise
     return {key: value for key, value in reply.items() if key not in ("v", "ok")}

@@ -20,7 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where = subparsers.add_parser(
         "where", help="which server of the fleet has GPUs for you now, near your data",
         description="The servers of the fleet, best first for you: free GPUs you may take now (within your "
-                    "fleet quota), data locality (same node, same rack, another rack), queue depth; and the ssh line.")
+                    "fleet quota), data locality (same node, same rack, another rack), queue depth; and the ssh line. "
+                    "Example: gpuguard where --gpus 2 --data /data/imagenet")
     where.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs you want (default 1)")
     where.add_argument("--data", metavar="PATH", help="your data's path, as [cluster.data] names storage")
     where.add_argument("--json", action="store_true", help="print JSON")

@@ -23,7 +23,7 @@ SHELLS = ("bash", "zsh", "tcsh", "fish")
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "completion", help="print the shell completion script",
-        description="Print the completion script for SHELL. Try it with: eval \"$(gpuguard completion bash)\"; "
+        description="Print the completion script for SHELL. Example (try it): eval \"$(gpuguard completion bash)\"; "
                     "install it with: gpuguard completion bash > /usr/share/bash-completion/completions/gpuguard; "
                     "fish: gpuguard completion fish > ~/.config/fish/completions/gpuguard.fish")
     parser.add_argument("shell", choices=SHELLS, help="the shell to complete in")

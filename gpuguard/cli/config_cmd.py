@@ -13,7 +13,11 @@ from gpuguard.backends import accounts, driver_minors, slurm
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("config", help="check configuration files")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    check = actions.add_parser("check", help="validate a config file and its quotas file")
+    check = actions.add_parser(
+        "check", help="validate a config file and its quotas file",
+        description="Load a config file and its quotas file exactly as the daemon does: errors exit 2, warnings "
+                    "(a missing group, sharing without gpu_memory, ...) exit 0. "
+                    "Examples: sudo gpuguard config check; gpuguard config check ./gpuguard.toml")
     check.add_argument("path", nargs="?", help="file to check (default: the active config)")
     check.set_defaults(func=check_config)
 

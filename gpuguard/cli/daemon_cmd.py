@@ -12,7 +12,9 @@ from gpuguard.errors import EXIT_OK
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("daemon", help="run the gpuguard agent (root, foreground)",
-                                   description="Hand out GPUs at login and enforce them. Logs go to stderr.")
+                                   description="Hand out GPUs at login and enforce them. Logs go to stderr. Run by "
+                                               "systemd (gpuguard.service); by hand for a trial: "
+                                               "Example: sudo gpuguard --config ./gpuguard.toml daemon")
     parser.add_argument("--gate-name", default="gpuguard", metavar="NAME",
                         help="instance name of the BPF gate (default gpuguard; tests run gates of their own)")
     parser.add_argument("--debug", action="store_true", help="log debug events too")

@@ -32,7 +32,8 @@ _PAM_SESSION = re.compile(r"^-?session\s+(?:\[[^]]*\]|\S+)\s+(\S+)")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("doctor", help="check this machine's gpuguard setup (root)",
-                                   description="One line per check; exit 1 if any fails.")
+                                   description="One line per check; exit 1 if any fails. "
+                                               "Examples: sudo gpuguard doctor; sudo gpuguard doctor --json")
     parser.add_argument("--pam-service", default="sshd", metavar="NAME",
                         help="the login service whose session stack should run the module (default sshd)")
     parser.add_argument("--json", action="store_true", help="print JSON")

@@ -29,10 +29,15 @@ MODULE_LINE = "session optional pam_gpuguard.so"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     enable = subparsers.add_parser(
-        "enable", help="make gpuguard take effect: modprobe.d option, udev rule, PAM profile, daemon (root)")
+        "enable", help="make gpuguard take effect: modprobe.d option, udev rule, PAM profile, daemon (root)",
+        description="Make an installed gpuguard take effect, once /etc/gpuguard is configured: the modprobe.d "
+                    "option and the udev rule linked into /etc, the PAM profile on, the daemon enabled and started. "
+                    "Example: sudo gpuguard enable")
     enable.set_defaults(func=enable_command)
     disable = subparsers.add_parser(
-        "disable", help="undo enable: daemon stopped, gate detached, GPU nodes open as the driver makes them (root)")
+        "disable", help="undo enable: daemon stopped, gate detached, GPU nodes open as the driver makes them (root)",
+        description="Undo enable: the daemon stopped, the gate detached, the links and the PAM profile removed, "
+                    "the GPU nodes open as the driver makes them. Example: sudo gpuguard disable")
     disable.add_argument("--quiet", action="store_true", help="print failures only (the package's prerm)")
     disable.add_argument("--gate-name", default="gpuguard", help=argparse.SUPPRESS)  # tests run gates of their own
     disable.set_defaults(func=disable_command)

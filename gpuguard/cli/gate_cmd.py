@@ -26,14 +26,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             ("status", gate_status, "is the gate attached, and who may open which GPU"),
             ("attach", gate_attach, "attach the gate (closes every GPU to all but exempt users)"),
             ("detach", gate_detach, "detach the gate: every user may open every GPU again")):
-        action = actions.add_parser(name, help=text)
+        action = actions.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. "
+                                                                  f"Example: sudo gpuguard gate {name}")
         action.add_argument("--name", default="gpuguard", help=argparse.SUPPRESS)  # tests run gates of their own
         action.set_defaults(func=func)
     actions.choices["status"].add_argument("--json", action="store_true", help="print JSON")
 
     acl = subparsers.add_parser("acl", help="device nodes and their ACLs (root; run by udev)")
     acl_actions = acl.add_subparsers(dest="action", metavar="ACTION", required=True)
-    acl_actions.add_parser("apply", help="have the daemon create missing driver nodes and re-apply ACLs") \
+    acl_actions.add_parser("apply", help="have the daemon create missing driver nodes and re-apply ACLs",
+                           description="Have the daemon create missing driver nodes and re-apply their ACLs (the "
+                                       "udev rule runs it when the driver loads). Example: sudo gpuguard acl apply") \
         .set_defaults(func=acl_apply)
 
 

@@ -3,9 +3,12 @@ that `gpuguard pam-hook`, which never prints a user's strings, does not import i
 from __future__ import annotations
 
 import io
-from typing import TextIO
 
 from gpuguard.escape import printable_keeping_colour
+
+TYPE_CHECKING = False  # not typing's: every command imports this module
+if TYPE_CHECKING:
+    from typing import TextIO
 
 
 class PrintableOutput(io.TextIOBase):

@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Set or remove quota keys, e.g. `quota set --user alice gpus=2 gpu_memory=40GiB max_time=24h`. "
                     f"Keys: {', '.join(config.QUOTA_KEYS)}. Values as written in the TOML files "
                     "(2, 40GiB, 24h, none, unlimited, true, false); KEY= removes the key, so it "
-                    "comes from the next layer (the user's groups, then the defaults). Give the options first.")
+                    "comes from the next layer (the user's groups, then the defaults). Give the options first. "
+                    "Example: sudo gpuguard quota set --group phd max_time=48h")
     which = change.add_mutually_exclusive_group(required=True)
     which.add_argument("--user", metavar="NAME", help="the user's entry in quotas.toml")
     which.add_argument("--group", metavar="NAME", help="the group's entry in quotas.toml")

@@ -31,7 +31,10 @@ if TYPE_CHECKING:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("sim", help="programs for simulated GPUs (gpu.backend = \"simulated\")")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    burn = actions.add_parser("burn", help="act like a CUDA program using a GPU or a MIG slice")
+    burn = actions.add_parser("burn", help="act like a CUDA program using a GPU or a MIG slice",
+                              description="A stand-in for a CUDA program on simulated GPUs: it opens the GPU's node "
+                                          "(the gate decides) and shows in NVML with this memory and utilisation. "
+                                          "Example: gpuguard sim burn --gpu 0 --mem 4GiB --seconds 10m")
     where = burn.add_mutually_exclusive_group(required=True)
     where.add_argument("--gpu", type=int, metavar="MINOR", help="the GPU's minor number (the N of nvidiaN)")
     where.add_argument("--slice", metavar="MIG-UUID", help="a MIG slice, by its UUID (`gpuguard gpus` lists them)")
@@ -46,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     mig = actions.add_parser("mig", help="change the MIG layout of a simulated GPU (root)",
                              description="Destroy the GPU's MIG instances and create PROFILEs in their place "
-                                         "(new UUIDs; a place used before gets its GI id again).")
+                                         "(new UUIDs; a place used before gets its GI id again). "
+                                         "Examples: sudo gpuguard sim mig 0 3g.40gb 1g.10gb; sudo gpuguard sim mig 0 --off")
     mig.add_argument("gpu", type=int, metavar="MINOR", help="the GPU's minor number")
     mig.add_argument("profiles", nargs="*", metavar="PROFILE", help="e.g. 1g.10gb 3g.40gb")
     mode = mig.add_mutually_exclusive_group()

@@ -15,7 +15,10 @@ from gpuguard.units import format_duration
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("simulate",
-                                   help="replay a workload trace: the configured policy beside static reservation")
+                                   help="replay a workload trace: the configured policy beside static reservation",
+                                   description="Replay a trace through the daemon's own services on a virtual clock, "
+                                               "beside static reservation on the same pool. "
+                                               "Example: gpuguard simulate trace.csv --gpus 48 --config policy.toml")
     parser.add_argument("trace", type=Path, metavar="TRACE",
                         help="a trace CSV, or the Adobe notebook JSON as published")
     parser.add_argument("--gpus", type=int, metavar="N", help="GPUs in the pool (default: the config's GPU count)")
@@ -26,11 +29,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     tracing = subparsers.add_parser("trace", help="make trace files for gpuguard simulate")
     actions = tracing.add_subparsers(dest="action", metavar="ACTION", required=True)
-    convert = actions.add_parser("convert", help="write a trace (the Adobe JSON, sacct -P output) as trace CSV "
-                                                 "on stdout")
+    convert = actions.add_parser("convert", help="write a trace (e.g. the Adobe JSON) as trace CSV on stdout",
+                                 description="Write a trace (the Adobe notebook JSON, or Slurm's sacct -P output) as "
+                                             "trace CSV on stdout. Example: gpuguard trace convert sacct.txt > trace.csv")
     convert.add_argument("trace", type=Path, metavar="TRACE")
     convert.set_defaults(func=run_convert)
-    generate = actions.add_parser("generate", help="write a synthetic trace CSV on stdout")
+    generate = actions.add_parser("generate", help="write a synthetic trace CSV on stdout",
+                                  description="Write a synthetic trace CSV on stdout. "
+                                              "Example: gpuguard trace generate --jobs 3000 --users 40 > trace.csv")
     generate.add_argument("--jobs", type=int, default=1000, metavar="N")
     generate.add_argument("--users", type=int, default=20, metavar="N")
     generate.add_argument("--seed", type=int, default=1, metavar="N")

@@ -8,19 +8,20 @@ piped; --json for everything the daemon says, --csv (a header, or --no-header) o
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any
+from collections import namedtuple
 
-from gpuguard.backends import accounts
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.messages import clock, gpu_label, number_list
 from gpuguard.units import format_size
+
+TYPE_CHECKING = False  # not typing's, nor dataclasses: `status` starts within a few ms of Python itself
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
 
 BAR_WIDTH = 20
 CSV_COLUMNS = ("gpu", "name", "uuid", "utilization_percent", "memory_used_bytes", "memory_total_bytes",
@@ -45,10 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status.set_defaults(func=show_status)
 
 
-@dataclass(frozen=True)
-class Style:
-    colour: bool
-    unicode: bool
+class Style(namedtuple("Style", "colour unicode")):  # colour: bool, unicode: bool
+    __slots__ = ()
 
     @classmethod
     def for_stdout(cls) -> Style:
@@ -72,19 +71,31 @@ class Style:
         return "[" + self.paint(full * filled, colour) + empty * (BAR_WIDTH - filled) + "]"
 
 
+def _user_exists(name: str) -> bool:
+    """backends.accounts.user_exists without loading it (it brings the config module and the model:
+    more than Python's own start)."""
+    import pwd
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def show_status(args: argparse.Namespace) -> int:
     if args.cluster:
         from gpuguard.cli import cluster_cmd
         return cluster_cmd.show_cluster(args)
     if args.no_header and not args.csv:
         raise CommandError("--no-header goes with --csv", EXIT_USAGE)
-    if args.user is not None and not accounts.user_exists(args.user):
+    if args.user is not None and not _user_exists(args.user):
         raise CommandError(f"-u: no such user: {args.user}", EXIT_USAGE)
     reply = ask(args, "status")
     gpus = [gpu for gpu in reply["gpus"] if args.user is None or involves(gpu, args.user)]
     if args.json:
         print_json({**reply, "gpus": gpus})
     elif args.csv:
+        import csv
         writer = csv.writer(sys.stdout, lineterminator="\n")
         if not args.no_header:
             writer.writerow(CSV_COLUMNS)

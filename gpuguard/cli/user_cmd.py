@@ -1,19 +1,22 @@
 """What every user runs: `gpuguard whoami`, `env`, `request`, `release` (`status` is status_cmd)."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
-from typing import Any
 
 from gpuguard import client
-from gpuguard.cli import CommandError, load_config, print_json, print_rows, unit_arg
-from gpuguard.cli.calls import ask
+from gpuguard.cli import CommandError, print_json, print_rows, unit_arg
+from gpuguard.cli.calls import ask, socket_of
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.messages import clock, cuda_export, gpu_label, queue_message, queue_why, stale_devices
-from gpuguard.model import unit_label
+from gpuguard.unit_numbers import unit_label
 from gpuguard.units import UnitError, format_duration, format_size, parse_duration
+
+TYPE_CHECKING = False  # not typing's: whoami starts within a few ms of Python itself
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
 
 RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while waiting
 
@@ -217,7 +220,7 @@ def _timeout(args: argparse.Namespace) -> float | None:
 def _wait(args: argparse.Namespace, ticket: int, deadline: float | None) -> dict[str, Any]:
     """Block on the daemon until the queued request is granted; across a daemon restart the
     queue is kept, so the call is made again until the deadline."""
-    socket = str(load_config(args).paths.socket)
+    socket, _ = socket_of(args)
     while True:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:

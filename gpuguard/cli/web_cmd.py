@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "web", help="serve the read-only web view of the GPUs, the queue and usage",
         description="Serve the web view on [web] listen (off unless set). Runs as its own account "
-                    "([web] user), not root.")
+                    "([web] user), not root. Example: gpuguard web --listen 127.0.0.1:9448 (as [web] user)")
     parser.add_argument("--listen", metavar="ADDRESS:PORT", help="serve here instead of [web] listen")
     parser.set_defaults(func=run)
 

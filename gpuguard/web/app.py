@@ -108,6 +108,14 @@ class Web:
     async def whoami(self, user: str) -> dict[str, dict[str, Any]]:
         return await self.memo.get(("whoami", user), lambda: self.source.whoami(user))
 
+    async def fairshare(self) -> dict[str, dict[str, Any]]:
+        """Server name -> its `fairshare` reply; one that cannot be read is left out (its standing
+        shows as not available, the rest of the page stays)."""
+        try:
+            return await self.memo.get("fairshare", self.source.fairshare)
+        except (DaemonUnreachable, Refused):
+            return {}
+
     async def queue(self, viewer: views.Viewer) -> tuple[list[views.Waiting], list[str]]:
         rows: list[views.Waiting] = []
         errors = []
@@ -166,7 +174,11 @@ class Web:
             return self.page(request, viewer, "Not found", pages.message_page("Not found", str(exc)), status=404)
         except DaemonUnreachable as exc:
             return self.page(request, viewer, "Unavailable", pages.message_page("Unavailable", str(exc)), status=503)
-        body = pages.me_page(name, replies, viewer, self.config.show_users, own=name == viewer.user)
+        fairshare = await self.fairshare()
+        standings = {server: views.fair_share(name, who.get("quota"), fairshare.get(server))
+                     for server, who in replies.items()}
+        body = pages.me_page(name, replies, viewer, self.config.show_users, own=name == viewer.user,
+                             standings=standings)
         return self.page(request, viewer, name, body)
 
     async def usage(self, request: web.Request) -> web.Response:

@@ -5,7 +5,8 @@ the nodes' heartbeats mirror them; a user's grants and queue places across the f
 granted per user, GPU, node and day from the usage ledger plus the grants still held. The
 database knows no processes, memory or utilisation (a node keeps those), so the grid shows them
 as unknown, never as idle; nor busy hours (the ledger records grants): the usage charts then
-show granted hours alone. A node silent past its lease is shown with what it last sent, marked
+show granted hours alone. Nor fair share (each node's decayed usage, shares and half-life stay
+on the node): the Me page says so. A node silent past its lease is shown with what it last sent, marked
 lost. Read-only: each question is one short autocommit connection in a worker thread (the web's
 memo asks at most once a second per question), with libpq's and the server's timeouts.
 """
@@ -75,6 +76,11 @@ class ClusterDatabase:
         now = min(until, datetime.datetime.now().timestamp())
         entries += [(g["node"], g["username"], g["minor"], g["granted_at"], now) for g in grants]
         return ledger_report(by, entries, since, until)
+
+    async def fairshare(self) -> dict[str, dict[str, Any]]:
+        """None known: each node decays its own usage with its own half-life and shares, which the
+        database does not hold (the Me page says the standing is not available)."""
+        return {}
 
 
 # --- pure: rows in, the daemon's reply shapes out (views.py reads both sources alike)

@@ -12,7 +12,7 @@ from typing import Any
 from gpuguard.messages import clock, cuda_export
 from gpuguard.model import unit_label
 from gpuguard.units import format_size
-from gpuguard.web.views import Cell, Server, Viewer, Waiting, duration, plural
+from gpuguard.web.views import Cell, FairShare, Server, Viewer, Waiting, duration, ordinal, plural
 
 NAV = (("/", "Now"), ("/queue", "Queue"), ("/me", "Me"), ("/usage", "Usage"))
 
@@ -117,7 +117,8 @@ def queue_table(rows: Sequence[Waiting], errors: Sequence[str]) -> str:
 # --- Me
 
 def me_page(user: str, replies: Mapping[str, Mapping[str, Any]], viewer: Viewer, show_users: bool,
-            own: bool) -> str:
+            own: bool, standings: Mapping[str, FairShare | None]) -> str:
+    """standings: server -> the user's fair-share standing there (None: the source does not know it)."""
     whose = "My GPUs" if own else f"{user}'s GPUs"
     parts = [f"<h1>{h(whose)}</h1>"]
     for server, who in sorted(replies.items()):
@@ -142,6 +143,7 @@ def me_page(user: str, replies: Mapping[str, Mapping[str, Any]], viewer: Viewer,
             parts.append(f'<p>No GPU held here.</p><pre class="lines">ssh {h(who["user"])}@{h(server)}\n'
                          "gpuguard request</pre>")
         parts.append(_standing(who.get("queue"), viewer, show_users))
+        parts.append(_fair_share(standings.get(server), own))
         sessions = who.get("sessions") or []
         if sessions:
             rows = "".join(f"<tr><td>{h(clock(s['opened_at']))}</td><td>{h(s['service'])}</td>"
@@ -161,6 +163,20 @@ def _standing(standing: Mapping[str, Any] | None, viewer: Viewer, show_users: bo
     return (f"<h3>Queue</h3><p>Place {standing['position']} of {standing['waiting']} for "
             f"{plural(standing['gpus'], 'GPU')}, since {h(clock(standing['since']))}{estimate}.</p>"
             + (f"<p>Ahead of you:</p><ul>{ahead}</ul>" if ahead else ""))
+
+
+def _fair_share(fair: FairShare | None, own: bool) -> str:
+    if fair is None:
+        return '<section class="fairshare"><h3>Fair share</h3><p>Not available from this source.</p></section>'
+    you = "you" if own else "they"
+    priority = f", priority {fair.priority}" if fair.priority else ""
+    return ('<section class="fairshare"><h3>Fair share</h3>'
+            f'<p>Recent use <span class="hours">{fair.hours:.2f}</span> GPU-hours, share <span class="share">'
+            f'{fair.share:g}</span>{priority}: <span class="rank">{ordinal(fair.rank)} of {fair.of}</span> '
+            f"by usage per share ({fair.per_share:.2f}); a lower rank is served first.</p>"
+            f"<p>When several wait, the queue serves higher priority first, then whoever has used the least "
+            f"per share; use counts less as it ages (half every {h(duration(fair.half_life))}), so the more "
+            f"{you} used lately, the later {you} go.</p></section>")
 
 
 def _events(events: Sequence[Mapping[str, Any]]) -> str:

@@ -41,6 +41,10 @@ class Source(Protocol):
     async def report(self, by: str, since: float, until: float, user: str | None) -> dict[str, dict[str, Any]]:
         """Server name -> the usage `report` there (user None: everyone's)."""
 
+    async def fairshare(self) -> dict[str, dict[str, Any]]:
+        """Server name -> its `fairshare` reply (every user's decayed usage, share and priority);
+        a server missing: the source does not know its fair share."""
+
 
 async def ask(socket_path: Path | str, op: str, timeout: float = TIMEOUT, **fields: Any) -> dict[str, Any]:
     """One request to a daemon, without blocking the event loop; raises as client.call does."""
@@ -82,6 +86,9 @@ class LocalDaemon:
     async def report(self, by: str, since: float, until: float, user: str | None) -> dict[str, dict[str, Any]]:
         fields: dict[str, Any] = {"by": by, "since": since, "until": until, **({"user": user} if user else {})}
         return {self.name: await ask(self.socket_path, "report", **fields)}
+
+    async def fairshare(self) -> dict[str, dict[str, Any]]:
+        return {self.name: await ask(self.socket_path, "fairshare")}
 
 
 class Memo:

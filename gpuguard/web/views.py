@@ -172,6 +172,49 @@ def queue_rows(server: str, status: Mapping[str, Any], standings: Mapping[str, M
     return rows
 
 
+# --- fair share
+
+@dataclass(frozen=True)
+class FairShare:
+    """One user's fair-share standing on a server, as the queue counts it (the `fairshare` reply)."""
+
+    hours: float        # recent GPU-hours, decayed: each hour counts half after every half-life
+    share: float
+    priority: int
+    rank: int           # 1: served first among those waiting alike
+    of: int             # users ranked: all with recent usage, grants or a queue place, and this one
+    half_life: float    # seconds
+
+    @property
+    def per_share(self) -> float:
+        return self.hours / self.share
+
+
+def fair_share(user: str, quota: Mapping[str, Any] | None, reply: Mapping[str, Any] | None) -> FairShare | None:
+    """The user's place in the daemon's `fairshare` order: higher priority first, then less usage per
+    share, then name, as the queue serves. A user missing from it has no recent usage (their share
+    and priority from whoami's quota). Only counts come out: no other user's name reaches the page.
+    None: no reply (a source that does not know fair share)."""
+    if reply is None:
+        return None
+    users = reply["users"]
+    own = next((u for u in users if u["user"] == user), None)
+    if own is None:
+        if quota is None:
+            return None
+        own = {"user": user, "usage": 0.0, "share": quota["share"], "priority": quota["priority"],
+               "normalized": 0.0}
+    key = _fair_key(own)
+    others = [u for u in users if u["user"] != user]
+    rank = 1 + sum(1 for u in others if _fair_key(u) < key)
+    return FairShare(own["usage"] / 3600, own["share"], own["priority"], rank, len(others) + 1,
+                     reply["half_life"])
+
+
+def _fair_key(u: Mapping[str, Any]) -> tuple[int, float, str]:
+    return -u["priority"], u["normalized"], u["user"]
+
+
 # --- usage
 
 @dataclass(frozen=True)
@@ -236,6 +279,12 @@ def _csv_safe(text: str) -> str:
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def duration(seconds: float) -> str:

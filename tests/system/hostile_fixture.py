@@ -17,14 +17,17 @@ READY_WITHIN = 20.0  # seconds for a workload's first process to register, on a 
 
 @pytest.fixture
 def hostile() -> Iterator:
-    """Start a hostile workload as a user (in a session of its own); all are killed at the end."""
+    """Start a hostile workload as a user (in a session of its own); all are killed at the end.
+    script: another workload script (devtools/floods.py); before: argv in front (e.g. unshare)."""
     started: list[subprocess.Popen] = []
 
-    def start(user, *args: str) -> subprocess.Popen:
-        proc = popen_as(user, [PYTHON, str(HOSTILE), *map(str, args)], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    def start(user, *args: str, script: Path = HOSTILE, before: tuple[str, ...] = (), env: dict | None = None,
+              within: float = READY_WITHIN) -> subprocess.Popen:
+        proc = popen_as(user, [*before, PYTHON, str(script), *map(str, args)], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, start_new_session=True,
+                        env={**os.environ, **(env or {})})
         started.append(proc)
-        ready, _, _ = select.select([proc.stdout], [], [], READY_WITHIN)
+        ready, _, _ = select.select([proc.stdout], [], [], within)
         line = proc.stdout.readline() if ready else ""
         assert line == "ready\n", f"{args[0]} did not start: {line!r} {proc.stderr.read() if proc.poll() else ''}"
         return proc

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import PYTHON
 
-from gpuguard.cli import COMMANDS, PAM_HOOK, build_parser, split_command
+from gpuguard.cli import COMMANDS, PAM_HOOK, build_parser, quick_arguments, split_command
 
 # Run a command in a fresh interpreter and print the gpuguard and heavy stdlib modules it loaded.
 LOADED = """
@@ -65,3 +65,25 @@ def test_every_registered_command_is_in_the_table() -> None:
 ])
 def test_split_command(argv, expected) -> None:
     assert split_command(argv) == expected
+
+
+QUICK_ARGV = [["whoami"], ["whoami", "--json"], ["whoami", "--user", "bob"], ["whoami", "--user=bob", "--json"],
+              ["--config", "/x.toml", "status", "-u", "bob", "--csv"], ["status", "--json", "--user", "a"], ["env"],
+              ["--config=/y.toml", "env"], ["whoami", "--user", "a", "--user", "b"], ["status", "--cluster"],
+              ["status", "--csv", "--no-header"], ["status", "--cluster", "--json"]]
+
+
+@pytest.mark.parametrize("argv", QUICK_ARGV)
+def test_the_quick_path_reads_argv_as_the_full_parser_does(argv) -> None:
+    """whoami, status and env skip argparse for their plain options: what they get must be what
+    the full parser (the one help, completion and the man page come from) would give them."""
+    quick = quick_arguments(*split_command(argv))
+    assert quick is not None
+    assert vars(quick) == vars(build_parser(split_command(argv)[1]).parse_args(argv))
+
+
+@pytest.mark.parametrize("argv", [["whoami", "--help"], ["whoami", "--jsn"], ["status", "--json", "--csv"],
+                                  ["whoami", "--user"], ["whoami", "--user", "--json"], ["status", "-ubob"],
+                                  ["whoami", "--json", "--json"], ["request"], ["env", "x"]])
+def test_anything_else_goes_to_the_full_parser(argv) -> None:
+    assert quick_arguments(*split_command(argv)) is None

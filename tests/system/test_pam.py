@@ -40,7 +40,7 @@ from ssh_harness import (
 )
 
 from devtools.harness import wait_for
-from gpuguard import config, pam_hook
+from gpuguard import config, daemon_socket, pam_hook
 from gpuguard.backends import posix_acl
 
 pytestmark = pytest.mark.usefixtures("pam_module")  # built once per session (tests/ssh_harness.py)
@@ -334,8 +334,8 @@ def test_hook_request_from_the_pam_environment():
 
 def test_hook_finds_the_socket_like_the_daemon(sandbox):
     """The hook reads paths.socket itself (cheaply); it must agree with gpuguard.config."""
-    assert pam_hook.DEFAULT_CONFIG == str(config.DEFAULT_PATH)
-    assert pam_hook.DEFAULT_SOCKET == str(config.PathsConfig().socket)
+    assert daemon_socket.DEFAULT_CONFIG == str(config.DEFAULT_PATH)
+    assert daemon_socket.DEFAULT_SOCKET == str(config.PathsConfig().socket)
     good = sandbox / "good.toml"
     good.write_text('[paths]\nsocket = "/srv/gg.sock"\n')
     plain = sandbox / "plain.toml"
@@ -348,7 +348,7 @@ def test_hook_finds_the_socket_like_the_daemon(sandbox):
     assert pam_hook.socket_path(None, None, {"GPUGUARD_CONFIG": str(good)}) == "/srv/gg.sock"
     assert pam_hook.socket_path(str(good), "/x.sock", {}) == "/x.sock"
     for path in (plain, broken, odd, sandbox / "absent.toml"):
-        assert pam_hook.socket_path(str(path), None, {}) == pam_hook.DEFAULT_SOCKET
+        assert pam_hook.socket_path(str(path), None, {}) == daemon_socket.DEFAULT_SOCKET
 
 PLAIN_CONFIGS = [
     '[paths]\nsocket = "/srv/a.sock"\n', "[paths]\nsocket='/srv/b.sock'  # ours\n",
@@ -366,10 +366,10 @@ def test_the_hooks_plain_socket_reader_agrees_with_tomllib(text):
     reads must be what tomllib reads, and what it is unsure of it leaves to tomllib."""
     import tomllib
 
-    found = pam_hook.plain_socket(text)
-    if found is not pam_hook._UNSURE:
-        assert found == tomllib.loads(text).get("paths", {}).get("socket", pam_hook.DEFAULT_SOCKET)
-    assert (found is pam_hook._UNSURE) == (PLAIN_CONFIGS.index(text) >= 6)
+    found = daemon_socket.plain_socket(text)
+    if found is not daemon_socket.UNSURE:
+        assert found == tomllib.loads(text).get("paths", {}).get("socket", daemon_socket.DEFAULT_SOCKET)
+    assert (found is daemon_socket.UNSURE) == (PLAIN_CONFIGS.index(text) >= 6)
 
 
 # ------------------------------------------------------------------ the real daemon

@@ -93,7 +93,9 @@ def test_a_queue_grant_reaches_the_users_webhook_and_mailbox(start_daemon, recei
     (mail,) = mails(sandbox)
     assert mail.startswith(f"-oi\n--\n{bob.name}@lab.example\n")
     assert f"To: {bob.name}@lab.example" in mail and f"Subject: gpuguard on {socket.gethostname()}: GPU 0" in mail
-    assert wait_for(lambda: 'gpuguard_notices_total{channel="webhook",outcome="sent"} 1.0' in textfile.read_text()
+    # The textfile is first written after the daemon's first tick, which may come after the grant.
+    assert wait_for(lambda: textfile.exists()
+                    and 'gpuguard_notices_total{channel="webhook",outcome="sent"} 1.0' in textfile.read_text()
                     and 'gpuguard_notices_total{channel="mail",outcome="sent"} 1.0' in textfile.read_text())
 
 
@@ -112,7 +114,7 @@ def test_per_user_addresses_from_a_file_and_failures_logged_and_counted(start_da
         assert d.cli_as(alice, "release").returncode == 0
         waiting.communicate(timeout=60)
 
-    assert wait_for(lambda: 'outcome="failed"} 1.0' in textfile.read_text()
+    assert wait_for(lambda: textfile.exists() and 'outcome="failed"} 1.0' in textfile.read_text()
                     and textfile.read_text().count('outcome="failed"') == 2)
     assert [path for path, _ in receiver.posts] == ["/fail/bob"]  # bob's own address, over the template
     log = d.log()

@@ -5,11 +5,14 @@ kill). setpriv stands in for systemd's CapabilityBoundingSet= (this machine's PI
 Each capability of the set is also dropped in turn, to see that the daemon then fails at the job
 it is there for: the set is what the daemon needs, not a guess. (Found this way: CAP_FOWNER is not
 needed, since the daemon chowns a node to root before it touches its mode and ACL, and CAP_BPF adds
-nothing to CAP_SYS_ADMIN, which bpf() needs anyway to query and open programs by id.)
+nothing to CAP_SYS_ADMIN, which bpf() needs anyway to query and open programs by id. CAP_NET_ADMIN:
+on this kernel (6.18) anyone may subscribe to process events, so without it the daemon still
+follows processes, but with the kernel's default receive buffer, which a burst of forks overflows.)
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -23,6 +26,7 @@ from test_shipped_files import setting, unit_sections
 from devtools.harness import wait_for
 from gpuguard import client
 from gpuguard.backends.posix_acl import acl_users
+from gpuguard.backends.proc_events import RECEIVE_BUFFER
 from gpuguard.model import NVIDIA_MAJOR
 
 pytestmark = pytest.mark.gate
@@ -34,7 +38,8 @@ CAPABILITIES = setting(unit_sections(UNIT), "Service", "CapabilityBoundingSet").
 NEEDED = {"CAP_CHOWN": (0, "take a node back"), "CAP_DAC_READ_SEARCH": (2, "find holders"),
           "CAP_KILL": (5, "end holders"), "CAP_SYS_PTRACE": (19, "find holders"),
           "CAP_SYS_ADMIN": (21, "start"),  # query, attach and open the gate by id
-          "CAP_MKNOD": (27, "start")}      # the GPU nodes NVML opens at start
+          "CAP_MKNOD": (27, "start"),      # the GPU nodes NVML opens at start
+          "CAP_NET_ADMIN": (12, "follow processes")}  # process events, with their full receive buffer
 
 
 def setpriv(capabilities: list[str]) -> tuple[str, ...]:
@@ -51,9 +56,22 @@ def test_the_unit_names_only_capabilities_this_test_knows() -> None:
     assert sorted(CAPABILITIES) == sorted(NEEDED)
 
 
+def following_processes(d) -> bool:
+    """Whether the daemon's process index is subscribed with the receive buffer it asks for (the kernel
+    grants it doubled, socket(7); without CAP_NET_ADMIN at most net.core.rmem_max doubled: 4 MiB here)."""
+    if not wait_for(lambda: "event=process_index" in d.log(), timeout=10):
+        return False
+    started = next(line for line in d.log().splitlines() if "event=process_index " in line or
+                   "event=process_index_unavailable" in line)
+    granted = re.search(r"receive_buffer=(\d+)", started)
+    return granted is not None and int(granted.group(1)) >= 2 * RECEIVE_BUFFER
+
+
 def jobs_undone(d) -> list[str]:
     """Run the daemon's privileged jobs; the names of those it did not do ([]: all done)."""
     undone = []
+    if not following_processes(d):
+        undone.append("follow processes")
     if not all(stat.S_ISCHR((st := os.stat(d.node(m))).st_mode) and stat.S_IMODE(st.st_mode) == 0o660
                and st.st_uid == 0 for m in range(4) if d.node(m).exists()) or not d.node(0).exists():
         undone.append("make nodes")  # mknod, root:root 0660

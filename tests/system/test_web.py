@@ -8,8 +8,8 @@ README's picture.
 from __future__ import annotations
 
 import pytest
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import WebDriverWait
 from web_harness import ARTEFACTS, set_password
 
@@ -23,6 +23,12 @@ def cell(driver, label: str):
     return driver.find_element(By.CSS_SELECTOR, f'.cell[data-unit="{label}"]')
 
 
+def live(driver) -> WebDriverWait:
+    """A wait on the live grid: a cell found may be replaced by the next update before it is read
+    (stale), which is one more poll, not a failure."""
+    return WebDriverWait(driver, LIVE_TIMEOUT, ignored_exceptions=(StaleElementReferenceException,))
+
+
 def log_in(driver, url: str, user: str, password: str) -> None:
     driver.get(url + "/login")
     driver.find_element(By.NAME, "user").send_keys(user)
@@ -31,7 +37,21 @@ def log_in(driver, url: str, user: str, password: str) -> None:
     button.click()
     # The click only starts the POST (PAM's delay after a wrong password included): wait for the
     # page that answers it before anything reads the page.
-    WebDriverWait(driver, LIVE_TIMEOUT).until(staleness_of(button))
+    WebDriverWait(driver, LIVE_TIMEOUT).until(lambda _: gone(button))
+
+
+def gone(element) -> bool:
+    """staleness_of, also when Chrome is caught mid-navigation: then it answers "Node with given id
+    does not belong to the document" (an unknown error), not a stale reference."""
+    try:
+        element.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as exc:
+        if "does not belong to the document" in (exc.msg or ""):
+            return True
+        raise
+    return False
 
 
 def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
@@ -43,7 +63,7 @@ def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
     burns(daemon.config_path, 2, "6GiB", user=carol)  # over carol's 4 GiB quota
     site = web.start(daemon)
     browser.get(site.url + "/")
-    WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "2").get_attribute("data-state") == "over")
+    live(browser).until(lambda d: cell(d, "2").get_attribute("data-state") == "over")
     assert cell(browser, "0").get_attribute("data-state") == "free"
     assert cell(browser, "1").get_attribute("data-state") == "held"
     assert "1 proc" in cell(browser, "1").text and "of 4GiB" in cell(browser, "1").text
@@ -52,7 +72,7 @@ def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
 
     daemon.call("grant", user=alice.name, minors=[0])
 
-    WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "0").get_attribute("data-state") == "held")
+    live(browser).until(lambda d: cell(d, "0").get_attribute("data-state") == "held")
     assert browser.execute_script("return window.ggtSamePage") is True
     assert alice.name in cell(browser, "0").find_element(By.CSS_SELECTOR, ".user").text
     assert cell(browser, "3").get_attribute("data-state") == "free"
@@ -61,7 +81,7 @@ def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
     browser.save_screenshot(str(ARTEFACTS / "web-now.png"))  # the README's picture (docs/web.png)
 
     daemon.call("revoke", user=alice.name)
-    WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: cell(d, "0").get_attribute("data-state") == "free")
+    live(browser).until(lambda d: cell(d, "0").get_attribute("data-state") == "free")
 
 
 def test_login_me_page_refusal_and_hostile_strings(start_daemon, web, browser):
@@ -74,6 +94,7 @@ def test_login_me_page_refusal_and_hostile_strings(start_daemon, web, browser):
     opened = daemon.call("session_open", user=alice.name, service="ggt-test", rhost=hostile_host,
                          tty=hostile_tty, pid=caller.pid, grant="always")
     (minor,) = opened["gpus"]
+    assert daemon.open_session(bob)["gpus"] != [minor]  # bob's grant starts later: less usage than alice's
     site = web.start(daemon)
 
     # A wrong password is refused, and the name typed is shown back as text.
@@ -93,6 +114,18 @@ def test_login_me_page_refusal_and_hostile_strings(start_daemon, web, browser):
     assert browser.find_element(By.CSS_SELECTOR, "td.tty").text == hostile_tty
     assert not browser.find_elements(By.ID, "ggt-bold")
     assert browser.execute_script("return window.ggtPwned") is None
+
+    # Her fair-share standing, as the daemon's own `fairshare` counts it: both hold a GPU, with
+    # one share each; hers started first, so she has used more and is served after bob.
+    standing = browser.find_element(By.CSS_SELECTOR, "section.fairshare")
+    users = daemon.call("fairshare")["users"]  # asked after the page: her usage has only grown since
+    assert [u["user"] for u in users] == [bob.name, alice.name]
+    assert standing.find_element(By.CSS_SELECTOR, ".rank").text == "2nd of 2"
+    hours = float(standing.find_element(By.CSS_SELECTOR, ".hours").text)
+    (own,) = [u for u in users if u["user"] == alice.name]
+    assert 0 <= hours <= own["usage"] / 3600 + 0.005  # her usage since, rounded to the page's 2 decimals
+    assert standing.find_element(By.CSS_SELECTOR, ".share").text == "1"
+    assert "a lower rank is served first" in standing.text and bob.name not in standing.text
 
     browser.get(f"{site.url}/users/{bob.name}")
     assert browser.find_element(By.TAG_NAME, "h1").text == "Refused"

@@ -296,13 +296,13 @@ class World:
         self.store, self.grants, self.exempt, self.queue = s.store, s.grants, s.exempt, s.queue
         self.watcher, self.api, self.logout, self.holder_ender = s.watcher, s.api, s.logout, s.holders
 
-    def find_holders(self, units: Iterable[int], uids: Collection[int],
+    def find_holders(self, units: Iterable[int], uids: Collection[int] | None,
                      devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]:
         """The /proc scan: the holders a test listed, on those GPUs, of those users; counted."""
         self.scans += 1
-        self.scanned_uids.append(frozenset(uids))
+        self.scanned_uids.append(None if uids is None else frozenset(uids))  # None: a walk of all of /proc
         wanted = set(units)
-        return [h for h in self.holders if h.minor in wanted and h.uid in uids]
+        return [h for h in self.holders if h.minor in wanted and (uids is None or h.uid in uids)]
 
     def _reload(self) -> Config:
         self.reloads += 1

@@ -147,3 +147,16 @@ def test_the_close_that_ends_the_last_session_scans_only_that_users_processes(wo
             world.call("session_close", user=user.name, pid=pid * 10000 + user.uid)
     assert world.scans == len(users)  # one per last close, none for the first ones
     assert world.scanned_uids == [frozenset({user.uid}) for user in users]  # each reads one user's processes
+
+
+def test_requests_and_releases_are_rate_limited_per_user(world):
+    """Each request writes the store and each release scans /proc: a burst, then a refusal that
+    says when to try again; another user is not held back."""
+    world.quota(gpus=1)
+    world.lookup.add("alice", 1001, GROUP)
+    world.lookup.add("bob", 1002, GROUP)
+    replies = [world.call(op, uid=1001) for _ in range(8) for op in ("request", "release")]
+    assert all(r["ok"] for r in replies[:10]), replies[:10]  # a burst of 5 of each
+    limited = [r for r in replies[10:] if not r["ok"]]
+    assert limited and all(r["error"].startswith("too many ") and "try again in" in r["error"] for r in limited)
+    assert world.call("request", uid=1002)["ok"]

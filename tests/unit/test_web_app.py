@@ -8,6 +8,7 @@ import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from gpuguard.client import DaemonUnreachable
 from gpuguard.config import WebConfig
 from gpuguard.web.app import CSP, MAX_BODY, Web, build
 from gpuguard.web.sessions import Signer
@@ -42,6 +43,12 @@ class Canned:
                          "quota": {"gpus": 1, "gpu_memory": None, "max_time": None}, "grants": [], "sessions": [],
                          "events": [], "queue": {"position": 1, "waiting": 1, "gpus": 1, "since": 0.0,
                                                  "ahead": [], "estimate": None}}}
+
+    async def fairshare(self):
+        self.calls.append(("fairshare",))
+        users = [{"user": name, "uid": uid, "usage": usage, "share": 1.0, "priority": 0, "normalized": usage}
+                 for name, uid, usage in (("carol", 1003, 60.0), ("alice", 1001, 3600.0), ("bob", 1002, 7200.0))]
+        return {"gpu1": {"ok": True, "users": users, "half_life": 86400.0, "now": time.time()}}
 
     async def report(self, by, since, until, user):
         self.calls.append(("report", by, user))
@@ -112,6 +119,8 @@ def test_me_another_users_page_and_the_admin():
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
         me = await (await client.get("/me")).text()
         assert "My GPUs" in me and "Place 1 of 1" in me
+        assert '<span class="hours">1.00</span>' in me and '<span class="rank">2nd of 3</span>' in me
+        assert "bob" not in me and "carol" not in me  # the standing is counted, not named
         refused = await client.get("/users/bob")
         assert refused.status == 403 and ("whoami", "bob") not in source.calls
         assert (await client.get("/usage.csv")).status == 200
@@ -125,6 +134,18 @@ def test_me_another_users_page_and_the_admin():
         assert ("report", "user", None) in source.calls  # an admin's: everyone's
         assert (await client.get("/usage?since=2026-13-01")).status == 400
         assert (await client.get("/usage?since=2020-01-01&until=2026-01-01")).status == 400
+    run(scenario)
+
+
+def test_me_page_stays_when_fair_share_cannot_be_read():
+    async def scenario(client, source):
+        async def unreachable():
+            raise DaemonUnreachable("gpuguard daemon not reachable")
+        source.fairshare = unreachable
+        await log_in(client, "alice")
+        reply = await client.get("/me")
+        page = await reply.text()
+        assert reply.status == 200 and "Place 1 of 1" in page and "Not available from this source." in page
     run(scenario)
 
 

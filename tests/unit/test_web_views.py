@@ -134,8 +134,54 @@ def test_hostile_strings_are_text_in_every_page_part():
               "quota": {"gpus": 1, "gpu_memory": None, "max_time": None},
               "grants": [], "sessions": [{"opened_at": NOW, "service": evil, "tty": evil, "rhost": evil}],
               "events": [{"time": NOW, "kind": "grant", "rule": evil, "minor": 0, "message": evil}], "queue": None}
-    page = me_page(evil, {evil: whoami}, ALICE, True, own=False)
+    page = me_page(evil, {evil: whoami}, ALICE, True, own=False, standings={evil: None})
     assert "<script>" not in page and page.count(h(evil)) >= 6
+
+
+def fairshare_reply(*users):
+    """A `fairshare` reply as the daemon sends it: (name, decayed GPU-seconds, share, priority)."""
+    rows = [{"user": name, "uid": 1000 + i, "usage": usage, "share": share, "priority": priority,
+             "normalized": usage / share} for i, (name, usage, share, priority) in enumerate(users)]
+    rows.sort(key=lambda u: (-u["priority"], u["normalized"], u["user"]))
+    return {"ok": True, "users": rows, "half_life": 7 * 86400.0, "now": NOW}
+
+
+def test_fair_share_ranks_by_priority_then_usage_per_share():
+    reply = fairshare_reply(("alice", 7200.0, 2.0, 0), ("bob", 1800.0, 1.0, 0), ("carol", 36000.0, 1.0, 5),
+                            ("dave", 90000.0, 1.0, 0))
+    alice = views.fair_share("alice", None, reply)
+    # carol's priority puts her first whatever her usage; bob's 0.5 h per share beats alice's 1.0.
+    assert alice == views.FairShare(2.0, 2.0, 0, 3, 4, 7 * 86400.0) and alice.per_share == 1.0
+    assert views.fair_share("carol", None, reply).rank == 1
+    assert views.fair_share("dave", None, reply).rank == 4
+
+
+def test_fair_share_of_a_user_without_recent_usage_and_of_no_source():
+    reply = fairshare_reply(("bob", 1800.0, 1.0, 0), ("carol", 0.0, 1.0, 0))
+    erin = views.fair_share("erin", {"share": 1.0, "priority": 0}, reply)
+    assert (erin.hours, erin.rank, erin.of) == (0.0, 2, 3)  # carol's name breaks the tie, as the queue's does
+    assert views.fair_share("erin", {"share": 1.0, "priority": 1}, reply).rank == 1
+    assert views.fair_share("erin", None, reply) is None  # no quota known: no share to rank by
+    assert views.fair_share("alice", {"share": 1.0, "priority": 0}, None) is None
+
+
+def test_me_page_fair_share_block_names_no_one_else():
+    whoami = {"user": "alice", "uid": 1, "member": True, "group": "g", "exempt": False, "quota": None,
+              "grants": [], "sessions": [], "events": [], "queue": None}
+    reply = fairshare_reply(("alice", 3 * 3600.0, 1.5, 0), ("bob", 1800.0, 1.0, 0), ("carol", 99.0, 1.0, 0))
+    standing = views.fair_share("alice", None, reply)
+    page = me_page("alice", {"gpu1": whoami, "gpu2": whoami}, ALICE, False, own=True,
+                   standings={"gpu1": standing, "gpu2": None})
+    assert "Recent use <span class=\"hours\">3.00</span> GPU-hours, share <span class=\"share\">1.5</span>" in page
+    assert '<span class="rank">3rd of 3</span> by usage per share (2.00); a lower rank is served first.' in page
+    assert "half every 7d00h" in page and "the more you used lately, the later you go" in page
+    assert "Not available from this source." in page  # gpu2: the cluster database knows no fair share
+    assert "bob" not in page and "carol" not in page
+
+
+def test_ordinals():
+    assert [views.ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 112)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "112th"]
 
 
 def test_durations():

@@ -1,0 +1,148 @@
+"""Floods a hostile local user can make, run as that user: `PYTHON devtools/floods.py KIND ...`
+(the flood tests and `make bench` share them).
+
+Each prints `ready` once its flood stands, then keeps it up until killed (its process group:
+the runner starts it in a session of its own).
+
+    slowloris PORT N        N TCP connections to the metrics endpoint, each sending an HTTP
+                            request a few bytes at a time and never finishing it; one the
+                            daemon closes is opened again
+    subuids SOCKET UIDS N   run as root of a user namespace (unshare --map-auto): UIDS
+                            processes, each as another uid of the namespace (a subuid to the
+                            daemon), hold N connections to the socket and open them again every 2 s
+    fds NODE PROCS N        PROCS processes holding N descriptors each of NODE (O_PATH: the
+                            absent driver's open cannot succeed on simulated GPUs)
+    release SOCKET LOOPS    LOOPS processes calling `release` in a loop; each refusal's reason
+                            is counted, and the counts written to the file named by $FLOOD_COUNTS
+                            (one line per reply) as they come
+    forks LOOPS             LOOPS processes forking children that exit at once, as fast as they
+                            can: a flood of the kernel's process events (fork, exit)
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+
+def _ready() -> None:
+    print("ready", flush=True)
+
+
+def _forever(children: int) -> None:
+    for _ in range(children):
+        os.wait()
+
+
+def slowloris(port: int, count: int) -> None:
+    held: list[socket.socket | None] = [None] * count
+    asked = [False] * count  # whether the request line went out on that connection
+    started = False
+    while True:
+        for i, sock in enumerate(held):
+            try:
+                if sock is None:  # connected without waiting: a server that stopped accepting costs no time
+                    sock = held[i] = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    sock.setblocking(False)
+                    sock.connect_ex(("127.0.0.1", port))
+                    asked[i] = False
+                else:  # the request line, then one byte of a header line that never ends
+                    sock.send(b"X" if asked[i] else b"GET /metrics HTTP/1.1\r\n")
+                    asked[i] = True
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.ENOTCONN):
+                    continue  # still in the server's listen queue: it stays there
+                if sock is not None:  # closed by the server: a new one next round
+                    sock.close()
+                held[i] = None
+        if not started:
+            started = True
+            _ready()
+        time.sleep(0.5)
+
+
+def subuids(path: str, uids: int, count: int) -> None:
+    for uid in range(1, uids + 1):
+        if os.fork() == 0:
+            os.setgid(uid)  # (setgroups is denied in the namespace: its groups stay the user's)
+            os.setuid(uid)
+            while True:
+                held = []
+                for _ in range(count):
+                    try:
+                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        sock.connect(path)
+                        held.append(sock)
+                    except OSError:
+                        sock.close()
+                time.sleep(2)
+                for sock in held:
+                    sock.close()
+    time.sleep(2)  # every child has made its first round
+    _ready()
+    _forever(uids)
+
+
+def fds(node: str, procs: int, count: int) -> None:
+    for _ in range(procs):
+        if os.fork() == 0:
+            first = os.open(node, os.O_PATH)
+            for _ in range(count - 1):
+                os.dup(first)
+            signal.pause()
+    time.sleep(1)
+    _ready()
+    _forever(procs)
+
+
+def release(path: str, loops: int) -> None:
+    counts = os.environ["FLOOD_COUNTS"]
+    for _ in range(loops):
+        if os.fork() == 0:
+            while True:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(60)
+                    sock.connect(path)
+                    sock.sendall(b'{"v": 1, "op": "release"}\n')
+                    reply = json.loads(b"".join(iter(lambda: sock.recv(65536), b"")) or b"{}")
+                with open(counts, "a") as out:  # one short line per write: appends do not interleave
+                    out.write(json.dumps(reply.get("error", "ok")) + "\n")
+    _ready()
+    _forever(loops)
+
+
+def forks(loops: int) -> None:
+    for _ in range(loops):
+        if os.fork() == 0:
+            while True:
+                if os.fork() == 0:
+                    os._exit(0)
+                os.wait()
+    _ready()
+    _forever(loops)
+
+
+def main(argv: list[str]) -> int:
+    kind, args = argv[0], argv[1:]
+    if kind == "slowloris":
+        slowloris(int(args[0]), int(args[1]))
+    elif kind == "subuids":
+        subuids(args[0], int(args[1]), int(args[2]))
+    elif kind == "fds":
+        fds(args[0], int(args[1]), int(args[2]))
+    elif kind == "release":
+        release(args[0], int(args[1]))
+    elif kind == "forks":
+        forks(int(args[0]))
+    else:
+        print(f"unknown flood {kind}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
