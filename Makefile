@@ -79,7 +79,7 @@ test-unit: venv
 
 # ruff (pyflakes, pycodestyle, import order, pyupgrade, bugbear) and mypy, as configured in pyproject.toml.
 lint: venv
-	$(VENV)/bin/ruff check gpuguard devtools bench tests
+	$(VENV)/bin/ruff check gpuguard devtools bench tests packaging
 	$(VENV)/bin/mypy
 
 # The locked dependencies (tomli included) and the pure tests on Python 3.10.

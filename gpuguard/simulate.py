@@ -231,7 +231,7 @@ class _Nowhere:
         return None
 
 
-def _no_holders(units: Iterable[int], uids: Collection[int],
+def _no_holders(units: Iterable[int], uids: Collection[int] | None,
                 devices_of: Callable[[int], Iterable[tuple[int, int]]]) -> list[Holder]:
     """A replay's jobs hold no device nodes beyond what the sample shows."""
     return []

@@ -94,7 +94,7 @@ def command_entries(parser: argparse.ArgumentParser, name: str, help_text: str) 
     children = subcommands(parser)
     if children:
         out = [".SS " + roff(f"gpuguard {name}"), roff(help_text)]
-        for child, (sub, sub_help) in children.items():
+        for sub, sub_help in children.values():
             out += [".PP", "\\fB" + roff(usage(sub)) + "\\fR", ".RS 4", roff(sub_help), *options(sub), ".RE"]
         return out
     return [".SS " + roff(f"gpuguard {name}"), "\\fB" + roff(usage(parser)) + "\\fR", ".PP", roff(help_text),
@@ -335,8 +335,8 @@ def pam_page() -> list[str]:
             "as the gate holds it (it denies by default and keeps the grants it had). With no usable answer the user "
             "is told \"gpuguard: GPU service unavailable; your GPUs stay as they were; tell your admin\", and a user "
             "who still holds GPUs gets CUDA_VISIBLE_DEVICES from the daemon's file /run/gpuguard/held/UID (used only "
-            "when it is a root-owned regular file nobody else may write). It trusts only a daemon running as root: it checks the socket's "
-            "peer (SO_PEERCRED) and otherwise sends and sets nothing."),
+            "when it is a root-owned regular file nobody else may write). It trusts only a daemon running as root: "
+            "it checks the socket's peer (SO_PEERCRED) and otherwise sends and sets nothing."),
         ".SH OPTIONS",
         *items([("socket=PATH", "the daemon's socket (default /run/gpuguard/gpuguard.sock; must match paths.socket in "
                                 "gpuguard.toml(5))"),
