@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpuguard.messages import unit_list
+
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 MODULE = "pam_gpuguard.so"
 PERSISTENCED = "nvidia-persistenced"
@@ -124,9 +126,9 @@ def check_minors(f: Facts) -> Finding:
     if missing:
         return Finding("minors", FAIL, f"no node for {', '.join(missing)}", "gpuguard acl apply")
     if f.backend == "nvml" and sorted(f.driver_minors) != listed:
-        return Finding("minors", WARN, f"the driver has GPUs {sorted(f.driver_minors)}, NVML lists {listed}",
+        return Finding("minors", WARN, f"the driver has GPUs {unit_list(f.driver_minors)}, NVML lists {unit_list(listed)}",
                        "a GPU NVML cannot read stays closed: nvidia-smi -q; dmesg | grep -i nvrm")
-    return Finding("minors", OK, f"GPUs {listed} each have their node")
+    return Finding("minors", OK, f"GPUs {unit_list(listed)} each have their node")
 
 
 def check_nodes(f: Facts) -> Finding:
