@@ -30,7 +30,7 @@ from gpuguard.logout import LogoutRelease
 from gpuguard.logs import event
 from gpuguard.lookups import KnownAccounts
 from gpuguard.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
-from gpuguard.model import Event, EventKind, Grant, Origin, Quota, Rule, is_slice, unit_label, unit_parent
+from gpuguard.model import Account, Event, EventKind, Grant, Origin, Quota, Rule, is_slice, unit_label, unit_parent
 from gpuguard.queueing import Queue, Standing
 from gpuguard.release import Releases
 from gpuguard.reload_effects import ReloadEffects
@@ -138,7 +138,7 @@ class Api:
             event(logging.ERROR, "session_open_failed", exc_info=known is None, user=user, pid=pid, error=known)
             return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
 
-    def _open_session(self, account: accounts.Account, service: str, rhost: str, tty: str, pid: int,
+    def _open_session(self, account: Account, service: str, rhost: str, tty: str, pid: int,
                       grant: str = "auto") -> dict[str, Any]:
         store, config = self.store, self.config()
         now = self.clock()
@@ -708,22 +708,22 @@ class Api:
 
     # --- who is asking (NSS, off the event loop)
 
-    def _eligibility(self, account: accounts.Account) -> policy.Eligibility:
+    def _eligibility(self, account: Account) -> policy.Eligibility:
         return policy.eligibility(account.uid, account.name, account.groups, self.config().access)
 
-    async def _account_named(self, name: str) -> accounts.Account:
+    async def _account_named(self, name: str) -> Account:
         try:
             return await self.lookup.by_name(name)
         except accounts.UnknownUser as exc:
             raise Refusal(str(exc), 2) from None
 
-    async def _account_of(self, peer: Peer) -> accounts.Account:
+    async def _account_of(self, peer: Peer) -> Account:
         try:
             return await self.lookup.by_uid(peer.uid)
         except accounts.UnknownUser as exc:
             raise Refusal(str(exc)) from None
 
-    async def _subject(self, request: dict[str, Any], peer: Peer) -> accounts.Account:
+    async def _subject(self, request: dict[str, Any], peer: Peer) -> Account:
         """The caller, or (root only) the user the request names."""
         name = _field(request, "user", str, None)
         if name is None:

@@ -11,11 +11,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from gpuguard.backends.accounts import Account
-    from gpuguard.backends.procfs import ProcessIdentity
-    from gpuguard.backends.signals import Result
     from gpuguard.config import AccessConfig
-    from gpuguard.model import Device
+    from gpuguard.model import Account, Device, ProcessIdentity, SignalResult
     from gpuguard.sampling import Holder, Sample
 
 Clock = Callable[[], float]  # wall-clock seconds: time.time, or a replay's virtual clock
@@ -114,7 +111,7 @@ class Processes(Protocol):
 
     def state(self, identity: ProcessIdentity) -> str | None: ...
 
-    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> Result: ...
+    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> SignalResult: ...
 
 
 class FleetDatabase(Protocol):

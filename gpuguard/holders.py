@@ -33,13 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuguard import sampling
-from gpuguard.backends.procfs import ProcessIdentity
-from gpuguard.backends.signals import Outcome
 from gpuguard.edges import Clock, GpuSampler, Processes
 from gpuguard.exempt import Exempt
 from gpuguard.logs import event
 from gpuguard.messages import unit_list
-from gpuguard.model import Event, Rule
+from gpuguard.model import Event, ProcessIdentity, Rule, SignalOutcome
 from gpuguard.rules import Kind
 from gpuguard.scans import Scans
 from gpuguard.store import Store
@@ -195,7 +193,7 @@ class HolderEnder:
         if not result.sent:
             event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
                   outcome=result.outcome.value, detail=result.detail or None)
-            if result.outcome is Outcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
+            if result.outcome is SignalOutcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
                 self._record(identity, minors, user, Kind.REPORT, why, {"euid": 0},
                              f"runs as root and holds GPU {unit_list(minors)}, which is no longer yours ({why}); "
                              "gpuguard does not signal root's processes: end it yourself, or ask your admin", uid)

@@ -15,10 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gpuguard import policy
 from gpuguard.backends import accounts
-from gpuguard.backends.accounts import Account
 from gpuguard.config import AccessConfig, Config
 from gpuguard.edges import Lookup
-from gpuguard.model import Quota
+from gpuguard.model import Account, Quota
 
 NSS_TIMEOUT = 5.0  # seconds: past the PAM module's own 2 s wait, so a slow login still gets its reply
 NSS_THREADS = 4

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
+from typing import NamedTuple
 
 from gpuguard.compat import StrEnum
 from gpuguard.unit_numbers import CI_SLOTS as CI_SLOTS
@@ -34,6 +35,41 @@ Device = tuple[int, int]  # (major, minor) of a character device node
 MIG_PROFILE = re.compile(r"(?:\d+c\.)?\d+g\.\d+gb(?:\+\w+)?")
 
 
+
+
+@dataclass(frozen=True)
+class Account:
+    """A user as NSS answers (backends.accounts asks it)."""
+
+    name: str
+    uid: int
+    groups: frozenset[str]  # names of the primary and all supplementary groups
+
+
+class ProcessIdentity(NamedTuple):
+    """A process as the kernel knows it: the pid is reused, the (pid, start_time) pair is not."""
+
+    pid: int
+    uid: int         # real uid: the one the gate's bpf_get_current_uid_gid() sees
+    start_time: int  # clock ticks after boot, /proc/<pid>/stat field 22
+
+
+class SignalOutcome(str, Enum):
+    """What sending a signal to a ProcessIdentity came to (backends.signals.send)."""
+
+    SENT = "sent"        # delivered to the process the identity names
+    GONE = "gone"        # exited, or the pid now belongs to another process (which was not touched)
+    REFUSED = "refused"  # root or exempt: never signalled
+
+
+@dataclass(frozen=True)
+class SignalResult:
+    outcome: SignalOutcome
+    detail: str = ""
+
+    @property
+    def sent(self) -> bool:
+        return self.outcome is SignalOutcome.SENT
 
 
 class Link(IntEnum):

@@ -21,7 +21,7 @@ from gpuguard.config import Config
 from gpuguard.edges import Lookup
 from gpuguard.logs import event
 from gpuguard.messages import clock, unit_list
-from gpuguard.model import Event, EventKind, Rule
+from gpuguard.model import Account, Event, EventKind, Rule
 from gpuguard.release import Releases, Tell
 from gpuguard.store import Store
 from gpuguard.units import format_duration
@@ -52,7 +52,7 @@ class ReloadEffects:
             except Exception:  # one user's failure (a gate error) must not spare the others
                 event(logging.ERROR, "reload_effects_failed", exc_info=True, uid=uid)
 
-    def expel_if_gone(self, account: accounts.Account, config: Config, now: float, leave_queue: LeaveQueue) -> bool:
+    def expel_if_gone(self, account: Account, config: Config, now: float, leave_queue: LeaveQueue) -> bool:
         """Take the grants and the place in the queue of a user who is no longer a member (True)."""
         access = config.access
         if policy.eligibility(account.uid, account.name, account.groups, access) != policy.Eligibility.OUTSIDER:
@@ -71,7 +71,7 @@ class ReloadEffects:
         self.tell(account.uid, account.name, text)
         return True
 
-    def _idle_notice(self, account: accounts.Account, old: float | None, new: float | None, now: float) -> None:
+    def _idle_notice(self, account: Account, old: float | None, new: float | None, now: float) -> None:
         if new is None or (old is not None and new >= old):
             return
         grace = min(new, IDLE_NOTICE)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuguard.backends import procfs, signals
 from gpuguard.logs import event
-from gpuguard.model import Device, GpuProcess, GpuUse
+from gpuguard.model import Device, GpuProcess, GpuUse, ProcessIdentity
 
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import MigLayout
@@ -34,7 +34,7 @@ MAX_AGE = 1.0  # seconds a sample is reused: process queries serialize on the dr
 class Sample:
     time: float
     processes: tuple[GpuProcess, ...]  # on the GPUs in `minors`
-    owners: Mapping[int, procfs.ProcessIdentity]  # pid -> identity; pids that exited meanwhile are absent
+    owners: Mapping[int, ProcessIdentity]  # pid -> identity; pids that exited meanwhile are absent
     minors: frozenset[int] = frozenset()  # GPUs whose processes were read
     failed: Mapping[int, str] = field(default_factory=dict)  # minor -> NVML error, for GPUs not read
     use: Mapping[int, GpuUse] = field(default_factory=dict)  # minor -> memory and utilisation, GPUs that answered

@@ -44,12 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard import logs, policy, rules, wiring
-from gpuguard.backends.accounts import Account
-from gpuguard.backends.procfs import ProcessIdentity
-from gpuguard.backends.signals import Outcome
-from gpuguard.backends.signals import Result as SignalResult
 from gpuguard.config import AccessConfig, Config
-from gpuguard.model import Gpu, GpuProcess, Origin, Quota
+from gpuguard.model import Account, Gpu, GpuProcess, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
 from gpuguard.sampling import Holder, Sample
 from gpuguard.server import Peer
 from gpuguard.store import Queued
@@ -210,9 +206,9 @@ class _ReplayProcesses:
 
     def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> SignalResult:
         if self.identity(identity.pid) != identity:
-            return SignalResult(Outcome.GONE, "the job has ended")
+            return SignalResult(SignalOutcome.GONE, "the job has ended")
         self.replay.stopped(identity.pid)
-        return SignalResult(Outcome.SENT)
+        return SignalResult(SignalOutcome.SENT)
 
 
 class _Nowhere:

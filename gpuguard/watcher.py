@@ -32,14 +32,12 @@ from dataclasses import replace
 from typing import Any
 
 from gpuguard import messages, rules
-from gpuguard.backends.procfs import ProcessIdentity
-from gpuguard.backends.signals import Outcome
 from gpuguard.config import Config
 from gpuguard.edges import GpuSampler, Processes, Terminals
 from gpuguard.exempt import Exempt
 from gpuguard.logs import event
 from gpuguard.lookups import KnownAccounts
-from gpuguard.model import Event, unit_label
+from gpuguard.model import Event, ProcessIdentity, SignalOutcome, unit_label
 from gpuguard.release import Releases
 from gpuguard.rules import Action
 from gpuguard.sampling import Sample
@@ -166,7 +164,7 @@ class Watcher:
             identity = ProcessIdentity(proc.pid, proc.uid, proc.start_time)
             result = self.processes.send(identity, _SIGNAL[action.kind], self.exempt.uids)
             if not result.sent:
-                event(logging.INFO if result.outcome is Outcome.GONE else logging.WARNING,
+                event(logging.INFO if result.outcome is SignalOutcome.GONE else logging.WARNING,
                       f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=unit_label(action.minor),
                       outcome=result.outcome.value, detail=result.detail)
                 return False

@@ -11,11 +11,11 @@ import grp
 import os
 import pwd
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from gpuguard.config import AccessConfig
 from gpuguard.errors import GpuguardError
+from gpuguard.model import Account
 
 
 class UnknownUser(GpuguardError, LookupError):
@@ -25,13 +25,6 @@ class UnknownUser(GpuguardError, LookupError):
 class NssFailure(UnknownUser):
     """NSS failed to answer (out of descriptors or memory, a directory server down): not the
     same as "no such user", and said as such; callers still give no GPUs on it."""
-
-
-@dataclass(frozen=True)
-class Account:
-    name: str
-    uid: int
-    groups: frozenset[str]  # names of the primary and all supplementary groups
 
 
 def by_name(name: str) -> Account:

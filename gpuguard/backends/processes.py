@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from gpuguard.backends import procfs, signals
-from gpuguard.backends.procfs import ProcessIdentity
+from gpuguard.model import ProcessIdentity, SignalResult
 
 
 class HostProcesses:
@@ -18,5 +18,5 @@ class HostProcesses:
     def state(self, identity: ProcessIdentity) -> str | None:
         return signals.state(identity)
 
-    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> signals.Result:
+    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> SignalResult:
         return signals.send(identity, sig, exempt)

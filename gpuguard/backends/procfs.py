@@ -13,15 +13,9 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
+from gpuguard.model import ProcessIdentity
+
 PROC = Path("/proc")
-
-
-class ProcessIdentity(NamedTuple):
-    """A process as the kernel knows it: the pid is reused, the (pid, start_time) pair is not."""
-
-    pid: int
-    uid: int         # real uid: the one the gate's bpf_get_current_uid_gid() sees
-    start_time: int  # clock ticks after boot, /proc/<pid>/stat field 22
 
 
 def char_major(name: str) -> int | None:

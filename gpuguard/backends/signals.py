@@ -22,27 +22,10 @@ import errno
 import os
 import signal
 from collections.abc import Collection
-from dataclasses import dataclass
-from enum import Enum
 
 from gpuguard.backends.procfs import STATE_NAMES, ProcessIdentity, comm, inspect
 from gpuguard.escape import printable
-
-
-class Outcome(str, Enum):
-    SENT = "sent"        # delivered to the process the identity names
-    GONE = "gone"        # exited, or the pid now belongs to another process (which was not touched)
-    REFUSED = "refused"  # root or exempt: never signalled
-
-
-@dataclass(frozen=True)
-class Result:
-    outcome: Outcome
-    detail: str = ""
-
-    @property
-    def sent(self) -> bool:
-        return self.outcome is Outcome.SENT
+from gpuguard.model import SignalOutcome, SignalResult
 
 
 def command(pid: int) -> str:
@@ -52,30 +35,30 @@ def command(pid: int) -> str:
     return printable(name) if name else ""
 
 
-def send(identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> Result:
+def send(identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> SignalResult:
     """Send sig to the process `identity` names, and to no other. Never raises for a gone process."""
     try:
         pidfd = os.pidfd_open(identity.pid)
     except ProcessLookupError:
-        return Result(Outcome.GONE, "no such process")
+        return SignalResult(SignalOutcome.GONE, "no such process")
     try:
         info = inspect(identity.pid)
         if info is None or info.state in ("Z", "X"):
-            return Result(Outcome.GONE, "exited")
+            return SignalResult(SignalOutcome.GONE, "exited")
         if info.start_time != identity.start_time or info.uid != identity.uid:
-            return Result(Outcome.GONE, f"pid {identity.pid} now belongs to another process (not signalled)")
+            return SignalResult(SignalOutcome.GONE, f"pid {identity.pid} now belongs to another process (not signalled)")
         if 0 in (info.uid, info.euid) or info.uid in exempt:
-            return Result(Outcome.REFUSED, "root or exempt process")
+            return SignalResult(SignalOutcome.REFUSED, "root or exempt process")
         signal.pidfd_send_signal(pidfd, sig)
     except ProcessLookupError:
-        return Result(Outcome.GONE, "exited")
+        return SignalResult(SignalOutcome.GONE, "exited")
     except OSError as exc:
         if exc.errno == errno.ESRCH:
-            return Result(Outcome.GONE, "exited")
+            return SignalResult(SignalOutcome.GONE, "exited")
         raise
     finally:
         os.close(pidfd)
-    return Result(Outcome.SENT)
+    return SignalResult(SignalOutcome.SENT)
 
 
 def state(identity: ProcessIdentity) -> str | None:

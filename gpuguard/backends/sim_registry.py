@@ -34,6 +34,7 @@ from pathlib import Path
 import pynvml
 
 from gpuguard.backends import GpuError, procfs
+from gpuguard.model import ProcessIdentity
 
 REGISTRY_DIR = ".gpuguard-sim"
 FAIL_FILE = "fail"
@@ -59,7 +60,7 @@ class SimProcess:
         return identity is not None and identity.start_time == self.start_time
 
 
-def _running(pid: int) -> procfs.ProcessIdentity | None:
+def _running(pid: int) -> ProcessIdentity | None:
     """uid and start time of a running process; None when it is gone or a zombie (NVML drops
     a process as soon as it exits, before its parent reaps it)."""
     info = procfs.inspect(pid)

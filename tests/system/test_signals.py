@@ -21,8 +21,7 @@ from freezer import frozen
 
 from devtools.harness import wait_for
 from gpuguard.backends import signals
-from gpuguard.backends.procfs import ProcessIdentity
-from gpuguard.backends.signals import Outcome
+from gpuguard.model import ProcessIdentity, SignalOutcome
 
 ANSWER = 60.0  # seconds: a bound on a reporter answering, not an expectation
 PROBE = signal.SIGRTMAX
@@ -116,7 +115,7 @@ def test_term_reaches_the_process_named(spawn, user):
     proc = spawn()
     identity = identity_of(proc)
     assert identity.uid == user.uid
-    assert signals.send(identity, signal.SIGTERM).outcome is Outcome.SENT
+    assert signals.send(identity, signal.SIGTERM).outcome is SignalOutcome.SENT
     assert received(proc) == [str(int(signal.SIGTERM))]
 
 
@@ -124,14 +123,14 @@ def test_exited_process_is_gone(spawn):
     proc = spawn(["true"])
     proc.wait()
     result = signals.send(ProcessIdentity(proc.pid, 1, 1), signal.SIGKILL)
-    assert result.outcome is Outcome.GONE
+    assert result.outcome is SignalOutcome.GONE
 
 
 def test_zombie_is_gone_not_signalled(spawn):
     proc = spawn(["true"])
     identity = identity_of(proc)  # read before it exits: a zombie keeps its identity
     wait_for(lambda: (info := signals.inspect(proc.pid)) is None or info.state == "Z")
-    assert signals.send(identity, signal.SIGKILL).outcome is Outcome.GONE
+    assert signals.send(identity, signal.SIGKILL).outcome is SignalOutcome.GONE
 
 
 def test_recorded_start_time_of_another_process_is_not_signalled(spawn):
@@ -139,14 +138,14 @@ def test_recorded_start_time_of_another_process_is_not_signalled(spawn):
     identity = identity_of(proc)
     stale = identity._replace(start_time=identity.start_time - 1)  # what an earlier holder of the pid had
     result = signals.send(stale, signal.SIGKILL)
-    assert result.outcome is Outcome.GONE and "another process" in result.detail
+    assert result.outcome is SignalOutcome.GONE and "another process" in result.detail
     assert received(proc) == []
 
 
 def test_wrong_uid_is_not_signalled(spawn):
     proc = spawn()
     identity = identity_of(proc)
-    assert signals.send(identity._replace(uid=identity.uid + 1), signal.SIGKILL).outcome is Outcome.GONE
+    assert signals.send(identity._replace(uid=identity.uid + 1), signal.SIGKILL).outcome is SignalOutcome.GONE
     assert received(proc) == []
 
 
@@ -243,13 +242,13 @@ def test_root_is_never_signalled(spawn):
     proc = spawn(as_root=True)
     identity = identity_of(proc)
     assert identity.uid == 0
-    assert signals.send(identity, signal.SIGKILL).outcome is Outcome.REFUSED
+    assert signals.send(identity, signal.SIGKILL).outcome is SignalOutcome.REFUSED
     assert received(proc) == []
 
 
 def test_exempt_uid_is_never_signalled(spawn, user):
     proc = spawn()
-    assert signals.send(identity_of(proc), signal.SIGKILL, exempt={user.uid}).outcome is Outcome.REFUSED
+    assert signals.send(identity_of(proc), signal.SIGKILL, exempt={user.uid}).outcome is SignalOutcome.REFUSED
     assert received(proc) == []
 
 
@@ -258,7 +257,7 @@ def test_setuid_root_process_is_never_signalled(spawn, user):
     proc = spawn(as_root=True, preexec_fn=lambda: os.setresuid(user.uid, 0, 0))
     info = signals.inspect(proc.pid)
     assert (info.uid, info.euid) == (user.uid, 0)
-    assert signals.send(info.identity, signal.SIGKILL).outcome is Outcome.REFUSED
+    assert signals.send(info.identity, signal.SIGKILL).outcome is SignalOutcome.REFUSED
     assert received(proc) == []
 
 

@@ -14,11 +14,21 @@ from typing import Any
 
 from gpuguard import wiring
 from gpuguard.backends import GateError
-from gpuguard.backends.accounts import Account, UnknownUser
-from gpuguard.backends.procfs import ProcessIdentity
-from gpuguard.backends.signals import Outcome, Result
+from gpuguard.backends.accounts import UnknownUser
 from gpuguard.config import AccessConfig, Config
-from gpuguard.model import NVIDIA_MAJOR, Device, Gpu, GpuProcess, MigSlice, Quota, slice_unit
+from gpuguard.model import (
+    NVIDIA_MAJOR,
+    Account,
+    Device,
+    Gpu,
+    GpuProcess,
+    MigSlice,
+    ProcessIdentity,
+    Quota,
+    SignalOutcome,
+    SignalResult,
+    slice_unit,
+)
 from gpuguard.sampling import Holder, Sample
 from gpuguard.server import Peer
 
@@ -211,13 +221,13 @@ class FakeProcesses:
     def state(self, identity: ProcessIdentity) -> str | None:
         return self.states.get(identity.pid)
 
-    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> Result:
+    def send(self, identity: ProcessIdentity, sig: int, exempt: Collection[int] = ()) -> SignalResult:
         if self.identity(identity.pid) != identity:
-            return Result(Outcome.GONE, "no such process")
+            return SignalResult(SignalOutcome.GONE, "no such process")
         if identity.uid in exempt or identity.uid == 0:
-            return Result(Outcome.REFUSED, "root or exempt process")
+            return SignalResult(SignalOutcome.REFUSED, "root or exempt process")
         self.signals.append((identity.pid, sig))
-        return Result(Outcome.SENT)
+        return SignalResult(SignalOutcome.SENT)
 
 
 class FakeExits:

@@ -92,9 +92,6 @@ def test_the_pure_core_and_the_config_reach_nothing_under_backends(name):
     assert under_backends(reached(f"gpuguard.{name}")) == set()
 
 
-@pytest.mark.xfail(strict=True, reason="the replay gets the kernel only as the wiring's edges (issue 20) but still "
-                   "imports the data types Account, ProcessIdentity and signals' Result/Outcome from backends/: "
-                   "remove this mark once they move to the pure core")
 def test_the_replay_imports_nothing_under_backends():
     """Its own imports: the services it drives (the watcher, the sampler's types) reach the backends'
     types, but what touches the kernel comes to the replay only as the wiring's edges."""
