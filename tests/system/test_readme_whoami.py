@@ -20,6 +20,9 @@ def shape(line: str, user: str, group: str) -> str:
     line = line.replace(user, "<user>").replace(group, "<group>")
     line = re.sub(r" \(nvidia-smi \d+\)", "", line)  # shown only where NVML's index differs from the minor
     line = re.sub(r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", "<uuid>", line)
+    # A time on another day carries its weekday or date (messages.clock): run after 16:00, an
+    # 8-hour grant ends tomorrow ("Wed 00:03"), and the README's example is of one day.
+    line = re.sub(r"\b(?:(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)|\d{4}-\d{2}-\d{2}) (?=\d{1,2}:\d{2}\b)", "", line)
     line = re.sub(r"\b\d{1,2}:\d{2}\b", "<time>", line)
     line = re.sub(r"\b\d+\b", "<n>", line)
     return " ".join(line.split())  # column widths follow the values
