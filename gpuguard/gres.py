@@ -41,11 +41,12 @@ def expand_hostlist(expression: str, limit: int = MAX_NAMES) -> list[str]:
     return names
 
 
-def _split_top_level(text: str) -> list[str]:
-    """Split at commas outside brackets."""
+def _split_top_level(text: str, brackets: str = "[]") -> list[str]:
+    """Split at commas outside the pair of brackets given (a hostlist's [], scontrol's Gres= ())."""
+    opening, closing = brackets[0], brackets[1]
     parts, depth, current = [], 0, ""
     for char in text:
-        depth += {"[": 1, "]": -1}.get(char, 0)
+        depth += {opening: 1, closing: -1}.get(char, 0)
         if char == "," and depth == 0:
             parts.append(current)
             current = ""
@@ -202,7 +203,7 @@ def scontrol_gpu_count(text: str) -> int:
     if "Gres" not in fields:
         raise GresError("scontrol show node: no Gres= field in its answer")
     total = 0
-    for entry in _split_outside_parentheses(fields["Gres"]):
+    for entry in filter(None, _split_top_level(fields["Gres"], "()")):
         parts = re.sub(r"\(.*\)$", "", entry).split(":")
         if parts[0] != "gpu":
             continue
@@ -210,14 +211,3 @@ def scontrol_gpu_count(text: str) -> int:
         total += int(counts[-1]) if counts else 1
     return total
 
-
-def _split_outside_parentheses(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    return [part for part in (*parts, current) if part]
