@@ -36,7 +36,7 @@ METRICS = 32            # a Prometheus server uses one; a few agents and curl be
 ROOT = ("root",)
 METRICS_KEY = ("metrics",)
 NO_ACCOUNT_KEY = ("no account",)
-Key = tuple
+Key = tuple[object, ...]  # ("uid", 1000), ("root",): who a connection counts against
 
 
 def uid_key(uid: int) -> Key:
@@ -95,7 +95,9 @@ class Budget:
     def _count(self, key: Key) -> int:
         """Connections counting against key's cap: a uid's own, waiting for NSS or not."""
         if key[0] in ("uid", "pending"):
-            return self.held[uid_key(key[1])] + self.held[pending_key(key[1])]
+            uid = key[1]
+            assert isinstance(uid, int)  # both kinds of key carry a uid
+            return self.held[uid_key(uid)] + self.held[pending_key(uid)]
         return self.held[key]
 
     def _cap(self, key: Key) -> tuple[int, str]:

@@ -26,9 +26,10 @@ Order of preference among whole GPUs, most important first:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from itertools import combinations
 from math import comb
+from typing import Any
 
 from gpuguard.model import Gpu, Grant, Link, Quota, is_slice, unit_parent
 
@@ -145,7 +146,7 @@ def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], 
         ranked = sorted(candidates, key=lambda m: (holders[m] > 0, holders[m], last_released.get(m, 0.0), m))
         return tuple(sorted(ranked[:want]))
 
-    def key(chosen: tuple[int, ...]) -> tuple:
+    def key(chosen: tuple[int, ...]) -> tuple[Any, ...]:
         together = (*chosen, *sorted(own))
         links = [link(topology, a, b) for a, b in combinations(together, 2)]
         return (sum(1 for m in chosen if holders[m]),
@@ -165,7 +166,8 @@ def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], 
     return tuple(sorted(best))
 
 
-def _grow(start: int, candidates: list[int], want: int, key) -> tuple[int, ...]:
+def _grow(start: int, candidates: list[int], want: int,
+          key: Callable[[tuple[int, ...]], tuple[Any, ...]]) -> tuple[int, ...]:
     """Greedy: from one GPU, keep adding whichever candidate makes the best set so far."""
     chosen: tuple[int, ...] = (start,)
     while len(chosen) < want:

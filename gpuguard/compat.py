@@ -28,7 +28,7 @@ else:  # pragma: no cover - exercised by `make test-py310`
             return str(self.value)
 
         @staticmethod
-        def _generate_next_value_(name: str, start: int, count: int, last_values: list) -> str:
+        def _generate_next_value_(name: str, start: int, count: int, last_values: list[str]) -> str:
             return name.lower()
 
 __all__ = ["StrEnum", "tomllib"]

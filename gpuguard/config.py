@@ -110,7 +110,7 @@ class SimulatedConfig:
 
     def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
         """The declared grouping of GPU minors, or the default shape of a typical 8-GPU box."""
-        declared = getattr(self, kind)
+        declared: tuple[tuple[int, ...], ...] | None = getattr(self, kind)
         if declared is not None:
             return declared
         size = {"nvlink_groups": 2, "pcie_switches": 4, "numa_nodes": max(1, (self.count + 1) // 2)}[kind]
@@ -362,7 +362,7 @@ def _choice(*options: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in options:
             raise ValueError(f"must be one of {', '.join(options)}, got {value!r}")
-        return value
+        return str(value)
     return parse
 
 
@@ -519,7 +519,8 @@ def _parse_table(source: Path, section: str, table: Any, keys: dict[str, Callabl
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as handle:
-            return tomllib.load(handle)
+            parsed: dict[str, Any] = tomllib.load(handle)
+            return parsed
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except PermissionError:

@@ -24,6 +24,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from gpuguard import cluster, coexist, held_devices, sampling, wiring
 from gpuguard import config as configuration
@@ -53,7 +54,7 @@ from gpuguard.logs import event
 from gpuguard.lookups import AccountLookup
 from gpuguard.messages import unit_list
 from gpuguard.model import EventKind, Rule, unit_parent
-from gpuguard.server import Server
+from gpuguard.server import Peer, Server
 
 DEADLINE_MARGIN = 0.001  # seconds past a wait's end: the tick's clock must read it as over
 CHECK_EVERY = 30.0  # seconds between checks that the gate, its maps and the node ACLs are as the store says
@@ -64,9 +65,9 @@ class Daemon:
         self.config = config
         self.gate_name = gate_name
         self._stop = asyncio.Event()
-        self._layout_read: asyncio.Task | None = None  # the MIG layout read a reload asked for
-        self._exempt_read: asyncio.Task | None = None  # the exempt users' lookup a reload asked for
-        self._reload_effects: asyncio.Task | None = None  # what the last reload does to grants (reload_effects)
+        self._layout_read: asyncio.Task[None] | None = None  # the MIG layout read a reload asked for
+        self._exempt_read: asyncio.Task[None] | None = None  # the exempt users' lookup a reload asked for
+        self._reload_effects: asyncio.Task[None] | None = None  # what the last reload does to grants (reload_effects)
 
     def current_config(self) -> Config:
         """What the services read the config through: a reload replaces self.config."""
@@ -144,7 +145,7 @@ class Daemon:
                 self.services.releases.take_back(grant.uid, [grant.minor], time.time(), kind=EventKind.REVOKE,
                                                  rule=Rule.COEXIST, message=f"GPU {gpu} belongs to {owner} now (coexist)")
 
-    async def _handle(self, request: dict, peer) -> dict:
+    async def _handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         if request["op"] in cluster.OPERATIONS:
             fleet = self.services.fleet
             return await (fleet.ops.handle if fleet else cluster.not_in_fleet)(request, peer)

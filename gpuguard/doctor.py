@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpuguard.messages import unit_list
 
@@ -44,7 +45,7 @@ class Facts:
     cgroup2: str | None                              # mount point of cgroup v2, None: none
     bpf_error: str | None                            # None: bpf() answered a query on the cgroup root
     gate_name: str
-    gate: Mapping | None                             # Gate.status(); None when it could not be read
+    gate: Mapping[str, Any] | None                             # Gate.status(); None when it could not be read
     gate_current: bool | None                        # program built for today's managed devices
     gate_error: str | None
     gpus: Sequence[tuple[int, str]] | None           # NVML's (minor, name); None: NVML failed
@@ -59,7 +60,7 @@ class Facts:
     udev_rules: Sequence[str]                        # rule files that RUN gpuguard acl apply
     persistenced_uid: int | None                     # None: no such account
     exempt_uids: frozenset[int]                      # what the config makes exempt now
-    daemon: Mapping | None                           # the daemon's status reply (as root)
+    daemon: Mapping[str, Any] | None                           # the daemon's status reply (as root)
     daemon_error: str | None
     slurm: str | None                                # what shows Slurm is installed, None: nothing
     slurm_setting: str | None = None                 # coexist.slurm as written; None: not set

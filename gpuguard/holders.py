@@ -91,7 +91,7 @@ class HolderEnder:
         self.kill_wait = kill_wait  # the config in force, which a reload replaces
         self.processes = processes
         self.clock = clock
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE,
                    for_user: bool = False) -> Scan:
@@ -222,13 +222,13 @@ class HolderEnder:
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 
-    def _spawn(self, work) -> None:
+    def _spawn(self, work: Awaitable[object]) -> None:
         task = asyncio.get_running_loop().create_task(self._logged(work))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     @staticmethod
-    async def _logged(work) -> None:
+    async def _logged(work: Awaitable[object]) -> None:
         try:
             await work
         except Exception:  # a failing end must not pass silently, nor stop the daemon

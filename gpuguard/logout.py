@@ -47,7 +47,7 @@ class LogoutRelease:
         self.processes = processes
         self.clock = clock
         self._kept: dict[int, _Kept] = {}  # uid -> grants kept for holders that are being watched
-        self._pending: dict[int, asyncio.Task] = {}  # uid -> its check after logout, running
+        self._pending: dict[int, asyncio.Task[None]] = {}  # uid -> its check after logout, running
 
     def unused(self, sample: Sample, uids: Iterable[int] | None = None) -> dict[int, frozenset[int]]:
         """rules.unused_after_logout on the store and the sample, for these users (default: all)."""

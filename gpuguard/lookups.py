@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from gpuguard import policy
 from gpuguard.backends import accounts
@@ -22,6 +23,10 @@ from gpuguard.model import Account, Quota
 NSS_TIMEOUT = 5.0  # seconds: past the PAM module's own 2 s wait, so a slow login still gets its reply
 NSS_THREADS = 4
 ACCOUNT_CACHE = 60.0  # seconds a user's groups (hence quota) are reused; a reload clears it
+
+
+Asked = TypeVar("Asked")
+Answer = TypeVar("Answer")
 
 
 class LookupTimeout(accounts.UnknownUser):
@@ -43,7 +48,7 @@ class AccountLookup:
         """The exempt uids as NSS says now (exempt.Exempt.refresh); raises LookupTimeout."""
         return await self._run(exempt_uids, (access, frozenset(logged_in)), "the exempt groups")
 
-    async def _run(self, lookup, key, what: str):
+    async def _run(self, lookup: Callable[[Asked], Answer], key: Asked, what: str) -> Answer:
         loop = asyncio.get_running_loop()
         try:
             return await asyncio.wait_for(loop.run_in_executor(self._pool, lookup, key), self.timeout)

@@ -23,7 +23,7 @@ import resource
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,10 +34,12 @@ from prometheus_client.registry import Collector
 
 from gpuguard import admission
 from gpuguard.config import MetricsConfig
+from gpuguard.edges import GateMap, GpuSampler
 from gpuguard.logs import Throttle, event
 from gpuguard.model import EventKind, Gpu, GpuUse, Grant, Origin, Quota, Rule, unit_label, unit_parent
 from gpuguard.rules import Kind
 from gpuguard.sampling import Sample
+from gpuguard.store import Store
 
 # Watcher tick durations (seconds): a healthy tick takes milliseconds; past interval/2 it logs watcher_slow.
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -277,14 +279,15 @@ class _Endpoint(web.Server):
     one has lasted EVICT_AFTER (a scrape is over in milliseconds: what lasts is idle or trickling),
     and is refused otherwise."""
 
-    def __init__(self, handler, budget: admission.Budget, refused: Callable[[str], None]) -> None:
+    def __init__(self, handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], budget: admission.Budget,
+                 refused: Callable[[str], None]) -> None:
         super().__init__(handler, keepalive_timeout=KEEPALIVE, access_log=None)
         self.budget = budget
         self.refused = refused
         # handler -> (transport, its deadline, when admitted), in order of arrival
         self._admitted: dict[object, tuple[asyncio.Transport, asyncio.TimerHandle, float]] = {}
 
-    def connection_made(self, handler, transport: asyncio.Transport) -> None:
+    def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
         now = self._loop.time()
         if len(self._admitted) >= self.budget.metrics:
@@ -302,7 +305,7 @@ class _Endpoint(web.Server):
             return
         self._admitted[handler] = (transport, self._loop.call_later(CONNECTION_LIFETIME, transport.abort), now)
 
-    def connection_lost(self, handler, exc: BaseException | None = None) -> None:
+    def connection_lost(self, handler: web.RequestHandler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
         admitted = self._admitted.pop(handler, None)
         if admitted is not None:
@@ -313,7 +316,8 @@ class _Endpoint(web.Server):
 class Metrics:
     """The loop side: publishes a snapshot per tick and feeds the endpoint and the files."""
 
-    def __init__(self, settings: MetricsConfig, store, gpus: Mapping[int, Gpu], sampler, gate,
+    def __init__(self, settings: MetricsConfig, store: Store, gpus: Mapping[int, Gpu], sampler: GpuSampler,
+                 gate: GateMap | None,
                  account_of: Callable[[int], tuple[str, Quota]],
                  notices: Callable[[], Mapping[tuple[str, str], int]] = dict,
                  drained: Callable[[], Iterable[int]] = tuple, budget: admission.Budget | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gpuguard.compat import StrEnum
 from gpuguard.unit_numbers import CI_SLOTS as CI_SLOTS
@@ -226,5 +226,5 @@ class Event:
     command: str = ""
     rule: str = ""            # a Rule
     action: str = ""          # warn | term | kill | revoke | release ...
-    numbers: dict = field(default_factory=dict)
+    numbers: dict[str, Any] = field(default_factory=dict)
     id: int | None = None

@@ -56,7 +56,7 @@ def eligibility(uid: int, user: str, groups: Collection[str], access: AccessConf
     return Eligibility.MEMBER if is_member(groups, access) else Eligibility.OUTSIDER
 
 
-def _layers(user: str, groups: Collection[str], config: Config) -> list[tuple[str, dict]]:
+def _layers(user: str, groups: Collection[str], config: Config) -> list[tuple[str, dict[str, Any]]]:
     """The quota entries that apply to a user, strongest first, each with where it comes from.
 
     The user's own entry, then the entries of their groups in the order of quotas.toml: when

@@ -237,7 +237,7 @@ class Action:
     numbers: Numbers = field(default_factory=lambda: Numbers(), compare=False, hash=False)
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[object, ...]:
         """What makes two decisions on two samples 'the same action' (numbers may differ). A
         warning is about a user on a GPU, whichever process it names: churning short-lived
         processes must not keep a warning from being confirmed. A signal is about one process."""

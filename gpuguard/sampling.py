@@ -18,14 +18,24 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from gpuguard.backends import procfs, signals
 from gpuguard.logs import event
 from gpuguard.model import Device, GpuProcess, GpuUse, ProcessIdentity
 
 if TYPE_CHECKING:
-    from gpuguard.backends.nvml import MigLayout
+    from gpuguard.backends.nvml import MigLayout, ProcessQuery
+
+class SampledGpus(Protocol):
+    """What a sample reads (backends.nvml.NvmlBackend, or backends.owned.OwnedGpus: gpuguard's share of it)."""
+
+    def layout(self) -> MigLayout: ...
+
+    def query_processes(self) -> ProcessQuery: ...
+
+    def use(self) -> dict[int, GpuUse]: ...
+
 
 MAX_AGE = 1.0  # seconds a sample is reused: process queries serialize on the driver lock
 
@@ -58,7 +68,7 @@ class Sampler:
     users' requests cause (a reused sample checked for exited processes, the names `status`
     shows) run in another small pool, so that no flood of requests delays the tick's sample."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend: SampledGpus) -> None:
         self.backend = backend
         self._nvml = ThreadPoolExecutor(1, thread_name_prefix="nvml")
         self._requests = ThreadPoolExecutor(2, thread_name_prefix="sample-proc")
@@ -119,7 +129,7 @@ class Sampler:
         self._failed = failed
 
 
-def _take(backend, identities: procfs.IdentityCache) -> Sample:
+def _take(backend: SampledGpus, identities: procfs.IdentityCache) -> Sample:
     now = time.time()
     layout = backend.layout()  # first: the processes are placed on the slices it finds
     query = backend.query_processes()

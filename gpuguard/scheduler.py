@@ -51,7 +51,7 @@ class Waiter:
 
 def decay(value: float, elapsed: float, half_life: float) -> float:
     """`value` GPU-seconds counted `elapsed` seconds later."""
-    return value * 0.5 ** (max(0.0, elapsed) / half_life)
+    return value * math.pow(0.5, max(0.0, elapsed) / half_life)
 
 
 def decayed_seconds(start: float, end: float, now: float, half_life: float) -> float:
@@ -60,7 +60,7 @@ def decayed_seconds(start: float, end: float, now: float, half_life: float) -> f
     if end <= start:
         return 0.0
     scale = half_life / math.log(2)
-    return scale * (0.5 ** ((now - end) / half_life) - 0.5 ** ((now - start) / half_life))
+    return scale * (math.pow(0.5, (now - end) / half_life) - math.pow(0.5, (now - start) / half_life))
 
 
 def recent_usage(stored: tuple[float, float] | None, held: Iterable[Grant], now: float, half_life: float) -> float:

@@ -78,7 +78,7 @@ class Server:
         self._server: asyncio.AbstractServer | None = None
         self.throttle = Throttle("uid")
         self.loop_errors = Throttle("what", burst=1)
-        self._flusher: asyncio.Task | None = None
+        self._flusher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Serve on the path that claim() freed. Bound here rather than by asyncio, which would

@@ -642,7 +642,7 @@ def describe(sessions: Iterable[Session]) -> dict[str, float | int]:
     return {"sessions": count, "jobs": jobs, "hours": (last - first) / 3600 if count else 0.0}
 
 
-def compare(open_trace: Callable[[], Iterable[Session]], config: Config, gpus: int) -> dict:
+def compare(open_trace: Callable[[], Iterable[Session]], config: Config, gpus: int) -> dict[str, Any]:
     """The configured policy and static reservation on the same pool, in one run (the trace is
     read once per pass, never held whole)."""
     started = time.perf_counter()

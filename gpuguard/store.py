@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from gpuguard.config import EventsConfig
 from gpuguard.errors import GpuguardError
@@ -136,7 +137,7 @@ class Store:
         # watcher, the queue and the allocator read them many times per change. Another
         # connection's commit moves data_version; this one's own writes drop the copy (or, for
         # last_active, update it).
-        self._copies: dict[str, tuple[int, tuple]] = {}
+        self._copies: dict[str, tuple[int, tuple[Any, ...]]] = {}
         self._db.execute("PRAGMA journal_mode=WAL")
         # durable=False (a replay's scratch store): nothing to keep across a crash, so no fsync.
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
@@ -148,7 +149,8 @@ class Store:
 
     @property
     def schema_version(self) -> int:
-        return self._db.execute("PRAGMA user_version").fetchone()[0]
+        version: int = self._db.execute("PRAGMA user_version").fetchone()[0]
+        return version
 
     def _migrate(self) -> None:
         version = self.schema_version
@@ -173,7 +175,7 @@ class Store:
         self._db.execute("COMMIT")
 
     def integrity_ok(self) -> bool:
-        return self._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        return bool(self._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok")
 
     # --- grants
 
@@ -192,7 +194,7 @@ class Store:
                   memory if shared else None)
                  for minor in minors])
 
-    def _copy(self, table: str, read: Callable[[sqlite3.Connection], Iterable]) -> tuple:
+    def _copy(self, table: str, read: Callable[[sqlite3.Connection], Iterable[Any]]) -> tuple[Any, ...]:
         """The table's rows as last read (see _copies), read again when another connection changed it."""
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
         copy = self._copies.get(table)
@@ -293,7 +295,8 @@ class Store:
         return _row_id(cursor)
 
     def event_count(self) -> int:
-        return self._db.execute("SELECT count(*) FROM events").fetchone()[0]
+        count: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
+        return count
 
     def events(self, uid: int | None = None, limit: int = 50) -> list[Event]:
         """The newest events (of one user, or all), oldest first."""
@@ -316,7 +319,8 @@ class Store:
         return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
 
     def last_event_id(self) -> int:
-        return self._db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+        last: int = self._db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+        return last
 
     def event_counts_since(self, after_id: int) -> tuple[int, list[tuple[str, str, str, int]]]:
         """(kind, rule, action, count) of the events newer than id `after_id`, and the newest id."""
@@ -356,7 +360,7 @@ class Store:
                 " ON CONFLICT (hour, uid, minor, rule) DO UPDATE SET kills = kills + 1",
                 (hour, uid, user, minor, rule))
 
-    def usage_by(self, by: str, since: float, until: float, uid: int | None = None) -> list[dict]:
+    def usage_by(self, by: str, since: float, until: float, uid: int | None = None) -> list[dict[str, Any]]:
         """Seconds granted / busy / idle summed per `by` (user, gpu or day: the daemon's local
         date) over the hours that start in [hour_of(since), until); key, seconds, and kills: {rule: n}."""
         key = _GROUP_KEYS[by]
@@ -373,7 +377,7 @@ class Store:
             entry["kills"][row["rule"]] = row[2]
         return sorted(rows.values(), key=lambda r: r["key"])
 
-    def usage(self, uid: int | None = None) -> list[dict]:
+    def usage(self, uid: int | None = None) -> list[dict[str, Any]]:
         query, params = _rows_of("usage", uid)
         return [dict(row) for row in self._db.execute(query + " ORDER BY uid, minor", params)]
 
@@ -458,7 +462,7 @@ def _where(conditions: list[str]) -> str:
     return "WHERE " + " AND ".join(conditions) if conditions else ""
 
 
-def _rows_of(table: str, uid: int | None) -> tuple[str, tuple]:
+def _rows_of(table: str, uid: int | None) -> tuple[str, tuple[int, ...]]:
     """SELECT of a table's rows, of one user's only when uid is given; the caller adds the order."""
     if uid is None:
         return f"SELECT * FROM {table}", ()

@@ -15,7 +15,7 @@ if __file__.startswith("/usr/lib/python3/dist-packages/") and DEBIAN_VENDOR_DIR 
     sys.path.insert(0, DEBIAN_VENDOR_DIR)
 
 if TYPE_CHECKING:
-    from gpuguard.backends.gate import Gate
+    from gpuguard.backends.gate import DeviceRange, Gate
     from gpuguard.backends.nvml import NvmlBackend
     from gpuguard.coexist import Ownership
     from gpuguard.config import Config
@@ -64,7 +64,7 @@ def open_gate(config: Config, name: str, ownership: Ownership | None = None) -> 
     and repair (an nvidia-caps module may load after start, and its table with it)."""
     from gpuguard.backends.gate import Gate, managed_ranges
 
-    def managed() -> tuple:
+    def managed() -> tuple[DeviceRange, ...]:
         major = caps_major(config)
         if ownership is None or not ownership.foreign:
             return managed_ranges(major)

@@ -15,6 +15,7 @@ import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from gpuguard.backends import GateError
 
@@ -94,7 +95,7 @@ def _bpf(cmd: int, attr: ctypes.Structure) -> int:
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    return ret
+    return int(ret)
 
 
 def error(action: str, exc: OSError) -> GateError:
@@ -104,7 +105,7 @@ def error(action: str, exc: OSError) -> GateError:
     return GateError(f"{action}: {exc.strerror}{hint}")
 
 
-def _addr(buf: ctypes.Array | ctypes.Structure) -> int:
+def _addr(buf: ctypes.Array[Any] | ctypes.Structure) -> int:
     return ctypes.addressof(buf)
 
 

@@ -68,7 +68,7 @@ def caps_node(device_dir: Path, minor: int) -> Path:
     return device_dir / "nvidia-caps" / f"nvidia-cap{minor}"
 
 
-def ensure_node(path: str | os.PathLike, dev: tuple[int, int], mode: int = BASE_MODE) -> bool:
+def ensure_node(path: str | os.PathLike[str], dev: tuple[int, int], mode: int = BASE_MODE) -> bool:
     """Create the character node, root-owned, when it is missing or is not `dev`; True when made.
 
     With NVreg_ModifyDeviceFiles=0 nvidia-modprobe creates no nodes, so gpuguard does: GPUs with
@@ -88,7 +88,7 @@ def ensure_node(path: str | os.PathLike, dev: tuple[int, int], mode: int = BASE_
     return True
 
 
-def set_base_mode(path: str | os.PathLike) -> list[str]:
+def set_base_mode(path: str | os.PathLike[str]) -> list[str]:
     """0660 root:root: nobody but root and the ACL's named users may open the node.
     Returns what had to change ("owner 1000:0", "mode 0666": what it was), empty when nothing."""
     st = os.stat(path)

@@ -25,6 +25,7 @@ import struct
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from gpuguard.backends import GateError, bpf
 from gpuguard.backends.bpf_asm import (
@@ -340,7 +341,7 @@ class Gate:
         return self.prog_id() in bpf.attached_ids(cgroup2_root())
 
     def prog_id(self) -> int:
-        return bpf.prog_info(self._need("prog")).id
+        return int(bpf.prog_info(self._need("prog")).id)
 
     def is_current(self) -> bool:
         """Whether the loaded program is the one this gpuguard builds for today's managed devices
@@ -443,7 +444,7 @@ class Gate:
     def exempt(self) -> set[int]:
         return {0} | {_EXEMPT_KEY.unpack(key)[0] for key in bpf.map_keys(self._need("exempt"), _EXEMPT_KEY.size)}
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """What `gpuguard gate status --json` shows. "attached" is the kernel's answer (the program
         is among those attached to the root), "problems" what verify() finds wrong."""
         health = self.verify()
@@ -512,7 +513,7 @@ class Gate:
         except OSError:
             return None
         try:
-            return bpf.prog_info(fd).id
+            return int(bpf.prog_info(fd).id)
         finally:
             os.close(fd)
 

@@ -47,7 +47,7 @@ class NodeWatcher:
     watch goes on. Poll fileno() and call process() (the daemon's event loop does).
     """
 
-    def __init__(self, device_dir: str | os.PathLike, callback: Callable[[Path | None], None],
+    def __init__(self, device_dir: str | os.PathLike[str], callback: Callable[[Path | None], None],
                  pattern: str = "nvidia*", majors: Collection[int] = (NVIDIA_MAJOR,),
                  uevents: bool = True):
         # Imported here: pyroute2 costs 0.1 s at import, and most users of this module never watch.

@@ -22,7 +22,7 @@ _ENTRY = struct.Struct("<HHI")
 Entry = tuple[int, int, int]  # (tag, perm, id)
 
 
-def acl_entries(path: str | os.PathLike) -> list[Entry]:
+def acl_entries(path: str | os.PathLike[str]) -> list[Entry]:
     """The node's access ACL; the 3 entries its mode implies when it has none stored."""
     try:
         data = os.getxattr(path, XATTR)
@@ -36,7 +36,7 @@ def acl_entries(path: str | os.PathLike) -> list[Entry]:
     return [_ENTRY.unpack_from(data, offset) for offset in range(_HEADER.size, len(data), _ENTRY.size)]
 
 
-def acl_users(path: str | os.PathLike) -> set[int]:
+def acl_users(path: str | os.PathLike[str]) -> set[int]:
     """Uids with a named ACL entry on the node."""
     return named_users(acl_entries(path))
 
@@ -45,7 +45,7 @@ def named_users(entries: Iterable[Entry]) -> set[int]:
     return {uid for tag, _, uid in entries if tag == USER}
 
 
-def apply_acls(path: str | os.PathLike, uids: Iterable[int], current: list[Entry] | None = None,
+def apply_acls(path: str | os.PathLike[str], uids: Iterable[int], current: list[Entry] | None = None,
                perm: int = RW) -> bool:
     """Give exactly these uids `perm` (rw) on the node (the minimal 3-entry ACL when there are none);
     True when something had to be written. current: the node's entries as the caller has just

@@ -203,7 +203,7 @@ def _walk(owners: Collection[int] | None, real_uids: RealUids | None) -> Iterato
         real_uids.walked()
 
 
-def _may_belong(entry: os.DirEntry, owners: Collection[int], real_uids: RealUids | None) -> bool:
+def _may_belong(entry: os.DirEntry[str], owners: Collection[int], real_uids: RealUids | None) -> bool:
     """Whether the process of this /proc entry may have one of `owners` as its real uid."""
     try:
         st = entry.stat(follow_symlinks=False)

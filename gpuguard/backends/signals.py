@@ -23,9 +23,9 @@ import os
 import signal
 from collections.abc import Collection
 
-from gpuguard.backends.procfs import STATE_NAMES, ProcessIdentity, comm, inspect
+from gpuguard.backends.procfs import STATE_NAMES, comm, inspect
 from gpuguard.escape import printable
-from gpuguard.model import SignalOutcome, SignalResult
+from gpuguard.model import ProcessIdentity, SignalOutcome, SignalResult
 
 
 def command(pid: int) -> str:

@@ -39,6 +39,16 @@ _PCI_DEVICE_ID = 0x233010DE      # device 0x2330 (H100 SXM5), vendor 0x10DE (NVI
 _PCI_SUBSYSTEM_ID = 0x16C110DE
 _NO_MIG = 0xFFFFFFFF             # gpuInstanceId/computeInstanceId of a process on a non-MIG GPU
 
+# pynvml has no type hints: the return codes the functions below give, typed once.
+NVML_ERROR_INSUFFICIENT_SIZE: int = pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+NVML_ERROR_INVALID_ARGUMENT: int = pynvml.NVML_ERROR_INVALID_ARGUMENT
+NVML_ERROR_NOT_FOUND: int = pynvml.NVML_ERROR_NOT_FOUND
+NVML_ERROR_NOT_SUPPORTED: int = pynvml.NVML_ERROR_NOT_SUPPORTED
+NVML_ERROR_NO_PERMISSION: int = pynvml.NVML_ERROR_NO_PERMISSION
+NVML_ERROR_UNINITIALIZED: int = pynvml.NVML_ERROR_UNINITIALIZED
+NVML_ERROR_UNKNOWN: int = pynvml.NVML_ERROR_UNKNOWN
+NVML_SUCCESS: int = pynvml.NVML_SUCCESS
+
 _ERROR_NAMES = {value: name for name, value in vars(pynvml).items()
                 if name.startswith("NVML_ERROR_") and isinstance(value, int)}
 
@@ -82,9 +92,9 @@ class _Return(Exception):
         self.code = code
 
 
-def _c_function(*argtypes: Any, restype: Any = c_int) -> Callable:
+def _c_function(*argtypes: Any, restype: Any = c_int) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """Mark a FakeNvmlLibrary method as a C function with this prototype."""
-    def mark(method: Callable) -> Callable:
+    def mark(method: Callable[..., int]) -> Callable[..., int]:
         method.c_prototype = CFUNCTYPE(restype, *argtypes)  # type: ignore[attr-defined]
         return method
     return mark
@@ -93,7 +103,7 @@ def _c_function(*argtypes: Any, restype: Any = c_int) -> Callable:
 def _write_string(buffer: int, length: int, value: str) -> None:
     data = value.encode() + b"\0"
     if len(data) > length:
-        raise _Return(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        raise _Return(NVML_ERROR_INSUFFICIENT_SIZE)
     ctypes.memmove(buffer, data, len(data))
 
 
@@ -115,9 +125,9 @@ class FakeNvmlLibrary:
         self._handle_memory = [ctypes.create_string_buffer(1) for _ in gpus]
         self._by_handle = {ctypes.addressof(memory): gpu for memory, gpu in zip(self._handle_memory, gpus, strict=True)}
         # MIG device handles, one per slice ever seen (by its UUID: a re-created slice gets a new one)
-        self._mig_memory: dict[str, ctypes.Array] = {}
+        self._mig_memory: dict[str, ctypes.Array[ctypes.c_char]] = {}
         self._by_mig_handle: dict[int, tuple[FakeGpu, str]] = {}
-        self._messages: dict[int, ctypes.Array] = {}
+        self._messages: dict[int, ctypes.Array[ctypes.c_char]] = {}
         for name, member in vars(FakeNvmlLibrary).items():
             if hasattr(member, "c_prototype"):
                 # The callback objects must stay referenced as long as pynvml may call them.
@@ -126,21 +136,21 @@ class FakeNvmlLibrary:
     def _guarded(self, name: str, function: Callable[..., int]) -> Callable[..., int]:
         def call(*args: Any) -> int:
             if not self._init_count and name not in _NEEDS_NO_INIT:
-                return pynvml.NVML_ERROR_UNINITIALIZED
+                return NVML_ERROR_UNINITIALIZED
             try:
                 return function(*args)
             except _Return as exc:
                 return exc.code
             except Exception:  # must not reach ctypes: it would print it and return 0, NVML_SUCCESS
                 log.exception("simulated %s failed", name)
-                return pynvml.NVML_ERROR_UNKNOWN
+                return NVML_ERROR_UNKNOWN
         return call
 
     def _gpu(self, handle: int | None) -> FakeGpu:
         """The GPU of a (non-MIG) device handle."""
         gpu = self._by_handle.get(handle or 0)
         if gpu is None:
-            raise _Return(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise _Return(NVML_ERROR_INVALID_ARGUMENT)
         return self._reachable(gpu)
 
     def _reachable(self, gpu: FakeGpu) -> FakeGpu:
@@ -155,11 +165,11 @@ class FakeNvmlLibrary:
             return self._gpu(handle), None
         found = self._by_mig_handle.get(handle or 0)
         if found is None:
-            raise _Return(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise _Return(NVML_ERROR_INVALID_ARGUMENT)
         gpu, mig_uuid = self._reachable(found[0]), found[1]
         current = next((s for s in self._layout.layout().get(gpu.minor, ()) if s.uuid == mig_uuid), None)
         if current is None:  # destroyed since: the handle is stale
-            raise _Return(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise _Return(NVML_ERROR_INVALID_ARGUMENT)
         return gpu, current
 
     def _processes(self, gpu: FakeGpu, mig: SimSlice | None) -> list[SimProcess]:
@@ -178,23 +188,23 @@ class FakeNvmlLibrary:
         """The GPU of a device handle, which must have MIG (else NOT_SUPPORTED, as real NVML)."""
         gpu = self._gpu(handle)
         if gpu.profiles is None:
-            raise _Return(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise _Return(NVML_ERROR_NOT_SUPPORTED)
         return gpu
 
     @_c_function(c_uint)
     def nvmlInitWithFlags(self, flags: int) -> int:
         self._init_count += 1
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function()
     def nvmlShutdown(self) -> int:
         self._init_count -= 1
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(c_int, restype=c_void_p)
     def nvmlErrorString(self, code: int) -> int:
         if code not in self._messages:
-            name = "NVML_SUCCESS" if code == pynvml.NVML_SUCCESS else _ERROR_NAMES.get(code, "NVML_ERROR_UNKNOWN")
+            name = "NVML_SUCCESS" if code == NVML_SUCCESS else _ERROR_NAMES.get(code, "NVML_ERROR_UNKNOWN")
             text = name.removeprefix("NVML_ERROR_").removeprefix("NVML_").replace("_", " ").capitalize()
             self._messages[code] = ctypes.create_string_buffer(text.encode())  # static, like the C strings
         return ctypes.addressof(self._messages[code])
@@ -202,40 +212,40 @@ class FakeNvmlLibrary:
     @_c_function(POINTER(c_uint))
     def nvmlDeviceGetCount_v2(self, count: Any) -> int:
         count[0] = len(self._gpus)
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(c_uint, POINTER(pynvml.c_nvmlDevice_t))
     def nvmlDeviceGetHandleByIndex_v2(self, index: int, device: Any) -> int:
         if index >= len(self._gpus):
-            return pynvml.NVML_ERROR_INVALID_ARGUMENT
+            return NVML_ERROR_INVALID_ARGUMENT
         # Real NVML opens the GPU's node here and answers NO_PERMISSION when it may not,
         # while nvmlDeviceGetCount_v2 still counts every GPU.
         try:
             os.close(os.open(self._device_dir / f"nvidia{self._gpus[index].minor}", os.O_RDWR | os.O_CLOEXEC))
         except PermissionError:  # EPERM (the gate) or EACCES (file mode, ACL)
-            return pynvml.NVML_ERROR_NO_PERMISSION
+            return NVML_ERROR_NO_PERMISSION
         except OSError as exc:
             if exc.errno != errno.ENXIO:  # ENXIO: allowed, and no driver behind the node
                 raise
         device[0] = ctypes.cast(self._handle_memory[index], pynvml.c_nvmlDevice_t)
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(c_uint))
     def nvmlDeviceGetMinorNumber(self, handle: int, minor: Any) -> int:
         minor[0] = self._gpu(handle).minor
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, c_void_p, c_uint)
     def nvmlDeviceGetUUID(self, handle: int, buffer: int, length: int) -> int:
         gpu, mig = self._device(handle)
         _write_string(buffer, length, gpu.uuid if mig is None else mig.uuid)
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, c_void_p, c_uint)
     def nvmlDeviceGetName(self, handle: int, buffer: int, length: int) -> int:
         gpu, mig = self._device(handle)
         _write_string(buffer, length, gpu.name if mig is None else f"{gpu.name} MIG {mig.profile}")
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(pynvml.nvmlPciInfo_t))
     def nvmlDeviceGetPciInfo_v3(self, handle: int, pci: Any) -> int:
@@ -244,7 +254,7 @@ class FakeNvmlLibrary:
         info.pciDeviceId, info.pciSubSystemId = _PCI_DEVICE_ID, _PCI_SUBSYSTEM_ID
         info.busIdLegacy = f"0000:{gpu.bus:02X}:00.0".encode()
         info.busId = f"00000000:{gpu.bus:02X}:00.0".encode()
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(pynvml.c_nvmlMemory_t))
     def nvmlDeviceGetMemoryInfo(self, handle: int, memory: Any) -> int:
@@ -252,24 +262,24 @@ class FakeNvmlLibrary:
         total = gpu.memory if mig is None else self._slice_memory(gpu, mig)
         used = min(total, sum(p.memory or 0 for p in self._processes(gpu, mig)))
         info.total, info.used, info.free = total, used, total - used
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(pynvml.c_nvmlUtilization_t))
     def nvmlDeviceGetUtilizationRates(self, handle: int, utilization: Any) -> int:
         (gpu, mig), info = self._device(handle), utilization.contents
         if mig is not None or gpu.minor in self._layout.layout():  # NVML cannot tell in MIG mode
-            return pynvml.NVML_ERROR_NOT_SUPPORTED
+            return NVML_ERROR_NOT_SUPPORTED
         busy = min(100, sum(p.util for p in self._registry.processes(gpu.minor)))
         info.gpu = info.memory = busy
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(c_int))
     def nvmlDeviceGetNumaNodeId(self, handle: int, node: Any) -> int:
         gpu = self._gpu(handle)
         if gpu.numa is None:
-            return pynvml.NVML_ERROR_NOT_SUPPORTED
+            return NVML_ERROR_NOT_SUPPORTED
         node[0] = gpu.numa
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, _HANDLE, POINTER(c_uint))
     def nvmlDeviceGetTopologyCommonAncestor(self, handle_a: int, handle_b: int, level: Any) -> int:
@@ -282,7 +292,7 @@ class FakeNvmlLibrary:
             level[0] = pynvml.NVML_TOPOLOGY_NODE
         else:
             level[0] = pynvml.NVML_TOPOLOGY_SYSTEM
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, _HANDLE, c_uint, POINTER(c_uint))
     def nvmlDeviceGetP2PStatus(self, handle_a: int, handle_b: int, caps: int, status: Any) -> int:
@@ -291,7 +301,7 @@ class FakeNvmlLibrary:
         # Peer access over PCIe works between any two simulated GPUs; NVLink only within a group.
         ok = nvlinked or caps != pynvml.NVML_P2P_CAPS_INDEX_NVLINK
         status[0] = pynvml.NVML_P2P_STATUS_OK if ok else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(c_uint), POINTER(pynvml.c_nvmlProcessInfo_v3_t))
     def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: int, count: Any, infos: Any) -> int:
@@ -305,15 +315,15 @@ class FakeNvmlLibrary:
         """The C contract: report the needed size if the caller's array is too small."""
         gpu, mig = self._device(handle)
         code, minors = self._registry.fault()
-        if minors is None and code != pynvml.NVML_SUCCESS:  # NVML itself fails
+        if minors is None and code != NVML_SUCCESS:  # NVML itself fails
             return code
         in_mig_mode = gpu.minor in self._layout.layout()
         processes = [p for p in self._processes(gpu, mig) if kind in p.type]
         if count[0] < len(processes):
             count[0] = len(processes)
-            return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+            return NVML_ERROR_INSUFFICIENT_SIZE
         if processes and not infos:
-            return pynvml.NVML_ERROR_INVALID_ARGUMENT
+            return NVML_ERROR_INVALID_ARGUMENT
         for slot, process in enumerate(processes):
             info = infos[slot]
             info.pid = process.pid
@@ -323,7 +333,7 @@ class FakeNvmlLibrary:
             info.gpuInstanceId = process.gpu_instance if placed else _NO_MIG
             info.computeInstanceId = process.compute_instance if placed else _NO_MIG
         count[0] = len(processes)
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     # MIG
 
@@ -332,58 +342,58 @@ class FakeNvmlLibrary:
         gpu = self._mig_gpu(handle)
         enabled = gpu.minor in self._layout.layout()
         current[0] = pending[0] = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(c_uint))
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: int, count: Any) -> int:
         self._mig_gpu(handle)
         count[0] = MAX_MIG_DEVICES
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, c_uint, POINTER(pynvml.c_nvmlDevice_t))
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: int, index: int, device: Any) -> int:
         gpu = self._mig_gpu(handle)
         slices = self._layout.layout().get(gpu.minor)
         if slices is None or index >= MAX_MIG_DEVICES:  # not in MIG mode, or past the last place
-            return pynvml.NVML_ERROR_INVALID_ARGUMENT
+            return NVML_ERROR_INVALID_ARGUMENT
         # A slice's place is where its memory starts, so places between slices are empty.
         found = next((s for s in slices if s.start == index), None)
         if found is None:
-            return pynvml.NVML_ERROR_NOT_FOUND
+            return NVML_ERROR_NOT_FOUND
         if found.uuid not in self._mig_memory:
             memory = self._mig_memory[found.uuid] = ctypes.create_string_buffer(1)
             self._by_mig_handle[ctypes.addressof(memory)] = (gpu, found.uuid)
         device[0] = ctypes.cast(self._mig_memory[found.uuid], pynvml.c_nvmlDevice_t)
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(c_uint))
     def nvmlDeviceIsMigDeviceHandle(self, handle: int, is_mig: Any) -> int:
         is_mig[0] = int(self._device(handle)[1] is not None)
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(c_uint))
     def nvmlDeviceGetGpuInstanceId(self, handle: int, gpu_instance: Any) -> int:
         mig = self._device(handle)[1]
         if mig is None:
-            return pynvml.NVML_ERROR_NOT_SUPPORTED
+            return NVML_ERROR_NOT_SUPPORTED
         gpu_instance[0] = mig.gpu_instance
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(c_uint))
     def nvmlDeviceGetComputeInstanceId(self, handle: int, compute_instance: Any) -> int:
         mig = self._device(handle)[1]
         if mig is None:
-            return pynvml.NVML_ERROR_NOT_SUPPORTED
+            return NVML_ERROR_NOT_SUPPORTED
         compute_instance[0] = mig.compute_instance
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(pynvml.c_nvmlDevice_t))
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle: int, device: Any) -> int:
         gpu, mig = self._device(handle)
         if mig is None:
-            return pynvml.NVML_ERROR_INVALID_ARGUMENT
+            return NVML_ERROR_INVALID_ARGUMENT
         device[0] = ctypes.cast(self._handle_memory[gpu.index], pynvml.c_nvmlDevice_t)
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS
 
     @_c_function(_HANDLE, POINTER(pynvml.c_nvmlDeviceAttributes))
     def nvmlDeviceGetAttributes_v2(self, handle: int, attributes: Any) -> int:
@@ -393,4 +403,4 @@ class FakeNvmlLibrary:
         info.multiprocessorCount = 16 * slices + (4 if mig is None else 0)  # an H100 SXM: 132 SMs, 16 per 1g
         info.gpuInstanceSliceCount = info.computeInstanceSliceCount = slices
         info.memorySizeMB = memory >> 20
-        return pynvml.NVML_SUCCESS
+        return NVML_SUCCESS

@@ -88,7 +88,7 @@ def register_process(device_dir: Path, pid: int, minor: int, memory: int | None,
     return path
 
 
-def _parse_record(entry: os.DirEntry) -> SimProcess | None:
+def _parse_record(entry: os.DirEntry[str]) -> SimProcess | None:
     """The record in this file if it is well formed and really describes its writer's process."""
     try:
         owner = entry.stat(follow_symlinks=False).st_uid

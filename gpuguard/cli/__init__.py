@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpuguard.cli.output import PrintableOutput  # not before: pam-hook needs none of it
     sys.stdout = PrintableOutput(sys.stdout)
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except GpuguardError as exc:
         return _fail(exc.line(), exc.code)  # a verifier log or a multi-line cause goes to the daemon's log
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ import re
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 from gpuguard import client, doctor
 from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gate, open_gpu_backend, slurm
@@ -30,7 +31,7 @@ _PAM_INCLUDE = re.compile(r"^-?session\s+(?:include|substack)\s+(\S+)|^@include\
 _PAM_SESSION = re.compile(r"^-?session\s+(?:\[[^]]*\]|\S+)\s+(\S+)")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("doctor", help="check this machine's gpuguard setup (root)",
                                    description="One line per check; exit 1 if any fails. "
                                                "Examples: sudo gpuguard doctor; sudo gpuguard doctor --json")
@@ -89,14 +90,18 @@ def _setting(slurm: str | tuple[int, ...] | None) -> str | None:
     return ",".join(map(str, slurm)) if isinstance(slurm, tuple) else slurm
 
 
-def _daemon(config: Config) -> tuple[dict | None, str | None]:
+# (cgroup2 mount, bpf error, gate status, gate current, gate error), as doctor.Findings takes them
+KernelAnswers = tuple[str | None, str | None, dict[str, Any] | None, bool | None, str | None]
+
+
+def _daemon(config: Config) -> tuple[dict[str, Any] | None, str | None]:
     try:
         return client.call(str(config.paths.socket), "status", timeout=5), None
     except (client.DaemonUnreachable, client.Refused) as exc:
         return None, str(exc)
 
 
-def _kernel(config: Config, gate_name: str, ownership: Ownership):
+def _kernel(config: Config, gate_name: str, ownership: Ownership) -> KernelAnswers:
     """(cgroup2 mount, bpf error, gate status, gate current, gate error)."""
     from gpuguard.backends.bpf import attached_ids  # ctypes: only for this command
     from gpuguard.backends.mounts import cgroup2_root

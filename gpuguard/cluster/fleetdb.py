@@ -82,7 +82,8 @@ class FleetDb:
             self.close()
             raise
         assert row is not None
-        return row[0]
+        answer: dict[str, Any] = row[0]  # the function returns jsonb, which psycopg loads as a dict
+        return answer
 
     def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]:
         return self.call("heartbeat_v1", doc)

@@ -13,6 +13,7 @@ import secrets
 import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from gpuguard.model import Grant
 
@@ -39,7 +40,7 @@ class Outbox:
             self._db.executemany("INSERT INTO ledger (username, minor, started, ended) VALUES (?, ?, ?, ?)",
                                  [(g.user, g.minor, g.granted_at, now) for g in ended])
 
-    def pending(self, limit: int = BATCH) -> list[dict]:
+    def pending(self, limit: int = BATCH) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT seq, username, minor, started, ended FROM ledger ORDER BY seq LIMIT ?", (limit,))
         return [dict(row) for row in rows]
 
@@ -48,7 +49,8 @@ class Outbox:
         self._db.execute("DELETE FROM ledger WHERE seq <= ?", (upto,))
 
     def count(self) -> int:
-        return self._db.execute("SELECT count(*) FROM ledger").fetchone()[0]
+        count: int = self._db.execute("SELECT count(*) FROM ledger").fetchone()[0]
+        return count
 
     def close(self) -> None:
         self._db.close()

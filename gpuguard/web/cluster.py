@@ -15,10 +15,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuguard.messages import clock
 from gpuguard.model import unit_label
+
+if TYPE_CHECKING:
+    from gpuguard.web.sources import ServerStatus
 
 CONNECT_TIMEOUT_S = 2
 STATEMENT_TIMEOUT_MS = 5000
@@ -57,7 +60,7 @@ class ClusterDatabase:
         except Exception as exc:  # psycopg.Error, and libpq's own errors: one line for the page
             raise DaemonUnreachable(f"cluster database: {str(exc).strip().splitlines()[0] if str(exc) else exc!r}") from None
 
-    async def servers(self) -> list:
+    async def servers(self) -> list[ServerStatus]:
         from gpuguard.web.sources import ServerStatus
         try:
             nodes, grants, queue = await self._ask((NODES, {}), (GRANTS, {"user": None}), (QUEUE, {}))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -25,7 +26,7 @@ from gpuguard.web.sessions import Signer, load_key
 from gpuguard.web.sources import LocalDaemon, Source
 
 
-def pam_authenticate(service: str):
+def pam_authenticate(service: str) -> Callable[[str, str], bool]:
     """user, password -> whether the PAM service accepts them (authentication and account checks)."""
     import pam  # python-pam: ctypes over libpam; loaded by `gpuguard web` only
 
