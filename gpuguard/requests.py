@@ -215,6 +215,10 @@ class Records(Op):
     since: float
     until: float | None
 
+    def __post_init__(self) -> None:
+        if self.until is not None:
+            self.period(self.until)  # refused before the operation runs
+
     def period(self, now: float) -> tuple[float, float]:
         until = now if self.until is None else self.until
         if self.since >= until:
