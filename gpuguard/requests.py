@@ -50,22 +50,21 @@ class Fields:
     def __init__(self, message: dict[str, Any]):
         self.message = message
 
-    def _get(self, key: str, default: Any) -> Any:
+    def _value(self, key: str, default: Any, kind: type | None = None) -> Any:
+        """The field's value, of this kind when one is named; default when it is missing (a
+        Refusal when the field is required)."""
         value = self.message.get(key)
-        if value is None and default is _REQUIRED:
-            raise _bad(f"missing field {key!r}")
+        if value is None:
+            if default is _REQUIRED:
+                raise _bad(f"missing field {key!r}")
+            return default
+        if kind is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise _bad(f"field {key!r}: expected {kind.__name__}, got {shown(value)}")
         return value
 
-    def _typed(self, key: str, value: Any, kind: type) -> None:
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise _bad(f"field {key!r}: expected {kind.__name__}, got {shown(value)}")
-
     def text(self, key: str, default: Any = _REQUIRED, limit: float = MAX_TEXT) -> Any:
-        value = self._get(key, default)
-        if value is None:
-            return default
-        self._typed(key, value, str)
-        if len(value) > limit:
+        value = self._value(key, default, str)
+        if isinstance(value, str) and len(value) > limit:
             raise _bad(f"field {key!r}: longer than {limit:.0f} characters")
         return value
 
@@ -79,26 +78,19 @@ class Fields:
         return value
 
     def integer(self, key: str, default: Any = _REQUIRED) -> Any:
-        value = self._get(key, default)
-        if value is None:
-            return default
-        self._typed(key, value, int)
-        if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+        value = self._value(key, default, int)
+        if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
             raise _bad(f"field {key!r}: {shown(value)} is out of range")
         return value
 
     def flag(self, key: str, default: bool = False) -> bool:
-        value = self._get(key, default)
-        if value is None:
-            return default
-        self._typed(key, value, bool)
-        return bool(value)
+        return bool(self._value(key, default, bool))
 
     def epoch(self, key: str, default: float | None = None) -> float | None:
         """A time in epoch seconds (since, until): finite, and in SQLite's range."""
-        value = self._get(key, default)
+        value = self._value(key, default)
         if value is None:
-            return default
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise _bad(f"field {key!r}: expected a number (epoch seconds), got {shown(value)}")
         if not INT_RANGE[0] <= value <= INT_RANGE[1]:
@@ -107,7 +99,7 @@ class Fields:
 
     def seconds(self, key: str) -> float | None:
         """A wait in seconds, >= 0 and finite (NaN fails both comparisons)."""
-        value = self._get(key, None)
+        value = self._value(key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 <= value < math.inf):
             raise _bad(f"field {key!r}: expected seconds >= 0, got {shown(value)}")
@@ -115,7 +107,7 @@ class Fields:
 
     def duration(self, key: str) -> float | None:
         """A grant's term (`--for 8h`): positive; None when not given."""
-        value = self._get(key, None)
+        value = self._value(key, None)
         if value is None:
             return None
         if isinstance(value, str) and len(value) > MAX_DURATION_TEXT:
@@ -134,12 +126,12 @@ class Fields:
         value = self.message.get(key)
         if value is None:
             return None
+        if isinstance(value, list) and len(value) > MAX_UNITS:  # before reading them all
+            raise _bad(f"field {key!r}: more than {MAX_UNITS} GPUs")
         if not isinstance(value, list) or not value or not all(
                 isinstance(u, str) or (isinstance(u, int) and not isinstance(u, bool)
                                        and INT_RANGE[0] <= u <= INT_RANGE[1]) for u in value):
             raise _bad(f"field {key!r}: expected a non-empty list of GPU numbers, got {shown(value)}")
-        if len(value) > MAX_UNITS:
-            raise _bad(f"field {key!r}: more than {MAX_UNITS} GPUs")
         return tuple(value)
 
 
