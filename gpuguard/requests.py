@@ -32,7 +32,7 @@ def _bad(message: str) -> Refusal:
 
 INT_RANGE = (-(1 << 63), (1 << 63) - 1)  # SQLite's, and far beyond any pid, count or unit
 MAX_NAME = 256     # a user name (Linux's LOGIN_NAME_MAX; useradd allows 32)
-MAX_TEXT = 1024    # a PAM item: a service, a remote host, a tty
+MAX_PAM_ITEM = 1024  # a PAM item (service, remote host, tty) is cut to this: a host name is at most 253
 MAX_REASON = 200   # a drain's reason is cut to this
 MAX_UNITS = 1024   # units one request names: 64 GPUs of 7 MIG slices each is 512
 MAX_DURATION_TEXT = 64
@@ -62,7 +62,7 @@ class Fields:
             raise _bad(f"field {key!r}: expected {kind.__name__}, got {shown(value)}")
         return value
 
-    def text(self, key: str, default: Any = _REQUIRED, limit: float = MAX_TEXT) -> Any:
+    def text(self, key: str, default: Any = _REQUIRED, limit: float = MAX_NAME) -> Any:
         value = self._value(key, default, str)
         if isinstance(value, str) and len(value) > limit:
             raise _bad(f"field {key!r}: longer than {limit:.0f} characters")
@@ -70,6 +70,12 @@ class Fields:
 
     def name(self, key: str = "user", default: Any = _REQUIRED) -> Any:
         return self.text(key, default, MAX_NAME)
+
+    def clipped(self, key: str, limit: int) -> str:
+        """Root's text, cut to limit rather than refused: a PAM item (a login keeps its GPUs
+        whatever its remote host says) or an admin's words."""
+        text: str = self.text(key, "", math.inf)
+        return text[:limit]
 
     def choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
         value: str = self.text(key, default)
@@ -160,8 +166,9 @@ class SessionOpen(Op):
 
     @classmethod
     def read(cls, fields: Fields) -> SessionOpen:
-        return cls(fields.name(), fields.integer("pid"), fields.text("service", ""), fields.text("rhost", ""),
-                   fields.text("tty", ""), fields.choice("grant", policy.LOGIN_GRANTS, "auto"))
+        return cls(user=fields.name(), pid=fields.integer("pid"), service=fields.clipped("service", MAX_PAM_ITEM),
+                   rhost=fields.clipped("rhost", MAX_PAM_ITEM), tty=fields.clipped("tty", MAX_PAM_ITEM),
+                   grant=fields.choice("grant", policy.LOGIN_GRANTS, "auto"))
 
 
 @dataclass(frozen=True)
@@ -350,8 +357,7 @@ class Drain(Op):
         units = fields.units()
         if units is None:
             raise _bad(DRAIN_WHOLE)
-        # root's own words, kept in the drains file and shown to every holder: cut, not refused
-        return cls(units, fields.text("reason", "", limit=math.inf)[:MAX_REASON])
+        return cls(units, fields.clipped("reason", MAX_REASON))  # kept in the drains file, shown to holders
 
 
 @dataclass(frozen=True)

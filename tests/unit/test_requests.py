@@ -161,8 +161,7 @@ def test_out_of_range(op, fields, error):
 
 @pytest.mark.parametrize("op, fields, error", [
     ("whoami", {"user": "x" * (rq.MAX_NAME + 1)}, f"field 'user': longer than {rq.MAX_NAME} characters"),
-    ("session_open", {"user": "a", "pid": 1, "rhost": "h" * (rq.MAX_TEXT + 1)},
-     f"field 'rhost': longer than {rq.MAX_TEXT} characters"),
+    ("report", {"since": 1, "by": "x" * (rq.MAX_NAME + 1)}, f"field 'by': longer than {rq.MAX_NAME} characters"),
     ("release", {"units": list(range(rq.MAX_UNITS + 1))}, f"field 'units': more than {rq.MAX_UNITS} GPUs"),
     ("grant", {"user": "a", "units": [0], "for": "1h" * 40},
      "--for: expected a duration like 8h, got " + protocol.shown("1h" * 40)),
@@ -181,8 +180,12 @@ def test_a_refusal_quotes_a_client_s_value_cut_short():
     assert code == 2 and len(error) < 100 and error.endswith("...")
 
 
-def test_a_drain_s_reason_is_cut_not_refused():
+def test_root_s_texts_are_cut_not_refused():
+    """A login keeps its GPUs whatever its PAM items say; an admin's reason is kept short."""
     assert parse("drain", units=[0], reason="r" * 5000) == rq.Drain((0,), "r" * rq.MAX_REASON)
+    opened = parse("session_open", user="a", pid=1, rhost="h" * 5000, tty="t" * 5000, service="s" * 5000)
+    assert opened == rq.SessionOpen("a", 1, *(letter * rq.MAX_PAM_ITEM for letter in "sht"))
+    assert refusal("session_open", user="a", pid=1, rhost=["h"]) == ("field 'rhost': expected str, got ['h']", 2)
 
 
 def test_the_old_minors_key_is_still_read_and_units_wins_over_it():
