@@ -12,12 +12,13 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gpuguard import admission, allocator, drains, inventory, policy, protocol, reporting, state_files
 from gpuguard import config as configuration
+from gpuguard import requests as rq
 from gpuguard.backends import accounts
 from gpuguard.config import Config
 from gpuguard.drains import Drain
@@ -34,73 +35,78 @@ from gpuguard.model import Account, Event, EventKind, Grant, Origin, Quota, Rule
 from gpuguard.queueing import Queue, Standing
 from gpuguard.release import Releases
 from gpuguard.reload_effects import ReloadEffects
+from gpuguard.requests import Refusal
 from gpuguard.server import Peer
 from gpuguard.store import Queued, Store
-from gpuguard.units import UnitError, format_duration, parse_duration
+from gpuguard.units import format_duration
 from gpuguard.usage import UsageMeter
 
-ROOT_ONLY = frozenset({"session_open", "session_close", "grant", "revoke", "reload", "sync_nodes", "drain",
-                       "resume", "hold"})
 HOLDS_FILE = "queue_holds.json"  # the held queue rows, in state_dir (state_files)
 WHOAMI_EVENTS = 20
 NO_GPU_FREE = "gpuguard: no GPU is free right now; you are in the queue for one (gpuguard whoami)"
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
 
 
-class Refusal(GpuguardError):
-    """A request that cannot be done, with the CLI exit code the caller should use."""
-
-
-_REQUIRED = object()
-INT_RANGE = (-(1 << 63), (1 << 63) - 1)
 # (user, quota) -> text added to a queued login's message: where GPUs are free for them now
 # (gpuguard.cluster.service.Cluster.elsewhere; "" when nowhere or unknown)
 Elsewhere = Callable[[str, Quota], str]
 
 
-def _field(request: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -> Any:
-    value = request.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise Refusal(f"missing field {key!r}", 2)
-        return default
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise Refusal(f"field {key!r}: expected {kind.__name__}, got {protocol.shown(value)}", 2)
-    if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:  # SQLite's, and far beyond any pid or count
-        raise Refusal(f"field {key!r}: {protocol.shown(value)} is out of range", 2)
-    return value
+@dataclass(frozen=True)
+class ApiParts:
+    """What Api is built from: the services it asks and the edges it reaches (wiring.build fills it)."""
+
+    config: Callable[[], Config]  # the config in force, which a reload replaces
+    store: Store
+    grants: Grants
+    releases: Releases
+    exempt: Exempt
+    sampler: GpuSampler
+    lookup: Lookup
+    logout: LogoutRelease
+    holders: HolderEnder
+    gate: GateMap | None
+    reload: Callable[[], Config]  # the `reload` operation: the config it put in force
+    sync_nodes: Callable[[], None]  # the `sync_nodes` operation
+    accounts: KnownAccounts  # names and quotas as the watcher last resolved them: no NSS wait
+    usage: UsageMeter  # the watcher's usage of the last minute, not written yet
+    queue: Queue
+    terminals: Terminals
+    processes: Processes
+    clock: Clock
+    reload_effects: ReloadEffects  # what a reload or a login does to former members' grants
+    state_dir: Path  # where the admin's drains and queue holds are kept (state_files)
+    foreign: Sequence[dict[str, Any]] = ()  # status entries of the GPUs Slurm or Kubernetes own (coexist)
+    # A fleet's (gpuguard.cluster): for a login that queues, where GPUs are free for the user now.
+    elsewhere: Elsewhere | None = None
 
 
 class Api:
     """The operations, built from exactly the services they use (wiring.build composes them)."""
 
-    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, releases: Releases, exempt: Exempt,
-                 sampler: GpuSampler, lookup: Lookup, logout: LogoutRelease, holders: HolderEnder,
-                 gate: GateMap | None, reload: Callable[[], Config], sync_nodes: Callable[[], None],
-                 accounts: KnownAccounts, usage: UsageMeter, queue: Queue, terminals: Terminals,
-                 processes: Processes, clock: Clock, reload_effects: ReloadEffects, state_dir: Path,
-                 foreign: Sequence[dict[str, Any]] = (), elsewhere: Elsewhere | None = None):
-        self.config = config  # the config in force, which a reload replaces
-        self.store = store
-        self.grants = grants
-        self.releases = releases
-        self.exempt = exempt
-        self.sampler = sampler
-        self.lookup = lookup
-        self.logout = logout
-        self.holders = holders
-        self.gate = gate
-        self._reload = reload
-        self._sync_nodes = sync_nodes
-        self.accounts = accounts  # names and quotas as the watcher last resolved them: no NSS wait
-        self.usage = usage  # the watcher's usage of the last minute, not written yet
-        self.queue = queue
-        self.terminals = terminals
-        self.processes = processes
-        self.clock = clock
-        self.reload_effects = reload_effects  # what a reload or a login does to former members' grants
-        self.state_dir = state_dir  # where the admin's drains and queue holds are kept (state_files)
-        self.foreign = list(foreign)  # status entries of the GPUs Slurm or Kubernetes own (coexist.status_entries)
+    def __init__(self, parts: ApiParts):
+        self.config = parts.config
+        self.store = parts.store
+        self.grants = parts.grants
+        self.releases = parts.releases
+        self.exempt = parts.exempt
+        self.sampler = parts.sampler
+        self.lookup = parts.lookup
+        self.logout = parts.logout
+        self.holders = parts.holders
+        self.gate = parts.gate
+        self._reload = parts.reload
+        self._sync_nodes = parts.sync_nodes
+        self.accounts = parts.accounts
+        self.usage = parts.usage
+        self.queue = parts.queue
+        self.terminals = parts.terminals
+        self.processes = parts.processes
+        self.clock = parts.clock
+        self.reload_effects = parts.reload_effects
+        self.state_dir = parts.state_dir
+        self.foreign = list(parts.foreign)
+        self.elsewhere: Elsewhere = parts.elsewhere or (lambda user, quota: "")
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
         # `request` reply (a grant may come before the client's `wait` call arrives).
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
@@ -108,30 +114,26 @@ class Api:
         self._releases = admission.RateLimit()  # each release scans /proc: per uid, a few at once
         # each request writes the store (a grant, or a queue place that a hang-up takes back and logs)
         self._requests = admission.RateLimit()
-        queue.listeners.append(self._queue_served)
-        # A fleet's (gpuguard.cluster): for a login that queues, where GPUs are free for the user now.
-        self.elsewhere: Elsewhere = elsewhere or (lambda user, quota: "")
+        self.queue.listeners.append(self._queue_served)
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Serve a decoded request (protocol.decode_request): root's operations are refused to
+        anyone else before the request is read, then requests.parse types it or refuses it."""
         op = request["op"]
-        if op in ROOT_ONLY and peer.uid != 0:
-            return protocol.refused(f"{op} is for root only")
         try:
-            return await getattr(self, op)(request, peer)
+            if rq.kind_of(request).root_only and peer.uid != 0:
+                return protocol.refused(f"{op} is for root only")
+            return await getattr(self, op)(rq.parse(request), peer)
         except Refusal as exc:
             return protocol.refused(str(exc), exc.code)
 
     # --- logins
 
-    async def session_open(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        user, pid = _field(request, "user", str), _field(request, "pid", int)
-        service, rhost, tty = (_field(request, key, str, "") for key in ("service", "rhost", "tty"))
-        grant = _field(request, "grant", str, "auto")  # the PAM stack's wish (module option grant=)
-        if grant not in policy.LOGIN_GRANTS:
-            raise Refusal(f"field 'grant': must be one of {', '.join(policy.LOGIN_GRANTS)}, got {grant!r}", 2)
+    async def session_open(self, request: rq.SessionOpen, peer: Peer) -> dict[str, Any]:
+        user, pid = request.user, request.pid
         try:
             account = await self.lookup.by_name(user)  # before any state is read: the rest never awaits
-            return self._open_session(account, service, rhost, tty, pid, grant)
+            return self._open_session(account, request.service, request.rhost, request.tty, pid, request.grant)
         except Exception as exc:
             # An unknown user is PAM's business, not a fault of ours: one line, no traceback.
             known = exc.line() if isinstance(exc, GpuguardError) else None
@@ -183,10 +185,9 @@ class Api:
             return {**reply, "message": NO_GPU_FREE}
         return {**reply, **self._grant_reply(held, wanted=quota.gpus)}
 
-    async def session_close(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        user, pid = _field(request, "user", str), _field(request, "pid", int)
-        store = self.store
-        account = await self._account_named(user)
+    async def session_close(self, request: rq.SessionClose, peer: Peer) -> dict[str, Any]:
+        pid, store = request.pid, self.store
+        account = await self._account_named(request.user)
         held = {g.minor for g in store.grants(account.uid)}
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
@@ -204,8 +205,8 @@ class Api:
 
     # --- looking
 
-    async def whoami(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        account = await self._subject(request, peer)
+    async def whoami(self, request: rq.Whoami, peer: Peer) -> dict[str, Any]:
+        account = await self._subject(request.user, peer)
         store, config = self.store, self.config()
         access = config.access
         quota = policy.quota_for(account.name, account.groups, config)
@@ -231,7 +232,7 @@ class Api:
         held = any(q.waiter.id in self.queue.holds for q in self.store.queue(uid))
         return {**info, "holders": holders, "free": self.queue.free(), "held": held}
 
-    async def status(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def status(self, request: rq.Status, peer: Peer) -> dict[str, Any]:
         config = self.config()
         sample = self.sampler.last
         commands = await self.sampler.commands(sample.owners) if sample else {}
@@ -253,7 +254,7 @@ class Api:
                          gate=self.gate.name if self.gate and self.gate.is_attached() else None)
         return reply
 
-    async def fairshare(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def fairshare(self, request: rq.Fairshare, peer: Peer) -> dict[str, Any]:
         """Every user's fair-share standing, like Slurm's sshare: recent usage (decayed GPU-seconds),
         share, and usage / share, which orders the queue after priority (lower first). Anyone may look."""
         now, config = self.clock(), self.config()
@@ -272,7 +273,7 @@ class Api:
         users.sort(key=lambda u: (-u["priority"], u["normalized"], u["user"]))
         return protocol.ok(users=users, half_life=config.scheduler.half_life, now=now)
 
-    async def gpus(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def gpus(self, request: rq.Gpus, peer: Peer) -> dict[str, Any]:
         """`gpuguard gpus` for anyone: from what the daemon read already (no NVML call of its own)."""
         sample, grants = self.sampler.last, self.grants
         found = inventory.view(
@@ -284,32 +285,23 @@ class Api:
 
     # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
 
-    async def report(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        uid = await self._records_of(request, peer)
-        since, until = _period(request, self.clock())
-        by = _field(request, "by", str, "user")
-        if by not in reporting.GROUPINGS:
-            raise Refusal(f"field 'by': one of {', '.join(reporting.GROUPINGS)}, got {by!r}", 2)
+    async def report(self, request: rq.Report, peer: Peer) -> dict[str, Any]:
+        uid = await self._records_of(request.user, peer)
+        since, until = request.period(self.clock())
+        by = request.by
         self.usage.flush()  # a report made now includes the last tick
         rows = self.store.usage_by(by, since, until, uid)
         return protocol.ok(by=by, since=since, until=until, **reporting.report(rows))
 
-    async def events(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        uid = await self._records_of(request, peer)
-        since, until = _period(request, self.clock(), default_since=0.0)
-        limit = _field(request, "limit", int, 200)
-        if not 1 <= limit <= reporting.MAX_EVENTS:
-            raise Refusal(f"field 'limit': between 1 and {reporting.MAX_EVENTS}, got {limit}", 2)
-        rule = _field(request, "rule", str, None)
-        if rule is not None and rule not in reporting.EVENT_RULES:
-            raise Refusal(f"--rule: no rule {rule!r} (rules: {', '.join(reporting.EVENT_RULES)})", 2)
-        found = self.store.find_events(uid, since, until, rule, limit)
+    async def events(self, request: rq.Events, peer: Peer) -> dict[str, Any]:
+        uid = await self._records_of(request.user, peer)
+        since, until = request.period(self.clock())
+        found = self.store.find_events(uid, since, until, request.rule, request.limit)
         return protocol.ok(events=[asdict(e) for e in found])
 
-    async def _records_of(self, request: dict[str, Any], peer: Peer) -> int | None:
-        """Whose records a request may read: the caller's own; root's, anyone's (None: everyone's).
-        Root may name an account deleted since: its records keep the uid it had."""
-        name = _field(request, "user", str, None)
+    async def _records_of(self, name: str | None, peer: Peer) -> int | None:
+        """Whose records a request naming user `name` may read: the caller's own; root's, anyone's
+        (None: everyone's). Root may name an account deleted since: its records keep the uid it had."""
         if peer.uid != 0:
             own = (await self._account_of(peer)).name
             if own != self.config().web.user:  # the web view's account reads as root does
@@ -328,7 +320,7 @@ class Api:
 
     # --- a user's own GPUs
 
-    async def request(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def request(self, request: rq.Request, peer: Peer) -> dict[str, Any]:
         store, config = self.store, self.config()
         if wait := self._requests.allow(peer.uid, time.monotonic()):
             raise Refusal(f"too many requests at once from your user; try again in {math.ceil(wait)}s")
@@ -339,12 +331,10 @@ class Api:
         if eligible == policy.Eligibility.OUTSIDER:
             raise Refusal(f"only members of group {config.access.group} get GPUs; ask your admin")
         quota = policy.quota_for(account.name, account.groups, config)
-        wanted = _field(request, "gpus", int, quota.gpus)
-        if wanted < 1:
-            raise Refusal("gpus must be at least 1", 2)
+        wanted = quota.gpus if request.gpus is None else request.gpus
         if wanted > quota.gpus:
             raise Refusal(f"your quota is {quota.gpus} GPU{'s' if quota.gpus != 1 else ''} (gpuguard whoami)")
-        wait = _field(request, "wait", bool, False)
+        wait = request.wait
         more = wanted - len(store.grants(account.uid))
         granted: tuple[int, ...] = ()
         now = self.clock()
@@ -379,15 +369,11 @@ class Api:
             raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
         return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted, new=granted or None))
 
-    async def wait(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def wait(self, request: rq.Wait, peer: Peer) -> dict[str, Any]:
         """Block until a queued request (`ticket`, from request --wait) is granted, or `limit`
         seconds pass (then it leaves the queue). A client that hangs up leaves it too: the
         server cancels this call."""
-        ticket = _field(request, "ticket", int)
-        timeout = request.get("limit")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 <= timeout < math.inf):  # NaN fails both
-            raise Refusal(f"field 'limit': expected seconds >= 0, got {timeout!r}", 2)
+        ticket, timeout = request.ticket, request.limit
         if self._served.get(ticket, (None,))[0] == peer.uid:  # another user's ticket is not theirs to take
             return self._served_reply(peer.uid, self._served.pop(ticket)[1])
         if not any(q.waiter.id == ticket for q in self.store.queue(peer.uid)):
@@ -397,6 +383,7 @@ class Api:
             minors = await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:  # not the builtin on Python 3.10
             left = self._leave_unless_login(ticket)
+            assert timeout is not None  # no limit waits until served or cancelled
             raise Refusal(f"no GPU within {format_duration(timeout)}"
                           f"{'; you left the queue' if left else '; your login keeps its place'}", 1) from None
         except asyncio.CancelledError:
@@ -433,7 +420,7 @@ class Api:
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
         self.terminals.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
-    async def release(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def release(self, request: rq.Release, peer: Peer) -> dict[str, Any]:
         """Give GPUs back. It kills nothing: a GPU a process of the user still uses is kept, named
         with the pids, so no job loses its GPU by surprise. Without --gpu the idle ones go and the
         busy ones stay (refused only when all are busy), and a place in the queue is left too."""
@@ -442,7 +429,7 @@ class Api:
             raise Refusal(f"too many releases at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
         held = {g.minor for g in store.grants(account.uid)}
-        minors = self._minors(request)
+        minors = self._units(request.units)
         left = self.leave_queue(account.uid) if minors is None else 0
         if not held:
             if left:
@@ -472,11 +459,11 @@ class Api:
         return protocol.ok(released=released, kept=sorted(kept), left_queue=left,
                            **{**self._grant_reply(store.grants(account.uid)), "message": f"gpuguard: {'; '.join(parts)}"})
 
-    async def cancel(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def cancel(self, request: rq.Cancel, peer: Peer) -> dict[str, Any]:
         """Leave the queue (`gpuguard cancel`, `request --cancel`): every request of the caller's,
         a login's place included, like scancel; root may take out another user's (`--user`), who is
         told. GPUs already held stay."""
-        name = _field(request, "user", str, None)
+        name = request.user
         if name is not None and peer.uid != 0:
             raise Refusal("only root may take another user's requests out of the queue")
         account = await (self._account_named(name) if name is not None else self._account_of(peer))
@@ -507,15 +494,10 @@ class Api:
 
     # --- admin
 
-    async def grant(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def grant(self, request: rq.Grant, peer: Peer) -> dict[str, Any]:
         store, config = self.store, self.config()
-        account = await self._account_named(_field(request, "user", str))
-        count, minors = _field(request, "gpus", int, None), self._minors(request)
-        if (count is None) == (minors is None):
-            raise Refusal("give either gpus (a number) or minors (a list)", 2)
-        if count is not None and count < 1:
-            raise Refusal("gpus must be at least 1", 2)
-        duration = _duration(request.get("for"))
+        account = await self._account_named(request.user)
+        count, minors, duration = request.gpus, self._units(request.units), request.duration
         eligible = self._eligibility(account)
         if eligible == policy.Eligibility.EXEMPT:
             raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
@@ -530,6 +512,7 @@ class Api:
                               f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
             chosen = tuple(minors)
         else:
+            assert count is not None  # the request names either units or a count
             chosen = self.grants.choose(account.uid, count, quota)
             if len(chosen) < count:
                 raise Refusal(f"only {len(chosen)} more GPU{'s' if len(chosen) != 1 else ''} free for "
@@ -542,14 +525,13 @@ class Api:
         return protocol.ok(user=account.name, gpus=sorted(chosen), expires_at=expires_at,
                            message=f"granted GPU {unit_list(chosen)} to {account.name}{term}")
 
-    async def revoke(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def revoke(self, request: rq.Revoke, peer: Peer) -> dict[str, Any]:
         """Take GPUs back. The gate stops new opens at once, and the processes that opened a
         GPU before are ended: the watcher warns and stops those NVML lists (stray use), and
         those only /proc shows, which the watcher never sees, get SIGTERM here and SIGKILL
         kill_wait later if they still hold it (holders.HolderEnder)."""
         store = self.store
-        name = _field(request, "user", str)
-        minors = self._minors(request)
+        name, minors = request.user, self._units(request.units)
         uid: int | None
         try:
             uid = (await self.lookup.by_name(name)).uid
@@ -580,15 +562,14 @@ class Api:
         holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
-                           other_holders=[{"pid": o.pid, "uid": o.uid, "minors": sorted(o.minors), "ended": o.ended}
+                           other_holders=[{"pid": o.pid, "uid": o.uid, "units": sorted(o.minors), "ended": o.ended}
                                           for o in ending.others],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
 
-    async def hold(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def hold(self, request: rq.Hold, peer: Peer) -> dict[str, Any]:
         """Hold a user's queued requests (`gpuguard hold USER`), or let them go again (`off`): a held
         request keeps its place but is not served, and reserves nothing, like Slurm's scontrol hold."""
-        account = await self._account_named(_field(request, "user", str))
-        off = _field(request, "off", bool, False)
+        account, off = await self._account_named(request.user), request.off
         ids = {q.waiter.id for q in self.store.queue(account.uid)}
         if not ids:
             raise Refusal(f"{account.name} is not in the queue")
@@ -610,12 +591,11 @@ class Api:
         except OSError as exc:
             raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
 
-    async def drain(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def drain(self, request: rq.Drain, peer: Peer) -> dict[str, Any]:
         """Give these GPUs to nobody new (`gpuguard drain`): their holders keep them and are told."""
-        minors = self._minors(request)
-        reason = _field(request, "reason", str, "")[:200]
-        if minors is None or any(is_slice(m) for m in minors):
-            raise Refusal("--gpu: name whole GPUs (a drain covers all of a GPU's MIG slices)", 2)
+        minors, reason = self._named_units(request.units), request.reason
+        if any(is_slice(m) for m in minors):
+            raise Refusal(rq.DRAIN_WHOLE, 2)
         now = self.clock()
         for minor in minors:
             self.grants.drained[minor] = Drain(reason, now)
@@ -631,10 +611,8 @@ class Api:
         event(logging.WARNING, "drain", gpu=unit_list(minors), reason=reason or None)
         return protocol.ok(drained=minors, message=f"gpuguard: drained GPU {unit_list(minors)}{why}; holders told")
 
-    async def resume(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        minors = self._minors(request)
-        if minors is None:
-            raise Refusal("--gpu: name the GPUs to resume", 2)
+    async def resume(self, request: rq.Resume, peer: Peer) -> dict[str, Any]:
+        minors = self._named_units(request.units)
         if not_drained := [m for m in minors if m not in self.grants.drained]:
             raise Refusal(f"GPU {unit_list(not_drained)} is not drained")
         for minor in minors:
@@ -650,13 +628,13 @@ class Api:
         except OSError as exc:
             raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
 
-    async def sync_nodes(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def sync_nodes(self, request: rq.SyncNodes, peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
         `gpuguard acl apply`. Reads no config, so an admin's half-edited file blocks nothing."""
         self._sync_nodes()
         return protocol.ok(message="device nodes and ACLs re-applied")
 
-    async def reload(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def reload(self, request: rq.Reload, peer: Peer) -> dict[str, Any]:
         try:
             loaded = self._reload()
         except configuration.ConfigError as exc:
@@ -666,22 +644,20 @@ class Api:
 
     # --- shared pieces
 
-    def _minors(self, request: dict[str, Any]) -> list[int] | None:
-        minors = request.get("minors")
-        if minors is None:
-            return None
+    def _units(self, named: rq.Units | None) -> list[int] | None:
+        """The units a request names (None: it names none), as numbers; a UUID names one unit,
+        whatever the numbering. Refused when one is not on this machine."""
+        return None if named is None else self._named_units(named)
+
+    def _named_units(self, named: rq.Units) -> list[int]:
         gpus = self.grants.gpus
-        if isinstance(minors, list) and any(isinstance(m, str) for m in minors):
-            by_uuid = {gpu.uuid: unit for unit, gpu in gpus.items()}  # a UUID names one unit, whatever the numbering
-            if unknown_uuids := [m for m in minors if isinstance(m, str) and m not in by_uuid]:
-                raise Refusal(f"--gpu: no GPU or MIG slice {protocol.shown(unknown_uuids[0])} on this machine", 2)
-            minors = [by_uuid[m] if isinstance(m, str) else m for m in minors]
-        if not isinstance(minors, list) or not minors or not all(
-                isinstance(m, int) and not isinstance(m, bool) for m in minors):
-            raise Refusal(f"field 'minors': expected a non-empty list of GPU numbers, got {minors!r}", 2)
-        if unknown := set(minors) - set(gpus):
+        by_uuid = {gpu.uuid: unit for unit, gpu in gpus.items()} if any(isinstance(u, str) for u in named) else {}
+        if unknown_uuids := [u for u in named if isinstance(u, str) and u not in by_uuid]:
+            raise Refusal(f"--gpu: no GPU or MIG slice {protocol.shown(unknown_uuids[0])} on this machine", 2)
+        units = {by_uuid[u] if isinstance(u, str) else u for u in named}
+        if unknown := units - set(gpus):
             raise Refusal(f"no GPU {unit_list(unknown)} on this machine (GPUs: {unit_list(gpus)})", 2)
-        return sorted(set(minors))
+        return sorted(units)
 
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
         gpu = self.grants.gpus.get(grant.minor)
@@ -723,9 +699,8 @@ class Api:
         except accounts.UnknownUser as exc:
             raise Refusal(str(exc)) from None
 
-    async def _subject(self, request: dict[str, Any], peer: Peer) -> Account:
-        """The caller, or (root only) the user the request names."""
-        name = _field(request, "user", str, None)
+    async def _subject(self, name: str | None, peer: Peer) -> Account:
+        """The caller (name None), or (root only) the user named."""
         if name is None:
             return await self._account_of(peer)
         own = await self._account_of(peer) if peer.uid != 0 else None
@@ -744,39 +719,8 @@ def _readable(scan: Scan) -> Scan:
     return scan
 
 
-def _period(request: dict[str, Any], now: float, default_since: float | None = None) -> tuple[float, float]:
-    """since and until (epoch seconds) of a request; until defaults to now, since to default_since."""
-    since = _number(request, "since", default_since)
-    until = _number(request, "until", None)
-    if until is None:
-        until = now
-    if since is None:
-        raise Refusal("missing field 'since'", 2)
-    if since >= until:
-        raise Refusal("since must be before until", 2)
-    return since, until
-
-
-def _number(request: dict[str, Any], key: str, default: float | None) -> float | None:
-    value = request.get(key, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise Refusal(f"field {key!r}: expected a number (epoch seconds), got {value!r}", 2)
-    return value
-
-
 def _standing_info(standing: Standing | None) -> dict[str, Any] | None:
     """A user's place in the queue as the protocol carries it (None: not waiting)."""
     if standing is None:
         return None
     return {**asdict(standing), "ahead": [{"user": user, "why": why} for user, why in standing.ahead]}
-
-def _duration(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        seconds = parse_duration(value)
-    except UnitError as exc:
-        raise Refusal(f"--for: {exc}", 2) from None
-    if not seconds:
-        raise Refusal("--for: must be a positive duration like 8h", 2)
-    return seconds

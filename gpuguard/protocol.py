@@ -1,6 +1,7 @@
 """The daemon's wire format: one JSON object per line, one request per connection.
 
-A request is `{"v": 1, "op": "<operation>", ...fields}`; the reply is
+A request is `{"v": 1, "op": "<operation>", ...fields}` (requests.py types each operation's
+fields; GPUs and MIG slices are named in `units`); the reply is
 `{"v": 1, "ok": true, ...}` or `{"v": 1, "ok": false, "error": "<one line>", "code": N}`
 where N is the CLI exit code the caller should use. Identity is never part of a
 message: the server takes it from SO_PEERCRED. JSON only, never pickle.

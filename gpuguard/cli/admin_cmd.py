@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     grant.add_argument("user")
     which = grant.add_mutually_exclusive_group(required=True)
     which.add_argument("--gpus", type=int, metavar="N", help="this many GPUs, chosen by the allocator")
-    which.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
+    which.add_argument("--gpu", type=unit_arg, action="append", dest="units", metavar="GPU",
                        help="this GPU or MIG slice, e.g. 3 or 3/gi1/ci0 (repeatable)")
     grant.add_argument("--for", dest="duration", metavar="DURATION",
                        help="how long, e.g. 8h (default: the user's max_time)")
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                                "when NVML sees them). Examples: sudo gpuguard revoke alice; "
                                                "sudo gpuguard revoke alice --gpu 3")
     revoke.add_argument("user")
-    revoke.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
+    revoke.add_argument("--gpu", type=unit_arg, action="append", dest="units", metavar="GPU",
                         help="only this GPU or MIG slice (repeatable; default: all of the user's)")
     revoke.add_argument("--json", action="store_true", help="print JSON")
     revoke.set_defaults(func=run_revoke)
@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Give these GPUs to nobody new (logins, requests and the queue skip them) until resumed; "
                     "their holders keep them and are told. Kept across restarts. "
                     "Example: sudo gpuguard drain 3 --reason 'ECC errors, RMA on Monday'")
-    drain.add_argument("minors", type=unit_arg, nargs="+", metavar="GPU", help="a GPU's minor (as status shows it)")
+    drain.add_argument("units", type=unit_arg, nargs="+", metavar="GPU", help="a GPU, as status shows it")
     drain.add_argument("--reason", default="", help="why, shown to holders and in status and whoami")
     drain.set_defaults(func=run_drain)
 
@@ -60,16 +60,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     resume = subparsers.add_parser("resume", help="give drained GPUs out again (root)",
                                    description="End a drain; the queue is served first. Example: sudo gpuguard resume 3")
-    resume.add_argument("minors", type=unit_arg, nargs="+", metavar="GPU")
+    resume.add_argument("units", type=unit_arg, nargs="+", metavar="GPU")
     resume.set_defaults(func=run_resume)
 
 
 def run_grant(args: argparse.Namespace) -> int:
-    return _show(args, ask(args, "grant", user=args.user, gpus=args.gpus, minors=args.minors, **{"for": args.duration}))
+    return _show(args, ask(args, "grant", user=args.user, gpus=args.gpus, units=args.units, **{"for": args.duration}))
 
 
 def run_revoke(args: argparse.Namespace) -> int:
-    return _show(args, ask(args, "revoke", user=args.user, minors=args.minors))
+    return _show(args, ask(args, "revoke", user=args.user, units=args.units))
 
 
 def run_reload(args: argparse.Namespace) -> int:
@@ -78,7 +78,7 @@ def run_reload(args: argparse.Namespace) -> int:
 
 
 def run_drain(args: argparse.Namespace) -> int:
-    print(ask(args, "drain", minors=args.minors, reason=args.reason or None)["message"])
+    print(ask(args, "drain", units=args.units, reason=args.reason or None)["message"])
     return EXIT_OK
 
 
@@ -88,7 +88,7 @@ def run_hold(args: argparse.Namespace) -> int:
 
 
 def run_resume(args: argparse.Namespace) -> int:
-    print(ask(args, "resume", minors=args.minors)["message"])
+    print(ask(args, "resume", units=args.units)["message"])
     return EXIT_OK
 
 

@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                                 "go and each one a process of yours still uses stays (named with "
                                                 "the pids); with --gpu, all named or none. Examples: gpuguard "
                                                 "release; gpuguard release --gpu 3")
-    release.add_argument("--gpu", type=unit_arg, action="append", dest="minors", metavar="GPU",
+    release.add_argument("--gpu", type=unit_arg, action="append", dest="units", metavar="GPU",
                          help="only this GPU or MIG slice (repeatable; default: all of yours)")
     release.add_argument("--json", action="store_true", help="print JSON")
     release.set_defaults(func=run_release)
@@ -235,7 +235,7 @@ def _wait(args: argparse.Namespace, ticket: int, deadline: float | None) -> dict
 
 
 def run_release(args: argparse.Namespace) -> int:
-    reply = ask(args, "release", minors=args.minors)
+    reply = ask(args, "release", units=args.units)
     if args.json:
         print_json(reply)
         return EXIT_OK

@@ -527,3 +527,12 @@ def test_start_failures_are_one_clear_line(start_daemon, sandbox):
     bad = subprocess.run(gpuguard(broken, "daemon"), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr == f"gpuguard: {broken}: access.group: expected a non-empty string, got 3\n"
+
+
+def test_a_client_of_the_release_before_still_names_gpus_by_minors(gg_daemon):
+    """The wire's `units` was `minors` until this release; the daemon reads both for one release."""
+    d = gg_daemon
+    alice = d.add_member()
+    assert d.call("grant", user=alice.name, minors=[2])["gpus"] == [2]
+    assert d.call_as(alice, "release", minors=[2])["released"] == [2]
+    assert d.call("grant", user=alice.name, units=[3])["gpus"] == [3] == d.granted_minors(alice)

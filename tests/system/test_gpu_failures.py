@@ -53,8 +53,8 @@ def wait_ticks(d, ticks: int = 5) -> None:
 def test_a_failing_gpu_stops_no_enforcement_elsewhere(start_daemon, burns):
     d = start_daemon(defaults={"gpus": 1, "gpu_memory": "4GiB"}, watcher=WATCHER)
     alice, bob = d.add_member(), d.add_member()
-    d.call("grant", user=alice.name, minors=[1])
-    d.call("grant", user=bob.name, minors=[2])
+    d.call("grant", user=alice.name, units=[1])
+    d.call("grant", user=bob.name, units=[2])
     set_fault(d.device_dir, f"{LOST} 2")
     over_2 = burns(d.config_path, 2, "6GiB", user=bob)
     over_1 = burns(d.config_path, 1, "6GiB", user=alice)

@@ -15,7 +15,7 @@ from gpuguard import protocol
 pytestmark = pytest.mark.gate
 
 BAD_VALUES = [["x"], {"op": "grant"}, 1.5, True, -1, 2 ** 70, "x" * 5000, "\x00", "\x1b[2K\r", ""]
-FIELDS = ["user", "pid", "service", "rhost", "tty", "gpus", "minors", "for"]
+FIELDS = ["user", "pid", "service", "rhost", "tty", "gpus", "units", "minors", "for", "since", "limit", "ticket"]
 
 # Run as a user (or root): every operation with one field set to each bad value, raw on the socket.
 SEND_ALL = """

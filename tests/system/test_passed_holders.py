@@ -73,8 +73,8 @@ def test_holders_passed_a_descriptor_are_found_after_a_revoke(start_daemon, make
         assert taker.stdout.readline() == member.stdout.readline() == "holding 1\n"
         reply = d.call("revoke", user=alice.name)
         others = {o["pid"]: o for o in reply["other_holders"]}
-        assert others[taker.pid] == {"pid": taker.pid, "uid": mallory.uid, "minors": [minor], "ended": True}
-        assert others[member.pid] == {"pid": member.pid, "uid": bob.uid, "minors": [minor], "ended": False}
+        assert others[taker.pid] == {"pid": taker.pid, "uid": mallory.uid, "units": [minor], "ended": True}
+        assert others[member.pid] == {"pid": member.pid, "uid": bob.uid, "units": [minor], "ended": False}
         assert reply["holders"] == []  # none of alice's own
         assert taker.wait(timeout=MARGIN) == -signal.SIGTERM
         assert member.poll() is None  # a member's is reported, not ended

@@ -57,8 +57,8 @@ def gone(element) -> bool:
 def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
     daemon = start_daemon(web=web.prepare(), defaults={"gpu_memory": "4GiB"})
     alice, bob, carol = daemon.add_member(), daemon.add_member(), daemon.add_member()
-    daemon.call("grant", user=bob.name, minors=[1])
-    daemon.call("grant", user=carol.name, minors=[2])
+    daemon.call("grant", user=bob.name, units=[1])
+    daemon.call("grant", user=carol.name, units=[2])
     burns(daemon.config_path, 1, "2GiB", user=bob)
     burns(daemon.config_path, 2, "6GiB", user=carol)  # over carol's 4 GiB quota
     site = web.start(daemon)
@@ -70,7 +70,7 @@ def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
     assert len(browser.find_elements(By.CSS_SELECTOR, ".cell")) == 4
     browser.execute_script("window.ggtSamePage = true")  # gone if the page were loaded again
 
-    daemon.call("grant", user=alice.name, minors=[0])
+    daemon.call("grant", user=alice.name, units=[0])
 
     live(browser).until(lambda d: cell(d, "0").get_attribute("data-state") == "held")
     assert browser.execute_script("return window.ggtSamePage") is True

@@ -109,9 +109,9 @@ def test_root_only_operations_are_refused_to_users(world):
 
 def test_admin_grant_and_revoke(world):
     world.lookup.add("alice", 1001, GROUP)
-    granted = world.call("grant", user="alice", minors=[2], **{"for": "1h"})
+    granted = world.call("grant", user="alice", units=[2], **{"for": "1h"})
     assert granted["ok"] and world.held(1001) == [2]
-    assert world.call("grant", user="alice", minors=[7])["code"] == 2  # no such GPU
+    assert world.call("grant", user="alice", units=[7])["code"] == 2  # no such GPU
     revoked = world.call("revoke", user="alice")
     assert revoked["revoked"] == [2] and world.held(1001) == []
     assert world.call("revoke", user="alice")["code"] == 1  # holds nothing now

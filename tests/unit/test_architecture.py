@@ -12,7 +12,7 @@ import gpuguard
 
 PACKAGE = Path(gpuguard.__file__).parent
 PURE = {"model", "units", "errors", "compat", "policy", "allocator", "rules", "scheduler", "messages", "escape",
-        "reporting", "layout", "mig_profiles", "config_warnings", "doctor", "gres", "coexist"}
+        "reporting", "layout", "mig_profiles", "config_warnings", "doctor", "gres", "coexist", "requests"}
 DOES_IO = {"store", "daemon", "server", "api", "watcher", "sampling", "grants", "holders", "logout", "metrics",
            "queueing", "lookups", "exempt", "client", "pam_hook", "quota_file", "simulate", "backends"}
 

@@ -13,7 +13,7 @@ def test_the_file_follows_a_login_a_release_and_a_grant_from_the_queue(world):
     assert world.login(carol, pid=5003)["gpus"] == [2, 3]
     assert world.held_files.files == {1001: ["GPU-0000", "GPU-0001"], 1003: ["GPU-0002", "GPU-0003"]}
     assert world.login(bob, pid=5002)["gpus"] == []  # all four held: bob waits
-    assert world.call("release", uid=1003, minors=[3])["released"] == [3]
+    assert world.call("release", uid=1003, units=[3])["released"] == [3]
     assert world.held_files.files[1003] == ["GPU-0002"]  # what carol still holds
     assert world.call("release", uid=1001)["released"] == [0, 1]
     # Alice's file goes; bob, served from the queue in the same step, has his.
