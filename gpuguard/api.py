@@ -123,7 +123,8 @@ class Api:
         try:
             if rq.kind_of(request).root_only and peer.uid != 0:
                 return protocol.refused(f"{op} is for root only")
-            return await getattr(self, op)(rq.parse(request), peer)
+            reply: dict[str, Any] = await getattr(self, op)(rq.parse(request), peer)
+            return reply
         except Refusal as exc:
             return protocol.refused(str(exc), exc.code)
 
