@@ -152,10 +152,9 @@ class FakeSampler:
     """Hands out the sample a test set; `processes` as (pid, uid, minor, bytes)."""
 
     def __init__(self) -> None:
-        self.last: Sample | None = None
         self.errors: Counter[str] = Counter()  # NVML errors by GPU, as the real Sampler counts them
         self.names: dict[int, str] = {}  # pid -> process name, for status
-        self.set([])
+        self.last: Sample = self.set([])  # always a sample: the tests hand it to Watcher.check as the daemon does
 
     async def commands(self, pids: Iterable[int]) -> dict[int, str]:
         return {pid: self.names.get(pid, "") for pid in pids}
@@ -167,7 +166,6 @@ class FakeSampler:
         return self.last
 
     async def take(self, max_age: float = 0) -> Sample:
-        assert self.last is not None
         return self.last
 
     async def take_or_log(self, action: str, max_age: float = 0, **fields: object) -> Sample | None:
@@ -213,7 +211,7 @@ class FakeProcesses:
         self.states: dict[int, str] = {}  # pid -> state shown for an unkillable process
 
     def identity(self, pid: int) -> ProcessIdentity | None:
-        return self.sampler.last.owners.get(pid) if self.sampler.last else None
+        return self.sampler.last.owners.get(pid)
 
     def command(self, pid: int) -> str:
         return self.sampler.names.get(pid, "")

@@ -1,6 +1,8 @@
 """The web view's account ([web] user) reads every user's records as root does, and nothing more."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from fakes import GROUP, World
 
@@ -9,7 +11,7 @@ from gpuguard.model import Quota
 
 
 @pytest.fixture
-def world(tmp_path) -> World:
+def world(tmp_path) -> Iterator[World]:
     w = World(tmp_path)
     w.config = Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=1), web=WebConfig(user="ggweb"))
     yield w

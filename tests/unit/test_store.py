@@ -200,6 +200,7 @@ WRITER = textwrap.dedent("""
 
 def read_line(proc: subprocess.Popen, timeout: float = 60) -> str:
     """The writer's next line ("" if it ended); a bound on waiting, not a timing assertion."""
+    assert proc.stdout is not None, "the writer is started with stdout=PIPE"
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     assert ready, "the writer printed nothing for a minute"
     return proc.stdout.readline().strip()
@@ -225,11 +226,12 @@ def start_writer(path, first_uid: int, mode: str) -> subprocess.Popen:
 def kill(writer: subprocess.Popen) -> None:
     writer.send_signal(signal.SIGKILL)
     writer.wait()
+    assert writer.stdin is not None and writer.stdout is not None, "the writer is started with both pipes"
     writer.stdin.close()
     writer.stdout.close()
 
 
-def test_sigkill_while_writing_loses_nothing_committed_and_leaves_no_half_grant(tmp_path):
+def test_sigkill_while_writing_loses_nothing_committed_and_leaves_no_half_grant(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     Store(path).close()
     before: dict[int, list[tuple]] = {}
