@@ -187,7 +187,7 @@ class Api:
         user, pid = _field(request, "user", str), _field(request, "pid", int)
         store = self.store
         account = await self._account_named(user)
-        held = {g.minor for g in store.grants(account.uid)}
+        held = {g.unit for g in store.grants(account.uid)}
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
@@ -216,7 +216,7 @@ class Api:
             quota=asdict(quota),
             grants=[self._grant_info(g) for g in store.grants(account.uid)],
             sessions=[asdict(s) for s in store.sessions(account.uid)],
-            events=[asdict(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
+            events=[protocol.record(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
             usage=store.usage(account.uid),
             queue=self._queue_info(account.uid, self.clock()))
 
@@ -225,7 +225,7 @@ class Api:
         info = _standing_info(self.queue.standing(uid, now))
         if info is None:
             return None
-        holders = [{"minor": g.minor, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
+        holders = [{"minor": g.unit, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
                     "reclaim_after": self.accounts.of(g.uid)[1].reclaim_after}
                    for g in self.store.grants() if g.uid != uid]
         held = any(q.waiter.id in self.queue.holds for q in self.store.queue(uid))
@@ -278,7 +278,7 @@ class Api:
         found = inventory.view(
             grants.physical.values(), [unit for unit in grants.gpus.values() if unit.slice is not None],
             sample.layout.unread if sample and sample.layout else (), grants.topology,
-            Counter(p.minor for p in sample.processes) if sample else Counter(), sample.use if sample else None)
+            Counter(p.unit for p in sample.processes) if sample else Counter(), sample.use if sample else None)
         found["gpus"] = sorted([*found["gpus"], *inventory.foreign(self.foreign)], key=lambda gpu: gpu["minor"])
         return protocol.ok(**found)
 
@@ -304,7 +304,7 @@ class Api:
         if rule is not None and rule not in reporting.EVENT_RULES:
             raise Refusal(f"--rule: no rule {rule!r} (rules: {', '.join(reporting.EVENT_RULES)})", 2)
         found = self.store.find_events(uid, since, until, rule, limit)
-        return protocol.ok(events=[asdict(e) for e in found])
+        return protocol.ok(events=[protocol.record(e) for e in found])
 
     async def _records_of(self, request: dict[str, Any], peer: Peer) -> int | None:
         """Whose records a request may read: the caller's own; root's, anyone's (None: everyone's).
@@ -441,7 +441,7 @@ class Api:
         if wait := self._releases.allow(peer.uid, time.monotonic()):
             raise Refusal(f"too many releases at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
-        held = {g.minor for g in store.grants(account.uid)}
+        held = {g.unit for g in store.grants(account.uid)}
         minors = self._minors(request)
         left = self.leave_queue(account.uid) if minors is None else 0
         if not held:
@@ -461,7 +461,7 @@ class Api:
             raise Refusal(f"GPU {unit_list(kept)} {in_use}: stop them, then release")
         removed = self.releases.take_back(account.uid, targets - kept, self.clock(), kind=EventKind.RELEASE,
                                           rule=Rule.USER, message="released with gpuguard release")
-        released = [g.minor for g in removed]
+        released = [g.unit for g in removed]
         parts = [f"released GPU {unit_list(released)}"]
         if kept:
             parts.append(f"GPU {unit_list(kept)} stays: {in_use} (stop them, then release)")
@@ -526,7 +526,7 @@ class Api:
         if minors is not None:
             blocked = allocator.blocking(store.grants(), account.uid, minors, share, self.grants.gpus, quota)
             if blocked:
-                raise Refusal(f"GPU {unit_list({g.minor for g in blocked})} is held by "
+                raise Refusal(f"GPU {unit_list({g.unit for g in blocked})} is held by "
                               f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
             chosen = tuple(minors)
         else:
@@ -561,7 +561,7 @@ class Api:
                                           message="revoked by root", end_holders=False)
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + unit_list(minors)}")
-        revoked = {g.minor for g in removed}
+        revoked = {g.unit for g in removed}
         ending = await self.holders.end(uid, removed[0].user, revoked, Rule.ADMIN)
         scan = ending.scan
         note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
@@ -580,7 +580,7 @@ class Api:
         holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
-                           other_holders=[{"pid": o.pid, "uid": o.uid, "minors": sorted(o.minors), "ended": o.ended}
+                           other_holders=[{"pid": o.pid, "uid": o.uid, "minors": sorted(o.units), "ended": o.ended}
                                           for o in ending.others],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
 
@@ -622,10 +622,10 @@ class Api:
         self._save_drains()
         why = f" ({reason})" if reason else ""
         for grant in self.store.grants():
-            if unit_parent(grant.minor) in minors:
-                text = (f"gpuguard: GPU {unit_label(grant.minor)} is being drained by root{why}: it stays yours until "
+            if unit_parent(grant.unit) in minors:
+                text = (f"gpuguard: GPU {unit_label(grant.unit)} is being drained by root{why}: it stays yours until "
                         "you release it, but will not be given again until resumed - gpuguard whoami")
-                self.store.add_event(Event(now, grant.uid, grant.user, EventKind.WARNING, text, minor=grant.minor,
+                self.store.add_event(Event(now, grant.uid, grant.user, EventKind.WARNING, text, unit=grant.unit,
                                            rule=Rule.DRAIN, action="warn"))
                 self.terminals.tell(grant.user, grant.uid, text, [s.tty for s in self.store.sessions(grant.uid)])
         event(logging.WARNING, "drain", gpu=unit_list(minors), reason=reason or None)
@@ -684,21 +684,21 @@ class Api:
         return sorted(set(minors))
 
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
-        gpu = self.grants.gpus.get(grant.minor)
-        return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
+        gpu = self.grants.gpus.get(grant.unit)
+        return {**protocol.record(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
                 "index": gpu.index if gpu else None,
-                "drained": asdict(drain) if (drain := self.grants.drained.get(unit_parent(grant.minor))) else None}
+                "drained": asdict(drain) if (drain := self.grants.drained.get(unit_parent(grant.unit))) else None}
 
     def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
                      new: Collection[int] | None = None) -> dict[str, Any]:
         """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message).
         new: the units just granted, which the message is about (with their own end, not an older grant's)."""
-        gpus = [self.grants.gpus[g.minor] for g in held if g.minor in self.grants.gpus]
+        gpus = [self.grants.gpus[g.unit] for g in held if g.unit in self.grants.gpus]
         if not gpus:
             return {"gpus": [], "cuda_visible_devices": "", "message": ""}
-        told = [g for g in held if new is None or g.minor in new] or held
+        told = [g for g in held if new is None or g.unit in new] or held
         expiries = [g.expires_at for g in told if g.expires_at is not None]
-        told_gpus = [gpu for gpu in gpus if any(g.minor == gpu.minor for g in told)]
+        told_gpus = [gpu for gpu in gpus if any(g.unit == gpu.minor for g in told)]
         if wanted is not None:
             wanted -= len(gpus) - len(told_gpus)  # the ones held before count towards it
         return {"gpus": [gpu.minor for gpu in gpus],

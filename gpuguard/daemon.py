@@ -139,9 +139,9 @@ class Daemon:
         if self.ownership.foreign:
             event(logging.INFO, "coexist", owners=self.ownership.summary())
         for grant in self.store.grants():
-            if (owner := self.ownership.owner(unit_parent(grant.minor))) != Owner.GPUGUARD:
-                gpu = unit_parent(grant.minor)
-                self.services.releases.take_back(grant.uid, [grant.minor], time.time(), kind=EventKind.REVOKE,
+            if (owner := self.ownership.owner(unit_parent(grant.unit))) != Owner.GPUGUARD:
+                gpu = unit_parent(grant.unit)
+                self.services.releases.take_back(grant.uid, [grant.unit], time.time(), kind=EventKind.REVOKE,
                                                  rule=Rule.COEXIST, message=f"GPU {gpu} belongs to {owner} now (coexist)")
 
     async def _handle(self, request: dict, peer) -> dict:

@@ -62,7 +62,7 @@ class Other:
 
     pid: int
     uid: int
-    minors: frozenset[int]
+    units: frozenset[int]
     ended: bool  # sent SIGTERM (a non-member's); False: reported (a member's, or NSS could not say)
 
 
@@ -100,7 +100,7 @@ class HolderEnder:
         for_user: a request of uid's asks (scans.Scans.for_user: bounded, one per uid at a time)."""
         minors = frozenset(minors)
         found = await (self.scans.for_user(uid, minors) if for_user else self.scans.for_daemon(minors, {uid}))
-        holding = frozenset((h.pid, h.minor) for h in found if h.uid == uid)
+        holding = frozenset((h.pid, h.unit) for h in found if h.uid == uid)
         if not holding:
             # A CUDA process holds its node open too: none in /proc, none for NVML to list. No
             # sample then, so that releases (which can be looped) never make NVML poll faster.
@@ -109,8 +109,8 @@ class HolderEnder:
             sample = await self.sampler.take(max_age)
         except Exception as exc:  # GpuError and anything a broken driver throws
             return Scan(frozenset(), holding, minors, str(exc))
-        listed = frozenset((p.pid, p.minor) for p in sample.processes
-                           if p.minor in minors and sample.uid_of(p.pid) == uid)
+        listed = frozenset((p.pid, p.unit) for p in sample.processes
+                           if p.unit in minors and sample.uid_of(p.pid) == uid)
         return Scan(listed, holding - listed, frozenset(m for m in minors if not sample.ok(m)))
 
     def schedule(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> None:
@@ -153,7 +153,7 @@ class HolderEnder:
                 continue
             identity = self.processes.identity(holder.pid)
             if identity is not None and identity.uid == holder.uid:
-                holding.setdefault(identity, set()).add(holder.minor)
+                holding.setdefault(identity, set()).add(holder.unit)
         others = []
         for identity, held in sorted(holding.items()):
             member = await self.is_member(identity.uid)
@@ -181,7 +181,7 @@ class HolderEnder:
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
         """Those of `termed` that are the same process as before and still hold one of their nodes."""
         found = await self.scans.for_daemon(set().union(*termed.values()), {identity.uid for identity in termed})
-        holding = {(h.pid, h.minor) for h in found}
+        holding = {(h.pid, h.unit) for h in found}
         return [identity for identity, minors in termed.items()
                 if any((identity.pid, m) in holding for m in minors)
                 and self.processes.identity(identity.pid) == identity]
@@ -218,7 +218,7 @@ class HolderEnder:
         whose = "your process" if identity.uid == uid else "process"
         message = f"gpuguard: {whose} {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         for minor in sorted(minors):
-            self.store.add_event(Event(self.clock(), uid, user, action.event, message, minor=minor,
+            self.store.add_event(Event(self.clock(), uid, user, action.event, message, unit=minor,
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 

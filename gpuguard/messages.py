@@ -138,7 +138,7 @@ def action_message(action: Action, command: str = "") -> str:
     from gpuguard import rules  # the daemon's, loaded already there; the users' commands never need it
 
     n = action.numbers
-    gpu = f"GPU {unit_label(action.minor)}"
+    gpu = f"GPU {unit_label(action.unit)}"
     proc = action.proc
     who = f"process {proc.pid}" + (f" ({command})" if command else "") if proc else ""
     if action.rule == rules.MEMORY and action.kind == rules.WARN:

@@ -119,13 +119,13 @@ def gpu_states(gpus: Iterable[Gpu], sample: Sample | None, grants: Iterable[Gran
     grants = list(grants)
     states = []
     for gpu in sorted(gpus, key=lambda g: g.minor):
-        holders = tuple(Holding(g.user, g.uid, g.granted_at, g.expires_at) for g in grants if g.minor == gpu.minor)
+        holders = tuple(Holding(g.user, g.uid, g.granted_at, g.expires_at) for g in grants if g.unit == gpu.minor)
         names = {h.uid: h.user for h in holders}  # a grant names its user; others (strays) by the watcher's lookup
         memory: Counter[str] = Counter()
         if sample is not None:
             for process in sample.processes:
                 uid = sample.uid_of(process.pid)
-                if process.minor == gpu.minor and uid is not None and process.used_memory is not None:
+                if process.unit == gpu.minor and uid is not None and process.used_memory is not None:
                     memory[names.get(uid) or name_of(uid)] += process.used_memory
         states.append(GpuState(gpu, sample is not None and sample.ok(gpu.minor),
                                sample.use.get(gpu.minor) if sample else None, holders, tuple(sorted(memory.items()))))

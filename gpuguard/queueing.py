@@ -166,7 +166,7 @@ class Queue:
 
     def free(self) -> int:
         """GPUs nobody holds (and not drained)."""
-        return len({gpu.minor for gpu in self.grants.open_units()} - {g.minor for g in self.store.grants()})
+        return len({gpu.minor for gpu in self.grants.open_units()} - {g.unit for g in self.store.grants()})
 
     def demand(self) -> rules.Demand:
         """Units the queue needs beyond the free ones, and which units would serve it: what reclaim

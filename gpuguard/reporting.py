@@ -47,14 +47,14 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
         processes: list[dict[str, Any]] = []
         if sample is not None and read:
             for p in sample.processes:
-                if p.minor == minor:
+                if p.unit == minor:
                     uid = sample.uid_of(p.pid)
                     processes.append({"pid": p.pid, "uid": uid, "user": account_of(uid)[0] if uid is not None else None,
                                       "memory": p.used_memory, "command": commands.get(p.pid, "")})
         use = sample.use.get(minor) if sample else None
         holders = []
         for g in grants:
-            if g.minor == minor:
+            if g.unit == minor:
                 used: list[int] = [p["memory"] for p in processes if p["uid"] == g.uid and p["memory"] is not None]
                 holders.append({"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
                                 "granted_at": g.granted_at, "expires_at": g.expires_at, "last_active": g.last_active,

@@ -245,7 +245,7 @@ class _Running:
     user: str
     uid: int
     session: int
-    minors: tuple[int, ...]
+    units: tuple[int, ...]
     pid: int
     arrived: float
     started: float
@@ -432,15 +432,15 @@ class Replay:
         """The job leaves its GPUs (ended, or stopped by a rule)."""
         del self.running[running.pid]
         mine = self.busy_of[running.uid]
-        mine.subtract(running.minors)
-        for minor in running.minors:
+        mine.subtract(running.units)
+        for minor in running.units:
             if mine[minor] <= 0:
                 del mine[minor]
-        self._crowd(running.minors, remove=running.pid)
+        self._crowd(running.units, remove=running.pid)
         self._sample = None
         # The daemon's tick just before the job ended saw it there: the idle clocks start from here.
         state = self.watcher.state
-        self.watcher.state = replace(state, seen={**state.seen, **{(running.uid, m): self.now for m in running.minors}})
+        self.watcher.state = replace(state, seen={**state.seen, **{(running.uid, m): self.now for m in running.units}})
 
     def _crowd(self, minors: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
         """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then
@@ -460,7 +460,7 @@ class Replay:
                 jobs.discard(remove)
         for pid in set().union(*(self.on_gpu[m] for m in minors)):
             running = self.running[pid]
-            rate = 1.0 / max(len(self.on_gpu[m]) for m in running.minors)
+            rate = 1.0 / max(len(self.on_gpu[m]) for m in running.units)
             if pid != add and rate == running.rate:
                 continue
             running.left -= running.rate * (self.now - running.since)
@@ -488,7 +488,7 @@ class Replay:
 
     def _idle_held(self, uid: int) -> set[int]:
         busy = self.busy_of.get(uid, ())
-        return {g.minor for g in self.store.grants(uid) if g.minor not in busy}
+        return {g.unit for g in self.store.grants(uid) if g.unit not in busy}
 
     # --- the watcher
 
@@ -496,7 +496,7 @@ class Replay:
         """The running jobs as a GPU sample: each job's process on each of its GPUs."""
         if self._sample is None or self._sample.time != self.now:
             procs = [proc for running in self.running.values() for proc in running.procs]
-            self._sample = Sample(self.now, tuple(GpuProcess(p.pid, p.minor, p.used_memory) for p in procs),
+            self._sample = Sample(self.now, tuple(GpuProcess(p.pid, p.unit, p.used_memory) for p in procs),
                                   {p.pid: ProcessIdentity(p.pid, p.uid, p.start_time) for p in procs},
                                   frozenset(self.grants.gpus))
         return self._sample
@@ -525,7 +525,7 @@ class Replay:
         running = self.running[pid]
         self._stop(running)
         ran = self.now - running.started
-        self.result.work_lost += len(running.minors) * ran
+        self.result.work_lost += len(running.units) * ran
         self.result.count(running.user, running.started - running.arrived, running.job.duration,
                           ran + running.job.duration)  # it needs its whole duration again
         self.result.kills += 1
@@ -535,7 +535,7 @@ class Replay:
 
     def _count_granted(self, end: bool = False) -> None:
         """Count the GPU-seconds of the grants that ended in the last batch of events (all, at the end)."""
-        held = {} if end else {(g.uid, g.minor, g.granted_at): g.user for g in self.store.grants()}
+        held = {} if end else {(g.uid, g.unit, g.granted_at): g.user for g in self.store.grants()}
         for key in self._held.keys() - held.keys():
             self._taken_back += not end
             self.result.granted += self.now - key[2]

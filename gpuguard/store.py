@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from gpuguard.config import EventsConfig
 from gpuguard.errors import GpuguardError
@@ -211,12 +212,12 @@ class Store:
         with self.transaction() as db:
             held = [_grant(row) for row in db.execute("SELECT * FROM grants WHERE uid = ?", (uid,))]
             wanted = set(minors) if minors is not None else None
-            removed = [g for g in held if wanted is None or g.minor in wanted]
-            db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.minor) for g in removed])
+            removed = [g for g in held if wanted is None or g.unit in wanted]
+            db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.unit) for g in removed])
             db.executemany("INSERT OR REPLACE INTO gpu_history (minor, last_released) VALUES (?, ?)",
-                           [(g.minor, now) for g in removed])
+                           [(g.unit, now) for g in removed])
             db.executemany("INSERT OR REPLACE INTO held_last (uid, minor, released_at) VALUES (?, ?, ?)",
-                           [(g.uid, g.minor, now) for g in removed])
+                           [(g.uid, g.unit, now) for g in removed])
         return removed
 
     def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
@@ -229,7 +230,7 @@ class Store:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
                            [(now, uid, minor) for uid, minor in slots])
         if copy is not None:  # written: the copy follows (its data_version stays: this connection wrote)
-            self._copies["grants"] = (copy[0], tuple(replace(g, last_active=now) if (g.uid, g.minor) in slots
+            self._copies["grants"] = (copy[0], tuple(replace(g, last_active=now) if (g.uid, g.unit) in slots
                                                      else g for g in copy[1]))
 
     def last_held(self, uid: int) -> dict[int, float]:
@@ -283,7 +284,7 @@ class Store:
             cursor = db.execute(
                 "INSERT INTO events (time, uid, user, kind, message, minor, pid, command, rule, action, numbers)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (event.time, event.uid, event.user, event.kind, event.message, event.minor, event.pid,
+                (event.time, event.uid, event.user, event.kind, event.message, event.unit, event.pid,
                  event.command, event.rule, event.action, json.dumps(event.numbers)))
             retention = self.retention()
             if retention.max_age is not None:
@@ -299,7 +300,7 @@ class Store:
         """The newest events (of one user, or all), oldest first."""
         query, params = _rows_of("events", uid)
         rows = self._db.execute(query + " ORDER BY id DESC LIMIT ?", (*params, limit)).fetchall()
-        return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
+        return [_event(row) for row in reversed(rows)]
 
     def find_events(self, uid: int | None = None, since: float | None = None, until: float | None = None,
                     rule: str | None = None, limit: int = 1000) -> list[Event]:
@@ -313,7 +314,7 @@ class Store:
             params.append(until)
         rows = self._db.execute(f"SELECT * FROM events {_where(where)} ORDER BY id DESC LIMIT ?",
                                 (*params, limit)).fetchall()
-        return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
+        return [_event(row) for row in reversed(rows)]
 
     def last_event_id(self) -> int:
         return self._db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
@@ -434,8 +435,21 @@ def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, minor: int, gr
         (uid, user, minor, granted, busy, idle, kills))
 
 
+def _fields(row: sqlite3.Row) -> dict[str, Any]:
+    """A grants or events row as its dataclass's fields. The column keeps the name `minor` that
+    every schema version, the frozen databases and the cluster's tables have (renaming it is a
+    migration for no reader's benefit); the dataclasses call it `unit`, as it holds one. Here only."""
+    fields = dict(row)
+    fields["unit"] = fields.pop("minor")
+    return fields
+
+
 def _grant(row: sqlite3.Row) -> Grant:
-    return Grant(**{**dict(row), "shared": bool(row["shared"]), "origin": Origin(row["origin"])})
+    return Grant(**{**_fields(row), "shared": bool(row["shared"]), "origin": Origin(row["origin"])})
+
+
+def _event(row: sqlite3.Row) -> Event:
+    return Event(**{**_fields(row), "numbers": json.loads(row["numbers"])})
 
 
 def _session(row: sqlite3.Row) -> Session:

@@ -88,7 +88,7 @@ def _processes_of(handle: Any, minor: int) -> list[GpuProcess]:
             if seen is not None and seen.used_memory is not None:
                 # Listed as compute and graphics: both report the process's memory.
                 used = max(seen.used_memory, used or 0)
-            found[info.pid] = GpuProcess(pid=info.pid, minor=_unit_of(info, minor), used_memory=used)
+            found[info.pid] = GpuProcess(pid=info.pid, unit=_unit_of(info, minor), used_memory=used)
     return list(found.values())
 
 
@@ -329,7 +329,7 @@ class NvmlBackend:
             raise GpuError(next(iter(failed.values())))  # not one GPU answers: NVML itself fails
         read = frozenset(minor for _, _, minor in self._devices) - failed.keys()
         read |= {unit for unit, (parent, _) in self._slice_handles.items() if parent in read}
-        return ProcessQuery(sorted(found, key=lambda p: (p.minor, p.pid)), read, failed)
+        return ProcessQuery(sorted(found, key=lambda p: (p.unit, p.pid)), read, failed)
 
     def use(self) -> dict[int, GpuUse]:
         """Memory and utilisation of each GPU that answers; one that fails is left out (no

@@ -50,7 +50,7 @@ class OwnedGpus:
         read = frozenset(unit for unit in query.read if self._own(unit))
         if failed and not {unit_parent(unit) for unit in read}:
             raise GpuError(next(iter(failed.values())))
-        return query._replace(processes=[p for p in query.processes if self._own(p.minor)], read=read, failed=failed)
+        return query._replace(processes=[p for p in query.processes if self._own(p.unit)], read=read, failed=failed)
 
     def use(self) -> dict[int, GpuUse]:
         return {unit: use for unit, use in self.backend.use().items() if self._own(unit)}

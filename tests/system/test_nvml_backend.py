@@ -132,7 +132,7 @@ def test_processes_with_known_and_unknown_memory(backend: SimulatedBackend, devi
         GpuProcess(known.pid, 1, 4 * GiB),
         GpuProcess(unknown.pid, 1, None),   # unknown stays unknown: never 0
         GpuProcess(graphics.pid, 2, GiB),
-    ], key=lambda p: (p.minor, p.pid))
+    ], key=lambda p: (p.unit, p.pid))
     usage = {gpu.minor: (gpu.memory_used, gpu.utilization) for gpu in backend.gpus()}
     assert usage == {0: (0, 0), 1: (4 * GiB, 80), 2: (GiB, 10), 3: (0, 0)}
 

@@ -149,7 +149,7 @@ class FakeLookup:
 
 
 class FakeSampler:
-    """Hands out the sample a test set; `processes` as (pid, uid, minor, bytes)."""
+    """Hands out the sample a test set; `processes` as (pid, uid, unit, bytes)."""
 
     def __init__(self) -> None:
         self.errors: Counter[str] = Counter()  # NVML errors by GPU, as the real Sampler counts them
@@ -159,10 +159,10 @@ class FakeSampler:
     async def commands(self, pids: Iterable[int]) -> dict[int, str]:
         return {pid: self.names.get(pid, "") for pid in pids}
 
-    def set(self, processes: Iterable[tuple[int, int, int, int | None]], minors: Collection[int] = range(4)) -> Sample:
-        procs = tuple(GpuProcess(pid, minor, used) for pid, _, minor, used in processes)
+    def set(self, processes: Iterable[tuple[int, int, int, int | None]], units: Collection[int] = range(4)) -> Sample:
+        procs = tuple(GpuProcess(pid, unit, used) for pid, _, unit, used in processes)
         owners = {pid: ProcessIdentity(pid, uid, 1000 + pid) for pid, uid, _, _ in processes}
-        self.last = Sample(0.0, procs, owners, frozenset(minors))
+        self.last = Sample(0.0, procs, owners, frozenset(units))
         return self.last
 
     async def take(self, max_age: float = 0) -> Sample:
@@ -310,7 +310,7 @@ class World:
         self.scans += 1
         self.scanned_uids.append(None if uids is None else frozenset(uids))  # None: a walk of all of /proc
         wanted = set(units)
-        return [h for h in self.holders if h.minor in wanted and (uids is None or h.uid in uids)]
+        return [h for h in self.holders if h.unit in wanted and (uids is None or h.uid in uids)]
 
     def _reload(self) -> Config:
         self.reloads += 1
@@ -331,4 +331,4 @@ class World:
         return self.call("session_open", user=account.name, pid=pid, service="sshd", tty="pts/1")
 
     def held(self, uid: int) -> list[int]:
-        return [g.minor for g in self.store.grants(uid)]
+        return [g.unit for g in self.store.grants(uid)]

@@ -35,7 +35,7 @@ def box(count: int = 8) -> dict[tuple[int, int], Link]:
 
 
 def held(uid: int, *minors: int, shared: bool = False, memory: int | None = 20 * GIB) -> list[Grant]:
-    return [Grant(uid=uid, user=str(uid), minor=m, granted_at=0.0, expires_at=None, last_active=0.0, shared=shared,
+    return [Grant(uid=uid, user=str(uid), unit=m, granted_at=0.0, expires_at=None, last_active=0.0, shared=shared,
                   memory=memory if shared else None)
             for m in minors]
 
@@ -176,9 +176,9 @@ def test_random_machines_never_break_the_invariants(seed):
     share = rng.random() < 0.5
     want = rng.randint(1, count)
     chosen = allocator.choose(inventory, topology, grants, {}, ALICE, want, share, None, SHARER)
-    exclusive = {g.minor for g in grants if not g.shared}
-    taken = {g.minor for g in grants}
-    full = {m for m in taken if sum(g.minor == m for g in grants) >= SHARER.max_sharers}
+    exclusive = {g.unit for g in grants if not g.shared}
+    taken = {g.unit for g in grants}
+    full = {m for m in taken if sum(g.unit == m for g in grants) >= SHARER.max_sharers}
     assert len(chosen) == len(set(chosen)) <= want
     assert not set(chosen) & (exclusive | full)
     if not share:

@@ -23,7 +23,7 @@ def exposition(metrics: Metrics) -> dict[tuple[str, frozenset], float]:
 def test_a_gpu_nvml_cannot_read_is_down_and_counted_and_the_others_keep_their_numbers(world):
     alice = world.lookup.add("alice", 1001, GROUP)
     (minor,) = world.login(alice)["gpus"]
-    sample = world.sampler.set([(500, 1001, minor, 3 << 30)], minors={0, 1, 2, 3} - {3})
+    sample = world.sampler.set([(500, 1001, minor, 3 << 30)], units={0, 1, 2, 3} - {3})
     world.sampler.last = replace(sample, use={minor: GpuUse(3 << 30, 80 << 30, 40)})
     world.sampler.errors = {"3": 2}
     metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,

@@ -173,11 +173,11 @@ def test_a_layout_change_revokes_the_changed_slices_and_keeps_the_others(mig_wor
     a, b = mig_slice(1, 1), mig_slice(1, 2)
     # the admin re-creates GI 2 (same ids, new UUID) and destroys GI 3
     ended = _update(mig_world, seen_layout([a, mig_slice(1, 2, uuid="MIG-again")], frozenset({1})), 100.0)
-    assert [(g.user, g.minor) for g in ended] == [("bob", b.minor)]
+    assert [(g.user, g.unit) for g in ended] == [("bob", b.minor)]
     assert mig_world.held(1001) == [a.minor] and mig_world.held(1002) == []
     assert mig_world.nodes.devices[(CAPS_MAJOR, caps(b)[1])] == frozenset()
     event = mig_world.store.events(1002)[-1]
-    assert (event.kind, event.rule, event.minor) == ("revoke", "layout", b.minor)
+    assert (event.kind, event.rule, event.unit) == ("revoke", "layout", b.minor)
     assert "re-created" in event.message
     assert set(mig_world.grants.gpus) == {0, a.minor, b.minor}  # the new slice can be handed out
     # the same layout again changes nothing; an unread GPU decides nothing
@@ -190,7 +190,7 @@ def test_memory_quota_does_not_apply_inside_a_slice(mig_world: World) -> None:
     mig_world.quota(gpu_memory=1 << 30)
     alice = mig_world.lookup.accounts["alice"]
     unit = mig_world.login(alice)["gpus"][0]
-    mig_world.sampler.set([(500, 1001, unit, 9 << 30)], minors={0, unit})
+    mig_world.sampler.set([(500, 1001, unit, 9 << 30)], units={0, unit})
     assert _check(mig_world) == []
 
 
@@ -224,7 +224,7 @@ def test_mig_quota_keys_parse_and_show_as_quota_set_takes_them() -> None:
 def test_the_store_keeps_uuids_and_a_waiters_profiles(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.db")
     store.add_grants(1001, "alice", [slice_unit(1, 1, 0), 0], 1.0, None, uuids={slice_unit(1, 1, 0): "MIG-x"})
-    assert {g.minor: g.uuid for g in store.grants()} == {0: "", slice_unit(1, 1, 0): "MIG-x"}
+    assert {g.unit: g.uuid for g in store.grants()} == {0: "", slice_unit(1, 1, 0): "MIG-x"}
     quota = Quota(whole_gpus=False, slices=1, slice_profiles=("1g.18gb",))
     store.join_queue(1001, "alice", 1, 2.0, quota, Origin.SESSION, None, None)
     assert store.queue()[0].quota == quota
@@ -326,7 +326,7 @@ def test_reclaim_on_demand_frees_only_units_the_waiter_can_have(tmp_path: Path) 
     assert world.login(world.lookup.accounts["bob"], pid=4343)["gpus"] == [piece]
     assert world.login(world.lookup.accounts["carol"], pid=4444)["queue"]["position"] == 1
     assert world.queue.demand() == Demand(1, frozenset({piece}))  # GPU 0 whole is of no use to carol
-    world.sampler.set([], minors={0, piece})  # both grants idle for an hour
+    world.sampler.set([], units={0, piece})  # both grants idle for an hour
     actions = asyncio.run(world.watcher.check(world.sampler.last, time.time() + 3600))
     assert [(a.kind, a.rule, a.uid) for a in actions] == [("release", "reclaim", 1002)]
     assert world.held(1001) == [0] and world.held(1003) == [piece]

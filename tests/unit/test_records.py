@@ -94,7 +94,7 @@ def test_status_lists_processes_holders_quota_and_gpu_numbers(world):
     alice = world.lookup.add("alice", 1001, GROUP)
     world.lookup.add("bob", 1002, GROUP)
     (minor,) = world.login(alice)["gpus"]
-    sample = world.sampler.set([(321, 1001, minor, 3 << 30), (322, 1002, minor, None)], minors={0, 1, 2})
+    sample = world.sampler.set([(321, 1001, minor, 3 << 30), (322, 1002, minor, None)], units={0, 1, 2})
     world.sampler.last = replace(sample, use={minor: GpuUse(3 << 30, 80 << 30, 55)})
     world.sampler.names = {321: "python"}
     check(world, 1000.0)  # the watcher resolves names and quotas; status reuses them without NSS
