@@ -28,7 +28,7 @@ def bench_allocator() -> None:
             backend.close()
     held = [Grant(2000, "other", 0, 0.0, None, 0.0)]
     ours = per_call(lambda: allocator.choose(gpus, topology, held, {}, 1000, 4), 200)
-    baseline = per_call(lambda: [g.minor for g in gpus if g.minor not in {h.unit for h in held}][:4], 200)
+    baseline = per_call(lambda: [g.unit for g in gpus if g.unit not in {h.unit for h in held}][:4], 200)
     row("allocate 4 of 8 (NVLink pairs)", ours, baseline, 2000, "first four free")
 
 

@@ -394,7 +394,7 @@ class Api:
             raise Refusal(f"request {ticket} is not in the queue (left it, or not yours)")
         future = self._waiting.setdefault(ticket, asyncio.get_running_loop().create_future())
         try:
-            minors = await asyncio.wait_for(asyncio.shield(future), timeout)
+            units = await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:  # not the builtin on Python 3.10
             left = self._leave_unless_login(ticket)
             raise Refusal(f"no GPU within {format_duration(timeout)}"
@@ -406,7 +406,7 @@ class Api:
         finally:
             self._waiting.pop(ticket, None)
         self._served.pop(ticket, None)
-        return self._served_reply(peer.uid, minors)
+        return self._served_reply(peer.uid, units)
 
     def _leave_unless_login(self, ticket: int) -> bool:
         """A client that stops waiting takes its request out of the queue; a login's place (one
@@ -415,21 +415,21 @@ class Api:
             return False
         return self.queue.leave([ticket]) > 0
 
-    def _served_reply(self, uid: int, minors: tuple[int, ...]) -> dict[str, Any]:
-        return protocol.ok(queued=False, granted=list(minors), **self._grant_reply(self.store.grants(uid), new=minors))
+    def _served_reply(self, uid: int, units: tuple[int, ...]) -> dict[str, Any]:
+        return protocol.ok(queued=False, granted=list(units), **self._grant_reply(self.store.grants(uid), new=units))
 
-    def _queue_served(self, queued: Queued, minors: tuple[int, ...]) -> None:
+    def _queue_served(self, queued: Queued, units: tuple[int, ...]) -> None:
         """Queue listener: wake the blocked client, and tell the user on their terminals."""
         waiter = queued.waiter
-        self._served[waiter.id] = (waiter.uid, minors)
+        self._served[waiter.id] = (waiter.uid, units)
         if len(self._served) > 1000:  # tickets nobody came back for: forget the oldest
             self._served.pop(next(iter(self._served)))
         future = self._waiting.get(waiter.id)
         if future is not None and not future.done():
-            future.set_result(minors)
+            future.set_result(units)
         waited = format_duration(max(0, round(self.clock() - waiter.since)))
         reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})",
-                                  new=minors)
+                                  new=units)
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
         self.terminals.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
@@ -456,7 +456,7 @@ class Api:
         busy = scan.listed | scan.unlisted
         in_use = f"still in use by your process{'es' if len({p for p, _ in busy}) > 1 else ''} " \
                  f"{number_list({pid for pid, _ in busy})}"
-        kept = {minor for _, minor in busy}
+        kept = {unit for _, unit in busy}
         if kept and (minors is not None or kept == targets):
             raise Refusal(f"GPU {unit_list(kept)} {in_use}: stop them, then release")
         removed = self.releases.take_back(account.uid, targets - kept, self.clock(), kind=EventKind.RELEASE,
@@ -579,7 +579,7 @@ class Api:
             note += f"; process {number_list(reported)} of other members hold it too (passed on): reported"
         holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
-                           holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
+                           holders=[{"pid": pid, "minor": unit} for pid, unit in holders],
                            other_holders=[{"pid": o.pid, "uid": o.uid, "minors": sorted(o.units), "ended": o.ended}
                                           for o in ending.others],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
@@ -698,10 +698,10 @@ class Api:
             return {"gpus": [], "cuda_visible_devices": "", "message": ""}
         told = [g for g in held if new is None or g.unit in new] or held
         expiries = [g.expires_at for g in told if g.expires_at is not None]
-        told_gpus = [gpu for gpu in gpus if any(g.unit == gpu.minor for g in told)]
+        told_gpus = [gpu for gpu in gpus if any(g.unit == gpu.unit for g in told)]
         if wanted is not None:
             wanted -= len(gpus) - len(told_gpus)  # the ones held before count towards it
-        return {"gpus": [gpu.minor for gpu in gpus],
+        return {"gpus": [gpu.unit for gpu in gpus],
                 "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
                 "message": grant_message(told_gpus, min(expiries, default=None), any(g.shared for g in told), wanted,
                                          ending)}

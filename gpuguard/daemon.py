@@ -102,7 +102,7 @@ class Daemon:
         services = self.services = wiring.build(wiring.Edges(
             config=self.current_config, store_path=self.config.paths.state_dir / "state.db",
             sampler=sampler, connections=self.server.budget,
-            units={gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
+            units={gpu.unit: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
             driver_minors=present - self.ownership.foreign.keys(), nodes=AclNodes(self.config.paths.device_dir),
             lookup=AccountLookup(), terminals=notify.Notifier(remote=remote), exits=ExitWatch(),
             find_holders=partial(sampling.node_holders, real_uids=procfs.RealUids(), pids_of=index.pids_of),

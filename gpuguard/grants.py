@@ -67,7 +67,7 @@ class Grants:
         # loaded (a GPU that falls off the bus shows as NVML errors in the tick, not as a smaller
         # inventory). Only their MIG mode and slices change (update_layout).
         units = list((gpus or {}).values())
-        self.physical: dict[int, Gpu] = {gpu.minor: gpu for gpu in units if gpu.slice is None}
+        self.physical: dict[int, Gpu] = {gpu.unit: gpu for gpu in units if gpu.slice is None}
         # The GPUs this machine has, only whose nodes are managed: the driver's (`minors`, also
         # those NVML cannot read) and every one NVML reads.
         self.minors = frozenset(minors) | self.physical.keys()
@@ -153,39 +153,39 @@ class Grants:
                  memory=quota.gpu_memory)
         return chosen
 
-    def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,
+    def add(self, uid: int, user: str, units: Iterable[int], now: float, *, expires_at: float | None,
             shared: bool, origin: Origin, message: str, memory: int | None = None) -> None:
         """memory: a shared grant's memory quota per GPU, what the allocator counts against the
         GPU's memory when others share it too (None: unknown, so nobody joins)."""
-        minors = sorted(minors)
-        if not minors:
+        units = sorted(units)
+        if not units:
             return
         before = self._entries(self.store.grants(uid))
-        self.store.add_grants(uid, user, minors, now, expires_at, shared=shared, origin=origin,
-                              uuids={m: self.gpus[m].uuid for m in minors if m in self.gpus}, memory=memory)
+        self.store.add_grants(uid, user, units, now, expires_at, shared=shared, origin=origin,
+                              uuids={m: self.gpus[m].uuid for m in units if m in self.gpus}, memory=memory)
         try:
             if self.gate:
                 for _, device in sorted(self._entries(self.store.grants(uid)) - before):
                     self.gate.grant(uid, device)
-            self.sync_nodes(minors)
+            self.sync_nodes(units)
         except Exception:
             # Not enforceable: take it back, so the store never claims what the kernel does not do.
-            self.remove(uid, minors, now, kind=EventKind.ERROR, rule=Rule(origin), message="grant could not be applied")
+            self.remove(uid, units, now, kind=EventKind.ERROR, rule=Rule(origin), message="grant could not be applied")
             raise
-        for minor in minors:
-            self.store.add_event(Event(now, uid, user, EventKind.GRANT, message, unit=minor, rule=Rule(origin),
+        for unit in units:
+            self.store.add_event(Event(now, uid, user, EventKind.GRANT, message, unit=unit, rule=Rule(origin),
                                        action=EventKind.GRANT))
-        event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(minors), origin=origin, expires_at=expires_at,
+        event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(units), origin=origin, expires_at=expires_at,
               shared=shared or None)
         self.write_held(uid)
 
-    def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
+    def remove(self, uid: int, units: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
                message: str) -> list[Grant]:
-        """Take back a user's GPUs (all, or these minors) from the gate, the store and the ACLs, and
+        """Take back a user's GPUs (all, or these units) from the gate, the store and the ACLs, and
         record it. kind: release, revoke, error (a grant that could not be applied). Returns what
         was held. Only that: release.Releases.take_back is the whole step (holders, fair share,
         queue), which every path that takes grants back goes through."""
-        wanted = None if minors is None else set(minors)
+        wanted = None if units is None else set(units)
         everything = self.store.grants(uid)
         held = [g for g in everything if wanted is None or g.unit in wanted]
         if not held:

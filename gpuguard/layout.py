@@ -18,8 +18,8 @@ from gpuguard.model import Gpu, Grant, is_slice, unit_label, unit_parent
 
 def grantable(gpus: Iterable[Gpu], slices: Iterable[Gpu]) -> dict[int, Gpu]:
     """unit -> unit: the GPUs not in MIG mode, and the slices."""
-    units = {gpu.minor: gpu for gpu in gpus if not gpu.mig_mode and gpu.slice is None}
-    return units | {piece.minor: piece for piece in slices}
+    units = {gpu.unit: gpu for gpu in gpus if not gpu.mig_mode and gpu.slice is None}
+    return units | {piece.unit: piece for piece in slices}
 
 
 def stale(grants: Iterable[Grant], units: Mapping[int, Gpu], read: Collection[int]) -> dict[Grant, str]:

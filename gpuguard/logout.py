@@ -109,7 +109,7 @@ class LogoutRelease:
             kept = self._kept[uid]
             if candidates.get(uid) != kept.units or time.monotonic() - kept.since >= RECHECK_HELD:
                 self._forget(uid)
-        to_check = {uid: minors for uid, minors in candidates.items() if uid not in self._kept}
+        to_check = {uid: units for uid, units in candidates.items() if uid not in self._kept}
         if not to_check:
             return []
         # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
@@ -118,12 +118,12 @@ class LogoutRelease:
         released: list[Grant] = []
         # Re-checked after the await: a login or a grant may have come in meanwhile.
         with self.releases.batch(now):
-            for uid, minors in self.unused(sample, to_check).items():
-                if minors != to_check[uid] or uid in self._kept:
+            for uid, units in self.unused(sample, to_check).items():
+                if units != to_check[uid] or uid in self._kept:
                     continue
-                pids = {h.pid for h in holders if h.uid == uid and h.unit in minors}
+                pids = {h.pid for h in holders if h.uid == uid and h.unit in units}
                 if pids:
-                    self._watch(uid, minors, pids)
+                    self._watch(uid, units, pids)
                 else:
                     bound = [g.unit for g in self.store.grants(uid) if g.origin == Origin.SESSION]
                     released += self.releases.take_back(
@@ -131,10 +131,10 @@ class LogoutRelease:
                         message="released: your last session ended and no process of yours used it")
         return released
 
-    def _watch(self, uid: int, minors: frozenset[int], pids: Collection[int]) -> None:
+    def _watch(self, uid: int, units: frozenset[int], pids: Collection[int]) -> None:
         cancel = self.exits.watch(pids, uid, lambda: self._forget(uid))
         if cancel is not None:  # None: a holder is gone already, and the next tick looks again
-            self._kept[uid] = _Kept(minors, time.monotonic(), cancel)
+            self._kept[uid] = _Kept(units, time.monotonic(), cancel)
 
     def _forget(self, uid: int) -> None:
         kept = self._kept.pop(uid, None)

@@ -158,7 +158,7 @@ class Gpu:
     """A GPU as NVML shows it, or a MIG slice of one (NVML shows those as devices of their own)."""
 
     index: int               # NVML index (for display only); a slice has its parent's
-    minor: int               # /dev/nvidia<minor> for a GPU, the unit number for a slice: the identity gpuguard uses
+    unit: int                # the identity gpuguard uses: a whole GPU's minor (/dev/nvidia<minor>), a slice's slice_unit
     uuid: str                # GPU-... or, for a slice, MIG-... (what CUDA_VISIBLE_DEVICES names)
     name: str
     pci_bus_id: str

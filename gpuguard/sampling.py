@@ -37,7 +37,7 @@ class Sample:
     owners: Mapping[int, ProcessIdentity]  # pid -> identity; pids that exited meanwhile are absent
     units: frozenset[int] = frozenset()  # units whose processes were read
     failed: Mapping[int, str] = field(default_factory=dict)  # minor -> NVML error, for GPUs not read
-    use: Mapping[int, GpuUse] = field(default_factory=dict)  # minor -> memory and utilisation, GPUs that answered
+    use: Mapping[int, GpuUse] = field(default_factory=dict)  # unit -> memory and utilisation, units that answered
     layout: MigLayout | None = None  # the MIG modes and slices, read just before the processes
 
     def ok(self, unit: int) -> bool:

@@ -290,9 +290,9 @@ class Replay:
         self.names: dict[int, str] = {}
         self.quotas: dict[str, Quota] = {}
         self.running: dict[int, _Running] = {}    # pid -> job
-        self.on_gpu: dict[int, set[int]] = {}     # minor -> pids of the jobs on it
-        self.busy_since: dict[int, float] = {}    # minor -> when its job count last changed
-        self.busy_of: dict[int, Counter[int]] = {}  # uid -> minors its jobs are on (how many jobs each)
+        self.on_gpu: dict[int, set[int]] = {}     # unit -> pids of the jobs on it
+        self.busy_since: dict[int, float] = {}    # unit -> when its job count last changed
+        self.busy_of: dict[int, Counter[int]] = {}  # uid -> units its jobs are on (how many jobs each)
         self.pending: dict[int, tuple[Job, int]] = {}  # queue row id -> (job, session pid)
         self.sessions: dict[int, _Session] = {}   # session pid -> its user and jobs still to run
         self._joining: tuple[Job, int] | None = None  # the job whose request is being queued
@@ -409,7 +409,7 @@ class Replay:
 
     # --- the queue and the jobs
 
-    def _served(self, queued: Queued, minors: tuple[int, ...]) -> None:
+    def _served(self, queued: Queued, units: tuple[int, ...]) -> None:
         """The queue granted a waiter its GPUs: its job starts now."""
         waiting = self.pending.pop(queued.waiter.id, None) or self._joining  # None: served as it joined
         assert waiting is not None, "the queue served a request the replay did not make"
@@ -417,48 +417,48 @@ class Replay:
 
     def _start(self, job: Job, session: int) -> None:
         owner = self.sessions[session]
-        minors = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
+        units = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
-        procs = tuple(rules.Proc(pid, owner.uid, pid, m, job.memory or None) for m in minors)
-        running = _Running(job, owner.user, owner.uid, session, minors, pid, job.start, self.now, job.duration,
+        procs = tuple(rules.Proc(pid, owner.uid, pid, m, job.memory or None) for m in units)
+        running = _Running(job, owner.user, owner.uid, session, units, pid, job.start, self.now, job.duration,
                            since=self.now, procs=procs)
         self.running[pid] = running
-        self.busy_of.setdefault(owner.uid, Counter()).update(minors)
+        self.busy_of.setdefault(owner.uid, Counter()).update(units)
         self._sample = None
-        self._crowd(minors, add=pid)
-        self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in minors))
+        self._crowd(units, add=pid)
+        self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in units))
 
     def _stop(self, running: _Running) -> None:
         """The job leaves its GPUs (ended, or stopped by a rule)."""
         del self.running[running.pid]
         mine = self.busy_of[running.uid]
         mine.subtract(running.units)
-        for minor in running.units:
-            if mine[minor] <= 0:
-                del mine[minor]
+        for unit in running.units:
+            if mine[unit] <= 0:
+                del mine[unit]
         self._crowd(running.units, remove=running.pid)
         self._sample = None
         # The daemon's tick just before the job ended saw it there: the idle clocks start from here.
         state = self.watcher.state
         self.watcher.state = replace(state, seen={**state.seen, **{(running.uid, m): self.now for m in running.units}})
 
-    def _crowd(self, minors: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
+    def _crowd(self, units: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
         """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then
         set every job there to the pace of its most crowded GPU (contention: n jobs on a GPU
         progress at 1/n each) and move its end accordingly."""
-        for minor in minors:
-            jobs = self.on_gpu.setdefault(minor, set())
+        for unit in units:
+            jobs = self.on_gpu.setdefault(unit, set())
             if jobs:
-                since = self.busy_since[minor]
+                since = self.busy_since[unit]
                 self.result.busy += self.now - since
                 if len(jobs) > 1:
                     self.result.shared += self.now - since
-            self.busy_since[minor] = self.now
+            self.busy_since[unit] = self.now
             if add is not None:
                 jobs.add(add)
             if remove is not None:
                 jobs.discard(remove)
-        for pid in set().union(*(self.on_gpu[m] for m in minors)):
+        for pid in set().union(*(self.on_gpu[m] for m in units)):
             running = self.running[pid]
             rate = 1.0 / max(len(self.on_gpu[m]) for m in running.units)
             if pid != add and rate == running.rate:

@@ -178,7 +178,7 @@ class Store:
 
     # --- grants
 
-    def add_grants(self, uid: int, user: str, minors: Iterable[int], now: float,
+    def add_grants(self, uid: int, user: str, units: Iterable[int], now: float,
                    expires_at: float | None, shared: bool = False, origin: Origin = Origin.SESSION,
                    uuids: Mapping[int, str] | None = None, memory: int | None = None) -> None:
         """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''.
@@ -189,9 +189,9 @@ class Store:
             db.executemany(
                 "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin,"
                 " uuid, memory) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(uid, user, minor, now, expires_at, now, int(shared), origin, uuids.get(minor, ""),
+                [(uid, user, unit, now, expires_at, now, int(shared), origin, uuids.get(unit, ""),
                   memory if shared else None)
-                 for minor in minors])
+                 for unit in units])
 
     def _copy(self, table: str, read: Callable[[sqlite3.Connection], Iterable]) -> tuple:
         """The table's rows as last read (see _copies), read again when another connection changed it."""
@@ -206,12 +206,12 @@ class Store:
             _grant, db.execute("SELECT * FROM grants ORDER BY uid, minor")))
         return list(rows) if uid is None else [g for g in rows if g.uid == uid]
 
-    def remove_grants(self, uid: int, minors: Iterable[int] | None, now: float) -> list[Grant]:
-        """Remove a user's grants (all, or those minors); returns what was removed."""
+    def remove_grants(self, uid: int, units: Iterable[int] | None, now: float) -> list[Grant]:
+        """Remove a user's grants (all, or those units); returns what was removed."""
         self._copies.pop("grants", None)
         with self.transaction() as db:
             held = [_grant(row) for row in db.execute("SELECT * FROM grants WHERE uid = ?", (uid,))]
-            wanted = set(minors) if minors is not None else None
+            wanted = set(units) if units is not None else None
             removed = [g for g in held if wanted is None or g.unit in wanted]
             db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.unit) for g in removed])
             db.executemany("INSERT OR REPLACE INTO gpu_history (minor, last_released) VALUES (?, ?)",
@@ -228,7 +228,7 @@ class Store:
         copy = self._copies.pop("grants", None)
         with self.transaction() as db:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
-                           [(now, uid, minor) for uid, minor in slots])
+                           [(now, uid, unit) for uid, unit in slots])
         if copy is not None:  # written: the copy follows (its data_version stays: this connection wrote)
             self._copies["grants"] = (copy[0], tuple(replace(g, last_active=now) if (g.uid, g.unit) in slots
                                                      else g for g in copy[1]))
@@ -335,27 +335,27 @@ class Store:
 
     # --- usage accounting
 
-    def add_usage(self, uid: int, user: str, minor: int, hour: int, granted: float = 0.0, busy: float = 0.0,
+    def add_usage(self, uid: int, user: str, unit: int, hour: int, granted: float = 0.0, busy: float = 0.0,
                   idle: float = 0.0) -> None:
         """Seconds granted / busy / idle in `hour` (hour_of()), added to that hour and to the totals."""
         with self.transaction() as db:
-            _add_usage_total(db, uid, user, minor, granted, busy, idle, 0)
+            _add_usage_total(db, uid, user, unit, granted, busy, idle, 0)
             db.execute(
                 "INSERT INTO usage_hours (hour, uid, user, minor, granted_seconds, busy_seconds, idle_seconds)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (hour, uid, minor) DO UPDATE SET"
                 " granted_seconds = granted_seconds + excluded.granted_seconds,"
                 " busy_seconds = busy_seconds + excluded.busy_seconds,"
                 " idle_seconds = idle_seconds + excluded.idle_seconds",
-                (hour, uid, user, minor, granted, busy, idle))
+                (hour, uid, user, unit, granted, busy, idle))
 
-    def add_kill(self, uid: int, user: str, minor: int, hour: int, rule: str) -> None:
+    def add_kill(self, uid: int, user: str, unit: int, hour: int, rule: str) -> None:
         """One process of the user stopped (SIGTERM) by `rule` in `hour`."""
         with self.transaction() as db:
-            _add_usage_total(db, uid, user, minor, 0.0, 0.0, 0.0, 1)
+            _add_usage_total(db, uid, user, unit, 0.0, 0.0, 0.0, 1)
             db.execute(
                 "INSERT INTO kills_hours (hour, uid, user, minor, rule, kills) VALUES (?, ?, ?, ?, ?, 1)"
                 " ON CONFLICT (hour, uid, minor, rule) DO UPDATE SET kills = kills + 1",
-                (hour, uid, user, minor, rule))
+                (hour, uid, user, unit, rule))
 
     def usage_by(self, by: str, since: float, until: float, uid: int | None = None) -> list[dict]:
         """Seconds granted / busy / idle summed per `by` (user, gpu or day: the daemon's local
@@ -424,7 +424,7 @@ def hour_of(t: float) -> int:
     return int(t // HOUR) * HOUR
 
 
-def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, minor: int, granted: float, busy: float,
+def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, unit: int, granted: float, busy: float,
                      idle: float, kills: int) -> None:
     db.execute(
         "INSERT INTO usage (uid, user, minor, granted_seconds, busy_seconds, idle_seconds, kills)"
@@ -432,7 +432,7 @@ def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, minor: int, gr
         " granted_seconds = granted_seconds + excluded.granted_seconds,"
         " busy_seconds = busy_seconds + excluded.busy_seconds,"
         " idle_seconds = idle_seconds + excluded.idle_seconds, kills = kills + excluded.kills",
-        (uid, user, minor, granted, busy, idle, kills))
+        (uid, user, unit, granted, busy, idle, kills))
 
 
 def _fields(row: sqlite3.Row) -> dict[str, Any]:

@@ -186,7 +186,7 @@ class NvmlBackend:
         pci_bus_id, numa = self._location(handle, minor)
         return Gpu(
             index=index,
-            minor=minor,
+            unit=minor,  # a whole GPU's unit is its minor
             uuid=_call(pynvml.nvmlDeviceGetUUID, handle, minor=minor),
             name=_call(pynvml.nvmlDeviceGetName, handle, minor=minor),
             pci_bus_id=pci_bus_id,
@@ -233,9 +233,9 @@ class NvmlBackend:
                 continue
             for gpu, mig_handle in found:
                 slices.append(gpu)
-                handles[gpu.minor] = (minor, mig_handle)
+                handles[gpu.unit] = (minor, mig_handle)
         self._slice_handles = handles
-        return MigLayout(sorted(slices, key=lambda gpu: gpu.minor), frozenset(mig_gpus), frozenset(unread))
+        return MigLayout(sorted(slices, key=lambda gpu: gpu.unit), frozenset(mig_gpus), frozenset(unread))
 
     def _slices_of(self, index: int, handle: Any, minor: int) -> list[tuple[Gpu, Any]]:
         """The MIG devices of one GPU in MIG mode, with their handles; a slice whose capabilities the
@@ -266,7 +266,7 @@ class NvmlBackend:
         caps = self._slice_caps(minor, gpu_instance, compute_instance)
         return Gpu(
             index=index,
-            minor=unit,
+            unit=unit,
             uuid=_call(pynvml.nvmlDeviceGetUUID, mig, minor=minor),
             name=name,
             pci_bus_id=pci_bus_id,

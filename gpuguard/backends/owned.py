@@ -29,14 +29,14 @@ class OwnedGpus:
         return self.backend.unavailable
 
     def gpus(self) -> list[Gpu]:
-        return [gpu for gpu in self.backend.gpus() if self._own(gpu.minor)]
+        return [gpu for gpu in self.backend.gpus() if self._own(gpu.unit)]
 
     def foreign_gpus(self) -> list[Gpu]:
-        return [gpu for gpu in self.backend.gpus() if not self._own(gpu.minor)]
+        return [gpu for gpu in self.backend.gpus() if not self._own(gpu.unit)]
 
     def layout(self) -> MigLayout:
         seen = self.backend.layout()
-        return seen._replace(slices=[s for s in seen.slices if self._own(s.minor)],
+        return seen._replace(slices=[s for s in seen.slices if self._own(s.unit)],
                              mig_gpus=frozenset(m for m in seen.mig_gpus if self._own(m)),
                              unread=frozenset(m for m in seen.unread if self._own(m)))
 

@@ -124,7 +124,7 @@ def _gpus(config: Config) -> tuple[list[tuple[int, str]] | None, str | None]:
     except GpuError as exc:
         return None, exc.line()
     try:
-        return [(gpu.minor, gpu.name) for gpu in backend.gpus()], None
+        return [(gpu.unit, gpu.name) for gpu in backend.gpus()], None
     except GpuError as exc:
         return None, exc.line()
     finally:

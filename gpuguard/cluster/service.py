@@ -110,7 +110,7 @@ class Cluster:
             "taken_at": now, "half_life": self.half_life(),
             # Every GPU, those Slurm or Kubernetes own too, with its owner: the fleet's views show
             # them, and only gpuguard's count as free (ranking.NodeView.free).
-            "gpus": [*({"minor": gpu.minor, "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total,
+            "gpus": [*({"minor": gpu.unit, "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total,
                         "owner": "gpuguard"} for gpu in units.values()),
                      *({"minor": gpu["minor"], "uuid": gpu["uuid"], "name": gpu["name"],
                         "memory_total": gpu["memory_total"], "owner": gpu["owner"]} for gpu in self.foreign)],

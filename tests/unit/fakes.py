@@ -39,7 +39,7 @@ CAPS_MAJOR = 120  # of the MIG capability nodes
 
 
 def gpu(minor: int, mig_mode: bool = False) -> Gpu:
-    return Gpu(index=minor, minor=minor, uuid=f"GPU-{minor:04d}", name="Fake H100", pci_bus_id=f"0000:{minor:02x}:00.0",
+    return Gpu(index=minor, unit=minor, uuid=f"GPU-{minor:04d}", name="Fake H100", pci_bus_id=f"0000:{minor:02x}:00.0",
                memory_total=80 << 30, memory_used=0, numa_node=minor // 2, utilization=0, mig_mode=mig_mode)
 
 
@@ -47,7 +47,7 @@ def mig_slice(parent: int, gi: int, profile: str = "1g.10gb", uuid: str = "", ci
     """A MIG slice of GPU `parent`, its capability minors numbered as the driver's mig-minors does."""
     gib = int(profile.split(".")[1].removesuffix("gb"))
     caps = (3 + parent * 135 + gi * 9, 3 + parent * 135 + gi * 9 + 1 + ci)
-    return Gpu(index=parent, minor=slice_unit(parent, gi, ci), uuid=uuid or f"MIG-{parent}-{gi}-{ci}",
+    return Gpu(index=parent, unit=slice_unit(parent, gi, ci), uuid=uuid or f"MIG-{parent}-{gi}-{ci}",
                name=f"Fake H100 MIG {profile}", pci_bus_id=f"0000:{parent:02x}:00.0", memory_total=gib << 30,
                memory_used=0, numa_node=parent // 2, utilization=None,
                slice=MigSlice(parent, gi, ci, profile, caps))
@@ -296,7 +296,7 @@ class World:
         self.reloads = 0
         self.services = wiring.build(wiring.Edges(
             config=lambda: self.config, store_path=self.tmp / "state.db", sampler=self.sampler,
-            units={g.minor: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
+            units={g.unit: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
             terminals=self.notifier, exits=self.exits, find_holders=self.find_holders, processes=self.processes,
             gate=self.gate, caps_major=CAPS_MAJOR, reload=self._reload, foreign=self.foreign,
             fleet_db=self.fleet_db, held=self.held_files))

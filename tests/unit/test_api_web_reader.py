@@ -21,9 +21,9 @@ def world(tmp_path) -> Iterator[World]:
 def test_the_web_account_reads_anyones_whoami_report_and_events(world):
     alice = world.lookup.add("alice", 1001, GROUP)
     world.lookup.add("ggweb", 990, "ggweb")
-    (minor,) = world.login(alice)["gpus"]
+    (unit,) = world.login(alice)["gpus"]
     seen = world.call("whoami", uid=990, user="alice")
-    assert seen["ok"] and [g["minor"] for g in seen["grants"]] == [minor]
+    assert seen["ok"] and [g["minor"] for g in seen["grants"]] == [unit]
     assert world.call("events", uid=990, user="alice")["ok"]
     assert world.call("report", uid=990, since=0.0)["ok"]  # everyone's
 

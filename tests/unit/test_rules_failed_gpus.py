@@ -14,8 +14,8 @@ NOW = 100_000.0
 QUOTA = Quota(gpu_memory=4 * GiB, idle_timeout=600.0)
 
 
-def grant(uid: int, minor: int, expires_at: float | None = None, last_active: float = NOW - 3600) -> Grant:
-    return Grant(uid, f"u{uid}", minor, NOW - 7200, expires_at, last_active)
+def grant(uid: int, unit: int, expires_at: float | None = None, last_active: float = NOW - 3600) -> Grant:
+    return Grant(uid, f"u{uid}", unit, NOW - 7200, expires_at, last_active)
 
 
 def view(procs, grants, failed=()) -> View:

@@ -14,8 +14,8 @@ NOW = 100_000.0
 RECLAIMING = Quota(reclaim_after=600.0)
 
 
-def grant(uid: int, minor: int, last_active: float, expires_at: float | None = None) -> Grant:
-    return Grant(uid, f"u{uid}", minor, last_active, expires_at, last_active)
+def grant(uid: int, unit: int, last_active: float, expires_at: float | None = None) -> Grant:
+    return Grant(uid, f"u{uid}", unit, last_active, expires_at, last_active)
 
 
 def view(grants, procs=(), demand=0, quota=RECLAIMING) -> View:
