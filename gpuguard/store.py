@@ -20,7 +20,8 @@ from gpuguard.model import Event, Grant, Origin, Quota, Session
 from gpuguard.scheduler import Waiter
 
 # Ordered migrations: index i brings the schema from version i to i + 1. Never edit a
-# released entry; append a new one.
+# released entry; append a new one. Every `minor` column holds a unit (Grant.unit: a whole GPU's
+# minor, or a slice's slice_unit); the column kept its first name (see _fields).
 MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE grants (
