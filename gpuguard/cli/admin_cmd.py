@@ -8,8 +8,12 @@ from gpuguard.cli import print_json, unit_arg
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK
 
+TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
+if TYPE_CHECKING:
+    from typing import Any
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     grant = subparsers.add_parser("grant", help="give a user GPUs (beyond login grants; root)",
                                   description="Give a user GPUs, kept until released, revoked or expired. "
                                               "Examples: sudo gpuguard grant alice --gpus 2 --for 8h; "
@@ -91,7 +95,7 @@ def run_resume(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _show(args: argparse.Namespace, reply: dict) -> int:
+def _show(args: argparse.Namespace, reply: dict[str, Any]) -> int:
     if args.json:
         print_json(reply)
     else:

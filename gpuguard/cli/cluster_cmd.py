@@ -16,7 +16,7 @@ from gpuguard.messages import clock
 from gpuguard.units import format_duration
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     where = subparsers.add_parser(
         "where", help="which server of the fleet has GPUs for you now, near your data",
         description="The servers of the fleet, best first for you: free GPUs you may take now (within your "

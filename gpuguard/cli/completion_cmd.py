@@ -20,7 +20,7 @@ from gpuguard.errors import EXIT_OK
 SHELLS = ("bash", "zsh", "tcsh", "fish")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "completion", help="print the shell completion script",
         description="Print the completion script for SHELL. Example (try it): eval \"$(gpuguard completion bash)\"; "

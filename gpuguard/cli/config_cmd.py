@@ -10,7 +10,7 @@ from gpuguard import config, config_warnings
 from gpuguard.backends import accounts, driver_minors, slurm
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("config", help="check configuration files")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = actions.add_parser(

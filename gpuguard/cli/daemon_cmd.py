@@ -10,7 +10,7 @@ from gpuguard.cli import CommandError, load_config
 from gpuguard.errors import EXIT_OK
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("daemon", help="run the gpuguard agent (root, foreground)",
                                    description="Hand out GPUs at login and enforce them. Logs go to stderr. Run by "
                                                "systemd (gpuguard.service); by hand for a trial: "

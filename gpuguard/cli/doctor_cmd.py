@@ -19,6 +19,10 @@ from gpuguard.coexist import CoexistError, Ownership
 from gpuguard.config import AccessMode, Config
 from gpuguard.errors import EXIT_FAILED, EXIT_OK
 
+TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
+if TYPE_CHECKING:
+    from typing import Any
+
 PAM_SECURITY_DIRS = ("lib/*/security", "usr/lib/*/security", "lib64/security", "usr/lib64/security",
                      "lib/security", "usr/lib/security")
 UDEV_DIRS = ("etc/udev/rules.d", "run/udev/rules.d", "usr/lib/udev/rules.d", "lib/udev/rules.d",
@@ -30,7 +34,7 @@ _PAM_INCLUDE = re.compile(r"^-?session\s+(?:include|substack)\s+(\S+)|^@include\
 _PAM_SESSION = re.compile(r"^-?session\s+(?:\[[^]]*\]|\S+)\s+(\S+)")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("doctor", help="check this machine's gpuguard setup (root)",
                                    description="One line per check; exit 1 if any fails. "
                                                "Examples: sudo gpuguard doctor; sudo gpuguard doctor --json")
@@ -89,14 +93,15 @@ def _setting(slurm: str | tuple[int, ...] | None) -> str | None:
     return ",".join(map(str, slurm)) if isinstance(slurm, tuple) else slurm
 
 
-def _daemon(config: Config) -> tuple[dict | None, str | None]:
+def _daemon(config: Config) -> tuple[dict[str, Any] | None, str | None]:
     try:
         return client.call(str(config.paths.socket), "status", timeout=5), None
     except (client.DaemonUnreachable, client.Refused) as exc:
         return None, str(exc)
 
 
-def _kernel(config: Config, gate_name: str, ownership: Ownership):
+def _kernel(config: Config, gate_name: str, ownership: Ownership) \
+        -> tuple[str | None, str | None, dict[str, Any] | None, bool | None, str | None]:
     """(cgroup2 mount, bpf error, gate status, gate current, gate error)."""
     from gpuguard.backends.bpf import attached_ids  # ctypes: only for this command
     from gpuguard.backends.mounts import cgroup2_root

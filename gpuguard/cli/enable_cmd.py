@@ -27,7 +27,7 @@ UNIT = "gpuguard.service"
 MODULE_LINE = "session optional pam_gpuguard.so"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     enable = subparsers.add_parser(
         "enable", help="make gpuguard take effect: modprobe.d option, udev rule, PAM profile, daemon (root)",
         description="Make an installed gpuguard take effect, once /etc/gpuguard is configured: the modprobe.d "

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from gpuguard.backends.gate import Gate
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gate = subparsers.add_parser("gate", help="the kernel gate: status, attach, detach (root)")
     actions = gate.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, func, text in (

@@ -28,7 +28,7 @@ _SHORT = {"NVLINK": "NV", "PCIE_SWITCH": "PIX", "NUMA_NODE": "NODE", "SYSTEM": "
 _LEGEND = "NV = NVLink, PIX = same PCIe switch, NODE = same NUMA node, SYS = across CPU sockets"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("gpus", help="list GPUs, their use and topology",
                                    description="Every GPU (and MIG slice): its minor and NVML index, model, memory, "
                                                "who holds it and how it is linked to the others. "

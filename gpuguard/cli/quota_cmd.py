@@ -23,7 +23,7 @@ from gpuguard.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gpuguard.policy import quota_for, quota_sources
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("quota", help="show or change per-user, per-group and default quotas")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 

@@ -28,7 +28,7 @@ _DAYS = {"today": -1, "yesterday": -1,
                                                         "saturday", "sunday"))}}
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     report = subparsers.add_parser(
         "report", help="GPU-hours granted, busy and idle, and processes stopped, per user, GPU or day",
         description="GPU-hours granted, busy and idle, the busy share and processes stopped by each rule, "

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from gpuguard.config import Config
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("sim", help="programs for simulated GPUs (gpu.backend = \"simulated\")")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     burn = actions.add_parser("burn", help="act like a CUDA program using a GPU or a MIG slice",

@@ -12,8 +12,12 @@ from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.units import format_duration
 
+TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
+if TYPE_CHECKING:
+    from typing import Any
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("simulate",
                                    help="replay a workload trace: the configured policy beside static reservation",
                                    description="Replay a trace through the daemon's own services on a virtual clock, "
@@ -115,7 +119,7 @@ def _cell(value: float | int | None, unit: str) -> str:
     return str(value)
 
 
-def print_report(report: dict) -> None:
+def print_report(report: dict[str, Any]) -> None:
     print(f"{report['trace']['sessions']} sessions, {report['trace']['jobs']} jobs, "
           f"{report['trace']['hours']:.1f} hours, on {report['gpus']} GPUs; replayed in {report['seconds']:.1f}s")
     rows = [["", "gpuguard (configured)", "static reservation"]]

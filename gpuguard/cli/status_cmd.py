@@ -29,7 +29,7 @@ CSV_COLUMNS = ("gpu", "name", "uuid", "utilization_percent", "memory_used_bytes"
 _COLOURS = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = subparsers.add_parser(
         "status", help="who holds which GPU, memory, utilisation and processes",
         description="Each GPU with its holders, their memory against their quota, time left and processes, "

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while waiting
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     whoami = subparsers.add_parser("whoami", help="your GPUs, quota, sessions and recent events",
                                    description="Your GPUs (with CUDA_VISIBLE_DEVICES), quota, place in the queue "
                                                "and why you wait, sessions and recent events. "

@@ -10,7 +10,7 @@ from gpuguard.cli import CommandError, load_config
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "web", help="serve the read-only web view of the GPUs, the queue and usage",
         description="Serve the web view on [web] listen (off unless set). Runs as its own account "
