@@ -28,7 +28,7 @@ def bench_allocator() -> None:
             backend.close()
     held = [Grant(2000, "other", 0, 0.0, None, 0.0)]
     ours = per_call(lambda: allocator.choose(gpus, topology, held, {}, 1000, 4), 200)
-    baseline = per_call(lambda: [g.minor for g in gpus if g.minor not in {h.minor for h in held}][:4], 200)
+    baseline = per_call(lambda: [g.unit for g in gpus if g.unit not in {h.unit for h in held}][:4], 200)
     row("allocate 4 of 8 (NVLink pairs)", ours, baseline, 2000, "first four free")
 
 
@@ -51,7 +51,7 @@ def bench_watcher_rules(bench: Bench) -> None:
         backend.close()
     grants = [Grant(1000 + m, f"u{m}", m, 0.0, 3600.0, 0.0) for m in range(8)]
     view = rules.View(
-        procs=[rules.Proc(p.pid, 1000 + p.minor, p.pid, p.minor, p.used_memory) for p in procs],
+        procs=[rules.Proc(p.pid, 1000 + p.unit, p.pid, p.unit, p.used_memory) for p in procs],
         grants=grants, quotas={1000 + m: Quota(gpu_memory=8 << 30, max_time=3600) for m in range(8)},
         exempt=frozenset({0}))
     timing = rules.Timing(grace=30, kill_wait=10)

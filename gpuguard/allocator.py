@@ -21,7 +21,7 @@ Order of preference among whole GPUs, most important first:
    the user already holds, so a top-up lands next to them;
 4. fewest NUMA nodes;
 5. least recently released (spreads wear; a just-released GPU may still be draining);
-6. lowest minors, so the answer is deterministic.
+6. lowest units, so the answer is deterministic.
 """
 from __future__ import annotations
 
@@ -59,16 +59,16 @@ def room_to_share(gpu: Gpu, others: Sequence[Grant], quota: Quota) -> bool:
     return len({g.uid for g in others}) < quota.max_sharers and promised + quota.gpu_memory <= gpu.memory_total
 
 
-def blocking(grants: Iterable[Grant], uid: int, minors: Collection[int], share: bool,
+def blocking(grants: Iterable[Grant], uid: int, units: Collection[int], share: bool,
              gpus: Mapping[int, Gpu], quota: Quota) -> list[Grant]:
     """Other users' grants that keep `uid` off these units: all of them, unless `uid` may share
     (share) and room_to_share says the unit takes one more sharer on `quota`'s terms."""
     others: dict[int, list[Grant]] = {}
     for grant in grants:
-        if grant.minor in minors and grant.uid != uid:
-            others.setdefault(grant.minor, []).append(grant)
-    return [g for minor, held in others.items()
-            if not (share and minor in gpus and room_to_share(gpus[minor], held, quota)) for g in held]
+        if grant.unit in units and grant.uid != uid:
+            others.setdefault(grant.unit, []).append(grant)
+    return [g for unit, held in others.items()
+            if not (share and unit in gpus and room_to_share(gpus[unit], held, quota)) for g in held]
 
 
 def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], last_released: Mapping[int, float],
@@ -83,15 +83,15 @@ def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], las
     suitable = [gpu for gpu in gpus if suits(gpu, quota)]
     whole = [gpu for gpu in suitable if gpu.slice is None]
     slices = [gpu for gpu in suitable if gpu.slice is not None]
-    sliced = [g for g in grants if is_slice(g.minor)]
+    sliced = [g for g in grants if is_slice(g.unit)]
     if sliced:  # a GPU with a slice held is not free whole (its node is the slice holder's too)
-        cut = {unit_parent(g.minor) for g in sliced}
-        whole = [gpu for gpu in whole if gpu.minor not in cut]
+        cut = {unit_parent(g.unit) for g in sliced}
+        whole = [gpu for gpu in whole if gpu.unit not in cut]
     chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last, quota)
     if not slices:  # no MIG here: the common case stops here
         return chosen
     # Nor is a slice free on a GPU held whole (a grant the layout has ended, until its revoke is through).
-    held_whole = {g.minor for g in grants if not is_slice(g.minor)}
+    held_whole = {g.unit for g in grants if not is_slice(g.unit)}
     slices = [gpu for gpu in slices if gpu.slice is not None and gpu.slice.parent not in held_whole]
     room = count - len(chosen)
     if quota.slices is not None:
@@ -113,13 +113,13 @@ def _choose_slices(slices: Sequence[Gpu], grants: list[Grant], last_released: Ma
     """Up to `count` free slices (of allowed profiles already), best first (see the module's docstring)."""
     if count <= 0:
         return ()
-    held = {g.minor for g in grants}
+    held = {g.unit for g in grants}
     rank = {profile: place for place, profile in enumerate(profiles)}
-    free = [gpu for gpu in slices if gpu.minor not in held]
+    free = [gpu for gpu in slices if gpu.unit not in held]
     free.sort(key=lambda gpu: (rank.get(_profile(gpu), 0), gpu.memory_total,
-                               gpu.minor not in held_last, -held_last.get(gpu.minor, 0.0),
-                               last_released.get(gpu.minor, 0.0), gpu.minor))
-    return tuple(gpu.minor for gpu in free[:count])
+                               gpu.unit not in held_last, -held_last.get(gpu.unit, 0.0),
+                               last_released.get(gpu.unit, 0.0), gpu.unit))
+    return tuple(gpu.unit for gpu in free[:count])
 
 
 def _profile(gpu: Gpu) -> str:
@@ -129,14 +129,14 @@ def _profile(gpu: Gpu) -> str:
 def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], last_released: Mapping[int, float],
                   uid: int, count: int, share: bool, held_last: Mapping[int, float], quota: Quota) -> tuple[int, ...]:
     """Up to `count` more whole GPUs (see the module's docstring)."""
-    numa = {gpu.minor: gpu.numa_node for gpu in gpus}
+    numa = {gpu.unit: gpu.numa_node for gpu in gpus}
     # A grant on a GPU missing from the inventory (NVML could not read it at start) still counts
     # as held, but has no NUMA node or links to weigh: only the GPUs known here are placed.
-    own = {g.minor for g in grants if g.uid == uid and g.minor in numa}
-    holders = Counter(g.minor for g in grants if g.uid != uid)
-    blocked = {g.minor for g in blocking(grants, uid, {gpu.minor for gpu in gpus}, share,
-                                         {gpu.minor: gpu for gpu in gpus}, quota)}
-    candidates = [gpu.minor for gpu in gpus if gpu.minor not in own and gpu.minor not in blocked]
+    own = {g.unit for g in grants if g.uid == uid and g.unit in numa}
+    holders = Counter(g.unit for g in grants if g.uid != uid)
+    blocked = {g.unit for g in blocking(grants, uid, {gpu.unit for gpu in gpus}, share,
+                                         {gpu.unit: gpu for gpu in gpus}, quota)}
+    candidates = [gpu.unit for gpu in gpus if gpu.unit not in own and gpu.unit not in blocked]
     want = min(count, len(candidates))
     if want <= 0:
         return ()

@@ -189,7 +189,7 @@ class Api:
     async def session_close(self, request: rq.SessionClose, peer: Peer) -> dict[str, Any]:
         pid, store = request.pid, self.store
         account = await self._account_named(request.user)
-        held = {g.minor for g in store.grants(account.uid)}
+        held = {g.unit for g in store.grants(account.uid)}
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
@@ -218,7 +218,7 @@ class Api:
             quota=asdict(quota),
             grants=[self._grant_info(g) for g in store.grants(account.uid)],
             sessions=[asdict(s) for s in store.sessions(account.uid)],
-            events=[asdict(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
+            events=[protocol.record(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
             usage=store.usage(account.uid),
             queue=self._queue_info(account.uid, self.clock()))
 
@@ -227,7 +227,7 @@ class Api:
         info = _standing_info(self.queue.standing(uid, now))
         if info is None:
             return None
-        holders = [{"minor": g.minor, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
+        holders = [{"minor": g.unit, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
                     "reclaim_after": self.accounts.of(g.uid)[1].reclaim_after}
                    for g in self.store.grants() if g.uid != uid]
         held = any(q.waiter.id in self.queue.holds for q in self.store.queue(uid))
@@ -280,7 +280,7 @@ class Api:
         found = inventory.view(
             grants.physical.values(), [unit for unit in grants.gpus.values() if unit.slice is not None],
             sample.layout.unread if sample and sample.layout else (), grants.topology,
-            Counter(p.minor for p in sample.processes) if sample else Counter(), sample.use if sample else None)
+            Counter(p.unit for p in sample.processes) if sample else Counter(), sample.use if sample else None)
         found["gpus"] = sorted([*found["gpus"], *inventory.foreign(self.foreign)], key=lambda gpu: gpu["minor"])
         return protocol.ok(**found)
 
@@ -298,7 +298,7 @@ class Api:
         uid = await self._records_of(request.user, peer)
         since, until = request.period(self.clock())
         found = self.store.find_events(uid, since, until, request.rule, request.limit)
-        return protocol.ok(events=[asdict(e) for e in found])
+        return protocol.ok(events=[protocol.record(e) for e in found])
 
     async def _records_of(self, name: str | None, peer: Peer) -> int | None:
         """Whose records a request naming user `name` may read: the caller's own; root's, anyone's
@@ -381,7 +381,7 @@ class Api:
             raise Refusal(f"request {ticket} is not in the queue (left it, or not yours)")
         future = self._waiting.setdefault(ticket, asyncio.get_running_loop().create_future())
         try:
-            minors = await asyncio.wait_for(asyncio.shield(future), timeout)
+            units = await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:  # not the builtin on Python 3.10
             left = self._leave_unless_login(ticket)
             assert timeout is not None  # no limit waits until served or cancelled
@@ -394,7 +394,7 @@ class Api:
         finally:
             self._waiting.pop(ticket, None)
         self._served.pop(ticket, None)
-        return self._served_reply(peer.uid, minors)
+        return self._served_reply(peer.uid, units)
 
     def _leave_unless_login(self, ticket: int) -> bool:
         """A client that stops waiting takes its request out of the queue; a login's place (one
@@ -403,21 +403,21 @@ class Api:
             return False
         return self.queue.leave([ticket]) > 0
 
-    def _served_reply(self, uid: int, minors: tuple[int, ...]) -> dict[str, Any]:
-        return protocol.ok(queued=False, granted=list(minors), **self._grant_reply(self.store.grants(uid), new=minors))
+    def _served_reply(self, uid: int, units: tuple[int, ...]) -> dict[str, Any]:
+        return protocol.ok(queued=False, granted=list(units), **self._grant_reply(self.store.grants(uid), new=units))
 
-    def _queue_served(self, queued: Queued, minors: tuple[int, ...]) -> None:
+    def _queue_served(self, queued: Queued, units: tuple[int, ...]) -> None:
         """Queue listener: wake the blocked client, and tell the user on their terminals."""
         waiter = queued.waiter
-        self._served[waiter.id] = (waiter.uid, minors)
+        self._served[waiter.id] = (waiter.uid, units)
         if len(self._served) > 1000:  # tickets nobody came back for: forget the oldest
             self._served.pop(next(iter(self._served)))
         future = self._waiting.get(waiter.id)
         if future is not None and not future.done():
-            future.set_result(minors)
+            future.set_result(units)
         waited = format_duration(max(0, round(self.clock() - waiter.since)))
         reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})",
-                                  new=minors)
+                                  new=units)
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
         self.terminals.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
 
@@ -429,27 +429,27 @@ class Api:
         if wait := self._releases.allow(peer.uid, time.monotonic()):
             raise Refusal(f"too many releases at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
-        held = {g.minor for g in store.grants(account.uid)}
-        minors = self._units(request.units)
-        left = self.leave_queue(account.uid) if minors is None else 0
+        held = {g.unit for g in store.grants(account.uid)}
+        units = self._units(request.units)
+        left = self.leave_queue(account.uid) if units is None else 0
         if not held:
             if left:
                 return protocol.ok(released=[], kept=[], left_queue=left, gpus=[], cuda_visible_devices="",
                                    message="gpuguard: you held no GPU; you left the queue")
             raise Refusal("you hold no GPU")
-        if minors is not None and set(minors) - held:
-            raise Refusal(f"you do not hold GPU {unit_list(set(minors) - held)} (you hold {unit_list(held)})")
-        targets = set(minors) if minors is not None else held
+        if units is not None and set(units) - held:
+            raise Refusal(f"you do not hold GPU {unit_list(set(units) - held)} (you hold {unit_list(held)})")
+        targets = set(units) if units is not None else held
         scan = _readable(await self.holders.scan(account.uid, targets, for_user=True))
         busy = scan.listed | scan.unlisted
         in_use = f"still in use by your process{'es' if len({p for p, _ in busy}) > 1 else ''} " \
                  f"{number_list({pid for pid, _ in busy})}"
-        kept = {minor for _, minor in busy}
-        if kept and (minors is not None or kept == targets):
+        kept = {unit for _, unit in busy}
+        if kept and (units is not None or kept == targets):
             raise Refusal(f"GPU {unit_list(kept)} {in_use}: stop them, then release")
         removed = self.releases.take_back(account.uid, targets - kept, self.clock(), kind=EventKind.RELEASE,
                                           rule=Rule.USER, message="released with gpuguard release")
-        released = [g.minor for g in removed]
+        released = [g.unit for g in removed]
         parts = [f"released GPU {unit_list(released)}"]
         if kept:
             parts.append(f"GPU {unit_list(kept)} stays: {in_use} (stop them, then release)")
@@ -498,7 +498,7 @@ class Api:
     async def grant(self, request: rq.Grant, peer: Peer) -> dict[str, Any]:
         store, config = self.store, self.config()
         account = await self._account_named(request.user)
-        count, minors, duration = request.gpus, self._units(request.units), request.duration
+        count, units, duration = request.gpus, self._units(request.units), request.duration
         eligible = self._eligibility(account)
         if eligible == policy.Eligibility.EXEMPT:
             raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
@@ -506,12 +506,12 @@ class Api:
             raise Refusal(f"{account.name} is not in group {config.access.group}: only members get GPUs")
         quota = policy.quota_for(account.name, account.groups, config)
         share = policy.may_share(quota)
-        if minors is not None:
-            blocked = allocator.blocking(store.grants(), account.uid, minors, share, self.grants.gpus, quota)
+        if units is not None:
+            blocked = allocator.blocking(store.grants(), account.uid, units, share, self.grants.gpus, quota)
             if blocked:
-                raise Refusal(f"GPU {unit_list({g.minor for g in blocked})} is held by "
+                raise Refusal(f"GPU {unit_list({g.unit for g in blocked})} is held by "
                               f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
-            chosen = tuple(minors)
+            chosen = tuple(units)
         else:
             assert count is not None  # the request names either units or a count
             chosen = self.grants.choose(account.uid, count, quota)
@@ -532,7 +532,7 @@ class Api:
         those only /proc shows, which the watcher never sees, get SIGTERM here and SIGKILL
         kill_wait later if they still hold it (holders.HolderEnder)."""
         store = self.store
-        name, minors = request.user, self._units(request.units)
+        name, units = request.user, self._units(request.units)
         uid: int | None
         try:
             uid = (await self.lookup.by_name(name)).uid
@@ -540,11 +540,11 @@ class Api:
             uid = next((g.uid for g in store.grants() if g.user == name), None)
         if uid is None:
             raise Refusal(f"no such user: {name}", 2)
-        removed = self.releases.take_back(uid, minors, self.clock(), kind=EventKind.REVOKE, rule=Rule.ADMIN,
+        removed = self.releases.take_back(uid, units, self.clock(), kind=EventKind.REVOKE, rule=Rule.ADMIN,
                                           message="revoked by root", end_holders=False)
         if not removed:
-            raise Refusal(f"{name} holds {'no GPU' if minors is None else 'none of GPU ' + unit_list(minors)}")
-        revoked = {g.minor for g in removed}
+            raise Refusal(f"{name} holds {'no GPU' if units is None else 'none of GPU ' + unit_list(units)}")
+        revoked = {g.unit for g in removed}
         ending = await self.holders.end(uid, removed[0].user, revoked, Rule.ADMIN)
         scan = ending.scan
         note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
@@ -562,8 +562,8 @@ class Api:
             note += f"; process {number_list(reported)} of other members hold it too (passed on): reported"
         holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
-                           holders=[{"pid": pid, "minor": minor} for pid, minor in holders],
-                           other_holders=[{"pid": o.pid, "uid": o.uid, "units": sorted(o.minors), "ended": o.ended}
+                           holders=[{"pid": pid, "minor": unit} for pid, unit in holders],
+                           other_holders=[{"pid": o.pid, "uid": o.uid, "units": sorted(o.units), "ended": o.ended}
                                           for o in ending.others],
                            message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
 
@@ -603,10 +603,10 @@ class Api:
         self._save_drains()
         why = f" ({reason})" if reason else ""
         for grant in self.store.grants():
-            if unit_parent(grant.minor) in minors:
-                text = (f"gpuguard: GPU {unit_label(grant.minor)} is being drained by root{why}: it stays yours until "
+            if unit_parent(grant.unit) in minors:
+                text = (f"gpuguard: GPU {unit_label(grant.unit)} is being drained by root{why}: it stays yours until "
                         "you release it, but will not be given again until resumed - gpuguard whoami")
-                self.store.add_event(Event(now, grant.uid, grant.user, EventKind.WARNING, text, minor=grant.minor,
+                self.store.add_event(Event(now, grant.uid, grant.user, EventKind.WARNING, text, unit=grant.unit,
                                            rule=Rule.DRAIN, action="warn"))
                 self.terminals.tell(grant.user, grant.uid, text, [s.tty for s in self.store.sessions(grant.uid)])
         event(logging.WARNING, "drain", gpu=unit_list(minors), reason=reason or None)
@@ -661,24 +661,24 @@ class Api:
         return sorted(units)
 
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
-        gpu = self.grants.gpus.get(grant.minor)
-        return {**asdict(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
+        gpu = self.grants.gpus.get(grant.unit)
+        return {**protocol.record(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
                 "index": gpu.index if gpu else None,
-                "drained": asdict(drain) if (drain := self.grants.drained.get(unit_parent(grant.minor))) else None}
+                "drained": asdict(drain) if (drain := self.grants.drained.get(unit_parent(grant.unit))) else None}
 
     def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
                      new: Collection[int] | None = None) -> dict[str, Any]:
         """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message).
         new: the units just granted, which the message is about (with their own end, not an older grant's)."""
-        gpus = [self.grants.gpus[g.minor] for g in held if g.minor in self.grants.gpus]
+        gpus = [self.grants.gpus[g.unit] for g in held if g.unit in self.grants.gpus]
         if not gpus:
             return {"gpus": [], "cuda_visible_devices": "", "message": ""}
-        told = [g for g in held if new is None or g.minor in new] or held
+        told = [g for g in held if new is None or g.unit in new] or held
         expiries = [g.expires_at for g in told if g.expires_at is not None]
-        told_gpus = [gpu for gpu in gpus if any(g.minor == gpu.minor for g in told)]
+        told_gpus = [gpu for gpu in gpus if any(g.unit == gpu.unit for g in told)]
         if wanted is not None:
             wanted -= len(gpus) - len(told_gpus)  # the ones held before count towards it
-        return {"gpus": [gpu.minor for gpu in gpus],
+        return {"gpus": [gpu.unit for gpu in gpus],
                 "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
                 "message": grant_message(told_gpus, min(expiries, default=None), any(g.shared for g in told), wanted,
                                          ending)}

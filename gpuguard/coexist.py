@@ -126,7 +126,7 @@ def check_some_left(ownership: Ownership, present: Collection[int]) -> None:
 def status_entries(gpus: Iterable[Gpu], ownership: Ownership) -> list[dict[str, Any]]:
     """`gpuguard status` entries of the GPUs another system owns: the keys of reporting.status_gpus,
     with nothing gpuguard does not know (holders and processes are the owner's business)."""
-    return [{"minor": gpu.minor, "label": unit_label(gpu.minor), "profile": None, "index": gpu.index,
+    return [{"minor": gpu.unit, "label": unit_label(gpu.unit), "profile": None, "index": gpu.index,
              "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total, "memory_used": None,
              "utilization": None, "holders": [], "processes": None, "process_list": None,
-             "owner": str(ownership.owner(gpu.minor))} for gpu in sorted(gpus, key=lambda gpu: gpu.minor)]
+             "owner": str(ownership.owner(gpu.unit))} for gpu in sorted(gpus, key=lambda gpu: gpu.unit)]

@@ -103,7 +103,7 @@ class Daemon:
         services = self.services = wiring.build(wiring.Edges(
             config=self.current_config, store_path=self.config.paths.state_dir / "state.db",
             sampler=sampler, connections=self.server.budget,
-            units={gpu.minor: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
+            units={gpu.unit: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
             driver_minors=present - self.ownership.foreign.keys(), nodes=AclNodes(self.config.paths.device_dir),
             lookup=AccountLookup(), terminals=notify.Notifier(remote=remote), exits=ExitWatch(),
             find_holders=partial(sampling.node_holders, real_uids=procfs.RealUids(), pids_of=index.pids_of),
@@ -140,9 +140,9 @@ class Daemon:
         if self.ownership.foreign:
             event(logging.INFO, "coexist", owners=self.ownership.summary())
         for grant in self.store.grants():
-            if (owner := self.ownership.owner(unit_parent(grant.minor))) != Owner.GPUGUARD:
-                gpu = unit_parent(grant.minor)
-                self.services.releases.take_back(grant.uid, [grant.minor], time.time(), kind=EventKind.REVOKE,
+            if (owner := self.ownership.owner(unit_parent(grant.unit))) != Owner.GPUGUARD:
+                gpu = unit_parent(grant.unit)
+                self.services.releases.take_back(grant.uid, [grant.unit], time.time(), kind=EventKind.REVOKE,
                                                  rule=Rule.COEXIST, message=f"GPU {gpu} belongs to {owner} now (coexist)")
 
     async def _handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:

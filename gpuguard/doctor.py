@@ -7,7 +7,7 @@ verdict is tested on made-up facts (tests/unit/test_doctor_checks.py) and on the
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,7 +237,7 @@ def run(facts: Facts) -> list[Finding]:
     return [check(facts) for check in CHECKS]
 
 
-def failed(findings: Sequence[Finding]) -> bool:
+def failed(findings: Iterable[Finding]) -> bool:
     return any(finding.status == FAIL for finding in findings)
 
 

@@ -67,7 +67,7 @@ class Grants:
         # loaded (a GPU that falls off the bus shows as NVML errors in the tick, not as a smaller
         # inventory). Only their MIG mode and slices change (update_layout).
         units = list((gpus or {}).values())
-        self.physical: dict[int, Gpu] = {gpu.minor: gpu for gpu in units if gpu.slice is None}
+        self.physical: dict[int, Gpu] = {gpu.unit: gpu for gpu in units if gpu.slice is None}
         # The GPUs this machine has, only whose nodes are managed: the driver's (`minors`, also
         # those NVML cannot read) and every one NVML reads.
         self.minors = frozenset(minors) | self.physical.keys()
@@ -88,8 +88,8 @@ class Grants:
         """The user's held-devices file as the store now says (after every grant given or taken
         back: add and remove are the only ways a grant changes, so no listener is needed)."""
         if self.held is not None:
-            self.held.write(uid, [self.gpus[g.minor].uuid for g in sorted(self.store.grants(uid), key=lambda g: g.minor)
-                                  if g.minor in self.gpus])
+            self.held.write(uid, [self.gpus[g.unit].uuid for g in sorted(self.store.grants(uid), key=lambda g: g.unit)
+                                  if g.unit in self.gpus])
 
     def write_all_held(self) -> None:
         """Every holder's file, and none for anyone else (at start: grants changed while no daemon ran)."""
@@ -128,7 +128,7 @@ class Grants:
         return devices[1:] if is_slice(unit) else devices
 
     def _entries(self, grants: Iterable[Grant]) -> set[Entry]:
-        return {(grant.uid, device) for grant in grants for device in self.devices_of(grant.minor)}
+        return {(grant.uid, device) for grant in grants for device in self.devices_of(grant.unit)}
 
     def choose(self, uid: int, count: int, quota: Quota) -> tuple[int, ...]:
         """Up to `count` more units for uid on the terms of `quota` (allocator.choose over the current grants)."""
@@ -153,41 +153,41 @@ class Grants:
                  memory=quota.gpu_memory)
         return chosen
 
-    def add(self, uid: int, user: str, minors: Iterable[int], now: float, *, expires_at: float | None,
+    def add(self, uid: int, user: str, units: Iterable[int], now: float, *, expires_at: float | None,
             shared: bool, origin: Origin, message: str, memory: int | None = None) -> None:
         """memory: a shared grant's memory quota per GPU, what the allocator counts against the
         GPU's memory when others share it too (None: unknown, so nobody joins)."""
-        minors = sorted(minors)
-        if not minors:
+        units = sorted(units)
+        if not units:
             return
         before = self._entries(self.store.grants(uid))
-        self.store.add_grants(uid, user, minors, now, expires_at, shared=shared, origin=origin,
-                              uuids={m: self.gpus[m].uuid for m in minors if m in self.gpus}, memory=memory)
+        self.store.add_grants(uid, user, units, now, expires_at, shared=shared, origin=origin,
+                              uuids={m: self.gpus[m].uuid for m in units if m in self.gpus}, memory=memory)
         try:
             if self.gate:
                 for _, device in sorted(self._entries(self.store.grants(uid)) - before):
                     self.gate.grant(uid, device)
-            self.sync_nodes(minors)
+            self.sync_nodes(units)
         except Exception:
             # Not enforceable: take it back, so the store never claims what the kernel does not do.
-            self.remove(uid, minors, now, kind=EventKind.ERROR, rule=Rule(origin), message="grant could not be applied")
+            self.remove(uid, units, now, kind=EventKind.ERROR, rule=Rule(origin), message="grant could not be applied")
             raise
-        for minor in minors:
-            self.store.add_event(Event(now, uid, user, EventKind.GRANT, message, minor=minor, rule=Rule(origin),
+        for unit in units:
+            self.store.add_event(Event(now, uid, user, EventKind.GRANT, message, unit=unit, rule=Rule(origin),
                                        action=EventKind.GRANT))
-        event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(minors), origin=origin, expires_at=expires_at,
+        event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(units), origin=origin, expires_at=expires_at,
               shared=shared or None)
         self.write_held(uid)
 
-    def remove(self, uid: int, minors: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
+    def remove(self, uid: int, units: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
                message: str) -> list[Grant]:
-        """Take back a user's GPUs (all, or these minors) from the gate, the store and the ACLs, and
+        """Take back a user's GPUs (all, or these units) from the gate, the store and the ACLs, and
         record it. kind: release, revoke, error (a grant that could not be applied). Returns what
         was held. Only that: release.Releases.take_back is the whole step (holders, fair share,
         queue), which every path that takes grants back goes through."""
-        wanted = None if minors is None else set(minors)
+        wanted = None if units is None else set(units)
         everything = self.store.grants(uid)
-        held = [g for g in everything if wanted is None or g.minor in wanted]
+        held = [g for g in everything if wanted is None or g.unit in wanted]
         if not held:
             return []
         kept = [g for g in everything if g not in held]
@@ -197,18 +197,18 @@ class Grants:
                 for _, device in sorted(self._entries(held) - self._entries(kept)):
                     self.gate.revoke(uid, device)
                     closed.append(device)
-            self.store.remove_grants(uid, [g.minor for g in held], now)
+            self.store.remove_grants(uid, [g.unit for g in held], now)
         except Exception:
             # The store still has these grants: reopen the gate for them, so both agree again.
             for device in closed:
                 assert self.gate is not None  # only the gate closed anything
                 self.gate.grant(uid, device)
             raise
-        self.sync_nodes(g.minor for g in held)
+        self.sync_nodes(g.unit for g in held)
         for grant in held:
-            self.store.add_event(Event(now, uid, grant.user, kind, message, minor=grant.minor, rule=rule,
+            self.store.add_event(Event(now, uid, grant.user, kind, message, unit=grant.unit, rule=rule,
                                        action=kind))
-        event(logging.INFO, kind, user=held[0].user, uid=uid, gpu=unit_list(g.minor for g in held), rule=rule)
+        event(logging.INFO, kind, user=held[0].user, uid=uid, gpu=unit_list(g.unit for g in held), rule=rule)
         self.write_held(uid)
         return held
 
@@ -221,8 +221,8 @@ class Grants:
         parents = {unit_parent(unit) for unit in units}  # a grant's nodes are all on its own GPU
         users: dict[Device, set[int]] = {}
         for grant in self.store.grants():  # one read, however many nodes
-            if unit_parent(grant.minor) in parents:
-                for device in self.devices_of(grant.minor):
+            if unit_parent(grant.unit) in parents:
+                for device in self.devices_of(grant.unit):
                     users.setdefault(device, set()).add(grant.uid)
         fixed = []
         for device in sorted(devices):
@@ -231,7 +231,7 @@ class Grants:
         return fixed
 
     def _all_units(self) -> set[int]:
-        return set(self.minors) | set(self.gpus) | {g.minor for g in self.store.grants()}
+        return set(self.minors) | set(self.gpus) | {g.unit for g in self.store.grants()}
 
     def node_changed(self, path: Path | None) -> None:
         """NodeWatcher callback: a node was (re)created or changed; None means check them all."""
@@ -264,7 +264,7 @@ class Grants:
         if changed:
             self.sync_nodes(unit for unit in units if is_slice(unit))
         if learned and self.gate:  # grants on slices whose capabilities were not known until now
-            reached = [g for g in self.store.grants() if g.minor in learned and g not in stale]
+            reached = [g for g in self.store.grants() if g.unit in learned and g not in stale]
             for uid, device in sorted(self._entries(reached)):
                 self.gate.grant(uid, device)
         return stale

@@ -43,7 +43,7 @@ from gpuguard.scans import Scans
 from gpuguard.store import Store
 from gpuguard.units import format_duration
 
-Pair = tuple[int, int]  # (pid, minor)
+Pair = tuple[int, int]  # (pid, unit)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Other:
 
     pid: int
     uid: int
-    minors: frozenset[int]
+    units: frozenset[int]
     ended: bool  # sent SIGTERM (a non-member's); False: reported (a member's, or NSS could not say)
 
 
@@ -93,14 +93,14 @@ class HolderEnder:
         self.clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def scan(self, uid: int, minors: Collection[int], max_age: float = sampling.MAX_AGE,
+    async def scan(self, uid: int, units: Collection[int], max_age: float = sampling.MAX_AGE,
                    for_user: bool = False) -> Scan:
         """uid's processes holding these GPUs' nodes (only that user's processes are read). /proc is
         scanned first: a process NVML does not list in the later sample had no context when it was found.
         for_user: a request of uid's asks (scans.Scans.for_user: bounded, one per uid at a time)."""
-        minors = frozenset(minors)
-        found = await (self.scans.for_user(uid, minors) if for_user else self.scans.for_daemon(minors, {uid}))
-        holding = frozenset((h.pid, h.minor) for h in found if h.uid == uid)
+        units = frozenset(units)
+        found = await (self.scans.for_user(uid, units) if for_user else self.scans.for_daemon(units, {uid}))
+        holding = frozenset((h.pid, h.unit) for h in found if h.uid == uid)
         if not holding:
             # A CUDA process holds its node open too: none in /proc, none for NVML to list. No
             # sample then, so that releases (which can be looped) never make NVML poll faster.
@@ -108,23 +108,23 @@ class HolderEnder:
         try:
             sample = await self.sampler.take(max_age)
         except Exception as exc:  # GpuError and anything a broken driver throws
-            return Scan(frozenset(), holding, minors, str(exc))
-        listed = frozenset((p.pid, p.minor) for p in sample.processes
-                           if p.minor in minors and sample.uid_of(p.pid) == uid)
-        return Scan(listed, holding - listed, frozenset(m for m in minors if not sample.ok(m)))
+            return Scan(frozenset(), holding, units, str(exc))
+        listed = frozenset((p.pid, p.unit) for p in sample.processes
+                           if p.unit in units and sample.uid_of(p.pid) == uid)
+        return Scan(listed, holding - listed, frozenset(m for m in units if not sample.ok(m)))
 
-    def schedule(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> None:
+    def schedule(self, uid: int, user: str, units: Iterable[int], why: Rule) -> None:
         """end() in the background (the caller is the event loop, which must not wait kill_wait)."""
-        self._spawn(self.end(uid, user, minors, why))
+        self._spawn(self.end(uid, user, units, why))
 
-    async def end(self, uid: int, user: str, minors: Iterable[int], why: Rule) -> Ending:
+    async def end(self, uid: int, user: str, units: Iterable[int], why: Rule) -> Ending:
         """SIGTERM uid's processes holding these GPUs' nodes that NVML does not list, and see
         them through to SIGKILL in the background. `why` is the rule that took the GPUs."""
         # fresh: a context made a moment ago is the watcher's; after a user's own release, in the users' pool
-        scan = await self.scan(uid, set(minors), max_age=0, for_user=why == Rule.USER)
+        scan = await self.scan(uid, set(units), max_age=0, for_user=why == Rule.USER)
         holding: dict[int, set[int]] = {}
-        for pid, minor in scan.unlisted:
-            holding.setdefault(pid, set()).add(minor)
+        for pid, unit in scan.unlisted:
+            holding.setdefault(pid, set()).add(unit)
         termed: dict[ProcessIdentity, set[int]] = {}
         for pid, held in sorted(holding.items()):
             identity = self.processes.identity(pid)
@@ -132,28 +132,28 @@ class HolderEnder:
                 continue  # exited since the scan
             if self._signal(identity, held, user, signal.SIGTERM, why, uid):
                 termed[identity] = held
-        others = await self._others(uid, user, frozenset(minors), why, termed) if why != Rule.LOGOUT else ()
+        others = await self._others(uid, user, frozenset(units), why, termed) if why != Rule.LOGOUT else ()
         if termed:
             self._spawn(self._escalate(user, termed, why, uid))
         return Ending(scan, tuple(identity.pid for identity in termed if identity.uid == uid), others)
 
-    async def _others(self, uid: int, user: str, minors: frozenset[int], why: Rule,
+    async def _others(self, uid: int, user: str, units: frozenset[int], why: Rule,
                       termed: dict[ProcessIdentity, set[int]]) -> tuple[Other, ...]:
         """Holders of other uids (root and exempt users pass the gate anyway): a non-member's get
         SIGTERM (added to `termed`), a member's are reported."""
-        if self.is_member is None or not minors:
+        if self.is_member is None or not units:
             return ()
         holding: dict[ProcessIdentity, set[int]] = {}
         # every process: a walk of all of /proc; after a user's own release, in the users' pool (one
         # per user at a time), so that releases cannot queue host-sized walks ahead of the tick's scans
-        walk = (self.scans.for_user(uid, minors, everyone=True) if why == Rule.USER
-                else self.scans.for_daemon(minors, None))
+        walk = (self.scans.for_user(uid, units, everyone=True) if why == Rule.USER
+                else self.scans.for_daemon(units, None))
         for holder in await walk:
             if holder.uid in (uid, 0) or holder.uid in self.exempt.uids:
                 continue
             identity = self.processes.identity(holder.pid)
             if identity is not None and identity.uid == holder.uid:
-                holding.setdefault(identity, set()).add(holder.minor)
+                holding.setdefault(identity, set()).add(holder.unit)
         others = []
         for identity, held in sorted(holding.items()):
             member = await self.is_member(identity.uid)
@@ -181,12 +181,12 @@ class HolderEnder:
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
         """Those of `termed` that are the same process as before and still hold one of their nodes."""
         found = await self.scans.for_daemon(set().union(*termed.values()), {identity.uid for identity in termed})
-        holding = {(h.pid, h.minor) for h in found}
-        return [identity for identity, minors in termed.items()
-                if any((identity.pid, m) in holding for m in minors)
+        holding = {(h.pid, h.unit) for h in found}
+        return [identity for identity, units in termed.items()
+                if any((identity.pid, m) in holding for m in units)
                 and self.processes.identity(identity.pid) == identity]
 
-    def _signal(self, identity: ProcessIdentity, minors: set[int], user: str, sig: signal.Signals,
+    def _signal(self, identity: ProcessIdentity, units: set[int], user: str, sig: signal.Signals,
                 why: Rule, uid: int) -> bool:
         """Signal a holder; its events go to uid (the user whose GPU it was), named `user`."""
         result = self.processes.send(identity, sig, self.exempt.uids)
@@ -194,31 +194,31 @@ class HolderEnder:
             event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
                   outcome=result.outcome.value, detail=result.detail or None)
             if result.outcome is SignalOutcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
-                self._record(identity, minors, user, Kind.REPORT, why, {"euid": 0},
-                             f"runs as root and holds GPU {unit_list(minors)}, which is no longer yours ({why}); "
+                self._record(identity, units, user, Kind.REPORT, why, {"euid": 0},
+                             f"runs as root and holds GPU {unit_list(units)}, which is no longer yours ({why}); "
                              "gpuguard does not signal root's processes: end it yourself, or ask your admin", uid)
             return False
         wait = format_duration(round(self.kill_wait()))
         what = (f"stopping it with SIGTERM; it will be killed if it still holds the GPU in {wait}"
                 if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
-        held = (f"holds GPU {unit_list(minors)}, which is no longer yours" if identity.uid == uid else
-                f"of uid {identity.uid} holds GPU {unit_list(minors)}, which was yours (a descriptor passed on)")
+        held = (f"holds GPU {unit_list(units)}, which is no longer yours" if identity.uid == uid else
+                f"of uid {identity.uid} holds GPU {unit_list(units)}, which was yours (a descriptor passed on)")
         action = Kind.TERM if sig == signal.SIGTERM else Kind.KILL
-        self._record(identity, minors, user, action, why, {"signal": sig.name, "kill_wait": self.kill_wait()},
+        self._record(identity, units, user, action, why, {"signal": sig.name, "kill_wait": self.kill_wait()},
                      f"{held} ({why}); {what}", uid)
         return True
 
-    def _record(self, identity: ProcessIdentity, minors: set[int], user: str, action: Kind, why: Rule,
+    def _record(self, identity: ProcessIdentity, units: set[int], user: str, action: Kind, why: Rule,
                 numbers: dict[str, Any], what: str, uid: int) -> None:
         """Log, and store as an event of uid (named `user`): the holder's own, or the grantee's."""
         command = self.processes.command(identity.pid)
         event(logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}", rule=why,
-              user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(minors),
+              user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(units),
               **numbers)
         whose = "your process" if identity.uid == uid else "process"
         message = f"gpuguard: {whose} {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
-        for minor in sorted(minors):
-            self.store.add_event(Event(self.clock(), uid, user, action.event, message, minor=minor,
+        for unit in sorted(units):
+            self.store.add_event(Event(self.clock(), uid, user, action.event, message, unit=unit,
                                        pid=identity.pid, command=command, rule=why, action=action,
                                        numbers=dict(numbers)))
 

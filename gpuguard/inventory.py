@@ -20,19 +20,19 @@ def view(gpus: Iterable[Gpu], slices: Iterable[Gpu], unread: Iterable[int], topo
          owner: Callable[[int], str] = lambda minor: GPUGUARD) -> dict[str, Any]:
     """{"gpus": [...], "topology": {a: {b: link}}}; `use`: memory and utilisation newer than the
     Gpu objects' own (a sample's), by unit; `owner`: who owns each GPU (coexist.Owner's words)."""
-    ordered = sorted(gpus, key=lambda gpu: gpu.minor)
+    ordered = sorted(gpus, key=lambda gpu: gpu.unit)
     unread = frozenset(unread)
-    under: dict[int, list[Gpu]] = {gpu.minor: [] for gpu in ordered}
-    for each in sorted(slices, key=lambda s: s.minor):
+    under: dict[int, list[Gpu]] = {gpu.unit: [] for gpu in ordered}
+    for each in sorted(slices, key=lambda s: s.unit):
         if each.slice is not None and each.slice.parent in under:
             under[each.slice.parent].append(each)
     use = use or {}
-    minors = [gpu.minor for gpu in ordered]
+    minors = [gpu.unit for gpu in ordered]
     return {
-        "gpus": [{**_fields(gpu, use.get(gpu.minor)), "processes": processes[gpu.minor], "mig_unread": gpu.minor in unread,
-                  "owner": owner(gpu.minor),
-                  "slices": [{**_slice_fields(s, use.get(s.minor)), "processes": processes[s.minor]}
-                             for s in under[gpu.minor]]}
+        "gpus": [{**_fields(gpu, use.get(gpu.unit)), "processes": processes[gpu.unit], "mig_unread": gpu.unit in unread,
+                  "owner": owner(gpu.unit),
+                  "slices": [{**_slice_fields(s, use.get(s.unit)), "processes": processes[s.unit]}
+                             for s in under[gpu.unit]]}
                  for gpu in ordered],
         # topology[a][b]: how GPU a reaches GPU b ("X": itself), keyed by minor
         "topology": {str(a): {str(b): "X" if a == b else topology[min(a, b), max(a, b)].name for b in minors}
@@ -56,12 +56,12 @@ def _numbers(gpu: Gpu, use: GpuUse | None) -> dict[str, Any]:
 
 
 def _fields(gpu: Gpu, use: GpuUse | None) -> dict[str, Any]:
-    return {"index": gpu.index, "minor": gpu.minor, "uuid": gpu.uuid, "name": gpu.name,
+    return {"index": gpu.index, "minor": gpu.unit, "uuid": gpu.uuid, "name": gpu.name,
             "pci_bus_id": gpu.pci_bus_id, **_numbers(gpu, use), "numa_node": gpu.numa_node, "mig_mode": gpu.mig_mode}
 
 
 def _slice_fields(gpu: Gpu, use: GpuUse | None) -> dict[str, Any]:
     assert gpu.slice is not None  # listed under their GPU: slices only
-    return {"unit": gpu.minor, "label": unit_label(gpu.minor), "uuid": gpu.uuid, "name": gpu.name,
+    return {"unit": gpu.unit, "label": unit_label(gpu.unit), "uuid": gpu.uuid, "name": gpu.name,
             "profile": gpu.slice.profile, "gpu_instance": gpu.slice.gpu_instance,
             "compute_instance": gpu.slice.compute_instance, "caps": list(gpu.slice.caps), **_numbers(gpu, use)}

@@ -18,8 +18,8 @@ from gpuguard.model import Gpu, Grant, is_slice, unit_label, unit_parent
 
 def grantable(gpus: Iterable[Gpu], slices: Iterable[Gpu]) -> dict[int, Gpu]:
     """unit -> unit: the GPUs not in MIG mode, and the slices."""
-    units = {gpu.minor: gpu for gpu in gpus if not gpu.mig_mode and gpu.slice is None}
-    return units | {piece.minor: piece for piece in slices}
+    units = {gpu.unit: gpu for gpu in gpus if not gpu.mig_mode and gpu.slice is None}
+    return units | {piece.unit: piece for piece in slices}
 
 
 def stale(grants: Iterable[Grant], units: Mapping[int, Gpu], read: Collection[int]) -> dict[Grant, str]:
@@ -27,13 +27,13 @@ def stale(grants: Iterable[Grant], units: Mapping[int, Gpu], read: Collection[in
     whose MIG state was read; a grant on any other GPU stays."""
     ended = {}
     for grant in grants:
-        if unit_parent(grant.minor) not in read:
+        if unit_parent(grant.unit) not in read:
             continue
-        unit = units.get(grant.minor)
+        unit = units.get(grant.unit)
         if unit is None:
-            ended[grant] = (f"MIG slice {unit_label(grant.minor)} is gone (the MIG layout changed)"
-                            if grant.minor != unit_parent(grant.minor)
-                            else f"GPU {grant.minor} is in MIG mode now: it is handed out as slices only")
-        elif unit.uuid != grant.uuid and (grant.uuid or is_slice(grant.minor)):  # a slice's grant always has one
-            ended[grant] = f"MIG slice {unit_label(grant.minor)} was re-created as another slice (the MIG layout changed)"
+            ended[grant] = (f"MIG slice {unit_label(grant.unit)} is gone (the MIG layout changed)"
+                            if grant.unit != unit_parent(grant.unit)
+                            else f"GPU {grant.unit} is in MIG mode now: it is handed out as slices only")
+        elif unit.uuid != grant.uuid and (grant.uuid or is_slice(grant.unit)):  # a slice's grant always has one
+            ended[grant] = f"MIG slice {unit_label(grant.unit)} was re-created as another slice (the MIG layout changed)"
     return ended

@@ -32,7 +32,7 @@ RECHECK_HELD = 60.0  # seconds between looks in /proc for a kept grant whose hol
 
 @dataclass(frozen=True)
 class _Kept:
-    minors: frozenset[int]
+    units: frozenset[int]
     since: float  # time.monotonic()
     cancel: Cancel  # stops watching the holders
 
@@ -56,7 +56,7 @@ class LogoutRelease:
             wanted = set(uids)
             grants = [g for g in grants if g.uid in wanted]
         logged_in = {session.uid for session in self.store.sessions()}
-        return rules.unused_after_logout(grants, logged_in, sample.busy_slots(), sample.minors)
+        return rules.unused_after_logout(grants, logged_in, sample.busy_slots(), sample.units)
 
     def caller_alive(self, pid: int | None, start: int | None) -> bool:
         """A session's PAM caller (or a queued request's client) lives while a process with its pid
@@ -107,9 +107,9 @@ class LogoutRelease:
         candidates = self.unused(sample, uids)
         for uid in list(self._kept if uids is None else set(uids) & self._kept.keys()):
             kept = self._kept[uid]
-            if candidates.get(uid) != kept.minors or time.monotonic() - kept.since >= RECHECK_HELD:
+            if candidates.get(uid) != kept.units or time.monotonic() - kept.since >= RECHECK_HELD:
                 self._forget(uid)
-        to_check = {uid: minors for uid, minors in candidates.items() if uid not in self._kept}
+        to_check = {uid: units for uid, units in candidates.items() if uid not in self._kept}
         if not to_check:
             return []
         # Only the candidates' processes are read: a full scan of a busy machine takes seconds.
@@ -118,23 +118,23 @@ class LogoutRelease:
         released: list[Grant] = []
         # Re-checked after the await: a login or a grant may have come in meanwhile.
         with self.releases.batch(now):
-            for uid, minors in self.unused(sample, to_check).items():
-                if minors != to_check[uid] or uid in self._kept:
+            for uid, units in self.unused(sample, to_check).items():
+                if units != to_check[uid] or uid in self._kept:
                     continue
-                pids = {h.pid for h in holders if h.uid == uid and h.minor in minors}
+                pids = {h.pid for h in holders if h.uid == uid and h.unit in units}
                 if pids:
-                    self._watch(uid, minors, pids)
+                    self._watch(uid, units, pids)
                 else:
-                    bound = [g.minor for g in self.store.grants(uid) if g.origin == Origin.SESSION]
+                    bound = [g.unit for g in self.store.grants(uid) if g.origin == Origin.SESSION]
                     released += self.releases.take_back(
                         uid, bound, now, kind=EventKind.RELEASE, rule=Rule.LOGOUT,
                         message="released: your last session ended and no process of yours used it")
         return released
 
-    def _watch(self, uid: int, minors: frozenset[int], pids: Collection[int]) -> None:
+    def _watch(self, uid: int, units: frozenset[int], pids: Collection[int]) -> None:
         cancel = self.exits.watch(pids, uid, lambda: self._forget(uid))
         if cancel is not None:  # None: a holder is gone already, and the next tick looks again
-            self._kept[uid] = _Kept(minors, time.monotonic(), cancel)
+            self._kept[uid] = _Kept(units, time.monotonic(), cancel)
 
     def _forget(self, uid: int) -> None:
         kept = self._kept.pop(uid, None)

@@ -22,11 +22,11 @@ def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wante
     """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`
     (`ending` replaces the part after "yours ...")."""
     names = ", ".join(sorted({gpu.name for gpu in gpus}))
-    if any(smi_differs(gpu.minor, gpu.index) for gpu in gpus):
-        names += f", nvidia-smi {','.join(str(gpu.index) for gpu in sorted(gpus, key=lambda g: g.minor))}"
+    if any(smi_differs(gpu.unit, gpu.index) for gpu in gpus):
+        names += f", nvidia-smi {','.join(str(gpu.index) for gpu in sorted(gpus, key=lambda g: g.unit))}"
     names += ", shared" if shared else ""
     several = len(gpus) > 1
-    subject = f"GPU{'s' if several else ''} {unit_list(gpu.minor for gpu in gpus)} ({names})"
+    subject = f"GPU{'s' if several else ''} {unit_list(gpu.unit for gpu in gpus)} ({names})"
     until = f" until {clock(expires_at)}" if expires_at is not None else ""
     short = f" ({len(gpus)} of {wanted}: no more free)" if wanted and len(gpus) < wanted else ""
     return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short}{ending}"
@@ -138,7 +138,7 @@ def action_message(action: Action, command: str = "") -> str:
     from gpuguard import rules  # the daemon's, loaded already there; the users' commands never need it
 
     n = action.numbers
-    gpu = f"GPU {unit_label(action.minor)}"
+    gpu = f"GPU {unit_label(action.unit)}"
     proc = action.proc
     who = f"process {proc.pid}" + (f" ({command})" if command else "") if proc else ""
     if action.rule == rules.MEMORY and action.kind == rules.WARN:

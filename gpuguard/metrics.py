@@ -120,17 +120,17 @@ def gpu_states(gpus: Iterable[Gpu], sample: Sample | None, grants: Iterable[Gran
     """Per GPU: its numbers from the sample, its holders, each user's known memory there."""
     grants = list(grants)
     states = []
-    for gpu in sorted(gpus, key=lambda g: g.minor):
-        holders = tuple(Holding(g.user, g.uid, g.granted_at, g.expires_at) for g in grants if g.minor == gpu.minor)
+    for gpu in sorted(gpus, key=lambda g: g.unit):
+        holders = tuple(Holding(g.user, g.uid, g.granted_at, g.expires_at) for g in grants if g.unit == gpu.unit)
         names = {h.uid: h.user for h in holders}  # a grant names its user; others (strays) by the watcher's lookup
         memory: Counter[str] = Counter()
         if sample is not None:
             for process in sample.processes:
                 uid = sample.uid_of(process.pid)
-                if process.minor == gpu.minor and uid is not None and process.used_memory is not None:
+                if process.unit == gpu.unit and uid is not None and process.used_memory is not None:
                     memory[names.get(uid) or name_of(uid)] += process.used_memory
-        states.append(GpuState(gpu, sample is not None and sample.ok(gpu.minor),
-                               sample.use.get(gpu.minor) if sample else None, holders, tuple(sorted(memory.items()))))
+        states.append(GpuState(gpu, sample is not None and sample.ok(gpu.unit),
+                               sample.use.get(gpu.unit) if sample else None, holders, tuple(sorted(memory.items()))))
     return tuple(states)
 
 
@@ -167,10 +167,10 @@ def families(s: Snapshot) -> Iterator[Metric]:
     drained = per_gpu("gpuguard_gpu_drained", "1 while the GPU is drained (given to nobody new), else 0")
     for state in s.gpus:
         gpu = state.gpu
-        key = [unit_label(gpu.minor), gpu.uuid]
+        key = [unit_label(gpu.unit), gpu.uuid]
         info.add_metric(key + [str(gpu.index), gpu.name, gpu.pci_bus_id, gpu.slice.profile if gpu.slice else ""], 1)
         up.add_metric(key, 1 if state.read else 0)
-        drained.add_metric(key, 1 if unit_parent(gpu.minor) in s.drained else 0)
+        drained.add_metric(key, 1 if unit_parent(gpu.unit) in s.drained else 0)
         if state.use is not None:
             used.add_metric(key, state.use.memory_used)
             total.add_metric(key, state.use.memory_total)

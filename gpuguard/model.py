@@ -158,7 +158,7 @@ class Gpu:
     """A GPU as NVML shows it, or a MIG slice of one (NVML shows those as devices of their own)."""
 
     index: int               # NVML index (for display only); a slice has its parent's
-    minor: int               # /dev/nvidia<minor> for a GPU, the unit number for a slice: the identity gpuguard uses
+    unit: int                # the identity gpuguard uses: a whole GPU's minor (/dev/nvidia<minor>), a slice's slice_unit
     uuid: str                # GPU-... or, for a slice, MIG-... (what CUDA_VISIBLE_DEVICES names)
     name: str
     pci_bus_id: str
@@ -182,7 +182,7 @@ class GpuUse:
 @dataclass(frozen=True)
 class GpuProcess:
     pid: int
-    minor: int               # unit number: the slice NVML places it in on a GPU in MIG mode
+    unit: int                # the slice NVML places it in on a GPU in MIG mode, else its GPU's
     used_memory: int | None  # bytes; None = NVML does not know (never read as 0)
 
 
@@ -190,7 +190,7 @@ class GpuProcess:
 class Grant:
     uid: int
     user: str
-    minor: int               # unit number (a GPU's minor, or a slice's slice_unit)
+    unit: int                # a GPU's minor, or a slice's slice_unit
     granted_at: float
     expires_at: float | None
     last_active: float       # last time a process of the user was seen on it (idle release)
@@ -221,7 +221,7 @@ class Event:
     user: str
     kind: str                 # an EventKind
     message: str
-    minor: int | None = None
+    unit: int | None = None
     pid: int | None = None
     command: str = ""
     rule: str = ""            # a Rule

@@ -17,6 +17,8 @@ TYPE_CHECKING = False  # not typing's: it costs the pam_exec hook (gpuguard.pam_
 if TYPE_CHECKING:
     from typing import Any
 
+    from gpuguard.model import Event, Grant
+
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile
 MAX_REPLY = 16 * 1024 * 1024  # status of a busy server, with its event history
@@ -69,6 +71,15 @@ def shown(value: Any, limit: int = 60) -> str:
 
 def ok(**fields: Any) -> dict[str, Any]:
     return {"ok": True, **fields}
+
+
+def record(item: Grant | Event) -> dict[str, Any]:
+    """A grant or an event as replies carry it: its fields, its unit under the key "minor" that
+    every client reads (the CLI, the web view, scripts): the wire's name, kept until the protocol
+    itself changes (the code calls it `unit`, as it is one)."""
+    from dataclasses import asdict  # here: the pam_exec hook imports this module at each login
+
+    return {("minor" if key == "unit" else key): value for key, value in asdict(item).items()}
 
 
 def refused(error: str, code: int = 1) -> dict[str, Any]:

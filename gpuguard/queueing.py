@@ -166,7 +166,7 @@ class Queue:
 
     def free(self) -> int:
         """GPUs nobody holds (and not drained)."""
-        return len({gpu.minor for gpu in self.grants.open_units()} - {g.minor for g in self.store.grants()})
+        return len({gpu.unit for gpu in self.grants.open_units()} - {g.unit for g in self.store.grants()})
 
     def demand(self) -> rules.Demand:
         """Units the queue needs beyond the free ones, and which units would serve it: what reclaim
@@ -187,7 +187,7 @@ class Queue:
                                    policy.may_share(queued.quota), None, queued.quota)
             if len(got) < waiter.gpus:
                 short += waiter.gpus - len(got)
-                useful |= {gpu.minor for gpu in units if allocator.suits(gpu, queued.quota)}
+                useful |= {gpu.unit for gpu in units if allocator.suits(gpu, queued.quota)}
             grants += [Grant(waiter.uid, waiter.user, unit, 0.0, None, 0.0) for unit in got]
         return rules.Demand(short, frozenset(useful))
 
@@ -211,15 +211,15 @@ class Queue:
             queued = entries[waiter.id]
             # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
             origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST
-            minors = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
+            units = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
                                           "granted from the queue")
-            if not minors:  # a fleet quota in use on other servers (gpuguard.cluster): it keeps its place
+            if not units:  # a fleet quota in use on other servers (gpuguard.cluster): it keeps its place
                 continue
             self.store.leave_queue([waiter.id])
             free = self.free()
-            served.append((queued, minors))
+            served.append((queued, units))
             for listener in self.listeners:
-                listener(queued, minors)
+                listener(queued, units)
         return served
 
     def charge(self, removed: list[Grant], now: float) -> None:

@@ -60,7 +60,7 @@ class Releases:
         if not removed:
             return []
         if end_holders:
-            self.end_holders(uid, removed[0].user, [g.minor for g in removed], rule)
+            self.end_holders(uid, removed[0].user, [g.unit for g in removed], rule)
         self.queue.charge(removed, now)
         if self.fleet_ended is not None:
             self.fleet_ended(removed, now)
@@ -99,11 +99,11 @@ class Releases:
             for uid in sorted({grant.uid for grant in stale}):
                 mine = [grant for grant in stale if grant.uid == uid]
                 try:
-                    self.take_back(uid, [grant.minor for grant in mine], now, kind=EventKind.REVOKE, rule=Rule.LAYOUT,
+                    self.take_back(uid, [grant.unit for grant in mine], now, kind=EventKind.REVOKE, rule=Rule.LAYOUT,
                                    message="; ".join(stale[grant] for grant in mine))
                 except Exception:  # one user's failing revoke must not keep the others'
                     event(logging.ERROR, "revoke_failed", exc_info=True, user=mine[0].user, uid=uid, rule=Rule.LAYOUT,
-                          gpus=unit_list(grant.minor for grant in mine))
+                          gpus=unit_list(grant.unit for grant in mine))
                 else:
                     ended.update({grant: stale[grant] for grant in mine})
         for uid in sorted({grant.uid for grant in ended}):

@@ -62,7 +62,7 @@ class ReloadEffects:
                                           message=f"no longer in group {access.group}")
         if not removed and not left:
             return True
-        taken = f"GPU {unit_list(g.minor for g in removed)} taken back" if removed else ""
+        taken = f"GPU {unit_list(g.unit for g in removed)} taken back" if removed else ""
         place = "your place in the queue ended" if left else ""
         text = (f"gpuguard: you are no longer in group {access.group}: {'; '.join(p for p in (taken, place) if p)}; "
                 "ask your admin if this is a mistake")
@@ -79,11 +79,11 @@ class ReloadEffects:
             if now - grant.last_active < new - grace:
                 continue  # not due within the notice anyway
             until = now + grace
-            self.store.mark_active([(account.uid, grant.minor)], until - new)
-            text = (f"gpuguard: your idle release is now {format_duration(new)}; GPU {unit_list([grant.minor])} "
+            self.store.mark_active([(account.uid, grant.unit)], until - new)
+            text = (f"gpuguard: your idle release is now {format_duration(new)}; GPU {unit_list([grant.unit])} "
                     f"has been unused for {format_duration(round(now - grant.last_active))}: it will be released "
                     f"at {clock(until)} unless a process of yours uses it - see gpuguard whoami")
-            self.store.add_event(Event(now, account.uid, account.name, EventKind.WARNING, text, minor=grant.minor,
+            self.store.add_event(Event(now, account.uid, account.name, EventKind.WARNING, text, unit=grant.unit,
                                        rule=Rule.IDLE, action="warn",
                                        numbers={"idle_timeout": new, "release_at": until}))
             self.tell(account.uid, account.name, text)

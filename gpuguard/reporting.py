@@ -42,19 +42,19 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
     processes use there), and processes. Numbers a failed or missing sample cannot give are None."""
     grants = list(grants)
     view = []
-    for minor, gpu in sorted(gpus.items()):
-        read = sample is not None and sample.ok(minor)
+    for unit, gpu in sorted(gpus.items()):
+        read = sample is not None and sample.ok(unit)
         processes: list[dict[str, Any]] = []
         if sample is not None and read:
             for p in sample.processes:
-                if p.minor == minor:
+                if p.unit == unit:
                     uid = sample.uid_of(p.pid)
                     processes.append({"pid": p.pid, "uid": uid, "user": account_of(uid)[0] if uid is not None else None,
                                       "memory": p.used_memory, "command": commands.get(p.pid, "")})
-        use = sample.use.get(minor) if sample else None
+        use = sample.use.get(unit) if sample else None
         holders = []
         for g in grants:
-            if g.minor == minor:
+            if g.unit == unit:
                 used: list[int] = [p["memory"] for p in processes if p["uid"] == g.uid and p["memory"] is not None]
                 holders.append({"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
                                 "granted_at": g.granted_at, "expires_at": g.expires_at, "last_active": g.last_active,
@@ -62,7 +62,7 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
                                 "gpu_memory": None if gpu.slice else account_of(g.uid)[1].gpu_memory,
                                 "memory_used": sum(used) if read else None})
         view.append({
-            "minor": minor, "label": unit_label(minor), "profile": gpu.slice.profile if gpu.slice else None,
+            "minor": unit, "label": unit_label(unit), "profile": gpu.slice.profile if gpu.slice else None,
             "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
             "memory_total": gpu.memory_total, "memory_used": use.memory_used if use else None,
             "utilization": use.utilization if use else None, "holders": holders,

@@ -113,8 +113,8 @@ MEMORY, TIME, IDLE, STRAY, RECLAIM = Rule.MEMORY, Rule.TIME, Rule.IDLE, Rule.STR
 WATCHER_RULES = (MEMORY, TIME, IDLE, STRAY, RECLAIM)  # the rules that stop processes (a report's kills_RULE)
 
 ProcKey = tuple[int, int]          # (pid, start_time): a pid is reused, this pair is not
-Slot = tuple[int, int]             # (uid, minor)
-GrantKey = tuple[int, int, float]  # (uid, minor, granted_at): a new grant starts afresh
+Slot = tuple[int, int]             # (uid, unit)
+GrantKey = tuple[int, int, float]  # (uid, unit, granted_at): a new grant starts afresh
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class Proc:
     pid: int
     uid: int
     start_time: int            # clock ticks after boot (/proc/<pid>/stat field 22)
-    minor: int
+    unit: int
     used_memory: int | None    # bytes; None = NVML does not know
 
     @property
@@ -154,7 +154,7 @@ class View:
     grants: Sequence[Grant]
     quotas: Mapping[int, Quota]   # uid -> resolved quota, for every uid holding a grant
     exempt: Collection[int] = ()  # root is exempt whether listed or not
-    failed: Collection[int] = ()  # minors whose processes could not be read: nothing is known there
+    failed: Collection[int] = ()  # units whose processes could not be read: nothing is known there
     demand: int = 0               # GPUs the queue needs beyond the free ones (reclaim on demand)
     useful: Collection[int] | None = None  # the units a waiter could have (kinds: whole, slice profiles); None: any
 
@@ -162,8 +162,8 @@ class View:
         """This view without the failed GPUs' grants and processes."""
         if not self.failed:
             return self
-        return replace(self, procs=[p for p in self.procs if p.minor not in self.failed],
-                       grants=[g for g in self.grants if g.minor not in self.failed], failed=())
+        return replace(self, procs=[p for p in self.procs if p.unit not in self.failed],
+                       grants=[g for g in self.grants if g.unit not in self.failed], failed=())
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class Stopping:
     """A process the watcher has sent SIGTERM to, and what happened since."""
 
     uid: int
-    minor: int
+    unit: int
     rule: Rule
     term_at: float
     kill_at: float | None = None
@@ -192,7 +192,7 @@ class State:
     only means warnings are given again and grace restarts: the safe direction)."""
 
     over: Mapping[Slot, float] = field(default_factory=dict)           # memory warning sent at
-    stray: Mapping[Slot, StrayEpisode] = field(default_factory=dict)   # ungranted (uid, minor) in use
+    stray: Mapping[Slot, StrayEpisode] = field(default_factory=dict)   # ungranted (uid, unit) in use
     stopping: Mapping[ProcKey, Stopping] = field(default_factory=dict)
     time_warned: Mapping[GrantKey, float] = field(default_factory=dict)  # smallest threshold warned
     seen: Mapping[Slot, float] = field(default_factory=dict)            # last tick a process was there
@@ -231,7 +231,7 @@ class Action:
     kind: Kind
     rule: Rule
     uid: int
-    minor: int
+    unit: int
     proc: Proc | None = None
     # The numbers behind the action, for the message, the event and the log (bytes, seconds).
     numbers: Numbers = field(default_factory=lambda: Numbers(), compare=False, hash=False)
@@ -241,7 +241,7 @@ class Action:
         """What makes two decisions on two samples 'the same action' (numbers may differ). A
         warning is about a user on a GPU, whichever process it names: churning short-lived
         processes must not keep a warning from being confirmed. A signal is about one process."""
-        return (self.kind, self.rule, self.uid, self.minor,
+        return (self.kind, self.rule, self.uid, self.unit,
                 self.proc.key if self.proc and self.kind != WARN else None)
 
     @property
@@ -261,7 +261,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         if proc.uid in exempt or proc.key in signalled or proc.key in state.stopping:
             return
         signalled.add(proc.key)
-        actions.append(Action(TERM, rule, proc.uid, proc.minor, proc,
+        actions.append(Action(TERM, rule, proc.uid, proc.unit, proc,
                               cast(Numbers, {**numbers, "kill_wait": timing.kill_wait})))
 
     # Ending: processes already signalled move on to SIGKILL, then to "unkillable".
@@ -271,17 +271,17 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             continue
         if stop.kill_at is None and now - stop.term_at >= timing.kill_wait:
             signalled.add(proc.key)
-            actions.append(Action(KILL, stop.rule, proc.uid, proc.minor, proc,
+            actions.append(Action(KILL, stop.rule, proc.uid, proc.unit, proc,
                                   {"term_at": stop.term_at, "kill_wait": timing.kill_wait}))
         elif stop.kill_at is not None and not stop.unkillable and now - stop.kill_at >= timing.kill_wait:
             signalled.add(proc.key)
-            actions.append(Action(UNKILLABLE, stop.rule, proc.uid, proc.minor, proc,
+            actions.append(Action(UNKILLABLE, stop.rule, proc.uid, proc.unit, proc,
                                   {"kill_at": stop.kill_at, "waited": now - stop.kill_at}))
 
     def revoke(grant: Grant, procs: list[Proc]) -> None:
         # Its processes are ended here, not reported as strays.
         assert grant.expires_at is not None  # only an expired grant is revoked
-        actions.append(Action(REVOKE, TIME, grant.uid, grant.minor, None, {
+        actions.append(Action(REVOKE, TIME, grant.uid, grant.unit, None, {
             "expires_at": grant.expires_at, "max_time": grant.expires_at - grant.granted_at,
             "processes": len({p.key for p in procs}), "kill_wait": timing.kill_wait}))
         for proc in reversed(_oldest_first(procs)):
@@ -289,13 +289,13 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
 
     def helps(grant: Grant) -> bool:
         """Whether taking this grant back frees a unit of a kind a waiter takes."""
-        return view.useful is None or grant.minor in view.useful
+        return view.useful is None or grant.unit in view.useful
 
     granted: set[Slot] = set()
     reclaimable: list[tuple[float, Grant, float]] = []  # (idle since, grant, reclaim_after)
     overtime: list[tuple[Grant, list[Proc]]] = []
     for grant in view.grants:
-        slot = (grant.uid, grant.minor)
+        slot = (grant.uid, grant.unit)
         procs = on_slot.get(slot, [])
         quota = view.quotas.get(grant.uid)
         granted.add(slot)
@@ -312,21 +312,21 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         if not procs:
             last = max(grant.last_active, state.seen.get(slot, grant.last_active))
             if quota.idle_timeout is not None and now - last >= quota.idle_timeout:
-                actions.append(Action(RELEASE, IDLE, grant.uid, grant.minor, None, {
+                actions.append(Action(RELEASE, IDLE, grant.uid, grant.unit, None, {
                     "idle": now - last, "idle_timeout": quota.idle_timeout, "last_active": last}))
             elif quota.reclaim_after is not None and now - last >= quota.reclaim_after and helps(grant):
                 reclaimable.append((last, grant, quota.reclaim_after))
             continue
-        if grant.uid not in exempt and not is_slice(grant.minor):  # a slice's memory is bounded in hardware
+        if grant.uid not in exempt and not is_slice(grant.unit):  # a slice's memory is bounded in hardware
             actions.extend(_memory(grant, quota, procs, state, now, timing, term))
 
     wanted = view.demand
     reclaimed = set()
-    for last, grant, after in sorted(reclaimable, key=lambda r: (r[0], r[1].uid, r[1].minor))[:wanted]:
-        reclaimed.add((grant.uid, grant.minor))
-        actions.append(Action(RELEASE, RECLAIM, grant.uid, grant.minor, None, {
+    for last, grant, after in sorted(reclaimable, key=lambda r: (r[0], r[1].uid, r[1].unit))[:wanted]:
+        reclaimed.add((grant.uid, grant.unit))
+        actions.append(Action(RELEASE, RECLAIM, grant.uid, grant.unit, None, {
             "idle": now - last, "reclaim_after": after, "last_active": last, "waiting": view.demand}))
-    overtime = [(g, p) for g, p in overtime if (g.uid, g.minor) not in reclaimed]
+    overtime = [(g, p) for g, p in overtime if (g.uid, g.unit) not in reclaimed]
     spans: dict[ProcKey, int] = {}
     for proc in view.procs:
         spans[proc.key] = spans.get(proc.key, 0) + 1
@@ -337,12 +337,12 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         grant, procs = over
         keys = {p.key for p in procs}
         lost = sum(spans[k] * (now - state.running_since.get(k, now)) for k in keys)
-        return (max((spans[k] for k in keys), default=0), lost, grant.expires_at or 0.0, grant.uid, grant.minor)
+        return (max((spans[k] for k in keys), default=0), lost, grant.expires_at or 0.0, grant.uid, grant.unit)
 
     for grant, procs in sorted(overtime, key=work_lost)[:wanted - len(reclaimed)]:
         revoke(grant, procs)
 
-    for slot, procs in _by_slot(p for p in view.procs if (p.uid, p.minor) not in granted).items():
+    for slot, procs in _by_slot(p for p in view.procs if (p.uid, p.unit) not in granted).items():
         actions.extend(_stray(slot, _oldest_first(procs), state, now, timing, slot[0] in exempt, term))
     return actions
 
@@ -351,7 +351,7 @@ def _by_slot(procs: Iterable[Proc]) -> dict[Slot, list[Proc]]:
     """Each user's processes on each GPU."""
     on_slot: dict[Slot, list[Proc]] = {}
     for proc in procs:
-        on_slot.setdefault((proc.uid, proc.minor), []).append(proc)
+        on_slot.setdefault((proc.uid, proc.unit), []).append(proc)
     return on_slot
 
 
@@ -379,9 +379,9 @@ def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: fl
     candidates = [p for p in _largest_first(procs) if p.used_memory and p.key not in state.stopping]
     numbers = Numbers(used=used, quota=limit, grace=timing.grace, processes=len({p.key for p in procs}),
                       unknown=sum(1 for p in procs if p.used_memory is None))
-    warned = state.over.get((grant.uid, grant.minor))
+    warned = state.over.get((grant.uid, grant.unit))
     if warned is None:
-        return [Action(WARN, MEMORY, grant.uid, grant.minor, candidates[0] if candidates else None, numbers)]
+        return [Action(WARN, MEMORY, grant.uid, grant.unit, candidates[0] if candidates else None, numbers)]
     if now - warned < timing.grace:
         return []
     # Being stopped counts as gone, unless it survived SIGKILL: its memory stays.
@@ -403,10 +403,10 @@ def _stray(slot: Slot, procs: list[Proc], state: State, now: float, timing: Timi
         return []
     first = fresh[0]
     if exempt:
-        return [] if episode else [Action(REPORT, STRAY, first.uid, first.minor, first,
+        return [] if episode else [Action(REPORT, STRAY, first.uid, first.unit, first,
                                           {"used": first.used_memory, "processes": len(fresh)})]
     if episode is None:
-        return [Action(WARN, STRAY, first.uid, first.minor, first,
+        return [Action(WARN, STRAY, first.uid, first.unit, first,
                        {"used": first.used_memory, "grace": timing.grace, "processes": len(fresh)})]
     if now - episode.reported_at >= timing.grace:
         for proc in fresh:
@@ -421,9 +421,9 @@ def _time_warning(grant: Grant, state: State, now: float) -> list[Action]:
     if not crossed:
         return []
     threshold = min(crossed)
-    if threshold >= state.time_warned.get((grant.uid, grant.minor, grant.granted_at), float("inf")):
+    if threshold >= state.time_warned.get((grant.uid, grant.unit, grant.granted_at), float("inf")):
         return []
-    return [Action(WARN, TIME, grant.uid, grant.minor, None, {
+    return [Action(WARN, TIME, grant.uid, grant.unit, None, {
         "left": left, "expires_at": grant.expires_at, "threshold": threshold})]
 
 
@@ -456,24 +456,24 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     running_since = {p.key: state.running_since.get(p.key, now) for p in view.procs}
     failed = frozenset(view.failed)
     for proc in view.procs:
-        seen[(proc.uid, proc.minor)] = now
+        seen[(proc.uid, proc.unit)] = now
     for grant in view.grants:
-        if grant.minor in failed:
-            seen[(grant.uid, grant.minor)] = now  # unread: possibly busy, so its idle clock restarts
+        if grant.unit in failed:
+            seen[(grant.uid, grant.unit)] = now  # unread: possibly busy, so its idle clock restarts
 
-    grant_keys = {(g.uid, g.minor, g.granted_at) for g in view.grants}
+    grant_keys = {(g.uid, g.unit, g.granted_at) for g in view.grants}
     for action in done:
         target = action.proc
         if action.kind == WARN and action.rule == MEMORY:
-            over[(action.uid, action.minor)] = now
+            over[(action.uid, action.unit)] = now
         elif action.kind == WARN and action.rule == TIME:
-            gkey = next((k for k in grant_keys if k[:2] == (action.uid, action.minor)), None)
+            gkey = next((k for k in grant_keys if k[:2] == (action.uid, action.unit)), None)
             if gkey is not None:
                 time_warned[gkey] = float(action.numbers["threshold"])
         elif action.kind in (WARN, REPORT) and action.rule == STRAY:
-            stray[(action.uid, action.minor)] = StrayEpisode(now, now)
+            stray[(action.uid, action.unit)] = StrayEpisode(now, now)
         elif action.kind == TERM and target is not None:
-            stopping[target.key] = Stopping(target.uid, target.minor, action.rule, now)
+            stopping[target.key] = Stopping(target.uid, target.unit, action.rule, now)
         elif action.kind == KILL and target is not None and target.key in stopping:
             stopping[target.key] = replace(stopping[target.key], kill_at=now)
         elif action.kind == UNKILLABLE and target is not None and target.key in stopping:
@@ -482,7 +482,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     # Forget what no longer applies: processes gone, episodes over, grants ended; about failed
     # GPUs nothing is known, so what is remembered about them stays.
     present = {p.key for p in view.procs}
-    granted = {(g.uid, g.minor) for g in view.grants}
+    granted = {(g.uid, g.unit) for g in view.grants}
     on_slot = _by_slot(view.procs)
     for slot, episode in stray.items():
         if slot in on_slot:
@@ -499,7 +499,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     return State(
         over={slot: t for slot, t in over.items() if slot[1] in failed or still_over(slot)},
         stray={slot: e for slot, e in stray.items() if stray_goes_on(slot, e)},
-        stopping={k: s for k, s in stopping.items() if k in present or s.minor in failed},
+        stopping={k: s for k, s in stopping.items() if k in present or s.unit in failed},
         time_warned={k: t for k, t in time_warned.items() if k in grant_keys},
         seen={slot: t for slot, t in seen.items() if slot in granted},
         running_since=running_since,  # of the processes in this sample: one gone is forgotten
@@ -517,7 +517,7 @@ def next_change(view: View, state: State, timing: Timing, now: float) -> float |
         if grant.expires_at is not None:
             times.extend(grant.expires_at - t for t in TIME_WARNINGS)
         quota = view.quotas.get(grant.uid)
-        slot = (grant.uid, grant.minor)
+        slot = (grant.uid, grant.unit)
         if quota is not None and slot not in on_slot:
             last = max(grant.last_active, state.seen.get(slot, grant.last_active))
             times.extend(last + after for after in (quota.idle_timeout, quota.reclaim_after) if after is not None)
@@ -535,20 +535,20 @@ def confirmed(first: Sequence[Action], second: Sequence[Action]) -> list[Action]
 def usage(view: View, seconds: float) -> dict[Slot, tuple[float, float, float]]:
     """(granted, busy, idle) seconds to add per user and GPU for `seconds` of this view; on a
     failed GPU neither busy nor idle is known, so only the granted time counts."""
-    busy_slots = {(p.uid, p.minor) for p in view.procs}
+    busy_slots = {(p.uid, p.unit) for p in view.procs}
 
     def split(grant: Grant) -> tuple[float, float, float]:
-        if grant.minor in view.failed:
+        if grant.unit in view.failed:
             return (seconds, 0.0, 0.0)
-        return (seconds, seconds, 0.0) if (grant.uid, grant.minor) in busy_slots else (seconds, 0.0, seconds)
-    return {(g.uid, g.minor): split(g) for g in view.grants}
+        return (seconds, seconds, 0.0) if (grant.uid, grant.unit) in busy_slots else (seconds, 0.0, seconds)
+    return {(g.uid, g.unit): split(g) for g in view.grants}
 
 
 
 def unused_after_logout(grants: Iterable[Grant], logged_in: Collection[int], busy: Collection[Slot],
                         read: Collection[int]) -> dict[int, frozenset[int]]:
-    """uid -> all of its granted minors, for users who hold a session grant, have no open session
-    and no process (busy: (uid, minor) seen by NVML) on any of their GPUs, all of which were read
+    """uid -> all of its granted units, for users who hold a session grant, have no open session
+    and no process (busy: (uid, unit) seen by NVML) on any of their GPUs, all of which were read
     (`read`: an NVML error is not idleness). A nohup or tmux job keeps its user's GPUs after
     logout: they go once it has exited.
     """
@@ -557,8 +557,8 @@ def unused_after_logout(grants: Iterable[Grant], logged_in: Collection[int], bus
         by_uid.setdefault(grant.uid, []).append(grant)
     unused = {}
     for uid, held in by_uid.items():
-        minors = frozenset(g.minor for g in held)
+        units = frozenset(g.unit for g in held)
         if (uid not in logged_in and any(g.origin == Origin.SESSION for g in held)
-                and not any((uid, m) in busy for m in minors) and minors <= set(read)):
-            unused[uid] = minors
+                and not any((uid, m) in busy for m in units) and units <= set(read)):
+            unused[uid] = units
     return unused

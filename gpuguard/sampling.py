@@ -43,24 +43,24 @@ MAX_AGE = 1.0  # seconds a sample is reused: process queries serialize on the dr
 @dataclass(frozen=True)
 class Sample:
     time: float
-    processes: tuple[GpuProcess, ...]  # on the GPUs in `minors`
+    processes: tuple[GpuProcess, ...]  # on the units in `units`
     owners: Mapping[int, ProcessIdentity]  # pid -> identity; pids that exited meanwhile are absent
-    minors: frozenset[int] = frozenset()  # GPUs whose processes were read
+    units: frozenset[int] = frozenset()  # units whose processes were read
     failed: Mapping[int, str] = field(default_factory=dict)  # minor -> NVML error, for GPUs not read
-    use: Mapping[int, GpuUse] = field(default_factory=dict)  # minor -> memory and utilisation, GPUs that answered
+    use: Mapping[int, GpuUse] = field(default_factory=dict)  # unit -> memory and utilisation, units that answered
     layout: MigLayout | None = None  # the MIG modes and slices, read just before the processes
 
-    def ok(self, minor: int) -> bool:
-        """Whether this sample read GPU `minor`'s processes: about any other GPU it knows nothing."""
-        return minor in self.minors
+    def ok(self, unit: int) -> bool:
+        """Whether this sample read `unit`'s processes: about any other unit it knows nothing."""
+        return unit in self.units
 
     def uid_of(self, pid: int) -> int | None:
         identity = self.owners.get(pid)
         return identity.uid if identity else None
 
     def busy_slots(self) -> set[tuple[int, int]]:
-        """(uid, minor) for every process NVML sees whose owner is known."""
-        return {(uid, p.minor) for p in self.processes if (uid := self.uid_of(p.pid)) is not None}
+        """(uid, unit) for every process NVML sees whose owner is known."""
+        return {(uid, p.unit) for p in self.processes if (uid := self.uid_of(p.pid)) is not None}
 
 
 class Sampler:
@@ -145,7 +145,7 @@ def _without_exited(sample: Sample) -> Sample:
 class Holder(NamedTuple):
     pid: int
     uid: int
-    minor: int  # the unit
+    unit: int
 
 
 
@@ -172,4 +172,4 @@ def node_holders(units: Iterable[int], uids: Collection[int] | None,
             uid = procfs.user_of(pid)
             if uid is not None and (uids is None or uid in uids):
                 found.update(Holder(pid, uid, unit) for unit in units_of[device])
-    return sorted(found, key=lambda h: (h.minor, h.pid))
+    return sorted(found, key=lambda h: (h.unit, h.pid))

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gpuguard.sampling import Holder
 
-# (minors, uids) -> those users' processes (None: anyone's) holding these GPUs' nodes; blocking (procfs.holders_of)
+# (units, uids) -> those users' processes (None: anyone's) holding these GPUs' nodes; blocking (procfs.holders_of)
 FindHolders = Callable[[Collection[int], Collection[int] | None], list[Holder]]
 
 USER_THREADS = 2    # users' scans at once, all users together
@@ -37,25 +37,25 @@ class Scans:
         self._turns: dict[int, asyncio.Lock] = {}  # uid -> its one scan at a time
         self._queued: Counter[int] = Counter()     # scans of uid running or waiting for their turn
 
-    async def for_daemon(self, minors: Collection[int], uids: Collection[int] | None) -> list[Holder]:
-        return await asyncio.get_running_loop().run_in_executor(self._daemon, self.find_holders, minors, uids)
+    async def for_daemon(self, units: Collection[int], uids: Collection[int] | None) -> list[Holder]:
+        return await asyncio.get_running_loop().run_in_executor(self._daemon, self.find_holders, units, uids)
 
-    async def for_user(self, uid: int, minors: Collection[int], everyone: bool = False) -> list[Holder]:
+    async def for_user(self, uid: int, units: Collection[int], everyone: bool = False) -> list[Holder]:
         """uid's processes (everyone: anyone's, a walk of all of /proc) holding these nodes, for
         what a request of uid's caused."""
-        key = (uid, frozenset(minors), everyone)
+        key = (uid, frozenset(units), everyone)
         running = self._running.get(key)
         if running is None:
             running = self._running[key] = asyncio.ensure_future(self._in_turn(uid, key[1], None if everyone else {uid}))
             running.add_done_callback(lambda _: self._running.pop(key, None))
         return await asyncio.shield(running)
 
-    async def _in_turn(self, uid: int, minors: frozenset[int], uids: Collection[int] | None) -> list[Holder]:
+    async def _in_turn(self, uid: int, units: frozenset[int], uids: Collection[int] | None) -> list[Holder]:
         turn = self._turns.setdefault(uid, asyncio.Lock())
         self._queued[uid] += 1
         try:
             async with turn:
-                return await asyncio.get_running_loop().run_in_executor(self._users, self.find_holders, minors, uids)
+                return await asyncio.get_running_loop().run_in_executor(self._users, self.find_holders, units, uids)
         finally:
             self._queued[uid] -= 1
             if not self._queued[uid]:

@@ -245,7 +245,7 @@ class _Running:
     user: str
     uid: int
     session: int
-    minors: tuple[int, ...]
+    units: tuple[int, ...]
     pid: int
     arrived: float
     started: float
@@ -290,9 +290,9 @@ class Replay:
         self.names: dict[int, str] = {}
         self.quotas: dict[str, Quota] = {}
         self.running: dict[int, _Running] = {}    # pid -> job
-        self.on_gpu: dict[int, set[int]] = {}     # minor -> pids of the jobs on it
-        self.busy_since: dict[int, float] = {}    # minor -> when its job count last changed
-        self.busy_of: dict[int, Counter[int]] = {}  # uid -> minors its jobs are on (how many jobs each)
+        self.on_gpu: dict[int, set[int]] = {}     # unit -> pids of the jobs on it
+        self.busy_since: dict[int, float] = {}    # unit -> when its job count last changed
+        self.busy_of: dict[int, Counter[int]] = {}  # uid -> units its jobs are on (how many jobs each)
         self.pending: dict[int, tuple[Job, int]] = {}  # queue row id -> (job, session pid)
         self.sessions: dict[int, _Session] = {}   # session pid -> its user and jobs still to run
         self._joining: tuple[Job, int] | None = None  # the job whose request is being queued
@@ -409,7 +409,7 @@ class Replay:
 
     # --- the queue and the jobs
 
-    def _served(self, queued: Queued, minors: tuple[int, ...]) -> None:
+    def _served(self, queued: Queued, units: tuple[int, ...]) -> None:
         """The queue granted a waiter its GPUs: its job starts now."""
         waiting = self.pending.pop(queued.waiter.id, None) or self._joining  # None: served as it joined
         assert waiting is not None, "the queue served a request the replay did not make"
@@ -417,50 +417,50 @@ class Replay:
 
     def _start(self, job: Job, session: int) -> None:
         owner = self.sessions[session]
-        minors = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
+        units = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
-        procs = tuple(rules.Proc(pid, owner.uid, pid, m, job.memory or None) for m in minors)
-        running = _Running(job, owner.user, owner.uid, session, minors, pid, job.start, self.now, job.duration,
+        procs = tuple(rules.Proc(pid, owner.uid, pid, m, job.memory or None) for m in units)
+        running = _Running(job, owner.user, owner.uid, session, units, pid, job.start, self.now, job.duration,
                            since=self.now, procs=procs)
         self.running[pid] = running
-        self.busy_of.setdefault(owner.uid, Counter()).update(minors)
+        self.busy_of.setdefault(owner.uid, Counter()).update(units)
         self._sample = None
-        self._crowd(minors, add=pid)
-        self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in minors))
+        self._crowd(units, add=pid)
+        self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in units))
 
     def _stop(self, running: _Running) -> None:
         """The job leaves its GPUs (ended, or stopped by a rule)."""
         del self.running[running.pid]
         mine = self.busy_of[running.uid]
-        mine.subtract(running.minors)
-        for minor in running.minors:
-            if mine[minor] <= 0:
-                del mine[minor]
-        self._crowd(running.minors, remove=running.pid)
+        mine.subtract(running.units)
+        for unit in running.units:
+            if mine[unit] <= 0:
+                del mine[unit]
+        self._crowd(running.units, remove=running.pid)
         self._sample = None
         # The daemon's tick just before the job ended saw it there: the idle clocks start from here.
         state = self.watcher.state
-        self.watcher.state = replace(state, seen={**state.seen, **{(running.uid, m): self.now for m in running.minors}})
+        self.watcher.state = replace(state, seen={**state.seen, **{(running.uid, m): self.now for m in running.units}})
 
-    def _crowd(self, minors: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
+    def _crowd(self, units: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
         """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then
         set every job there to the pace of its most crowded GPU (contention: n jobs on a GPU
         progress at 1/n each) and move its end accordingly."""
-        for minor in minors:
-            jobs = self.on_gpu.setdefault(minor, set())
+        for unit in units:
+            jobs = self.on_gpu.setdefault(unit, set())
             if jobs:
-                since = self.busy_since[minor]
+                since = self.busy_since[unit]
                 self.result.busy += self.now - since
                 if len(jobs) > 1:
                     self.result.shared += self.now - since
-            self.busy_since[minor] = self.now
+            self.busy_since[unit] = self.now
             if add is not None:
                 jobs.add(add)
             if remove is not None:
                 jobs.discard(remove)
-        for pid in set().union(*(self.on_gpu[m] for m in minors)):
+        for pid in set().union(*(self.on_gpu[m] for m in units)):
             running = self.running[pid]
-            rate = 1.0 / max(len(self.on_gpu[m]) for m in running.minors)
+            rate = 1.0 / max(len(self.on_gpu[m]) for m in running.units)
             if pid != add and rate == running.rate:
                 continue
             running.left -= running.rate * (self.now - running.since)
@@ -488,7 +488,7 @@ class Replay:
 
     def _idle_held(self, uid: int) -> set[int]:
         busy = self.busy_of.get(uid, ())
-        return {g.minor for g in self.store.grants(uid) if g.minor not in busy}
+        return {g.unit for g in self.store.grants(uid) if g.unit not in busy}
 
     # --- the watcher
 
@@ -496,7 +496,7 @@ class Replay:
         """The running jobs as a GPU sample: each job's process on each of its GPUs."""
         if self._sample is None or self._sample.time != self.now:
             procs = [proc for running in self.running.values() for proc in running.procs]
-            self._sample = Sample(self.now, tuple(GpuProcess(p.pid, p.minor, p.used_memory) for p in procs),
+            self._sample = Sample(self.now, tuple(GpuProcess(p.pid, p.unit, p.used_memory) for p in procs),
                                   {p.pid: ProcessIdentity(p.pid, p.uid, p.start_time) for p in procs},
                                   frozenset(self.grants.gpus))
         return self._sample
@@ -525,7 +525,7 @@ class Replay:
         running = self.running[pid]
         self._stop(running)
         ran = self.now - running.started
-        self.result.work_lost += len(running.minors) * ran
+        self.result.work_lost += len(running.units) * ran
         self.result.count(running.user, running.started - running.arrived, running.job.duration,
                           ran + running.job.duration)  # it needs its whole duration again
         self.result.kills += 1
@@ -535,7 +535,7 @@ class Replay:
 
     def _count_granted(self, end: bool = False) -> None:
         """Count the GPU-seconds of the grants that ended in the last batch of events (all, at the end)."""
-        held = {} if end else {(g.uid, g.minor, g.granted_at): g.user for g in self.store.grants()}
+        held = {} if end else {(g.uid, g.unit, g.granted_at): g.user for g in self.store.grants()}
         for key in self._held.keys() - held.keys():
             self._taken_back += not end
             self.result.granted += self.now - key[2]

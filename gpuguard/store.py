@@ -20,7 +20,8 @@ from gpuguard.model import Event, Grant, Origin, Quota, Session
 from gpuguard.scheduler import Waiter
 
 # Ordered migrations: index i brings the schema from version i to i + 1. Never edit a
-# released entry; append a new one.
+# released entry; append a new one. Every `minor` column holds a unit (Grant.unit: a whole GPU's
+# minor, or a slice's slice_unit); the column kept its first name (see _fields).
 MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE grants (
@@ -179,7 +180,7 @@ class Store:
 
     # --- grants
 
-    def add_grants(self, uid: int, user: str, minors: Iterable[int], now: float,
+    def add_grants(self, uid: int, user: str, units: Iterable[int], now: float,
                    expires_at: float | None, shared: bool = False, origin: Origin = Origin.SESSION,
                    uuids: Mapping[int, str] | None = None, memory: int | None = None) -> None:
         """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''.
@@ -190,9 +191,9 @@ class Store:
             db.executemany(
                 "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin,"
                 " uuid, memory) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(uid, user, minor, now, expires_at, now, int(shared), origin, uuids.get(minor, ""),
+                [(uid, user, unit, now, expires_at, now, int(shared), origin, uuids.get(unit, ""),
                   memory if shared else None)
-                 for minor in minors])
+                 for unit in units])
 
     def _copy(self, table: str, read: Callable[[sqlite3.Connection], Iterable[Any]]) -> tuple[Any, ...]:
         """The table's rows as last read (see _copies), read again when another connection changed it."""
@@ -207,18 +208,18 @@ class Store:
             _grant, db.execute("SELECT * FROM grants ORDER BY uid, minor")))
         return list(rows) if uid is None else [g for g in rows if g.uid == uid]
 
-    def remove_grants(self, uid: int, minors: Iterable[int] | None, now: float) -> list[Grant]:
-        """Remove a user's grants (all, or those minors); returns what was removed."""
+    def remove_grants(self, uid: int, units: Iterable[int] | None, now: float) -> list[Grant]:
+        """Remove a user's grants (all, or those units); returns what was removed."""
         self._copies.pop("grants", None)
         with self.transaction() as db:
             held = [_grant(row) for row in db.execute("SELECT * FROM grants WHERE uid = ?", (uid,))]
-            wanted = set(minors) if minors is not None else None
-            removed = [g for g in held if wanted is None or g.minor in wanted]
-            db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.minor) for g in removed])
+            wanted = set(units) if units is not None else None
+            removed = [g for g in held if wanted is None or g.unit in wanted]
+            db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.unit) for g in removed])
             db.executemany("INSERT OR REPLACE INTO gpu_history (minor, last_released) VALUES (?, ?)",
-                           [(g.minor, now) for g in removed])
+                           [(g.unit, now) for g in removed])
             db.executemany("INSERT OR REPLACE INTO held_last (uid, minor, released_at) VALUES (?, ?, ?)",
-                           [(g.uid, g.minor, now) for g in removed])
+                           [(g.uid, g.unit, now) for g in removed])
         return removed
 
     def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
@@ -229,9 +230,9 @@ class Store:
         copy = self._copies.pop("grants", None)
         with self.transaction() as db:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
-                           [(now, uid, minor) for uid, minor in slots])
+                           [(now, uid, unit) for uid, unit in slots])
         if copy is not None:  # written: the copy follows (its data_version stays: this connection wrote)
-            self._copies["grants"] = (copy[0], tuple(replace(g, last_active=now) if (g.uid, g.minor) in slots
+            self._copies["grants"] = (copy[0], tuple(replace(g, last_active=now) if (g.uid, g.unit) in slots
                                                      else g for g in copy[1]))
 
     def last_held(self, uid: int) -> dict[int, float]:
@@ -285,7 +286,7 @@ class Store:
             cursor = db.execute(
                 "INSERT INTO events (time, uid, user, kind, message, minor, pid, command, rule, action, numbers)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (event.time, event.uid, event.user, event.kind, event.message, event.minor, event.pid,
+                (event.time, event.uid, event.user, event.kind, event.message, event.unit, event.pid,
                  event.command, event.rule, event.action, json.dumps(event.numbers)))
             retention = self.retention()
             if retention.max_age is not None:
@@ -302,7 +303,7 @@ class Store:
         """The newest events (of one user, or all), oldest first."""
         query, params = _rows_of("events", uid)
         rows = self._db.execute(query + " ORDER BY id DESC LIMIT ?", (*params, limit)).fetchall()
-        return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
+        return [_event(row) for row in reversed(rows)]
 
     def find_events(self, uid: int | None = None, since: float | None = None, until: float | None = None,
                     rule: str | None = None, limit: int = 1000) -> list[Event]:
@@ -316,7 +317,7 @@ class Store:
             params.append(until)
         rows = self._db.execute(f"SELECT * FROM events {_where(where)} ORDER BY id DESC LIMIT ?",
                                 (*params, limit)).fetchall()
-        return [Event(**{**dict(row), "numbers": json.loads(row["numbers"])}) for row in reversed(rows)]
+        return [_event(row) for row in reversed(rows)]
 
     def last_event_id(self) -> int:
         last: int = self._db.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
@@ -338,27 +339,27 @@ class Store:
 
     # --- usage accounting
 
-    def add_usage(self, uid: int, user: str, minor: int, hour: int, granted: float = 0.0, busy: float = 0.0,
+    def add_usage(self, uid: int, user: str, unit: int, hour: int, granted: float = 0.0, busy: float = 0.0,
                   idle: float = 0.0) -> None:
         """Seconds granted / busy / idle in `hour` (hour_of()), added to that hour and to the totals."""
         with self.transaction() as db:
-            _add_usage_total(db, uid, user, minor, granted, busy, idle, 0)
+            _add_usage_total(db, uid, user, unit, granted, busy, idle, 0)
             db.execute(
                 "INSERT INTO usage_hours (hour, uid, user, minor, granted_seconds, busy_seconds, idle_seconds)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (hour, uid, minor) DO UPDATE SET"
                 " granted_seconds = granted_seconds + excluded.granted_seconds,"
                 " busy_seconds = busy_seconds + excluded.busy_seconds,"
                 " idle_seconds = idle_seconds + excluded.idle_seconds",
-                (hour, uid, user, minor, granted, busy, idle))
+                (hour, uid, user, unit, granted, busy, idle))
 
-    def add_kill(self, uid: int, user: str, minor: int, hour: int, rule: str) -> None:
+    def add_kill(self, uid: int, user: str, unit: int, hour: int, rule: str) -> None:
         """One process of the user stopped (SIGTERM) by `rule` in `hour`."""
         with self.transaction() as db:
-            _add_usage_total(db, uid, user, minor, 0.0, 0.0, 0.0, 1)
+            _add_usage_total(db, uid, user, unit, 0.0, 0.0, 0.0, 1)
             db.execute(
                 "INSERT INTO kills_hours (hour, uid, user, minor, rule, kills) VALUES (?, ?, ?, ?, ?, 1)"
                 " ON CONFLICT (hour, uid, minor, rule) DO UPDATE SET kills = kills + 1",
-                (hour, uid, user, minor, rule))
+                (hour, uid, user, unit, rule))
 
     def usage_by(self, by: str, since: float, until: float, uid: int | None = None) -> list[dict[str, Any]]:
         """Seconds granted / busy / idle summed per `by` (user, gpu or day: the daemon's local
@@ -427,7 +428,7 @@ def hour_of(t: float) -> int:
     return int(t // HOUR) * HOUR
 
 
-def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, minor: int, granted: float, busy: float,
+def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, unit: int, granted: float, busy: float,
                      idle: float, kills: int) -> None:
     db.execute(
         "INSERT INTO usage (uid, user, minor, granted_seconds, busy_seconds, idle_seconds, kills)"
@@ -435,11 +436,24 @@ def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, minor: int, gr
         " granted_seconds = granted_seconds + excluded.granted_seconds,"
         " busy_seconds = busy_seconds + excluded.busy_seconds,"
         " idle_seconds = idle_seconds + excluded.idle_seconds, kills = kills + excluded.kills",
-        (uid, user, minor, granted, busy, idle, kills))
+        (uid, user, unit, granted, busy, idle, kills))
+
+
+def _fields(row: sqlite3.Row) -> dict[str, Any]:
+    """A grants or events row as its dataclass's fields. The column keeps the name `minor` that
+    every schema version, the frozen databases and the cluster's tables have (renaming it is a
+    migration for no reader's benefit); the dataclasses call it `unit`, as it holds one. Here only."""
+    fields = dict(row)
+    fields["unit"] = fields.pop("minor")
+    return fields
 
 
 def _grant(row: sqlite3.Row) -> Grant:
-    return Grant(**{**dict(row), "shared": bool(row["shared"]), "origin": Origin(row["origin"])})
+    return Grant(**{**_fields(row), "shared": bool(row["shared"]), "origin": Origin(row["origin"])})
+
+
+def _event(row: sqlite3.Row) -> Event:
+    return Event(**{**_fields(row), "numbers": json.loads(row["numbers"])})
 
 
 def _session(row: sqlite3.Row) -> Session:

@@ -20,15 +20,15 @@ class UsageMeter:
 
     def add(self, view: rules.View, seconds: float, now: float) -> None:
         """What `view` shows for `seconds` up to `now`, counted in the hour of `now`."""
-        for (uid, minor), added in rules.usage(view, max(0.0, seconds)).items():
-            totals = self._usage.setdefault((hour_of(now), uid, minor), [0.0, 0.0, 0.0])
+        for (uid, unit), added in rules.usage(view, max(0.0, seconds)).items():
+            totals = self._usage.setdefault((hour_of(now), uid, unit), [0.0, 0.0, 0.0])
             for i, value in enumerate(added):
                 totals[i] += value
         if time.monotonic() - self._flushed >= USAGE_FLUSH_EVERY:
             self.flush()
 
     def flush(self) -> None:
-        for (hour, uid, minor), (granted, busy, idle) in self._usage.items():
-            self.store.add_usage(uid, self.name_of(uid), minor, hour, granted=granted, busy=busy, idle=idle)
+        for (hour, uid, unit), (granted, busy, idle) in self._usage.items():
+            self.store.add_usage(uid, self.name_of(uid), unit, hour, granted=granted, busy=busy, idle=idle)
         self._usage.clear()
         self._flushed = time.monotonic()

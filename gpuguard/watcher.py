@@ -111,7 +111,7 @@ class Watcher:
                         done.append(action)
                 except Exception:  # one failing action (a gate error, a full disk) must not stop the others
                     event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
-                          uid=action.uid, gpu=unit_label(action.minor), pid=action.proc.pid if action.proc else None)
+                          uid=action.uid, gpu=unit_label(action.unit), pid=action.proc.pid if action.proc else None)
         self.state = rules.advance(view, self.state, done, now)
         self._account(view, now)
         self._mark_active(view, now)
@@ -126,7 +126,7 @@ class Watcher:
         no evidence of idleness, so every grant's idle clock restarts after such a gap."""
         interval = self.config().watcher.interval
         if self._last_check is not None and now - self._last_check > GAP_TICKS * interval:
-            slots = {(g.uid, g.minor) for g in self.store.grants()}
+            slots = {(g.uid, g.unit) for g in self.store.grants()}
             self.state = replace(self.state, seen={**self.state.seen, **{slot: now for slot in slots}})
             event(logging.INFO, "watcher_gap", seconds=round(now - self._last_check, 1),
                   note="idle clocks restarted")
@@ -137,12 +137,12 @@ class Watcher:
             identity = sample.owners.get(process.pid)
             if identity is None:
                 continue  # exited between NVML and /proc: nothing to judge
-            procs.append(rules.Proc(process.pid, identity.uid, identity.start_time, process.minor,
+            procs.append(rules.Proc(process.pid, identity.uid, identity.start_time, process.unit,
                                     process.used_memory))
         grants = self.store.grants()
         quotas = {g.uid: self.accounts.of(g.uid)[1] for g in grants}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
-        failed = frozenset(sample.failed) | {g.minor for g in grants if not sample.ok(g.minor)}
+        failed = frozenset(sample.failed) | {g.unit for g in grants if not sample.ok(g.unit)}
         wanted = self.demand()
         return rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful)
 
@@ -165,16 +165,16 @@ class Watcher:
             result = self.processes.send(identity, _SIGNAL[action.kind], self.exempt.uids)
             if not result.sent:
                 event(logging.INFO if result.outcome is SignalOutcome.GONE else logging.WARNING,
-                      f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=unit_label(action.minor),
+                      f"{action.kind}_skipped", rule=action.rule, user=user, pid=proc.pid, gpu=unit_label(action.unit),
                       outcome=result.outcome.value, detail=result.detail)
                 return False
             numbers["signal"] = action.signal or ""
             if action.kind == rules.TERM:
-                self.store.add_kill(action.uid, user, action.minor, hour_of(now), action.rule)
+                self.store.add_kill(action.uid, user, action.unit, hour_of(now), action.rule)
         elif action.kind == rules.UNKILLABLE and proc is not None:
             numbers["state"] = self.processes.state(ProcessIdentity(proc.pid, proc.uid, proc.start_time)) or "unknown"
         elif action.kind in (rules.REVOKE, rules.RELEASE):
-            removed = self.releases.take_back(action.uid, [action.minor], now, kind=action.kind.event,
+            removed = self.releases.take_back(action.uid, [action.unit], now, kind=action.kind.event,
                                               rule=action.rule, message=text)
             if not removed:
                 return False  # released by someone else meanwhile
@@ -187,10 +187,10 @@ class Watcher:
         if action.kind not in (rules.REVOKE, rules.RELEASE):  # the grant manager logged and stored those
             logged: dict[str, Any] = {k: _log_value(k, v) for k, v in numbers.items()}
             event(_LEVEL.get(action.kind, logging.INFO), action.kind, rule=action.rule, user=user, uid=action.uid,
-                  gpu=unit_label(action.minor), pid=proc.pid if proc else None, command=command or None,
+                  gpu=unit_label(action.unit), pid=proc.pid if proc else None, command=command or None,
                   **logged)
             self.store.add_event(Event(
-                now, action.uid, user, action.kind.event, text, minor=action.minor,
+                now, action.uid, user, action.kind.event, text, unit=action.unit,
                 pid=proc.pid if proc else None, command=command, rule=action.rule, action=action.kind,
                 numbers=dict(numbers)))
         if action.kind != rules.REPORT and action.uid not in self.exempt.uids:
@@ -208,8 +208,8 @@ class Watcher:
     def _mark_active(self, view: rules.View, now: float) -> None:
         """grants.last_active follows the watcher's exact memory (state.seen) within ACTIVE_WRITE_EVERY."""
         seen = self.state.seen
-        self.store.mark_active([(g.uid, g.minor) for g in view.grants
-                                if (g.uid, g.minor) in seen and seen[(g.uid, g.minor)] - g.last_active >= ACTIVE_WRITE_EVERY],
+        self.store.mark_active([(g.uid, g.unit) for g in view.grants
+                                if (g.uid, g.unit) in seen and seen[(g.uid, g.unit)] - g.last_active >= ACTIVE_WRITE_EVERY],
                                now)
 
 

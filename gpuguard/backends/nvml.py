@@ -88,7 +88,7 @@ def _processes_of(handle: Any, minor: int) -> list[GpuProcess]:
             if seen is not None and seen.used_memory is not None:
                 # Listed as compute and graphics: both report the process's memory.
                 used = max(seen.used_memory, used or 0)
-            found[info.pid] = GpuProcess(pid=info.pid, minor=_unit_of(info, minor), used_memory=used)
+            found[info.pid] = GpuProcess(pid=info.pid, unit=_unit_of(info, minor), used_memory=used)
     return list(found.values())
 
 
@@ -186,7 +186,7 @@ class NvmlBackend:
         pci_bus_id, numa = self._location(handle, minor)
         return Gpu(
             index=index,
-            minor=minor,
+            unit=minor,  # a whole GPU's unit is its minor
             uuid=_call(pynvml.nvmlDeviceGetUUID, handle, minor=minor),
             name=_call(pynvml.nvmlDeviceGetName, handle, minor=minor),
             pci_bus_id=pci_bus_id,
@@ -233,9 +233,9 @@ class NvmlBackend:
                 continue
             for gpu, mig_handle in found:
                 slices.append(gpu)
-                handles[gpu.minor] = (minor, mig_handle)
+                handles[gpu.unit] = (minor, mig_handle)
         self._slice_handles = handles
-        return MigLayout(sorted(slices, key=lambda gpu: gpu.minor), frozenset(mig_gpus), frozenset(unread))
+        return MigLayout(sorted(slices, key=lambda gpu: gpu.unit), frozenset(mig_gpus), frozenset(unread))
 
     def _slices_of(self, index: int, handle: Any, minor: int) -> list[tuple[Gpu, Any]]:
         """The MIG devices of one GPU in MIG mode, with their handles; a slice whose capabilities the
@@ -266,7 +266,7 @@ class NvmlBackend:
         caps = self._slice_caps(minor, gpu_instance, compute_instance)
         return Gpu(
             index=index,
-            minor=unit,
+            unit=unit,
             uuid=_call(pynvml.nvmlDeviceGetUUID, mig, minor=minor),
             name=name,
             pci_bus_id=pci_bus_id,
@@ -329,7 +329,7 @@ class NvmlBackend:
             raise GpuError(next(iter(failed.values())))  # not one GPU answers: NVML itself fails
         read = frozenset(minor for _, _, minor in self._devices) - failed.keys()
         read |= {unit for unit, (parent, _) in self._slice_handles.items() if parent in read}
-        return ProcessQuery(sorted(found, key=lambda p: (p.minor, p.pid)), read, failed)
+        return ProcessQuery(sorted(found, key=lambda p: (p.unit, p.pid)), read, failed)
 
     def use(self) -> dict[int, GpuUse]:
         """Memory and utilisation of each GPU that answers; one that fails is left out (no

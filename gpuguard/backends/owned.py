@@ -29,14 +29,14 @@ class OwnedGpus:
         return self.backend.unavailable
 
     def gpus(self) -> list[Gpu]:
-        return [gpu for gpu in self.backend.gpus() if self._own(gpu.minor)]
+        return [gpu for gpu in self.backend.gpus() if self._own(gpu.unit)]
 
     def foreign_gpus(self) -> list[Gpu]:
-        return [gpu for gpu in self.backend.gpus() if not self._own(gpu.minor)]
+        return [gpu for gpu in self.backend.gpus() if not self._own(gpu.unit)]
 
     def layout(self) -> MigLayout:
         seen = self.backend.layout()
-        return seen._replace(slices=[s for s in seen.slices if self._own(s.minor)],
+        return seen._replace(slices=[s for s in seen.slices if self._own(s.unit)],
                              mig_gpus=frozenset(m for m in seen.mig_gpus if self._own(m)),
                              unread=frozenset(m for m in seen.unread if self._own(m)))
 
@@ -50,7 +50,7 @@ class OwnedGpus:
         read = frozenset(unit for unit in query.read if self._own(unit))
         if failed and not {unit_parent(unit) for unit in read}:
             raise GpuError(next(iter(failed.values())))
-        return query._replace(processes=[p for p in query.processes if self._own(p.minor)], read=read, failed=failed)
+        return query._replace(processes=[p for p in query.processes if self._own(p.unit)], read=read, failed=failed)
 
     def use(self) -> dict[int, GpuUse]:
         return {unit: use for unit, use in self.backend.use().items() if self._own(unit)}

@@ -23,6 +23,7 @@ TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (
 if TYPE_CHECKING:
     import argparse
     import typing
+    from collections.abc import Callable
     from types import SimpleNamespace
     from typing import Any
 
@@ -208,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     args = quick_arguments(config_path, command, rest) or build_parser(command).parse_args(argv)
     from gpuguard.cli.output import PrintableOutput  # not before: pam-hook needs none of it
     sys.stdout = PrintableOutput(sys.stdout)
+    # each command's set_defaults(func=...): it reads attributes only, so the quick parse's namespace serves too
+    run: Callable[[argparse.Namespace | SimpleNamespace], int] = args.func
     try:
-        code: int = args.func(args)
-        return code
+        return run(args)
     except GpuguardError as exc:
         return _fail(exc.line(), exc.code)  # a verifier log or a multi-line cause goes to the daemon's log
     except KeyboardInterrupt:

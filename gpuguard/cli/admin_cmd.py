@@ -3,11 +3,14 @@ anyone but root)."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from gpuguard.cli import print_json, unit_arg
 from gpuguard.cli.calls import ask
 from gpuguard.errors import EXIT_OK
+
+TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -11,7 +11,6 @@ import re
 import shutil
 import stat
 from pathlib import Path
-from typing import Any
 
 from gpuguard import client, doctor
 from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gate, open_gpu_backend, slurm
@@ -19,6 +18,10 @@ from gpuguard.cli import load_config, print_json, require_root
 from gpuguard.coexist import CoexistError, Ownership
 from gpuguard.config import AccessMode, Config
 from gpuguard.errors import EXIT_FAILED, EXIT_OK
+
+TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
+if TYPE_CHECKING:
+    from typing import Any
 
 PAM_SECURITY_DIRS = ("lib/*/security", "usr/lib/*/security", "lib64/security", "usr/lib64/security",
                      "lib/security", "usr/lib/security")
@@ -90,10 +93,6 @@ def _setting(slurm: str | tuple[int, ...] | None) -> str | None:
     return ",".join(map(str, slurm)) if isinstance(slurm, tuple) else slurm
 
 
-# (cgroup2 mount, bpf error, gate status, gate current, gate error), as doctor.Findings takes them
-KernelAnswers = tuple[str | None, str | None, dict[str, Any] | None, bool | None, str | None]
-
-
 def _daemon(config: Config) -> tuple[dict[str, Any] | None, str | None]:
     try:
         return client.call(str(config.paths.socket), "status", timeout=5), None
@@ -101,7 +100,8 @@ def _daemon(config: Config) -> tuple[dict[str, Any] | None, str | None]:
         return None, str(exc)
 
 
-def _kernel(config: Config, gate_name: str, ownership: Ownership) -> KernelAnswers:
+def _kernel(config: Config, gate_name: str, ownership: Ownership) \
+        -> tuple[str | None, str | None, dict[str, Any] | None, bool | None, str | None]:
     """(cgroup2 mount, bpf error, gate status, gate current, gate error)."""
     from gpuguard.backends.bpf import attached_ids  # ctypes: only for this command
     from gpuguard.backends.mounts import cgroup2_root
@@ -129,7 +129,7 @@ def _gpus(config: Config) -> tuple[list[tuple[int, str]] | None, str | None]:
     except GpuError as exc:
         return None, exc.line()
     try:
-        return [(gpu.minor, gpu.name) for gpu in backend.gpus()], None
+        return [(gpu.unit, gpu.name) for gpu in backend.gpus()], None
     except GpuError as exc:
         return None, exc.line()
     finally:

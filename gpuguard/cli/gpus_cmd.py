@@ -55,7 +55,7 @@ def _from_nvml(args: argparse.Namespace) -> dict[str, Any]:
         gpus = backend.gpus()
         links = backend.topology()
         layout = backend.layout()
-        processes = Counter(process.minor for process in backend.processes())
+        processes = Counter(process.unit for process in backend.processes())
     return inventory.view(gpus, layout.slices, layout.unread, links, processes, owner=owners)
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from gpuguard import config as configuration
 from gpuguard import simulate, trace
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.units import format_duration
+
+TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -38,7 +38,7 @@ class Outbox:
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.executemany("INSERT INTO ledger (username, minor, started, ended) VALUES (?, ?, ?, ?)",
-                                 [(g.user, g.minor, g.granted_at, now) for g in ended])
+                                 [(g.user, g.unit, g.granted_at, now) for g in ended])
 
     def pending(self, limit: int = BATCH) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT seq, username, minor, started, ended FROM ledger ORDER BY seq LIMIT ?", (limit,))

@@ -102,7 +102,7 @@ class Cluster:
         if self.config.offline_policy == OfflinePolicy.BUDGET:
             users = users | {g.user for g in grants} | {s.user for s in self.store.sessions()}
         units = self.units()
-        free = len(set(units) - {g.minor for g in grants})
+        free = len(set(units) - {g.unit for g in grants})
         return {
             "node": self.config.node, "rack": self.config.rack, "ssh": self.config.ssh or self.config.node,
             "version": __version__, "schema": CURRENT, "incarnation": self.outbox.incarnation,
@@ -110,11 +110,11 @@ class Cluster:
             "taken_at": now, "half_life": self.half_life(),
             # Every GPU, those Slurm or Kubernetes own too, with its owner: the fleet's views show
             # them, and only gpuguard's count as free (ranking.NodeView.free).
-            "gpus": [*({"minor": gpu.minor, "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total,
+            "gpus": [*({"minor": gpu.unit, "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total,
                         "owner": "gpuguard"} for gpu in units.values()),
                      *({"minor": gpu["minor"], "uuid": gpu["uuid"], "name": gpu["name"],
                         "memory_total": gpu["memory_total"], "owner": gpu["owner"]} for gpu in self.foreign)],
-            "grants": [{"minor": g.minor, "username": g.user, "uid": g.uid, "granted_at": g.granted_at,
+            "grants": [{"minor": g.unit, "username": g.user, "uid": g.uid, "granted_at": g.granted_at,
                         "expires_at": g.expires_at, "shared": g.shared, "origin": str(g.origin)} for g in grants],
             "queue": [{"ticket": q.waiter.id, "username": q.waiter.user, "gpus": q.waiter.gpus, "since": q.waiter.since,
                        "priority": q.waiter.priority} for q in queue],
@@ -164,7 +164,7 @@ class Cluster:
         the ledger through the outbox, with a heartbeat soon when online."""
         self.outbox.add(removed, now)
         if self.online:  # offline, the regular heartbeats try again: no point sending sooner
-            self._worker.submit(self._release, [(g.minor, g.user) for g in removed])
+            self._worker.submit(self._release, [(g.unit, g.user) for g in removed])
             self._kick.set()
 
     def _release(self, pairs: list[tuple[int, str]]) -> None:

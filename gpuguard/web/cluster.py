@@ -152,22 +152,22 @@ def ledger_report(by: str, entries: Iterable[tuple[str, str, int, float, float]]
     """Per node, a report as the daemon makes it: granted seconds per user, GPU or local day within
     [since, until); busy and idle unknown (None)."""
     sums: dict[str, dict[Any, float]] = {}
-    for node, user, minor, started, ended in entries:
+    for node, user, unit, started, ended in entries:
         start, end = max(started, since), min(ended, until)
         if end <= start:
             continue
         per_key = sums.setdefault(node, {})
-        for key, seconds in _pieces(by, user, minor, start, end):
+        for key, seconds in _pieces(by, user, unit, start, end):
             per_key[key] = per_key.get(key, 0.0) + seconds
     return {node: {"rows": [_row(key, seconds) for key, seconds in sorted(per_key.items())],
                    "total": _row("total", sum(per_key.values()))} for node, per_key in sums.items()}
 
 
-def _pieces(by: str, user: str, minor: int, start: float, end: float) -> list[tuple[Any, float]]:
+def _pieces(by: str, user: str, unit: int, start: float, end: float) -> list[tuple[Any, float]]:
     if by == "user":
         return [(user, end - start)]
     if by == "gpu":
-        return [(minor, end - start)]
+        return [(unit, end - start)]
     pieces = []
     while start < end:  # split at local midnights
         day = datetime.date.fromtimestamp(start)

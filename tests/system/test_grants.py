@@ -56,10 +56,10 @@ def test_a_failed_store_write_on_release_leaves_the_gate_open_as_the_store_says(
     monkeypatch.setattr(store, "remove_grants", disk_error)
     with pytest.raises(sqlite3.OperationalError):
         grants.remove(1001, None, 2.0, kind="release", rule="user", message="test")
-    assert [g.minor for g in store.grants(1001)] == [0, 1]
+    assert [g.unit for g in store.grants(1001)] == [0, 1]
     assert gate.entries() == {(1001, (NVIDIA_MAJOR, 0)), (1001, (NVIDIA_MAJOR, 1))}  # nothing closed behind the store's back
     monkeypatch.undo()
-    assert [g.minor for g in grants.remove(1001, [1], 3.0, kind="release", rule="user", message="test")] == [1]
+    assert [g.unit for g in grants.remove(1001, [1], 3.0, kind="release", rule="user", message="test")] == [1]
     assert gate.entries() == {(1001, (NVIDIA_MAJOR, 0))}
 
 

@@ -51,18 +51,18 @@ def gpus(config: Path) -> Iterator[NvmlBackend]:
 
 
 def by_uuid(backend: NvmlBackend) -> dict[str, int]:
-    return {gpu.uuid: gpu.minor for gpu in backend.layout().slices}
+    return {gpu.uuid: gpu.unit for gpu in backend.layout().slices}
 
 
 def test_slices_come_through_pynvml_with_units_names_and_caps(gpus: NvmlBackend, sandbox: Path) -> None:
-    whole = {gpu.minor: gpu for gpu in gpus.gpus()}
+    whole = {gpu.unit: gpu for gpu in gpus.gpus()}
     assert {minor: gpu.mig_mode for minor, gpu in whole.items()} == {0: True, 1: False, 2: True, 3: False}
     layout = gpus.layout()
     assert (layout.mig_gpus, layout.unread) == ({0, 2}, set())
     # The driver places the largest first and names each GPU instance by its place (swizzle id).
     places = {s.slice.gpu_instance: s.slice.profile for s in layout.slices if s.slice}
     assert sorted(places.values()) == sorted(LAYOUT)
-    assert [s.minor for s in layout.slices] == sorted(slice_unit(0, gi, 0) for gi in places)
+    assert [s.unit for s in layout.slices] == sorted(slice_unit(0, gi, 0) for gi in places)
     minors = mig_caps.read_mig_minors(sandbox / "dev" / REGISTRY_DIR / MIG_MINORS_FILE)
     for each in layout.slices:
         assert each.slice is not None and each.slice.parent == 0 and each.slice.compute_instance == 0
@@ -96,18 +96,18 @@ def test_a_layout_change_reuses_gi_ids_with_new_uuids(gpus: NvmlBackend, config:
     result = cli(config, "sim", "mig", "0", *LAYOUT)
     assert result.returncode == 0, result.stderr
     after = gpus.layout()  # the same NVML session sees the new layout
-    assert [s.minor for s in after.slices] == [s.minor for s in before.slices]
+    assert [s.unit for s in after.slices] == [s.unit for s in before.slices]
     assert not {s.uuid for s in after.slices} & {s.uuid for s in before.slices}
-    assert all(s.uuid in result.stdout and unit_label(s.minor) in result.stdout for s in after.slices)
+    assert all(s.uuid in result.stdout and unit_label(s.unit) in result.stdout for s in after.slices)
 
     assert cli(config, "sim", "mig", "0", "7g.80gb").returncode == 0
-    assert [(s.minor, s.slice.profile if s.slice else None) for s in gpus.layout().slices] == [
+    assert [(s.unit, s.slice.profile if s.slice else None) for s in gpus.layout().slices] == [
         (slice_unit(0, 0, 0), "7g.80gb")]
     assert cli(config, "sim", "mig", "0", "--off").returncode == 0
     assert cli(config, "sim", "mig", "1", "--on").returncode == 0
     layout = gpus.layout()
     assert (layout.mig_gpus, layout.slices) == ({1, 2}, [])
-    assert {gpu.minor: gpu.mig_mode for gpu in gpus.gpus()} == {0: False, 1: True, 2: True, 3: False}
+    assert {gpu.unit: gpu.mig_mode for gpu in gpus.gpus()} == {0: False, 1: True, 2: True, 3: False}
 
 
 def test_processes_land_on_their_slices(gpus: NvmlBackend, config: Path, burns, make_user) -> None:
@@ -224,9 +224,9 @@ def test_gpus_lists_slices_under_their_gpu(gpus: NvmlBackend, config: Path, burn
     assert set(slices) == set(by_uuid(gpus))
     shown = slices[target.uuid]
     assert (shown["unit"], shown["label"], shown["processes"], shown["memory_used"]) == (
-        target.minor, unit_label(target.minor), 1, GiB)
+        target.unit, unit_label(target.unit), 1, GiB)
     assert target.slice is not None and shown["caps"] == list(target.slice.caps)
     table = cli(config, "gpus").stdout
     assert f"{H100} (MIG mode)" in table
     row = next(line for line in table.splitlines() if target.uuid in line)
-    assert row.split()[:3] == [unit_label(target.minor), "MIG", target.slice.profile]
+    assert row.split()[:3] == [unit_label(target.unit), "MIG", target.slice.profile]

@@ -73,10 +73,10 @@ def test_inventory_comes_through_pynvml_with_minor_numbers(device_dir: Path) -> 
         assert pynvml.nvmlLib is backend.library
         gpus = backend.gpus()
     # NVML enumerates in PCI order; the minors are rotated against it on purpose.
-    assert [(gpu.index, gpu.minor) for gpu in gpus] == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert [(gpu.index, gpu.unit) for gpu in gpus] == [(0, 2), (1, 3), (2, 0), (3, 1)]
     assert all(gpu.name == "Test GPU 16GB" and gpu.memory_total == 16 * GiB for gpu in gpus)
     assert all(gpu.memory_used == 0 and gpu.utilization == 0 for gpu in gpus)
-    assert {gpu.minor: gpu.numa_node for gpu in gpus} == {0: 0, 1: 0, 2: 1, 3: None}
+    assert {gpu.unit: gpu.numa_node for gpu in gpus} == {0: 0, 1: 0, 2: 1, 3: None}
     buses = [gpu.pci_bus_id for gpu in gpus]
     assert all(re.fullmatch(r"00000000:[0-9A-F]{2}:00\.0", bus) for bus in buses) and buses == sorted(set(buses))
     uuids = [gpu.uuid for gpu in gpus]
@@ -132,8 +132,8 @@ def test_processes_with_known_and_unknown_memory(backend: SimulatedBackend, devi
         GpuProcess(known.pid, 1, 4 * GiB),
         GpuProcess(unknown.pid, 1, None),   # unknown stays unknown: never 0
         GpuProcess(graphics.pid, 2, GiB),
-    ], key=lambda p: (p.minor, p.pid))
-    usage = {gpu.minor: (gpu.memory_used, gpu.utilization) for gpu in backend.gpus()}
+    ], key=lambda p: (p.unit, p.pid))
+    usage = {gpu.unit: (gpu.memory_used, gpu.utilization) for gpu in backend.gpus()}
     assert usage == {0: (0, 0), 1: (4 * GiB, 80), 2: (GiB, 10), 3: (0, 0)}
 
 
@@ -207,7 +207,7 @@ def test_a_gpu_lost_before_start_is_left_out(device_dir: Path) -> None:
     SimulatedBackend(SimulatedConfig(count=4), device_dir).close()  # makes the registry directory
     (device_dir / REGISTRY_DIR / FAIL_FILE).write_text("NVML_ERROR_GPU_IS_LOST 2\n")
     with SimulatedBackend(SimulatedConfig(count=4), device_dir) as backend:
-        assert [gpu.minor for gpu in backend.gpus()] == [3, 0, 1]  # NVML order; GPU 2 is NVML index 0
+        assert [gpu.unit for gpu in backend.gpus()] == [3, 0, 1]  # NVML order; GPU 2 is NVML index 0
         assert backend.unavailable == ["NVML cannot reach the GPU at NVML index 0: GPU is lost"]
         assert sorted(backend.topology()) == [(0, 1), (0, 3), (1, 3)]
         assert backend.query_processes().read == {0, 1, 3}
@@ -220,7 +220,7 @@ def test_a_gpu_lost_before_start_is_left_out(device_dir: Path) -> None:
 
 def test_a_gpu_whose_inventory_fails_is_left_out(backend: SimulatedBackend, device_dir: Path) -> None:
     (device_dir / REGISTRY_DIR / FAIL_FILE).write_text("NVML_ERROR_UNKNOWN 3\n")  # lost after NVML started
-    assert [gpu.minor for gpu in backend.gpus()] == [2, 0, 1]
+    assert [gpu.unit for gpu in backend.gpus()] == [2, 0, 1]
     assert backend.unavailable == ["NVML nvmlDeviceGetMemoryInfo failed on GPU 3: Unknown Error"]
     assert sorted(backend.topology()) == [(0, 1), (0, 2), (1, 2)]
     (device_dir / REGISTRY_DIR / FAIL_FILE).unlink()

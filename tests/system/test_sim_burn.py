@@ -71,7 +71,7 @@ def test_allowed_burn_is_visible_until_it_is_terminated(gpus: NvmlBackend, confi
     proc = start_burn(config, gpu=2, mem="4GiB", util=40, user=user)
     try:
         assert gpus.processes() == [GpuProcess(proc.pid, 2, 4 * GiB)]
-        assert {gpu.minor: (gpu.memory_used, gpu.utilization) for gpu in gpus.gpus()}[2] == (4 * GiB, 40)
+        assert {gpu.unit: (gpu.memory_used, gpu.utilization) for gpu in gpus.gpus()}[2] == (4 * GiB, 40)
         assert holds_node(proc.pid, sandbox / "dev" / "nvidia2")
         [record] = records(sandbox)
         assert os.stat(sandbox / "dev" / REGISTRY_DIR / record).st_uid == user.uid
@@ -92,7 +92,7 @@ def test_burn_prints_its_pid_gpu_and_memory(gpus: NvmlBackend, config: Path, use
 def test_unknown_memory_is_reported_as_unknown(gpus: NvmlBackend, config: Path, user: TestUser) -> None:
     with burn(config, gpu=0, mem="unknown", user=user) as proc:
         assert gpus.processes() == [GpuProcess(proc.pid, 0, None)]
-        assert {gpu.minor: gpu.memory_used for gpu in gpus.gpus()}[0] == 0  # unknown is not counted
+        assert {gpu.unit: gpu.memory_used for gpu in gpus.gpus()}[0] == 0  # unknown is not counted
 
 
 def test_ignore_term_needs_sigkill_and_the_dead_burn_disappears(gpus: NvmlBackend, config: Path, sandbox: Path,

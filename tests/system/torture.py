@@ -135,17 +135,17 @@ def check(target: Target, confirmed_open: dict[str, int]) -> list[str]:
         sessions = Counter(s.user for s in store.sessions())
     finally:
         store.close()
-    held = Counter(g.minor for g in grants)
-    if twice := [m for m, n in held.items() if n > 1 and not all(g.shared for g in grants if g.minor == m)]:
+    held = Counter(g.unit for g in grants)
+    if twice := [m for m, n in held.items() if n > 1 and not all(g.shared for g in grants if g.unit == m)]:
         failures.append(f"GPU held twice: {twice}")
     with Gate(target.gate_name) as gate:
         in_map = gate.entries()
-    wanted = {(g.uid, (NVIDIA_MAJOR, g.minor)) for g in grants}
+    wanted = {(g.uid, (NVIDIA_MAJOR, g.unit)) for g in grants}
     if in_map != wanted:
         failures.append(f"gate map != store: extra {in_map - wanted}, missing {wanted - in_map}")
     grantees: dict[int, set[int]] = {}
     for g in grants:
-        grantees.setdefault(g.minor, set()).add(g.uid)
+        grantees.setdefault(g.unit, set()).add(g.uid)
     for node in sorted(target.device_dir.glob("nvidia[0-9]*")):
         minor = int(node.name[len("nvidia"):])
         users = posix_acl.acl_users(node) - {0}

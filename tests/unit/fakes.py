@@ -39,7 +39,7 @@ CAPS_MAJOR = 120  # of the MIG capability nodes
 
 
 def gpu(minor: int, mig_mode: bool = False) -> Gpu:
-    return Gpu(index=minor, minor=minor, uuid=f"GPU-{minor:04d}", name="Fake H100", pci_bus_id=f"0000:{minor:02x}:00.0",
+    return Gpu(index=minor, unit=minor, uuid=f"GPU-{minor:04d}", name="Fake H100", pci_bus_id=f"0000:{minor:02x}:00.0",
                memory_total=80 << 30, memory_used=0, numa_node=minor // 2, utilization=0, mig_mode=mig_mode)
 
 
@@ -47,7 +47,7 @@ def mig_slice(parent: int, gi: int, profile: str = "1g.10gb", uuid: str = "", ci
     """A MIG slice of GPU `parent`, its capability minors numbered as the driver's mig-minors does."""
     gib = int(profile.split(".")[1].removesuffix("gb"))
     caps = (3 + parent * 135 + gi * 9, 3 + parent * 135 + gi * 9 + 1 + ci)
-    return Gpu(index=parent, minor=slice_unit(parent, gi, ci), uuid=uuid or f"MIG-{parent}-{gi}-{ci}",
+    return Gpu(index=parent, unit=slice_unit(parent, gi, ci), uuid=uuid or f"MIG-{parent}-{gi}-{ci}",
                name=f"Fake H100 MIG {profile}", pci_bus_id=f"0000:{parent:02x}:00.0", memory_total=gib << 30,
                memory_used=0, numa_node=parent // 2, utilization=None,
                slice=MigSlice(parent, gi, ci, profile, caps))
@@ -149,25 +149,23 @@ class FakeLookup:
 
 
 class FakeSampler:
-    """Hands out the sample a test set; `processes` as (pid, uid, minor, bytes)."""
+    """Hands out the sample a test set; `processes` as (pid, uid, unit, bytes)."""
 
     def __init__(self) -> None:
-        self.last: Sample | None = None
         self.errors: Counter[str] = Counter()  # NVML errors by GPU, as the real Sampler counts them
         self.names: dict[int, str] = {}  # pid -> process name, for status
-        self.set([])
+        self.last: Sample = self.set([])  # always a sample: the tests hand it to Watcher.check as the daemon does
 
     async def commands(self, pids: Iterable[int]) -> dict[int, str]:
         return {pid: self.names.get(pid, "") for pid in pids}
 
-    def set(self, processes: Iterable[tuple[int, int, int, int | None]], minors: Collection[int] = range(4)) -> Sample:
-        procs = tuple(GpuProcess(pid, minor, used) for pid, _, minor, used in processes)
+    def set(self, processes: Iterable[tuple[int, int, int, int | None]], units: Collection[int] = range(4)) -> Sample:
+        procs = tuple(GpuProcess(pid, unit, used) for pid, _, unit, used in processes)
         owners = {pid: ProcessIdentity(pid, uid, 1000 + pid) for pid, uid, _, _ in processes}
-        self.last = Sample(0.0, procs, owners, frozenset(minors))
+        self.last = Sample(0.0, procs, owners, frozenset(units))
         return self.last
 
     async def take(self, max_age: float = 0) -> Sample:
-        assert self.last is not None
         return self.last
 
     async def take_or_log(self, action: str, max_age: float = 0, **fields: object) -> Sample | None:
@@ -213,7 +211,7 @@ class FakeProcesses:
         self.states: dict[int, str] = {}  # pid -> state shown for an unkillable process
 
     def identity(self, pid: int) -> ProcessIdentity | None:
-        return self.sampler.last.owners.get(pid) if self.sampler.last else None
+        return self.sampler.last.owners.get(pid)
 
     def command(self, pid: int) -> str:
         return self.sampler.names.get(pid, "")
@@ -298,7 +296,7 @@ class World:
         self.reloads = 0
         self.services = wiring.build(wiring.Edges(
             config=lambda: self.config, store_path=self.tmp / "state.db", sampler=self.sampler,
-            units={g.minor: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
+            units={g.unit: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
             terminals=self.notifier, exits=self.exits, find_holders=self.find_holders, processes=self.processes,
             gate=self.gate, caps_major=CAPS_MAJOR, reload=self._reload, foreign=self.foreign,
             fleet_db=self.fleet_db, held=self.held_files))
@@ -312,7 +310,7 @@ class World:
         self.scans += 1
         self.scanned_uids.append(None if uids is None else frozenset(uids))  # None: a walk of all of /proc
         wanted = set(units)
-        return [h for h in self.holders if h.minor in wanted and (uids is None or h.uid in uids)]
+        return [h for h in self.holders if h.unit in wanted and (uids is None or h.uid in uids)]
 
     def _reload(self) -> Config:
         self.reloads += 1
@@ -333,4 +331,4 @@ class World:
         return self.call("session_open", user=account.name, pid=pid, service="sshd", tty="pts/1")
 
     def held(self, uid: int) -> list[int]:
-        return [g.minor for g in self.store.grants(uid)]
+        return [g.unit for g in self.store.grants(uid)]

@@ -17,7 +17,7 @@ SHARER = Quota(gpus=8, sharing=True, gpu_memory=20 * GIB)  # 4 such promises fit
 
 def gpus(count: int, numa: dict[int, int] | None = None) -> list[Gpu]:
     numa = numa if numa is not None else {m: 0 if m < count // 2 else 1 for m in range(count)}
-    return [Gpu(index=m, minor=m, uuid=f"GPU-{m}", name="H100", pci_bus_id=f"0:{m}", memory_total=80 << 30,
+    return [Gpu(index=m, unit=m, uuid=f"GPU-{m}", name="H100", pci_bus_id=f"0:{m}", memory_total=80 << 30,
                 memory_used=0, numa_node=numa.get(m), utilization=0) for m in range(count)]
 
 
@@ -34,10 +34,10 @@ def box(count: int = 8) -> dict[tuple[int, int], Link]:
     return links
 
 
-def held(uid: int, *minors: int, shared: bool = False, memory: int | None = 20 * GIB) -> list[Grant]:
-    return [Grant(uid=uid, user=str(uid), minor=m, granted_at=0.0, expires_at=None, last_active=0.0, shared=shared,
+def held(uid: int, *units: int, shared: bool = False, memory: int | None = 20 * GIB) -> list[Grant]:
+    return [Grant(uid=uid, user=str(uid), unit=m, granted_at=0.0, expires_at=None, last_active=0.0, shared=shared,
                   memory=memory if shared else None)
-            for m in minors]
+            for m in units]
 
 
 def choose(count: int = 1, grants=(), uid: int = ALICE, share: bool = False, last_released=None,
@@ -176,9 +176,9 @@ def test_random_machines_never_break_the_invariants(seed):
     share = rng.random() < 0.5
     want = rng.randint(1, count)
     chosen = allocator.choose(inventory, topology, grants, {}, ALICE, want, share, None, SHARER)
-    exclusive = {g.minor for g in grants if not g.shared}
-    taken = {g.minor for g in grants}
-    full = {m for m in taken if sum(g.minor == m for g in grants) >= SHARER.max_sharers}
+    exclusive = {g.unit for g in grants if not g.shared}
+    taken = {g.unit for g in grants}
+    full = {m for m in taken if sum(g.unit == m for g in grants) >= SHARER.max_sharers}
     assert len(chosen) == len(set(chosen)) <= want
     assert not set(chosen) & (exclusive | full)
     if not share:

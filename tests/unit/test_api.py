@@ -13,11 +13,11 @@ def test_a_member_login_gets_a_gpu_and_a_second_session_reuses_it(world):
     alice = world.lookup.add("alice", 1001, GROUP)
     first = world.login(alice)
     assert first["ok"] and first["gpus"] == world.held(1001) and len(first["gpus"]) == 1
-    (minor,) = first["gpus"]
-    assert first["cuda_visible_devices"] == f"GPU-{minor:04d}"
-    assert world.nodes.users[minor] == {1001}  # the node's ACL followed the store
+    (unit,) = first["gpus"]
+    assert first["cuda_visible_devices"] == f"GPU-{unit:04d}"
+    assert world.nodes.users[unit] == {1001}  # the node's ACL followed the store
     second = world.login(alice, pid=4343)
-    assert second["gpus"] == [minor] and world.held(1001) == [minor]
+    assert second["gpus"] == [unit] and world.held(1001) == [unit]
 
 
 def test_a_non_member_and_an_unknown_user_open_their_session_without_gpus(world):
@@ -39,7 +39,7 @@ def test_logout_releases_unused_session_grants_and_keeps_held_ones(world):
     alice, bob = world.lookup.add("alice", 1001, GROUP), world.lookup.add("bob", 1002, GROUP)
     (a_minor,) = world.login(alice, pid=11)["gpus"]
     (b_minor,) = world.login(bob, pid=12)["gpus"]
-    world.holders.append(Holder(pid=99, uid=1002, minor=b_minor))  # bob's nohup job holds the node open
+    world.holders.append(Holder(pid=99, uid=1002, unit=b_minor))  # bob's nohup job holds the node open
     closed = world.call("session_close", user="alice", pid=11)
     assert closed["held"] == [a_minor] and closed["release_pending"]
     assert world.held(1001) == [] and world.nodes.users[a_minor] == frozenset()
@@ -50,22 +50,22 @@ def test_logout_releases_unused_session_grants_and_keeps_held_ones(world):
 
 def test_a_close_that_is_not_the_last_starts_no_release(world):
     alice = world.lookup.add("alice", 1001, GROUP)
-    (minor,) = world.login(alice, pid=11)["gpus"]
+    (unit,) = world.login(alice, pid=11)["gpus"]
     world.login(alice, pid=12)
     closed = world.call("session_close", user="alice", pid=11)
-    assert (closed["closed"], closed["held"], closed["release_pending"]) == (True, [minor], False)
-    assert world.scans == 0 and world.held(1001) == [minor]
+    assert (closed["closed"], closed["held"], closed["release_pending"]) == (True, [unit], False)
+    assert world.scans == 0 and world.held(1001) == [unit]
 
 
 def test_a_kept_grant_is_not_looked_for_each_tick_but_when_its_holder_exits(world):
     bob = world.lookup.add("bob", 1002, GROUP)
-    (minor,) = world.login(bob, pid=12)["gpus"]
-    world.holders.append(Holder(pid=99, uid=1002, minor=minor))
+    (unit,) = world.login(bob, pid=12)["gpus"]
+    world.holders.append(Holder(pid=99, uid=1002, unit=unit))
     world.call("session_close", user="bob", pid=12)
     tick = lambda: asyncio.run(world.logout.release_unused(world.sampler.last))  # noqa: E731
     for _ in range(5):
         tick()
-    assert world.scans == 1 and world.held(1002) == [minor]
+    assert world.scans == 1 and world.held(1002) == [unit]
     world.holders.clear()
     world.exits.exit(99)
     tick()  # looks again (only a look can release it), and Grants.remove has the HolderEnder look too
@@ -75,10 +75,10 @@ def test_a_kept_grant_is_not_looked_for_each_tick_but_when_its_holder_exits(worl
 
 def test_a_nvml_process_keeps_the_grant_after_logout(world):
     alice = world.lookup.add("alice", 1001, GROUP)
-    (minor,) = world.login(alice, pid=11)["gpus"]
-    world.sampler.set([(500, 1001, minor, 1 << 30)])
+    (unit,) = world.login(alice, pid=11)["gpus"]
+    world.sampler.set([(500, 1001, unit, 1 << 30)])
     assert world.call("session_close", user="alice", pid=11)["release_pending"]
-    assert world.held(1001) == [minor]
+    assert world.held(1001) == [unit]
 
 
 def test_request_respects_the_quota_and_tops_up(world):
@@ -125,8 +125,8 @@ def test_closing_sessions_already_gone_scans_nothing(world):
     users = [world.lookup.add(f"u{i}", 1100 + i, GROUP) for i in range(4)]
     for user in users:
         world.login(user, pid=9000 + user.uid)
-        (minor,) = world.held(user.uid)
-        world.holders.append(Holder(pid=500 + user.uid, uid=user.uid, minor=minor))  # a job without a CUDA context
+        (unit,) = world.held(user.uid)
+        world.holders.append(Holder(pid=500 + user.uid, uid=user.uid, unit=unit))  # a job without a CUDA context
     world.store.remove_sessions(s.id for s in world.store.sessions())  # as drop_dead_sessions does
     for _ in range(5):
         for user in users:
@@ -141,7 +141,7 @@ def test_the_close_that_ends_the_last_session_scans_only_that_users_processes(wo
         for pid in (1, 2):
             world.login(user, pid=pid * 10000 + user.uid)
     for user in users:
-        world.holders.append(Holder(pid=500 + user.uid, uid=user.uid, minor=world.held(user.uid)[0]))
+        world.holders.append(Holder(pid=500 + user.uid, uid=user.uid, unit=world.held(user.uid)[0]))
     for pid in (1, 2):
         for user in users:
             world.call("session_close", user=user.name, pid=pid * 10000 + user.uid)

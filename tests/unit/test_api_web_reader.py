@@ -1,6 +1,8 @@
 """The web view's account ([web] user) reads every user's records as root does, and nothing more."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from fakes import GROUP, World
 
@@ -9,7 +11,7 @@ from gpuguard.model import Quota
 
 
 @pytest.fixture
-def world(tmp_path) -> World:
+def world(tmp_path) -> Iterator[World]:
     w = World(tmp_path)
     w.config = Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=1), web=WebConfig(user="ggweb"))
     yield w
@@ -19,9 +21,9 @@ def world(tmp_path) -> World:
 def test_the_web_account_reads_anyones_whoami_report_and_events(world):
     alice = world.lookup.add("alice", 1001, GROUP)
     world.lookup.add("ggweb", 990, "ggweb")
-    (minor,) = world.login(alice)["gpus"]
+    (unit,) = world.login(alice)["gpus"]
     seen = world.call("whoami", uid=990, user="alice")
-    assert seen["ok"] and [g["minor"] for g in seen["grants"]] == [minor]
+    assert seen["ok"] and [g["minor"] for g in seen["grants"]] == [unit]
     assert world.call("events", uid=990, user="alice")["ok"]
     assert world.call("report", uid=990, since=0.0)["ok"]  # everyone's
 

@@ -75,7 +75,8 @@ def test_the_pure_core_imports_nothing_that_does_io():
 
 def reached(name: str) -> set[str]:
     """Every gpuguard module `name` imports when it loads, through any chain of imports."""
-    edges, seen, todo = graph(), set(), [name]
+    edges, todo = graph(), [name]
+    seen: set[str] = set()
     while todo:
         for nxt in edges[todo.pop()] - seen:
             seen.add(nxt)

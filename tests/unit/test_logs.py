@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 
 import pytest
 
@@ -16,7 +17,7 @@ from devtools.harness import log_lines
 from gpuguard.logs import JournalFormatter, KeyValueFormatter, Throttle, pairs, stderr_is_journal
 
 
-def failing_step() -> None:
+def failing_step() -> NoReturn:
     raise KeyError("gpu 3")
 
 

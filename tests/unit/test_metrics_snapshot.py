@@ -22,15 +22,15 @@ def exposition(metrics: Metrics) -> dict[tuple[str, frozenset], float]:
 
 def test_a_gpu_nvml_cannot_read_is_down_and_counted_and_the_others_keep_their_numbers(world):
     alice = world.lookup.add("alice", 1001, GROUP)
-    (minor,) = world.login(alice)["gpus"]
-    sample = world.sampler.set([(500, 1001, minor, 3 << 30)], minors={0, 1, 2, 3} - {3})
-    world.sampler.last = replace(sample, use={minor: GpuUse(3 << 30, 80 << 30, 40)})
+    (unit,) = world.login(alice)["gpus"]
+    sample = world.sampler.set([(500, 1001, unit, 3 << 30)], units={0, 1, 2, 3} - {3})
+    world.sampler.last = replace(sample, use={unit: GpuUse(3 << 30, 80 << 30, 40)})
     world.sampler.errors = {"3": 2}
     metrics = Metrics(MetricsConfig(), world.store, world.grants.gpus, world.sampler, None,
                       world.services.accounts.of)
     metrics.publish(0.02)
     m = exposition(metrics)
-    key = frozenset({"gpu": str(minor), "uuid": f"GPU-{minor:04d}"}.items())
+    key = frozenset({"gpu": str(unit), "uuid": f"GPU-{unit:04d}"}.items())
     assert m[("gpuguard_gpu_utilization_ratio", key)] == 0.4
     assert m[("gpuguard_user_gpu_memory_used_bytes", key | {("user", "alice")})] == 3 << 30
     assert m[("gpuguard_gpu_up", frozenset({"gpu": "3", "uuid": "GPU-0003"}.items()))] == 0

@@ -7,12 +7,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 from fakes import CAPS_MAJOR, GROUP, FakeGate, World, gpu, mig_slice
 
 from gpuguard import allocator, config, layout, quota_file
+from gpuguard.backends.nvml import MigLayout
 from gpuguard.config import QuotaOverrides
 from gpuguard.model import (
     NVIDIA_MAJOR,
@@ -35,12 +35,15 @@ from gpuguard.store import Store
 H100 = 1 << 30
 
 
-class Layout(NamedTuple):
-    """What NvmlBackend.layout() reports (backends.nvml.MigLayout)."""
+def seen_layout(slices: list[Gpu], mig_gpus: frozenset[int], unread: frozenset[int] = frozenset()) -> MigLayout:
+    """What NvmlBackend.layout() reports, nothing unread unless said."""
+    return MigLayout(slices, mig_gpus, unread)
 
-    slices: list[Gpu]
-    mig_gpus: frozenset[int]
-    unread: frozenset[int] = frozenset()
+
+def caps(piece: Gpu) -> tuple[int, int]:
+    """A slice's capability minors (a whole GPU has none: asking is a test's mistake)."""
+    assert piece.slice is not None, f"{piece.uuid} is not a MIG slice"
+    return piece.slice.caps
 
 
 # --- numbering
@@ -99,7 +102,7 @@ def test_a_slice_is_never_shared_and_a_returning_user_gets_theirs_back() -> None
     held = [_grant(2000, slice_unit(0, 1, 0), shared=True), _grant(2001, slice_unit(0, 2, 0), shared=True)]
     assert _choose(two, held, share=True) == ()
     sharer = Quota(sharing=True, gpu_memory=1 << 30, max_sharers=8)  # a promise that would fit: still no
-    assert allocator.blocking(held, 1001, {slice_unit(0, 1, 0)}, True, {g.minor: g for g in two}, sharer) == held[:1]
+    assert allocator.blocking(held, 1001, {slice_unit(0, 1, 0)}, True, {g.unit: g for g in two}, sharer) == held[:1]
     assert _choose(two, held_last={slice_unit(0, 2, 0): 50.0}) == (slice_unit(0, 2, 0),)
 
 
@@ -107,12 +110,12 @@ def test_a_slice_is_never_shared_and_a_returning_user_gets_theirs_back() -> None
 
 def test_stale_grants_follow_the_layout() -> None:
     kept, gone, recreated = mig_slice(1, 1), mig_slice(1, 2), mig_slice(1, 3, uuid="MIG-new")
-    grants = [Grant(1, "a", kept.minor, 0, None, 0, uuid=kept.uuid),
-              Grant(2, "b", gone.minor, 0, None, 0, uuid=gone.uuid),
-              Grant(3, "c", recreated.minor, 0, None, 0, uuid="MIG-old"),
+    grants = [Grant(1, "a", kept.unit, 0, None, 0, uuid=kept.uuid),
+              Grant(2, "b", gone.unit, 0, None, 0, uuid=gone.uuid),
+              Grant(3, "c", recreated.unit, 0, None, 0, uuid="MIG-old"),
               Grant(4, "d", 0, 0, None, 0, uuid="GPU-0000"),          # GPU 0 went into MIG mode
               Grant(5, "e", 2, 0, None, 0, uuid="GPU-0002"),          # GPU 2 could not be read
-              Grant(6, "f", mig_slice(3, 1).minor, 0, None, 0),       # a slice grant with no UUID on record
+              Grant(6, "f", mig_slice(3, 1).unit, 0, None, 0),       # a slice grant with no UUID on record
               Grant(7, "g", 4, 0, None, 0)]                           # a whole GPU's from before UUIDs were kept
     units = layout.grantable([gpu(0, mig_mode=True), gpu(1, mig_mode=True), gpu(2), gpu(3, mig_mode=True), gpu(4)],
                              [kept, recreated, mig_slice(3, 1)])
@@ -126,11 +129,11 @@ def test_stale_grants_follow_the_layout() -> None:
 
 # --- grants on slices, through the services wiring.build wires
 
-def _update(world: World, seen: Layout, now: float) -> dict[Grant, str]:
+def _update(world: World, seen: MigLayout, now: float) -> dict[Grant, str]:
     """Releases.follow_layout on the event loop, as the daemon's tick calls it (the holders of a
     revoked slice are ended in the background)."""
     async def update() -> dict[Grant, str]:
-        return world.services.releases.follow_layout(seen, now)  # type: ignore[arg-type]
+        return world.services.releases.follow_layout(seen, now)
     return asyncio.run(update())
 
 
@@ -148,19 +151,19 @@ def test_two_users_on_two_slices_of_one_gpu(mig_world: World) -> None:
     alice, bob = mig_world.lookup.accounts["alice"], mig_world.lookup.accounts["bob"]
     first, second = mig_world.login(alice), mig_world.login(bob, pid=4343)
     a, b = mig_slice(1, 1), mig_slice(1, 2)
-    assert first["gpus"] == [a.minor] and first["cuda_visible_devices"] == a.uuid
-    assert second["gpus"] == [b.minor] and second["cuda_visible_devices"] == b.uuid
+    assert first["gpus"] == [a.unit] and first["cuda_visible_devices"] == a.uuid
+    assert second["gpus"] == [b.unit] and second["cuda_visible_devices"] == b.uuid
     assert "GPU 1/gi1/ci0 (Fake H100 MIG 1g.10gb) is yours" in first["message"]
     nodes = mig_world.nodes.devices
     assert nodes[(NVIDIA_MAJOR, 1)] == {1001, 1002}  # the parent: both
-    assert nodes[(CAPS_MAJOR, a.slice.caps[0])] == nodes[(CAPS_MAJOR, a.slice.caps[1])] == {1001}
-    assert nodes[(CAPS_MAJOR, b.slice.caps[0])] == {1002}
-    assert mig_world.grants.holder_devices(a.minor) == [(CAPS_MAJOR, cap) for cap in a.slice.caps]
+    assert nodes[(CAPS_MAJOR, caps(a)[0])] == nodes[(CAPS_MAJOR, caps(a)[1])] == {1001}
+    assert nodes[(CAPS_MAJOR, caps(b)[0])] == {1002}
+    assert mig_world.grants.holder_devices(a.unit) == [(CAPS_MAJOR, cap) for cap in caps(a)]
     # bob gives his back: the parent stays open to alice only, his caps to nobody
     mig_world.call("release", uid=1002)
-    assert nodes[(NVIDIA_MAJOR, 1)] == {1001} and nodes[(CAPS_MAJOR, b.slice.caps[1])] == frozenset()
+    assert nodes[(NVIDIA_MAJOR, 1)] == {1001} and nodes[(CAPS_MAJOR, caps(b)[1])] == frozenset()
     whoami = mig_world.call("whoami", uid=1001)
-    assert [(g["minor"], g["uuid"]) for g in whoami["grants"]] == [(a.minor, a.uuid)]
+    assert [(g["minor"], g["uuid"]) for g in whoami["grants"]] == [(a.unit, a.uuid)]
 
 
 def test_a_layout_change_revokes_the_changed_slices_and_keeps_the_others(mig_world: World) -> None:
@@ -169,30 +172,30 @@ def test_a_layout_change_revokes_the_changed_slices_and_keeps_the_others(mig_wor
     mig_world.login(bob, pid=4343)
     a, b = mig_slice(1, 1), mig_slice(1, 2)
     # the admin re-creates GI 2 (same ids, new UUID) and destroys GI 3
-    ended = _update(mig_world, Layout([a, mig_slice(1, 2, uuid="MIG-again")], frozenset({1})), 100.0)
-    assert [(g.user, g.minor) for g in ended] == [("bob", b.minor)]
-    assert mig_world.held(1001) == [a.minor] and mig_world.held(1002) == []
-    assert mig_world.nodes.devices[(CAPS_MAJOR, b.slice.caps[1])] == frozenset()
+    ended = _update(mig_world, seen_layout([a, mig_slice(1, 2, uuid="MIG-again")], frozenset({1})), 100.0)
+    assert [(g.user, g.unit) for g in ended] == [("bob", b.unit)]
+    assert mig_world.held(1001) == [a.unit] and mig_world.held(1002) == []
+    assert mig_world.nodes.devices[(CAPS_MAJOR, caps(b)[1])] == frozenset()
     event = mig_world.store.events(1002)[-1]
-    assert (event.kind, event.rule, event.minor) == ("revoke", "layout", b.minor)
+    assert (event.kind, event.rule, event.unit) == ("revoke", "layout", b.unit)
     assert "re-created" in event.message
-    assert set(mig_world.grants.gpus) == {0, a.minor, b.minor}  # the new slice can be handed out
+    assert set(mig_world.grants.gpus) == {0, a.unit, b.unit}  # the new slice can be handed out
     # the same layout again changes nothing; an unread GPU decides nothing
-    assert _update(mig_world, Layout([a, mig_slice(1, 2, uuid="MIG-again")], frozenset({1})), 101.0) == {}
-    assert _update(mig_world, Layout([], frozenset(), frozenset({0, 1})), 102.0) == {}
-    assert mig_world.held(1001) == [a.minor]
+    assert _update(mig_world, seen_layout([a, mig_slice(1, 2, uuid="MIG-again")], frozenset({1})), 101.0) == {}
+    assert _update(mig_world, seen_layout([], frozenset(), frozenset({0, 1})), 102.0) == {}
+    assert mig_world.held(1001) == [a.unit]
 
 
 def test_memory_quota_does_not_apply_inside_a_slice(mig_world: World) -> None:
     mig_world.quota(gpu_memory=1 << 30)
     alice = mig_world.lookup.accounts["alice"]
     unit = mig_world.login(alice)["gpus"][0]
-    mig_world.sampler.set([(500, 1001, unit, 9 << 30)], minors={0, unit})
+    mig_world.sampler.set([(500, 1001, unit, 9 << 30)], units={0, unit})
     assert _check(mig_world) == []
 
 
 def _check(world: World) -> list:
-    return asyncio.run(world.watcher.check(world.sampler.last, 1000.0))  # type: ignore[arg-type]
+    return asyncio.run(world.watcher.check(world.sampler.last, 1000.0))
 
 
 def test_memory_quota_still_applies_on_a_whole_gpu(tmp_path: Path) -> None:
@@ -221,7 +224,7 @@ def test_mig_quota_keys_parse_and_show_as_quota_set_takes_them() -> None:
 def test_the_store_keeps_uuids_and_a_waiters_profiles(tmp_path: Path) -> None:
     store = Store(tmp_path / "state.db")
     store.add_grants(1001, "alice", [slice_unit(1, 1, 0), 0], 1.0, None, uuids={slice_unit(1, 1, 0): "MIG-x"})
-    assert {g.minor: g.uuid for g in store.grants()} == {0: "", slice_unit(1, 1, 0): "MIG-x"}
+    assert {g.unit: g.uuid for g in store.grants()} == {0: "", slice_unit(1, 1, 0): "MIG-x"}
     quota = Quota(whole_gpus=False, slices=1, slice_profiles=("1g.18gb",))
     store.join_queue(1001, "alice", 1, 2.0, quota, Origin.SESSION, None, None)
     assert store.queue()[0].quota == quota
@@ -231,14 +234,14 @@ def test_the_store_keeps_uuids_and_a_waiters_profiles(tmp_path: Path) -> None:
 
 def test_gate_entries_are_the_union_of_a_users_grants(tmp_path: Path) -> None:
     a, b = mig_slice(1, 1), mig_slice(1, 2)
-    world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), a, b], gate=FakeGate())
-    gate = world.gate
-    world.grants.add(1001, "alice", [a.minor], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
-    world.grants.add(1001, "alice", [b.minor], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
-    caps = {(1001, (CAPS_MAJOR, cap)) for piece in (a, b) for cap in piece.slice.caps}
-    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 1))} | caps
-    _remove(world, 1001, [a.minor])  # the other slice still needs the parent's node
-    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 1))} | {(1001, (CAPS_MAJOR, cap)) for cap in b.slice.caps}
+    gate = FakeGate()
+    world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), a, b], gate=gate)
+    world.grants.add(1001, "alice", [a.unit], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
+    world.grants.add(1001, "alice", [b.unit], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
+    both = {(1001, (CAPS_MAJOR, cap)) for piece in (a, b) for cap in caps(piece)}
+    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 1))} | both
+    _remove(world, 1001, [a.unit])  # the other slice still needs the parent's node
+    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 1))} | {(1001, (CAPS_MAJOR, cap)) for cap in caps(b)}
     _remove(world, 1001, None)
     assert gate.entries() == set()
 
@@ -255,23 +258,23 @@ def _restarted(world: World, tmp_path: Path, gpus: list[Gpu]) -> World:
 def test_grants_on_slices_changed_while_no_daemon_ran_end_at_the_first_look(tmp_path: Path) -> None:
     before = [gpu(0), gpu(1, mig_mode=True), mig_slice(1, 1), mig_slice(1, 2)]
     world = World(tmp_path, gpus=before)
-    for uid, unit in ((1001, mig_slice(1, 1).minor), (1002, mig_slice(1, 2).minor)):
+    for uid, unit in ((1001, mig_slice(1, 1).unit), (1002, mig_slice(1, 2).unit)):
         world.grants.add(uid, f"u{uid}", [unit], 0.0, expires_at=None, shared=False, origin=Origin.ADMIN, message="")
     # while no daemon ran: GI 1 re-created as another slice, GI 2 destroyed
     now = [gpu(0), gpu(1, mig_mode=True), mig_slice(1, 1, "3g.40gb", uuid="MIG-new")]
     again = _restarted(world, tmp_path, now)
-    ended = _update(again, Layout(now[2:], frozenset({1})), 50.0)  # the same layout the daemon started with
+    ended = _update(again, seen_layout(now[2:], frozenset({1})), 50.0)  # the same layout the daemon started with
     assert sorted(g.uid for g in ended) == [1001, 1002] and world.store.grants() == []
 
 
 def test_a_gpu_that_left_mig_mode_while_no_daemon_ran_is_not_handed_out_over_its_old_slice(tmp_path: Path) -> None:
     world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), mig_slice(1, 2)])
-    world.grants.add(1001, "alice", [mig_slice(1, 2).minor], 0.0, expires_at=None, shared=False,
+    world.grants.add(1001, "alice", [mig_slice(1, 2).unit], 0.0, expires_at=None, shared=False,
                      origin=Origin.ADMIN, message="")
     again = _restarted(world, tmp_path, [gpu(0), gpu(1)])
     # before the first look the allocator keeps GPU 1 (its node is still alice's) off anyone else
     assert again.grants.choose(1002, 2, Quota(gpus=2)) == (0,)
-    assert [g.user for g in _update(again, Layout([], frozenset()), 50.0)] == ["alice"]
+    assert [g.user for g in _update(again, seen_layout([], frozenset()), 50.0)] == ["alice"]
     assert again.grants.choose(1002, 2, Quota(gpus=2)) == (0, 1)
 
 
@@ -280,34 +283,36 @@ def test_what_a_layout_change_frees_goes_to_the_queue_from_the_new_layout(tmp_pa
     for name, uid in (("alice", 1001), ("bob", 1002), ("carol", 1003)):
         world.lookup.add(name, uid, GROUP)
     assert world.login(world.lookup.accounts["alice"])["gpus"] == [0]
-    assert world.login(world.lookup.accounts["bob"], pid=4343)["gpus"] == [mig_slice(1, 1).minor]
+    assert world.login(world.lookup.accounts["bob"], pid=4343)["gpus"] == [mig_slice(1, 1).unit]
     assert world.login(world.lookup.accounts["carol"], pid=4444)["queue"]["position"] == 1
     # GPU 0 goes into MIG mode with one slice, and GPU 1's slice is destroyed
-    ended = _update(world, Layout([mig_slice(0, 2)], frozenset({0, 1})), 100.0)
+    ended = _update(world, seen_layout([mig_slice(0, 2)], frozenset({0, 1})), 100.0)
     assert sorted(g.user for g in ended) == ["alice", "bob"]
-    assert world.held(1003) == [mig_slice(0, 2).minor]  # not GPU 0 whole, which is in MIG mode now
+    assert world.held(1003) == [mig_slice(0, 2).unit]  # not GPU 0 whole, which is in MIG mode now
 
 
 def test_a_revoke_that_fails_is_logged_and_the_others_go_on(tmp_path: Path) -> None:
-    world = World(tmp_path, gpus=[gpu(0, mig_mode=True), mig_slice(0, 1), mig_slice(0, 2)], gate=FakeGate())
+    gate = FakeGate()
+    world = World(tmp_path, gpus=[gpu(0, mig_mode=True), mig_slice(0, 1), mig_slice(0, 2)], gate=gate)
     for uid, gi in ((1001, 1), (1002, 2)):
-        world.grants.add(uid, f"u{uid}", [mig_slice(0, gi).minor], 0.0, expires_at=None, shared=False,
+        world.grants.add(uid, f"u{uid}", [mig_slice(0, gi).unit], 0.0, expires_at=None, shared=False,
                          origin=Origin.ADMIN, message="")
-    world.gate.failing.add(1001)
-    ended = _update(world, Layout([], frozenset({0})), 10.0)
-    assert [g.uid for g in ended] == [1002] and world.held(1001) == [mig_slice(0, 1).minor]
-    world.gate.failing.clear()  # the next sample tries again
-    assert [g.uid for g in _update(world, Layout([], frozenset({0})), 11.0)] == [1001]
+    gate.failing.add(1001)
+    ended = _update(world, seen_layout([], frozenset({0})), 10.0)
+    assert [g.uid for g in ended] == [1002] and world.held(1001) == [mig_slice(0, 1).unit]
+    gate.failing.clear()  # the next sample tries again
+    assert [g.uid for g in _update(world, seen_layout([], frozenset({0})), 11.0)] == [1001]
 
 
 def test_caps_learned_after_start_open_the_gate_for_the_grants_on_them(tmp_path: Path) -> None:
     piece = mig_slice(0, 1)
-    world = World(tmp_path, gpus=[gpu(0, mig_mode=True)], gate=FakeGate())  # its slices could not be read at start
-    world.store.add_grants(1001, "alice", [piece.minor], 0.0, None, uuids={piece.minor: piece.uuid})
+    gate = FakeGate()
+    world = World(tmp_path, gpus=[gpu(0, mig_mode=True)], gate=gate)  # its slices could not be read at start
+    world.store.add_grants(1001, "alice", [piece.unit], 0.0, None, uuids={piece.unit: piece.uuid})
     world.grants.reconcile()
-    assert world.gate.entries() == {(1001, (NVIDIA_MAJOR, 0))}
-    assert _update(world, Layout([piece], frozenset({0})), 5.0) == {}
-    assert world.gate.entries() == {(1001, (NVIDIA_MAJOR, 0))} | {(1001, (CAPS_MAJOR, cap)) for cap in piece.slice.caps}
+    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 0))}
+    assert _update(world, seen_layout([piece], frozenset({0})), 5.0) == {}
+    assert gate.entries() == {(1001, (NVIDIA_MAJOR, 0))} | {(1001, (CAPS_MAJOR, cap)) for cap in caps(piece)}
 
 
 def test_reclaim_on_demand_frees_only_units_the_waiter_can_have(tmp_path: Path) -> None:
@@ -316,12 +321,12 @@ def test_reclaim_on_demand_frees_only_units_the_waiter_can_have(tmp_path: Path) 
     world.config = replace(world.config, quotas=QuotaOverrides(users={"carol": {"whole_gpus": False}}))
     for name, uid in (("alice", 1001), ("bob", 1002), ("carol", 1003)):
         world.lookup.add(name, uid, GROUP)
-    piece = mig_slice(1, 1).minor
+    piece = mig_slice(1, 1).unit
     assert world.login(world.lookup.accounts["alice"])["gpus"] == [0]
     assert world.login(world.lookup.accounts["bob"], pid=4343)["gpus"] == [piece]
     assert world.login(world.lookup.accounts["carol"], pid=4444)["queue"]["position"] == 1
     assert world.queue.demand() == Demand(1, frozenset({piece}))  # GPU 0 whole is of no use to carol
-    world.sampler.set([], minors={0, piece})  # both grants idle for an hour
-    actions = asyncio.run(world.watcher.check(world.sampler.last, time.time() + 3600))  # type: ignore[arg-type]
+    world.sampler.set([], units={0, piece})  # both grants idle for an hour
+    actions = asyncio.run(world.watcher.check(world.sampler.last, time.time() + 3600))
     assert [(a.kind, a.rule, a.uid) for a in actions] == [("release", "reclaim", 1002)]
     assert world.held(1001) == [0] and world.held(1003) == [piece]

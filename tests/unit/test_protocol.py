@@ -2,6 +2,7 @@
 import pytest
 
 from gpuguard import protocol
+from gpuguard.model import Event, Grant, slice_unit
 from gpuguard.protocol import ProtocolError
 
 
@@ -32,3 +33,12 @@ def test_request_round_trip():
 def test_bad_requests_are_protocol_errors(line, fragment):
     with pytest.raises(ProtocolError, match=fragment):
         protocol.decode_request(line)
+
+
+def test_a_grants_and_an_events_unit_travel_under_the_wires_key_minor():
+    grant = Grant(1001, "alice", slice_unit(3, 1, 0), 10.0, None, 10.0, uuid="MIG-x")
+    event = Event(10.0, 1001, "alice", "grant", "yours", unit=2)
+    sent = [protocol.record(grant), protocol.record(event)]
+    assert [(r["minor"], "unit" in r) for r in sent] == [(slice_unit(3, 1, 0), False), (2, False)]
+    assert list(sent[0])[:4] == ["uid", "user", "minor", "granted_at"]  # in the fields' order, as before
+    assert protocol.decode(protocol.encode(sent[1]))["minor"] == 2

@@ -19,9 +19,9 @@ def check(world: World, now: float) -> None:
 
 def test_the_watcher_counts_granted_busy_and_idle_seconds_in_the_hour_they_happen(world):
     alice = world.lookup.add("alice", 1001, GROUP)
-    (minor,) = world.login(alice)["gpus"]
+    (unit,) = world.login(alice)["gpus"]
     interval = world.config.watcher.interval
-    world.sampler.set([(321, 1001, minor, 1 << 30)])
+    world.sampler.set([(321, 1001, unit, 1 << 30)])
     for tick in range(1, 6):  # busy across the hour's end
         check(world, DAY + HOUR - 3 * interval + tick * interval)
     world.sampler.set([])
@@ -93,13 +93,13 @@ def test_status_lists_processes_holders_quota_and_gpu_numbers(world):
     world.quota(gpu_memory=4 << 30, max_time=3600.0)
     alice = world.lookup.add("alice", 1001, GROUP)
     world.lookup.add("bob", 1002, GROUP)
-    (minor,) = world.login(alice)["gpus"]
-    sample = world.sampler.set([(321, 1001, minor, 3 << 30), (322, 1002, minor, None)], minors={0, 1, 2})
-    world.sampler.last = replace(sample, use={minor: GpuUse(3 << 30, 80 << 30, 55)})
+    (unit,) = world.login(alice)["gpus"]
+    sample = world.sampler.set([(321, 1001, unit, 3 << 30), (322, 1002, unit, None)], units={0, 1, 2})
+    world.sampler.last = replace(sample, use={unit: GpuUse(3 << 30, 80 << 30, 55)})
     world.sampler.names = {321: "python"}
     check(world, 1000.0)  # the watcher resolves names and quotas; status reuses them without NSS
     gpus = {g["minor"]: g for g in world.call("status", uid=1002)["gpus"]}
-    gpu = gpus[minor]
+    gpu = gpus[unit]
     assert (gpu["memory_used"], gpu["utilization"], gpu["processes"]) == (3 << 30, 55, 2)
     assert [(p["pid"], p["user"], p["memory"], p["command"]) for p in gpu["process_list"]] == [
         (321, "alice", 3 << 30, "python"), (322, "bob", None, "")]

@@ -25,7 +25,7 @@ def test_a_tick_that_releases_a_gpu_acts_on_another_users_process_there_as_decid
     granted_at = max(g.granted_at for g in world.store.grants())
     done = []
     for tick in range(1, 9):  # at the configured pace: warned at tick 1, grace over at 7, idle at 7
-        done += [(a.kind, a.rule, a.uid, a.minor) for a in asyncio.run(world.watcher.check(world.sampler.last,
+        done += [(a.kind, a.rule, a.uid, a.unit) for a in asyncio.run(world.watcher.check(world.sampler.last,
                                                                                            granted_at + 5.0 * tick))]
         if world.held(1005):
             break

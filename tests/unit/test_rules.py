@@ -28,13 +28,13 @@ T = Timing(grace=30.0, kill_wait=10.0)
 NOW = 100_000.0
 
 
-def grant(uid: int = ALICE, minor: int = 0, granted_at: float = NOW - 50, expires_at: float | None = None,
+def grant(uid: int = ALICE, unit: int = 0, granted_at: float = NOW - 50, expires_at: float | None = None,
           last_active: float | None = None) -> Grant:
-    return Grant(uid, f"u{uid}", minor, granted_at, expires_at, granted_at if last_active is None else last_active)
+    return Grant(uid, f"u{uid}", unit, granted_at, expires_at, granted_at if last_active is None else last_active)
 
 
-def proc(pid: int, memory: int | None, uid: int = ALICE, minor: int = 0, start: int | None = None) -> Proc:
-    return Proc(pid, uid, pid * 10 if start is None else start, minor, memory)
+def proc(pid: int, memory: int | None, uid: int = ALICE, unit: int = 0, start: int | None = None) -> Proc:
+    return Proc(pid, uid, pid * 10 if start is None else start, unit, memory)
 
 
 DEFAULT_QUOTA = Quota(gpu_memory=20 * GiB)
@@ -185,7 +185,7 @@ def test_zero_memory_process_is_not_a_candidate():
 
 
 def test_memory_is_per_gpu():
-    v = view([proc(1, 15 * GiB, minor=0), proc(2, 15 * GiB, minor=1)], [grant(minor=0), grant(minor=1)])
+    v = view([proc(1, 15 * GiB, unit=0), proc(2, 15 * GiB, unit=1)], [grant(unit=0), grant(unit=1)])
     assert rules.decide(v, State(), NOW, T) == []
 
 
@@ -247,8 +247,8 @@ def test_new_process_with_a_reused_pid_is_not_the_signalled_one():
 
 
 def test_a_process_on_two_gpus_gets_one_signal_per_tick():
-    a0, a1 = proc(1, 24 * GiB, minor=0), proc(1, 24 * GiB, minor=1)
-    v = view([a0, a1], [grant(minor=0), grant(minor=1)])
+    a0, a1 = proc(1, 24 * GiB, unit=0), proc(1, 24 * GiB, unit=1)
+    v = view([a0, a1], [grant(unit=0), grant(unit=1)])
     _, state = run(v, State(), NOW)
     actions, state = run(v, state, NOW + 30)
     assert [a.kind for a in actions] == [TERM]
@@ -363,7 +363,7 @@ def test_next_deadline_is_the_first_wait_to_end():
 
 
 def test_stray_on_another_gpu_of_a_grant_holder():
-    v = view([proc(1, GiB, minor=1)], [grant(minor=0)])
+    v = view([proc(1, GiB, unit=1)], [grant(unit=0)])
     assert kinds(rules.decide(v, State(), NOW, T)) == [(WARN, STRAY)]
 
 
@@ -424,20 +424,20 @@ def test_confirmed_keeps_only_what_both_samples_agree_on():
 
 
 def test_usage_splits_busy_and_idle():
-    v = view([proc(1, GiB)], [grant(minor=0), grant(minor=1)])
+    v = view([proc(1, GiB)], [grant(unit=0), grant(unit=1)])
     assert rules.usage(v, 2.0) == {(ALICE, 0): (2.0, 2.0, 0.0), (ALICE, 1): (2.0, 0.0, 2.0)}
 
 
 def test_messages_say_what_why_and_what_to_do():
-    warn = Action(WARN, MEMORY, ALICE, 2, proc(4242, 24 * GiB, minor=2),
+    warn = Action(WARN, MEMORY, ALICE, 2, proc(4242, 24 * GiB, unit=2),
                   {"used": 24 * GiB, "quota": 20 * GiB, "grace": 30.0, "processes": 1, "unknown": 0})
     assert messages.action_message(warn, "python") == (
         "gpuguard: your process 4242 (python) on GPU 2 uses 24GiB, over your 20GiB quota; "
         "it will be stopped in 30s unless usage drops - see gpuguard whoami")
-    several = Action(WARN, MEMORY, ALICE, 2, proc(7, 4 * GiB, minor=2),
+    several = Action(WARN, MEMORY, ALICE, 2, proc(7, 4 * GiB, unit=2),
                      {"used": 24 * GiB, "quota": 20 * GiB, "grace": 30.0, "processes": 3, "unknown": 0})
     assert "3 processes on GPU 2 use 24GiB together" in messages.action_message(several, "python")
-    term = Action(TERM, MEMORY, ALICE, 2, proc(4242, 24 * GiB, minor=2),
+    term = Action(TERM, MEMORY, ALICE, 2, proc(4242, 24 * GiB, unit=2),
                   {"used": 24 * GiB, "quota": 20 * GiB, "grace": 30.0, "kill_wait": 10.0})
     assert messages.action_message(term, "python").startswith(
         "gpuguard: stopping your process 4242 (python) on GPU 2 with SIGTERM")

@@ -14,8 +14,8 @@ NOW = 100_000.0
 QUOTA = Quota(gpu_memory=4 * GiB, idle_timeout=600.0)
 
 
-def grant(uid: int, minor: int, expires_at: float | None = None, last_active: float = NOW - 3600) -> Grant:
-    return Grant(uid, f"u{uid}", minor, NOW - 7200, expires_at, last_active)
+def grant(uid: int, unit: int, expires_at: float | None = None, last_active: float = NOW - 3600) -> Grant:
+    return Grant(uid, f"u{uid}", unit, NOW - 7200, expires_at, last_active)
 
 
 def view(procs, grants, failed=()) -> View:
@@ -26,9 +26,9 @@ def test_nothing_is_decided_about_a_failed_gpu():
     over_1 = Proc(11, ALICE, 110, 1, 6 * GiB)
     grants = [grant(ALICE, 1), grant(BOB, 2, expires_at=NOW - 1), grant(BOB, 3)]  # 2 expired, 3 idle for an hour
     actions = rules.decide(view([over_1], grants, failed={2, 3}), State(), NOW, T)
-    assert [(a.kind, a.rule, a.minor) for a in actions] == [(WARN, MEMORY, 1)]
+    assert [(a.kind, a.rule, a.unit) for a in actions] == [(WARN, MEMORY, 1)]
     readable = rules.decide(view([over_1], grants), State(), NOW, T)  # control: the same, all read
-    assert {(a.kind, a.rule, a.minor) for a in readable} == {(WARN, MEMORY, 1), (REVOKE, TIME, 2), (RELEASE, "idle", 3)}
+    assert {(a.kind, a.rule, a.unit) for a in readable} == {(WARN, MEMORY, 1), (REVOKE, TIME, 2), (RELEASE, "idle", 3)}
 
 
 def test_what_is_known_about_a_failed_gpu_is_kept_and_its_idle_clock_restarts():

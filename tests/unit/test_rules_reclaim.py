@@ -14,8 +14,8 @@ NOW = 100_000.0
 RECLAIMING = Quota(reclaim_after=600.0)
 
 
-def grant(uid: int, minor: int, last_active: float, expires_at: float | None = None) -> Grant:
-    return Grant(uid, f"u{uid}", minor, last_active, expires_at, last_active)
+def grant(uid: int, unit: int, last_active: float, expires_at: float | None = None) -> Grant:
+    return Grant(uid, f"u{uid}", unit, last_active, expires_at, last_active)
 
 
 def view(grants, procs=(), demand=0, quota=RECLAIMING) -> View:
@@ -23,7 +23,7 @@ def view(grants, procs=(), demand=0, quota=RECLAIMING) -> View:
 
 
 def kinds(actions):
-    return [(a.kind, a.rule, a.uid, a.minor) for a in actions]
+    return [(a.kind, a.rule, a.uid, a.unit) for a in actions]
 
 
 def test_an_idle_grant_is_kept_while_nobody_waits():
@@ -99,10 +99,10 @@ def test_soft_max_time_stops_a_single_gpu_job_before_a_multi_gpu_one_and_the_lea
     actions = [a for a in rules.decide(v, state, NOW, SOFT) if a.kind != WARN]
     assert kinds(actions) == [(REVOKE, TIME, carol, 5), (TERM, TIME, carol, 5)]  # 600 GPU-s lost, not 10,800
     actions = [a for a in rules.decide(replace(v, demand=2), state, NOW, SOFT) if a.kind != WARN]
-    assert [(a.uid, a.minor) for a in actions if a.kind == REVOKE] == [(carol, 5), (BOB, 4)]
+    assert [(a.uid, a.unit) for a in actions if a.kind == REVOKE] == [(carol, 5), (BOB, 4)]
     # the 4-GPU job, the longest over, goes only when stopping single-GPU jobs cannot cover the demand
     actions = [a for a in rules.decide(replace(v, demand=3), state, NOW, SOFT) if a.kind == REVOKE]
-    assert [(a.uid, a.minor) for a in actions][:2] == [(carol, 5), (BOB, 4)] and actions[2].uid == ALICE
+    assert [(a.uid, a.unit) for a in actions][:2] == [(carol, 5), (BOB, 4)] and actions[2].uid == ALICE
 
 
 def test_the_watcher_remembers_when_it_first_saw_each_process():

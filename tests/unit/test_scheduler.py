@@ -97,7 +97,7 @@ def test_smaller_requests_backfill_until_the_head_has_waited_reserve_after():
     assert _admit([big, small], free=5, now=300, reserve_after=300) == [1, 2]
 
 
-def test_a_multi_gpu_request_is_not_starved_by_a_stream_of_single_gpu_requests():
+def test_a_multi_gpu_request_is_not_starved_by_a_stream_of_single_gpu_requests() -> None:
     """2 GPUs; one job of each user runs 60 s; a single-GPU request arrives every 30 s. The 2-GPU
     request gets both within reserve_after plus one job length, although singles never stop."""
     reserve_after, length = 120.0, 60.0

@@ -166,7 +166,7 @@ def test_a_heavy_users_request_under_a_stream_of_light_users_is_served_within_th
     assert starved["heavy"][1] > 15000
 
 
-def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path, monkeypatch):
+def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The replay has no rules of its own: every release and stop is an action of Watcher.check,
     and a watcher that decides nothing leaves the replay with nothing decided."""
     from gpuguard.watcher import Watcher

@@ -34,7 +34,7 @@ def test_reopening_keeps_data_and_does_not_remigrate(tmp_path):
     first.add_grants(1001, "alice", [2], now=100.0, expires_at=None)
     first.close()
     second = Store(tmp_path / "state.db")
-    assert [g.minor for g in second.grants()] == [2]
+    assert [g.unit for g in second.grants()] == [2]
     assert second.schema_version == len(MIGRATIONS)
     second.close()
 
@@ -51,15 +51,15 @@ def test_grants_round_trip_and_removal_history(store):
     store.add_grants(1001, "alice", [0, 1], now=10.0, expires_at=3610.0)
     store.add_grants(1002, "bob", [2], now=20.0, expires_at=None, shared=True)
     alice = store.grants(1001)
-    assert [(g.minor, g.expires_at, g.last_active, g.shared) for g in alice] == [(0, 3610.0, 10.0, False),
+    assert [(g.unit, g.expires_at, g.last_active, g.shared) for g in alice] == [(0, 3610.0, 10.0, False),
                                                                              (1, 3610.0, 10.0, False)]
     store.mark_active([(1001, 1)], now=50.0)
     assert [g.last_active for g in store.grants(1001)] == [10.0, 50.0]
     removed = store.remove_grants(1001, [1], now=60.0)
-    assert [g.minor for g in removed] == [1]
-    assert [g.minor for g in store.grants()] == [0, 2]
+    assert [g.unit for g in removed] == [1]
+    assert [g.unit for g in store.grants()] == [0, 2]
     assert store.last_released() == {1: 60.0}
-    assert [g.minor for g in store.remove_grants(1001, None, now=70.0)] == [0]
+    assert [g.unit for g in store.remove_grants(1001, None, now=70.0)] == [0]
     assert store.last_released() == {0: 70.0, 1: 60.0}
     assert store.last_held(1001) == {0: 70.0, 1: 60.0} and store.last_held(1002) == {}
 
@@ -76,7 +76,7 @@ def test_sessions_close_by_caller_pid(store):
 def test_events_newest_first_limit_oldest_first_order(store):
     for i in range(5):
         store.add_event(Event(time=float(i), uid=1001, user="alice", kind="warning", message=f"m{i}",
-                              minor=3, pid=42, command="python", rule="memory", action="warn",
+                              unit=3, pid=42, command="python", rule="memory", action="warn",
                               numbers={"used": i}))
     store.add_event(Event(time=9.0, uid=1002, user="bob", kind="kill", message="other"))
     events = store.events(1001, limit=2)
@@ -200,6 +200,7 @@ WRITER = textwrap.dedent("""
 
 def read_line(proc: subprocess.Popen, timeout: float = 60) -> str:
     """The writer's next line ("" if it ended); a bound on waiting, not a timing assertion."""
+    assert proc.stdout is not None, "the writer is started with stdout=PIPE"
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     assert ready, "the writer printed nothing for a minute"
     return proc.stdout.readline().strip()
@@ -225,11 +226,12 @@ def start_writer(path, first_uid: int, mode: str) -> subprocess.Popen:
 def kill(writer: subprocess.Popen) -> None:
     writer.send_signal(signal.SIGKILL)
     writer.wait()
+    assert writer.stdin is not None and writer.stdout is not None, "the writer is started with both pipes"
     writer.stdin.close()
     writer.stdout.close()
 
 
-def test_sigkill_while_writing_loses_nothing_committed_and_leaves_no_half_grant(tmp_path):
+def test_sigkill_while_writing_loses_nothing_committed_and_leaves_no_half_grant(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     Store(path).close()
     before: dict[int, list[tuple]] = {}
@@ -289,7 +291,7 @@ def test_version_one_database_is_upgraded_in_place(tmp_path):
     store = Store(path)
     assert store.schema_version == len(MIGRATIONS) > 1
     [grant] = store.grants()
-    assert (grant.uid, grant.minor, grant.origin) == (1001, 3, "session")
+    assert (grant.uid, grant.unit, grant.origin) == (1001, 3, "session")
     [session] = store.sessions()
     assert (session.user, session.tty, session.pid) == ("alice", "pts/1", 4242)
     assert [e.message for e in store.events(1001)] == ["granted at login (sshd)"]
@@ -313,7 +315,7 @@ def _frozen(tmp_path: Path, name: str) -> Store:
 def _assert_the_schema_8_rows(store: Store) -> None:
     """What the schema-8 code of commit 69ed6dd wrote into state-v8.db (and state-v9.db kept)."""
     assert store.schema_version == len(MIGRATIONS)
-    assert [(g.uid, g.minor, g.origin, g.uuid, g.expires_at, g.shared, g.memory) for g in store.grants()][:2] == [
+    assert [(g.uid, g.unit, g.origin, g.uuid, g.expires_at, g.shared, g.memory) for g in store.grants()][:2] == [
         (1001, 3, "session", "GPU-0003", 3610.0, False, None), (1002, 2, "admin", "GPU-0002", None, False, None)]
     assert store.last_released() == {1: 12.0} and store.last_held(1002) == {1: 12.0}
     [session] = store.sessions()
@@ -349,7 +351,7 @@ def test_a_database_of_the_latest_schema_opens_as_it_was_written(tmp_path):
     store = _frozen(tmp_path, "state-v9.db")
     try:
         _assert_the_schema_8_rows(store)
-        assert [(g.uid, g.minor, g.uuid, g.shared, g.memory) for g in store.grants()][2:] == [
+        assert [(g.uid, g.unit, g.uuid, g.shared, g.memory) for g in store.grants()][2:] == [
             (1003, 1, "GPU-0001", True, 40 << 30)]
     finally:
         store.close()
@@ -361,7 +363,7 @@ def test_the_copies_of_grants_and_queue_follow_another_connections_writes(tmp_pa
         assert mine.grants() == [] and mine.queue() == []  # read, and kept
         other.add_grants(1001, "alice", [0], now=10.0, expires_at=None)
         other.join_queue(1002, "bob", 1, 20.0, Quota(), Origin.REQUEST)
-        assert [g.minor for g in mine.grants()] == [0] and [q.waiter.user for q in mine.queue()] == ["bob"]
+        assert [g.unit for g in mine.grants()] == [0] and [q.waiter.user for q in mine.queue()] == ["bob"]
         mine.mark_active([(1001, 0)], now=30.0)  # its own write: the copy follows
         assert [g.last_active for g in mine.grants(1001)] == [30.0]
         assert [g.last_active for g in other.grants(1001)] == [30.0]

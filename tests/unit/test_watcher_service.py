@@ -19,8 +19,8 @@ def check(world: World, now: float) -> list:
 def test_over_quota_is_warned_to_the_user_and_stored(world):
     world.quota(gpu_memory=4 << 30)
     alice = world.lookup.add("alice", 1001, GROUP)
-    (minor,) = world.login(alice)["gpus"]
-    world.sampler.set([(321, 1001, minor, 6 << 30)])
+    (unit,) = world.login(alice)["gpus"]
+    world.sampler.set([(321, 1001, unit, 6 << 30)])
     done = check(world, 1000.0)
     assert [(a.kind, a.rule, a.uid) for a in done] == [("warn", "memory", 1001)]
     assert [user for user, _ in world.notifier.told] == ["alice"]
@@ -30,11 +30,11 @@ def test_over_quota_is_warned_to_the_user_and_stored(world):
 def test_an_expired_grant_is_revoked_through_the_grant_manager(world):
     world.quota(max_time=60.0)
     alice = world.lookup.add("alice", 1001, GROUP)
-    (minor,) = world.login(alice)["gpus"]
+    (unit,) = world.login(alice)["gpus"]
     expires = world.store.grants(1001)[0].expires_at
     done = check(world, expires + 1)
     assert [(a.kind, a.rule) for a in done] == [("revoke", "time")]
-    assert world.held(1001) == [] and world.nodes.users[minor] == frozenset()
+    assert world.held(1001) == [] and world.nodes.users[unit] == frozenset()
     assert "alice" in {user for user, _ in world.notifier.told}
 
 
