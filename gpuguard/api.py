@@ -52,9 +52,15 @@ LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for
 Elsewhere = Callable[[str, Quota], str]
 
 
-@dataclass(frozen=True)
-class ApiParts:
-    """What Api is built from: the services it asks and the edges it reaches (wiring.build fills it)."""
+def nowhere_else(user: str, quota: Quota) -> str:
+    """A lone server's Elsewhere: no other server to name."""
+    return ""
+
+
+@dataclass(eq=False)
+class Api:
+    """The operations, built from exactly the services they use and the edges they reach
+    (wiring.build composes them)."""
 
     config: Callable[[], Config]  # the config in force, which a reload replaces
     store: Store
@@ -66,8 +72,8 @@ class ApiParts:
     logout: LogoutRelease
     holders: HolderEnder
     gate: GateMap | None
-    reload: Callable[[], Config]  # the `reload` operation: the config it put in force
-    sync_nodes: Callable[[], None]  # the `sync_nodes` operation
+    apply_reload: Callable[[], Config]  # the `reload` operation's work: the config it put in force
+    resync_nodes: Callable[[], None]  # the `sync_nodes` operation's work
     accounts: KnownAccounts  # names and quotas as the watcher last resolved them: no NSS wait
     usage: UsageMeter  # the watcher's usage of the last minute, not written yet
     queue: Queue
@@ -78,35 +84,9 @@ class ApiParts:
     state_dir: Path  # where the admin's drains and queue holds are kept (state_files)
     foreign: Sequence[dict[str, Any]] = ()  # status entries of the GPUs Slurm or Kubernetes own (coexist)
     # A fleet's (gpuguard.cluster): for a login that queues, where GPUs are free for the user now.
-    elsewhere: Elsewhere | None = None
+    elsewhere: Elsewhere = nowhere_else
 
-
-class Api:
-    """The operations, built from exactly the services they use (wiring.build composes them)."""
-
-    def __init__(self, parts: ApiParts):
-        self.config = parts.config
-        self.store = parts.store
-        self.grants = parts.grants
-        self.releases = parts.releases
-        self.exempt = parts.exempt
-        self.sampler = parts.sampler
-        self.lookup = parts.lookup
-        self.logout = parts.logout
-        self.holders = parts.holders
-        self.gate = parts.gate
-        self._reload = parts.reload
-        self._sync_nodes = parts.sync_nodes
-        self.accounts = parts.accounts
-        self.usage = parts.usage
-        self.queue = parts.queue
-        self.terminals = parts.terminals
-        self.processes = parts.processes
-        self.clock = parts.clock
-        self.reload_effects = parts.reload_effects
-        self.state_dir = parts.state_dir
-        self.foreign = list(parts.foreign)
-        self.elsewhere: Elsewhere = parts.elsewhere or (lambda user, quota: "")
+    def __post_init__(self) -> None:
         # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
         # `request` reply (a grant may come before the client's `wait` call arrives).
         self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
@@ -632,12 +612,12 @@ class Api:
     async def sync_nodes(self, request: rq.SyncNodes, peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
         `gpuguard acl apply`. Reads no config, so an admin's half-edited file blocks nothing."""
-        self._sync_nodes()
+        self.resync_nodes()
         return protocol.ok(message="device nodes and ACLs re-applied")
 
     async def reload(self, request: rq.Reload, peer: Peer) -> dict[str, Any]:
         try:
-            loaded = self._reload()
+            loaded = self.apply_reload()
         except configuration.ConfigError as exc:
             event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
             raise Refusal(f"{exc} (the previous config stays in force)", 2) from None

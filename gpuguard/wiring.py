@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from gpuguard import cluster, drains, state_files
 from gpuguard.admission import Budget
 from gpuguard.allocator import Topology
-from gpuguard.api import HOLDS_FILE, Api, ApiParts
+from gpuguard.api import HOLDS_FILE, Api, nowhere_else
 from gpuguard.config import Config
 from gpuguard.edges import (
     Clock,
@@ -165,11 +165,11 @@ def build(edges: Edges) -> Services:
     reload_effects = ReloadEffects(store, releases, edges.lookup, tell)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
                       usage, demand=queue.demand)
-    api = Api(ApiParts(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, holders,
-                       edges.gate, reload=edges.reload or config, sync_nodes=edges.sync_nodes, accounts=accounts,
-                       usage=usage, queue=queue, terminals=edges.terminals, processes=edges.processes,
-                       clock=edges.clock, reload_effects=reload_effects, state_dir=state_dir, foreign=edges.foreign,
-                       elsewhere=fleet.cluster.elsewhere if fleet else None))
+    api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, holders, edges.gate,
+              apply_reload=edges.reload or config, resync_nodes=edges.sync_nodes, accounts=accounts, usage=usage,
+              queue=queue, terminals=edges.terminals, processes=edges.processes, clock=edges.clock,
+              reload_effects=reload_effects, state_dir=state_dir, foreign=edges.foreign,
+              elsewhere=fleet.cluster.elsewhere if fleet else nowhere_else)
     metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of,
                       notices=edges.notices, drained=lambda: grants.drained, budget=edges.connections,
                       collectors=edges.collectors)
