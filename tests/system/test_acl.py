@@ -166,7 +166,7 @@ def test_driver_uevents_reapply_everything(sandbox) -> None:
     on a mem device changing. No other uevent can be produced without side effects (a private
     network namespace keeps its uevents to itself, but they carry no major), and the kernel's own
     delivery to the socket is what is under test; what the watcher makes of other payloads is
-    tested on recorded uevents (tests/test_acl_uevents.py)."""
+    tested on recorded uevents (tests/unit/test_acl_uevents.py)."""
     seen: list[Path | None] = []
     others: list[Path | None] = []
     watcher = NodeWatcher(sandbox, seen.append, majors=(1,))

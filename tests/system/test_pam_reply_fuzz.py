@@ -1,7 +1,7 @@
 """The PAM module's reply parser (pam/reply.c) under AddressSanitizer and UBSan, fed hostile replies.
 
 The reply comes from a socket, so it is untrusted input parsed inside every login process. A C
-harness (tests/pam_fuzz/reply_fuzz.c) links the very parser the module links; a corpus of
+harness (tests/system/pam_fuzz/reply_fuzz.c) links the very parser the module links; a corpus of
 truncated, huge, unbalanced, badly escaped, NUL-laden and deeply nested replies goes through it,
 and the parsed fields are checked, not only the absence of a crash. With clang, libFuzzer then
 mutates that corpus for a bounded number of runs.
