@@ -67,7 +67,7 @@ def test_good_config_is_typed(tmp_path):
     loaded = config.load(write(tmp_path, GOOD, QUOTAS))
     assert loaded.access.group == "ml" and loaded.access.exempt_users == ("admin",)
     assert loaded.defaults == Quota(gpus=2, gpu_memory=20 << 30, max_time=86400, idle_timeout=3600, sharing=False,
-                                    reclaim_after=1800)  # not written: the default, 30 minutes
+                                    reclaim_after=600)  # not written: the default, 10 minutes
     assert loaded.watcher.interval == 2 and loaded.watcher.kill_wait == 10
     assert loaded.gpu.simulated.count == 8
     assert loaded.gpu.simulated.groups("nvlink_groups") == ((0, 1), (2, 3))
@@ -90,7 +90,7 @@ def test_empty_file_gives_defaults(tmp_path):
     loaded = config.load(write(tmp_path, ""))
     assert loaded.events == config.EventsConfig(max_age=90 * 86400, per_user=1000)
     assert loaded.access.group == "gpugroup"
-    assert loaded.defaults == Quota(reclaim_after=1800)  # reclaim on demand after 30 minutes; the rest Quota's own
+    assert loaded.defaults == Quota(reclaim_after=600)  # reclaim on demand after 10 minutes; the rest Quota's own
     assert loaded.gpu.backend == "nvml"
     assert loaded.metrics == config.MetricsConfig()  # every exporter off
 

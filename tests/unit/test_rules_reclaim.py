@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
-from gpuguard import messages, rules
+from gpuguard import config, messages, rules
 from gpuguard.model import Grant, Quota
 from gpuguard.rules import RECLAIM, RELEASE, REVOKE, TERM, TIME, WARN, Proc, State, Timing, View
 
@@ -111,3 +112,17 @@ def test_the_watcher_remembers_when_it_first_saw_each_process():
     state = rules.advance(v, State(), [], NOW)
     assert rules.advance(v, state, [], NOW + 50).running_since == {proc.key: NOW}
     assert rules.advance(replace(v, procs=[]), state, [], NOW + 50).running_since == {}
+
+
+def test_the_default_quota_reclaims_a_gpu_unused_for_ten_minutes_only_while_someone_waits():
+    shipped = config.load(Path(__file__).resolve().parents[2] / "etc" / "gpuguard.toml")
+    assert shipped.defaults.reclaim_after == config.DEFAULT_QUOTA.reclaim_after  # the file shows the default
+    default = config.DEFAULT_QUOTA
+    idle_ten_minutes = [grant(ALICE, 0, last_active=NOW - 600)]
+    assert kinds(rules.decide(view(idle_ten_minutes, demand=1, quota=default), State(), NOW, T)) == [
+        (RELEASE, RECLAIM, ALICE, 0)]
+    assert rules.decide(view(idle_ten_minutes, demand=0, quota=default), State(), NOW, T) == []
+    just_under = [grant(ALICE, 0, last_active=NOW - 599)]
+    assert rules.decide(view(just_under, demand=1, quota=default), State(), NOW, T) == []
+    in_use = [grant(ALICE, 0, last_active=NOW - 7200)]
+    assert rules.decide(view(in_use, [Proc(7, ALICE, 70, 0, None)], demand=1, quota=default), State(), NOW, T) == []
