@@ -1,4 +1,4 @@
-"""Scheduling bench rows: traces replayed by `gpuguard simulate`, each policy beside static
+"""Scheduling bench rows: traces replayed by `gpuguard replay`, each policy beside static
 reservation on the same pool in the same run, and the replay's own speed and memory.
 
     rows() -> [(name, value, target, ok)]   for the `make bench` runner; report(rows) prints them
@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuguard import simulate, trace  # noqa: E402  (after the checkout is on the path)
+from gpuguard import replay, trace  # noqa: E402  (after the checkout is on the path)
 
 DATA = Path(os.environ.get("GPUGUARD_DATA") or REPO.parent / "shared" / "data")
 ADOBE = DATA / "adobe-notebook-sessions-2021-06-01.json"
@@ -44,16 +44,16 @@ SPEED_GPUS = 372
 Row = tuple[str, str, str, bool]
 
 
-def run_simulate(path: Path, gpus: int, policy: Path) -> tuple[dict, float, int]:
-    """`gpuguard simulate --json` in a child: its report, wall seconds and peak resident KiB."""
+def run_replay(path: Path, gpus: int, policy: Path) -> tuple[dict, float, int]:
+    """`gpuguard replay --json` in a child: its report, wall seconds and peak resident KiB."""
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "gpuguard", "simulate", str(path), "--gpus", str(gpus),
+    child = subprocess.Popen([sys.executable, "-m", "gpuguard", "replay", str(path), "--gpus", str(gpus),
                               "--config", str(policy), "--json"], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     out = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"gpuguard simulate {path} exited {os.waitstatus_to_exitcode(status)}")
+        raise RuntimeError(f"gpuguard replay {path} exited {os.waitstatus_to_exitcode(status)}")
     return json.loads(out), time.perf_counter() - started, usage.ru_maxrss
 
 
@@ -71,12 +71,12 @@ def pool_for(path: Path, load: float) -> int:
     the pool grows, once the pool takes the load at all (smaller, the queue grows without end), so
     the search stays between half and twice the pool the mean demand alone would need; where no
     pool there reaches `load`, the smallest (the table shows the busy share static reached)."""
-    described = simulate.describe(trace.read(path))
-    demand = simulate.static_reservation(trace.read(path), simulate.MAX_POOL).demanded
+    described = replay.describe(trace.read(path))
+    demand = replay.static_reservation(trace.read(path), replay.MAX_POOL).demanded
     guess = max(1, round(demand / (described["hours"] * 3600) / load))
 
     def busy(gpus: int) -> float:
-        return simulate.static_reservation(trace.read(path), gpus).summary(gpus)["pool_busy"] or 0.0
+        return replay.static_reservation(trace.read(path), gpus).summary(gpus)["pool_busy"] or 0.0
     low, high = max(8, guess // 2), 2 * guess  # 8: the largest job
     while low < high:
         middle = (low + high + 1) // 2
@@ -128,7 +128,7 @@ def replays(path: Path, pools: dict[str, int]) -> list[tuple[str, str, int, dict
     done = []
     for label, gpus in pools.items():
         for name, policy in POLICIES.items():
-            report, _, _ = run_simulate(path, gpus, policy)
+            report, _, _ = run_replay(path, gpus, policy)
             done.append((label, name, gpus, report["policy"], report["static"]))
     return done
 
@@ -149,8 +149,8 @@ def generated_replays(directory: Path) -> list[tuple[str, str, int, dict, dict]]
 def speed_rows(directory: Path) -> list[Row]:
     month = generate(directory / "month.csv", 31000)
     small = generate(directory / "small.csv", 3000, days=3.0)
-    _, seconds, peak = run_simulate(month, SPEED_GPUS, POLICIES["exclusive"])
-    _, _, little = run_simulate(small, SPEED_GPUS, POLICIES["exclusive"])
+    _, seconds, peak = run_replay(month, SPEED_GPUS, POLICIES["exclusive"])
+    _, _, little = run_replay(small, SPEED_GPUS, POLICIES["exclusive"])
     return [(f"replay speed: generated 31,000-job month on {SPEED_GPUS} GPUs, both policies", f"{seconds:.1f} s",
              "< 20 s", seconds < 20),
             ("replay memory: 31,000 jobs / 3,000 jobs (peak RSS)", f"{peak / little:.2f}x ({peak // 1024} MiB)",

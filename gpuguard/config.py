@@ -44,7 +44,7 @@ class AccessMode(StrEnum):
 
 class GpuBackend(StrEnum):
     NVML = "nvml"
-    SIMULATED = "simulated"  # the fake NVML library: the demo, the tests, `gpuguard simulate`
+    SIMULATED = "simulated"  # the fake NVML library: the demo, the tests, `gpuguard replay`
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The queue for GPUs as a service: the store's queue rows, served in gpuguard.scheduler's order.
 
-The daemon and `gpuguard simulate` both run it. Every grant taken back (release.Releases: release,
+The daemon and `gpuguard replay` both run it. Every grant taken back (release.Releases: release,
 idle release, reclaim, logout, expiry, revoke) is charged to its user's fair share (charge) and
 then offered to the waiters first (dispatch), so a freed GPU never goes to whoever asks next
 outside the queue. Listeners (the daemon: terminals and blocked `request --wait` clients) hear of

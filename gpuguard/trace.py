@@ -1,4 +1,4 @@
-"""Workload traces for `gpuguard simulate`: the CSV format, the Adobe notebook trace as published,
+"""Workload traces for `gpuguard replay`: the CSV format, the Adobe notebook trace as published,
 Slurm's accounting (sacct), and two synthetic generators.
 
 The CSV format, one line per job, times in seconds from any origin, after a header line

@@ -214,7 +214,7 @@ class Watcher:
 
 
 def timing_of(config: Config) -> rules.Timing:
-    """The rules' timing from the config (the daemon's watcher and `gpuguard simulate` alike)."""
+    """The rules' timing from the config (the daemon's watcher and `gpuguard replay` alike)."""
     return rules.Timing(config.watcher.grace, config.watcher.kill_wait, config.scheduler.soft_max_time)
 
 

@@ -27,7 +27,7 @@ SOURCE = f"gpuguard {__version__}"
 # Which page documents which command: the users' page holds what anyone runs (a few with
 # root-only options), the admins' page what only root runs. Every command is in exactly one.
 USER_COMMANDS = ("whoami", "env", "status", "request", "release", "cancel", "fairshare", "gpus", "where", "report",
-                 "events", "quota", "config", "completion", "simulate", "trace", "sim")
+                 "events", "quota", "config", "completion", "replay", "trace", "sim")
 ADMIN_COMMANDS = ("enable", "disable", "daemon", "web", "doctor", "grant", "revoke", "drain", "resume", "hold", "reload",
                   "gate", "acl", PAM_HOOK)
 
@@ -70,6 +70,8 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.Arg
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
             for name, sub in action.choices.items():
+                if any(sub is seen for seen, _ in found.values()):
+                    continue  # an alias (the former name of a command): documented under its name
                 found[name] = (sub, helps.get(name, ""))
     return found
 

@@ -81,7 +81,7 @@ COMMANDS = {
     "completion": "completion_cmd", "config": "config_cmd", "daemon": "daemon_cmd",
     "gate": "gate_cmd", "acl": "gate_cmd", "gpus": "gpus_cmd", "quota": "quota_cmd",
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
-    "simulate": "simulate_cmd", "trace": "simulate_cmd",
+    "replay": "replay_cmd", "simulate": "replay_cmd", "trace": "replay_cmd",
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
     "fairshare": "user_cmd",
     "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
@@ -94,7 +94,7 @@ DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 for users:   whoami, status, request, release, cancel, env, fairshare, report, events, quota show
 for admins:  grant, revoke, drain, resume, hold, cancel --user, reload, quota set, config check, doctor, gate,
              acl, daemon, enable, disable, web
-tools:       simulate, trace, sim, completion, gpus"""
+tools:       replay, trace, sim, completion, gpus"""
 EPILOG = """examples:
   gpuguard whoami                  your GPUs, quota, place in the queue and why
   gpuguard request --wait          get GPUs, waiting in the queue if none is free

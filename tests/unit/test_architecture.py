@@ -14,7 +14,7 @@ PACKAGE = Path(gpuguard.__file__).parent
 PURE = {"model", "units", "errors", "compat", "policy", "allocator", "rules", "scheduler", "messages", "escape",
         "reporting", "layout", "mig_profiles", "config_warnings", "doctor", "gres", "coexist", "requests"}
 DOES_IO = {"store", "daemon", "server", "api", "watcher", "sampling", "grants", "holders", "logout", "metrics",
-           "queueing", "lookups", "exempt", "client", "pam_hook", "quota_file", "simulate", "backends"}
+           "queueing", "lookups", "exempt", "client", "pam_hook", "quota_file", "replay", "backends"}
 
 
 def module_name(path: Path) -> str:
@@ -96,4 +96,4 @@ def test_the_pure_core_and_the_config_reach_nothing_under_backends(name):
 def test_the_replay_imports_nothing_under_backends():
     """Its own imports: the services it drives (the watcher, the sampler's types) reach the backends'
     types, but what touches the kernel comes to the replay only as the wiring's edges."""
-    assert under_backends(graph()["gpuguard.simulate"]) == set()
+    assert under_backends(graph()["gpuguard.replay"]) == set()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard import config as configuration
-from gpuguard import simulate, trace
+from gpuguard import replay, trace
 
 HEADER = ",".join(trace.HEADER)
 GIB = 1 << 30
@@ -30,7 +30,7 @@ def write(tmp_path: Path, *lines: str) -> Path:
 
 def test_a_job_dropped_with_its_session_counts_with_its_censored_wait(tmp_path):
     path = write(tmp_path, "a,0,1000,0,900,1,0", "b,10,400,10,100,1,0")  # b leaves at 400, never served
-    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    summary = replay.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["jobs"] == 2 and summary["jobs_ran"] == 1 and summary["jobs_dropped"] == 1
     assert summary["censored_wait_p95"] == 390.0 and summary["wait_max"] == 390.0
     assert summary["ran_wait_max"] == 0.0  # only a ran, at once
@@ -41,30 +41,30 @@ def test_a_job_dropped_with_its_session_counts_with_its_censored_wait(tmp_path):
 
 def test_an_open_session_lasts_until_its_last_job_has_run(tmp_path):
     path = write(tmp_path, "a,0,,0,900,1,0", "b,10,,10,100,1,0")
-    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    summary = replay.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["jobs_ran"] == 2 and summary["jobs_never_ran"] == 0
     assert summary["wait_max"] == 890.0  # a's session ends with its job, and its grant with it
-    static = simulate.static_reservation(trace.read(path), 1).summary(1)
+    static = replay.static_reservation(trace.read(path), 1).summary(1)
     assert static["wait_max"] == 890.0 and static["gpu_seconds_granted"] == 1000.0
 
 
 def test_sharers_slow_each_other_and_the_gpu_counts_busy_once(tmp_path):
     # Two sharers of 40 GiB on one 80 GiB GPU, each job 100 s alone: together from 0 they take 200 s.
     path = write(tmp_path, f"a,0,1000,0,100,1,{GIB}", f"b,0,1000,0,100,1,{GIB}")
-    summary = simulate.replay(trace.read(path), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
+    summary = replay.replay(trace.read(path), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
     assert summary["jobs_ran"] == 2 and summary["wait_max"] == 0.0 and summary["most_sharers"] == 2
     assert summary["stretch_p95"] == 2.0
     assert summary["gpu_seconds_busy"] == 200.0 and summary["gpu_seconds_shared"] == 200.0  # not 400
     # b joins half-way: a has 50 s of work left, both at half pace until a ends at 150, b alone after.
     later = write(tmp_path, f"a,0,1000,0,100,1,{GIB}", f"b,50,1000,50,100,1,{GIB}")
-    summary = simulate.replay(trace.read(later), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
+    summary = replay.replay(trace.read(later), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
     assert summary["gpu_seconds_busy"] == 200.0 and summary["gpu_seconds_shared"] == 100.0
     assert summary["stretch_mean"] == pytest.approx((150 / 100 + 150 / 100) / 2)
 
 
 def test_the_replayed_pool_never_oversubscribes_memory(tmp_path):
     lines = [f"u{i},0,10000,0,1000,1,{GIB}" for i in range(6)]
-    summary = simulate.replay(trace.read(write(tmp_path, *lines)), policy(sharing=True, gpu_memory=40 * GIB,
+    summary = replay.replay(trace.read(write(tmp_path, *lines)), policy(sharing=True, gpu_memory=40 * GIB,
                                                                           max_sharers=8), 1).summary(1)
     assert summary["most_sharers"] == 2 and summary["jobs_ran"] == 6
     assert summary["gpu_seconds_busy"] <= summary["gpu_seconds_granted"]
@@ -73,7 +73,7 @@ def test_the_replayed_pool_never_oversubscribes_memory(tmp_path):
 def test_work_thrown_away_by_a_stop_is_counted(tmp_path):
     # a's 1-hour grant runs out at 3600 with b waiting: its 10-hour job is stopped, an hour's work lost.
     path = write(tmp_path, "a,0,,0,36000,1,0", "b,100,,100,100,1,0")
-    summary = simulate.replay(trace.read(path), policy({"soft_max_time": True}, max_time=3600.0), 1).summary(1)
+    summary = replay.replay(trace.read(path), policy({"soft_max_time": True}, max_time=3600.0), 1).summary(1)
     assert summary["kills"] == 1 and summary["revokes"] == 1
     assert summary["gpu_seconds_lost"] == pytest.approx(3600.0, abs=2 * configuration.Config().watcher.interval)
     assert summary["lost_of_demanded"] == pytest.approx(3600 / 36100, rel=0.01)
@@ -115,7 +115,7 @@ def test_slurm_accounting_is_read_as_one_open_session_per_gpu_job(tmp_path):
     assert bob.jobs[0].gpus == 4 and bob.jobs[0].duration == 1800.0
     assert alice.jobs[0].gpus == 2 and alice.jobs[0].duration == 3600.0
     assert alice.start - bob.start == 3600.0 and alice.jobs[0].start == alice.start
-    summary = simulate.replay(trace.read(path), policy(), 4).summary(4)
+    summary = replay.replay(trace.read(path), policy(), 4).summary(4)
     assert summary["jobs_ran"] == 2
 
 
@@ -144,6 +144,6 @@ def test_a_job_waiting_after_its_session_closed_leaves_with_its_users_last_sessi
     # alice's first session closes at 300 with its job still waiting (her second one keeps the place);
     # her last session ends at 600: the job never ran, its wait censored there.
     path = write(tmp_path, "bob,0,,0,5000,1,0", "alice,10,300,10,100,1,0", "alice,20,600,20,100,1,0")
-    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    summary = replay.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["jobs_never_ran"] == 2 and summary["jobs_ran"] == 1
-    assert sorted(simulate.replay(trace.read(path), policy(), 1).censored) == [580.0, 590.0]
+    assert sorted(replay.replay(trace.read(path), policy(), 1).censored) == [580.0, 590.0]

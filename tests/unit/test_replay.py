@@ -1,4 +1,4 @@
-"""`gpuguard simulate` and its traces: the replay through the daemon's code, static reservation,
+"""`gpuguard replay` and its traces: the replay through the daemon's code, static reservation,
 the metrics, and bad input. The Adobe file is used when ../shared/data has it."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard import config as configuration
-from gpuguard import simulate, trace
+from gpuguard import replay, trace
 from gpuguard.model import Quota
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,25 +41,25 @@ def gpuguard(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_jain_and_percentile_on_known_numbers():
-    assert simulate.jain([1.0, 1.0, 1.0]) == 1.0
-    assert simulate.jain([1.0, 0.0]) == 0.5
-    assert simulate.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
-    assert simulate.percentile(list(map(float, range(1, 101))), 0.95) == 95.0
-    assert simulate.percentile([], 0.5) is None
+    assert replay.jain([1.0, 1.0, 1.0]) == 1.0
+    assert replay.jain([1.0, 0.0]) == 0.5
+    assert replay.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
+    assert replay.percentile(list(map(float, range(1, 101))), 0.95) == 95.0
+    assert replay.percentile([], 0.5) is None
 
 
 def test_two_users_on_one_gpu_take_turns_through_the_queue(tmp_path):
     path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
                            "a,0,1000,0,100,1,0\n"
                            "b,10,1000,10,100,1,0\n")
-    ours = simulate.replay(trace.read(path), policy(reclaim_after=5.0), 1)
+    ours = replay.replay(trace.read(path), policy(reclaim_after=5.0), 1)
     summary = ours.summary(1)
     assert summary["jobs_ran"] == 2 and summary["jobs_never_ran"] == 0
     # b waits for a's job to end (100) and its grant to be reclaimed 5 s later, at the 2 s tick.
     assert summary["wait_max"] == pytest.approx(96.0)
     assert summary["reclaims"] == 1
     assert summary["gpu_seconds_busy"] == 200.0
-    static = simulate.static_reservation(trace.read(path), 1).summary(1)
+    static = replay.static_reservation(trace.read(path), 1).summary(1)
     assert static["wait_max"] == 990.0  # b's session waits for all of a's
 
 
@@ -67,7 +67,7 @@ def test_without_reclaim_a_grant_stays_until_logout(tmp_path):
     path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
                            "a,0,500,0,100,1,0\n"
                            "b,10,1000,10,100,1,0\n")
-    summary = simulate.replay(trace.read(path), policy(), 1).summary(1)
+    summary = replay.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["wait_max"] == 490.0  # a's logout at 500 releases it
     assert summary["releases"] == 2 and summary["reclaims"] == 0
 
@@ -76,14 +76,14 @@ def test_a_job_over_the_quota_never_runs(tmp_path):
     path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
                            "a,0,500,0,100,4,0\n")
     base = configuration.Config()
-    summary = simulate.replay(trace.read(path), replace(base, defaults=Quota(gpus=2)), 8).summary(8)
+    summary = replay.replay(trace.read(path), replace(base, defaults=Quota(gpus=2)), 8).summary(8)
     assert summary["jobs_never_ran"] == 1 and summary["jobs_over_quota"] == 1
 
 
 def test_a_generated_trace_replays_with_every_job_run_on_a_large_pool():
     sessions = list(trace.generate(300, users=10, seed=3))
     assert sum(len(s.jobs) for s in sessions) == 300
-    summary = simulate.replay(sessions, policy(idle_timeout=60.0), 64).summary(64)
+    summary = replay.replay(sessions, policy(idle_timeout=60.0), 64).summary(64)
     assert summary["jobs_ran"] == 300 and summary["wait_max"] == 0.0
     assert summary["gpu_seconds_busy"] == pytest.approx(sum(j.gpus * j.duration for s in sessions for j in s.jobs))
 
@@ -105,7 +105,7 @@ def test_a_malformed_line_is_named_by_its_number(tmp_path, line, why):
     path = write(tmp_path, f"# a comment\n{','.join(trace.HEADER)}\nb,0,100,5,10,1,0\n{line}\n")
     with pytest.raises(trace.TraceError, match=f"line 4: .*{why}"):
         list(trace.read(path))
-    result = gpuguard("simulate", str(path), "--gpus", "2")
+    result = gpuguard("replay", str(path), "--gpus", "2")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "line 4" in result.stderr
 
@@ -113,27 +113,27 @@ def test_a_malformed_line_is_named_by_its_number(tmp_path, line, why):
 def test_bad_pool_sizes_and_missing_files_exit_2(tmp_path):
     path = write(tmp_path, f"{','.join(trace.HEADER)}\na,0,100,5,10,1,0\n")
     for args in (["--gpus", "0"], ["--gpus", "-3"]):
-        result = gpuguard("simulate", str(path), *args)
+        result = gpuguard("replay", str(path), *args)
         assert result.returncode == 2 and "--gpus must be between 1" in result.stderr
-    assert gpuguard("simulate", str(tmp_path / "none.csv")).returncode == 2
+    assert gpuguard("replay", str(tmp_path / "none.csv")).returncode == 2
 
 
-def test_simulate_prints_both_columns_and_json(tmp_path):
+def test_replay_prints_both_columns_and_json(tmp_path):
     path = write(tmp_path, f"{','.join(trace.HEADER)}\na,0,100,5,10,1,0\n")
-    table = gpuguard("simulate", str(path), "--gpus", "2")
+    table = gpuguard("replay", str(path), "--gpus", "2")
     assert table.returncode == 0 and "static reservation" in table.stdout and "time to GPU p95" in table.stdout
-    data = json.loads(gpuguard("simulate", str(path), "--gpus", "2", "--json").stdout)
+    data = json.loads(gpuguard("simulate", str(path), "--gpus", "2", "--json").stdout)  # the old name still works
     assert data["policy"]["jobs_ran"] == 1 and data["static"]["gpu_seconds_granted"] == 100.0
 
 
 @needs_adobe
 def test_the_adobe_figures_under_static_reservation():
     """The data README's figures: 304,219 GPU-minutes reserved, 78,255 busy, a 142-GPU peak."""
-    at_peak = simulate.static_reservation(trace.read(ADOBE), 142).summary(142)
+    at_peak = replay.static_reservation(trace.read(ADOBE), 142).summary(142)
     assert at_peak["gpu_seconds_granted"] == 304_219 * 60
     assert at_peak["gpu_seconds_busy"] == 78_255 * 60
     assert at_peak["wait_max"] == 0.0
-    assert simulate.static_reservation(trace.read(ADOBE), 141).summary(141)["wait_max"] > 0
+    assert replay.static_reservation(trace.read(ADOBE), 141).summary(141)["wait_max"] > 0
 
 
 @needs_adobe
@@ -153,7 +153,7 @@ def _heavy_under_light_stream(tmp_path: Path, max_wait_boost: float) -> dict[str
     lines += lights[:1] + ["heavy,36050,,36050,100,1,0"] + lights[1:]
     config = policy()
     config = replace(config, scheduler=replace(config.scheduler, max_wait_boost=max_wait_boost))
-    return simulate.replay(trace.read(write(tmp_path, "\n".join(lines) + "\n")), config, 1).user_waits
+    return replay.replay(trace.read(write(tmp_path, "\n".join(lines) + "\n")), config, 1).user_waits
 
 
 def test_a_heavy_users_request_under_a_stream_of_light_users_is_served_within_the_age_bound(tmp_path):
@@ -183,7 +183,7 @@ def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path: Path, mon
         acted.extend(done)
         return done
     monkeypatch.setattr(Watcher, "check", counted)
-    summary = simulate.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
+    summary = replay.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
     assert calls[0] >= 3  # the arrivals and the wake at which the reclaim is due
     assert [(a.kind, a.rule) for a in acted] == [("release", "reclaim")] and summary["reclaims"] == 1
 
@@ -191,6 +191,6 @@ def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path: Path, mon
         calls[0] += 1
         return []
     monkeypatch.setattr(Watcher, "check", idle)
-    blind = simulate.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
+    blind = replay.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
     # nobody reclaims a's idle GPU for b: b waits until a's session ends at 1000 s
     assert blind["reclaims"] == 0 and blind["wait_max"] == pytest.approx(990.0)

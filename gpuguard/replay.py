@@ -1,4 +1,4 @@
-"""`gpuguard simulate`: replay a trace on a virtual clock through the daemon's own services.
+"""`gpuguard replay`: replay a trace on a virtual clock through the daemon's own services.
 
 The services are the daemon's, built by the same wiring.build; only the edges differ: the clock
 is virtual, the GPU sample is the jobs running at that moment (_ReplayGpus), the trace's users
@@ -621,7 +621,7 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
 
 
 def replay(sessions: Iterable[Session], config: Config, gpus: int) -> Result:
-    """The configured policy on `gpuguard simulate`'s pool of `gpus` GPUs. The services' event
+    """The configured policy on `gpuguard replay`'s pool of `gpus` GPUs. The services' event
     log (a line per grant, release and warning, as the daemon logs them) is silenced meanwhile:
     a replay reports counts."""
     quiet, logs.logger.disabled = logs.logger.disabled, True

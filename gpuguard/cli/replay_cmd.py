@@ -1,4 +1,4 @@
-"""`gpuguard simulate TRACE`: replay a workload through gpuguard's policy and static reservation;
+"""`gpuguard replay TRACE`: replay a workload through gpuguard's policy and static reservation;
 `gpuguard trace convert|generate`: make trace files. Any user, no root, no daemon."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from gpuguard import config as configuration
-from gpuguard import simulate, trace
+from gpuguard import replay, trace
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.units import format_duration
@@ -18,20 +18,21 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("simulate",
+    # "simulate", the command's name before, is kept for one release (scripts and notes use it).
+    parser = subparsers.add_parser("replay", aliases=["simulate"],
                                    help="replay a workload trace: the configured policy beside static reservation",
                                    description="Replay a trace through the daemon's own services on a virtual clock, "
                                                "beside static reservation on the same pool. "
-                                               "Example: gpuguard simulate trace.csv --gpus 48 --config policy.toml")
+                                               "Example: gpuguard replay trace.csv --gpus 48 --config policy.toml")
     parser.add_argument("trace", type=Path, metavar="TRACE",
                         help="a trace CSV, or the Adobe notebook JSON as published")
     parser.add_argument("--gpus", type=int, metavar="N", help="GPUs in the pool (default: the config's GPU count)")
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="the policy to replay (default: as for the daemon; gpuguard's defaults if none)")
     parser.add_argument("--json", action="store_true", help="print JSON (durations in seconds)")
-    parser.set_defaults(func=run_simulate)
+    parser.set_defaults(func=run_replay)
 
-    tracing = subparsers.add_parser("trace", help="make trace files for gpuguard simulate")
+    tracing = subparsers.add_parser("trace", help="make trace files for gpuguard replay")
     actions = tracing.add_subparsers(dest="action", metavar="ACTION", required=True)
     convert = actions.add_parser("convert", help="write a trace (e.g. the Adobe JSON) as trace CSV on stdout",
                                  description="Write a trace (the Adobe notebook JSON, or Slurm's sacct -P output) as "
@@ -63,12 +64,12 @@ def policy_config(path: str | None) -> configuration.Config:
     return configuration.load(path)
 
 
-def run_simulate(args: argparse.Namespace) -> int:
+def run_replay(args: argparse.Namespace) -> int:
     config = policy_config(getattr(args, "config", None))
     gpus = args.gpus if args.gpus is not None else config.gpu.simulated.count
-    if not 1 <= gpus <= simulate.MAX_POOL:
-        raise CommandError(f"--gpus must be between 1 and {simulate.MAX_POOL}, got {gpus}", EXIT_USAGE)
-    report = simulate.compare(lambda: trace.read(args.trace), config, gpus)
+    if not 1 <= gpus <= replay.MAX_POOL:
+        raise CommandError(f"--gpus must be between 1 and {replay.MAX_POOL}, got {gpus}", EXIT_USAGE)
+    report = replay.compare(lambda: trace.read(args.trace), config, gpus)
     if args.json:
         print_json(report)
         return EXIT_OK
