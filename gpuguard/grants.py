@@ -220,10 +220,9 @@ class Grants:
         devices = {device for unit in units for device in self.devices_of(unit)}
         parents = {unit_parent(unit) for unit in units}  # a grant's nodes are all on its own GPU
         users: dict[Device, set[int]] = {}
-        for grant in self.store.grants():  # one read, however many nodes
-            if unit_parent(grant.minor) in parents:
-                for device in self.devices_of(grant.minor):
-                    users.setdefault(device, set()).add(grant.uid)
+        for grant in self.store.grants_on(parents):
+            for device in self.devices_of(grant.minor):
+                users.setdefault(device, set()).add(grant.uid)
         fixed = []
         for device in sorted(devices):
             if device[0] != NVIDIA_MAJOR or device[1] in self.minors:
