@@ -143,9 +143,10 @@ class Grants:
         return [gpu for unit, gpu in self.gpus.items() if unit_parent(unit) not in self.drained]
 
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
-                 message: str) -> tuple[int, ...]:
-        """Up to `count` more units for the user on the terms of their quota (none when none is free)."""
-        chosen = self.choose(uid, count, quota)
+                 message: str, chosen: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Up to `count` more units for the user on the terms of their quota (none when none is free).
+        chosen: what choose() just answered for this request, with no grant changed since."""
+        chosen = self.choose(uid, count, quota) if chosen is None else chosen
         expires_at, shared = policy.expires_at(quota, now), policy.may_share(quota)
         if chosen and self.admit is not None:
             chosen = self.admit(uid, user, quota, chosen, now, expires_at, shared, origin)
