@@ -145,7 +145,7 @@ def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], 
         # Nobody's first, least recently released first (keys built in C: a pool of hundreds is
         # ranked at every choice); then the shared ones, fewest holders first.
         unheld = [m for m in candidates if m not in holders]
-        ranked = [m for _, m in sorted(zip(map(last_released.get, unheld, repeat(0.0)), unheld))]
+        ranked = [m for _, m in sorted(zip(map(last_released.get, unheld, repeat(0.0)), unheld, strict=True))]
         if len(ranked) < want:
             ranked += sorted((m for m in candidates if m in holders),
                              key=lambda m: (holders[m], last_released.get(m, 0.0), m))
