@@ -253,7 +253,8 @@ class _Running:
     rate: float = 1.0
     since: float = 0.0
     version: int = 0     # its end event is for this version; an older one is stale
-    procs: tuple[rules.Proc, ...] = ()  # its process on each of its GPUs, as the watcher sees it
+    processes: tuple[GpuProcess, ...] = ()  # its process on each of its GPUs, as NVML lists it
+    identity: ProcessIdentity | None = None  # who that process is, as /proc tells
 
 
 @dataclass
@@ -419,9 +420,9 @@ class Replay:
         owner = self.sessions[session]
         minors = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
-        procs = tuple(rules.Proc(pid, owner.uid, pid, m, job.memory or None) for m in minors)
         running = _Running(job, owner.user, owner.uid, session, minors, pid, job.start, self.now, job.duration,
-                           since=self.now, procs=procs)
+                           since=self.now, processes=tuple(GpuProcess(pid, m, job.memory or None) for m in minors),
+                           identity=ProcessIdentity(pid, owner.uid, pid))
         self.running[pid] = running
         self.busy_of.setdefault(owner.uid, Counter()).update(minors)
         self._sample = None
@@ -495,9 +496,9 @@ class Replay:
     def sample(self) -> Sample:
         """The running jobs as a GPU sample: each job's process on each of its GPUs."""
         if self._sample is None or self._sample.time != self.now:
-            procs = [proc for running in self.running.values() for proc in running.procs]
-            self._sample = Sample(self.now, tuple(GpuProcess(p.pid, p.minor, p.used_memory) for p in procs),
-                                  {p.pid: ProcessIdentity(p.pid, p.uid, p.start_time) for p in procs},
+            jobs = [running for running in self.running.values() if running.processes]
+            self._sample = Sample(self.now, tuple(p for running in jobs for p in running.processes),
+                                  {running.pid: running.identity for running in jobs if running.identity},
                                   frozenset(self.grants.gpus))
         return self._sample
 
