@@ -47,6 +47,7 @@ from gpuguard import logs, policy, rules, wiring
 from gpuguard.config import AccessConfig, Config
 from gpuguard.model import Account, Gpu, GpuProcess, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
 from gpuguard.sampling import Holder, Sample
+from gpuguard.scans import Scans
 from gpuguard.server import Peer
 from gpuguard.store import Queued
 from gpuguard.trace import Job, Session
@@ -233,6 +234,14 @@ def _no_holders(units: Iterable[int], uids: Collection[int] | None,
     return []
 
 
+class _LoopScans(Scans):
+    """The logout release's holder search (_no_holders: it reads nothing) on the event loop: a
+    hand-off to a scan thread and back, at every logout, cost more than the rest of the logout."""
+
+    async def for_daemon(self, minors: Collection[int], uids: Collection[int] | None) -> list[Holder]:
+        return self.find_holders(minors, uids)
+
+
 ROOT = Peer(pid=1, uid=0, gid=0)  # the PAM module's calls come from root
 
 
@@ -285,6 +294,7 @@ class Replay:
         # Nothing holds a replayed GPU's node beyond the jobs the sample shows, which the rules
         # end: no background /proc scan after each grant taken back.
         self.services.releases.end_holders = lambda uid, user, units, why: None
+        self.services.logout.scans = _LoopScans(self.services.scans.find_holders)
         self.result = Result()
         self.now = 0.0
         self.uids: dict[str, int] = {}
