@@ -265,7 +265,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
                               cast(Numbers, {**numbers, "kill_wait": timing.kill_wait})))
 
     # Ending: processes already signalled move on to SIGKILL, then to "unkillable".
-    for proc in view.procs:
+    for proc in view.procs if state.stopping else ():
         stop = state.stopping.get(proc.key)
         if stop is None or proc.key in signalled or proc.uid in exempt:
             continue

@@ -135,10 +135,10 @@ class Store:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
         self._db.row_factory = sqlite3.Row
-        # The queue, and when units were given back, as last read, with the data_version they were
-        # read at: the queue, the watcher and the allocator read them many times per change.
-        # Another connection's commit moves data_version; this one's own writes drop the queue's
-        # copy, and update the releases' (remove_grants).
+        # The queue, when units were given back, and fair share, as last read, with the data_version
+        # they were read at: the queue, the watcher and the allocator read them many times per
+        # change. Another connection's commit moves data_version; this one's own writes drop the
+        # queue's copy, and update the others' (remove_grants, set_fairshare).
         self._copies: dict[str, tuple[int, Any]] = {}
         # The grants likewise, but kept up to date by this connection's own writes (add, remove,
         # mark_active) rather than dropped: the watcher, the queue, the allocator and the node
@@ -446,11 +446,14 @@ class Store:
 
     def fairshare(self) -> dict[int, tuple[float, float]]:
         """uid -> (GPU-seconds, the time they are counted at) charged for ended grants."""
-        return {row[0]: (row[1], row[2]) for row in self._db.execute("SELECT uid, value, at FROM fairshare")}
+        return dict(self._copy("fairshare", lambda db: {
+            row[0]: (row[1], row[2]) for row in db.execute("SELECT uid, value, at FROM fairshare")}))
 
     def set_fairshare(self, uid: int, value: float, at: float) -> None:
         with self.transaction() as db:
             db.execute("INSERT OR REPLACE INTO fairshare (uid, value, at) VALUES (?, ?, ?)", (uid, value, at))
+        if (copy := self._copies.get("fairshare")) is not None:  # written: the copy follows (see _copies)
+            copy[1][uid] = (float(value), float(at))
 
 
 def _queued(row: sqlite3.Row) -> Queued:

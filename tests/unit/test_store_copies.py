@@ -107,3 +107,19 @@ def test_the_first_event_of_a_user_after_opening_prunes_what_an_earlier_run_left
         assert [e.message for e in store.events(1001)] == [f"m{i}" for i in range(11, 31)]
     finally:
         store.close()
+
+
+def test_fair_share_as_read_follows_its_own_writes_and_another_connections(tmp_path):
+    store = Store(tmp_path / "state.db", durable=False)
+    other = _fresh(store.path)
+    try:
+        assert store.fairshare() == {}
+        store.set_fairshare(1001, 7200, 10)  # its own write: the copy follows, as the table holds it
+        assert store.fairshare() == other.fairshare() == {1001: (7200.0, 10.0)}
+        other.set_fairshare(1002, 60.0, 20.0)  # another connection's: read again
+        assert store.fairshare() == {1001: (7200.0, 10.0), 1002: (60.0, 20.0)}
+        store.fairshare()[1003] = (1.0, 1.0)  # what a caller gets is its own
+        assert 1003 not in store.fairshare()
+    finally:
+        other.close()
+        store.close()
