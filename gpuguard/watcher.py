@@ -69,6 +69,7 @@ class Watcher:
         self.state = rules.State()
         self._last_check: float | None = None
         self._last_view: tuple[Sample, rules.View] | None = None  # the last view built, and from what sample
+        self._procs: dict[tuple[int, int, int, int, int | None], rules.Proc] = {}  # its processes, by their fields
 
     # --- the tick
 
@@ -141,10 +142,15 @@ class Watcher:
         if last is not None and last[0] is sample:
             procs = last[1].procs
         else:
-            procs = [rules.Proc(process.pid, identity.uid, identity.start_time, process.minor, process.used_memory)
-                     for process in sample.processes
-                     # None: exited between NVML and /proc: nothing to judge
-                     if (identity := sample.owners.get(process.pid)) is not None]
+            made, self._procs = self._procs, {}
+            procs = []
+            for process in sample.processes:
+                identity = sample.owners.get(process.pid)
+                if identity is None:
+                    continue  # exited between NVML and /proc: nothing to judge
+                key = (process.pid, identity.uid, identity.start_time, process.minor, process.used_memory)
+                proc = self._procs[key] = made.get(key) or rules.Proc(*key)  # most processes were there before
+                procs.append(proc)
         grants = self.store.grants_read()
         quotas = {uid: self.accounts.of(uid)[1] for uid in {g.uid for g in grants}}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
