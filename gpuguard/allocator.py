@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from itertools import combinations
+from itertools import combinations, repeat
 from math import comb
 from typing import Any
 
@@ -143,7 +143,13 @@ def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], 
     if not topology and len({numa[m] for m in (*candidates, *own)}) <= 1:
         # No links or NUMA nodes declared (a replay's pool): every set is linked alike, so the best
         # set is the best GPUs one by one, by the same preferences as below (fast on 100 GPUs).
-        ranked = sorted(candidates, key=lambda m: (holders[m] > 0, holders[m], last_released.get(m, 0.0), m))
+        # Nobody's first, least recently released first (keys built in C: a pool of hundreds is
+        # ranked at every choice); then the shared ones, fewest holders first.
+        unheld = [m for m in candidates if m not in holders]
+        ranked = [m for _, m in sorted(zip(map(last_released.get, unheld, repeat(0.0)), unheld, strict=True))]
+        if len(ranked) < want:
+            ranked += sorted((m for m in candidates if m in holders),
+                             key=lambda m: (holders[m], last_released.get(m, 0.0), m))
         return tuple(sorted(ranked[:want]))
 
     def key(chosen: tuple[int, ...]) -> tuple[Any, ...]:

@@ -143,9 +143,10 @@ class Grants:
         return [gpu for unit, gpu in self.gpus.items() if unit_parent(unit) not in self.drained]
 
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
-                 message: str) -> tuple[int, ...]:
-        """Up to `count` more units for the user on the terms of their quota (none when none is free)."""
-        chosen = self.choose(uid, count, quota)
+                 message: str, chosen: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Up to `count` more units for the user on the terms of their quota (none when none is free).
+        chosen: what choose() just answered for this request, with no grant changed since."""
+        chosen = self.choose(uid, count, quota) if chosen is None else chosen
         expires_at, shared = policy.expires_at(quota, now), policy.may_share(quota)
         if chosen and self.admit is not None:
             chosen = self.admit(uid, user, quota, chosen, now, expires_at, shared, origin)
@@ -220,10 +221,9 @@ class Grants:
         devices = {device for unit in units for device in self.devices_of(unit)}
         parents = {unit_parent(unit) for unit in units}  # a grant's nodes are all on its own GPU
         users: dict[Device, set[int]] = {}
-        for grant in self.store.grants():  # one read, however many nodes
-            if unit_parent(grant.unit) in parents:
-                for device in self.devices_of(grant.unit):
-                    users.setdefault(device, set()).add(grant.uid)
+        for grant in self.store.grants_on(parents):
+            for device in self.devices_of(grant.unit):
+                users.setdefault(device, set()).add(grant.uid)
         fixed = []
         for device in sorted(devices):
             if device[0] != NVIDIA_MAJOR or device[1] in self.minors:

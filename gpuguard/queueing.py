@@ -198,12 +198,14 @@ class Queue:
             return []
         entries = {q.waiter.id: q for q in ordered}
         free = self.free()  # counted again after each grant: the cheap answer for a long queue
+        chosen: dict[int, tuple[int, ...]] = {}  # waiter id -> what fits chose, since the last grant
 
         def fits(waiter: scheduler.Waiter) -> bool:
             quota = entries[waiter.id].quota
             if not policy.may_share(quota) and waiter.gpus > free:
                 return False
-            return len(self.grants.choose(waiter.uid, waiter.gpus, quota)) >= waiter.gpus
+            chosen[waiter.id] = self.grants.choose(waiter.uid, waiter.gpus, quota)
+            return len(chosen[waiter.id]) >= waiter.gpus
 
         served = []
         for waiter in scheduler.admit([q.waiter for q in ordered if q.waiter.id not in self.holds], fits, now,
@@ -212,7 +214,8 @@ class Queue:
             # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
             origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST
             units = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
-                                          "granted from the queue")
+                                         "granted from the queue", chosen.pop(waiter.id))
+            chosen.clear()  # chosen before this grant: choose again
             if not units:  # a fleet quota in use on other servers (gpuguard.cluster): it keeps its place
                 continue
             self.store.leave_queue([waiter.id])

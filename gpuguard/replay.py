@@ -47,6 +47,7 @@ from gpuguard import logs, policy, rules, wiring
 from gpuguard.config import AccessConfig, Config
 from gpuguard.model import Account, Gpu, GpuProcess, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
 from gpuguard.sampling import Holder, Sample
+from gpuguard.scans import Scans
 from gpuguard.server import Peer
 from gpuguard.store import Queued
 from gpuguard.trace import Job, Session
@@ -233,6 +234,14 @@ def _no_holders(units: Iterable[int], uids: Collection[int] | None,
     return []
 
 
+class _LoopScans(Scans):
+    """The logout release's holder search (_no_holders: it reads nothing) on the event loop: a
+    hand-off to a scan thread and back, at every logout, cost more than the rest of the logout."""
+
+    async def for_daemon(self, units: Collection[int], uids: Collection[int] | None) -> list[Holder]:
+        return self.find_holders(units, uids)
+
+
 ROOT = Peer(pid=1, uid=0, gid=0)  # the PAM module's calls come from root
 
 
@@ -253,7 +262,8 @@ class _Running:
     rate: float = 1.0
     since: float = 0.0
     version: int = 0     # its end event is for this version; an older one is stale
-    procs: tuple[rules.Proc, ...] = ()  # its process on each of its GPUs, as the watcher sees it
+    processes: tuple[GpuProcess, ...] = ()  # its process on each of its GPUs, as NVML lists it
+    identity: ProcessIdentity | None = None  # who that process is, as /proc tells
 
 
 @dataclass
@@ -284,6 +294,7 @@ class Replay:
         # Nothing holds a replayed GPU's node beyond the jobs the sample shows, which the rules
         # end: no background /proc scan after each grant taken back.
         self.services.releases.end_holders = lambda uid, user, units, why: None
+        self.services.logout.scans = _LoopScans(self.services.scans.find_holders)
         self.result = Result()
         self.now = 0.0
         self.uids: dict[str, int] = {}
@@ -419,9 +430,9 @@ class Replay:
         owner = self.sessions[session]
         units = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
-        procs = tuple(rules.Proc(pid, owner.uid, pid, m, job.memory or None) for m in units)
         running = _Running(job, owner.user, owner.uid, session, units, pid, job.start, self.now, job.duration,
-                           since=self.now, procs=procs)
+                           since=self.now, processes=tuple(GpuProcess(pid, m, job.memory or None) for m in units),
+                           identity=ProcessIdentity(pid, owner.uid, pid))
         self.running[pid] = running
         self.busy_of.setdefault(owner.uid, Counter()).update(units)
         self._sample = None
@@ -495,9 +506,9 @@ class Replay:
     def sample(self) -> Sample:
         """The running jobs as a GPU sample: each job's process on each of its GPUs."""
         if self._sample is None or self._sample.time != self.now:
-            procs = [proc for running in self.running.values() for proc in running.procs]
-            self._sample = Sample(self.now, tuple(GpuProcess(p.pid, p.unit, p.used_memory) for p in procs),
-                                  {p.pid: ProcessIdentity(p.pid, p.uid, p.start_time) for p in procs},
+            jobs = [running for running in self.running.values() if running.processes]
+            self._sample = Sample(self.now, tuple(p for running in jobs for p in running.processes),
+                                  {running.pid: running.identity for running in jobs if running.identity},
                                   frozenset(self.grants.gpus))
         return self._sample
 

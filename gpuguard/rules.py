@@ -265,7 +265,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
                               cast(Numbers, {**numbers, "kill_wait": timing.kill_wait})))
 
     # Ending: processes already signalled move on to SIGKILL, then to "unkillable".
-    for proc in view.procs:
+    for proc in view.procs if state.stopping else ():
         stop = state.stopping.get(proc.key)
         if stop is None or proc.key in signalled or proc.uid in exempt:
             continue
@@ -328,8 +328,9 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             "idle": now - last, "reclaim_after": after, "last_active": last, "waiting": view.demand}))
     overtime = [(g, p) for g, p in overtime if (g.uid, g.unit) not in reclaimed]
     spans: dict[ProcKey, int] = {}
-    for proc in view.procs:
-        spans[proc.key] = spans.get(proc.key, 0) + 1
+    for proc in view.procs if overtime else ():  # only soft time's choice needs them
+        key = proc.key
+        spans[key] = spans.get(key, 0) + 1
 
     def work_lost(over: tuple[Grant, list[Proc]]) -> tuple[int, float, float, int, int]:
         """What revoking this grant throws away: its processes' widest span (GPUs), then their
@@ -372,8 +373,10 @@ def known_memory(procs: Iterable[Proc]) -> int:
 def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: float, timing: Timing,
             term: Callable[..., None]) -> list[Action]:
     limit = quota.gpu_memory
+    if limit is None:
+        return []
     used = known_memory(procs)
-    if limit is None or used <= limit:
+    if used <= limit:
         return []
     # Only processes with known, nonzero memory are candidates: stopping one is sure to help.
     candidates = [p for p in _largest_first(procs) if p.used_memory and p.key not in state.stopping]
@@ -453,7 +456,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     stopping = dict(state.stopping)
     time_warned = dict(state.time_warned)
     seen = dict(state.seen)
-    running_since = {p.key: state.running_since.get(p.key, now) for p in view.procs}
+    running_since = {key: state.running_since.get(key, now) for key in (p.key for p in view.procs)}
     failed = frozenset(view.failed)
     for proc in view.procs:
         seen[(proc.uid, proc.unit)] = now

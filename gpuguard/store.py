@@ -10,13 +10,13 @@ import json
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuguard.config import EventsConfig
 from gpuguard.errors import GpuguardError
-from gpuguard.model import Event, Grant, Origin, Quota, Session
+from gpuguard.model import Event, Grant, Origin, Quota, Session, unit_parent
 from gpuguard.scheduler import Waiter
 
 # Ordered migrations: index i brings the schema from version i to i + 1. Never edit a
@@ -108,6 +108,8 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 HOUR = 3600
+_Read = TypeVar("_Read")
+PRUNE_EVERY = 10  # a user's events beyond per_user are dropped every per_user // PRUNE_EVERY of theirs (add_event)
 
 
 class StoreError(GpuguardError):
@@ -134,11 +136,16 @@ class Store:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
         self._db.row_factory = sqlite3.Row
-        # The grants and the queue as last read, with the data_version they were read at: the
-        # watcher, the queue and the allocator read them many times per change. Another
-        # connection's commit moves data_version; this one's own writes drop the copy (or, for
-        # last_active, update it).
-        self._copies: dict[str, tuple[int, tuple[Any, ...]]] = {}
+        # The queue, when units were given back, and fair share, as last read, with the data_version
+        # they were read at: the queue, the watcher and the allocator read them many times per
+        # change. Another connection's commit moves data_version; this one's own writes drop the
+        # queue's copy, and update the others' (remove_grants, set_fairshare).
+        self._copies: dict[str, tuple[int, Any]] = {}
+        # The grants likewise, but kept up to date by this connection's own writes (add, remove,
+        # mark_active) rather than dropped: the watcher, the queue, the allocator and the node
+        # ACLs read them after every change, and a copy read again costs a row per grant.
+        self._grants = _Grants()
+        self._unpruned: dict[int | None, int] = {}  # uid -> its events added since its last prune (add_event)
         self._db.execute("PRAGMA journal_mode=WAL")
         # durable=False (a replay's scratch store): nothing to keep across a crash, so no fsync.
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
@@ -186,31 +193,48 @@ class Store:
         """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''.
         memory: a shared grant's memory quota per GPU (Grant.memory)."""
         uuids = uuids or {}
-        self._copies.pop("grants", None)
+        added = [Grant(uid, user, unit, float(now), None if expires_at is None else float(expires_at), float(now),
+                       bool(shared), Origin(origin), uuids.get(unit, ""), memory if shared else None)
+                 for unit in units]
         with self.transaction() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO grants (uid, user, minor, granted_at, expires_at, last_active, shared, origin,"
                 " uuid, memory) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(uid, user, unit, now, expires_at, now, int(shared), origin, uuids.get(unit, ""),
-                  memory if shared else None)
-                 for unit in units])
+                [(g.uid, g.user, g.unit, g.granted_at, g.expires_at, g.last_active, int(g.shared), g.origin, g.uuid,
+                  g.memory) for g in added])
+        self._grants.put(added)
 
-    def _copy(self, table: str, read: Callable[[sqlite3.Connection], Iterable[Any]]) -> tuple[Any, ...]:
+    def _copy(self, table: str, read: Callable[[sqlite3.Connection], _Read]) -> _Read:
         """The table's rows as last read (see _copies), read again when another connection changed it."""
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
         copy = self._copies.get(table)
         if copy is None or copy[0] != version:
-            copy = self._copies[table] = (version, tuple(read(self._db)))
+            copy = self._copies[table] = (version, read(self._db))
         return copy[1]
 
     def grants(self, uid: int | None = None) -> list[Grant]:
-        rows: tuple[Grant, ...] = self._copy("grants", lambda db: map(
-            _grant, db.execute("SELECT * FROM grants ORDER BY uid, minor")))
-        return list(rows) if uid is None else [g for g in rows if g.uid == uid]
+        """The grants by uid and unit (of one user when uid is given)."""
+        copy = self._grant_copy()
+        return list(copy.rows()) if uid is None else copy.of_user(uid)
+
+    def grants_on(self, gpus: Iterable[int]) -> list[Grant]:
+        """The grants on these GPUs (by parent: a slice's grant is on its GPU), by uid and unit."""
+        copy = self._grant_copy()
+        return sorted((g for gpu in set(gpus) for g in copy.on_gpu(gpu)), key=_grant_order)
+
+    def grants_read(self) -> tuple[Grant, ...]:
+        """The grants as grants() lists them, as one object that stays the same object until they
+        change: a caller may compare it by identity to know that nothing changed."""
+        return self._grant_copy().rows()
+
+    def _grant_copy(self) -> _Grants:
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if self._grants.version != version:  # never read, or another connection wrote
+            self._grants.read(version, map(_grant, self._db.execute("SELECT * FROM grants")))
+        return self._grants
 
     def remove_grants(self, uid: int, units: Iterable[int] | None, now: float) -> list[Grant]:
         """Remove a user's grants (all, or those units); returns what was removed."""
-        self._copies.pop("grants", None)
         with self.transaction() as db:
             held = [_grant(row) for row in db.execute("SELECT * FROM grants WHERE uid = ?", (uid,))]
             wanted = set(units) if units is not None else None
@@ -220,6 +244,12 @@ class Store:
                            [(g.unit, now) for g in removed])
             db.executemany("INSERT OR REPLACE INTO held_last (uid, minor, released_at) VALUES (?, ?, ?)",
                            [(g.uid, g.unit, now) for g in removed])
+        self._grants.drop(removed)
+        if (copy := self._copies.get("releases")) is not None:  # written: the copy follows, as for _grants
+            released, held = copy[1]
+            for grant in removed:
+                released[grant.unit] = float(now)
+                held.setdefault(grant.uid, {})[grant.unit] = float(now)
         return removed
 
     def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
@@ -227,22 +257,28 @@ class Store:
         slots = set(slots)
         if not slots:
             return
-        copy = self._copies.pop("grants", None)
         with self.transaction() as db:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
                            [(now, uid, unit) for uid, unit in slots])
-        if copy is not None:  # written: the copy follows (its data_version stays: this connection wrote)
-            self._copies["grants"] = (copy[0], tuple(replace(g, last_active=now) if (g.uid, g.unit) in slots
-                                                     else g for g in copy[1]))
+        self._grants.mark_active(slots, float(now))
 
     def last_held(self, uid: int) -> dict[int, float]:
         """When this user last gave back each GPU they ever held (for sticky allocation)."""
-        return {row[0]: row[1] for row in
-                self._db.execute("SELECT minor, released_at FROM held_last WHERE uid = ?", (uid,))}
+        return dict(self._releases()[1].get(uid, {}))
 
     def last_released(self) -> dict[int, float]:
         """When each GPU was last given back (for least-recently-used allocation)."""
-        return {row[0]: row[1] for row in self._db.execute("SELECT minor, last_released FROM gpu_history")}
+        return dict(self._releases()[0])
+
+    def _releases(self) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+        """gpu_history and held_last (uid -> unit -> when), as last read (see _copies): the
+        allocator asks at every choice, and only remove_grants writes them."""
+        def read(db: sqlite3.Connection) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+            held: dict[int, dict[int, float]] = {}
+            for uid, minor, released_at in db.execute("SELECT uid, minor, released_at FROM held_last"):
+                held.setdefault(uid, {})[minor] = released_at
+            return ({row[0]: row[1] for row in db.execute("SELECT minor, last_released FROM gpu_history")}, held)
+        return self._copy("releases", read)
 
     # --- sessions
 
@@ -280,19 +316,25 @@ class Store:
 
     def add_event(self, event: Event) -> int:
         """Store an event, and drop what the retention no longer keeps: events older than
-        max_age, and this user's beyond their newest per_user. Each insert prunes, so the
-        table stays bounded whatever the rate (one index range per bound, no table scan)."""
+        max_age, and this user's beyond their newest per_user. The age bound is applied at each
+        insert (one index range); the user's at their first insert after the store opened and then
+        at every per_user // PRUNE_EVERY-th (finding the newest per_user costs a walk over them),
+        so a user has at most per_user + per_user // PRUNE_EVERY - 1 events kept, whatever the rate."""
+        retention = self.retention()
+        every = max(1, retention.per_user // PRUNE_EVERY)
+        since = self._unpruned.get(event.uid, every - 1) + 1
         with self.transaction() as db:
             cursor = db.execute(
                 "INSERT INTO events (time, uid, user, kind, message, minor, pid, command, rule, action, numbers)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (event.time, event.uid, event.user, event.kind, event.message, event.unit, event.pid,
                  event.command, event.rule, event.action, json.dumps(event.numbers)))
-            retention = self.retention()
             if retention.max_age is not None:
                 db.execute("DELETE FROM events WHERE time < ?", (event.time - retention.max_age,))
-            db.execute("DELETE FROM events WHERE uid IS ? AND id <= (SELECT id FROM events WHERE uid IS ?"
-                       " ORDER BY id DESC LIMIT 1 OFFSET ?)", (event.uid, event.uid, retention.per_user))
+            if since >= every:
+                db.execute("DELETE FROM events WHERE uid IS ? AND id <= (SELECT id FROM events WHERE uid IS ?"
+                           " ORDER BY id DESC LIMIT 1 OFFSET ?)", (event.uid, event.uid, retention.per_user))
+        self._unpruned[event.uid] = 0 if since >= every else since
         return _row_id(cursor)
 
     def event_count(self) -> int:
@@ -397,7 +439,7 @@ class Store:
                       pid, pid_start)
 
     def queue(self, uid: int | None = None) -> list[Queued]:
-        rows: tuple[Queued, ...] = self._copy("queue", lambda db: map(_queued, db.execute("SELECT * FROM queue ORDER BY id")))
+        rows = self._copy("queue", lambda db: tuple(map(_queued, db.execute("SELECT * FROM queue ORDER BY id"))))
         return list(rows) if uid is None else [q for q in rows if q.waiter.uid == uid]
 
     def leave_queue(self, ids: Iterable[int]) -> int:
@@ -408,11 +450,14 @@ class Store:
 
     def fairshare(self) -> dict[int, tuple[float, float]]:
         """uid -> (GPU-seconds, the time they are counted at) charged for ended grants."""
-        return {row[0]: (row[1], row[2]) for row in self._db.execute("SELECT uid, value, at FROM fairshare")}
+        return dict(self._copy("fairshare", lambda db: {
+            row[0]: (row[1], row[2]) for row in db.execute("SELECT uid, value, at FROM fairshare")}))
 
     def set_fairshare(self, uid: int, value: float, at: float) -> None:
         with self.transaction() as db:
             db.execute("INSERT OR REPLACE INTO fairshare (uid, value, at) VALUES (?, ?, ?)", (uid, value, at))
+        if (copy := self._copies.get("fairshare")) is not None:  # written: the copy follows (see _copies)
+            copy[1][uid] = (float(value), float(at))
 
 
 def _queued(row: sqlite3.Row) -> Queued:
@@ -454,6 +499,85 @@ def _grant(row: sqlite3.Row) -> Grant:
 
 def _event(row: sqlite3.Row) -> Event:
     return Event(**{**_fields(row), "numbers": json.loads(row["numbers"])})
+
+
+def _grant_order(grant: Grant) -> tuple[int, int]:
+    return (grant.uid, grant.unit)
+
+
+def _marked_active(grant: Grant, now: float) -> Grant:
+    """The grant with last_active = now, its other fields as they are. Built from its fields
+    directly: dataclasses.replace costs four times as much, and the watcher marks every busy
+    grant about every ACTIVE_WRITE_EVERY seconds."""
+    marked = object.__new__(Grant)
+    marked.__dict__.update(vars(grant), last_active=now)
+    return marked
+
+
+class _Grants:
+    """The store's copy of the grants table: read whole when another connection changed it
+    (version: the data_version it was read at; None: not read), changed in place by this
+    connection's own writes, after they committed. Kept by slot, by user and by GPU (a slice's
+    grant on its parent's); the rows in order are built when first asked for after a change,
+    and stay the same object until the next."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self._by_slot: dict[tuple[int, int], Grant] = {}
+        self._by_uid: dict[int, dict[int, Grant]] = {}
+        self._by_gpu: dict[int, dict[tuple[int, int], Grant]] = {}
+        self._rows: tuple[Grant, ...] | None = None
+
+    def read(self, version: int, grants: Iterable[Grant]) -> None:
+        self.version = version
+        self._by_slot, self._by_uid, self._by_gpu = {}, {}, {}
+        self._put(grants)
+
+    def put(self, grants: Iterable[Grant]) -> None:
+        if self.version is not None:
+            self._put(grants)
+
+    def drop(self, grants: Iterable[Grant]) -> None:
+        if self.version is None:
+            return
+        for grant in grants:
+            slot = (grant.uid, grant.unit)
+            if self._by_slot.pop(slot, None) is not None:
+                _pop_in(self._by_uid, grant.uid, grant.unit)
+                _pop_in(self._by_gpu, unit_parent(grant.unit), slot)
+        self._rows = None
+
+    def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
+        if self.version is not None:
+            self._put([_marked_active(self._by_slot[slot], now) for slot in slots if slot in self._by_slot])
+
+    def _put(self, grants: Iterable[Grant]) -> None:
+        for grant in grants:
+            slot = (grant.uid, grant.unit)
+            self._by_slot[slot] = grant
+            self._by_uid.setdefault(grant.uid, {})[grant.unit] = grant
+            self._by_gpu.setdefault(unit_parent(grant.unit), {})[slot] = grant
+        self._rows = None
+
+    def rows(self) -> tuple[Grant, ...]:
+        if self._rows is None:
+            self._rows = tuple(self._by_slot[slot] for slot in sorted(self._by_slot))
+        return self._rows
+
+    def of_user(self, uid: int) -> list[Grant]:
+        held = self._by_uid.get(uid, {})
+        return [held[minor] for minor in sorted(held)]
+
+    def on_gpu(self, gpu: int) -> Iterable[Grant]:
+        return self._by_gpu.get(gpu, {}).values()
+
+
+def _pop_in(index: dict[Any, dict[Any, Any]], key: object, inner: object) -> None:
+    """Take `inner` out of index[key], and the key with its last entry."""
+    entries = index[key]
+    del entries[inner]
+    if not entries:
+        del index[key]
 
 
 def _session(row: sqlite3.Row) -> Session:

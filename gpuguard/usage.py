@@ -19,11 +19,14 @@ class UsageMeter:
         self._flushed = time.monotonic()
 
     def add(self, view: rules.View, seconds: float, now: float) -> None:
-        """What `view` shows for `seconds` up to `now`, counted in the hour of `now`."""
-        for (uid, unit), added in rules.usage(view, max(0.0, seconds)).items():
-            totals = self._usage.setdefault((hour_of(now), uid, unit), [0.0, 0.0, 0.0])
-            for i, value in enumerate(added):
-                totals[i] += value
+        """What `view` shows for `seconds` up to `now`, counted in the hour of `now` (nothing for
+        no seconds: a replay checks again at the same moment, and between its events no time passes
+        unobserved)."""
+        if seconds > 0:
+            for (uid, unit), added in rules.usage(view, seconds).items():
+                totals = self._usage.setdefault((hour_of(now), uid, unit), [0.0, 0.0, 0.0])
+                for i, value in enumerate(added):
+                    totals[i] += value
         if time.monotonic() - self._flushed >= USAGE_FLUSH_EVERY:
             self.flush()
 

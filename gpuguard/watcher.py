@@ -68,6 +68,8 @@ class Watcher:
         self.demand = demand  # what the queue needs beyond the free units: what reclaim may take
         self.state = rules.State()
         self._last_check: float | None = None
+        self._last_view: tuple[Sample, rules.View] | None = None  # the last view built, and from what sample
+        self._procs: dict[tuple[int, int, int, int, int | None], rules.Proc] = {}  # its processes, by their fields
 
     # --- the tick
 
@@ -101,8 +103,9 @@ class Watcher:
             if confirming is None:
                 return []
             await self.accounts.resolve(self._users(confirming))
-            view = self._view(confirming)  # grants read again: a request may have come in meanwhile
-            actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
+            first, view = view, self._view(confirming)  # grants read again: a request may have come in meanwhile
+            if view != first:  # the same view (a replay's sample, no grant changed) decides the same
+                actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
         done = []
         with self.releases.batch(now):  # decided on one view: the queue is served after all of it
             for action in actions:
@@ -132,23 +135,34 @@ class Watcher:
                   note="idle clocks restarted")
 
     def _view(self, sample: Sample) -> rules.View:
-        procs = []
-        for process in sample.processes:
-            identity = sample.owners.get(process.pid)
-            if identity is None:
-                continue  # exited between NVML and /proc: nothing to judge
-            procs.append(rules.Proc(process.pid, identity.uid, identity.start_time, process.unit,
-                                    process.used_memory))
-        grants = self.store.grants()
-        quotas = {g.uid: self.accounts.of(g.uid)[1] for g in grants}
+        """The sample, the grants and their users' quotas as the rules take them. The processes of
+        the same sample as the view before are that view's, and the grants are the store's copy (the
+        same objects while nothing changed): comparing two such views costs little."""
+        last = self._last_view
+        if last is not None and last[0] is sample:
+            procs = last[1].procs
+        else:
+            made, self._procs = self._procs, {}
+            procs = []
+            for process in sample.processes:
+                identity = sample.owners.get(process.pid)
+                if identity is None:
+                    continue  # exited between NVML and /proc: nothing to judge
+                key = (process.pid, identity.uid, identity.start_time, process.unit, process.used_memory)
+                proc = self._procs[key] = made.get(key) or rules.Proc(*key)  # most processes were there before
+                procs.append(proc)
+        grants = self.store.grants_read()
+        quotas = {uid: self.accounts.of(uid)[1] for uid in {g.uid for g in grants}}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
         failed = frozenset(sample.failed) | {g.unit for g in grants if not sample.ok(g.unit)}
         wanted = self.demand()
-        return rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful)
+        view = rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful)
+        self._last_view = (sample, view)
+        return view
 
     def _users(self, sample: Sample) -> set[int]:
         """Everyone the rules may judge: grant holders and the owners of the GPU processes."""
-        return {g.uid for g in self.store.grants()} | {identity.uid for identity in sample.owners.values()}
+        return {g.uid for g in self.store.grants_read()} | {identity.uid for identity in sample.owners.values()}
 
     # --- acting
 
