@@ -117,7 +117,7 @@ class Watcher:
                           uid=action.uid, gpu=unit_label(action.unit), pid=action.proc.pid if action.proc else None)
         self.state = rules.advance(view, self.state, done, now)
         self._account(view, now)
-        self._mark_active(view, now)
+        self._mark_active(view)
         self._last_check = now
         elapsed = time.monotonic() - started
         if elapsed > self.config().watcher.interval / 2:
@@ -219,12 +219,19 @@ class Watcher:
             # A long pause (a stalled loop, failed samples) was not observed: count at most a few ticks.
             self.usage.add(view, min(now - self._last_check, GAP_TICKS * self.config().watcher.interval), now)
 
-    def _mark_active(self, view: rules.View, now: float) -> None:
-        """grants.last_active follows the watcher's exact memory (state.seen) within ACTIVE_WRITE_EVERY."""
-        seen = self.state.seen
-        self.store.mark_active([(g.uid, g.unit) for g in view.grants
-                                if (g.uid, g.unit) in seen and seen[(g.uid, g.unit)] - g.last_active >= ACTIVE_WRITE_EVERY],
-                               now)
+    def _mark_active(self, view: rules.View) -> None:
+        """grants.last_active follows the watcher's exact memory (state.seen) within ACTIVE_WRITE_EVERY,
+        as the time a process was last seen there: a tick writes its own time for the GPUs busy now, and a
+        replay, which sees a job end between its checks, the job's end (not the later check's time, which
+        would start the idle clock late)."""
+        due: dict[float, list[rules.Slot]] = {}
+        for grant in view.grants:
+            slot = (grant.uid, grant.unit)
+            last_seen = self.state.seen.get(slot)
+            if last_seen is not None and last_seen - grant.last_active >= ACTIVE_WRITE_EVERY:
+                due.setdefault(last_seen, []).append(slot)
+        for last_seen, slots in due.items():
+            self.store.mark_active(slots, last_seen)
 
 
 def timing_of(config: Config) -> rules.Timing:

@@ -39,6 +39,14 @@ def test_a_job_dropped_with_its_session_counts_with_its_censored_wait(tmp_path):
     assert summary["slowdown_worst_user"] == pytest.approx(4.9)
 
 
+def test_a_grant_idle_since_its_job_ended_is_released_idle_timeout_after_the_end(tmp_path):
+    # a's job ends at 1000 with its session open until 5000; b's login at 1500 makes the watcher
+    # check in between: it must record a's GPU as last active at the job's end, not at 1500
+    path = write(tmp_path, "a,0,5000,0,1000,1,0", "b,1500,1600,1500,50,1,0")
+    result = replay.replay(trace.read(path), policy(idle_timeout=600.0), 2)
+    assert result.per_user["a"][0] == 1000.0 + 600.0
+
+
 def test_an_open_session_lasts_until_its_last_job_has_run(tmp_path):
     path = write(tmp_path, "a,0,,0,900,1,0", "b,10,,10,100,1,0")
     summary = replay.replay(trace.read(path), policy(), 1).summary(1)
