@@ -169,7 +169,7 @@ def _snapshot(bench: Bench) -> dict:
     for m in range(4):
         store.add_grants(2000 + m, f"user{m}", [m], time.time() - 60, None, origin=Origin.SESSION)
     settings = configuration.ClusterConfig(database="", node="template", heartbeat=HEARTBEAT)
-    cluster = Cluster(settings, lambda: 7 * 86400.0, store, grants, Outbox(home / "cluster.db"),
+    cluster = Cluster(settings, lambda: 7 * 86400.0, store, lambda: grants.gpus, (), Outbox(home / "cluster.db"),
                       FleetDb("", "template"))
     doc = cluster.snapshot(time.time())
     cluster.close()
