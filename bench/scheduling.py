@@ -172,14 +172,14 @@ def rows() -> list[Row]:
 
 def markdown(runs: list[tuple[str, str, int, dict, dict]]) -> str:
     """The README's table: one line per pool for static reservation, then one per policy."""
-    lines = ["| trace, pool | policy | p95 time to GPU (ran) | max wait | dropped | work lost | "
+    lines = ["| trace, pool | policy | p95 time to GPU (ran) | max wait | dropped | stopped | work lost | "
              "worst user's p95 | Jain slowdown | stretch p95 | shared GPU-h | pool busy |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def line(label: str, name: str, r: dict) -> str:
         lost = f"{r['gpu_seconds_lost'] / 3600:,.0f} GPU-h ({100 * (r['lost_of_demanded'] or 0):.1f}%)"
         return (f"| {label} | {name} | {hours(r['wait_p95'])} ({hours(r['ran_wait_p95'])}) | {hours(r['wait_max'])} | "
-                f"{r['jobs_never_ran']} | {lost} | {hours(r['user_wait_p95_worst'])} | {r['jain_slowdown']} | "
+                f"{r['jobs_never_ran']} | {r['kills']:,} | {lost} | {hours(r['user_wait_p95_worst'])} | {r['jain_slowdown']} | "
                 f"{r['stretch_p95']} | {r['gpu_seconds_shared'] / 3600:,.0f} | {100 * (r['pool_busy'] or 0):.1f}% |")
     seen = set()
     for label, name, _, ours, static in runs:
