@@ -566,7 +566,7 @@ class _Grants:
 
     def of_user(self, uid: int) -> list[Grant]:
         held = self._by_uid.get(uid, {})
-        return [held[minor] for minor in sorted(held)]
+        return [held[unit] for unit in sorted(held)]
 
     def on_gpu(self, gpu: int) -> Iterable[Grant]:
         return self._by_gpu.get(gpu, {}).values()

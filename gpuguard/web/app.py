@@ -77,6 +77,14 @@ class Web:
             admin = self.config.admin_group in groups
         return views.Viewer(login.user, admin)
 
+    async def signed_in(self, request: web.Request) -> tuple[views.Viewer, str]:
+        """The viewer and their user name, for the pages only a signed-in user sees: anyone else
+        is sent to the login page."""
+        viewer = await self.viewer(request)
+        if viewer.user is None:
+            raise web.HTTPSeeOther("/login")
+        return viewer, viewer.user
+
     def logout_token(self, request: web.Request) -> str:
         login = self.signer.login(request.cookies.get(self.cookie), self.clock())
         return self.signer.csrf("logout:" + login.nonce) if login else ""
@@ -152,15 +160,11 @@ class Web:
         return _fragment(pages.queue_table(rows, errors))
 
     async def me(self, request: web.Request) -> web.Response:
-        viewer = await self.viewer(request)
-        if viewer.user is None:
-            raise web.HTTPSeeOther("/login")
-        return await self._user_page(request, viewer, viewer.user)
+        viewer, user = await self.signed_in(request)
+        return await self._user_page(request, viewer, user)
 
     async def user(self, request: web.Request) -> web.Response:
-        viewer = await self.viewer(request)
-        if viewer.user is None:
-            raise web.HTTPSeeOther("/login")
+        viewer, _ = await self.signed_in(request)
         name = request.match_info["name"]
         if name != viewer.user and not viewer.admin:
             return self.page(request, viewer, "Refused", pages.message_page(
@@ -182,12 +186,9 @@ class Web:
         return self.page(request, viewer, name, body)
 
     async def usage(self, request: web.Request) -> web.Response:
-        viewer = await self.viewer(request)
-        if viewer.user is None:
-            raise web.HTTPSeeOther("/login")
+        viewer, _ = await self.signed_in(request)
         try:
-            since, until, form = _period(request.query, self.clock())
-            tables = await self._usage_tables(viewer, since, until)
+            form, tables = await self._asked_usage(request, viewer)
         except ValueError as exc:
             return self.page(request, viewer, "Bad period", pages.message_page("Bad period", str(exc)), status=400)
         except (DaemonUnreachable, Refused) as exc:
@@ -198,12 +199,9 @@ class Web:
         return self.page(request, viewer, "Usage", pages.usage_page(form, charts, csv_href, scope))
 
     async def usage_csv(self, request: web.Request) -> web.Response:
-        viewer = await self.viewer(request)
-        if viewer.user is None:
-            raise web.HTTPSeeOther("/login")
+        viewer, _ = await self.signed_in(request)
         try:
-            since, until, form = _period(request.query, self.clock())
-            tables = await self._usage_tables(viewer, since, until)
+            form, tables = await self._asked_usage(request, viewer)
         except ValueError as exc:
             raise web.HTTPBadRequest(text=str(exc)) from None
         except (DaemonUnreachable, Refused) as exc:
@@ -211,6 +209,13 @@ class Web:
         name = f"gpuguard-usage-{form['since']}-{form['until']}.csv"
         return web.Response(text=views.usage_csv(tables), content_type="text/csv",
                             headers={"Content-Disposition": f'attachment; filename="{name}"', "Cache-Control": "no-store"})
+
+    async def _asked_usage(self, request: web.Request, viewer: views.Viewer) \
+            -> tuple[dict[str, str], list[tuple[str, list[views.Usage]]]]:
+        """The period the page or the CSV asks for (its form fields) and the usage tables of it;
+        ValueError for a bad period, DaemonUnreachable or Refused when the source fails."""
+        since, until, form = _period(request.query, self.clock())
+        return form, await self._usage_tables(viewer, since, until)
 
     async def _usage_tables(self, viewer: views.Viewer, since: float, until: float) -> list[tuple[str, list[views.Usage]]]:
         user = None if viewer.admin else viewer.user  # as `gpuguard report`: one's own, admins everyone's
