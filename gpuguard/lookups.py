@@ -68,15 +68,18 @@ class KnownAccounts:
         self.config = config
         self._accounts: dict[int, tuple[float, Config, str, Quota]] = {}  # uid -> (when, config, name, quota)
 
-    def _fresh(self, uid: int) -> bool:
-        cached = self._accounts.get(uid)
-        return cached is not None and cached[1] is self.config() and time.monotonic() - cached[0] < ACCOUNT_CACHE
+    def _stale(self, uids: Iterable[int]) -> list[int]:
+        """Those of uids not cached, or cached under another config or longer than ACCOUNT_CACHE ago."""
+        config, oldest = self.config(), time.monotonic() - ACCOUNT_CACHE
+        cached = self._accounts
+        return sorted(uid for uid in set(uids)
+                      if (entry := cached.get(uid)) is None or entry[1] is not config or entry[0] <= oldest)
 
     async def resolve(self, uids: Iterable[int]) -> None:
         """Look up (off the loop) the users whose name and quota are not cached or are stale."""
-        for uid in sorted(set(uids)):
-            if self._fresh(uid):
-                continue
+        for uid in self._stale(uids):
+            if not self._stale([uid]):
+                continue  # looked up meanwhile (another caller's resolve, during an await)
             config = self.config()
             try:
                 account = await self.lookup.by_uid(uid)

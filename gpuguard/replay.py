@@ -45,7 +45,7 @@ from typing import Any
 
 from gpuguard import logs, policy, rules, wiring
 from gpuguard.config import AccessConfig, Config
-from gpuguard.model import Account, Gpu, GpuProcess, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
+from gpuguard.model import Account, Gpu, GpuProcess, Grant, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
 from gpuguard.sampling import Holder, Sample
 from gpuguard.scans import Scans
 from gpuguard.server import Peer
@@ -315,6 +315,7 @@ class Replay:
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
         self._held: dict[tuple[int, int, float], str] = {}  # the grants after the last batch: (uid, unit, since) -> user
+        self._counted: tuple[Grant, ...] = ()     # the store's grants as _held was made from them
         self.checks = 0                           # Watcher.check calls: every decision of a rule comes from one
 
     # --- the event loop
@@ -546,7 +547,11 @@ class Replay:
 
     def _count_granted(self, end: bool = False) -> None:
         """Count the GPU-seconds of the grants that ended in the last batch of events (all, at the end)."""
-        held = {} if end else {(g.uid, g.unit, g.granted_at): g.user for g in self.store.grants()}
+        rows = self.store.grants_read()
+        if rows is self._counted and not end:
+            return  # the same object: no grant came or went since the last count
+        self._counted = rows
+        held = {} if end else {(g.uid, g.unit, g.granted_at): g.user for g in rows}
         for key in self._held.keys() - held.keys():
             self._taken_back += not end
             self.result.granted += self.now - key[2]

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, NamedTuple, TypedDict, cast
 
 from gpuguard.compat import StrEnum
@@ -127,8 +128,9 @@ class Proc:
     unit: int
     used_memory: int | None    # bytes; None = NVML does not know
 
-    @property
+    @cached_property
     def key(self) -> ProcKey:
+        """Built once per Proc (the watcher keeps a process's Proc while its fields stay the same)."""
         return (self.pid, self.start_time)
 
 
@@ -164,6 +166,22 @@ class View:
             return self
         return replace(self, procs=[p for p in self.procs if p.unit not in self.failed],
                        grants=[g for g in self.grants if g.unit not in self.failed], failed=())
+
+    # What decide, advance and next_change all need of a view, built once per view (a view is
+    # never changed once made).
+    @cached_property
+    def on_slot(self) -> dict[Slot, list[Proc]]:
+        """Each user's processes on each GPU."""
+        return _by_slot(self.procs)
+
+    @cached_property
+    def granted(self) -> frozenset[Slot]:
+        """(uid, unit) of every grant."""
+        return frozenset([(g.uid, g.unit) for g in self.grants])
+
+    @cached_property
+    def proc_keys(self) -> frozenset[ProcKey]:
+        return frozenset([p.key for p in self.procs])
 
 
 @dataclass(frozen=True)
@@ -252,7 +270,7 @@ class Action:
 def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]:
     view = view.readable()
     exempt = {ROOT_UID, *view.exempt}
-    on_slot = _by_slot(view.procs)
+    on_slot = view.on_slot
 
     actions: list[Action] = []
     signalled: set[ProcKey] = set()  # one signal per process per tick, whatever its GPUs
@@ -291,14 +309,12 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         """Whether taking this grant back frees a unit of a kind a waiter takes."""
         return view.useful is None or grant.unit in view.useful
 
-    granted: set[Slot] = set()
     reclaimable: list[tuple[float, Grant, float]] = []  # (idle since, grant, reclaim_after)
     overtime: list[tuple[Grant, list[Proc]]] = []
     for grant in view.grants:
         slot = (grant.uid, grant.unit)
         procs = on_slot.get(slot, [])
         quota = view.quotas.get(grant.uid)
-        granted.add(slot)
         if grant.expires_at is not None and now >= grant.expires_at:
             if not timing.soft_max_time:
                 revoke(grant, procs)
@@ -343,7 +359,10 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
     for grant, procs in sorted(overtime, key=work_lost)[:wanted - len(reclaimed)]:
         revoke(grant, procs)
 
-    for slot, procs in _by_slot(p for p in view.procs if (p.uid, p.unit) not in granted).items():
+    granted = view.granted
+    for slot, procs in on_slot.items():
+        if slot in granted:
+            continue
         actions.extend(_stray(slot, _oldest_first(procs), state, now, timing, slot[0] in exempt, term))
     return actions
 
@@ -455,16 +474,19 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     stray = dict(state.stray)
     stopping = dict(state.stopping)
     time_warned = dict(state.time_warned)
-    seen = dict(state.seen)
-    running_since = {key: state.running_since.get(key, now) for key in (p.key for p in view.procs)}
+    since = state.running_since
+    running_since = {key: since.get(key, now) for key in view.proc_keys}
     failed = frozenset(view.failed)
-    for proc in view.procs:
-        seen[(proc.uid, proc.unit)] = now
-    for grant in view.grants:
-        if grant.unit in failed:
-            seen[(grant.uid, grant.unit)] = now  # unread: possibly busy, so its idle clock restarts
+    granted = view.granted
+    on_slot = view.on_slot
+    # Idle clocks: of the grants only; now where a process was seen, and on a failed GPU (unread:
+    # possibly busy, so its idle clock restarts).
+    seen = {slot: t for slot, t in state.seen.items() if slot in granted}
+    seen.update(dict.fromkeys(granted.intersection(on_slot), now))
+    if failed:
+        seen.update(dict.fromkeys([(g.uid, g.unit) for g in view.grants if g.unit in failed], now))
 
-    grant_keys = {(g.uid, g.unit, g.granted_at) for g in view.grants}
+    grant_keys = {(g.uid, g.unit, g.granted_at) for g in view.grants} if time_warned or done else set()
     for action in done:
         target = action.proc
         if action.kind == WARN and action.rule == MEMORY:
@@ -484,9 +506,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
 
     # Forget what no longer applies: processes gone, episodes over, grants ended; about failed
     # GPUs nothing is known, so what is remembered about them stays.
-    present = {p.key for p in view.procs}
-    granted = {(g.uid, g.unit) for g in view.grants}
-    on_slot = _by_slot(view.procs)
+    present = view.proc_keys
     for slot, episode in stray.items():
         if slot in on_slot:
             stray[slot] = replace(episode, last_seen=now)
@@ -504,7 +524,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
         stray={slot: e for slot, e in stray.items() if stray_goes_on(slot, e)},
         stopping={k: s for k, s in stopping.items() if k in present or s.unit in failed},
         time_warned={k: t for k, t in time_warned.items() if k in grant_keys},
-        seen={slot: t for slot, t in seen.items() if slot in granted},
+        seen=seen,
         running_since=running_since,  # of the processes in this sample: one gone is forgotten
     )
 
@@ -514,16 +534,21 @@ def next_change(view: View, state: State, timing: Timing, now: float) -> float |
     (None: never). A replay sleeps until then instead of ticking through moments when nothing can
     happen; tests hold it against decide()."""
     view = view.readable()
-    on_slot = _by_slot(view.procs)
+    busy = view.on_slot
     times = _waits_ending(state, timing)
     for grant in view.grants:
         if grant.expires_at is not None:
             times.extend(grant.expires_at - t for t in TIME_WARNINGS)
         quota = view.quotas.get(grant.uid)
         slot = (grant.uid, grant.unit)
-        if quota is not None and slot not in on_slot:
+        if quota is not None and slot not in busy:
             last = max(grant.last_active, state.seen.get(slot, grant.last_active))
-            times.extend(last + after for after in (quota.idle_timeout, quota.reclaim_after) if after is not None)
+            if quota.idle_timeout is not None:
+                times.append(last + quota.idle_timeout)
+            # Reclaim acts only while the queue wants a unit this grant frees; the demand moves
+            # only when the queue does, and the replay checks after that anyway.
+            if quota.reclaim_after is not None and view.demand and (view.useful is None or grant.unit in view.useful):
+                times.append(last + quota.reclaim_after)
     later = [t for t in times if t > now]
     return min(later, default=None)
 

@@ -29,6 +29,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from operator import attrgetter
 from typing import Any
 
 from gpuguard import messages, rules
@@ -55,7 +56,8 @@ _SIGNAL = {rules.TERM: signal.SIGTERM, rules.KILL: signal.SIGKILL}
 class Watcher:
     def __init__(self, config: Callable[[], Config], store: Store, releases: Releases, exempt: Exempt,
                  sampler: GpuSampler, accounts: KnownAccounts, terminals: Terminals, processes: Processes,
-                 usage: UsageMeter, demand: Callable[[], rules.Demand] = rules.Demand) -> None:
+                 usage: UsageMeter, demand: Callable[[], rules.Demand] = rules.Demand,
+                 active_write_every: float | None = ACTIVE_WRITE_EVERY) -> None:
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.releases = releases
@@ -66,6 +68,9 @@ class Watcher:
         self.processes = processes  # who a process is, and signals through pidfds
         self.usage = usage
         self.demand = demand  # what the queue needs beyond the free units: what reclaim may take
+        # How stale grants.last_active may get in the store; None: never written (a scratch store
+        # nobody restarts from: the idle clocks are the watcher's memory, which is exact).
+        self.active_write_every = active_write_every
         self.state = rules.State()
         self._last_check: float | None = None
         self._last_view: tuple[Sample, rules.View] | None = None  # the last view built, and from what sample
@@ -75,8 +80,18 @@ class Watcher:
 
     def next_change(self, sample: Sample, now: float) -> float | None:
         """The earliest moment after `now` at which a check of this same sample could act
-        (rules.next_change): a replay, which has no ticks of its own, checks then."""
-        return rules.next_change(self._view(sample), self.state, timing_of(self.config()), now)
+        (rules.next_change): a replay, which has no ticks of its own, checks then. Right after a
+        check of the same sample over the same grants and demand, that check's view is used (its
+        quotas as the check resolved them)."""
+        last = self._last_view
+        if last is not None and last[0] is sample and last[1].grants is self.store.grants_read():
+            view = last[1]
+            wanted = self.demand()
+            if (wanted.short, wanted.useful) != (view.demand, view.useful):
+                view = replace(view, demand=wanted.short, useful=wanted.useful)
+        else:
+            view = self._view(sample)
+        return rules.next_change(view, self.state, timing_of(self.config()), now)
 
     def unchanged_until(self, now: float) -> None:
         """Nothing changed since the last check until `now`: a replay, which checks only when
@@ -152,9 +167,10 @@ class Watcher:
                 proc = self._procs[key] = made.get(key) or rules.Proc(*key)  # most processes were there before
                 procs.append(proc)
         grants = self.store.grants_read()
-        quotas = {uid: self.accounts.of(uid)[1] for uid in {g.uid for g in grants}}
-        # Not read: the GPUs that failed, and a granted one NVML could not reach at all.
-        failed = frozenset(sample.failed) | {g.unit for g in grants if not sample.ok(g.unit)}
+        quotas = {uid: self.accounts.of(uid)[1] for uid in set(map(_uid_of, grants))}
+        # Not read: the GPUs that failed, and a granted one NVML could not reach at all (not in
+        # the sample's units: Sample.ok).
+        failed = frozenset(sample.failed).union(set(map(_unit_of, grants)).difference(sample.units))
         wanted = self.demand()
         view = rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful)
         self._last_view = (sample, view)
@@ -162,7 +178,7 @@ class Watcher:
 
     def _users(self, sample: Sample) -> set[int]:
         """Everyone the rules may judge: grant holders and the owners of the GPU processes."""
-        return {g.uid for g in self.store.grants_read()} | {identity.uid for identity in sample.owners.values()}
+        return set(map(_uid_of, self.store.grants_read())).union(map(_uid_of, sample.owners.values()))
 
     # --- acting
 
@@ -220,18 +236,24 @@ class Watcher:
             self.usage.add(view, min(now - self._last_check, GAP_TICKS * self.config().watcher.interval), now)
 
     def _mark_active(self, view: rules.View) -> None:
-        """grants.last_active follows the watcher's exact memory (state.seen) within ACTIVE_WRITE_EVERY,
+        """grants.last_active follows the watcher's exact memory (state.seen) within active_write_every,
         as the time a process was last seen there: a tick writes its own time for the GPUs busy now, and a
         replay, which sees a job end between its checks, the job's end (not the later check's time, which
         would start the idle clock late)."""
+        every = self.active_write_every
+        if every is None:
+            return
         due: dict[float, list[rules.Slot]] = {}
         for grant in view.grants:
             slot = (grant.uid, grant.unit)
             last_seen = self.state.seen.get(slot)
-            if last_seen is not None and last_seen - grant.last_active >= ACTIVE_WRITE_EVERY:
+            if last_seen is not None and last_seen - grant.last_active >= every:
                 due.setdefault(last_seen, []).append(slot)
         for last_seen, slots in due.items():
             self.store.mark_active(slots, last_seen)
+
+
+_uid_of, _unit_of = attrgetter("uid"), attrgetter("unit")
 
 
 def timing_of(config: Config) -> rules.Timing:

@@ -47,7 +47,7 @@ from gpuguard.reload_effects import ReloadEffects
 from gpuguard.scans import Scans
 from gpuguard.store import Store
 from gpuguard.usage import UsageMeter
-from gpuguard.watcher import Watcher
+from gpuguard.watcher import ACTIVE_WRITE_EVERY, Watcher
 
 if TYPE_CHECKING:
     from gpuguard.cluster.wiring import Fleet
@@ -73,7 +73,7 @@ class Edges:
     topology: Topology | None = None
     caps_major: int | None = None    # of the MIG capability nodes (None: no MIG capabilities)
     clock: Clock = time.time
-    durable: bool = True             # False: a scratch store (a replay), no fsync
+    durable: bool = True             # False: a scratch store (a replay): no fsync, no idle clocks kept in it
     reload: Callable[[], Config] | None = None  # the `reload` operation (None: the config stays)
     sync_nodes: Callable[[], None] = field(default=lambda: None)  # the `sync_nodes` operation
     # `status` entries of the GPUs Slurm or Kubernetes own (coexist.status_entries): shown, never handed out
@@ -164,7 +164,8 @@ def build(edges: Edges) -> Services:
     logout = LogoutRelease(store, releases, scans, edges.exits, edges.processes, edges.clock)
     reload_effects = ReloadEffects(store, releases, edges.lookup, tell)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
-                      usage, demand=queue.demand)
+                      usage, demand=queue.demand,
+                      active_write_every=ACTIVE_WRITE_EVERY if edges.durable else None)
     api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, holders, edges.gate,
               apply_reload=edges.reload or config, resync_nodes=edges.sync_nodes, accounts=accounts, usage=usage,
               queue=queue, terminals=edges.terminals, processes=edges.processes, clock=edges.clock,

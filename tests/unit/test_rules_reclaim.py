@@ -126,3 +126,39 @@ def test_the_default_quota_reclaims_a_gpu_unused_for_ten_minutes_only_while_some
     assert rules.decide(view(just_under, demand=1, quota=default), State(), NOW, T) == []
     in_use = [grant(ALICE, 0, last_active=NOW - 7200)]
     assert rules.decide(view(in_use, [Proc(7, ALICE, 70, 0, None)], demand=1, quota=default), State(), NOW, T) == []
+
+
+def test_next_change_has_no_reclaim_time_while_nobody_waits_for_the_unit():
+    quota = Quota(idle_timeout=3600.0, reclaim_after=600.0)
+    idle = [grant(ALICE, 0, last_active=NOW)]
+    assert rules.next_change(view(idle, demand=0, quota=quota), State(), T, NOW) == NOW + 3600
+    assert rules.next_change(view(idle, demand=1, quota=quota), State(), T, NOW) == NOW + 600
+    elsewhere = replace(view(idle, demand=1, quota=quota), useful=frozenset({1}))  # a waiter wants another kind
+    assert rules.next_change(elsewhere, State(), T, NOW) == NOW + 3600
+
+
+def test_decide_acts_alike_at_every_moment_before_next_change():
+    """next_change held against decide on random views: between now and the moment it names,
+    decide's actions are those it takes now (a replay that sleeps until then misses nothing)."""
+    import random
+    rng = random.Random(20)
+    for _ in range(300):
+        units = rng.sample(range(12), rng.randint(0, 8))
+        grants = [Grant(uid, f"u{uid}", unit, NOW - rng.uniform(0, 4000),
+                        rng.choice([None, NOW + rng.uniform(-100, 1500)]), NOW - rng.uniform(0, 4000))
+                  for unit in units for uid in [rng.choice([ALICE, BOB])]]
+        procs = [Proc(100 + unit, g.uid if rng.random() < 0.8 else 3000, 7, unit, rng.choice([None, 1 << 30]))
+                 for g in grants for unit in [g.unit] if rng.random() < 0.5]
+        quotas = {uid: Quota(idle_timeout=rng.choice([None, 900.0, 3600.0]), reclaim_after=rng.choice([None, 60.0, 600.0]),
+                             gpu_memory=rng.choice([None, 1 << 29]))
+                  for uid in (ALICE, BOB)}
+        v = View(procs, grants, quotas, demand=rng.randint(0, 2),
+                 useful=rng.choice([None, frozenset(rng.sample(range(12), 6))]))
+        timing = rng.choice([T, SOFT])
+        state = rules.advance(v, State(), [], NOW - rng.uniform(0, 50))
+        at = rules.next_change(v, state, timing, NOW)
+        now_keys = [a.key for a in rules.decide(v, state, NOW, timing)]
+        end = at if at is not None else NOW + 10_000
+        for moment in sorted(rng.uniform(NOW, end) for _ in range(5)):
+            if moment < end:
+                assert [a.key for a in rules.decide(v, state, moment, timing)] == now_keys, (v, state, moment, at)

@@ -11,6 +11,8 @@ import asyncio
 
 from fakes import GROUP, World
 
+from gpuguard.watcher import ACTIVE_WRITE_EVERY
+
 
 def check(world: World, now: float) -> list:
     return asyncio.run(world.watcher.check(world.sampler.last, now))
@@ -57,3 +59,29 @@ def test_a_user_nss_does_not_know_is_judged_on_the_defaults(world):
     world.sampler.set([(77, 1005, 0, 2 << 30)])
     done = check(world, 1000.0)
     assert [(a.kind, a.rule, a.uid) for a in done] == [("warn", "memory", 1005)]
+
+
+def test_the_idle_clock_is_kept_in_the_store_unless_nobody_restarts_from_it(world):
+    """A daemon's store keeps last_active within ACTIVE_WRITE_EVERY (a restarted daemon must not
+    release a GPU in use); a replay's scratch store (active_write_every None) is never written,
+    and the watcher's memory still releases only after the idle time since the process left."""
+    world.quota(idle_timeout=120.0)
+    alice = world.lookup.add("alice", 1001, GROUP)
+    (unit,) = world.login(alice)["gpus"]
+    granted_at = world.store.grants(1001)[0].granted_at
+    world.sampler.set([(321, 1001, unit, 1 << 30)])
+    interval = world.config.watcher.interval
+    busy_until = granted_at + 10 * ACTIVE_WRITE_EVERY
+    for now in [granted_at + interval * i for i in range(1, int(10 * ACTIVE_WRITE_EVERY / interval) + 1)]:
+        check(world, now)
+    assert world.store.grants(1001)[0].last_active >= busy_until - ACTIVE_WRITE_EVERY
+    world.watcher.active_write_every = None
+    written = world.store.grants(1001)[0].last_active
+    for now in [busy_until + interval * i for i in range(1, int(2 * ACTIVE_WRITE_EVERY / interval) + 1)]:
+        check(world, now)
+    assert world.store.grants(1001)[0].last_active == written
+    last_busy = busy_until + 2 * ACTIVE_WRITE_EVERY
+    world.sampler.set([])  # the process left: idle from the last tick that saw it
+    ticks = [last_busy + interval * i for i in range(1, int(130 / interval) + 1)]
+    done = {now: check(world, now) for now in ticks}
+    assert [now for now in ticks if done[now]] == [min(now for now in ticks if now - last_busy >= 120.0)]
