@@ -312,6 +312,7 @@ class Replay:
         self._pids = itertools.count(1000)
         self._next_wake: float | None = None
         self._first: float | None = None
+        self._added = False                       # this batch of events started a job or queued a request
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
         self._held: dict[tuple[int, int, float], str] = {}  # the grants after the last batch: (uid, unit, since) -> user
@@ -331,18 +332,19 @@ class Replay:
             when = self._events[0][0]
             self.watcher.unchanged_until(when)  # the sample stood still since the last event
             self.now = when
-            kinds = set()
+            before, self._added, woken = self.store.grants_read(), False, False
             while self._events and self._events[0][0] == when:
                 _, _, kind, payload = heapq.heappop(self._events)
-                kinds.add(kind)
+                woken |= kind == "wake"
                 await getattr(self, f"_on_{kind}")(payload)
-            if kinds == {"end"}:
-                # Jobs ending change no grant and no demand, and no rule acts the moment a GPU
-                # falls idle: only the time at which one may act (idle, reclaim) moves.
-                self._wake_for(self.sample())
-            else:
+            if woken or self._added or not self._only_taken_away(before):
                 await self._tick()
-                self._count_granted()
+            else:
+                # Jobs ended, grants given back at logout, requests left with their sessions: no
+                # rule acts the moment something ends (every limit is at least a second), so only
+                # the times at which one may act (idle, reclaim) move.
+                self._wake_for(self.sample())
+            self._count_granted()
         self._finish()
         return self.result
 
@@ -385,6 +387,7 @@ class Replay:
             self._start(job, session)
             return
         self._joining = (job, session)
+        self._added = True  # the queue's demand grew: reclaim may act at once
         try:
             queued, waits = self.queue.join(uid, name, more, quota, self.now, Origin.SESSION, pid=session)
         finally:
@@ -416,6 +419,18 @@ class Replay:
                 self._never_ran(job, owner)
         self._forget_if_done(pid)
 
+    def _only_taken_away(self, before: tuple[Grant, ...]) -> bool:
+        """Whether the grants now are those `before` less some, none of which a running job was on
+        (its process would now be on a GPU its user holds no grant for: the stray rule acts)."""
+        after = self.store.grants_read()
+        if after is before:
+            return True
+        kept = set(map(id, after))
+        if not kept <= set(map(id, before)):
+            return False
+        nothing: Counter[int] = Counter()
+        return not any(self.busy_of.get(g.uid, nothing)[g.unit] for g in before if id(g) not in kept)
+
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
 
@@ -435,6 +450,7 @@ class Replay:
                            since=self.now, processes=tuple(GpuProcess(pid, m, job.memory or None) for m in units),
                            identity=ProcessIdentity(pid, owner.uid, pid))
         self.running[pid] = running
+        self._added = True  # a process came: its rules (memory) may act at once
         self.busy_of.setdefault(owner.uid, Counter()).update(units)
         self._sample = None
         self._crowd(units, add=pid)

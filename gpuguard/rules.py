@@ -333,7 +333,8 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             elif quota.reclaim_after is not None and now - last >= quota.reclaim_after and helps(grant):
                 reclaimable.append((last, grant, quota.reclaim_after))
             continue
-        if grant.uid not in exempt and not is_slice(grant.unit):  # a slice's memory is bounded in hardware
+        # (a slice's memory is bounded in hardware)
+        if quota.gpu_memory is not None and grant.uid not in exempt and not is_slice(grant.unit):
             actions.extend(_memory(grant, quota, procs, state, now, timing, term))
 
     wanted = view.demand
