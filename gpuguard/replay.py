@@ -18,10 +18,11 @@ waiting when its session ends never runs (its waiter leaves the queue with the l
 open session (no end in the trace) ends once its last job has run. While a job runs its process
 is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
 jobs are on it (a job on several GPUs at the pace of its most crowded one): its end moves when
-another job joins or leaves. Watcher.check runs after every batch of simultaneous events (except
-one of job ends only, which no rule acts on at once: it just moves the next wake) and at the next
-moment one of the rules can fire (Watcher.next_change), rounded up to the watcher's interval as
-the daemon's tick would see it; between events the sample stands still, so the watcher is told
+another job joins or leaves. Watcher.check runs after every batch of simultaneous events that
+added something a rule may act on at once (a job started, a request queued, a grant came or went
+from under a running job; a batch that only took things away, such as job ends and logouts, just
+moves the next wake: every limit is at least a second) and at the next moment one of the rules can
+fire (Watcher.next_change), rounded up to the watcher's interval as the daemon's tick would see it; between events the sample stands still, so the watcher is told
 there was no gap (Watcher.unchanged_until). When a job ends, the watcher's memory of when it saw
 the job last is set to that moment, as the daemon's tick just before it would have left it.
 
