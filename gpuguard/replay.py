@@ -4,10 +4,10 @@ The services are the daemon's, built by the same wiring.build; only the edges di
 is virtual, the GPU sample is the jobs running at that moment (_ReplayGpus), the trace's users
 are accounts in access.group (_ReplayAccounts), a signal to a job's process ends the job
 (_ReplayProcesses), the store is a scratch file without fsync, and there are no device nodes,
-gate, terminals or /proc holders. The replay decides nothing itself: logins and logouts are
-Api.session_open / session_close (and the logout release after it), a job's request is the
-queue's join (whose dispatch serves the waiters), and every release, revoke and stop is an
-action of Watcher.check.
+gate, terminals or /proc holders (Edges.find_holders None: no holder scans). The replay decides
+nothing itself: logins and logouts are Api.session_open / session_close (and the logout release
+after it), a job's request is the queue's join (whose dispatch serves the waiters), and every
+release, revoke and stop is an action of Watcher.check.
 
 The replay: a session opens (a login with grant "never": jobs ask for their GPUs); each job asks
 the queue for the GPUs it needs beyond its user's idle granted ones, as `gpuguard request --wait`
@@ -22,8 +22,9 @@ another job joins or leaves. Watcher.check runs after every batch of simultaneou
 added something a rule may act on at once (a job started, a request queued, a grant came or went
 from under a running job; a batch that only took things away, such as job ends and logouts, just
 moves the next wake: every limit is at least a second) and at the next moment one of the rules can
-fire (Watcher.next_change), rounded up to the watcher's interval as the daemon's tick would see it; between events the sample stands still, so the watcher is told
-there was no gap (Watcher.unchanged_until). When a job ends, the watcher's memory of when it saw
+fire (Watcher.next_change), rounded up to the watcher's interval as the daemon's tick would see it;
+between events the sample stands still, so the watcher is told there was no gap
+(Watcher.unchanged_until). When a job ends, the watcher's memory of when it saw
 the job last is set to that moment, as the daemon's tick just before it would have left it.
 
 Beside it, in the same run, static reservation: each session holds the GPUs of its largest job
@@ -47,8 +48,7 @@ from typing import Any
 from gpuguard import logs, policy, rules, wiring
 from gpuguard.config import AccessConfig, Config
 from gpuguard.model import Account, Gpu, GpuProcess, Grant, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
-from gpuguard.sampling import Holder, Sample
-from gpuguard.scans import Scans
+from gpuguard.sampling import Sample
 from gpuguard.server import Peer
 from gpuguard.store import Queued
 from gpuguard.trace import Job, Session
@@ -229,20 +229,6 @@ class _Nowhere:
         return None
 
 
-def _no_holders(units: Iterable[int], uids: Collection[int] | None,
-                devices_of: Callable[[int], Iterable[tuple[int, int]]]) -> list[Holder]:
-    """A replay's jobs hold no device nodes beyond what the sample shows."""
-    return []
-
-
-class _LoopScans(Scans):
-    """The logout release's holder search (_no_holders: it reads nothing) on the event loop: a
-    hand-off to a scan thread and back, at every logout, cost more than the rest of the logout."""
-
-    async def for_daemon(self, units: Collection[int], uids: Collection[int] | None) -> list[Holder]:
-        return self.find_holders(units, uids)
-
-
 ROOT = Peer(pid=1, uid=0, gid=0)  # the PAM module's calls come from root
 
 
@@ -287,15 +273,11 @@ class Replay:
         self.services = wiring.build(wiring.Edges(
             config=lambda: config, store_path=scratch / "state.db", sampler=_ReplayGpus(self), units=inventory,
             driver_minors=range(gpus), nodes=nowhere, lookup=_ReplayAccounts(self), terminals=nowhere,
-            exits=nowhere, find_holders=_no_holders, processes=_ReplayProcesses(self), clock=lambda: self.now,
+            exits=nowhere, find_holders=None, processes=_ReplayProcesses(self), clock=lambda: self.now,
             durable=False))
         self.store, self.grants, self.queue = self.services.store, self.services.grants, self.services.queue
         self.api, self.watcher = self.services.api, self.services.watcher
         self.queue.listeners.append(self._served)
-        # Nothing holds a replayed GPU's node beyond the jobs the sample shows, which the rules
-        # end: no background /proc scan after each grant taken back.
-        self.services.releases.end_holders = lambda uid, user, units, why: None
-        self.services.logout.scans = _LoopScans(self.services.scans.find_holders)
         self.result = Result()
         self.now = 0.0
         self.uids: dict[str, int] = {}

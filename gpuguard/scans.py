@@ -28,8 +28,10 @@ DAEMON_THREADS = 2  # the daemon's own
 
 
 class Scans:
-    def __init__(self, find_holders: FindHolders, user_threads: int = USER_THREADS,
+    def __init__(self, find_holders: FindHolders | None, user_threads: int = USER_THREADS,
                  daemon_threads: int = DAEMON_THREADS):
+        """find_holders None: nothing beyond the sampled processes holds a node (a replay): every
+        scan finds nobody, at once."""
         self.find_holders = find_holders
         self._users = ThreadPoolExecutor(user_threads, thread_name_prefix="scan-user")
         self._daemon = ThreadPoolExecutor(daemon_threads, thread_name_prefix="scan")
@@ -38,11 +40,15 @@ class Scans:
         self._queued: Counter[int] = Counter()     # scans of uid running or waiting for their turn
 
     async def for_daemon(self, units: Collection[int], uids: Collection[int] | None) -> list[Holder]:
+        if self.find_holders is None:
+            return []
         return await asyncio.get_running_loop().run_in_executor(self._daemon, self.find_holders, units, uids)
 
     async def for_user(self, uid: int, units: Collection[int], everyone: bool = False) -> list[Holder]:
         """uid's processes (everyone: anyone's, a walk of all of /proc) holding these nodes, for
         what a request of uid's caused."""
+        if self.find_holders is None:
+            return []
         key = (uid, frozenset(units), everyone)
         running = self._running.get(key)
         if running is None:
@@ -51,11 +57,13 @@ class Scans:
         return await asyncio.shield(running)
 
     async def _in_turn(self, uid: int, units: frozenset[int], uids: Collection[int] | None) -> list[Holder]:
+        find_holders = self.find_holders
+        assert find_holders is not None  # for_user answered at once without one
         turn = self._turns.setdefault(uid, asyncio.Lock())
         self._queued[uid] += 1
         try:
             async with turn:
-                return await asyncio.get_running_loop().run_in_executor(self._users, self.find_holders, units, uids)
+                return await asyncio.get_running_loop().run_in_executor(self._users, find_holders, units, uids)
         finally:
             self._queued[uid] -= 1
             if not self._queued[uid]:

@@ -8,7 +8,7 @@ record what was asked (the unit tests), or a virtual clock and a simulated sampl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -40,7 +40,7 @@ from gpuguard.holders import HolderEnder
 from gpuguard.logout import LogoutRelease
 from gpuguard.lookups import KnownAccounts, membership
 from gpuguard.metrics import Metrics
-from gpuguard.model import Gpu
+from gpuguard.model import Gpu, Rule
 from gpuguard.queueing import Queue
 from gpuguard.release import Releases
 from gpuguard.reload_effects import ReloadEffects
@@ -67,7 +67,8 @@ class Edges:
     lookup: Lookup                   # NSS
     terminals: Terminals             # telling users
     exits: ExitWatch                 # being told when processes exit
-    find_holders: HolderSearch       # /proc: who holds a node open
+    # /proc: who holds a node open; None: nothing beyond the sampled processes does (a replay)
+    find_holders: HolderSearch | None
     processes: Processes             # who a process is; signals
     gate: GateMap | None = None      # None in access.mode = acl
     topology: Topology | None = None
@@ -126,6 +127,10 @@ class Services:
         self.store.close()
 
 
+def _ends_nothing(uid: int, user: str, units: Iterable[int], why: Rule) -> None:
+    pass
+
+
 def build(edges: Edges) -> Services:
     """The one wiring of the services (see the README's architecture section)."""
     config = edges.config
@@ -149,7 +154,7 @@ def build(edges: Edges) -> Services:
     accounts = KnownAccounts(edges.lookup, config)
     usage = UsageMeter(store, accounts.name_of)
     # the /proc scans users' requests cause and the daemon's own, in pools of their own (scans.py)
-    scans = Scans(partial(edges.find_holders, devices_of=grants.holder_devices))
+    scans = Scans(None if edges.find_holders is None else partial(edges.find_holders, devices_of=grants.holder_devices))
     holders = HolderEnder(scans, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
                           edges.processes, edges.clock,
                           is_member=lambda uid: membership(edges.lookup, config().access, uid))
@@ -160,7 +165,10 @@ def build(edges: Edges) -> Services:
         if uid not in exempt.uids:
             edges.terminals.tell(user, uid, message, [s.tty for s in store.sessions(uid)])
 
-    releases = Releases(grants, queue, holders.schedule, tell, fleet_ended=fleet.cluster.ended if fleet else None)
+    # With no holder search (a replay: the sampled processes are all, and the rules end those),
+    # nothing is left to end after a grant is taken back: no background task per release.
+    end_holders = holders.schedule if edges.find_holders is not None else _ends_nothing
+    releases = Releases(grants, queue, end_holders, tell, fleet_ended=fleet.cluster.ended if fleet else None)
     logout = LogoutRelease(store, releases, scans, edges.exits, edges.processes, edges.clock)
     reload_effects = ReloadEffects(store, releases, edges.lookup, tell)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
