@@ -155,3 +155,21 @@ def test_a_job_waiting_after_its_session_closed_leaves_with_its_users_last_sessi
     summary = replay.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["jobs_never_ran"] == 2 and summary["jobs_ran"] == 1
     assert sorted(replay.replay(trace.read(path), policy(), 1).censored) == [580.0, 590.0]
+
+
+def test_the_watcher_checks_what_came_and_the_rules_times_not_what_only_ended(tmp_path, monkeypatch):
+    """A batch of events that only took things away (a job's end, a logout and its release) is not
+    checked: no rule acts the moment something ends. What it leaves is still acted on at its time."""
+    from gpuguard.watcher import Watcher
+    checked: list[float] = []
+    real_check = Watcher.check
+
+    async def check(self, sample, now):
+        checked.append(now)
+        return await real_check(self, sample, now)
+    monkeypatch.setattr(Watcher, "check", check)
+    # a's job ends at 100 (its session stays open until 5000); b logs in, runs 200-250 and leaves
+    path = write(tmp_path, "a,0,5000,0,100,1,0", "b,200,,200,50,1,0")
+    result = replay.replay(trace.read(path), policy(idle_timeout=600.0), 2)
+    assert checked == [0.0, 200.0, 700.0]  # the two arrivals, and a's idle release due at 100 + 600
+    assert result.per_user["a"][0] == 700.0 and result.releases == 2  # a's idle GPU, b's at its logout
