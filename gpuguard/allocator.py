@@ -143,13 +143,19 @@ def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], 
     if not topology and len({numa[m] for m in (*candidates, *own)}) <= 1:
         # No links or NUMA nodes declared (a replay's pool): every set is linked alike, so the best
         # set is the best GPUs one by one, by the same preferences as below (fast on 100 GPUs).
-        # Nobody's first, least recently released first (keys built in C: a pool of hundreds is
-        # ranked at every choice); then the shared ones, fewest holders first.
+        # Nobody's first, among them the ones this user held last, then least recently released
+        # (keys built in C: a pool of hundreds is ranked at every choice); then the shared ones,
+        # fewest holders first.
         unheld = [m for m in candidates if m not in holders]
-        ranked = [m for _, m in sorted(zip(map(last_released.get, unheld, repeat(0.0)), unheld, strict=True))]
+        ranked = [m for *_, m in sorted((-held_last[m], last_released.get(m, 0.0), m)
+                                        for m in unheld if m in held_last)]
+        if len(ranked) < want:
+            rest = [m for m in unheld if m not in held_last]
+            ranked += [m for _, m in sorted(zip(map(last_released.get, rest, repeat(0.0)), rest, strict=True))]
         if len(ranked) < want:
             ranked += sorted((m for m in candidates if m in holders),
-                             key=lambda m: (holders[m], last_released.get(m, 0.0), m))
+                             key=lambda m: (holders[m], m not in held_last, -held_last.get(m, 0.0),
+                                            last_released.get(m, 0.0), m))
         return tuple(sorted(ranked[:want]))
 
     def key(chosen: tuple[int, ...]) -> tuple[Any, ...]:
