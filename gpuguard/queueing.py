@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from gpuguard import allocator, policy, rules, scheduler
 from gpuguard.config import Config
@@ -81,11 +82,7 @@ class Queue:
         """uid -> recent usage (decayed GPU-seconds) of these users."""
         half_life = self.config().scheduler.half_life
         stored = self.store.fairshare()
-        held: dict[int, list[Grant]] = {uid: [] for uid in uids}
-        for grant in self.store.grants():
-            if grant.uid in held:
-                held[grant.uid].append(grant)
-        return {uid: scheduler.recent_usage(stored.get(uid), grants, now, half_life) for uid, grants in held.items()}
+        return {uid: scheduler.recent_usage(stored.get(uid), self.store.grants(uid), now, half_life) for uid in uids}
 
     def ordered(self, now: float) -> list[Queued]:
         return self._ordered(now)[0]
@@ -166,7 +163,7 @@ class Queue:
 
     def free(self) -> int:
         """GPUs nobody holds (and not drained)."""
-        return len({gpu.unit for gpu in self.grants.open_units()} - {g.unit for g in self.store.grants()})
+        return len(self.grants.pool().units.difference(map(attrgetter("unit"), self.store.grants_read())))
 
     def demand(self) -> rules.Demand:
         """Units the queue needs beyond the free ones, and which units would serve it: what reclaim
@@ -176,14 +173,15 @@ class Queue:
         waiting = [q for q in self.store.queue() if q.waiter.id not in self.holds]
         if not waiting:  # the usual case: no grants to read
             return rules.Demand()
-        units = self.grants.open_units()
-        if all(gpu.slice is None for gpu in units):
+        pool = self.grants.pool()
+        if not pool.slices:
             return rules.Demand(scheduler.demand((q.waiter for q in waiting), self.free()))
+        units = self.grants.open_units()
         grants = self.store.grants()
         short, useful = 0, set()
         for queued in waiting:
             waiter = queued.waiter
-            got = allocator.choose(units, self.grants.topology, grants, {}, waiter.uid, waiter.gpus,
+            got = allocator.choose(pool, self.grants.topology, grants, {}, waiter.uid, waiter.gpus,
                                    policy.may_share(queued.quota), None, queued.quota)
             if len(got) < waiter.gpus:
                 short += waiter.gpus - len(got)
