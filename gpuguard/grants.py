@@ -171,7 +171,7 @@ class Grants:
         units = sorted(units)
         if not units:
             return
-        before = self._entries(self.store.grants(uid))
+        before = self._entries(self.store.grants(uid)) if self.gate else set()  # what the gate had opened
         self.store.add_grants(uid, user, units, now, expires_at, shared=shared, origin=origin,
                               uuids={m: self.gpus[m].uuid for m in units if m in self.gpus}, memory=memory)
         try:

@@ -132,11 +132,8 @@ class Queue:
              pid: int | None = None, pid_start: int | None = None) -> tuple[Queued, bool]:
         """Queue a request and serve the queue at once: the row, and whether it still waits."""
         queued = self.store.join_queue(uid, user, gpus, now, quota, origin, pid, pid_start)
-        self.dispatch(now)
-        return queued, self.waits(queued.waiter.id)
-
-    def waits(self, waiter_id: int) -> bool:
-        return any(q.waiter.id == waiter_id for q in self.store.queue())
+        served = self.dispatch(now)  # its queue rows are the ones dispatch took out: no read of the queue again
+        return queued, all(q.waiter.id != queued.waiter.id for q, _ in served)
 
     def leave(self, ids: Iterable[int]) -> int:
         return self.store.leave_queue(ids)
