@@ -192,13 +192,18 @@ class Queue:
         if not ordered:  # nobody waits: nothing to count
             return []
         entries = {q.waiter.id: q for q in ordered}
-        free = self.free()  # counted again after each grant: the cheap answer for a long queue
+        # GPUs nobody holds: the cheap answer for a long queue, counted when a waiter that does not
+        # share first asks, and again after each grant (None: not counted since)
+        free: int | None = None
         chosen: dict[int, tuple[int, ...]] = {}  # waiter id -> what fits chose, since the last grant
 
         def fits(waiter: scheduler.Waiter) -> bool:
+            nonlocal free
             quota = entries[waiter.id].quota
-            if not policy.may_share(quota) and waiter.gpus > free:
-                return False
+            if not policy.may_share(quota):
+                free = self.free() if free is None else free
+                if waiter.gpus > free:
+                    return False
             chosen[waiter.id] = self.grants.choose(waiter.uid, waiter.gpus, quota)
             return len(chosen[waiter.id]) >= waiter.gpus
 
@@ -214,7 +219,7 @@ class Queue:
             if not units:  # a fleet quota in use on other servers (gpuguard.cluster): it keeps its place
                 continue
             self.store.leave_queue([waiter.id])
-            free = self.free()
+            free = None
             served.append((queued, units))
             for listener in self.listeners:
                 listener(queued, units)
