@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from heapq import nsmallest
 from itertools import combinations, filterfalse, repeat
 from math import comb
-from operator import attrgetter
+from operator import attrgetter, neg
 from typing import Any
 
 from gpuguard.model import Gpu, Grant, Link, Quota, is_slice, unit_parent
@@ -178,8 +178,10 @@ def _choose_whole(whole: Whole, topology: Topology, grants: list[Grant], last_re
         # (keys built in C, and only the best `want` picked: a pool of hundreds is ranked at every
         # choice); then the shared ones, fewest holders first.
         unheld = candidates if not share else list(filterfalse(holders.__contains__, candidates))
-        ranked = [m for *_, m in sorted((-held_last[m], last_released.get(m, 0.0), m)
-                                        for m in held_last.keys() & unheld)]
+        sticky = list(held_last.keys() & unheld)
+        ranked = [m for *_, m in nsmallest(want, zip(map(neg, map(held_last.__getitem__, sticky)),
+                                                     map(last_released.get, sticky, repeat(0.0)), sticky,
+                                                     strict=True))]
         if len(ranked) < want:
             rest = list(filterfalse(held_last.__contains__, unheld)) if held_last else unheld
             ranked += [m for _, m in nsmallest(want - len(ranked),
