@@ -27,8 +27,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from itertools import combinations, repeat
+from heapq import nsmallest
+from itertools import combinations, filterfalse, repeat
 from math import comb
+from operator import attrgetter, neg
 from typing import Any
 
 from gpuguard.model import Gpu, Grant, Link, Quota, is_slice, unit_parent
@@ -71,28 +73,54 @@ def blocking(grants: Iterable[Grant], uid: int, units: Collection[int], share: b
             if not (share and unit in gpus and room_to_share(gpus[unit], held, quota)) for g in held]
 
 
-def choose(gpus: Sequence[Gpu], topology: Topology, grants: Iterable[Grant], last_released: Mapping[int, float],
-           uid: int, count: int, share: bool = False, held_last: Mapping[int, float] | None = None,
-           quota: Quota | None = None) -> tuple[int, ...]:
+class Whole:
+    """Whole GPUs as _choose_whole weighs them: in inventory order, by unit, with their NUMA nodes."""
+
+    def __init__(self, gpus: Iterable[Gpu]):
+        self.by_unit: dict[int, Gpu] = {gpu.unit: gpu for gpu in gpus}
+        self.numa: dict[int, int | None] = {unit: gpu.numa_node for unit, gpu in self.by_unit.items()}
+        self.one_node = len(set(self.numa.values())) <= 1  # so is every part of it
+
+
+class Pool:
+    """The units that may be handed out, sorted by kind once per change of the inventory rather
+    than at every choice (Grants keeps one: a pool of hundreds of GPUs is asked at every grant)."""
+
+    def __init__(self, gpus: Iterable[Gpu]):
+        units = list(gpus)
+        self.units = frozenset(gpu.unit for gpu in units)
+        # whole GPUs not in MIG mode (those a quota with whole_gpus takes: suits) and the slices
+        self.whole = Whole(gpu for gpu in units if gpu.slice is None and not gpu.mig_mode)
+        self.slices = tuple(gpu for gpu in units if gpu.slice is not None)
+
+
+_NO_GPUS = Whole(())
+_unit = attrgetter("unit")
+
+
+def choose(gpus: Pool | Sequence[Gpu], topology: Topology, grants: Iterable[Grant],
+           last_released: Mapping[int, float], uid: int, count: int, share: bool = False,
+           held_last: Mapping[int, float] | None = None, quota: Quota | None = None) -> tuple[int, ...]:
     """Up to `count` more units for `uid` (fewer when fewer are available; () when none), on the
     terms of `quota` (which units; None: the defaults). held_last: when `uid` last gave back each
     unit it held (Store.last_held)."""
     quota = quota or Quota()
     held_last = held_last or {}
     grants = list(grants)
-    suitable = [gpu for gpu in gpus if suits(gpu, quota)]
-    whole = [gpu for gpu in suitable if gpu.slice is None]
-    slices = [gpu for gpu in suitable if gpu.slice is not None]
-    sliced = [g for g in grants if is_slice(g.unit)]
+    pool = gpus if isinstance(gpus, Pool) else Pool(gpus)
+    whole = pool.whole if quota.whole_gpus else _NO_GPUS
+    # Slices are numbered above every GPU (unit_numbers): the highest unit held says whether any is.
+    sliced = [g for g in grants if is_slice(g.unit)] if grants and is_slice(max(map(_unit, grants))) else []
     if sliced:  # a GPU with a slice held is not free whole (its node is the slice holder's too)
         cut = {unit_parent(g.unit) for g in sliced}
-        whole = [gpu for gpu in whole if gpu.unit not in cut]
+        whole = Whole(gpu for unit, gpu in whole.by_unit.items() if unit not in cut)
     chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last, quota)
-    if not slices:  # no MIG here: the common case stops here
+    if not pool.slices:  # no MIG here: the common case stops here
         return chosen
     # Nor is a slice free on a GPU held whole (a grant the layout has ended, until its revoke is through).
     held_whole = {g.unit for g in grants if not is_slice(g.unit)}
-    slices = [gpu for gpu in slices if gpu.slice is not None and gpu.slice.parent not in held_whole]
+    slices = [gpu for gpu in pool.slices if suits(gpu, quota) and gpu.slice is not None
+              and gpu.slice.parent not in held_whole]
     room = count - len(chosen)
     if quota.slices is not None:
         room = min(room, quota.slices - sum(1 for g in sliced if g.uid == uid))
@@ -126,30 +154,42 @@ def _profile(gpu: Gpu) -> str:
     return gpu.slice.profile if gpu.slice else ""
 
 
-def _choose_whole(gpus: Sequence[Gpu], topology: Topology, grants: list[Grant], last_released: Mapping[int, float],
+def _choose_whole(whole: Whole, topology: Topology, grants: list[Grant], last_released: Mapping[int, float],
                   uid: int, count: int, share: bool, held_last: Mapping[int, float], quota: Quota) -> tuple[int, ...]:
     """Up to `count` more whole GPUs (see the module's docstring)."""
-    numa = {gpu.unit: gpu.numa_node for gpu in gpus}
+    numa = whole.numa
     # A grant on a GPU missing from the inventory (NVML could not read it at start) still counts
     # as held, but has no NUMA node or links to weigh: only the GPUs known here are placed.
     own = {g.unit for g in grants if g.uid == uid and g.unit in numa}
-    holders = Counter(g.unit for g in grants if g.uid != uid)
-    blocked = {g.unit for g in blocking(grants, uid, {gpu.unit for gpu in gpus}, share,
-                                         {gpu.unit: gpu for gpu in gpus}, quota)}
-    candidates = [gpu.unit for gpu in gpus if gpu.unit not in own and gpu.unit not in blocked]
+    if share:
+        holders = Counter[int](g.unit for g in grants if g.uid != uid)
+        taken = own.union(g.unit for g in blocking(grants, uid, whole.by_unit.keys(), share, whole.by_unit, quota))
+    else:  # every GPU held is taken (blocking's answer, without asking it), so no candidate has holders
+        holders = Counter[int]()
+        taken = set(map(_unit, grants))
+    candidates = list(filterfalse(taken.__contains__, numa))  # filtered in C: hundreds of GPUs, every choice
     want = min(count, len(candidates))
     if want <= 0:
         return ()
-    if not topology and len({numa[m] for m in (*candidates, *own)}) <= 1:
+    if not topology and (whole.one_node or len({numa[m] for m in (*candidates, *own)}) <= 1):
         # No links or NUMA nodes declared (a replay's pool): every set is linked alike, so the best
         # set is the best GPUs one by one, by the same preferences as below (fast on 100 GPUs).
-        # Nobody's first, least recently released first (keys built in C: a pool of hundreds is
-        # ranked at every choice); then the shared ones, fewest holders first.
-        unheld = [m for m in candidates if m not in holders]
-        ranked = [m for _, m in sorted(zip(map(last_released.get, unheld, repeat(0.0)), unheld, strict=True))]
+        # Nobody's first, among them the ones this user held last, then least recently released
+        # (keys built in C, and only the best `want` picked: a pool of hundreds is ranked at every
+        # choice); then the shared ones, fewest holders first.
+        unheld = candidates if not share else list(filterfalse(holders.__contains__, candidates))
+        sticky = list(held_last.keys() & unheld)
+        ranked = [m for *_, m in nsmallest(want, zip(map(neg, map(held_last.__getitem__, sticky)),
+                                                     map(last_released.get, sticky, repeat(0.0)), sticky,
+                                                     strict=True))]
+        if len(ranked) < want:
+            rest = list(filterfalse(held_last.__contains__, unheld)) if held_last else unheld
+            ranked += [m for _, m in nsmallest(want - len(ranked),
+                                               zip(map(last_released.get, rest, repeat(0.0)), rest, strict=True))]
         if len(ranked) < want:
             ranked += sorted((m for m in candidates if m in holders),
-                             key=lambda m: (holders[m], last_released.get(m, 0.0), m))
+                             key=lambda m: (holders[m], m not in held_last, -held_last.get(m, 0.0),
+                                            last_released.get(m, 0.0), m))
         return tuple(sorted(ranked[:want]))
 
     def key(chosen: tuple[int, ...]) -> tuple[Any, ...]:

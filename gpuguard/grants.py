@@ -76,6 +76,7 @@ class Grants:
         # driver stays loaded, so a grant on a slice that has just vanished is still closed fully.
         self._caps: dict[int, tuple[int, int]] = {}
         self.gpus: dict[int, Gpu] = {}  # what can be handed out now: unit -> GPU or slice
+        self._pool: tuple[frozenset[int], allocator.Pool] | None = None  # pool(), with the drained GPUs it left out
         self.drained: dict[int, Drain] = {}  # GPUs given to nobody new (drains.py), by minor
         self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
@@ -108,6 +109,7 @@ class Grants:
         # Changed in place: the metrics and the queue hold this very mapping.
         self.gpus.clear()
         self.gpus.update(units)
+        self._pool = None
         self._caps.update({unit: gpu.slice.caps for unit, gpu in units.items() if gpu.slice is not None})
 
     def devices_of(self, unit: int) -> list[Device]:
@@ -132,7 +134,7 @@ class Grants:
 
     def choose(self, uid: int, count: int, quota: Quota) -> tuple[int, ...]:
         """Up to `count` more units for uid on the terms of `quota` (allocator.choose over the current grants)."""
-        return allocator.choose(self.open_units(), self.topology, self.store.grants(),
+        return allocator.choose(self.pool(), self.topology, self.store.grants_read(),
                                 self.store.last_released(), uid, count, policy.may_share(quota),
                                 self.store.last_held(uid), quota)
 
@@ -141,6 +143,14 @@ class Grants:
         if not self.drained:
             return list(self.gpus.values())
         return [gpu for unit, gpu in self.gpus.items() if unit_parent(unit) not in self.drained]
+
+    def pool(self) -> allocator.Pool:
+        """open_units() sorted by kind for the allocator: built again only when the units or the
+        drained GPUs changed since, not at every choice."""
+        drained = frozenset(self.drained)
+        if self._pool is None or self._pool[0] != drained:
+            self._pool = (drained, allocator.Pool(self.open_units()))
+        return self._pool[1]
 
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
                  message: str, chosen: tuple[int, ...] | None = None) -> tuple[int, ...]:
@@ -161,7 +171,7 @@ class Grants:
         units = sorted(units)
         if not units:
             return
-        before = self._entries(self.store.grants(uid))
+        before = self._entries(self.store.grants(uid)) if self.gate else set()  # what the gate had opened
         self.store.add_grants(uid, user, units, now, expires_at, shared=shared, origin=origin,
                               uuids={m: self.gpus[m].uuid for m in units if m in self.gpus}, memory=memory)
         try:

@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from gpuguard import allocator, policy, rules, scheduler
 from gpuguard.config import Config
@@ -81,11 +82,7 @@ class Queue:
         """uid -> recent usage (decayed GPU-seconds) of these users."""
         half_life = self.config().scheduler.half_life
         stored = self.store.fairshare()
-        held: dict[int, list[Grant]] = {uid: [] for uid in uids}
-        for grant in self.store.grants():
-            if grant.uid in held:
-                held[grant.uid].append(grant)
-        return {uid: scheduler.recent_usage(stored.get(uid), grants, now, half_life) for uid, grants in held.items()}
+        return {uid: scheduler.recent_usage(stored.get(uid), self.store.grants(uid), now, half_life) for uid in uids}
 
     def ordered(self, now: float) -> list[Queued]:
         return self._ordered(now)[0]
@@ -135,11 +132,8 @@ class Queue:
              pid: int | None = None, pid_start: int | None = None) -> tuple[Queued, bool]:
         """Queue a request and serve the queue at once: the row, and whether it still waits."""
         queued = self.store.join_queue(uid, user, gpus, now, quota, origin, pid, pid_start)
-        self.dispatch(now)
-        return queued, self.waits(queued.waiter.id)
-
-    def waits(self, waiter_id: int) -> bool:
-        return any(q.waiter.id == waiter_id for q in self.store.queue())
+        served = self.dispatch(now)  # its queue rows are the ones dispatch took out: no read of the queue again
+        return queued, all(q.waiter.id != queued.waiter.id for q, _ in served)
 
     def leave(self, ids: Iterable[int]) -> int:
         return self.store.leave_queue(ids)
@@ -166,7 +160,7 @@ class Queue:
 
     def free(self) -> int:
         """GPUs nobody holds (and not drained)."""
-        return len({gpu.unit for gpu in self.grants.open_units()} - {g.unit for g in self.store.grants()})
+        return len(self.grants.pool().units.difference(map(attrgetter("unit"), self.store.grants_read())))
 
     def demand(self) -> rules.Demand:
         """Units the queue needs beyond the free ones, and which units would serve it: what reclaim
@@ -176,14 +170,15 @@ class Queue:
         waiting = [q for q in self.store.queue() if q.waiter.id not in self.holds]
         if not waiting:  # the usual case: no grants to read
             return rules.Demand()
-        units = self.grants.open_units()
-        if all(gpu.slice is None for gpu in units):
+        pool = self.grants.pool()
+        if not pool.slices:
             return rules.Demand(scheduler.demand((q.waiter for q in waiting), self.free()))
+        units = self.grants.open_units()
         grants = self.store.grants()
         short, useful = 0, set()
         for queued in waiting:
             waiter = queued.waiter
-            got = allocator.choose(units, self.grants.topology, grants, {}, waiter.uid, waiter.gpus,
+            got = allocator.choose(pool, self.grants.topology, grants, {}, waiter.uid, waiter.gpus,
                                    policy.may_share(queued.quota), None, queued.quota)
             if len(got) < waiter.gpus:
                 short += waiter.gpus - len(got)
@@ -197,13 +192,18 @@ class Queue:
         if not ordered:  # nobody waits: nothing to count
             return []
         entries = {q.waiter.id: q for q in ordered}
-        free = self.free()  # counted again after each grant: the cheap answer for a long queue
+        # GPUs nobody holds: the cheap answer for a long queue, counted when a waiter that does not
+        # share first asks, and again after each grant (None: not counted since)
+        free: int | None = None
         chosen: dict[int, tuple[int, ...]] = {}  # waiter id -> what fits chose, since the last grant
 
         def fits(waiter: scheduler.Waiter) -> bool:
+            nonlocal free
             quota = entries[waiter.id].quota
-            if not policy.may_share(quota) and waiter.gpus > free:
-                return False
+            if not policy.may_share(quota):
+                free = self.free() if free is None else free
+                if waiter.gpus > free:
+                    return False
             chosen[waiter.id] = self.grants.choose(waiter.uid, waiter.gpus, quota)
             return len(chosen[waiter.id]) >= waiter.gpus
 
@@ -219,7 +219,7 @@ class Queue:
             if not units:  # a fleet quota in use on other servers (gpuguard.cluster): it keeps its place
                 continue
             self.store.leave_queue([waiter.id])
-            free = self.free()
+            free = None
             served.append((queued, units))
             for listener in self.listeners:
                 listener(queued, units)

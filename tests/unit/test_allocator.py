@@ -197,3 +197,11 @@ def test_a_returning_user_gets_the_gpus_held_last_when_free():
     assert choose(held_last={5: 100.0, 2: 200.0}) == (2,)  # the most recently held first
     assert choose(held_last={5: 100.0}, grants=held(BOB, 5)) == (0,)  # taken meanwhile: another one
     assert choose(count=2, held_last={5: 100.0}) == (4, 5)  # the rest next to it
+
+
+def test_a_returning_user_gets_the_gpus_held_last_in_a_pool_without_topology_too():
+    flat = gpus(8, numa={})  # no links, no NUMA node: a replay's pool, ranked GPU by GPU
+    assert choose(inventory=flat, topology={}, last_released={5: 100.0}) == (0,)
+    assert choose(inventory=flat, topology={}, last_released={5: 100.0}, held_last={5: 100.0}) == (5,)
+    assert choose(inventory=flat, topology={}, held_last={5: 100.0, 2: 200.0}) == (2,)
+    assert choose(inventory=flat, topology={}, count=3, held_last={5: 100.0, 2: 200.0}) == (0, 2, 5)

@@ -14,6 +14,7 @@ from typing import NoReturn
 import pytest
 
 from devtools.harness import log_lines
+from gpuguard import logs
 from gpuguard.logs import JournalFormatter, KeyValueFormatter, Throttle, pairs, stderr_is_journal
 
 
@@ -144,3 +145,28 @@ def test_the_daemon_logging_picks_the_journal_format_from_its_real_stderr(tmp_pa
                                 "<6>gpuguard level=info event=ready"]
     assert lines["plain"] == ['gpuguard level=error event=reload_failed error="bad file"',
                               "gpuguard level=info event=ready"]
+
+
+def test_an_event_below_the_level_is_not_built_and_one_at_it_is_logged():
+    built = []
+
+    class Field:
+        def __str__(self) -> str:
+            built.append(1)
+            return "3"
+
+    gpuguard_logger = logging.getLogger("gpuguard")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    level = gpuguard_logger.level
+    gpuguard_logger.addHandler(handler)
+    try:
+        gpuguard_logger.setLevel(logging.WARNING)
+        logs.event(logging.INFO, "grant", gpu=Field())
+        assert built == [] and stream.getvalue() == ""
+        gpuguard_logger.setLevel(logging.INFO)
+        logs.event(logging.INFO, "grant", gpu=Field())
+        assert built == [1] and stream.getvalue() == "event=grant gpu=3\n"
+    finally:
+        gpuguard_logger.removeHandler(handler)
+        gpuguard_logger.setLevel(level)
