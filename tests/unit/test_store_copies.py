@@ -13,14 +13,14 @@ UIDS = [1001, 1002, 1003]
 
 
 def _fresh(path) -> Store:
-    return Store(path, durable=False)
+    return Store(path)
 
 
 def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_path):
     """Random adds (also over a held slot: INSERT OR REPLACE), removals and marks; after each,
     every view of the copy equals a new connection's read of the table."""
     rng = random.Random(20)
-    store = Store(tmp_path / "state.db", durable=False)
+    store = Store(tmp_path / "state.db")
     try:
         store.grants()  # read: from here on the copy is changed in place
         for step in range(200):
@@ -55,7 +55,7 @@ def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_pa
 
 
 def test_the_grants_read_is_one_object_until_a_change(tmp_path):
-    store = Store(tmp_path / "state.db", durable=False)
+    store = Store(tmp_path / "state.db")
     try:
         store.add_grants(1001, "alice", [0], 10.0, None)
         first = store.grants_read()
@@ -110,7 +110,7 @@ def test_the_first_event_of_a_user_after_opening_prunes_what_an_earlier_run_left
 
 
 def test_fair_share_as_read_follows_its_own_writes_and_another_connections(tmp_path):
-    store = Store(tmp_path / "state.db", durable=False)
+    store = Store(tmp_path / "state.db")
     other = _fresh(store.path)
     try:
         assert store.fairshare() == {}
@@ -173,7 +173,7 @@ def test_every_copy_equals_a_fresh_read_after_each_kind_of_write_by_this_or_anot
     of the store equals what a new connection reads. Both stores' copies are read before the
     writes start, so that each kind of write meets a kept copy."""
     rng = random.Random(2026)
-    store, other = Store(tmp_path / "state.db", durable=False), _fresh(tmp_path / "state.db")
+    store, other = Store(tmp_path / "state.db"), _fresh(tmp_path / "state.db")
     try:
         _views(store), _views(other)
         for step in range(400):
@@ -191,7 +191,7 @@ def test_every_copy_equals_a_fresh_read_after_each_kind_of_write_by_this_or_anot
 def test_a_write_reads_what_another_connection_committed_since_the_copy(tmp_path):
     """remove_grants and close_session decide from the copy inside their transaction: what another
     connection committed after the copy was read is seen there, not lost."""
-    store, other = Store(tmp_path / "state.db", durable=False), _fresh(tmp_path / "state.db")
+    store, other = Store(tmp_path / "state.db"), _fresh(tmp_path / "state.db")
     try:
         store.add_grants(1001, "alice", [0], 10.0, None)
         first = store.open_session(1001, "alice", "sshd", "", "pts/1", 500, 10.0)
