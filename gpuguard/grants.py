@@ -183,9 +183,8 @@ class Grants:
             # Not enforceable: take it back, so the store never claims what the kernel does not do.
             self.remove(uid, units, now, kind=EventKind.ERROR, rule=Rule(origin), message="grant could not be applied")
             raise
-        for unit in units:
-            self.store.add_event(Event(now, uid, user, EventKind.GRANT, message, unit=unit, rule=Rule(origin),
-                                       action=EventKind.GRANT))
+        self.store.add_events(Event(now, uid, user, EventKind.GRANT, message, unit=unit, rule=Rule(origin),
+                                    action=EventKind.GRANT) for unit in units)
         event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(units), origin=origin, expires_at=expires_at,
               shared=shared or None)
         self.write_held(uid)
@@ -201,7 +200,7 @@ class Grants:
         held = [g for g in everything if wanted is None or g.unit in wanted]
         if not held:
             return []
-        kept = [g for g in everything if g not in held]
+        kept = [g for g in everything if wanted is not None and g.unit not in wanted]
         closed: list[Device] = []
         try:
             if self.gate:
@@ -216,9 +215,8 @@ class Grants:
                 self.gate.grant(uid, device)
             raise
         self.sync_nodes(g.unit for g in held)
-        for grant in held:
-            self.store.add_event(Event(now, uid, grant.user, kind, message, unit=grant.unit, rule=rule,
-                                       action=kind))
+        self.store.add_events(Event(now, uid, grant.user, kind, message, unit=grant.unit, rule=rule, action=kind)
+                              for grant in held)
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpu=unit_list(g.unit for g in held), rule=rule)
         self.write_held(uid)
         return held

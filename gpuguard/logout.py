@@ -49,14 +49,16 @@ class LogoutRelease:
         self._kept: dict[int, _Kept] = {}  # uid -> grants kept for holders that are being watched
         self._pending: dict[int, asyncio.Task[None]] = {}  # uid -> its check after logout, running
 
-    def unused(self, sample: Sample, uids: Iterable[int] | None = None) -> dict[int, frozenset[int]]:
-        """rules.unused_after_logout on the store and the sample, for these users (default: all)."""
-        grants = self.store.grants()
-        if uids is not None:
-            wanted = set(uids)
-            grants = [g for g in grants if g.uid in wanted]
+    def unused(self, sample: Sample, busy: Collection[rules.Slot], uids: Iterable[int] | None = None
+               ) -> dict[int, frozenset[int]]:
+        """rules.unused_after_logout on the store and the sample (busy: its busy_slots()), for these
+        users (default: all)."""
+        if uids is None:
+            grants = self.store.grants()
+        else:  # only theirs: a check after one logout costs that user's grants, not everyone's
+            grants = [g for uid in sorted(set(uids)) for g in self.store.grants(uid)]
         logged_in = {session.uid for session in self.store.sessions()}
-        return rules.unused_after_logout(grants, logged_in, sample.busy_slots(), sample.units)
+        return rules.unused_after_logout(grants, logged_in, busy, sample.units)
 
     def caller_alive(self, pid: int | None, start: int | None) -> bool:
         """A session's PAM caller (or a queued request's client) lives while a process with its pid
@@ -104,7 +106,8 @@ class LogoutRelease:
         processes are read. The releases are one batch of the release step (Releases), which
         also ends any holder that opened a node since this look. now: when (default: the
         clock's now). Returns the grants released."""
-        candidates = self.unused(sample, uids)
+        busy = sample.busy_slots()
+        candidates = self.unused(sample, busy, uids)
         for uid in list(self._kept if uids is None else set(uids) & self._kept.keys()):
             kept = self._kept[uid]
             if candidates.get(uid) != kept.units or time.monotonic() - kept.since >= RECHECK_HELD:
@@ -118,7 +121,7 @@ class LogoutRelease:
         released: list[Grant] = []
         # Re-checked after the await: a login or a grant may have come in meanwhile.
         with self.releases.batch(now):
-            for uid, units in self.unused(sample, to_check).items():
+            for uid, units in self.unused(sample, busy, to_check).items():
                 if units != to_check[uid] or uid in self._kept:
                     continue
                 pids = {h.pid for h in holders if h.uid == uid and h.unit in units}

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -109,7 +110,7 @@ MIGRATIONS: tuple[str, ...] = (
 )
 HOUR = 3600
 _Read = TypeVar("_Read")
-PRUNE_EVERY = 10  # a user's events beyond per_user are dropped every per_user // PRUNE_EVERY of theirs (add_event)
+PRUNE_EVERY = 10  # a user's events beyond per_user are dropped every per_user // PRUNE_EVERY of theirs (add_events)
 
 
 class StoreError(GpuguardError):
@@ -138,17 +139,26 @@ class Store:
         self._db.row_factory = sqlite3.Row
         # The queue, when units were given back, and fair share, as last read, with the data_version
         # they were read at: the queue, the watcher and the allocator read them many times per
-        # change. Another connection's commit moves data_version; this one's own writes drop the
-        # queue's copy, and update the others' (remove_grants, set_fairshare).
+        # change. Another connection's commit moves data_version; this one's own writes update
+        # them (join_queue, leave_queue, remove_grants, set_fairshare).
         self._copies: dict[str, tuple[int, Any]] = {}
         # The grants likewise, but kept up to date by this connection's own writes (add, remove,
         # mark_active) rather than dropped: the watcher, the queue, the allocator and the node
         # ACLs read them after every change, and a copy read again costs a row per grant.
         self._grants = _Grants()
-        self._unpruned: dict[int | None, int] = {}  # uid -> its events added since its last prune (add_event)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # durable=False (a replay's scratch store): nothing to keep across a crash, so no fsync.
-        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'OFF'}")
+        self._sessions = _Sessions()  # the sessions likewise: the queue, the watcher, logins and logouts ask
+        self._unpruned: dict[int | None, int] = {}  # uid -> its events added since its last prune (add_events)
+        if durable:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+        else:
+            # A scratch store (a replay's): nothing to keep across a crash, so no fsync and the undo
+            # journal in memory (a transaction still rolls back); no other process opens it, so this
+            # connection keeps its locks. A transaction costs a third of one in WAL mode without
+            # fsync, and a data_version read a third (no shared-memory WAL index to consult).
+            self._db.execute("PRAGMA journal_mode=MEMORY")
+            self._db.execute("PRAGMA synchronous=OFF")
+            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._migrate()
 
@@ -206,7 +216,7 @@ class Store:
 
     def _copy(self, table: str, read: Callable[[sqlite3.Connection], _Read]) -> _Read:
         """The table's rows as last read (see _copies), read again when another connection changed it."""
-        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        version = self._data_version()
         copy = self._copies.get(table)
         if copy is None or copy[0] != version:
             copy = self._copies[table] = (version, read(self._db))
@@ -227,8 +237,13 @@ class Store:
         change: a caller may compare it by identity to know that nothing changed."""
         return self._grant_copy().rows()
 
+    def _data_version(self) -> int:
+        """Moves when another connection commits, never for this one's own commits (SQLite's PRAGMA)."""
+        version: int = self._db.execute("PRAGMA data_version").fetchone()[0]
+        return version
+
     def _grant_copy(self) -> _Grants:
-        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        version = self._data_version()
         if self._grants.version != version:  # never read, or another connection wrote
             self._grants.read(version, map(_grant, self._db.execute("SELECT * FROM grants")))
         return self._grants
@@ -236,7 +251,7 @@ class Store:
     def remove_grants(self, uid: int, units: Iterable[int] | None, now: float) -> list[Grant]:
         """Remove a user's grants (all, or those units); returns what was removed."""
         with self.transaction() as db:
-            held = [_grant(row) for row in db.execute("SELECT * FROM grants WHERE uid = ?", (uid,))]
+            held = self._grant_copy().of_user(uid)  # exact here: no other connection writes until COMMIT
             wanted = set(units) if units is not None else None
             removed = [g for g in held if wanted is None or g.unit in wanted]
             db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.unit) for g in removed])
@@ -289,53 +304,75 @@ class Store:
                 "INSERT INTO sessions (uid, user, service, rhost, tty, pid, opened_at, caller_start)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (uid, user, service, rhost, tty, pid, now, caller_start))
-        return Session(_row_id(cursor), uid, user, service, rhost, tty, pid, now)
+        session = Session(_row_id(cursor), uid, user, service, rhost, tty, pid, float(now))
+        self._sessions.put(session, caller_start)
+        return session
 
     def close_session(self, uid: int, pid: int) -> Session | None:
         """Close the newest open session of uid opened by the PAM caller pid."""
         with self.transaction() as db:
-            row = db.execute("SELECT * FROM sessions WHERE uid = ? AND pid = ? ORDER BY id DESC LIMIT 1",
-                             (uid, pid)).fetchone()
-            if row is not None:
-                db.execute("DELETE FROM sessions WHERE id = ?", (row["id"],))
-        return _session(row) if row is not None else None
+            # exact here: no other connection writes until COMMIT
+            closed = next((s for s in reversed(self._session_copy().of_user(uid)) if s.pid == pid), None)
+            if closed is not None:
+                db.execute("DELETE FROM sessions WHERE id = ?", (closed.id,))
+        if closed is not None:
+            self._sessions.drop([closed.id])
+        return closed
 
     def remove_sessions(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
         with self.transaction() as db:
             db.executemany("DELETE FROM sessions WHERE id = ?", [(i,) for i in ids])
+        self._sessions.drop(ids)
 
     def sessions(self, uid: int | None = None) -> list[Session]:
-        query, params = _rows_of("sessions", uid)
-        return [_session(row) for row in self._db.execute(query + " ORDER BY id", params)]
+        """The open sessions by id (of one user when uid is given)."""
+        copy = self._session_copy()
+        return list(copy.rows()) if uid is None else copy.of_user(uid)
 
     def caller_starts(self) -> dict[int, int | None]:
         """Session id -> the start time of its PAM caller (None when unknown)."""
-        return {row[0]: row[1] for row in self._db.execute("SELECT id, caller_start FROM sessions")}
+        return self._session_copy().caller_starts()
+
+    def _session_copy(self) -> _Sessions:
+        version = self._data_version()
+        if self._sessions.version != version:  # never read, or another connection wrote
+            self._sessions.read(version, self._db.execute("SELECT * FROM sessions"))
+        return self._sessions
 
     # --- events
 
-    def add_event(self, event: Event) -> int:
-        """Store an event, and drop what the retention no longer keeps: events older than
-        max_age, and this user's beyond their newest per_user. The age bound is applied at each
-        insert (one index range); the user's at their first insert after the store opened and then
-        at every per_user // PRUNE_EVERY-th (finding the newest per_user costs a walk over them),
-        so a user has at most per_user + per_user // PRUNE_EVERY - 1 events kept, whatever the rate."""
+    def add_event(self, event: Event) -> None:
+        self.add_events([event])
+
+    def add_events(self, events: Iterable[Event]) -> None:
+        """Store events of one moment (a grant's units given or taken back: one time), in one
+        transaction, and drop what the retention no longer keeps: events older than max_age, and a
+        user's beyond their newest per_user. The age bound is applied at each call (one index
+        range); a user's at their first event after the store opened and then at every
+        per_user // PRUNE_EVERY-th (finding the newest per_user costs a walk over them), so a user
+        has at most per_user + per_user // PRUNE_EVERY - 1 events kept, whatever the rate. What
+        stays is what adding the events one call each would leave."""
+        events = list(events)
+        if not events:
+            return
         retention = self.retention()
         every = max(1, retention.per_user // PRUNE_EVERY)
-        since = self._unpruned.get(event.uid, every - 1) + 1
+        unpruned = {uid: self._unpruned.get(uid, every - 1) + added
+                    for uid, added in Counter(event.uid for event in events).items()}
         with self.transaction() as db:
-            cursor = db.execute(
+            db.executemany(
                 "INSERT INTO events (time, uid, user, kind, message, minor, pid, command, rule, action, numbers)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (event.time, event.uid, event.user, event.kind, event.message, event.unit, event.pid,
-                 event.command, event.rule, event.action, json.dumps(event.numbers)))
+                [(event.time, event.uid, event.user, event.kind, event.message, event.unit, event.pid,
+                  event.command, event.rule, event.action, json.dumps(event.numbers)) for event in events])
             if retention.max_age is not None:
-                db.execute("DELETE FROM events WHERE time < ?", (event.time - retention.max_age,))
-            if since >= every:
-                db.execute("DELETE FROM events WHERE uid IS ? AND id <= (SELECT id FROM events WHERE uid IS ?"
-                           " ORDER BY id DESC LIMIT 1 OFFSET ?)", (event.uid, event.uid, retention.per_user))
-        self._unpruned[event.uid] = 0 if since >= every else since
-        return _row_id(cursor)
+                db.execute("DELETE FROM events WHERE time < ?", (max(e.time for e in events) - retention.max_age,))
+            for uid, since in unpruned.items():
+                if since >= every:  # pruned at its last every-th event here: the since % every after it stay too
+                    db.execute("DELETE FROM events WHERE uid IS ? AND id <= (SELECT id FROM events WHERE uid IS ?"
+                               " ORDER BY id DESC LIMIT 1 OFFSET ?)", (uid, uid, retention.per_user + since % every))
+        self._unpruned.update({uid: since % every for uid, since in unpruned.items()})
 
     def event_count(self) -> int:
         count: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
@@ -428,15 +465,18 @@ class Store:
 
     def join_queue(self, uid: int, user: str, gpus: int, now: float, quota: Quota, origin: Origin,
                    pid: int | None = None, pid_start: int | None = None) -> Queued:
-        self._copies.pop("queue", None)
         with self.transaction() as db:
             cursor = db.execute(
                 "INSERT INTO queue (uid, user, gpus, since, priority, share, quota, origin, pid, pid_start)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (uid, user, gpus, now, quota.priority, quota.share, json.dumps(asdict(quota)), origin, pid,
+                # vars, not asdict: the same JSON (Quota's fields are flat) without asdict's deep copy
+                (uid, user, gpus, now, quota.priority, quota.share, json.dumps(vars(quota)), origin, pid,
                  pid_start))
-        return Queued(Waiter(_row_id(cursor), uid, user, gpus, now, quota.priority, quota.share), quota, origin,
-                      pid, pid_start)
+        joined = Queued(Waiter(_row_id(cursor), uid, user, gpus, float(now), quota.priority, float(quota.share)),
+                        quota, Origin(origin), pid, pid_start)
+        if (copy := self._copies.get("queue")) is not None:  # written: the copy follows (ids only grow)
+            self._copies["queue"] = (copy[0], (*copy[1], joined))
+        return joined
 
     def queue(self, uid: int | None = None) -> list[Queued]:
         rows = self._copy("queue", lambda db: tuple(map(_queued, db.execute("SELECT * FROM queue ORDER BY id"))))
@@ -444,9 +484,12 @@ class Store:
 
     def leave_queue(self, ids: Iterable[int]) -> int:
         """Remove these queue rows; how many were there."""
-        self._copies.pop("queue", None)
+        ids = set(ids)
         with self.transaction() as db:
-            return sum(db.execute("DELETE FROM queue WHERE id = ?", (i,)).rowcount for i in ids)
+            removed: int = db.executemany("DELETE FROM queue WHERE id = ?", [(i,) for i in ids]).rowcount
+        if (copy := self._copies.get("queue")) is not None:  # written: the copy follows
+            self._copies["queue"] = (copy[0], tuple(q for q in copy[1] if q.waiter.id not in ids))
+        return removed
 
     def fairshare(self) -> dict[int, tuple[float, float]]:
         """uid -> (GPU-seconds, the time they are counted at) charged for ended grants."""
@@ -507,30 +550,34 @@ def _grant_order(grant: Grant) -> tuple[int, int]:
 
 def _marked_active(grant: Grant, now: float) -> Grant:
     """The grant with last_active = now, its other fields as they are. Built from its fields
-    directly: dataclasses.replace costs four times as much, and the watcher marks every busy
+    directly: dataclasses.replace costs ten times as much, and the watcher marks every busy
     grant about every ACTIVE_WRITE_EVERY seconds."""
     marked = object.__new__(Grant)
-    marked.__dict__.update(vars(grant), last_active=now)
+    fields = marked.__dict__
+    fields.update(grant.__dict__)
+    fields["last_active"] = now
     return marked
 
 
 class _Grants:
     """The store's copy of the grants table: read whole when another connection changed it
     (version: the data_version it was read at; None: not read), changed in place by this
-    connection's own writes, after they committed. Kept by slot, by user and by GPU (a slice's
-    grant on its parent's); the rows in order are built when first asked for after a change,
-    and stay the same object until the next."""
+    connection's own writes, after they committed. The grants by slot, and the slots by user and
+    by GPU (a slice's grant on its parent's), so that a mark (only last_active changes) replaces
+    one entry; the rows in order are built when first asked for after a change, and stay the
+    same object until the next."""
 
     def __init__(self) -> None:
         self.version: int | None = None
         self._by_slot: dict[tuple[int, int], Grant] = {}
-        self._by_uid: dict[int, dict[int, Grant]] = {}
-        self._by_gpu: dict[int, dict[tuple[int, int], Grant]] = {}
+        self._of_uid: dict[int, set[int]] = {}  # uid -> its units
+        self._on_gpu: dict[int, set[tuple[int, int]]] = {}  # GPU -> the slots on it
+        self._order: list[tuple[int, int]] | None = None  # the slots sorted; None: changed since
         self._rows: tuple[Grant, ...] | None = None
 
     def read(self, version: int, grants: Iterable[Grant]) -> None:
         self.version = version
-        self._by_slot, self._by_uid, self._by_gpu = {}, {}, {}
+        self._by_slot, self._of_uid, self._on_gpu, self._order, self._rows = {}, {}, {}, None, None
         self._put(grants)
 
     def put(self, grants: Iterable[Grant]) -> None:
@@ -543,46 +590,101 @@ class _Grants:
         for grant in grants:
             slot = (grant.uid, grant.unit)
             if self._by_slot.pop(slot, None) is not None:
-                _pop_in(self._by_uid, grant.uid, grant.unit)
-                _pop_in(self._by_gpu, unit_parent(grant.unit), slot)
-        self._rows = None
+                _discard_in(self._of_uid, grant.uid, grant.unit)
+                _discard_in(self._on_gpu, unit_parent(grant.unit), slot)
+        self._order = self._rows = None
 
     def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
-        if self.version is not None:
-            self._put([_marked_active(self._by_slot[slot], now) for slot in slots if slot in self._by_slot])
+        if self.version is None:
+            return
+        by_slot = self._by_slot
+        for slot in slots:
+            if (grant := by_slot.get(slot)) is not None:
+                by_slot[slot] = _marked_active(grant, now)
+        self._rows = None
 
     def _put(self, grants: Iterable[Grant]) -> None:
         for grant in grants:
             slot = (grant.uid, grant.unit)
+            if slot not in self._by_slot:  # a slot held already keeps its place in the indexes
+                self._of_uid.setdefault(grant.uid, set()).add(grant.unit)
+                self._on_gpu.setdefault(unit_parent(grant.unit), set()).add(slot)
+                self._order = None
             self._by_slot[slot] = grant
-            self._by_uid.setdefault(grant.uid, {})[grant.unit] = grant
-            self._by_gpu.setdefault(unit_parent(grant.unit), {})[slot] = grant
         self._rows = None
 
     def rows(self) -> tuple[Grant, ...]:
         if self._rows is None:
-            self._rows = tuple(self._by_slot[slot] for slot in sorted(self._by_slot))
+            if self._order is None:
+                self._order = sorted(self._by_slot)
+            self._rows = tuple(map(self._by_slot.__getitem__, self._order))
         return self._rows
 
     def of_user(self, uid: int) -> list[Grant]:
-        held = self._by_uid.get(uid, {})
-        return [held[unit] for unit in sorted(held)]
+        return [self._by_slot[(uid, unit)] for unit in sorted(self._of_uid.get(uid, ()))]
 
-    def on_gpu(self, gpu: int) -> Iterable[Grant]:
-        return self._by_gpu.get(gpu, {}).values()
+    def on_gpu(self, gpu: int) -> list[Grant]:
+        return [self._by_slot[slot] for slot in self._on_gpu.get(gpu, ())]
 
 
-def _pop_in(index: dict[Any, dict[Any, Any]], key: object, inner: object) -> None:
-    """Take `inner` out of index[key], and the key with its last entry."""
-    entries = index[key]
-    del entries[inner]
-    if not entries:
+def _discard_in(index: dict[Any, set[Any]], key: object, member: object) -> None:
+    """Take `member` out of index[key], and the key with its last member."""
+    members = index[key]
+    members.discard(member)
+    if not members:
         del index[key]
 
 
 def _session(row: sqlite3.Row) -> Session:
     # caller_start is the daemon's own business (liveness), not part of what a session shows.
     return Session(**{key: row[key] for key in row.keys() if key != "caller_start"})
+
+
+class _Sessions:
+    """The store's copy of the sessions table, kept as _Grants is: read whole when another
+    connection changed it (version: the data_version it was read at; None: not read), changed by
+    this connection's own writes after they committed. Sessions by id, with their caller's start
+    time, and the ids by user; the rows in order are built when first asked for after a change."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self._by_id: dict[int, tuple[Session, int | None]] = {}  # id -> the session, its caller_start
+        self._of_uid: dict[int, set[int]] = {}  # uid -> its session ids
+        self._rows: tuple[Session, ...] | None = None
+
+    def read(self, version: int, rows: Iterable[sqlite3.Row]) -> None:
+        self.version = version
+        self._by_id, self._of_uid, self._rows = {}, {}, None
+        for row in rows:
+            self._put(_session(row), row["caller_start"])
+
+    def put(self, session: Session, caller_start: int | None) -> None:
+        if self.version is not None:
+            self._put(session, caller_start)
+
+    def _put(self, session: Session, caller_start: int | None) -> None:
+        self._by_id[session.id] = (session, caller_start)
+        self._of_uid.setdefault(session.uid, set()).add(session.id)
+        self._rows = None
+
+    def drop(self, ids: Iterable[int]) -> None:
+        if self.version is None:
+            return
+        for id_ in ids:
+            if (dropped := self._by_id.pop(id_, None)) is not None:
+                _discard_in(self._of_uid, dropped[0].uid, id_)
+        self._rows = None
+
+    def rows(self) -> tuple[Session, ...]:
+        if self._rows is None:
+            self._rows = tuple(self._by_id[id_][0] for id_ in sorted(self._by_id))
+        return self._rows
+
+    def of_user(self, uid: int) -> list[Session]:
+        return [self._by_id[id_][0] for id_ in sorted(self._of_uid.get(uid, ()))]
+
+    def caller_starts(self) -> dict[int, int | None]:
+        return {id_: caller_start for id_, (_, caller_start) in self._by_id.items()}
 
 
 # usage_by's groupings: fixed SQL, never built from input. A user is keyed by name (the name

@@ -171,6 +171,21 @@ def test_failed_transaction_rolls_back(store):
     assert store.grants() == []
 
 
+def test_a_scratch_stores_failed_transaction_rolls_back_too(tmp_path):
+    """durable=False keeps its undo journal in memory: lost in a crash, there for a rollback."""
+    store = Store(tmp_path / "state.db", durable=False)
+    try:
+        store.add_grants(1001, "alice", [0], now=1.0, expires_at=None)
+        with pytest.raises(RuntimeError):
+            with store.transaction() as db:
+                db.execute("DELETE FROM grants")
+                db.execute("INSERT INTO grants (uid, user, minor, granted_at, last_active) VALUES (1, 'x', 1, 0, 0)")
+                raise RuntimeError("boom")
+        assert [(g.uid, g.unit) for g in store.grants()] == [(1001, 0)]  # the first read of the table
+    finally:
+        store.close()
+
+
 WRITER = textwrap.dedent("""
     import os, sys
     from gpuguard.model import Event

@@ -4,7 +4,7 @@ user keeps stay within the documented bound although a user's old ones are prune
 import random
 
 from gpuguard.config import EventsConfig
-from gpuguard.model import Event, Origin
+from gpuguard.model import Event, Origin, Quota
 from gpuguard.store import PRUNE_EVERY, Store
 from gpuguard.unit_numbers import slice_unit, unit_parent
 
@@ -13,14 +13,14 @@ UIDS = [1001, 1002, 1003]
 
 
 def _fresh(path) -> Store:
-    return Store(path, durable=False)
+    return Store(path)
 
 
 def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_path):
     """Random adds (also over a held slot: INSERT OR REPLACE), removals and marks; after each,
     every view of the copy equals a new connection's read of the table."""
     rng = random.Random(20)
-    store = Store(tmp_path / "state.db", durable=False)
+    store = Store(tmp_path / "state.db")
     try:
         store.grants()  # read: from here on the copy is changed in place
         for step in range(200):
@@ -55,7 +55,7 @@ def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_pa
 
 
 def test_the_grants_read_is_one_object_until_a_change(tmp_path):
-    store = Store(tmp_path / "state.db", durable=False)
+    store = Store(tmp_path / "state.db")
     try:
         store.add_grants(1001, "alice", [0], 10.0, None)
         first = store.grants_read()
@@ -110,7 +110,7 @@ def test_the_first_event_of_a_user_after_opening_prunes_what_an_earlier_run_left
 
 
 def test_fair_share_as_read_follows_its_own_writes_and_another_connections(tmp_path):
-    store = Store(tmp_path / "state.db", durable=False)
+    store = Store(tmp_path / "state.db")
     other = _fresh(store.path)
     try:
         assert store.fairshare() == {}
@@ -122,4 +122,129 @@ def test_fair_share_as_read_follows_its_own_writes_and_another_connections(tmp_p
         assert 1003 not in store.fairshare()
     finally:
         other.close()
+        store.close()
+
+
+def _views(store: Store) -> dict[str, object]:
+    """Everything the store serves from a kept copy, as one comparable value."""
+    return {
+        "grants": store.grants(), "grants_read": list(store.grants_read()),
+        "grants_of": {uid: store.grants(uid) for uid in UIDS},
+        "grants_on": {gpu: store.grants_on([gpu]) for gpu in (0, 1, 2, 3, 7)},
+        "last_held": {uid: store.last_held(uid) for uid in UIDS}, "last_released": store.last_released(),
+        "sessions": store.sessions(), "sessions_of": {uid: store.sessions(uid) for uid in UIDS},
+        "caller_starts": store.caller_starts(),
+        "queue": store.queue(), "queue_of": {uid: store.queue(uid) for uid in UIDS},
+        "fairshare": store.fairshare(),
+    }
+
+
+def _write(store: Store, rng: random.Random, now: float) -> None:
+    """One write of a random kind, each kind of write the store has a copy for."""
+    uid = rng.choice(UIDS)
+    op = rng.choice(["add", "remove", "mark", "open", "close", "drop", "join", "leave", "charge"])
+    if op == "add":
+        store.add_grants(uid, f"u{uid}", rng.sample(UNITS, rng.randint(1, 2)), now, rng.choice([None, now + 60]),
+                         shared=rng.random() < 0.3, origin=rng.choice(list(Origin)), memory=rng.choice([None, 1 << 30]))
+    elif op == "remove":
+        store.remove_grants(uid, rng.choice([None, rng.sample(UNITS, 2)]), now)
+    elif op == "mark":
+        store.mark_active([(uid, rng.choice(UNITS)), (rng.choice(UIDS), rng.choice(UNITS))], now)
+    elif op == "open":
+        store.open_session(uid, f"u{uid}", "sshd", "", "pts/1", rng.choice([500, 600]), now,
+                           caller_start=rng.choice([None, 77]))
+    elif op == "close":
+        store.close_session(uid, rng.choice([500, 600]))
+    elif op == "drop":
+        store.remove_sessions(rng.sample([s.id for s in store.sessions()] + [10_000], 1))
+    elif op == "join":
+        store.join_queue(uid, f"u{uid}", rng.randint(1, 2), now,
+                         Quota(gpus=2, max_time=rng.choice([None, 3600]), slice_profiles=("1g.10gb",)),
+                         rng.choice(list(Origin)), pid=rng.choice([None, 42]), pid_start=rng.choice([None, 9]))
+    elif op == "leave":
+        store.leave_queue(rng.sample([q.waiter.id for q in store.queue()] + [10_000], 1))
+    else:
+        store.set_fairshare(uid, rng.random() * 1000, now)
+
+
+def test_every_copy_equals_a_fresh_read_after_each_kind_of_write_by_this_or_another_connection(tmp_path):
+    """Random writes of every kind, by the store under test (its copies follow in place) or by
+    another connection (the CLI, the web page: its copies are read again); after each, every view
+    of the store equals what a new connection reads. Both stores' copies are read before the
+    writes start, so that each kind of write meets a kept copy."""
+    rng = random.Random(2026)
+    store, other = Store(tmp_path / "state.db"), _fresh(tmp_path / "state.db")
+    try:
+        _views(store), _views(other)
+        for step in range(400):
+            _write(rng.choice([store, store, other]), rng, 100.0 + step)
+            fresh = _fresh(store.path)
+            try:
+                assert _views(store) == _views(fresh), f"step {step}"
+            finally:
+                fresh.close()
+    finally:
+        other.close()
+        store.close()
+
+
+def test_a_write_reads_what_another_connection_committed_since_the_copy(tmp_path):
+    """remove_grants and close_session decide from the copy inside their transaction: what another
+    connection committed after the copy was read is seen there, not lost."""
+    store, other = Store(tmp_path / "state.db"), _fresh(tmp_path / "state.db")
+    try:
+        store.add_grants(1001, "alice", [0], 10.0, None)
+        first = store.open_session(1001, "alice", "sshd", "", "pts/1", 500, 10.0)
+        assert len(store.grants()) == len(store.sessions()) == 1  # read: kept from here on
+        other.add_grants(1001, "alice", [1], 20.0, None)
+        newer = other.open_session(1001, "alice", "sshd", "", "pts/2", 500, 20.0)
+        assert [g.unit for g in store.remove_grants(1001, None, 30.0)] == [0, 1]
+        assert store.close_session(1001, 500) == newer  # the newest of that caller: the other's
+        assert store.sessions() == [first] and other.grants() == [] and other.sessions() == [first]
+    finally:
+        other.close()
+        store.close()
+
+
+def _retention_model(per_user: int, max_age: float):
+    """The documented retention, one event at a time, in plain Python: each event drops those older
+    than max_age; a user's first event and then every per_user // PRUNE_EVERY-th of theirs drops
+    their events beyond the newest per_user. Returns add(event) and kept() (messages, oldest first)."""
+    every = per_user // PRUNE_EVERY
+    rows: list[Event] = []
+    since: dict[int | None, int] = {}
+
+    def add(event: Event) -> None:
+        rows.append(event)
+        rows[:] = [e for e in rows if e.time >= event.time - max_age]
+        since[event.uid] = since.get(event.uid, every - 1) + 1
+        if since[event.uid] == every:
+            theirs = [e for e in rows if e.uid == event.uid]
+            dropped = {id(e) for e in theirs[:-per_user]}
+            rows[:] = [e for e in rows if id(e) not in dropped]
+            since[event.uid] = 0
+
+    return add, lambda: [e.message for e in rows]
+
+
+def test_events_added_together_leave_what_the_retention_rule_leaves_one_event_at_a_time(tmp_path):
+    """add_events (a grant's units, one time) against the rule applied at each event: the same
+    events after every batch, with a user's prune due inside a batch, at its end, or not at all.
+    alice has more events in max_age than per_user (her bound cuts), bob and the system fewer (the
+    age cuts)."""
+    rng = random.Random(7)
+    store = Store(tmp_path / "state.db", lambda: EventsConfig(max_age=10.0, per_user=20), durable=False)
+    add, kept = _retention_model(per_user=20, max_age=10.0)
+    try:
+        for step in range(150):
+            batch = [_event(float(step), rng.choice([1001] * 6 + [1002, None]), f"m{step}.{i}")
+                     for i in range(rng.randint(1, 7))]
+            store.add_events(batch)
+            for event in batch:
+                add(event)
+            assert [e.message for e in store.events(limit=10_000)] == kept(), f"step {step}"
+        alice, bob = store.events(1001, limit=10_000), store.events(1002, limit=10_000)
+        assert 20 <= len(alice) <= 20 + 20 // PRUNE_EVERY - 1 and alice[0].time > 149 - 10.0
+        assert 0 < len(bob) < 20 and bob[0].time >= 149 - 10.0
+    finally:
         store.close()
