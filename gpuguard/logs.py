@@ -112,7 +112,8 @@ def _value(value: object) -> str:
 def event(level: int, name: str, /, exc_info: bool = False, **fields: object) -> None:
     """Log one event: `event("grant", user="alice", gpu=[3])` -> `event=grant user=alice gpu=3`
     (`gpu=` names GPUs, `gpus=` counts them)."""
-    logger.log(level, "%s", pairs(event=name, **fields), exc_info=exc_info, extra={"event_name": name})
+    if logger.isEnabledFor(level):  # the line is built only when it is logged (a replay logs no INFO)
+        logger.log(level, "%s", pairs(event=name, **fields), exc_info=exc_info, extra={"event_name": name})
 
 
 def setup(level: int = logging.INFO) -> None:
