@@ -1,8 +1,9 @@
 """SQLite state: the source of truth for grants, sessions, events and usage.
 
 WAL with synchronous=FULL and one transaction per change: a crash (even SIGKILL in the
-middle of a write) loses no committed grant and leaves no half-written one. The gate map
-and device ACLs are derived from this and rebuilt from it at daemon start.
+middle of a write) loses no committed grant and leaves no half-written one (a replay's scratch
+store keeps only the one transaction per change: see Store). The gate map and device ACLs are
+derived from this and rebuilt from it at daemon start.
 """
 from __future__ import annotations
 
