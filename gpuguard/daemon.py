@@ -264,21 +264,21 @@ class Daemon:
     async def _ticker(self) -> None:
         """A tick every interval, at a fixed rate (the time a tick takes does not add up), and
         one more when a wait of the watcher's ends between two ticks (DEADLINE_MARGIN after it):
-        a kill then lands within interval + grace + kill_wait, not an interval later per wait.
-        Never closer than a quarter interval to the tick before, so NVML is not polled in bursts.
+        a kill then lands within interval + grace + kill_wait, not an interval later per wait
+        (next_wake says when).
         Enforcement is checked after the first tick CHECK_EVERY seconds after the last check."""
         loop = asyncio.get_running_loop()
         last = checked = loop.time()
         regular = last + self.config.watcher.interval
         while True:
             interval = self.config.watcher.interval
-            wake = regular
-            if (deadline := self.services.watcher.next_deadline(time.time())) is not None:
+            at_deadline = None
+            if (deadline := self.services.watcher.next_deadline()) is not None:
                 at_deadline = loop.time() + deadline - time.time() + DEADLINE_MARGIN
-                wake = min(regular, max(at_deadline, last + interval / 4))
+            wake = next_wake(last, regular, at_deadline, interval)
             await asyncio.sleep(max(0.0, wake - loop.time()))
             last = loop.time()
-            if wake == regular:  # a slow tick is followed by the next at once, not by a burst
+            if wake >= regular:  # a slow tick is followed by the next at once, not by a burst
                 regular = max(regular + interval, last)
             try:
                 await self.tick()
@@ -316,6 +316,21 @@ class Daemon:
         sample = await self.sampler.take_or_log("MIG layout read at the next tick", max_age=0)
         if sample is not None:
             self.services.releases.follow_layout(sample.layout, time.time())
+
+
+def next_wake(last: float, regular: float, deadline: float | None, interval: float) -> float:
+    """When the next tick comes (loop time): the regular one, `interval` after the one before, or
+    earlier at a wait's end (`deadline`); never closer than a quarter interval to the tick before
+    (`last`), so a user's staggered strays cannot make NVML be polled in bursts. A wait that ends
+    within a quarter interval after the regular tick delays that tick to its end: one sample for
+    both, where the regular tick would come a moment too early for it and the next could come only
+    a quarter interval later. A wait that ended before the last tick began was that tick's (or,
+    if its sample failed, the regular ticks' to retry)."""
+    if deadline is None or deadline <= last or deadline >= regular + interval / 4:
+        return regular
+    if deadline >= regular:
+        return deadline
+    return max(deadline, last + interval / 4)
 
 
 def _refuse_stale_gate(name: str) -> None:

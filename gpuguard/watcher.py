@@ -99,8 +99,11 @@ class Watcher:
         if self._last_check is not None:
             self._last_check = now
 
-    def next_deadline(self, after: float) -> float | None:
-        """When the first wait (grace, kill_wait) after `after` ends: the daemon ticks then too."""
+    def next_deadline(self) -> float | None:
+        """When the first wait (grace, kill_wait) ends that the last check has not judged ended:
+        the daemon ticks then too. Counted from the last check's own time, not the clock's, so a
+        wait that ended between that check and now (while it sampled and acted) is still due."""
+        after = self._last_check if self._last_check is not None else float("-inf")
         return rules.next_deadline(self.state, timing_of(self.config()), after)
 
     async def check(self, sample: Sample, now: float) -> list[Action]:
