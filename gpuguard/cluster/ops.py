@@ -2,8 +2,8 @@
 
 Both read fleetdb.VIEW through a small connection pool on a worker thread, never on the event
 loop. What any user can make this cost is bounded: one query a second for everybody together
-(a result younger than CACHE_FOR is shared), at most POOL_SIZE connections. When the database
-cannot be read the last view is answered, with the time it is stale since.
+(a result younger than CACHE_FOR is shared), at most POOL_SIZE connections, READ_WAIT seconds per
+look. When the database cannot be read the last view is answered, with the time it is stale since.
 """
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ from gpuguard.server import Peer
 CACHE_FOR = 1.0  # seconds a view is shared between callers
 POOL_SIZE = 2
 READ_TIMEOUT = 3.0  # seconds a caller waits for a pooled connection
+# Seconds a caller waits for the view's read, connection included. A link that swallows packets
+# behind something that still acknowledges them (a stuck proxy) never errors on a pooled
+# connection: statement_timeout is the server's, which never sees the query. Past this the last
+# view is answered, stale; the stuck read keeps its pooled connection (POOL_SIZE at most).
+READ_WAIT = 5.0
 IDLE_FOR = 60.0     # seconds a pooled connection is kept unused
 MAX_WANTED = 1024
 
@@ -54,9 +59,9 @@ class FleetOps:
             fresh = self._read_at is not None and time.monotonic() - self._read_at < CACHE_FOR
             if not fresh and (self._failed_at is None or time.monotonic() - self._failed_at >= CACHE_FOR):
                 try:
-                    self._rows = await asyncio.to_thread(self._read)
+                    self._rows = await asyncio.wait_for(asyncio.to_thread(self._read), READ_WAIT)
                     self._read_at, self._failed_at = time.monotonic(), None
-                except (psycopg.Error, psycopg_pool.PoolTimeout):
+                except (psycopg.Error, psycopg_pool.PoolTimeout, asyncio.TimeoutError):
                     self._failed_at = time.monotonic()
         return ranking.nodes(self._rows)
 

@@ -20,6 +20,7 @@ from daemon_fixture import RunningDaemon
 from tcp_proxy import TcpProxy
 
 from devtools.harness import gate_test_lock, wait_for
+from gpuguard.cluster.ops import CACHE_FOR
 
 NODES = {"gpu1": ("r1", True), "gpu2": ("r1", False), "gpu3": ("r2", False)}
 DATA = {"/data/imagenet": ["gpu3"], "/data/shared": ["r1"]}
@@ -266,11 +267,13 @@ def test_a_database_link_that_swallows_packets_costs_a_login_the_timeout_at_most
     alice = member(fleet)
     fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 2}}}, proxied="gpu3")
     assert fleet.proxy is not None
+    assert fleet.nodes["gpu3"].call("cluster_status")["view_stale"] is False  # a pooled connection stays open
     fleet.proxy.freeze()  # the check's query goes out and no answer ever comes back
     opened = fleet.login("gpu3", alice)  # without the bound this would hang (the call's limit is 30 s)
     assert len(opened["gpus"]) == 2
-    view = fleet.nodes["gpu3"].call("cluster_status")
-    assert view["online"] is False and view["stale_since"] is not None
+    time.sleep(CACHE_FOR)  # the view read before is no longer shared: the next look reads again
+    view = fleet.nodes["gpu3"].call("cluster_status")  # its query on the pooled connection: answered stale
+    assert view["online"] is False and view["stale_since"] is not None and view["view_stale"] is True
     fleet.nodes["gpu3"].close_session(alice, opened["pid"])
     assert wait_for(lambda: fleet.nodes["gpu3"].grants(alice) == [])
     fleet.proxy.thaw()  # the stuck call completes, the heartbeats resume and send the truth
