@@ -336,12 +336,12 @@ class ProcessIndex:
             return
         with self._lock:
             self._sock = sock
-        self._seed()
-        self.resyncs += 1
+        self._seed(resync=True)
 
-    def _seed(self) -> None:
+    def _seed(self, resync: bool = False) -> None:
         """One walk after subscribing, outside the lock (it takes a while; lookups walk meanwhile),
-        then every event queued during it, then in sync."""
+        then every event queued during it, then in sync. A resync is counted in the same lock as
+        the table it brings: whoever sees the index in sync sees it counted."""
         uids = walk()
         with self._lock:
             if self._sock is None:
@@ -349,6 +349,8 @@ class ProcessIndex:
             self._table = UidTable(uids)
             self._pump()
             if self._table is not None:
+                if resync:
+                    self.resyncs += 1
                 self._synced_at = self._clock()
                 event(logging.INFO, "process_index_in_sync", processes=len(self._table.uid_of),
                       resyncs=self.resyncs)
