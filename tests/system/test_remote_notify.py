@@ -61,16 +61,18 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture
 def sendmail(sandbox) -> Path:
-    """A sendmail that keeps each message (its arguments, then the mail) in sandbox/mail/N."""
+    """A sendmail that keeps each message (its arguments, then the mail) in sandbox/mail/N, whole:
+    written aside and renamed, so that a test never reads a message half written."""
     (sandbox / "mail").mkdir()
     script = sandbox / "sendmail"
-    script.write_text(f'#!/bin/sh\n{{ printf "%s\\n" "$@"; cat; }} > "{sandbox}/mail/$$"\n')
+    script.write_text(f'#!/bin/sh\n{{ printf "%s\\n" "$@"; cat; }} > "{sandbox}/mail/.$$" '
+                      f'&& mv "{sandbox}/mail/.$$" "{sandbox}/mail/$$"\n')
     script.chmod(0o755)
     return script
 
 
 def mails(sandbox: Path) -> list[str]:
-    return [path.read_text() for path in sorted((sandbox / "mail").iterdir())]
+    return [path.read_text() for path in sorted((sandbox / "mail").iterdir()) if not path.name.startswith(".")]
 
 
 def test_a_queue_grant_reaches_the_users_webhook_and_mailbox(start_daemon, receiver, sendmail, sandbox):
