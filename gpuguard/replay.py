@@ -300,7 +300,6 @@ class Replay:
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
         self._held: dict[tuple[int, int, float], str] = {}  # the grants after the last batch: (uid, unit, since) -> user
         self._counted: tuple[Grant, ...] = ()     # the store's grants as _held was made from them
-        self.checks = 0                           # Watcher.check calls: every decision of a rule comes from one
 
     # --- the event loop
 
@@ -514,7 +513,6 @@ class Replay:
 
     async def _tick(self) -> None:
         sample = self.sample()
-        self.checks += 1
         for action in await self.watcher.check(sample, self.now):
             if action.kind == rules.RELEASE and action.rule == rules.RECLAIM:
                 self.result.reclaims += 1

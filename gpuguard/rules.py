@@ -183,6 +183,10 @@ class View:
     def proc_keys(self) -> frozenset[ProcKey]:
         return frozenset([p.key for p in self.procs])
 
+    def helps(self, grant: Grant) -> bool:
+        """Whether taking this grant back frees a unit of a kind a waiter takes."""
+        return self.useful is None or grant.unit in self.useful
+
 
 @dataclass(frozen=True)
 class Stopping:
@@ -305,10 +309,6 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         for proc in reversed(_oldest_first(procs)):
             term(proc, TIME, expires_at=grant.expires_at)
 
-    def helps(grant: Grant) -> bool:
-        """Whether taking this grant back frees a unit of a kind a waiter takes."""
-        return view.useful is None or grant.unit in view.useful
-
     reclaimable: list[tuple[float, Grant, float]] = []  # (idle since, grant, reclaim_after)
     overtime: list[tuple[Grant, list[Proc]]] = []
     for grant in view.grants:
@@ -319,7 +319,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             if not timing.soft_max_time:
                 revoke(grant, procs)
                 continue
-            if helps(grant):
+            if view.helps(grant):
                 overtime.append((grant, procs))
         if grant.expires_at is not None:
             actions.extend(_time_warning(grant, state, now))
@@ -330,7 +330,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
             if quota.idle_timeout is not None and now - last >= quota.idle_timeout:
                 actions.append(Action(RELEASE, IDLE, grant.uid, grant.unit, None, {
                     "idle": now - last, "idle_timeout": quota.idle_timeout, "last_active": last}))
-            elif quota.reclaim_after is not None and now - last >= quota.reclaim_after and helps(grant):
+            elif quota.reclaim_after is not None and now - last >= quota.reclaim_after and view.helps(grant):
                 reclaimable.append((last, grant, quota.reclaim_after))
             continue
         # (a slice's memory is bounded in hardware)
@@ -548,7 +548,7 @@ def next_change(view: View, state: State, timing: Timing, now: float) -> float |
                 times.append(last + quota.idle_timeout)
             # Reclaim acts only while the queue wants a unit this grant frees; the demand moves
             # only when the queue does, and the replay checks after that anyway.
-            if quota.reclaim_after is not None and view.demand and (view.useful is None or grant.unit in view.useful):
+            if quota.reclaim_after is not None and view.demand and view.helps(grant):
                 times.append(last + quota.reclaim_after)
     later = [t for t in times if t > now]
     return min(later, default=None)
@@ -564,7 +564,7 @@ def confirmed(first: Sequence[Action], second: Sequence[Action]) -> list[Action]
 def usage(view: View, seconds: float) -> dict[Slot, tuple[float, float, float]]:
     """(granted, busy, idle) seconds to add per user and GPU for `seconds` of this view; on a
     failed GPU neither busy nor idle is known, so only the granted time counts."""
-    busy_slots = {(p.uid, p.unit) for p in view.procs}
+    busy_slots = view.on_slot
 
     def split(grant: Grant) -> tuple[float, float, float]:
         if grant.unit in view.failed:
