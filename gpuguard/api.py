@@ -655,7 +655,8 @@ class Api:
             return {"gpus": [], "cuda_visible_devices": "", "message": ""}
         told = [g for g in held if new is None or g.unit in new] or held
         expiries = [g.expires_at for g in told if g.expires_at is not None]
-        told_gpus = [gpu for gpu in gpus if any(g.unit == gpu.unit for g in told)]
+        told_units = {g.unit for g in told}
+        told_gpus = [gpu for gpu in gpus if gpu.unit in told_units]
         if wanted is not None:
             wanted -= len(gpus) - len(told_gpus)  # the ones held before count towards it
         return {"gpus": [gpu.unit for gpu in gpus],

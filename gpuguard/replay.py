@@ -19,11 +19,13 @@ open session (no end in the trace) ends once its last job has run. While a job r
 is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
 jobs are on it (a job on several GPUs at the pace of its most crowded one): its end moves when
 another job joins or leaves. Watcher.check runs after every batch of simultaneous events that
-added something a rule may act on at once (a job started, a request queued, a grant came or went
-from under a running job; a batch that only took things away, such as job ends and logouts, just
-moves the next wake: every limit is at least a second) and at the next moment one of the rules can
-fire (Watcher.next_change), rounded up to the watcher's interval as the daemon's tick would see it;
-between events the sample stands still, so the watcher is told there was no gap
+added something a rule may act on at once (a request queued, a grant came or went from under a
+running job, a job started where rules.acts_on_arrival says a rule may act on it at once or while
+a rule's moment has come and its tick not yet) and at the next moment one of the rules can fire
+(Watcher.next_change), rounded up to the watcher's interval as the daemon's tick would see it. A
+batch that only took things away (job ends, logouts) just adds the idle clocks of the GPUs the jobs
+left (Watcher.next_change_of): every limit is at least a second, and nothing else moves earlier.
+Between events the sample stands still, so the watcher is told there was no gap
 (Watcher.unchanged_until). When a job ends, the watcher's memory of when it saw
 the job last is set to that moment, as the daemon's tick just before it would have left it.
 
@@ -42,6 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,8 @@ from gpuguard.store import Queued
 from gpuguard.trace import Job, Session
 
 FIRST_UID = 100000
+
+_grant_key, _user_of = attrgetter("uid", "unit", "granted_at"), attrgetter("user")  # a grant's own, and its user
 
 
 @dataclass
@@ -294,8 +299,12 @@ class Replay:
         self._seq = itertools.count()
         self._pids = itertools.count(1000)
         self._next_wake: float | None = None
+        # When a rule may next act, as next_change named it (the wake is that, on the tick after):
+        # till then a process arriving is acted on only where rules.acts_on_arrival says so.
+        self._due = math.inf
         self._first: float | None = None
         self._added = False                       # this batch of events started a job or queued a request
+        self._went_idle: set[rules.Slot] = set()  # this batch's (uid, unit) whose jobs left
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
         self._held: dict[tuple[int, int, float], str] = {}  # the grants after the last batch: (uid, unit, since) -> user
@@ -315,6 +324,7 @@ class Replay:
             self.watcher.unchanged_until(when)  # the sample stood still since the last event
             self.now = when
             before, self._added, woken = self.store.grants_read(), False, False
+            self._went_idle.clear()
             while self._events and self._events[0][0] == when:
                 _, _, kind, payload = heapq.heappop(self._events)
                 woken |= kind == "wake"
@@ -323,9 +333,9 @@ class Replay:
                 await self._tick()
             else:
                 # Jobs ended, grants given back at logout, requests left with their sessions: no
-                # rule acts the moment something ends (every limit is at least a second), so only
-                # the times at which one may act (idle, reclaim) move.
-                self._wake_for(self.sample())
+                # rule acts the moment something ends (every limit is at least a second), and the
+                # only new times at which one may act are the idle clocks of the GPUs jobs left.
+                self._wake_at(self.watcher.next_change_of(self._went_idle, self.now) if self._went_idle else None)
             self._count_granted()
         self._finish()
         return self.result
@@ -428,13 +438,21 @@ class Replay:
         owner = self.sessions[session]
         units = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
+        identity = ProcessIdentity(pid, owner.uid, start_time=pid)  # unique, as a real start time is with its pid
         running = _Running(job, owner.user, owner.uid, session, units, pid, job.start, self.now, job.duration,
                            since=self.now, processes=tuple(GpuProcess(pid, m, job.memory or None) for m in units),
-                           identity=ProcessIdentity(pid, owner.uid, pid))
+                           identity=identity)
         self.running[pid] = running
-        self._added = True  # a process came: its rules (memory) may act at once
+        # A check now only if a rule may act on the process at once, or may act already (its
+        # time came, its tick has not).
+        quota = self._quota(owner.user)
+        self._added |= self.now >= self._due or any(rules.acts_on_arrival(g, quota, self.now)
+                                                    for g in self.store.grants(owner.uid) if g.unit in units)
         self.busy_of.setdefault(owner.uid, Counter()).update(units)
         self._sample = None
+        # The daemon's next tick would see the process from here (soft time's work lost counts from it).
+        state = self.watcher.state
+        self.watcher.state = replace(state, running_since={**state.running_since, (pid, identity.start_time): self.now})
         self._crowd(units, add=pid)
         self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in units))
 
@@ -447,6 +465,7 @@ class Replay:
             if mine[unit] <= 0:
                 del mine[unit]
         self._crowd(running.units, remove=running.pid)
+        self._went_idle.update((running.uid, unit) for unit in running.units)
         self._sample = None
         # The daemon's tick just before the job ended saw it there: the idle clocks start from here.
         state = self.watcher.state
@@ -503,8 +522,10 @@ class Replay:
     # --- the watcher
 
     def sample(self) -> Sample:
-        """The running jobs as a GPU sample: each job's process on each of its GPUs."""
-        if self._sample is None or self._sample.time != self.now:
+        """The running jobs as a GPU sample: each job's process on each of its GPUs. The same object
+        until a job starts or ends (its time is then when they last changed): the watcher keeps
+        what it made of the processes of the sample it saw before."""
+        if self._sample is None:
             jobs = [running for running in self.running.values() if running.processes]
             self._sample = Sample(self.now, tuple(p for running in jobs for p in running.processes),
                                   {running.pid: running.identity for running in jobs if running.identity},
@@ -518,11 +539,13 @@ class Replay:
                 self.result.reclaims += 1
             elif action.kind == rules.REVOKE:
                 self.result.revokes += 1
-        self._wake_for(self.sample())
+        self._due = math.inf  # next_change over everything: what was due has been decided
+        self._wake_at(self.watcher.next_change(self.sample(), self.now))
 
-    def _wake_for(self, sample: Sample) -> None:
-        wake = self.watcher.next_change(sample, self.now)
+    def _wake_at(self, wake: float | None) -> None:
+        """Check at `wake` (unless a check comes earlier anyway)."""
         if wake is not None:
+            self._due = min(self._due, wake)
             interval = self.config.watcher.interval
             wake = math.ceil(wake / interval) * interval  # the daemon's tick comes at its own pace
             if self._next_wake is None or wake < self._next_wake:
@@ -548,7 +571,7 @@ class Replay:
         if rows is self._counted and not end:
             return  # the same object: no grant came or went since the last count
         self._counted = rows
-        held = {} if end else {(g.uid, g.unit, g.granted_at): g.user for g in rows}
+        held = {} if end else dict(zip(map(_grant_key, rows), map(_user_of, rows), strict=True))
         for key in self._held.keys() - held.keys():
             self._taken_back += not end
             self.result.granted += self.now - key[2]

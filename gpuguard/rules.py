@@ -69,9 +69,11 @@ The rules, with their boundaries:
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, NamedTuple, TypedDict, cast
+from operator import attrgetter
+from typing import Any, NamedTuple, TypedDict, TypeVar, cast
 
 from gpuguard.compat import StrEnum
 from gpuguard.model import EventKind, Grant, Origin, Quota, Rule, is_slice
@@ -116,6 +118,9 @@ WATCHER_RULES = (MEMORY, TIME, IDLE, STRAY, RECLAIM)  # the rules that stop proc
 ProcKey = tuple[int, int]          # (pid, start_time): a pid is reused, this pair is not
 Slot = tuple[int, int]             # (uid, unit)
 GrantKey = tuple[int, int, float]  # (uid, unit, granted_at): a new grant starts afresh
+_slot_of = attrgetter("uid", "unit")  # a grant's or a process's Slot
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 @dataclass(frozen=True)
@@ -177,11 +182,34 @@ class View:
     @cached_property
     def granted(self) -> frozenset[Slot]:
         """(uid, unit) of every grant."""
-        return frozenset([(g.uid, g.unit) for g in self.grants])
+        return frozenset(map(_slot_of, self.grants))
 
     @cached_property
     def proc_keys(self) -> frozenset[ProcKey]:
         return frozenset([p.key for p in self.procs])
+
+    @cached_property
+    def ruled(self) -> list[Grant]:
+        """The grants a rule of their own may act on: those with a time limit, those of users with a
+        memory quota, and the idle ones of users with an idle timeout, or a reclaim time while the
+        queue wants GPUs. The others (all of them under a lab's defaults while nobody waits, the busy
+        ones without a memory quota) are decide's only through the stray rule, so decide and
+        next_change pass them by."""
+        memory = {uid for uid, q in self.quotas.items() if q.gpu_memory is not None}
+        idle_clock = {uid for uid, q in self.quotas.items()
+                      if q.idle_timeout is not None or (self.demand and q.reclaim_after is not None)}
+        idle = self.granted - self.on_slot.keys() if idle_clock else frozenset()
+        return [g for g in self.grants
+                if g.expires_at is not None or g.uid in memory or (g.uid in idle_clock and _slot_of(g) in idle)]
+
+    def reusing(self, earlier: View) -> View:
+        """This view, with what was built for `earlier` of the same processes and grants (the same
+        objects) kept: the watcher's next view mostly differs in one of them, or in the demand."""
+        same_procs, same_grants = self.procs is earlier.procs, self.grants is earlier.grants
+        for name, same in (("on_slot", same_procs), ("proc_keys", same_procs), ("granted", same_grants)):
+            if same and name in earlier.__dict__:  # where cached_property keeps what it built
+                self.__dict__.setdefault(name, earlier.__dict__[name])
+        return self
 
     def helps(self, grant: Grant) -> bool:
         """Whether taking this grant back frees a unit of a kind a waiter takes."""
@@ -311,7 +339,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
 
     reclaimable: list[tuple[float, Grant, float]] = []  # (idle since, grant, reclaim_after)
     overtime: list[tuple[Grant, list[Proc]]] = []
-    for grant in view.grants:
+    for grant in view.ruled:
         slot = (grant.uid, grant.unit)
         procs = on_slot.get(slot, [])
         quota = view.quotas.get(grant.uid)
@@ -326,11 +354,14 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         if quota is None:
             continue
         if not procs:
+            if quota.idle_timeout is None and (quota.reclaim_after is None or not view.demand):
+                continue  # no clock of this grant's can run out now
             last = max(grant.last_active, state.seen.get(slot, grant.last_active))
             if quota.idle_timeout is not None and now - last >= quota.idle_timeout:
                 actions.append(Action(RELEASE, IDLE, grant.uid, grant.unit, None, {
                     "idle": now - last, "idle_timeout": quota.idle_timeout, "last_active": last}))
-            elif quota.reclaim_after is not None and now - last >= quota.reclaim_after and view.helps(grant):
+            elif (view.demand and quota.reclaim_after is not None and now - last >= quota.reclaim_after
+                  and view.helps(grant)):  # nobody waiting: nothing is reclaimed
                 reclaimable.append((last, grant, quota.reclaim_after))
             continue
         # (a slice's memory is bounded in hardware)
@@ -360,19 +391,18 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
     for grant, procs in sorted(overtime, key=work_lost)[:wanted - len(reclaimed)]:
         revoke(grant, procs)
 
-    granted = view.granted
-    for slot, procs in on_slot.items():
-        if slot in granted:
-            continue
-        actions.extend(_stray(slot, _oldest_first(procs), state, now, timing, slot[0] in exempt, term))
+    strays = on_slot.keys() - view.granted
+    for slot, procs in on_slot.items() if strays else ():
+        if slot in strays:
+            actions.extend(_stray(slot, _oldest_first(procs), state, now, timing, slot[0] in exempt, term))
     return actions
 
 
-def _by_slot(procs: Iterable[Proc]) -> dict[Slot, list[Proc]]:
+def _by_slot(procs: Sequence[Proc]) -> dict[Slot, list[Proc]]:
     """Each user's processes on each GPU."""
     on_slot: dict[Slot, list[Proc]] = {}
-    for proc in procs:
-        on_slot.setdefault((proc.uid, proc.unit), []).append(proc)
+    for slot, proc in zip(map(_slot_of, procs), procs, strict=True):
+        on_slot.setdefault(slot, []).append(proc)
     return on_slot
 
 
@@ -476,13 +506,13 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     stopping = dict(state.stopping)
     time_warned = dict(state.time_warned)
     since = state.running_since
-    running_since = {key: since.get(key, now) for key in view.proc_keys}
+    running_since = {**dict.fromkeys(view.proc_keys, now), **_kept(since, view.proc_keys)}
     failed = frozenset(view.failed)
     granted = view.granted
     on_slot = view.on_slot
     # Idle clocks: of the grants only; now where a process was seen, and on a failed GPU (unread:
     # possibly busy, so its idle clock restarts).
-    seen = {slot: t for slot, t in state.seen.items() if slot in granted}
+    seen = _kept(state.seen, granted)
     seen.update(dict.fromkeys(granted.intersection(on_slot), now))
     if failed:
         seen.update(dict.fromkeys([(g.uid, g.unit) for g in view.grants if g.unit in failed], now))
@@ -530,6 +560,15 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
     )
 
 
+def _kept(mapping: Mapping[_K, _V], keys: AbstractSet[_K]) -> dict[_K, _V]:
+    """The entries of `mapping` whose keys are in `keys`: a copy less the few that went (the
+    usual case from one tick to the next), without a step per entry kept."""
+    kept = dict(mapping)
+    for key in kept.keys() - keys:
+        del kept[key]
+    return kept
+
+
 def next_change(view: View, state: State, timing: Timing, now: float) -> float | None:
     """The earliest moment after `now` at which decide() on this same view could act differently
     (None: never). A replay sleeps until then instead of ticking through moments when nothing can
@@ -537,21 +576,34 @@ def next_change(view: View, state: State, timing: Timing, now: float) -> float |
     view = view.readable()
     busy = view.on_slot
     times = _waits_ending(state, timing)
-    for grant in view.grants:
+    for grant in view.ruled:
         if grant.expires_at is not None:
             times.extend(grant.expires_at - t for t in TIME_WARNINGS)
         quota = view.quotas.get(grant.uid)
+        if quota is None:
+            continue
+        # Reclaim acts only while the queue wants a unit this grant frees; the demand moves
+        # only when the queue does, and the replay checks after that anyway.
+        reclaim_after = quota.reclaim_after if view.demand and view.helps(grant) else None
+        if quota.idle_timeout is None and reclaim_after is None:
+            continue
         slot = (grant.uid, grant.unit)
-        if quota is not None and slot not in busy:
+        if slot not in busy:
             last = max(grant.last_active, state.seen.get(slot, grant.last_active))
             if quota.idle_timeout is not None:
                 times.append(last + quota.idle_timeout)
-            # Reclaim acts only while the queue wants a unit this grant frees; the demand moves
-            # only when the queue does, and the replay checks after that anyway.
-            if quota.reclaim_after is not None and view.demand and view.helps(grant):
-                times.append(last + quota.reclaim_after)
+            if reclaim_after is not None:
+                times.append(last + reclaim_after)
     later = [t for t in times if t > now]
     return min(later, default=None)
+
+
+def acts_on_arrival(grant: Grant, quota: Quota, now: float) -> bool:
+    """Whether a rule may act the moment a process appears on this grant's GPU: the memory rule
+    under a memory quota, and time on a grant already past its time (a revoke ends every process
+    there; soft time's choice weighs their work). Otherwise rules act on clocks and the queue's
+    demand (a new process only stops an idle clock), stray on GPUs not held."""
+    return quota.gpu_memory is not None or (grant.expires_at is not None and now >= grant.expires_at)
 
 
 def confirmed(first: Sequence[Action], second: Sequence[Action]) -> list[Action]:

@@ -149,6 +149,7 @@ class Store:
         self._grants = _Grants()
         self._sessions = _Sessions()  # the sessions likewise: the queue, the watcher, logins and logouts ask
         self._unpruned: dict[int | None, int] = {}  # uid -> its events added since its last prune (add_events)
+        self._alone = not durable  # no other connection ever writes (see below): the copies never go stale
         if durable:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -239,7 +240,10 @@ class Store:
         return self._grant_copy().rows()
 
     def _data_version(self) -> int:
-        """Moves when another connection commits, never for this one's own commits (SQLite's PRAGMA)."""
+        """Moves when another connection commits, never for this one's own commits (SQLite's PRAGMA).
+        A scratch store holds its lock: no other connection commits, and nothing is asked."""
+        if self._alone:
+            return 0
         version: int = self._db.execute("PRAGMA data_version").fetchone()[0]
         return version
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from operator import attrgetter
 from typing import Any
@@ -88,9 +88,22 @@ class Watcher:
             view = last[1]
             wanted = self.demand()
             if (wanted.short, wanted.useful) != (view.demand, view.useful):
-                view = replace(view, demand=wanted.short, useful=wanted.useful)
+                view = replace(view, demand=wanted.short, useful=wanted.useful).reusing(view)
         else:
             view = self._view(sample)
+        return rules.next_change(view, self.state, timing_of(self.config()), now)
+
+    def next_change_of(self, slots: Collection[rules.Slot], now: float) -> float | None:
+        """The earliest moment after `now` at which a rule could act on these slots' grants, whose
+        processes have just gone (their idle clocks start). For a replay's batch of events that only
+        took things away (processes ended, grants given back, requests left): that moves no other
+        slot's moment earlier, so rules.next_change over just these grants is all that is new."""
+        held = [g for uid in {uid for uid, _ in slots} for g in self.store.grants(uid) if (g.uid, g.unit) in slots]
+        if not held:
+            return None
+        wanted = self.demand()
+        view = rules.View((), held, {g.uid: self.accounts.of(g.uid)[1] for g in held}, self.exempt.uids,
+                          demand=wanted.short, useful=wanted.useful)
         return rules.next_change(view, self.state, timing_of(self.config()), now)
 
     def unchanged_until(self, now: float) -> None:
@@ -176,6 +189,8 @@ class Watcher:
         failed = frozenset(sample.failed).union(set(map(_unit_of, grants)).difference(sample.units))
         wanted = self.demand()
         view = rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful)
+        if last is not None:
+            view.reusing(last[1])
         self._last_view = (sample, view)
         return view
 

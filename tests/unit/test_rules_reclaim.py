@@ -1,6 +1,7 @@
 """Reclaim on demand and soft max_time (gpuguard.rules), and next_change held against decide."""
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,28 +138,74 @@ def test_next_change_has_no_reclaim_time_while_nobody_waits_for_the_unit():
     assert rules.next_change(elsewhere, State(), T, NOW) == NOW + 3600
 
 
+def random_case(rng: random.Random) -> tuple[View, State, Timing]:
+    """A view of up to 8 grants of two users on 12 GPUs, half of them busy (some by a stranger),
+    with quotas, demand and timing drawn at random, and the state a tick before."""
+    units = rng.sample(range(12), rng.randint(0, 8))
+    grants = [Grant(uid, f"u{uid}", unit, NOW - rng.uniform(0, 4000),
+                    rng.choice([None, NOW + rng.uniform(-100, 1500)]), NOW - rng.uniform(0, 4000))
+              for unit in units for uid in [rng.choice([ALICE, BOB])]]
+    procs = [Proc(100 + unit, g.uid if rng.random() < 0.8 else 3000, 7, unit, rng.choice([None, 1 << 30]))
+             for g in grants for unit in [g.unit] if rng.random() < 0.5]
+    quotas = {uid: Quota(idle_timeout=rng.choice([None, 900.0, 3600.0]), reclaim_after=rng.choice([None, 60.0, 600.0]),
+                         gpu_memory=rng.choice([None, 1 << 29]))
+              for uid in (ALICE, BOB)}
+    v = View(procs, grants, quotas, demand=rng.randint(0, 2),
+             useful=rng.choice([None, frozenset(rng.sample(range(12), 6))]))
+    return v, rules.advance(v, State(), [], NOW - rng.uniform(0, 50)), rng.choice([T, SOFT])
+
+
 def test_decide_acts_alike_at_every_moment_before_next_change():
     """next_change held against decide on random views: between now and the moment it names,
     decide's actions are those it takes now (a replay that sleeps until then misses nothing)."""
-    import random
     rng = random.Random(20)
     for _ in range(300):
-        units = rng.sample(range(12), rng.randint(0, 8))
-        grants = [Grant(uid, f"u{uid}", unit, NOW - rng.uniform(0, 4000),
-                        rng.choice([None, NOW + rng.uniform(-100, 1500)]), NOW - rng.uniform(0, 4000))
-                  for unit in units for uid in [rng.choice([ALICE, BOB])]]
-        procs = [Proc(100 + unit, g.uid if rng.random() < 0.8 else 3000, 7, unit, rng.choice([None, 1 << 30]))
-                 for g in grants for unit in [g.unit] if rng.random() < 0.5]
-        quotas = {uid: Quota(idle_timeout=rng.choice([None, 900.0, 3600.0]), reclaim_after=rng.choice([None, 60.0, 600.0]),
-                             gpu_memory=rng.choice([None, 1 << 29]))
-                  for uid in (ALICE, BOB)}
-        v = View(procs, grants, quotas, demand=rng.randint(0, 2),
-                 useful=rng.choice([None, frozenset(rng.sample(range(12), 6))]))
-        timing = rng.choice([T, SOFT])
-        state = rules.advance(v, State(), [], NOW - rng.uniform(0, 50))
+        v, state, timing = random_case(rng)
         at = rules.next_change(v, state, timing, NOW)
         now_keys = [a.key for a in rules.decide(v, state, NOW, timing)]
         end = at if at is not None else NOW + 10_000
         for moment in sorted(rng.uniform(NOW, end) for _ in range(5)):
             if moment < end:
                 assert [a.key for a in rules.decide(v, state, moment, timing)] == now_keys, (v, state, moment, at)
+
+
+def test_a_process_arriving_on_a_held_gpu_is_acted_on_at_once_only_under_a_memory_quota():
+    """acts_on_arrival held against decide on random views: where nothing is due, a new process
+    on an idle grant is acted on only where acts_on_arrival says a rule may (a replay checks only
+    then), and where it says so, some are (over a memory quota, or on a grant past its time)."""
+    rng = random.Random(21)
+    added = 0
+    for _ in range(400):
+        v, state, timing = random_case(rng)
+        idle = [g for g in v.grants if (g.uid, g.unit) not in v.on_slot]
+        if not idle:
+            continue
+        held = rng.choice(idle)
+        arrived = replace(v, procs=[*v.procs, Proc(900, held.uid, 9, held.unit, rng.choice([None, 1 << 30]))])
+        if rules.decide(v, state, NOW, timing):
+            continue  # something is due already: a replay checks then anyway
+        new = rules.decide(arrived, state, NOW, timing)
+        if not rules.acts_on_arrival(held, v.quotas[held.uid], NOW):
+            assert not new, (v, held)
+        added += bool(new)
+    assert added  # some arrivals were acted on at once: the test can tell
+
+
+def test_processes_leaving_move_no_time_earlier_but_their_own_gpus_idle_clocks():
+    """Processes that end (their GPUs' idle clocks start now), grants given back and demand that
+    shrinks: the next moment a rule may act is no earlier than the earlier of the one before and
+    next_change over just the grants the processes left (Watcher.next_change_of, a replay's batch
+    of ends)."""
+    rng = random.Random(22)
+    for _ in range(400):
+        v, state, timing = random_case(rng)
+        before = rules.next_change(v, state, timing, NOW)
+        left = {slot for slot in v.on_slot if rng.random() < 0.5}
+        kept = [g for g in v.grants if (g.uid, g.unit) in left or rng.random() < 0.8]
+        after = replace(v, procs=[p for p in v.procs if (p.uid, p.unit) not in left], grants=kept,
+                        demand=rng.randint(0, v.demand))
+        seen = replace(state, seen={**state.seen, **dict.fromkeys(left, NOW)})
+        alone = replace(after, procs=[], grants=[g for g in kept if (g.uid, g.unit) in left])
+        bound = min(t for t in (before, rules.next_change(alone, seen, timing, NOW), float("inf")) if t is not None)
+        exact = rules.next_change(after, seen, timing, NOW)
+        assert (exact if exact is not None else float("inf")) >= bound, (v, left)
