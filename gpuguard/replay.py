@@ -58,7 +58,28 @@ from gpuguard.trace import Job, Session
 
 FIRST_UID = 100000
 
-_grant_key, _user_of = attrgetter("uid", "unit", "granted_at"), attrgetter("user")  # a grant's own, and its user
+_grant_key = attrgetter("uid", "unit", "granted_at")  # a grant, as opposed to a later one of the same GPU
+
+
+class _GrantsSeen:
+    """The store's grants as a batch of events began, and what came and went since, by identity
+    (the store keeps a grant's object while it stands): no step per grant that stayed."""
+
+    def __init__(self) -> None:
+        self.rows: tuple[Grant, ...] = ()
+        self._ids: dict[int, Grant] = {}
+        self._latest: tuple[tuple[Grant, ...], dict[int, Grant]] = ((), {})  # the last rows compared, by id
+
+    def since(self, rows: tuple[Grant, ...]) -> tuple[list[Grant], list[Grant]]:
+        """The grants gone since `self.rows`, and those that came."""
+        if self._latest[0] is not rows:
+            self._latest = (rows, dict(zip(map(id, rows), rows, strict=True)))
+        old, new = self._ids, self._latest[1]
+        return [old[i] for i in old.keys() - new.keys()], [new[i] for i in new.keys() - old.keys()]
+
+    def move_to(self, rows: tuple[Grant, ...]) -> None:
+        self.since(rows)  # indexes them, if not yet
+        self.rows, self._ids = rows, self._latest[1]
 
 
 @dataclass
@@ -307,8 +328,7 @@ class Replay:
         self._went_idle: set[rules.Slot] = set()  # this batch's (uid, unit) whose jobs left
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
-        self._held: dict[tuple[int, int, float], str] = {}  # the grants after the last batch: (uid, unit, since) -> user
-        self._counted: tuple[Grant, ...] = ()     # the store's grants as _held was made from them
+        self._seen = _GrantsSeen()                # the store's grants after the last batch of events
 
     # --- the event loop
 
@@ -323,13 +343,13 @@ class Replay:
             when = self._events[0][0]
             self.watcher.unchanged_until(when)  # the sample stood still since the last event
             self.now = when
-            before, self._added, woken = self.store.grants_read(), False, False
+            self._added, woken = False, False
             self._went_idle.clear()
             while self._events and self._events[0][0] == when:
                 _, _, kind, payload = heapq.heappop(self._events)
                 woken |= kind == "wake"
                 await getattr(self, f"_on_{kind}")(payload)
-            if woken or self._added or not self._only_taken_away(before):
+            if woken or self._added or not self._only_taken_away():
                 await self._tick()
             else:
                 # Jobs ended, grants given back at logout, requests left with their sessions: no
@@ -411,17 +431,16 @@ class Replay:
                 self._never_ran(job, owner)
         self._forget_if_done(pid)
 
-    def _only_taken_away(self, before: tuple[Grant, ...]) -> bool:
-        """Whether the grants now are those `before` less some, none of which a running job was on
-        (its process would now be on a GPU its user holds no grant for: the stray rule acts)."""
-        after = self.store.grants_read()
-        if after is before:
+    def _only_taken_away(self) -> bool:
+        """Whether the grants now are those as this batch of events began less some, none of which a
+        running job was on (its process would now be on a GPU its user holds no grant for: the
+        stray rule acts)."""
+        rows = self.store.grants_read()
+        if rows is self._seen.rows:
             return True
-        kept = set(map(id, after))
-        if not kept <= set(map(id, before)):
-            return False
+        gone, came = self._seen.since(rows)
         nothing: Counter[int] = Counter()
-        return not any(self.busy_of.get(g.uid, nothing)[g.unit] for g in before if id(g) not in kept)
+        return not came and not any(self.busy_of.get(g.uid, nothing)[g.unit] for g in gone)
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
@@ -567,16 +586,16 @@ class Replay:
 
     def _count_granted(self, end: bool = False) -> None:
         """Count the GPU-seconds of the grants that ended in the last batch of events (all, at the end)."""
-        rows = self.store.grants_read()
-        if rows is self._counted and not end:
+        rows = () if end else self.store.grants_read()
+        if rows is self._seen.rows:
             return  # the same object: no grant came or went since the last count
-        self._counted = rows
-        held = {} if end else dict(zip(map(_grant_key, rows), map(_user_of, rows), strict=True))
-        for key in self._held.keys() - held.keys():
+        gone, came = self._seen.since(rows)
+        self._seen.move_to(rows)
+        ended = {_grant_key(g): g.user for g in gone}
+        for key in sorted(ended.keys() - set(map(_grant_key, came))):  # one of the same key stands: it goes on
             self._taken_back += not end
             self.result.granted += self.now - key[2]
-            self._user_totals(self._held[key])[0] += self.now - key[2]
-        self._held = held
+            self._user_totals(ended[key])[0] += self.now - key[2]
 
     def _finish(self) -> None:
         self._count_granted(end=True)
