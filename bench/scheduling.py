@@ -150,9 +150,18 @@ def speed_rows(directory: Path) -> list[Row]:
     month = generate(directory / "month.csv", 31000)
     small = generate(directory / "small.csv", 3000, days=3.0)
     _, seconds, peak = run_replay(month, SPEED_GPUS, POLICIES["exclusive"])
-    _, _, little = run_replay(small, SPEED_GPUS, POLICIES["exclusive"])
-    return [(f"replay speed: generated 31,000-job month on {SPEED_GPUS} GPUs, both policies", f"{seconds:.1f} s",
-             "< 20 s", seconds < 20),
+    _, defaults, _ = run_replay(month, SPEED_GPUS, POLICIES["default"])
+    _, little_seconds, little = run_replay(small, SPEED_GPUS, POLICIES["exclusive"])
+    # Seconds per job of the month over those of 3 days as dense: event-driven, a job costs the
+    # same whatever the length of the trace. (The seconds themselves move with this shared
+    # machine's speed, by up to 40 % between hours for the same code.)
+    per_job = (seconds / 31000) / (little_seconds / 3000)
+    return [(f"replay speed: generated 31,000-job month on {SPEED_GPUS} GPUs, exclusive (an idle minute releases),"
+             " both policies", f"{seconds:.1f} s", "< 20 s", seconds < 20),
+            ("replay speed: the same month, gpuguard's defaults, both policies", f"{defaults:.1f} s", "< 20 s",
+             defaults < 20),
+            ("replay cost per job: 31,000-job month / 3,000 jobs in 3 days (exclusive)", f"{per_job:.2f}x",
+             "<= 1.5x", per_job <= 1.5),
             ("replay memory: 31,000 jobs / 3,000 jobs (peak RSS)", f"{peak / little:.2f}x ({peak // 1024} MiB)",
              "<= 1.5x", peak <= 1.5 * little)]
 
