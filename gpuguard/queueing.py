@@ -75,6 +75,10 @@ class Queue:
         self.grants = grants
         self.listeners: list[Listener] = []
         self.holds: set[int] = set()  # queue rows an admin holds: kept in place, never served (`gpuguard hold`)
+        # The last demand() and what it was worked out from (the queue, the grants, the pool, the
+        # holds): the watcher asks at every view, the queue and the grants change far less often.
+        self._demand: tuple[tuple[Queued, ...], tuple[Grant, ...], allocator.Pool, frozenset[int], rules.Demand] | None
+        self._demand = None
 
     # --- the order
 
@@ -167,10 +171,17 @@ class Queue:
         on demand may take. With MIG slices a free unit counts only for a waiter whose quota takes
         its kind (allocator.suits), so the waiters are served in turn on paper: allocator.choose
         over the grants plus what those before them got."""
-        waiting = [q for q in self.store.queue() if q.waiter.id not in self.holds]
+        rows, held, pool = self.store.queue_read(), self.store.grants_read(), self.grants.pool()
+        last = self._demand
+        if last is not None and last[0] is rows and last[1] is held and last[2] is pool and last[3] == self.holds:
+            return last[4]
+        wanted = self._demand_of([q for q in rows if q.waiter.id not in self.holds], pool)
+        self._demand = (rows, held, pool, frozenset(self.holds), wanted)
+        return wanted
+
+    def _demand_of(self, waiting: list[Queued], pool: allocator.Pool) -> rules.Demand:
         if not waiting:  # the usual case: no grants to read
             return rules.Demand()
-        pool = self.grants.pool()
         if not pool.slices:
             return rules.Demand(scheduler.demand((q.waiter for q in waiting), self.free()))
         units = self.grants.open_units()

@@ -484,8 +484,13 @@ class Store:
         return joined
 
     def queue(self, uid: int | None = None) -> list[Queued]:
-        rows = self._copy("queue", lambda db: tuple(map(_queued, db.execute("SELECT * FROM queue ORDER BY id"))))
+        rows = self.queue_read()
         return list(rows) if uid is None else [q for q in rows if q.waiter.uid == uid]
+
+    def queue_read(self) -> tuple[Queued, ...]:
+        """The queue by id, as kept: the same object until it changes, so that a caller may compare
+        it by identity to know that nothing changed."""
+        return self._copy("queue", lambda db: tuple(map(_queued, db.execute("SELECT * FROM queue ORDER BY id"))))
 
     def leave_queue(self, ids: Iterable[int]) -> int:
         """Remove these queue rows; how many were there."""
