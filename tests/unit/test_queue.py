@@ -137,3 +137,22 @@ def test_fair_share_puts_the_user_who_just_had_a_gpu_behind(world):
     assert world.call("whoami", uid=fred.uid)["queue"]["ahead"][0]["why"].startswith("less recent GPU usage")
     world.call("release", uid=holders[3].uid)
     assert world.held(eve.uid) == [3] and world.held(fred.uid) == []
+
+
+def test_demand_follows_the_queue_the_grants_holds_and_drains(world):
+    """What reclaim may take (Queue.demand) is worked out again when any of what it comes from
+    changes, not only when the queue does."""
+    from gpuguard.drains import Drain
+    from gpuguard.rules import Demand
+    holders = fill(world)
+    world.login(world.lookup.add("eve", 1005, GROUP), pid=6000)
+    (waiting,) = world.store.queue()
+    assert world.queue.demand() == Demand(1)
+    world.queue.holds.add(waiting.waiter.id)  # an admin holds it: nobody to reclaim for
+    assert world.queue.demand() == Demand(0)
+    world.queue.holds.clear()
+    assert world.queue.demand() == Demand(1)
+    world.store.remove_grants(holders[0].uid, None, time.time())  # a GPU free (not yet served)
+    assert world.queue.demand() == Demand(0)
+    world.grants.drained[0] = Drain("maintenance", time.time())  # the free one goes to nobody new
+    assert world.queue.demand() == Demand(1)
