@@ -248,10 +248,15 @@ class Store:
         return version
 
     def _grant_copy(self) -> _Grants:
-        version = self._data_version()
-        if self._grants.version != version:  # never read, or another connection wrote
-            self._grants.read(version, map(_grant, self._db.execute("SELECT * FROM grants")))
+        self._follow(self._grants, "grants")
         return self._grants
+
+    def _follow(self, kept: _Grants | _Sessions, table: str) -> None:
+        """Read a kept copy's table whole again if another connection changed it (or it was never
+        read); this connection's own writes change the copy in place."""
+        version = self._data_version()
+        if kept.version != version:
+            kept.read(version, self._db.execute(f"SELECT * FROM {table}"))  # table: a fixed name
 
     def remove_grants(self, uid: int, units: Iterable[int] | None, now: float) -> list[Grant]:
         """Remove a user's grants (all, or those units); returns what was removed."""
@@ -340,9 +345,7 @@ class Store:
         return self._session_copy().caller_starts()
 
     def _session_copy(self) -> _Sessions:
-        version = self._data_version()
-        if self._sessions.version != version:  # never read, or another connection wrote
-            self._sessions.read(version, self._db.execute("SELECT * FROM sessions"))
+        self._follow(self._sessions, "sessions")
         return self._sessions
 
     # --- events
@@ -585,10 +588,10 @@ class _Grants:
         self._order: list[tuple[int, int]] | None = None  # the slots sorted; None: changed since
         self._rows: tuple[Grant, ...] | None = None
 
-    def read(self, version: int, grants: Iterable[Grant]) -> None:
+    def read(self, version: int, rows: Iterable[sqlite3.Row]) -> None:
         self.version = version
         self._by_slot, self._of_uid, self._on_gpu, self._order, self._rows = {}, {}, {}, None, None
-        self._put(grants)
+        self._put(map(_grant, rows))
 
     def put(self, grants: Iterable[Grant]) -> None:
         if self.version is not None:
