@@ -196,8 +196,7 @@ class View:
         ones without a memory quota) are decide's only through the stray rule, so decide and
         next_change pass them by."""
         memory = {uid for uid, q in self.quotas.items() if q.gpu_memory is not None}
-        idle_clock = {uid for uid, q in self.quotas.items()
-                      if q.idle_timeout is not None or (self.demand and q.reclaim_after is not None)}
+        idle_clock = {uid for uid, q in self.quotas.items() if _idle_clock_runs(q, self.demand)}
         idle = self.granted - self.on_slot.keys() if idle_clock else frozenset()
         return [g for g in self.grants
                 if g.expires_at is not None or g.uid in memory or (g.uid in idle_clock and _slot_of(g) in idle)]
@@ -354,8 +353,8 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         if quota is None:
             continue
         if not procs:
-            if quota.idle_timeout is None and (quota.reclaim_after is None or not view.demand):
-                continue  # no clock of this grant's can run out now
+            if not _idle_clock_runs(quota, view.demand):
+                continue
             last = max(grant.last_active, state.seen.get(slot, grant.last_active))
             if quota.idle_timeout is not None and now - last >= quota.idle_timeout:
                 actions.append(Action(RELEASE, IDLE, grant.uid, grant.unit, None, {
@@ -396,6 +395,12 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         if slot in strays:
             actions.extend(_stray(slot, _oldest_first(procs), state, now, timing, slot[0] in exempt, term))
     return actions
+
+
+def _idle_clock_runs(quota: Quota, demand: int) -> bool:
+    """Whether a grant on these terms has an idle clock that can run out: an idle timeout, or a
+    reclaim time while the queue wants GPUs (nobody waiting: nothing is reclaimed)."""
+    return quota.idle_timeout is not None or (demand > 0 and quota.reclaim_after is not None)
 
 
 def _by_slot(procs: Sequence[Proc]) -> dict[Slot, list[Proc]]:
@@ -580,13 +585,11 @@ def next_change(view: View, state: State, timing: Timing, now: float) -> float |
         if grant.expires_at is not None:
             times.extend(grant.expires_at - t for t in TIME_WARNINGS)
         quota = view.quotas.get(grant.uid)
-        if quota is None:
+        if quota is None or not _idle_clock_runs(quota, view.demand):
             continue
         # Reclaim acts only while the queue wants a unit this grant frees; the demand moves
         # only when the queue does, and the replay checks after that anyway.
         reclaim_after = quota.reclaim_after if view.demand and view.helps(grant) else None
-        if quota.idle_timeout is None and reclaim_after is None:
-            continue
         slot = (grant.uid, grant.unit)
         if slot not in busy:
             last = max(grant.last_active, state.seen.get(slot, grant.last_active))
