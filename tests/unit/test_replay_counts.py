@@ -177,6 +177,15 @@ def test_the_watcher_checks_what_came_and_the_rules_times_not_what_only_ended(tm
     assert result.per_user["a"][0] == 700.0 and result.releases == 2  # a's idle GPU, b's at its logout
 
 
+def without_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay checks every job's start, and asks next_change over everything after a batch of
+    job ends (as before its shortcuts)."""
+    from gpuguard import rules
+    from gpuguard.watcher import Watcher
+    monkeypatch.setattr(rules, "acts_on_arrival", lambda grant, quota, now: True)
+    monkeypatch.setattr(Watcher, "next_change_of", lambda self, slots, now: self.next_change(self.sampler.last, now))
+
+
 @pytest.mark.parametrize("name", ["default", "exclusive", "shared", "timed"])
 def test_the_replays_shortcuts_decide_as_a_check_after_every_event_would(name, monkeypatch):
     """The replay checks a job's start only where a rule may act on it at once (or a rule's moment
@@ -185,12 +194,10 @@ def test_the_replays_shortcuts_decide_as_a_check_after_every_event_would(name, m
     same counts, waits and work lost, on batch jobs and on interactive sessions that queue, get
     reclaimed, revoked and stopped. (Not against a check after every batch: that would act
     between the watcher's ticks, where the replay, as the daemon, acts at the tick.)"""
-    from gpuguard.watcher import Watcher
     config = configuration.load(REPO / "bench" / f"scheduling-{name}.toml")
     traces = [(list(trace.generate_batch(600, users=12, seed=5)), 40), (list(trace.generate(300, users=10, seed=3)), 6)]
     shortcut = [replay.replay(sessions, config, gpus).summary(gpus) for sessions, gpus in traces]
-    monkeypatch.setattr(replay.rules, "acts_on_arrival", lambda grant, quota, now: True)
-    monkeypatch.setattr(Watcher, "next_change_of", lambda self, slots, now: self.next_change(self.sampler.last, now))
+    without_shortcuts(monkeypatch)
     every = [replay.replay(sessions, config, gpus).summary(gpus) for sessions, gpus in traces]
     assert shortcut == every
     assert all(s["reclaims"] + s["releases"] + s["revokes"] for s in every)  # the runs took GPUs back
@@ -200,11 +207,9 @@ def test_a_job_starting_once_a_rule_is_due_is_checked_as_every_start_would_be(tm
     """a's and b's GPUs, idle since 101, may be reclaimed from 111 (the tick after: 112); c waits
     from 105. a's next job starts at 111 on its idle GPU and ends at 112. The start comes once a
     rule is due, so it is checked then, as a replay that checks every start does."""
-    from gpuguard.watcher import Watcher
     path = write(tmp_path, "a,0,5000,0,101,1,0", "a,0,5000,111,1,1,0", "b,0,5000,0,101,1,0", "c,105,,105,50,1,0")
     config = policy(reclaim_after=10.0)
     shortcut = replay.replay(trace.read(path), config, 2).summary(2)
-    monkeypatch.setattr(replay.rules, "acts_on_arrival", lambda grant, quota, now: True)
-    monkeypatch.setattr(Watcher, "next_change_of", lambda self, slots, now: self.next_change(self.sampler.last, now))
+    without_shortcuts(monkeypatch)
     assert replay.replay(trace.read(path), config, 2).summary(2) == shortcut
     assert shortcut["reclaims"] == 1 and shortcut["jobs_ran"] == 4
