@@ -9,6 +9,7 @@ All calls come from the event-loop thread, as the store requires.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -79,6 +80,7 @@ class Queue:
         # holds): the watcher asks at every view, the queue and the grants change far less often.
         self._demand: tuple[tuple[Queued, ...], tuple[Grant, ...], allocator.Pool, frozenset[int], rules.Demand] | None
         self._demand = None
+        self._waiting: _Waiting | None = None  # the waiters, as dispatch takes them, until the queue or holds change
 
     # --- the order
 
@@ -88,18 +90,20 @@ class Queue:
         stored = self.store.fairshare()
         return {uid: scheduler.recent_usage(stored.get(uid), self.store.grants(uid), now, half_life) for uid in uids}
 
-    def ordered(self, now: float) -> list[Queued]:
-        return self._ordered(now)[0]
+    def _fleet_usage(self, now: float, waiters: Iterable[scheduler.Waiter]) -> dict[int, float]:
+        """uid -> recent usage of these waiters' users, with their usage on a fleet's other servers."""
+        names = {w.uid: w.user for w in waiters}
+        usage = self.usage(now, names)
+        if self.remote_usage is not None:
+            usage = {uid: value + self.remote_usage(names[uid]) for uid, value in usage.items()}
+        return usage
 
     def _ordered(self, now: float) -> tuple[list[Queued], dict[int, float]]:
         """The waiters in the order they are served, and the recent usage that ordered them."""
         entries = {q.waiter.id: q for q in self.store.queue()}
         if not entries:
             return [], {}
-        usage = self.usage(now, {q.waiter.uid for q in entries.values()})
-        if self.remote_usage is not None:
-            names = {q.waiter.uid: q.waiter.user for q in entries.values()}
-            usage = {uid: value + self.remote_usage(names[uid]) for uid, value in usage.items()}
+        usage = self._fleet_usage(now, (q.waiter for q in entries.values()))
         boost = self.config().scheduler.max_wait_boost
         return [entries[w.id] for w in scheduler.order((q.waiter for q in entries.values()), usage, now, boost)], usage
 
@@ -175,19 +179,19 @@ class Queue:
         last = self._demand
         if last is not None and last[0] is rows and last[1] is held and last[2] is pool and last[3] == self.holds:
             return last[4]
-        wanted = self._demand_of([q for q in rows if q.waiter.id not in self.holds], pool)
+        wanted = self._demand_of(self.waiting(), pool)
         self._demand = (rows, held, pool, frozenset(self.holds), wanted)
         return wanted
 
-    def _demand_of(self, waiting: list[Queued], pool: allocator.Pool) -> rules.Demand:
-        if not waiting:  # the usual case: no grants to read
+    def _demand_of(self, waiting: _Waiting, pool: allocator.Pool) -> rules.Demand:
+        if not waiting.gpus:  # the usual case: no grants to read
             return rules.Demand()
         if not pool.slices:
-            return rules.Demand(scheduler.demand((q.waiter for q in waiting), self.free()))
+            return rules.Demand(max(0, waiting.gpus - self.free()))
         units = self.grants.open_units()
         grants = self.store.grants()
         short, useful = 0, set()
-        for queued in waiting:
+        for queued in waiting.by_id.values():
             waiter = queued.waiter
             got = allocator.choose(pool, self.grants.topology, grants, {}, waiter.uid, waiter.gpus,
                                    policy.may_share(queued.quota), None, queued.quota)
@@ -199,13 +203,17 @@ class Queue:
 
     def dispatch(self, now: float) -> list[tuple[Queued, tuple[int, ...]]]:
         """Grant what the order admits now; each grant is announced to the listeners."""
-        ordered = self.ordered(now)
-        if not ordered:  # nobody waits: nothing to count
+        waiting = self.waiting()
+        if not waiting.by_id:  # nobody waits: nothing to count
             return []
-        entries = {q.waiter.id: q for q in ordered}
         # GPUs nobody holds: the cheap answer for a long queue, counted when a waiter that does not
         # share first asks, and again after each grant (None: not counted since)
         free: int | None = None
+        if not waiting.sharing:
+            free = self.free()
+            if waiting.fewest > free:
+                return []  # the usual answer when the pool is busy: nobody fits, so no order is needed
+        entries = waiting.by_id
         chosen: dict[int, tuple[int, ...]] = {}  # waiter id -> what fits chose, since the last grant
 
         def fits(waiter: scheduler.Waiter) -> bool:
@@ -219,8 +227,10 @@ class Queue:
             return len(chosen[waiter.id]) >= waiter.gpus
 
         served = []
-        for waiter in scheduler.admit([q.waiter for q in ordered if q.waiter.id not in self.holds], fits, now,
-                                      self.config().scheduler.reserve_after):
+        scheduling = self.config().scheduler
+        usage = self._fleet_usage(now, (run[0] for run in waiting.runs.values()))
+        ordered = scheduler.in_order(waiting.runs.values(), usage, now, scheduling.max_wait_boost)
+        for waiter in scheduler.admit(ordered, fits, now, scheduling.reserve_after):
             queued = entries[waiter.id]
             # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
             origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST
@@ -236,6 +246,15 @@ class Queue:
                 listener(queued, units)
         return served
 
+    def waiting(self) -> _Waiting:
+        """The waiters not held, as the queue's rows and the holds now say (kept until they change)."""
+        rows, last = self.store.queue_read(), self._waiting
+        if last is None:
+            last = self._waiting = _Waiting.of(rows, frozenset(self.holds))
+        elif last.all_rows is not rows or last.holds != self.holds:
+            last = self._waiting = last.following(rows, frozenset(self.holds))
+        return last
+
     def charge(self, removed: list[Grant], now: float) -> None:
         """Add ended grants to their users' recent usage."""
         half_life = self.config().scheduler.half_life
@@ -246,3 +265,51 @@ class Queue:
         for uid, grants in by_uid.items():
             value = scheduler.recent_usage(stored.get(uid), grants, now, half_life)
             self.store.set_fairshare(uid, value, now)
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """The queue's waiters as dispatch and demand take them, worked out once per change of the queue
+    (a long queue under load is served many times between changes, mostly with nothing free)."""
+
+    all_rows: tuple[Queued, ...]         # the store's queue this was worked out from
+    holds: frozenset[int]
+    by_id: dict[int, Queued]             # the waiters not held, by id
+    runs: dict[scheduler.RunKey, list[scheduler.Waiter]]  # scheduler.runs of their waiters
+    gpus: int                            # how many GPUs they want in all
+    fewest: float                        # the fewest GPUs a waiter that does not share wants (inf: none)
+    sharing: bool                        # some waiter may share a GPU (it may fit with nothing free)
+
+    @classmethod
+    def of(cls, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> _Waiting:
+        return cls((), holds, {}, {}, 0, math.inf, False).adding(all_rows)
+
+    def following(self, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> _Waiting:
+        """This moved on to the queue's rows now: a request joining adds a row at the end (the
+        store's ids only grow), and that is all that changes; anything else is worked out afresh."""
+        before = len(self.all_rows)
+        if holds == self.holds and all_rows[:before] == self.all_rows:  # the same row objects: compared by identity
+            return self.adding(all_rows, since=before)
+        return _Waiting.of(all_rows, holds)
+
+    def adding(self, all_rows: tuple[Queued, ...], since: int = 0) -> _Waiting:
+        """This with the rows of all_rows from `since` on added (copies: a dispatch may still be
+        walking the runs of this one)."""
+        by_id, runs, gpus, fewest, sharing = dict(self.by_id), dict(self.runs), self.gpus, self.fewest, self.sharing
+        copied: set[scheduler.RunKey] = set()
+        for queued in all_rows[since:]:
+            waiter = queued.waiter
+            if waiter.id in self.holds:
+                continue
+            by_id[waiter.id] = queued
+            key = scheduler.run_of(waiter)
+            if key not in copied:
+                runs[key] = list(runs.get(key, ()))
+                copied.add(key)
+            bisect.insort(runs[key], waiter, key=scheduler.arrival)  # at the end, unless a clock went back
+            gpus += waiter.gpus
+            if policy.may_share(queued.quota):
+                sharing = True
+            else:
+                fewest = min(fewest, waiter.gpus)
+        return _Waiting(all_rows, self.holds, by_id, runs, gpus, fewest, sharing)

@@ -313,7 +313,7 @@ class Replay:
         self.on_gpu: dict[int, set[int]] = {}     # unit -> pids of the jobs on it
         self.busy_since: dict[int, float] = {}    # unit -> when its job count last changed
         self.busy_of: dict[int, Counter[int]] = {}  # uid -> units its jobs are on (how many jobs each)
-        self.pending: dict[int, tuple[Job, int]] = {}  # queue row id -> (job, session pid)
+        self.pending: dict[int, dict[int, tuple[Job, int]]] = {}  # uid -> queue row id -> (job, session pid)
         self.sessions: dict[int, _Session] = {}   # session pid -> its user and jobs still to run
         self._joining: tuple[Job, int] | None = None  # the job whose request is being queued
         self._events: list[tuple[float, int, str, object]] = []
@@ -405,7 +405,7 @@ class Replay:
         finally:
             self._joining = None
         if waits:
-            self.pending[queued.waiter.id] = (job, session)
+            self.pending.setdefault(uid, {})[queued.waiter.id] = (job, session)
 
     async def _on_end(self, payload: tuple[int, int]) -> None:
         pid, version = payload
@@ -424,10 +424,11 @@ class Replay:
         await self.api.handle({"op": "session_close", "user": session.user, "pid": pid}, ROOT)
         await self.services.logout.settled()  # the release check after a last logout, in the background
         waiting = {q.waiter.id for q in self.store.queue(session.uid)}
-        for queue_id, (job, owner) in list(self.pending.items()):
+        mine = self.pending.get(session.uid, {})
+        for queue_id, (job, owner) in list(mine.items()):
             # The user's places end with their last session, also those of sessions closed before.
-            if self.sessions[owner].uid == session.uid and queue_id not in waiting:
-                del self.pending[queue_id]
+            if queue_id not in waiting:
+                del mine[queue_id]
                 self._never_ran(job, owner)
         self._forget_if_done(pid)
 
@@ -449,7 +450,8 @@ class Replay:
 
     def _served(self, queued: Queued, units: tuple[int, ...]) -> None:
         """The queue granted a waiter its GPUs: its job starts now."""
-        waiting = self.pending.pop(queued.waiter.id, None) or self._joining  # None: served as it joined
+        mine = self.pending.get(queued.waiter.uid, {})
+        waiting = mine.pop(queued.waiter.id, None) or self._joining  # None: served as it joined
         assert waiting is not None, "the queue served a request the replay did not make"
         self._start(*waiting)
 
@@ -599,7 +601,8 @@ class Replay:
 
     def _finish(self) -> None:
         self._count_granted(end=True)
-        for job, session in list(self.pending.values()):  # still waiting at the end: censored there
+        left = sorted(item for mine in self.pending.values() for item in mine.items())  # by queue row, as they came
+        for _, (job, session) in left:  # still waiting at the end: censored there
             self._never_ran(job, session)
         self.result.releases = self._taken_back - self.result.reclaims - self.result.revokes
         self.result.span = self.now - (self._first or 0.0)

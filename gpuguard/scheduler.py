@@ -28,9 +28,11 @@ arrives meanwhile goes ahead of it.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from gpuguard.model import Grant
 from gpuguard.units import format_duration
@@ -45,6 +47,9 @@ class Waiter:
     since: float        # when it joined the queue
     priority: int = 0
     share: float = 1.0
+
+
+arrival = attrgetter("since", "id")  # the order of arrival, the last of the order's keys
 
 
 # --- fair share: decayed GPU-seconds
@@ -86,8 +91,40 @@ def order_key(waiter: Waiter, usage: Mapping[int, float], now: float = 0.0,
 
 def order(waiters: Iterable[Waiter], usage: Mapping[int, float], now: float = 0.0,
           max_wait_boost: float = math.inf) -> list[Waiter]:
-    """The waiters in the order they are served (usage: uid -> recent usage; max_wait_boost: the age bound)."""
-    return sorted(waiters, key=lambda w: order_key(w, usage, now, max_wait_boost))
+    """The waiters in the order they are served (usage: uid -> recent usage; max_wait_boost: the age bound):
+    sorted by order_key."""
+    return list(in_order(runs(waiters).values(), usage, now, max_wait_boost))
+
+
+RunKey = tuple[int, int, float]  # (uid, priority, share): which run of the order a waiter is in
+
+
+def run_of(waiter: Waiter) -> RunKey:
+    """Which run a waiter is in (runs): its user's, at its priority and share."""
+    return waiter.uid, waiter.priority, waiter.share
+
+
+def runs(waiters: Iterable[Waiter]) -> dict[RunKey, list[Waiter]]:
+    """The waiters in runs that the order never reorders (run_of: one per user, priority and share),
+    each by arrival: what in_order merges. The queue keeps them from one change to the next."""
+    grouped: dict[RunKey, list[Waiter]] = {}
+    for waiter in waiters:
+        grouped.setdefault(run_of(waiter), []).append(waiter)
+    for run in grouped.values():
+        run.sort(key=arrival)  # already in order as the queue keeps its rows: one pass
+    return grouped
+
+
+def in_order(each_run: Iterable[Sequence[Waiter]], usage: Mapping[int, float], now: float = 0.0,
+             max_wait_boost: float = math.inf) -> Iterator[Waiter]:
+    """The waiters of the runs (runs().values()) in order_key's order, one at a time: dispatch's walk mostly stops
+    after a few, so it pays for those (a log of the number of runs each), not for sorting a long
+    queue. Within a run order_key already rises with arrival (the requests past max_wait_boost,
+    the oldest, first; then the others, of one usage), so the order is a merge of the runs."""
+    def key(waiter: Waiter) -> tuple[int, bool, float, float, int]:
+        return order_key(waiter, usage, now, max_wait_boost)
+    listed = list(each_run)
+    return iter(listed[0]) if len(listed) == 1 else heapq.merge(*listed, key=key)  # one run: its own order
 
 
 def why_ahead(first: Waiter, second: Waiter, usage: Mapping[int, float], now: float = 0.0,
@@ -108,7 +145,7 @@ def why_ahead(first: Waiter, second: Waiter, usage: Mapping[int, float], now: fl
 
 # --- who is served now
 
-def admit(ordered: Sequence[Waiter], fits: Callable[[Waiter], bool], now: float,
+def admit(ordered: Iterable[Waiter], fits: Callable[[Waiter], bool], now: float,
           reserve_after: float) -> Iterator[Waiter]:
     """The waiters to serve now, in order. `fits(waiter)` says whether its GPUs are free now; the
     caller grants each yielded waiter before asking for the next, so `fits` sees those grants.
@@ -119,11 +156,6 @@ def admit(ordered: Sequence[Waiter], fits: Callable[[Waiter], bool], now: float,
             yield waiter
         elif now - waiter.since >= reserve_after:
             return
-
-
-def demand(waiters: Iterable[Waiter], free: int) -> int:
-    """How many more GPUs the queue needs than are free: what reclaim on demand may take back."""
-    return max(0, sum(w.gpus for w in waiters) - free)
 
 
 def position(ordered: Sequence[Waiter], uid: int) -> int | None:

@@ -83,14 +83,13 @@ class Watcher:
         (rules.next_change): a replay, which has no ticks of its own, checks then. Right after a
         check of the same sample over the same grants and demand, that check's view is used (its
         quotas as the check resolved them)."""
-        last = self._last_view
-        if last is not None and last[0] is sample and last[1].grants is self.store.grants_read():
-            view = last[1]
-            wanted = self.demand()
-            if (wanted.short, wanted.useful) != (view.demand, view.useful):
-                view = replace(view, demand=wanted.short, useful=wanted.useful).reusing(view)
-        else:
+        view = self._standing_view(sample)
+        if view is None:
             view = self._view(sample)
+        else:
+            wanted = self.demand()
+            if wanted != (view.demand, view.useful):
+                view = replace(view, demand=wanted.short, useful=wanted.useful).reusing(view)
         return rules.next_change(view, self.state, timing_of(self.config()), now)
 
     def next_change_of(self, slots: Collection[rules.Slot], now: float) -> float | None:
@@ -133,10 +132,12 @@ class Watcher:
                                                         pending=len(actions))
             if confirming is None:
                 return []
-            await self.accounts.resolve(self._users(confirming))
-            first, view = view, self._view(confirming)  # grants read again: a request may have come in meanwhile
-            if view != first:  # the same view (a replay's sample, no grant changed) decides the same
-                actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
+            # The same sample (a replay's), grants and demand: the same view, which decides the same.
+            if self._standing_view(confirming) is not view or self.demand() != (view.demand, view.useful):
+                await self.accounts.resolve(self._users(confirming))
+                first, view = view, self._view(confirming)  # grants read again: a request may have come in meanwhile
+                if view != first:
+                    actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
         done = []
         with self.releases.batch(now):  # decided on one view: the queue is served after all of it
             for action in actions:
@@ -193,6 +194,15 @@ class Watcher:
             view.reusing(last[1])
         self._last_view = (sample, view)
         return view
+
+    def _standing_view(self, sample: Sample) -> rules.View | None:
+        """The last view built, if it is of this same sample (a replay's, which stands still between
+        its events; the daemon's samples are new each time) and the grants now: only the demand may
+        have moved since."""
+        last = self._last_view
+        if last is not None and last[0] is sample and last[1].grants is self.store.grants_read():
+            return last[1]
+        return None
 
     def _users(self, sample: Sample) -> set[int]:
         """Everyone the rules may judge: grant holders and the owners of the GPU processes."""

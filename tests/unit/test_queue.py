@@ -156,3 +156,38 @@ def test_demand_follows_the_queue_the_grants_holds_and_drains(world):
     assert world.queue.demand() == Demand(0)
     world.grants.drained[0] = Drain("maintenance", time.time())  # the free one goes to nobody new
     assert world.queue.demand() == Demand(1)
+
+
+def test_the_waiters_kept_between_changes_are_those_worked_out_afresh(world):
+    """dispatch and demand take the waiters as kept from one change of the queue to the next
+    (Queue.waiting: a join adds its row, anything else works them out again): after every step of
+    random joins (some sharing, some at another priority or share, arrival times out of order),
+    leaves and holds they are what the queue's rows and the holds say."""
+    import math
+    import random
+
+    from gpuguard import scheduler
+    from gpuguard.model import Origin, Quota
+    rng = random.Random(7)
+    quotas = [Quota(gpus=8), Quota(gpus=8, priority=1), Quota(gpus=8, sharing=True, gpu_memory=1 << 30),
+              Quota(gpus=8, share=2.0)]
+    for step in range(200):
+        rows = world.store.queue_read()
+        choice = rng.random()
+        if choice < 0.6 or not rows:
+            uid = rng.choice([1001, 1002, 1003])
+            world.store.join_queue(uid, f"u{uid}", rng.randrange(1, 5), float(rng.randrange(1000)),
+                                   rng.choice(quotas), Origin.REQUEST)
+        elif choice < 0.85:
+            world.store.leave_queue(q.waiter.id for q in rng.sample(rows, rng.randrange(1, len(rows) + 1)))
+        elif choice < 0.95:
+            world.queue.holds.add(rng.choice(rows).waiter.id)
+        else:
+            world.queue.holds.clear()
+        kept = world.queue.waiting()
+        waiting = [q for q in world.store.queue_read() if q.waiter.id not in world.queue.holds]
+        alone = [q.waiter.gpus for q in waiting if not q.quota.sharing]
+        assert list(kept.by_id.values()) == waiting, step
+        assert kept.runs == scheduler.runs(q.waiter for q in waiting), step
+        assert (kept.gpus, kept.fewest, kept.sharing) == \
+            (sum(q.waiter.gpus for q in waiting), min(alone, default=math.inf), len(alone) < len(waiting)), step

@@ -1,7 +1,9 @@
 """The queue's pure decisions (gpuguard.scheduler): order, admission, no starvation, fair-share arithmetic."""
 from __future__ import annotations
 
+import itertools
 import math
+import random
 
 import pytest
 
@@ -68,6 +70,24 @@ def test_a_request_older_than_max_wait_boost_goes_ahead_of_younger_ones_whatever
     assert scheduler.order([heavy, urgent], usage, now=200, max_wait_boost=100)[0] is urgent
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_the_order_merged_from_runs_is_the_order_sorted_by_its_key(seed: int) -> None:
+    """order (and dispatch's lazy in_order) merge per-user runs: the same order as sorting every
+    waiter by order_key, on random queues of priorities, shares, ties in usage, requests past the
+    age bound and arrival times that go back (a clock stepped back between two requests)."""
+    rng = random.Random(seed)
+    waiters = [waiter(i, rng.randrange(6), since=rng.choice([rng.uniform(0, 1000), 500.0]),
+                      priority=rng.choice([0, 0, 0, 1]), share=rng.choice([1.0, 1.0, 2.0]))
+               for i in range(rng.randrange(60))]
+    rng.shuffle(waiters)
+    usage = {uid: rng.choice([0.0, 3600.0, rng.uniform(0, 1e5)]) for uid in range(5)}  # uid 5: none yet
+    now, boost = rng.uniform(0, 1500), rng.choice([math.inf, 500.0, 200.0])
+    expected = sorted(waiters, key=lambda w: scheduler.order_key(w, usage, now, boost))
+    assert scheduler.order(waiters, usage, now, boost) == expected
+    lazily = scheduler.in_order(scheduler.runs(waiters).values(), usage, now, boost)
+    assert list(itertools.islice(lazily, 5)) == expected[:5]
+
+
 def test_share_divides_usage():
     usage = {1: 10 * 3600.0, 2: 6 * 3600.0}
     weighted = waiter(1, 1, since=5, share=2.0)  # 10 h / 2 = 5 h < 6 h
@@ -126,10 +146,8 @@ def test_a_multi_gpu_request_is_not_starved_by_a_stream_of_single_gpu_requests()
     assert _admit([big, waiter(7, 7, since=10)], free=1, now=10_000, reserve_after=float("inf")) == [7]
 
 
-def test_demand_position_and_estimate():
+def test_position_and_estimate():
     ws = [waiter(1, 1, gpus=2), waiter(2, 2, gpus=1)]
-    assert scheduler.demand(ws, free=1) == 2
-    assert scheduler.demand(ws, free=5) == 0
     assert scheduler.position(ws, 2) == 2 and scheduler.position(ws, 9) is None
     assert scheduler.estimate(2, [500.0, 100.0, 300.0], now=0.0) == 300.0
     assert scheduler.estimate(4, [500.0, 100.0, 300.0], now=0.0) is None
