@@ -12,7 +12,8 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -86,19 +87,26 @@ class Queue:
 
     def usage(self, now: float, uids: Iterable[int]) -> dict[int, float]:
         """uid -> recent usage (decayed GPU-seconds) of these users."""
-        half_life = self.config().scheduler.half_life
-        stored = self.store.fairshare()
-        return {uid: scheduler.recent_usage(stored.get(uid), self.store.grants(uid), now, half_life) for uid in uids}
+        usage_of = self._usage_of(now)
+        return {uid: usage_of(uid) for uid in uids}
 
-    def _fleet_usage(self, now: float, waiters: Iterable[scheduler.Waiter]) -> dict[int, float]:
-        """uid -> recent usage of these waiters' users, with their usage on a fleet's other servers."""
-        names = {w.uid: w.user for w in waiters}
-        usage = self.usage(now, names)
-        if self.remote_usage is not None:
-            usage = {uid: value + self.remote_usage(names[uid]) for uid, value in usage.items()}
-        return usage
+    def _usage_of(self, now: float) -> Callable[[int], float]:
+        """A user's recent usage at `now` (fair share as charged read once, for every user asked)."""
+        half_life, stored = self.config().scheduler.half_life, self.store.fairshare()
+        return lambda uid: scheduler.recent_usage(stored.get(uid), self.store.grants(uid), now, half_life)
 
-    def _ordered(self, now: float) -> tuple[list[Queued], dict[int, float]]:
+    def _fleet_usage(self, now: float, waiters: Iterable[scheduler.Waiter]) -> Mapping[int, float]:
+        """uid -> recent usage of these waiters' users, with their usage on a fleet's other servers;
+        each worked out when the order first asks for it (it never asks for that of a user whose
+        requests are all past max_wait_boost)."""
+        names, here = {w.uid: w.user for w in waiters}, self._usage_of(now)
+        remote = self.remote_usage
+
+        def of(uid: int) -> float:
+            return here(uid) if remote is None else here(uid) + remote(names[uid])
+        return _WorkedOutWhenAsked(names.keys(), of)
+
+    def _ordered(self, now: float) -> tuple[list[Queued], Mapping[int, float]]:
         """The waiters in the order they are served, and the recent usage that ordered them."""
         entries = {q.waiter.id: q for q in self.store.queue()}
         if not entries:
@@ -209,7 +217,7 @@ class Queue:
         # GPUs nobody holds: the cheap answer for a long queue, counted when a waiter that does not
         # share first asks, and again after each grant (None: not counted since)
         free: int | None = None
-        if not waiting.sharing:
+        if not waiting.sharers:
             free = self.free()
             if waiting.fewest > free:
                 return []  # the usual answer when the pool is busy: nobody fits, so no order is needed
@@ -269,47 +277,83 @@ class Queue:
 
 @dataclass(frozen=True)
 class _Waiting:
-    """The queue's waiters as dispatch and demand take them, worked out once per change of the queue
-    (a long queue under load is served many times between changes, mostly with nothing free)."""
+    """The queue's waiters as dispatch and demand take them, kept from one change of the queue to
+    the next (a long queue under load is served many times between changes, mostly with nothing
+    free) and moved on by what changed, not worked out again."""
 
-    all_rows: tuple[Queued, ...]         # the store's queue this was worked out from
+    all_rows: tuple[Queued, ...]         # the store's queue this is of
+    ids: frozenset[int]                  # their ids (a row never changes, and its id is never used again)
     holds: frozenset[int]
     by_id: dict[int, Queued]             # the waiters not held, by id
     runs: dict[scheduler.RunKey, list[scheduler.Waiter]]  # scheduler.runs of their waiters
     gpus: int                            # how many GPUs they want in all
-    fewest: float                        # the fewest GPUs a waiter that does not share wants (inf: none)
-    sharing: bool                        # some waiter may share a GPU (it may fit with nothing free)
+    alone: Counter[int]                  # how many waiters that do not share want each number of GPUs
+    sharers: int                         # how many may share a GPU (such a one may fit with nothing free)
+
+    @property
+    def fewest(self) -> float:
+        """The fewest GPUs a waiter that does not share wants (inf: there is none)."""
+        return min(self.alone, default=math.inf)
 
     @classmethod
     def of(cls, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> _Waiting:
-        return cls((), holds, {}, {}, 0, math.inf, False).adding(all_rows)
+        return cls((), frozenset(), holds, {}, {}, 0, Counter(), 0).following(all_rows, holds)
 
     def following(self, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> _Waiting:
-        """This moved on to the queue's rows now: a request joining adds a row at the end (the
-        store's ids only grow), and that is all that changes; anything else is worked out afresh."""
-        before = len(self.all_rows)
-        if holds == self.holds and all_rows[:before] == self.all_rows:  # the same row objects: compared by identity
-            return self.adding(all_rows, since=before)
-        return _Waiting.of(all_rows, holds)
-
-    def adding(self, all_rows: tuple[Queued, ...], since: int = 0) -> _Waiting:
-        """This with the rows of all_rows from `since` on added (copies: a dispatch may still be
-        walking the runs of this one)."""
-        by_id, runs, gpus, fewest, sharing = dict(self.by_id), dict(self.runs), self.gpus, self.fewest, self.sharing
+        """This moved on to the queue's rows now. The store's rows are by id and its ids only grow,
+        so the rows that came are the last ones; those gone are taken out. The holds changed:
+        worked out afresh. Copies throughout: a dispatch may still be walking this one's runs."""
+        if holds != self.holds:
+            return _Waiting.of(all_rows, holds)
+        ids = frozenset(map(_row_id, all_rows))
+        gone, came = self.ids - ids, len(ids - self.ids)
+        by_id, runs, alone = dict(self.by_id), dict(self.runs), Counter(self.alone)
+        gpus, sharers = self.gpus, self.sharers
         copied: set[scheduler.RunKey] = set()
-        for queued in all_rows[since:]:
+
+        def moved(queued: Queued, sign: int) -> list[scheduler.Waiter]:
+            """Count a waiter in (1) or out (-1); its run, copied."""
+            nonlocal gpus, sharers
             waiter = queued.waiter
-            if waiter.id in self.holds:
-                continue
-            by_id[waiter.id] = queued
+            gpus += sign * waiter.gpus
+            if policy.may_share(queued.quota):
+                sharers += sign
+            else:
+                alone[waiter.gpus] += sign
             key = scheduler.run_of(waiter)
             if key not in copied:
                 runs[key] = list(runs.get(key, ()))
                 copied.add(key)
-            bisect.insort(runs[key], waiter, key=scheduler.arrival)  # at the end, unless a clock went back
-            gpus += waiter.gpus
-            if policy.may_share(queued.quota):
-                sharing = True
-            else:
-                fewest = min(fewest, waiter.gpus)
-        return _Waiting(all_rows, self.holds, by_id, runs, gpus, fewest, sharing)
+            return runs[key]
+        for left in gone & by_id.keys():  # a held one was never in
+            queued = by_id.pop(left)
+            moved(queued, -1).remove(queued.waiter)
+        for queued in all_rows[len(all_rows) - came:]:
+            if queued.waiter.id not in holds:
+                by_id[queued.waiter.id] = queued
+                bisect.insort(moved(queued, 1), queued.waiter, key=scheduler.arrival)  # at the end, unless a clock went back
+        return _Waiting(all_rows, ids, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone,
+                        sharers)
+
+_row_id = attrgetter("waiter.id")
+
+
+class _WorkedOutWhenAsked(Mapping[int, float]):
+    """A mapping whose values are worked out the first time each is asked for."""
+
+    def __init__(self, keys: Collection[int], value_of: Callable[[int], float]) -> None:
+        self._keys, self._value_of = keys, value_of
+        self._known: dict[int, float] = {}
+
+    def __getitem__(self, key: int) -> float:
+        if key not in self._known:
+            if key not in self._keys:
+                raise KeyError(key)
+            self._known[key] = self._value_of(key)
+        return self._known[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -189,5 +189,22 @@ def test_the_waiters_kept_between_changes_are_those_worked_out_afresh(world):
         alone = [q.waiter.gpus for q in waiting if not q.quota.sharing]
         assert list(kept.by_id.values()) == waiting, step
         assert kept.runs == scheduler.runs(q.waiter for q in waiting), step
-        assert (kept.gpus, kept.fewest, kept.sharing) == \
-            (sum(q.waiter.gpus for q in waiting), min(alone, default=math.inf), len(alone) < len(waiting)), step
+        assert (kept.gpus, kept.fewest, kept.sharers) == \
+            (sum(q.waiter.gpus for q in waiting), min(alone, default=math.inf), len(waiting) - len(alone)), step
+
+
+def test_dispatch_asks_for_no_usage_of_a_user_whose_requests_all_waited_past_the_age_bound(world):
+    """Requests past max_wait_boost go by arrival, whatever their users' usage, so dispatch never
+    works that usage out (on a fleet it is a query of the cluster database per user)."""
+    from gpuguard.model import Origin, Quota
+    asked: list[str] = []
+    world.queue.remote_usage = lambda user: asked.append(user) or 0.0
+    holders = fill(world)
+    now = time.time()
+    for name, uid, since in (("eve", 1005, now - 2 * 86400), ("fred", 1006, now - 60), ("gil", 1007, now - 30)):
+        world.lookup.add(name, uid, GROUP)
+        world.store.join_queue(uid, name, 1, since, Quota(), Origin.REQUEST)
+    world.store.remove_grants(holders[0].uid, None, now)  # one GPU free, for the oldest request
+    served = world.queue.dispatch(now)
+    assert [q.waiter.user for q, _ in served] == ["eve"]
+    assert sorted(asked) == ["fred", "gil"]  # the two it ordered by usage; eve's was never needed
