@@ -81,7 +81,7 @@ class Queue:
         # holds): the watcher asks at every view, the queue and the grants change far less often.
         self._demand: tuple[tuple[Queued, ...], tuple[Grant, ...], allocator.Pool, frozenset[int], rules.Demand] | None
         self._demand = None
-        self._waiting: _Waiting | None = None  # the waiters, as dispatch takes them, until the queue or holds change
+        self._waiting: Waiting | None = None  # the waiters, as dispatch takes them, until the queue or holds change
 
     # --- the order
 
@@ -99,6 +99,8 @@ class Queue:
         """uid -> recent usage of these waiters' users, with their usage on a fleet's other servers;
         each worked out when the order first asks for it (it never asks for that of a user whose
         requests are all past max_wait_boost)."""
+        # Worked out during dispatch's walk, after some of its grants: those count nothing yet
+        # (granted now), so the usage is the same as when the walk began.
         names, here = {w.uid: w.user for w in waiters}, self._usage_of(now)
         remote = self.remote_usage
 
@@ -191,7 +193,7 @@ class Queue:
         self._demand = (rows, held, pool, frozenset(self.holds), wanted)
         return wanted
 
-    def _demand_of(self, waiting: _Waiting, pool: allocator.Pool) -> rules.Demand:
+    def _demand_of(self, waiting: Waiting, pool: allocator.Pool) -> rules.Demand:
         if not waiting.gpus:  # the usual case: no grants to read
             return rules.Demand()
         if not pool.slices:
@@ -254,11 +256,11 @@ class Queue:
                 listener(queued, units)
         return served
 
-    def waiting(self) -> _Waiting:
+    def waiting(self) -> Waiting:
         """The waiters not held, as the queue's rows and the holds now say (kept until they change)."""
         rows, last = self.store.queue_read(), self._waiting
         if last is None:
-            last = self._waiting = _Waiting.of(rows, frozenset(self.holds))
+            last = self._waiting = Waiting.of(rows, frozenset(self.holds))
         elif last.all_rows is not rows or last.holds != self.holds:
             last = self._waiting = last.following(rows, frozenset(self.holds))
         return last
@@ -275,8 +277,8 @@ class Queue:
             self.store.set_fairshare(uid, value, now)
 
 
-@dataclass(frozen=True)
-class _Waiting:
+@dataclass(frozen=True, eq=False)  # compared and hashed as itself: it holds dicts and lists
+class Waiting:
     """The queue's waiters as dispatch and demand take them, kept from one change of the queue to
     the next (a long queue under load is served many times between changes, mostly with nothing
     free) and moved on by what changed, not worked out again."""
@@ -296,17 +298,20 @@ class _Waiting:
         return min(self.alone, default=math.inf)
 
     @classmethod
-    def of(cls, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> _Waiting:
+    def of(cls, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> Waiting:
         return cls((), frozenset(), holds, {}, {}, 0, Counter(), 0).following(all_rows, holds)
 
-    def following(self, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> _Waiting:
+    def following(self, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> Waiting:
         """This moved on to the queue's rows now. The store's rows are by id and its ids only grow,
         so the rows that came are the last ones; those gone are taken out. The holds changed:
         worked out afresh. Copies throughout: a dispatch may still be walking this one's runs."""
         if holds != self.holds:
-            return _Waiting.of(all_rows, holds)
+            return Waiting.of(all_rows, holds)
         ids = frozenset(map(_row_id, all_rows))
-        gone, came = self.ids - ids, len(ids - self.ids)
+        gone, new = self.ids - ids, ids - self.ids
+        came = all_rows[len(all_rows) - len(new):]
+        if set(map(_row_id, came)) != new:  # not the last rows after all (a database put back?): afresh
+            return Waiting.of(all_rows, holds)  # from nothing, every row came: no further turn here
         by_id, runs, alone = dict(self.by_id), dict(self.runs), Counter(self.alone)
         gpus, sharers = self.gpus, self.sharers
         copied: set[scheduler.RunKey] = set()
@@ -328,11 +333,11 @@ class _Waiting:
         for left in gone & by_id.keys():  # a held one was never in
             queued = by_id.pop(left)
             moved(queued, -1).remove(queued.waiter)
-        for queued in all_rows[len(all_rows) - came:]:
+        for queued in came:
             if queued.waiter.id not in holds:
                 by_id[queued.waiter.id] = queued
                 bisect.insort(moved(queued, 1), queued.waiter, key=scheduler.arrival)  # at the end, unless a clock went back
-        return _Waiting(all_rows, ids, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone,
+        return Waiting(all_rows, ids, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone,
                         sharers)
 
 _row_id = attrgetter("waiter.id")

@@ -195,7 +195,7 @@ def test_the_waiters_kept_between_changes_are_those_worked_out_afresh(world):
 
 def test_dispatch_asks_for_no_usage_of_a_user_whose_requests_all_waited_past_the_age_bound(world):
     """Requests past max_wait_boost go by arrival, whatever their users' usage, so dispatch never
-    works that usage out (on a fleet it is a query of the cluster database per user)."""
+    works that usage out (here and, on a fleet, on the other servers)."""
     from gpuguard.model import Origin, Quota
     asked: list[str] = []
     world.queue.remote_usage = lambda user: asked.append(user) or 0.0
@@ -208,3 +208,16 @@ def test_dispatch_asks_for_no_usage_of_a_user_whose_requests_all_waited_past_the
     served = world.queue.dispatch(now)
     assert [q.waiter.user for q, _ in served] == ["eve"]
     assert sorted(asked) == ["fred", "gil"]  # the two it ordered by usage; eve's was never needed
+
+
+def test_kept_waiters_are_worked_out_afresh_when_a_row_comes_that_is_not_the_last():
+    """Queue ids only grow, so the rows that came are the last ones; where that fails (a database
+    put back from a copy) the kept waiters are worked out afresh rather than counted twice."""
+    from gpuguard.model import Origin, Quota
+    from gpuguard.queueing import Waiting
+    from gpuguard.scheduler import Waiter
+    from gpuguard.store import Queued
+    row = {i: Queued(Waiter(i, 1001, "ada", 1, float(i)), Quota(), Origin.REQUEST, None, None) for i in (1, 2, 3)}
+    kept = Waiting.of((row[1], row[3]), frozenset()).following((row[1], row[2], row[3]), frozenset())
+    assert list(kept.by_id) == [1, 2, 3] and kept.gpus == 3
+    assert [w.id for w in kept.runs[(1001, 0, 1.0)]] == [1, 2, 3]
