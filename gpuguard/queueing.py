@@ -77,10 +77,9 @@ class Queue:
         self.grants = grants
         self.listeners: list[Listener] = []
         self.holds: set[int] = set()  # queue rows an admin holds: kept in place, never served (`gpuguard hold`)
-        # The last demand() and what it was worked out from (the queue, the grants, the pool, the
-        # holds): the watcher asks at every view, the queue and the grants change far less often.
-        self._demand: tuple[tuple[Queued, ...], tuple[Grant, ...], allocator.Pool, frozenset[int], rules.Demand] | None
-        self._demand = None
+        # The last demand() and what it was worked out from (the waiters, the grants, the pool):
+        # the watcher asks at every view, the queue and the grants change far less often.
+        self._demand: tuple[Waiting, tuple[Grant, ...], allocator.Pool, rules.Demand] | None = None
         self._waiting: Waiting | None = None  # the waiters, as dispatch takes them, until the queue or holds change
 
     # --- the order
@@ -185,12 +184,12 @@ class Queue:
         on demand may take. With MIG slices a free unit counts only for a waiter whose quota takes
         its kind (allocator.suits), so the waiters are served in turn on paper: allocator.choose
         over the grants plus what those before them got."""
-        rows, held, pool = self.store.queue_read(), self.store.grants_read(), self.grants.pool()
+        waiting, held, pool = self.waiting(), self.store.grants_read(), self.grants.pool()
         last = self._demand
-        if last is not None and last[0] is rows and last[1] is held and last[2] is pool and last[3] == self.holds:
-            return last[4]
-        wanted = self._demand_of(self.waiting(), pool)
-        self._demand = (rows, held, pool, frozenset(self.holds), wanted)
+        if last is not None and last[0] is waiting and last[1] is held and last[2] is pool:
+            return last[3]  # the same objects: waiting() makes a new one when the queue or the holds change
+        wanted = self._demand_of(waiting, pool)
+        self._demand = (waiting, held, pool, wanted)
         return wanted
 
     def _demand_of(self, waiting: Waiting, pool: allocator.Pool) -> rules.Demand:
@@ -339,6 +338,7 @@ class Waiting:
                 bisect.insort(moved(queued, 1), queued.waiter, key=scheduler.arrival)  # at the end, unless a clock went back
         return Waiting(all_rows, ids, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone,
                         sharers)
+
 
 _row_id = attrgetter("waiter.id")
 

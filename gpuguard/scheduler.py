@@ -49,9 +49,6 @@ class Waiter:
     share: float = 1.0
 
 
-arrival = attrgetter("since", "id")  # the order of arrival, the last of the order's keys
-
-
 # --- fair share: decayed GPU-seconds
 
 def decay(value: float, elapsed: float, half_life: float) -> float:
@@ -97,6 +94,7 @@ def order(waiters: Iterable[Waiter], usage: Mapping[int, float], now: float = 0.
 
 
 RunKey = tuple[int, int, float]  # (uid, priority, share): which run of the order a waiter is in
+arrival = attrgetter("since", "id")  # the order of arrival, the last of the order's keys
 
 
 def run_of(waiter: Waiter) -> RunKey:
@@ -117,10 +115,11 @@ def runs(waiters: Iterable[Waiter]) -> dict[RunKey, list[Waiter]]:
 
 def in_order(each_run: Iterable[Sequence[Waiter]], usage: Mapping[int, float], now: float = 0.0,
              max_wait_boost: float = math.inf) -> Iterator[Waiter]:
-    """The waiters of the runs (runs().values()) in order_key's order, one at a time: dispatch's walk mostly stops
-    after a few, so it pays for those (a log of the number of runs each), not for sorting a long
-    queue. Within a run order_key already rises with arrival (the requests past max_wait_boost,
-    the oldest, first; then the others, of one usage), so the order is a merge of the runs."""
+    """The waiters of the runs (runs().values()) in order_key's order, one at a time: dispatch's
+    walk mostly stops after a few, so it pays for those (a log of the number of runs each), not
+    for sorting a long queue. Within a run order_key already rises with arrival (the requests past
+    max_wait_boost, the oldest, first; then the others, of one usage), so the order is a merge of
+    the runs."""
     def key(waiter: Waiter) -> tuple[int, bool, float, float, int]:
         return order_key(waiter, usage, now, max_wait_boost)
     listed = list(each_run)
