@@ -324,7 +324,7 @@ class Replay:
         # till then a process arriving is acted on only where rules.acts_on_arrival says so.
         self._due = math.inf
         self._first: float | None = None
-        self._added = False                       # this batch of events started a job or queued a request
+        self._added = False                       # this batch of events started a job a rule may act on at once
         self._went_idle: set[rules.Slot] = set()  # this batch's (uid, unit) whose jobs left
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
@@ -345,11 +345,12 @@ class Replay:
             self.now = when
             self._added, woken = False, False
             self._went_idle.clear()
+            demand = self.queue.demand()
             while self._events and self._events[0][0] == when:
                 _, _, kind, payload = heapq.heappop(self._events)
                 woken |= kind == "wake"
                 await getattr(self, f"_on_{kind}")(payload)
-            if woken or self._added or not self._only_taken_away():
+            if woken or self._added or _grew(demand, self.queue.demand()) or not self._grants_wait():
                 await self._tick()
             else:
                 # Jobs ended, grants given back at logout, requests left with their sessions: no
@@ -399,7 +400,6 @@ class Replay:
             self._start(job, session)
             return
         self._joining = (job, session)
-        self._added = True  # the queue's demand grew: reclaim may act at once
         try:
             queued, waits = self.queue.join(uid, name, more, quota, self.now, Origin.SESSION, pid=session)
         finally:
@@ -432,16 +432,19 @@ class Replay:
                 self._never_ran(job, owner)
         self._forget_if_done(pid)
 
-    def _only_taken_away(self) -> bool:
-        """Whether the grants now are those as this batch of events began less some, none of which a
-        running job was on (its process would now be on a GPU its user holds no grant for: the
-        stray rule acts)."""
+    def _grants_wait(self) -> bool:
+        """Whether no rule may act at once on the grants that came and went in this batch of events,
+        nor has a new moment to act on them but the idle clocks of the GPUs jobs left: none that
+        went had a running job on its GPU (its process would be a stray), and every one that came
+        has one (a busy grant has no idle clock) and no time limit (whose warnings are moments).
+        A rule that acts on the new process itself is _start's to see (rules.acts_on_arrival)."""
         rows = self.store.grants_read()
         if rows is self._seen.rows:
             return True
         gone, came = self._seen.since(rows)
         nothing: Counter[int] = Counter()
-        return not came and not any(self.busy_of.get(g.uid, nothing)[g.unit] for g in gone)
+        return (not any(self.busy_of.get(g.uid, nothing)[g.unit] for g in gone)
+                and all(g.expires_at is None and self.busy_of.get(g.uid, nothing)[g.unit] for g in came))
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
@@ -625,6 +628,12 @@ class Replay:
 
     def _user_totals(self, user: str) -> list[float]:
         return self.result.per_user.setdefault(user, [0.0, 0.0])
+
+
+def _grew(before: rules.Demand, after: rules.Demand) -> bool:
+    """Whether the queue wants more than it did, or other units: reclaim and soft time may act at
+    once. (Less demand only makes them act later or not at all: the wake already set checks then.)"""
+    return after.short > before.short or (after.short > 0 and after.useful != before.useful)
 
 
 MAX_POOL = 100_000  # GPUs in a replayed pool; more is a typo

@@ -159,9 +159,12 @@ def test_a_job_waiting_after_its_session_closed_leaves_with_its_users_last_sessi
     assert sorted(replay.replay(trace.read(path), policy(), 1).censored) == [580.0, 590.0]
 
 
-def test_the_watcher_checks_what_came_and_the_rules_times_not_what_only_ended(tmp_path, monkeypatch):
+def test_the_watcher_checks_what_the_queue_wants_and_the_rules_times_not_what_ended_or_started(tmp_path, monkeypatch):
     """A batch of events that only took things away (a job's end, a logout and its release) is not
-    checked: no rule acts the moment something ends. What it leaves is still acted on at its time."""
+    checked: no rule acts the moment something ends. Nor is a request served at once with nobody
+    waiting: its job is on its new GPU (no idle clock) and no rule acts on the process at once. A
+    request that has to wait is (the queue's demand grew: reclaim may act). What is left is still
+    acted on at its time."""
     from gpuguard.watcher import Watcher
     checked: list[float] = []
     real_check = Watcher.check
@@ -170,20 +173,28 @@ def test_the_watcher_checks_what_came_and_the_rules_times_not_what_only_ended(tm
         checked.append(now)
         return await real_check(self, sample, now)
     monkeypatch.setattr(Watcher, "check", check)
-    # a's job ends at 100 (its session stays open until 5000); b logs in, runs 200-250 and leaves
-    path = write(tmp_path, "a,0,5000,0,100,1,0", "b,200,,200,50,1,0")
+    # a's job ends at 100 (its session stays open until 5000); b takes the other GPU at 200 and
+    # leaves at 250, when c, waiting since 210, gets b's GPU
+    path = write(tmp_path, "a,0,5000,0,100,1,0", "b,200,,200,50,1,0", "c,210,,210,50,1,0")
     result = replay.replay(trace.read(path), policy(idle_timeout=600.0), 2)
-    assert checked == [0.0, 200.0, 700.0]  # the two arrivals, and a's idle release due at 100 + 600
-    assert result.per_user["a"][0] == 700.0 and result.releases == 2  # a's idle GPU, b's at its logout
+    assert checked == [210.0, 700.0]  # c's wait, and a's idle release due at 100 + 600
+    assert result.per_user["a"][0] == 700.0 and result.releases == 3  # a's idle GPU, b's and c's at logout
+    assert result.waits == [0.0, 0.0, 40.0]
 
 
 def without_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The replay checks every job's start, and asks next_change over everything after a batch of
-    job ends (as before its shortcuts)."""
+    """The replay checks every job's arrival and start, and asks next_change over everything after
+    a batch of job ends (as before its shortcuts)."""
     from gpuguard import rules
     from gpuguard.watcher import Watcher
     monkeypatch.setattr(rules, "acts_on_arrival", lambda grant, quota, now: True)
     monkeypatch.setattr(Watcher, "next_change_of", lambda self, slots, now: self.next_change(self.sampler.last, now))
+    arrive = replay.Replay._on_arrive
+
+    async def checked_arrival(self: replay.Replay, payload: tuple) -> None:
+        self._added = True
+        await arrive(self, payload)
+    monkeypatch.setattr(replay.Replay, "_on_arrive", checked_arrival)
 
 
 @pytest.mark.parametrize("name", ["default", "exclusive", "shared", "timed"])
