@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard import logs, policy, rules, wiring
-from gpuguard.config import AccessConfig, Config
+from gpuguard.config import AccessConfig, Config, EventsConfig
 from gpuguard.model import Account, Gpu, GpuProcess, Grant, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
 from gpuguard.sampling import Sample
 from gpuguard.server import Peer
@@ -69,17 +69,20 @@ class _GrantsSeen:
         self.rows: tuple[Grant, ...] = ()
         self._ids: dict[int, Grant] = {}
         self._latest: tuple[tuple[Grant, ...], dict[int, Grant]] = ((), {})  # the last rows compared, by id
+        self._answer: tuple[list[Grant], list[Grant]] | None = None  # since(the last rows compared)
 
     def since(self, rows: tuple[Grant, ...]) -> tuple[list[Grant], list[Grant]]:
-        """The grants gone since `self.rows`, and those that came."""
-        if self._latest[0] is not rows:
-            self._latest = (rows, dict(zip(map(id, rows), rows, strict=True)))
-        old, new = self._ids, self._latest[1]
-        return [old[i] for i in old.keys() - new.keys()], [new[i] for i in new.keys() - old.keys()]
+        """The grants gone since `self.rows`, and those that came (asked twice a batch: kept)."""
+        if self._latest[0] is not rows or self._answer is None:
+            if self._latest[0] is not rows:
+                self._latest = (rows, dict(zip(map(id, rows), rows, strict=True)))
+            old, new = self._ids, self._latest[1]
+            self._answer = ([old[i] for i in old.keys() - new.keys()], [new[i] for i in new.keys() - old.keys()])
+        return self._answer
 
     def move_to(self, rows: tuple[Grant, ...]) -> None:
         self.since(rows)  # indexes them, if not yet
-        self.rows, self._ids = rows, self._latest[1]
+        self.rows, self._ids, self._answer = rows, self._latest[1], None
 
 
 @dataclass
@@ -296,8 +299,10 @@ class Replay:
         inventory = {m: Gpu(m, m, f"GPU-replay-{m}", "replay", f"replay:{m}", 80 << 30, 0, None, None)
                      for m in range(gpus)}
         nowhere = _Nowhere()
+        # No event history: nobody reads a replay's (recording it was a sixth of the month's time).
+        services_config = replace(config, events=EventsConfig(max_age=None, per_user=0))
         self.services = wiring.build(wiring.Edges(
-            config=lambda: config, store_path=scratch / "state.db", sampler=_ReplayGpus(self), units=inventory,
+            config=lambda: services_config, store_path=scratch / "state.db", sampler=_ReplayGpus(self), units=inventory,
             driver_minors=range(gpus), nodes=nowhere, lookup=_ReplayAccounts(self), terminals=nowhere,
             exits=nowhere, find_holders=None, processes=_ReplayProcesses(self), clock=lambda: self.now,
             durable=False))
@@ -326,6 +331,7 @@ class Replay:
         self._first: float | None = None
         self._added = False                       # this batch of events started a job a rule may act on at once
         self._went_idle: set[rules.Slot] = set()  # this batch's (uid, unit) whose jobs left
+        self._wanted = rules.Demand()             # the queue's demand as the last batch of events left it
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
         self._seen = _GrantsSeen()                # the store's grants after the last batch of events
@@ -345,18 +351,20 @@ class Replay:
             self.now = when
             self._added, woken = False, False
             self._went_idle.clear()
-            demand = self.queue.demand()
             while self._events and self._events[0][0] == when:
                 _, _, kind, payload = heapq.heappop(self._events)
                 woken |= kind == "wake"
                 await getattr(self, f"_on_{kind}")(payload)
-            if woken or self._added or _grew(demand, self.queue.demand()) or not self._grants_wait():
+            wanted = self.queue.demand()
+            if woken or self._added or _grew(self._wanted, wanted) or not self._grants_wait():
                 await self._tick()
+                wanted = self.queue.demand()  # what the tick's releases served
             else:
                 # Jobs ended, grants given back at logout, requests left with their sessions: no
                 # rule acts the moment something ends (every limit is at least a second), and the
                 # only new times at which one may act are the idle clocks of the GPUs jobs left.
                 self._wake_at(self.watcher.next_change_of(self._went_idle, self.now) if self._went_idle else None)
+            self._wanted = wanted
             self._count_granted()
         self._finish()
         return self.result

@@ -360,11 +360,14 @@ class Store:
         range); a user's at their first event after the store opened and then at every
         per_user // PRUNE_EVERY-th (finding the newest per_user costs a walk over them), so a user
         has at most per_user + per_user // PRUNE_EVERY - 1 events kept, whatever the rate. What
-        stays is what adding the events one call each would leave."""
+        stays is what adding the events one call each would leave. A retention of 0 per user
+        keeps none (a replay's store: nobody reads it), so nothing is written."""
+        retention = self.retention()
+        if retention.per_user == 0:
+            return
         events = list(events)
         if not events:
             return
-        retention = self.retention()
         every = max(1, retention.per_user // PRUNE_EVERY)
         unpruned = {uid: self._unpruned.get(uid, every - 1) + added
                     for uid, added in Counter(event.uid for event in events).items()}

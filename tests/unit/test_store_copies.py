@@ -95,6 +95,18 @@ def test_a_users_events_stay_within_per_user_and_a_tenth_of_it(tmp_path):
         store.close()
 
 
+def test_a_retention_of_none_per_user_writes_no_event(tmp_path):
+    """A replay's store keeps no history (nobody reads it): the events are not even built."""
+    store = Store(tmp_path / "state.db", lambda: EventsConfig(max_age=None, per_user=0), durable=False)
+    built: list[int] = []
+    try:
+        store.add_events(built.append(i) or _event(float(i), 1001, f"m{i}") for i in range(5))
+        store.add_grants(1001, "u1001", [0], 1.0, None)
+        assert store.event_count() == 0 and built == [] and [g.unit for g in store.grants(1001)] == [0]
+    finally:
+        store.close()
+
+
 def test_the_first_event_of_a_user_after_opening_prunes_what_an_earlier_run_left(tmp_path):
     path = tmp_path / "state.db"
     generous = Store(path, lambda: EventsConfig(max_age=None, per_user=1000), durable=False)
