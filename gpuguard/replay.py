@@ -482,9 +482,7 @@ class Replay:
                                                     for g in self.store.grants(owner.uid) if g.unit in units)
         self.busy_of.setdefault(owner.uid, Counter()).update(units)
         self._sample = None
-        # The daemon's next tick would see the process from here (soft time's work lost counts from it).
-        state = self.watcher.state
-        self.watcher.state = replace(state, running_since={**state.running_since, (pid, identity.start_time): self.now})
+        self.watcher.process_started((pid, identity.start_time), self.now)
         self._crowd(units, add=pid)
         self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in units))
 
@@ -499,9 +497,7 @@ class Replay:
         self._crowd(running.units, remove=running.pid)
         self._went_idle.update((running.uid, unit) for unit in running.units)
         self._sample = None
-        # The daemon's tick just before the job ended saw it there: the idle clocks start from here.
-        state = self.watcher.state
-        self.watcher.state = replace(state, seen={**state.seen, **{(running.uid, m): self.now for m in running.units}})
+        self.watcher.processes_left([(running.uid, unit) for unit in running.units], self.now)
 
     def _crowd(self, units: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
         """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from operator import attrgetter
 from typing import Any
@@ -110,6 +110,16 @@ class Watcher:
         something may change, has no gap in observation (which would restart the idle clocks)."""
         if self._last_check is not None:
             self._last_check = now
+
+    def process_started(self, key: rules.ProcKey, now: float) -> None:
+        """A replay's process appeared at `now`, between checks: the daemon's next tick would see it
+        from here (soft time's work lost counts from it)."""
+        self.state = replace(self.state, running_since={**self.state.running_since, key: now})
+
+    def processes_left(self, slots: Iterable[rules.Slot], now: float) -> None:
+        """A replay's processes on these (uid, unit) ended at `now`, between checks: the daemon's tick
+        just before saw them there, so the idle clocks start here."""
+        self.state = replace(self.state, seen={**self.state.seen, **dict.fromkeys(slots, now)})
 
     def next_deadline(self) -> float | None:
         """When the first wait (grace, kill_wait) ends that the last check has not judged ended:
