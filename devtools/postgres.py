@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from gpuguard.backends import procfs
+
 BIN = Path("/usr/lib/postgresql/15/bin")
 OWNER = "postgres"  # Debian's package makes this system user
 
@@ -112,8 +114,15 @@ class Postgres:
                            capture_output=True, timeout=60, **_as_owner())
 
     def kill(self) -> None:
-        """SIGKILL the postmaster and every backend (a crash: no shutdown checkpoint)."""
+        """SIGKILL the postmaster and every backend (a crash: no shutdown checkpoint). The postmaster
+        is stopped first: one that forks a backend for a new connection after its children were
+        listed would leave that backend running, holding the shared memory, so that the next start
+        refuses ("pre-existing shared memory block is still in use")."""
         pid = int((self.data / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGSTOP)  # no fork once it is stopped; SIGKILL still ends it
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (info := procfs.inspect(pid)) and info.state != "T":
+            time.sleep(0.01)  # a signal lands, not at once
         children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
         for target in [pid, *map(int, children)]:
             try:

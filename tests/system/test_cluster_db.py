@@ -102,6 +102,7 @@ class Storm:
     failed: int = 0
     after_fault: int = 0
     fault_done: threading.Event = None  # type: ignore[assignment]
+    fault_error: BaseException | None = None  # the fault itself failed (the database did not come back)
 
     QUOTAS = {f"u{i}": 1 + i % 3 for i in range(10)}
 
@@ -117,7 +118,7 @@ class Storm:
             dbs = {node: FleetDb(self.conninfo, node) for node in NODES}
             while True:
                 with lock:
-                    if not plan:
+                    if not plan or self.fault_error is not None:  # nothing left, or no database to wait for
                         break
                     n = plan.pop()
                     started["n"] += 1
@@ -152,9 +153,15 @@ class Storm:
             thread.start()
         for thread in pool + faults:
             thread.join()
+        if self.fault_error is not None:
+            raise self.fault_error
 
     def _fault(self, fault) -> None:
-        fault()
+        try:
+            fault()
+        except BaseException as error:
+            self.fault_error = error
+            raise
         self.fault_done.set()
 
     def check(self) -> None:
