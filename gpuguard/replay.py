@@ -275,11 +275,11 @@ class _Running:
     arrived: float
     started: float
     left: float          # seconds of work still to do at `since`
+    processes: tuple[GpuProcess, ...]  # its process on each of its GPUs, as NVML lists it
+    identity: ProcessIdentity          # who that process is, as /proc tells
     rate: float = 1.0
     since: float = 0.0
     version: int = 0     # its end event is for this version; an older one is stale
-    processes: tuple[GpuProcess, ...] = ()  # its process on each of its GPUs, as NVML lists it
-    identity: ProcessIdentity | None = None  # who that process is, as /proc tells
 
 
 @dataclass
@@ -497,7 +497,8 @@ class Replay:
         self._crowd(running.units, remove=running.pid)
         self._went_idle.update((running.uid, unit) for unit in running.units)
         self._sample = None
-        self.watcher.processes_left([(running.uid, unit) for unit in running.units], self.now)
+        self.watcher.process_ended((running.pid, running.identity.start_time),
+                                   [(running.uid, unit) for unit in running.units], self.now)
 
     def _crowd(self, units: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
         """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then
@@ -556,7 +557,7 @@ class Replay:
         if self._sample is None:
             jobs = [running for running in self.running.values() if running.processes]
             self._sample = Sample(self.now, tuple(p for running in jobs for p in running.processes),
-                                  {running.pid: running.identity for running in jobs if running.identity},
+                                  {running.pid: running.identity for running in jobs},
                                   frozenset(self.grants.gpus))
         return self._sample
 

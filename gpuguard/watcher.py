@@ -116,10 +116,14 @@ class Watcher:
         from here (soft time's work lost counts from it)."""
         self.state = replace(self.state, running_since={**self.state.running_since, key: now})
 
-    def processes_left(self, slots: Iterable[rules.Slot], now: float) -> None:
-        """A replay's processes on these (uid, unit) ended at `now`, between checks: the daemon's tick
-        just before saw them there, so the idle clocks start here."""
-        self.state = replace(self.state, seen={**self.state.seen, **dict.fromkeys(slots, now)})
+    def process_ended(self, key: rules.ProcKey, slots: Iterable[rules.Slot], now: float) -> None:
+        """A replay's process on these (uid, unit) ended at `now`, between checks: the daemon's tick
+        just before saw it there, so the idle clocks start here; and it is forgotten, as the next
+        check would forget it (between a replay's rare checks thousands of jobs may start and end)."""
+        running_since = dict(self.state.running_since)
+        running_since.pop(key, None)
+        self.state = replace(self.state, running_since=running_since,
+                             seen={**self.state.seen, **dict.fromkeys(slots, now)})
 
     def next_deadline(self) -> float | None:
         """When the first wait (grace, kill_wait) ends that the last check has not judged ended:

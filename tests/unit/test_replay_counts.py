@@ -224,3 +224,22 @@ def test_a_job_starting_once_a_rule_is_due_is_checked_as_every_start_would_be(tm
     without_shortcuts(monkeypatch)
     assert replay.replay(trace.read(path), config, 2).summary(2) == shortcut
     assert shortcut["reclaims"] == 1 and shortcut["jobs_ran"] == 4
+
+
+def test_between_rare_checks_the_watcher_remembers_only_the_jobs_still_running(tmp_path, monkeypatch):
+    """With nobody waiting and no idle release a replay checks almost never; the processes it tells
+    the watcher about are forgotten when they end, as a check would forget them, so what the
+    watcher remembers stays as small as what runs (not every job of the month)."""
+    from gpuguard.watcher import Watcher
+    sizes: list[int] = []
+    real_ended = Watcher.process_ended
+
+    def ended(self, key, slots, now):
+        real_ended(self, key, slots, now)
+        sizes.append(len(self.state.running_since))
+    monkeypatch.setattr(Watcher, "process_ended", ended)
+    # 300 one-GPU jobs of 10 users, at most 3 running at once, on 8 GPUs: never a queue
+    path = write(tmp_path, *(f"u{i % 10},{i * 50},,{i * 50},120,1,0" for i in range(300)))
+    result = replay.replay(trace.read(path), policy(), 8)
+    assert result.waits == [0.0] * 300 and len(sizes) == 300
+    assert max(sizes) <= 2  # the two others still running when one ends
