@@ -10,6 +10,7 @@ pg_basebackup (-R: it streams from this one) and can be promoted.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import secrets
@@ -119,7 +120,8 @@ class Postgres:
         listed would leave that backend running, holding the shared memory, so that the next start
         refuses ("pre-existing shared memory block is still in use")."""
         pid = int((self.data / "postmaster.pid").read_text().split()[0])
-        os.kill(pid, signal.SIGSTOP)  # no fork once it is stopped; SIGKILL still ends it
+        with contextlib.suppress(ProcessLookupError):  # gone already: nothing to stop
+            os.kill(pid, signal.SIGSTOP)  # no fork once it is stopped; SIGKILL still ends it
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (info := procfs.inspect(pid)) and info.state != "T":
             time.sleep(0.01)  # a signal lands, not at once
