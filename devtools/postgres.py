@@ -120,19 +120,23 @@ class Postgres:
         listed would leave that backend running, holding the shared memory, so that the next start
         refuses ("pre-existing shared memory block is still in use")."""
         pid = int((self.data / "postmaster.pid").read_text().split()[0])
-        with contextlib.suppress(ProcessLookupError):  # gone already: nothing to stop
+        postmaster = procfs.inspect(pid)
+        if postmaster is None or postmaster.comm != "postgres":
+            return  # gone already (the pid file is left from a crash): nothing to kill
+        children: list[int] = []
+        try:
             os.kill(pid, signal.SIGSTOP)  # no fork once it is stopped; SIGKILL still ends it
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (info := procfs.inspect(pid)) and info.state not in ("T", "Z"):
+                time.sleep(0.01)  # a signal lands, not at once
+            listed = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
+            children = list(map(int, listed.stdout.split()))
+        finally:  # whatever failed, the postmaster is not left stopped
+            for target in [pid, *children]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(target, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (info := procfs.inspect(pid)) and info.state != "T":
-            time.sleep(0.01)  # a signal lands, not at once
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-        for target in [pid, *map(int, children)]:
-            try:
-                os.kill(target, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(p) for p in [pid, *map(int, children)]):
+        while time.monotonic() < deadline and any(_alive(p) for p in [pid, *children]):
             time.sleep(0.05)
 
     def standby(self) -> Postgres:

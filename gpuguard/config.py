@@ -75,7 +75,8 @@ class EventsConfig:
     Both bounds hold, so neither a long uptime nor a user looping request/release grows it without end."""
 
     max_age: float | None = 90 * 86400.0  # seconds; None: no age limit
-    per_user: int = 1000                  # newest events kept per user (and for system events)
+    per_user: int = 1000                  # newest events kept per user (and for system events); 0, which
+                                          # no config file may set: none (a replay's store)
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,14 @@ open session (no end in the trace) ends once its last job has run. While a job r
 is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
 jobs are on it (a job on several GPUs at the pace of its most crowded one): its end moves when
 another job joins or leaves. Watcher.check runs after every batch of simultaneous events that
-added something a rule may act on at once (a request queued, a grant came or went from under a
-running job, a job started where rules.acts_on_arrival says a rule may act on it at once or while
-a rule's moment has come and its tick not yet) and at the next moment one of the rules can fire
+added something a rule may act on at once (the queue's demand grew; a grant came that no job runs
+on or that has a time limit; a grant went from under a running job; a job started where
+rules.acts_on_arrival says a rule may act on it at once; a job arrived or started while a rule's
+moment has come and its tick not yet) and at the next moment one of the rules can fire
 (Watcher.next_change), rounded up to the watcher's interval as the daemon's tick would see it. A
-batch that only took things away (job ends, logouts) just adds the idle clocks of the GPUs the jobs
-left (Watcher.next_change_of): every limit is at least a second, and nothing else moves earlier.
+batch that only took things away (job ends, logouts), or gave GPUs to jobs that run on them at
+once, just adds the idle clocks of the GPUs the jobs left (Watcher.next_change_of): every limit is
+at least a second, and nothing else moves earlier.
 Between events the sample stands still, so the watcher is told there was no gap
 (Watcher.unchanged_until). When a job ends, the watcher's memory of when it saw
 the job last is set to that moment, as the daemon's tick just before it would have left it.
@@ -73,9 +75,9 @@ class _GrantsSeen:
 
     def since(self, rows: tuple[Grant, ...]) -> tuple[list[Grant], list[Grant]]:
         """The grants gone since `self.rows`, and those that came (asked twice a batch: kept)."""
-        if self._latest[0] is not rows or self._answer is None:
-            if self._latest[0] is not rows:
-                self._latest = (rows, dict(zip(map(id, rows), rows, strict=True)))
+        if self._latest[0] is not rows:
+            self._latest, self._answer = (rows, dict(zip(map(id, rows), rows, strict=True))), None
+        if self._answer is None:
             old, new = self._ids, self._latest[1]
             self._answer = ([old[i] for i in old.keys() - new.keys()], [new[i] for i in new.keys() - old.keys()])
         return self._answer
@@ -356,12 +358,13 @@ class Replay:
                 woken |= kind == "wake"
                 await getattr(self, f"_on_{kind}")(payload)
             wanted = self.queue.demand()
-            if woken or self._added or _grew(self._wanted, wanted) or not self._grants_wait():
+            if woken or self._added or _grew(self._wanted, wanted) or self._grants_need_check():
                 await self._tick()
                 wanted = self.queue.demand()  # what the tick's releases served
             else:
-                # Jobs ended, grants given back at logout, requests left with their sessions: no
-                # rule acts the moment something ends (every limit is at least a second), and the
+                # Jobs ended, grants given back at logout, requests left with their sessions,
+                # requests served at once by GPUs their jobs now run on: no rule acts the moment
+                # something ends or a busy grant comes (every limit is at least a second), and the
                 # only new times at which one may act are the idle clocks of the GPUs jobs left.
                 self._wake_at(self.watcher.next_change_of(self._went_idle, self.now) if self._went_idle else None)
             self._wanted = wanted
@@ -396,6 +399,7 @@ class Replay:
 
     async def _on_arrive(self, payload: tuple[Job, int]) -> None:
         job, session = payload
+        self._added |= self.now >= self._due  # a rule's moment has come, its tick not yet: checked now
         uid = self.sessions[session].uid
         name = self.names[uid]
         quota = self._quota(name)
@@ -440,19 +444,20 @@ class Replay:
                 self._never_ran(job, owner)
         self._forget_if_done(pid)
 
-    def _grants_wait(self) -> bool:
-        """Whether no rule may act at once on the grants that came and went in this batch of events,
-        nor has a new moment to act on them but the idle clocks of the GPUs jobs left: none that
-        went had a running job on its GPU (its process would be a stray), and every one that came
-        has one (a busy grant has no idle clock) and no time limit (whose warnings are moments).
-        A rule that acts on the new process itself is _start's to see (rules.acts_on_arrival)."""
+    def _grants_need_check(self) -> bool:
+        """Whether a rule may act at once on the grants that came and went in this batch of events,
+        or has a new moment to act on them besides the idle clocks of the GPUs jobs left: one that
+        went had a running job on its GPU (its process is now a stray), or one that came has no job
+        on it (its idle clock runs) or a time limit (whose warnings are moments). A busy grant that
+        came has no idle clock; a rule that acts on its new process is _start's to see
+        (rules.acts_on_arrival)."""
         rows = self.store.grants_read()
         if rows is self._seen.rows:
-            return True
+            return False
         gone, came = self._seen.since(rows)
         nothing: Counter[int] = Counter()
-        return (not any(self.busy_of.get(g.uid, nothing)[g.unit] for g in gone)
-                and all(g.expires_at is None and self.busy_of.get(g.uid, nothing)[g.unit] for g in came))
+        return (any(self.busy_of.get(g.uid, nothing)[g.unit] for g in gone)
+                or any(g.expires_at is not None or not self.busy_of.get(g.uid, nothing)[g.unit] for g in came))
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules

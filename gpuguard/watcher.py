@@ -112,14 +112,16 @@ class Watcher:
             self._last_check = now
 
     def process_started(self, key: rules.ProcKey, now: float) -> None:
-        """A replay's process appeared at `now`, between checks: the daemon's next tick would see it
-        from here (soft time's work lost counts from it)."""
+        """A replay's process appeared at `now`, between checks or during one (a job given a GPU an
+        action freed): the daemon's next tick would see it from here (soft time's work lost counts
+        from it)."""
         self.state = replace(self.state, running_since={**self.state.running_since, key: now})
 
     def process_ended(self, key: rules.ProcKey, slots: Iterable[rules.Slot], now: float) -> None:
         """A replay's process on these (uid, unit) ended at `now`, between checks: the daemon's tick
-        just before saw it there, so the idle clocks start here; and it is forgotten, as the next
-        check would forget it (between a replay's rare checks thousands of jobs may start and end)."""
+        just before saw it there, so the idle clocks start here; and when it started is forgotten,
+        as the next check would forget it (between a replay's rare checks thousands of jobs may
+        start and end)."""
         running_since = dict(self.state.running_since)
         running_since.pop(key, None)
         self.state = replace(self.state, running_since=running_since,
@@ -153,6 +155,7 @@ class Watcher:
                 if view != first:
                     actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
         done = []
+        before = self.state.running_since
         with self.releases.batch(now):  # decided on one view: the queue is served after all of it
             for action in actions:
                 try:
@@ -161,7 +164,13 @@ class Watcher:
                 except Exception:  # one failing action (a gate error, a full disk) must not stop the others
                     event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
                           uid=action.uid, gpu=unit_label(action.unit), pid=action.proc.pid if action.proc else None)
-        self.state = rules.advance(view, self.state, done, now)
+        acted = self.state
+        self.state = rules.advance(view, acted, done, now)
+        if acted.running_since is not before:
+            # A replay's jobs given the GPUs the actions freed started meanwhile (process_started):
+            # not in this view, they would be forgotten, and counted from the next check instead.
+            began = {key: at for key, at in acted.running_since.items() if key not in before}
+            self.state = replace(self.state, running_since={**began, **self.state.running_since})
         self._account(view, now)
         self._mark_active(view)
         self._last_check = now

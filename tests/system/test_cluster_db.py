@@ -159,9 +159,9 @@ class Storm:
     def _fault(self, fault) -> None:
         try:
             fault()
-        except BaseException as error:
+        except BaseException as error:  # raised by run(), once the workers stopped
             self.fault_error = error
-            raise
+            return
         self.fault_done.set()
 
     def check(self) -> None:

@@ -236,6 +236,7 @@ def test_between_rare_checks_the_watcher_remembers_only_the_jobs_still_running(t
 
     def ended(self, key, slots, now):
         real_ended(self, key, slots, now)
+        assert key not in self.state.running_since and all(self.state.seen[slot] == now for slot in slots)
         sizes.append(len(self.state.running_since))
     monkeypatch.setattr(Watcher, "process_ended", ended)
     # 300 one-GPU jobs of 10 users, at most 3 running at once, on 8 GPUs: never a queue
@@ -243,3 +244,36 @@ def test_between_rare_checks_the_watcher_remembers_only_the_jobs_still_running(t
     result = replay.replay(trace.read(path), policy(), 8)
     assert result.waits == [0.0] * 300 and len(sizes) == 300
     assert max(sizes) <= 2  # the two others still running when one ends
+
+
+@pytest.mark.parametrize("lines, gpus", [
+    # w's request at 150 waits (the 2 free GPUs are held for it, reserve_after 0) and d's job comes
+    # at 161.5, once a's GPU (idle since 100) may be released: d's arrival is checked then
+    (["a,0,5000,0,100,1,0", "x,0,,0,161.5,1,0", "y,0,5000,0,1000,2,0", "d,0,5000,161.5,10,1,0",
+      "w,150,5000,150,100,2,0"], 4),
+    # d asks for more than its quota at 161.5: still an arrival once a rule is due
+    (["a,0,5000,0,100,1,0", "d,0,5000,161.5,10,9,0"], 2),
+])
+def test_an_arrival_once_a_rule_is_due_is_checked_as_every_arrival_would_be(tmp_path, monkeypatch, lines, gpus):
+    config = policy({"reserve_after": 0.0}, idle_timeout=61.0)
+    shortcut = replay.replay(trace.read(write(tmp_path, *lines)), config, gpus)
+    without_shortcuts(monkeypatch)
+    every = replay.replay(trace.read(write(tmp_path, *lines)), config, gpus)
+    assert shortcut.summary(gpus) == every.summary(gpus)
+    assert shortcut.per_user["a"][0] == 161.5  # a's idle GPU goes at the arrival, not at the tick after
+
+
+def test_a_job_started_by_a_checks_action_has_its_work_counted_from_its_start(tmp_path, monkeypatch):
+    """Soft time stops the over-time job that loses least work. At 1100, x waiting, the grants of
+    u (since 0), k (since 0) and w (since 60) are over time: u's job has run 1100 s, k's second
+    one 900 s (since 200, on k's idle GPU), w's 1040 s. w's started at 60, during the check whose
+    reclaim freed p's GPU: the watcher remembers it from then, not from its next check, so k's is
+    the one stopped."""
+    lines = ["p,0,5000,0,50,1,0", "u,0,5000,0,5000,1,0", "k,0,5000,0,100,1,0", "k,0,5000,200,5000,1,0",
+             "w,55,5000,55,5000,1,0", "v,150,5000,150,10,9,0", "x,1100,5000,1100,10,1,0"]
+    config = policy({"soft_max_time": True}, max_time=1000.0, reclaim_after=10.0)
+    shortcut = replay.replay(trace.read(write(tmp_path, *lines)), config, 3)
+    without_shortcuts(monkeypatch)
+    every = replay.replay(trace.read(write(tmp_path, *lines)), config, 3)
+    assert shortcut.summary(3) == every.summary(3)
+    assert shortcut.revokes == 1 and shortcut.work_lost == 900.0

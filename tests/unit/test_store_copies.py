@@ -95,7 +95,7 @@ def test_a_users_events_stay_within_per_user_and_a_tenth_of_it(tmp_path):
         store.close()
 
 
-def test_a_retention_of_none_per_user_writes_no_event(tmp_path):
+def test_a_retention_of_0_events_per_user_writes_none(tmp_path):
     """A replay's store keeps no history (nobody reads it): the events are not even built."""
     store = Store(tmp_path / "state.db", lambda: EventsConfig(max_age=None, per_user=0), durable=False)
     built: list[int] = []
