@@ -70,21 +70,21 @@ class _GrantsSeen:
     def __init__(self) -> None:
         self.rows: tuple[Grant, ...] = ()
         self._ids: dict[int, Grant] = {}
-        self._latest: tuple[tuple[Grant, ...], dict[int, Grant]] = ((), {})  # the last rows compared, by id
-        self._answer: tuple[list[Grant], list[Grant]] | None = None  # since(the last rows compared)
+        # The last rows compared, by id, and what came and went (asked twice a batch: kept).
+        self._latest: tuple[tuple[Grant, ...], dict[int, Grant], tuple[list[Grant], list[Grant]]] = ((), {}, ([], []))
 
     def since(self, rows: tuple[Grant, ...]) -> tuple[list[Grant], list[Grant]]:
-        """The grants gone since `self.rows`, and those that came (asked twice a batch: kept)."""
+        """The grants gone since `self.rows`, and those that came."""
         if self._latest[0] is not rows:
-            self._latest, self._answer = (rows, dict(zip(map(id, rows), rows, strict=True))), None
-        if self._answer is None:
-            old, new = self._ids, self._latest[1]
-            self._answer = ([old[i] for i in old.keys() - new.keys()], [new[i] for i in new.keys() - old.keys()])
-        return self._answer
+            old, new = self._ids, dict(zip(map(id, rows), rows, strict=True))
+            self._latest = (rows, new, ([old[i] for i in old.keys() - new.keys()],
+                                        [new[i] for i in new.keys() - old.keys()]))
+        return self._latest[2]
 
     def move_to(self, rows: tuple[Grant, ...]) -> None:
         self.since(rows)  # indexes them, if not yet
-        self.rows, self._ids, self._answer = rows, self._latest[1], None
+        self.rows, self._ids = rows, self._latest[1]
+        self._latest = (rows, self._ids, ([], []))  # nothing came or went since these
 
 
 @dataclass
@@ -357,17 +357,15 @@ class Replay:
                 _, _, kind, payload = heapq.heappop(self._events)
                 woken |= kind == "wake"
                 await getattr(self, f"_on_{kind}")(payload)
-            wanted = self.queue.demand()
-            if woken or self._added or _grew(self._wanted, wanted) or self._grants_need_check():
+            if woken or self._added or _grew(self._wanted, self.queue.demand()) or self._grants_need_check():
                 await self._tick()
-                wanted = self.queue.demand()  # what the tick's releases served
             else:
                 # Jobs ended, grants given back at logout, requests left with their sessions,
                 # requests served at once by GPUs their jobs now run on: no rule acts the moment
                 # something ends or a busy grant comes (every limit is at least a second), and the
                 # only new times at which one may act are the idle clocks of the GPUs jobs left.
                 self._wake_at(self.watcher.next_change_of(self._went_idle, self.now) if self._went_idle else None)
-            self._wanted = wanted
+            self._wanted = self.queue.demand()  # as the batch left it (and the tick's releases served)
             self._count_granted()
         self._finish()
         return self.result
