@@ -10,11 +10,14 @@ The CSV format, one line per job, times in seconds from any origin, after a head
 A session is a user logged in from session_start to session_end (the user's GPUs that came from
 it go back when their last session ends); its jobs start inside it (job_start in [session_start,
 session_end)), run `duration` > 0 seconds on `gpus` >= 1 GPUs and use `gpu_memory` bytes on each
-(0: unknown). session_end may be empty: an open session, which lasts until its last job has run
-(a batch job, which waits in the queue however long it takes, rather than leaving with a login).
-A session's lines come together, and sessions come in order of session_start, so a replay reads
-the file as it goes (memory stays flat however long the trace). Times are written exactly (the
-shortest text that reads back as the same number).
+(0: unknown). session_end may be empty: a batch job, an open session of its own that lasts until
+the job has run (it waits in the queue however long it takes, rather than leaving with a login).
+Each such line is its own session, so two jobs one user submitted in the same second stay two
+jobs, as Slurm's job arrays do. A session's lines come together (the same user, start and end
+again after another session's lines is another session: two logins in the same second), and
+sessions come in order of session_start, so a replay reads the file as it goes (memory stays
+flat however long the trace).
+Times are written exactly (the shortest text that reads back as the same number).
 
 Slurm's accounting, `sacct -a -P -X -o JobID,User,Submit,Start,End,AllocTRES` (recognised by its
 header line), is read as one open session per job with GPUs: it arrives at Submit and runs
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpuguard.errors import UsageError
+from gpuguard.requests import MAX_NAME
 
 HEADER = ("user", "session_start", "session_end", "job_start", "duration", "gpus", "gpu_memory")
 ADOBE_TICK = 60.0  # seconds per tick in the Adobe file
@@ -104,18 +108,13 @@ def _csv(path: Path, handle: TextIO) -> Iterator[Session]:
         raise TraceError(f"{path}: line {header[0] if header else 1}: expected the header {','.join(HEADER)}")
     current: tuple[str, float, float | None] | None = None
     jobs: list[Job] = []
-    seen: set[tuple[str, float, float | None]] = set()  # finished sessions, to refuse one split in two
     last_start = float("-inf")
     for number, line in rows:
         user, session_start, session_end, job = _csv_line(path, number, line)
         key = (user, session_start, session_end)
-        if key != current:
+        if key != current or session_end is None:  # an open session is one line: a batch job
             if current is not None:
                 yield Session(*current, tuple(jobs))
-                seen.add(current)
-            if key in seen:
-                raise TraceError(f"{path}: line {number}: session {user}@{session_start:g} appears again "
-                                 "after other sessions (keep a session's lines together)")
             if session_start < last_start:
                 raise TraceError(f"{path}: line {number}: sessions must come in order of session_start")
             current, jobs, last_start = key, [], session_start
@@ -127,12 +126,15 @@ def _csv(path: Path, handle: TextIO) -> Iterator[Session]:
 def _csv_line(path: Path, number: int, line: str) -> tuple[str, float, float | None, Job]:
     def bad(why: str) -> TraceError:
         return TraceError(f"{path}: line {number}: {why}")
-    cells = next(csv.reader([line]))
+    try:
+        cells = next(csv.reader([line]))
+    except csv.Error as exc:
+        raise bad(str(exc)) from None
     if len(cells) != len(HEADER):
         raise bad(f"expected {len(HEADER)} fields ({','.join(HEADER)}), got {len(cells)}")
     user = cells[0].strip()
-    if not user:
-        raise bad("empty user")
+    if why := _bad_user(user):
+        raise bad(why)
     try:
         session_start, job_start, duration = (float(cells[i]) for i in (1, 3, 4))
         session_end = float(cells[2]) if cells[2].strip() else None
@@ -148,6 +150,15 @@ def _csv_line(path: Path, number: int, line: str) -> tuple[str, float, float | N
     if duration <= 0 or gpus < 1 or memory < 0:
         raise bad("duration must be > 0, gpus >= 1 and gpu_memory >= 0")
     return user, session_start, session_end, Job(job_start, duration, gpus, memory)
+
+
+def _bad_user(user: str) -> str | None:
+    """Why a replay could not log this user in (as the daemon's requests bound a name), or None."""
+    if not user:
+        return "empty user"
+    if len(user) > MAX_NAME:
+        return f"user name longer than {MAX_NAME} characters"
+    return None
 
 
 def _adobe(path: Path, handle: TextIO) -> Iterator[Session]:
@@ -188,6 +199,8 @@ def _sacct(path: Path, handle: TextIO) -> Iterator[Session]:
         gpus = sum(int(count) for count in _GRES_GPU.findall(tres))
         if "." in job_id or not user or gpus < 1:
             continue  # a step (its job has the line that counts), or no GPUs
+        if why := _bad_user(user):
+            raise TraceError(f"{path}: line {number}: {why}")
         try:
             submit, start, end = (_sacct_time(cells[at[name]]) for name in ("Submit", "Start", "End"))
         except ValueError as exc:

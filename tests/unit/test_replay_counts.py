@@ -105,6 +105,35 @@ def test_a_session_end_that_is_empty_is_open_and_round_trips(tmp_path):
     assert all(s.end is None for s in sessions)
 
 
+
+def test_two_jobs_one_user_submitted_in_the_same_second_stay_two_jobs(tmp_path):
+    # a job array: u's two jobs at 100, with v's between them and after; each open line is its own session
+    path = write(tmp_path, "u,100,,100,50,1,0", "v,100,,100,50,1,0", "u,100,,100,50,1,0", "u,100,,100,70,4,0")
+    sessions = list(trace.read(path))
+    assert [(s.user, len(s.jobs)) for s in sessions] == [("u", 1), ("v", 1), ("u", 1), ("u", 1)]
+    out = io.StringIO()
+    trace.write_csv(sessions, out)
+    assert list(trace.read(write(tmp_path, *out.getvalue().splitlines()[1:]))) == sessions
+    # static reservation runs u's 4-GPU job beside the 1-GPU ones, not on the same session's GPUs
+    assert replay.static_reservation(sessions, 4).waits == [0.0, 0.0, 0.0, 50.0]
+    # a dense generated month repeats user and second often (here 31,000 jobs in 13 days would)
+    dense = list(trace.generate_batch(3000, users=60, seed=1, days=0.5))
+    assert len({(s.user, s.start) for s in dense}) < len(dense)
+    out = io.StringIO()
+    trace.write_csv(dense, out)
+    assert list(trace.read(write(tmp_path, *out.getvalue().splitlines()[1:]))) == dense
+
+
+def test_a_closed_sessions_lines_together_are_one_session_and_apart_two(tmp_path):
+    path = write(tmp_path, "u,100,900,100,50,1,0", "u,100,900,200,50,1,0", "v,100,900,100,50,1,0")
+    assert [(s.user, len(s.jobs)) for s in trace.read(path)] == [("u", 2), ("v", 1)]
+    # the same user, start and end after another session's lines: two logins in the same second
+    path = write(tmp_path, "u,100,900,100,50,1,0", "v,100,900,100,50,1,0", "u,100,900,200,50,1,0")
+    assert [(s.user, len(s.jobs)) for s in trace.read(path)] == [("u", 1), ("v", 1), ("u", 1)]
+    # out of order is still refused, on one line
+    with pytest.raises(trace.TraceError, match="line 3: sessions must come in order of session_start"):
+        list(trace.read(write(tmp_path, "u,100,900,100,50,1,0", "v,50,900,100,50,1,0")))
+
 SACCT = """JobID|User|Submit|Start|End|AllocTRES
 100|alice|2024-03-01T09:00:00|2024-03-01T09:10:00|2024-03-01T10:10:00|billing=8,cpu=8,gres/gpu=2,mem=64G,node=1
 100.batch||2024-03-01T09:10:00|2024-03-01T09:10:00|2024-03-01T10:10:00|cpu=8,gres/gpu=2,mem=64G,node=1
@@ -133,6 +162,10 @@ def test_sacct_output_without_the_fields_is_refused_on_one_line(tmp_path):
     path = tmp_path / "sacct.txt"
     path.write_text("JobID|User|Start\n1|a|2024-03-01T09:00:00\n")
     with pytest.raises(trace.TraceError, match="without Submit, End, AllocTRES"):
+        list(trace.read(path))
+    # a name the daemon would refuse (a replay logs every user in) is named by its line, not a traceback
+    path.write_text(SACCT.replace("|alice|", "|" + "a" * 257 + "|"))
+    with pytest.raises(trace.TraceError, match="line 2: user name longer than 256 characters"):
         list(trace.read(path))
 
 
