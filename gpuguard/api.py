@@ -150,13 +150,14 @@ class Api:
             self.grants.allocate(account.uid, account.name, quota, quota.gpus, now, origin=Origin.SESSION,
                                  message=f"granted at login ({service or 'pam'})")
         held = store.grants(account.uid)
-        if not held and not store.queue(account.uid):
-            _, waits = self.queue.join(account.uid, account.name, quota.gpus, quota, now, Origin.SESSION, pid,
+        wanted = min(quota.gpus, self.grants.capacity(quota))  # more could never be served whole
+        if not held and wanted and not store.queue(account.uid):
+            _, waits = self.queue.join(account.uid, account.name, wanted, quota, now, Origin.SESSION, pid,
                                        caller.start_time if caller else None)
             held = store.grants(account.uid)
             if waits:
                 standing = self.queue.standing(account.uid, now)
-                event(logging.INFO, "queued", user=account.name, wanted=quota.gpus,
+                event(logging.INFO, "queued", user=account.name, wanted=wanted,
                       position=standing.position if standing else None)
                 return {**reply, "queue": _standing_info(standing),
                         "message": (queue_message(standing.position, standing.waiting, standing.gpus,
@@ -164,7 +165,7 @@ class Api:
                         + self.elsewhere(account.name, quota)}
         if not held:
             return {**reply, "message": NO_GPU_FREE}
-        return {**reply, **self._grant_reply(held, wanted=quota.gpus)}
+        return {**reply, **self._grant_reply(held, wanted=wanted)}
 
     async def session_close(self, request: rq.SessionClose, peer: Peer) -> dict[str, Any]:
         pid, store = request.pid, self.store
@@ -315,6 +316,14 @@ class Api:
         wanted = quota.gpus if request.gpus is None else request.gpus
         if wanted > quota.gpus:
             raise Refusal(f"your quota is {quota.gpus} GPU{'s' if quota.gpus != 1 else ''} (gpuguard whoami)")
+        # More than this server has for the user could never be served whole, and a place in the
+        # queue for it would hold the free GPUs for ever once reserved: refused, or the quota's
+        # worth cut to what there is.
+        if wanted > (most := self.grants.capacity(quota)):
+            if request.gpus is not None:
+                raise Refusal(f"this server has {most} GPU{'s' if most != 1 else ''} of a kind your quota takes; "
+                              f"you asked for {wanted} (gpuguard status shows them)")
+            wanted = most
         wait = request.wait
         more = wanted - len(store.grants(account.uid))
         granted: tuple[int, ...] = ()

@@ -152,6 +152,16 @@ class Grants:
             self._pool = (drained, allocator.Pool(self.open_units()))
         return self._pool[1]
 
+    def capacity(self, quota: Quota) -> int:
+        """How many units one user could hold at once on the terms of `quota`, were nobody else's
+        grants in the way: the open units of a kind it takes. A request for more can never be
+        served whole."""
+        pool = self.pool()
+        slices = sum(allocator.suits(gpu, quota) for gpu in pool.slices)
+        if quota.slices is not None:
+            slices = min(slices, quota.slices)
+        return (len(pool.whole.by_unit) if quota.whole_gpus else 0) + slices
+
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
                  message: str, chosen: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """Up to `count` more units for the user on the terms of their quota (none when none is free).

@@ -239,7 +239,10 @@ class Queue:
         scheduling = self.config().scheduler
         usage = self._fleet_usage(now, (run[0] for run in waiting.runs.values()))
         ordered = scheduler.in_order(waiting.runs.values(), usage, now, scheduling.max_wait_boost)
-        for waiter in scheduler.admit(ordered, fits, now, scheduling.reserve_after):
+        def possible(waiter: scheduler.Waiter) -> bool:
+            return waiter.gpus + len(self.store.grants(waiter.uid)) <= self.grants.capacity(entries[waiter.id].quota)
+
+        for waiter in scheduler.admit(ordered, fits, now, scheduling.reserve_after, possible):
             queued = entries[waiter.id]
             # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
             origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST

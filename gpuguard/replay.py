@@ -103,7 +103,7 @@ class Result:
     censored: list[float] = field(default_factory=list)  # time waited by each job that never ran
     stretch: list[float] = field(default_factory=list)   # run time / trace duration of each job that ended by itself
     never_ran: int = 0
-    over_quota: int = 0              # of never_ran: asked for more GPUs than the quota allows
+    over_quota: int = 0              # of never_ran: asked for more GPUs than the quota allows (or the pool has)
     releases: int = 0                # idle and logout releases (GPU grants)
     reclaims: int = 0
     revokes: int = 0                 # time limit
@@ -401,7 +401,7 @@ class Replay:
         uid = self.sessions[session].uid
         name = self.names[uid]
         quota = self._quota(name)
-        if job.gpus > quota.gpus:
+        if job.gpus > min(quota.gpus, self.grants.capacity(quota)):  # as gpuguard request refuses it
             self.result.over_quota += 1
             self._never_ran(job, session)
             return
@@ -665,8 +665,9 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
         totals[1] += demanded
         if need == 0:
             continue
-        if need > gpus:
+        if need > gpus:  # more than the pool has
             result.never_ran += len(session.jobs)
+            result.over_quota += len(session.jobs)
             for job in session.jobs:
                 result.count(session.user, 0.0, job.duration, None)
             continue

@@ -145,15 +145,17 @@ def why_ahead(first: Waiter, second: Waiter, usage: Mapping[int, float], now: fl
 # --- who is served now
 
 def admit(ordered: Iterable[Waiter], fits: Callable[[Waiter], bool], now: float,
-          reserve_after: float) -> Iterator[Waiter]:
+          reserve_after: float, possible: Callable[[Waiter], bool] = lambda waiter: True) -> Iterator[Waiter]:
     """The waiters to serve now, in order. `fits(waiter)` says whether its GPUs are free now; the
     caller grants each yielded waiter before asking for the next, so `fits` sees those grants.
     A waiter that does not fit and has waited `reserve_after` stops the walk: what is free is
-    held for it."""
+    held for it. Unless it could not fit even were every other grant given back (`possible`:
+    more GPUs than the pool has for it, since a drain say): holding GPUs for it would stop the
+    queue for good."""
     for waiter in ordered:
         if fits(waiter):
             yield waiter
-        elif now - waiter.since >= reserve_after:
+        elif now - waiter.since >= reserve_after and possible(waiter):
             return
 
 

@@ -93,7 +93,7 @@ ROWS = [
     ("per-user p95: worst user", "user_wait_p95_worst", "duration"),
     ("jobs that ran", "jobs_ran", "count"),
     ("jobs never ran", "jobs_never_ran", "count"),
-    ("  of them over quota", "jobs_over_quota", "count"),
+    ("  of them over quota or pool", "jobs_over_quota", "count"),
     ("Jain fairness (per-user slowdown)", "jain_slowdown", "ratio"),
     ("worst user's mean slowdown", "slowdown_worst_user", "ratio"),
     ("Jain fairness (granted/demanded)", "jain", "ratio"),

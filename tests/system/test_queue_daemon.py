@@ -109,3 +109,27 @@ def test_a_login_that_queues_is_told_on_its_terminal_when_granted(start_daemon):
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_more_gpus_than_the_server_has_are_refused_and_never_hold_the_queue(start_daemon):
+    """A quota above the server's GPUs (4 on 2): an explicit request for more is refused, the
+    quota's worth and a login's place are cut to what there is. A waiter the pool shrank under (a
+    drain) no longer holds the free GPUs once past reserve_after: the queue behind it is served."""
+    d = start_daemon(count=2, gate=False, defaults={"gpus": 4}, scheduler={"reserve_after": "0s"})
+    alice, bob, carol = d.add_member(), d.add_member(), d.add_member()
+    over = d.cli_as(alice, "request", "--gpus", "3")
+    assert over.returncode == 1
+    assert over.stderr == ("gpuguard: this server has 2 GPUs of a kind your quota takes; you asked for 3 "
+                           "(gpuguard status shows them)\n")
+    assert queue_users(d) == [] and d.granted_minors(alice) == []  # nothing queued, nothing held
+    assert sorted(d.call_as(alice, "request")["granted"]) == [0, 1]  # the quota's worth: both
+
+    queued = d.open_session(bob)  # both held: bob waits for 2, not 4, which would never come whole
+    assert queued["gpus"] == [] and [q["gpus"] for q in d.call("status")["queue"]] == [2]
+
+    assert d.cli("drain", "1", "--reason", "ggt-test").returncode == 0  # bob's 2 can no longer come
+    assert d.cli_as(alice, "release").returncode == 0  # GPU 0 free: bob, first and past reserve_after,
+    served = d.cli_as(carol, "request", "--wait", "--timeout", "30s")  # cannot take it, nor hold it for ever
+    assert served.returncode == 0, served.stderr
+    assert d.granted_minors(carol) == [0]
+    assert queue_users(d) == [bob.name] and d.granted_minors(bob) == []

@@ -134,6 +134,16 @@ def test_a_closed_sessions_lines_together_are_one_session_and_apart_two(tmp_path
     with pytest.raises(trace.TraceError, match="line 3: sessions must come in order of session_start"):
         list(trace.read(write(tmp_path, "u,100,900,100,50,1,0", "v,50,900,100,50,1,0")))
 
+
+def test_a_job_bigger_than_the_pool_never_runs_and_holds_nobody_up(tmp_path):
+    # 8 GPUs asked of 4 (the quota allows 8): refused as gpuguard request refuses it, and counted so;
+    # the jobs after it run, as under static reservation
+    path = write(tmp_path, "a,0,,0,100,8,0", "b,10,,10,100,1,0", "c,4000,,4000,100,2,0")
+    ours = replay.replay(trace.read(path), policy(), 4).summary(4)
+    static = replay.static_reservation(trace.read(path), 4).summary(4)
+    for summary in (ours, static):
+        assert (summary["jobs_ran"], summary["jobs_over_quota"], summary["jobs_dropped"]) == (2, 1, 0)
+
 SACCT = """JobID|User|Submit|Start|End|AllocTRES
 100|alice|2024-03-01T09:00:00|2024-03-01T09:10:00|2024-03-01T10:10:00|billing=8,cpu=8,gres/gpu=2,mem=64G,node=1
 100.batch||2024-03-01T09:10:00|2024-03-01T09:10:00|2024-03-01T10:10:00|cpu=8,gres/gpu=2,mem=64G,node=1

@@ -117,6 +117,14 @@ def test_smaller_requests_backfill_until_the_head_has_waited_reserve_after():
     assert _admit([big, small], free=5, now=300, reserve_after=300) == [1, 2]
 
 
+def test_a_request_the_pool_could_never_hold_does_not_hold_the_free_gpus():
+    big, small = waiter(1, 1, gpus=4, since=0), waiter(2, 2, gpus=1, since=1)
+    served = scheduler.admit([big, small], lambda w: w.gpus <= 2, now=300, reserve_after=300,
+                             possible=lambda w: w.gpus <= 3)  # a pool of 3: 4 never come whole
+    assert [w.id for w in served] == [2]
+    assert [w.id for w in scheduler.admit([big, small], lambda w: w.gpus <= 2, now=300, reserve_after=300)] == []
+
+
 def test_a_multi_gpu_request_is_not_starved_by_a_stream_of_single_gpu_requests() -> None:
     """2 GPUs; one job of each user runs 60 s; a single-GPU request arrives every 30 s. The 2-GPU
     request gets both within reserve_after plus one job length, although singles never stop."""
