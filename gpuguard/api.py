@@ -345,7 +345,8 @@ class Api:
             # Not all of it free (or others wait first): the queue decides, whole requests only.
             caller = self.processes.identity(peer.pid)
             queued, waits = self.queue.join(account.uid, account.name, more, quota, now, Origin.REQUEST, peer.pid,
-                                            caller.start_time if caller else None)
+                                            caller.start_time if caller else None,
+                                            counted=[g.unit for g in store.grants(account.uid)])
             if waits:
                 if wait:
                     return protocol.ok(queued=True, ticket=queued.waiter.id,

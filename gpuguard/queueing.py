@@ -146,14 +146,29 @@ class Queue:
     # --- joining and leaving
 
     def join(self, uid: int, user: str, gpus: int, quota: Quota, now: float, origin: Origin,
-             pid: int | None = None, pid_start: int | None = None) -> tuple[Queued, bool]:
-        """Queue a request and serve the queue at once: the row, and whether it still waits."""
-        queued = self.store.join_queue(uid, user, gpus, now, quota, origin, pid, pid_start)
+             pid: int | None = None, pid_start: int | None = None,
+             counted: Iterable[int] = ()) -> tuple[Queued, bool]:
+        """Queue a request for `gpus` more, on top of the `counted` units its user holds, and serve
+        the queue at once: the row, and whether it still waits."""
+        queued = self.store.join_queue(uid, user, gpus, now, quota, origin, pid, pid_start, counted)
         served = self.dispatch(now)  # its queue rows are the ones dispatch took out: no read of the queue again
         return queued, all(q.waiter.id != queued.waiter.id for q, _ in served)
 
     def leave(self, ids: Iterable[int]) -> int:
         return self.store.leave_queue(ids)
+
+    def keep_total(self, uid: int, taken: Iterable[int]) -> None:
+        """A rule (idle, reclaim, a time limit) took back these units of a user: a place of theirs
+        that counted on one of them now waits for as many more (never more than the quota's
+        count), so that it is served the total it asked for, not short by what a rule took while
+        it waited."""
+        taken = set(taken)
+        for queued in self.store.queue(uid):
+            lost = taken.intersection(queued.counted)
+            if lost:
+                gpus = min(queued.waiter.gpus + len(lost), queued.quota.gpus)
+                self.store.regrow_queued(queued, gpus, tuple(u for u in queued.counted if u not in lost))
+                self._waiting = None  # a row changed in place: the waiters are worked out afresh
 
     def gone(self, logged_in: set[int], alive: Alive) -> list[Queued]:
         """Waiters nobody waits for any more: a login's, once its user has no session; a request's,

@@ -7,7 +7,8 @@ reclaim rules, a logout, a MIG layout change) calls take_back, which, in this or
    the event is recorded);
 2. ends the user's processes still holding those nodes, in the background (HolderEnder.schedule),
    unless the caller ends them itself to report on them (an admin's revoke);
-3. charges the ended grants to their users' fair share (Queue.charge);
+3. charges the ended grants to their users' fair share (Queue.charge), and, where a rule took
+   them (KEEPS_TOTAL), lets the user's place in the queue wait for as many more (Queue.keep_total);
 4. on a fleet's node, tells the fleet (gpuguard.cluster: gone from its database before any later
    grant-time check, so the queue served next may have the same GPU; their usage to its ledger);
 5. serves the queue (Queue.dispatch): at once, or, inside `batch()`, once when the batch ends.
@@ -41,6 +42,12 @@ Tell = Callable[[int, str, str], None]
 Ended = Callable[[list[Grant], float], None]
 
 
+# Taken back without the user's or an admin's say: a request of theirs that counted these GPUs
+# waits for as many more (Queue.keep_total). A user's own release leaves the queue; an admin's
+# revoke or the group's loss means less, not the same elsewhere.
+KEEPS_TOTAL = frozenset({Rule.IDLE, Rule.RECLAIM, Rule.TIME, Rule.LOGOUT, Rule.LAYOUT, Rule.COEXIST})
+
+
 class Releases:
     def __init__(self, grants: Grants, queue: Queue, end_holders: EndHolders, tell: Tell,
                  fleet_ended: Ended | None = None):
@@ -62,6 +69,8 @@ class Releases:
         if end_holders:
             self.end_holders(uid, removed[0].user, [g.unit for g in removed], rule)
         self.queue.charge(removed, now)
+        if rule in KEEPS_TOTAL:
+            self.queue.keep_total(uid, [g.unit for g in removed])
         if self.fleet_ended is not None:
             self.fleet_ended(removed, now)
         if self._freed_in_batch is None:

@@ -10,8 +10,10 @@ after it), a job's request is the queue's join (whose dispatch serves the waiter
 release, revoke and stop is an action of Watcher.check.
 
 The replay: a session opens (a login with grant "never": jobs ask for their GPUs); each job asks
-the queue for the GPUs it needs beyond its user's idle granted ones, as `gpuguard request --wait`
-would, and runs once they are granted: the time between is its time to GPU. (Api.request is not
+the queue for the GPUs it needs beyond its user's idle granted ones that no other waiting job of
+theirs counts on, as `gpuguard request --wait` would (those it counts on are the row's `counted`:
+one a rule takes back while it waits is asked for again, Queue.keep_total), and runs on exactly
+its count once they are granted: the time between is its time to GPU. (Api.request is not
 used for this: it asks for a user's total and keeps one place in the queue per user, while a
 trace's user may have many jobs waiting at once; the queue's join is what it calls.) A job still
 waiting when its session ends never runs (its waiter leaves the queue with the last session); an
@@ -405,13 +407,15 @@ class Replay:
             self.result.over_quota += 1
             self._never_ran(job, session)
             return
-        more = job.gpus - len(self._idle_held(uid))
-        if more <= 0:
-            self._start(job, session)
+        mine = self._uncounted_idle(uid)
+        if len(mine) >= job.gpus:
+            self._start(job, session, tuple(mine[:job.gpus]))
             return
         self._joining = (job, session)
-        try:
-            queued, waits = self.queue.join(uid, name, more, quota, self.now, Origin.SESSION, pid=session)
+        try:  # as gpuguard request asks: the rest, counting on what the user holds (here: idle, and not
+            # counted on by a waiting job of theirs already)
+            queued, waits = self.queue.join(uid, name, job.gpus - len(mine), quota, self.now, Origin.SESSION,
+                                            pid=session, counted=mine)
         finally:
             self._joining = None
         if waits:
@@ -467,11 +471,11 @@ class Replay:
         mine = self.pending.get(queued.waiter.uid, {})
         waiting = mine.pop(queued.waiter.id, None) or self._joining  # None: served as it joined
         assert waiting is not None, "the queue served a request the replay did not make"
-        self._start(*waiting)
+        self._start(*waiting, (*queued.counted, *units))  # a unit counted on and taken back was asked again
 
-    def _start(self, job: Job, session: int) -> None:
+    def _start(self, job: Job, session: int, units: tuple[int, ...]) -> None:
+        assert len(units) == job.gpus, (job, units)
         owner = self.sessions[session]
-        units = tuple(sorted(self._idle_held(owner.uid)))[:job.gpus]
         pid = next(self._pids)
         identity = ProcessIdentity(pid, owner.uid, start_time=pid)  # unique, as a real start time is with its pid
         running = _Running(job, owner.user, owner.uid, session, units, pid, job.start, self.now, job.duration,
@@ -547,9 +551,13 @@ class Replay:
         self.result.count(self.sessions[session].user, self.now - job.start, job.duration, None)
         self._job_done(session)
 
-    def _idle_held(self, uid: int) -> set[int]:
+    def _uncounted_idle(self, uid: int) -> list[int]:
+        """The user's granted GPUs with no job on them that no waiting job of theirs counts on, in order."""
         busy = self.busy_of.get(uid, ())
-        return {g.unit for g in self.store.grants(uid) if g.unit not in busy}
+        idle = {g.unit for g in self.store.grants(uid) if g.unit not in busy}
+        if idle and self.pending.get(uid):
+            idle.difference_update(*(q.counted for q in self.store.queue(uid)))
+        return sorted(idle)
 
     # --- the watcher
 

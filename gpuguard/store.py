@@ -12,7 +12,7 @@ import sqlite3
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -108,6 +108,11 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE grants ADD COLUMN memory INTEGER;
     """,
+    # The units a queue row's user held when it joined that it counts towards what it wants
+    # (Queued.counted, a JSON list): one a rule takes back is waited for again (Queue.keep_total).
+    """
+    ALTER TABLE queue ADD COLUMN counted TEXT NOT NULL DEFAULT '[]';
+    """,
 )
 HOUR = 3600
 _Read = TypeVar("_Read")
@@ -127,6 +132,9 @@ class Queued:
     origin: Origin         # session or request
     pid: int | None        # the client (request) or PAM caller (session)
     pid_start: int | None  # its start time (clock ticks after boot), None when unknown
+    # The units its user held when it joined and counts on (it asked for the rest: waiter.gpus),
+    # as long as they stay theirs: one a rule takes back is waited for again (Queue.keep_total).
+    counted: tuple[int, ...] = ()
 
 
 class Store:
@@ -475,16 +483,17 @@ class Store:
     # --- the queue
 
     def join_queue(self, uid: int, user: str, gpus: int, now: float, quota: Quota, origin: Origin,
-                   pid: int | None = None, pid_start: int | None = None) -> Queued:
+                   pid: int | None = None, pid_start: int | None = None, counted: Iterable[int] = ()) -> Queued:
+        counted = tuple(counted)
         with self.transaction() as db:
             cursor = db.execute(
-                "INSERT INTO queue (uid, user, gpus, since, priority, share, quota, origin, pid, pid_start)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO queue (uid, user, gpus, since, priority, share, quota, origin, pid, pid_start, counted)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 # vars, not asdict: the same JSON (Quota's fields are flat) without asdict's deep copy
                 (uid, user, gpus, now, quota.priority, quota.share, json.dumps(vars(quota)), origin, pid,
-                 pid_start))
+                 pid_start, json.dumps(counted)))
         joined = Queued(Waiter(_row_id(cursor), uid, user, gpus, float(now), quota.priority, float(quota.share)),
-                        quota, Origin(origin), pid, pid_start)
+                        quota, Origin(origin), pid, pid_start, counted)
         if (copy := self._copies.get("queue")) is not None:  # written: the copy follows (ids only grow)
             self._copies["queue"] = (copy[0], (*copy[1], joined))
         return joined
@@ -497,6 +506,16 @@ class Store:
         """The queue by id, as kept: the same object until it changes, so that a caller may compare
         it by identity to know that nothing changed."""
         return self._copy("queue", lambda db: tuple(map(_queued, db.execute("SELECT * FROM queue ORDER BY id"))))
+
+    def regrow_queued(self, queued: Queued, gpus: int, counted: tuple[int, ...]) -> None:
+        """A queue row now waiting for `gpus`, counting on `counted` (its place and id kept: a
+        waiting client holds the id)."""
+        with self.transaction() as db:
+            db.execute("UPDATE queue SET gpus = ?, counted = ? WHERE id = ?",
+                       (gpus, json.dumps(counted), queued.waiter.id))
+        if (copy := self._copies.get("queue")) is not None:  # written: the copy follows
+            grown = replace(queued, waiter=replace(queued.waiter, gpus=gpus), counted=counted)
+            self._copies["queue"] = (copy[0], tuple(grown if q.waiter.id == grown.waiter.id else q for q in copy[1]))
 
     def leave_queue(self, ids: Iterable[int]) -> int:
         """Remove these queue rows; how many were there."""
@@ -524,7 +543,8 @@ def _queued(row: sqlite3.Row) -> Queued:
     terms = json.loads(row["quota"])
     if "slice_profiles" in terms:  # JSON has no tuples
         terms["slice_profiles"] = tuple(terms["slice_profiles"])
-    return Queued(waiter, Quota(**terms), Origin(row["origin"]), row["pid"], row["pid_start"])
+    return Queued(waiter, Quota(**terms), Origin(row["origin"]), row["pid"], row["pid_start"],
+                  tuple(json.loads(row["counted"])))
 
 
 def hour_of(t: float) -> int:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import popen_as
-from sim_helpers import gpuguard
+from sim_helpers import burn, gpuguard
 from test_notify import read_until  # a pty's output up to a needle
 
 from devtools.harness import wait_for
@@ -133,3 +133,29 @@ def test_more_gpus_than_the_server_has_are_refused_and_never_hold_the_queue(star
     assert served.returncode == 0, served.stderr
     assert d.granted_minors(carol) == [0]
     assert queue_users(d) == [bob.name] and d.granted_minors(bob) == []
+
+
+def test_a_held_gpu_reclaim_takes_from_a_waiting_user_is_waited_for_again(start_daemon):
+    """alice holds GPU 0 (idle) and waits for 1 more (2 in all, her quota); bob works on GPU 1.
+    Reclaim takes alice's idle GPU for the queue, which is alice: her request now waits for 2, and
+    comes whole when bob releases, not as GPU 0 alone."""
+    d = start_daemon(count=2, gate=False, defaults={"gpus": 2, "reclaim_after": "1s"},
+                     watcher={"interval": "0.2s"})
+    alice, bob = d.add_member(), d.add_member()
+    assert d.call_as(alice, "request", gpus=1)["granted"] == [0]
+    assert d.call_as(bob, "request", gpus=1)["granted"] == [1]
+    with burn(d.config_path, 1, user=bob):
+        waiting = popen_as(alice, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
+        try:
+            assert wait_for(lambda: d.granted_minors(alice) == [] and queue_users(d) == [alice.name])
+            assert [q["gpus"] for q in d.call("status")["queue"]] == [2]
+            assert waiting.poll() is None  # still waiting: GPU 0 alone is not what she asked for
+            assert d.cli_as(bob, "release").returncode == 1  # his process holds GPU 1
+        except BaseException:
+            waiting.kill()
+            raise
+    assert d.cli_as(bob, "release").returncode == 0
+    out, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0, err
+    assert d.granted_minors(alice) == [0, 1]
+    assert f"export CUDA_VISIBLE_DEVICES={d.uuid(0)},{d.uuid(1)}" in out

@@ -109,6 +109,32 @@ def test_an_idle_grant_is_reclaimed_for_a_waiter_and_goes_to_it(world):
     assert any("for someone waiting" in told for _, told in world.notifier.told)
 
 
+def test_a_waiters_own_gpu_taken_back_by_reclaim_is_waited_for_again_so_the_request_comes_whole(world):
+    # eve holds GPU 3 and waits for 1 more (2 in all, her quota); reclaim takes her idle GPU 3 for
+    # the queue, which is her: she now waits for 2, so she is not served GPU 3 alone as if whole
+    holders = fill(world)  # a GPU each
+    world.quota(reclaim_after=60.0, gpus=2)
+    eve = holders[3]
+    queued = world.call("request", uid=eve.uid, wait=True)
+    assert queued["queued"] is True and [q.waiter.gpus for q in world.store.queue()] == [1]
+    world.sampler.set([(100 + i, holders[i].uid, i, 1 << 30) for i in (0, 1, 2)])  # GPU 3 idle
+    asyncio.run(world.watcher.check(world.sampler.last, time.time() + 120))
+    assert world.held(eve.uid) == [] and [q.waiter.gpus for q in world.store.queue()] == [2]
+    assert [q.waiter.id for q in world.store.queue()] == [queued["ticket"]]  # her place and ticket kept
+    world.sampler.set([(100 + i, holders[i].uid, i, 1 << 30) for i in (0, 2)])
+    world.call("release", uid=holders[1].uid)
+    assert world.held(eve.uid) == [1, 3] and world.store.queue() == []
+
+
+def test_an_admins_revoke_does_not_grow_what_they_wait_for(world):
+    holders = fill(world)
+    world.quota(gpus=2)
+    eve = holders[3]
+    world.call("request", uid=eve.uid, wait=True)
+    world.call("revoke", user=eve.name, gpu=[3])  # the admin wants her to have less: still 1 to wait for,
+    assert world.held(eve.uid) == [3] and world.store.queue() == []  # which the freed GPU serves
+
+
 def test_nothing_is_reclaimed_while_nobody_waits(world):
     world.quota(reclaim_after=60.0)
     holders = fill(world)

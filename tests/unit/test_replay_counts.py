@@ -144,6 +144,17 @@ def test_a_job_bigger_than_the_pool_never_runs_and_holds_nobody_up(tmp_path):
     for summary in (ours, static):
         assert (summary["jobs_ran"], summary["jobs_over_quota"], summary["jobs_dropped"]) == (2, 1, 0)
 
+
+def test_a_gpu_a_waiting_job_counted_on_and_lost_to_reclaim_is_waited_for_again(tmp_path):
+    # a's second job (2 GPUs, at 105) counts on the GPU her first left idle and waits for 1 more
+    # (b holds the other until 1000). Reclaim takes that idle GPU for the queue (a waits): her job
+    # waits for 2 again, and runs on 2 from 1000, not on 1 from 110 (as it once did, short).
+    path = write(tmp_path, "b,0,,0,1000,1,0", "a,0,5000,0,100,1,0", "a,0,5000,105,200,2,0")
+    result = replay.replay(trace.read(path), policy(reclaim_after=10.0), 2)
+    assert sorted(result.waits) == [0.0, 0.0, 895.0]
+    assert result.busy == 1000 + 100 + 2 * 200
+    assert result.reclaims == 1
+
 SACCT = """JobID|User|Submit|Start|End|AllocTRES
 100|alice|2024-03-01T09:00:00|2024-03-01T09:10:00|2024-03-01T10:10:00|billing=8,cpu=8,gres/gpu=2,mem=64G,node=1
 100.batch||2024-03-01T09:10:00|2024-03-01T09:10:00|2024-03-01T10:10:00|cpu=8,gres/gpu=2,mem=64G,node=1

@@ -154,7 +154,7 @@ def _views(store: Store) -> dict[str, object]:
 def _write(store: Store, rng: random.Random, now: float) -> None:
     """One write of a random kind, each kind of write the store has a copy for."""
     uid = rng.choice(UIDS)
-    op = rng.choice(["add", "remove", "mark", "open", "close", "drop", "join", "leave", "charge"])
+    op = rng.choice(["add", "remove", "mark", "open", "close", "drop", "join", "regrow", "leave", "charge"])
     if op == "add":
         store.add_grants(uid, f"u{uid}", rng.sample(UNITS, rng.randint(1, 2)), now, rng.choice([None, now + 60]),
                          shared=rng.random() < 0.3, origin=rng.choice(list(Origin)), memory=rng.choice([None, 1 << 30]))
@@ -172,7 +172,11 @@ def _write(store: Store, rng: random.Random, now: float) -> None:
     elif op == "join":
         store.join_queue(uid, f"u{uid}", rng.randint(1, 2), now,
                          Quota(gpus=2, max_time=rng.choice([None, 3600]), slice_profiles=("1g.10gb",)),
-                         rng.choice(list(Origin)), pid=rng.choice([None, 42]), pid_start=rng.choice([None, 9]))
+                         rng.choice(list(Origin)), pid=rng.choice([None, 42]), pid_start=rng.choice([None, 9]),
+                         counted=rng.sample(UNITS, rng.randint(0, 2)))
+    elif op == "regrow" and (rows := store.queue()):
+        row = rng.choice(rows)
+        store.regrow_queued(row, row.waiter.gpus + 1, row.counted[1:])
     elif op == "leave":
         store.leave_queue(rng.sample([q.waiter.id for q in store.queue()] + [10_000], 1))
     else:
