@@ -7,6 +7,7 @@ derived from this and rebuilt from it at daemon start.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import sqlite3
 from collections import Counter
@@ -608,7 +609,7 @@ class _Grants:
         self._by_slot: dict[tuple[int, int], Grant] = {}
         self._of_uid: dict[int, set[int]] = {}  # uid -> its units
         self._on_gpu: dict[int, set[tuple[int, int]]] = {}  # GPU -> the slots on it
-        self._order: list[tuple[int, int]] | None = None  # the slots sorted; None: changed since
+        self._order: list[tuple[int, int]] | None = None  # the slots sorted (kept so); None: not since a read
         self._rows: tuple[Grant, ...] | None = None
 
     def read(self, version: int, rows: Iterable[sqlite3.Row]) -> None:
@@ -628,7 +629,9 @@ class _Grants:
             if self._by_slot.pop(slot, None) is not None:
                 _discard_in(self._of_uid, grant.uid, grant.unit)
                 _discard_in(self._on_gpu, unit_parent(grant.unit), slot)
-        self._order = self._rows = None
+                if self._order is not None:
+                    del self._order[bisect.bisect_left(self._order, slot)]
+        self._rows = None
 
     def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
         if self.version is None:
@@ -645,7 +648,8 @@ class _Grants:
             if slot not in self._by_slot:  # a slot held already keeps its place in the indexes
                 self._of_uid.setdefault(grant.uid, set()).add(grant.unit)
                 self._on_gpu.setdefault(unit_parent(grant.unit), set()).add(slot)
-                self._order = None
+                if self._order is not None:
+                    bisect.insort(self._order, slot)
             self._by_slot[slot] = grant
         self._rows = None
 
