@@ -122,9 +122,11 @@ class Queue:
         if not ordered:
             return []
         waiters, free = [q.waiter for q in ordered], self.free()
+        # A held waiter, or one the pool could never hold (_possible), keeps nobody waiting.
+        blocks = [q.waiter.id not in self.holds and self._possible(q) for q in ordered]
         scheduling = self.config().scheduler
         return [(queued, HELD if queued.waiter.id in self.holds else
-                 reason([w for w in waiters[:i] if w.id not in self.holds], queued.waiter, usage, free, now,
+                 reason([w for w, block in zip(waiters[:i], blocks[:i], strict=True) if block], queued.waiter, usage, free, now,
                         scheduling.reserve_after, scheduling.max_wait_boost))
                 for i, queued in enumerate(ordered)]
 
@@ -142,6 +144,11 @@ class Queue:
         return Standing(place, len(waiters), mine.gpus, mine.since, ahead, scheduler.estimate(need, expiries, now),
                         mine.priority, usage.get(mine.uid, 0.0) / mine.share,
                         mine.since + boost if boost < float("inf") else None)
+
+    def _possible(self, queued: Queued) -> bool:
+        """Whether this server could hold the waiter's GPUs, were every other user's grant given
+        back (its user keeps those they hold while they wait): a drain may have made it too big."""
+        return queued.waiter.gpus + len(self.store.grants(queued.waiter.uid)) <= self.grants.capacity(queued.quota)
 
     # --- joining and leaving
 
@@ -254,10 +261,8 @@ class Queue:
         scheduling = self.config().scheduler
         usage = self._fleet_usage(now, (run[0] for run in waiting.runs.values()))
         ordered = scheduler.in_order(waiting.runs.values(), usage, now, scheduling.max_wait_boost)
-        def possible(waiter: scheduler.Waiter) -> bool:
-            return waiter.gpus + len(self.store.grants(waiter.uid)) <= self.grants.capacity(entries[waiter.id].quota)
-
-        for waiter in scheduler.admit(ordered, fits, now, scheduling.reserve_after, possible):
+        for waiter in scheduler.admit(ordered, fits, now, scheduling.reserve_after,
+                                      lambda waiter: self._possible(entries[waiter.id])):
             queued = entries[waiter.id]
             # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
             origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST

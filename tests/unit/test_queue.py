@@ -135,6 +135,22 @@ def test_an_admins_revoke_does_not_grow_what_they_wait_for(world):
     assert world.held(eve.uid) == [3] and world.store.queue() == []  # which the freed GPU serves
 
 
+def test_a_waiter_a_drain_made_too_big_holds_nothing_and_is_no_ones_reason_to_wait(world):
+    from dataclasses import replace
+
+    from gpuguard.drains import Drain
+    holders = fill(world)
+    world.quota(gpus=4)
+    world.config = replace(world.config, scheduler=replace(world.config.scheduler, reserve_after=0.0))
+    eve, fred = world.lookup.add("eve", 1005, GROUP), world.lookup.add("fred", 1006, GROUP)
+    assert world.call("request", uid=eve.uid, wait=True)["queued"] is True  # for all 4
+    world.grants.drained[3] = Drain("ggt-test", 0.0)  # now 3 can be hers at most
+    world.call("release", uid=holders[0].uid)  # GPU 0 free: not held for eve, who cannot have 4
+    assert world.call("request", uid=fred.uid, gpus=2, wait=True)["queued"] is True  # 1 free: fred waits
+    why = {row["user"]: row["reason"] for row in world.call("status")["queue"]}
+    assert why == {"eve": "Resources", "fred": "Resources"}  # not "Reserved" (for eve)
+
+
 def test_nothing_is_reclaimed_while_nobody_waits(world):
     world.quota(reclaim_after=60.0)
     holders = fill(world)
