@@ -10,6 +10,7 @@ import os
 import pwd
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -126,9 +127,15 @@ def run_as(user: TestUser, argv: list[str], **kwargs) -> subprocess.CompletedPro
 
 
 def popen_as(user: TestUser, argv: list[str], **kwargs) -> subprocess.Popen:
+    """A command of `user`'s, started as from their terminal: ^C (SIGINT) interrupts it even when
+    the tests run where it is ignored (a background job's shell ignores it, and its children with it)."""
     groups = [g.gr_gid for g in grp.getgrall() if user.name in g.gr_mem]
-    return subprocess.Popen(argv, user=user.uid, group=user.gid, extra_groups=groups,
-                            cwd="/", **kwargs)
+    return subprocess.Popen(argv, user=user.uid, group=user.gid, extra_groups=groups, cwd="/",
+                            preexec_fn=_interruptible, **kwargs)
+
+
+def _interruptible() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture
