@@ -21,7 +21,8 @@ Times are written exactly (the shortest text that reads back as the same number)
 
 Slurm's accounting, `sacct -a -P -X -o JobID,User,Submit,Start,End,AllocTRES` (recognised by its
 header line), is read as one open session per job with GPUs: it arrives at Submit and runs
-End - Start seconds on its gres/gpu count. Job steps (JobID with a dot), jobs without GPUs and
+End - Start seconds on its gres/gpu count (the untyped total where Slurm writes one beside the
+typed counts, else the typed counts added up). Job steps (JobID with a dot), jobs without GPUs and
 jobs that never started or have not ended are left out; the times are read as the local time
 sacct prints, memory as unknown.
 
@@ -50,7 +51,7 @@ HEADER = ("user", "session_start", "session_end", "job_start", "duration", "gpus
 ADOBE_TICK = 60.0  # seconds per tick in the Adobe file
 GB = 10 ** 9
 SACCT_FIELDS = ("JobID", "User", "Submit", "Start", "End", "AllocTRES")
-_GRES_GPU = re.compile(r"(?:^|,)gres/gpu(?::[^=,]+)?=(\d+)")
+_GRES_GPU = re.compile(r"(?:^|,)gres/gpu(:[^=,]+)?=(\d+)")  # a type (gres/gpu:a100=4), or none
 
 
 class TraceError(UsageError):
@@ -196,7 +197,7 @@ def _sacct(path: Path, handle: TextIO) -> Iterator[Session]:
         if len(cells) != len(names):
             raise TraceError(f"{path}: line {number}: expected {len(names)} fields separated by |, got {len(cells)}")
         job_id, user, tres = cells[at["JobID"]], cells[at["User"]].strip(), cells[at["AllocTRES"]]
-        gpus = sum(int(count) for count in _GRES_GPU.findall(tres))
+        gpus = _gpus_of(tres)
         if "." in job_id or not user or gpus < 1:
             continue  # a step (its job has the line that counts), or no GPUs
         if why := _bad_user(user):
@@ -209,6 +210,14 @@ def _sacct(path: Path, handle: TextIO) -> Iterator[Session]:
             continue  # never started (cancelled while pending), still running, or ran no time
         sessions.append(Session(user, submit, None, (Job(submit, end - start, gpus, 0),)))
     yield from sorted(sessions, key=lambda s: s.start)
+
+
+def _gpus_of(tres: str) -> int:
+    """The GPUs of an AllocTRES: its untyped gres/gpu count, which Slurm writes beside the typed
+    ones (`gres/gpu:a100=4,gres/gpu=4` is 4 GPUs, not 8), or else the typed counts added up."""
+    counts = _GRES_GPU.findall(tres)
+    untyped = [int(count) for kind, count in counts if not kind]
+    return sum(untyped) if untyped else sum(int(count) for _, count in counts)
 
 
 def _sacct_time(text: str) -> float | None:

@@ -162,6 +162,8 @@ SACCT = """JobID|User|Submit|Start|End|AllocTRES
 102|carol|2024-03-01T09:30:00|Unknown|Unknown|cpu=4,gres/gpu=1
 103|dave|2024-03-01T09:40:00|2024-03-01T09:41:00|2024-03-01T09:50:00|cpu=4,mem=8G,node=1
 104|erin|2024-03-01T09:45:00|None|2024-03-01T09:46:00|cpu=4,gres/gpu=1
+105|fay|2024-03-01T09:50:00|2024-03-01T09:50:00|2024-03-01T10:50:00|billing=54,cpu=16,gres/gpu:a100=4,gres/gpu=4,mem=208G,node=1
+106|gus|2024-03-01T09:55:00|2024-03-01T09:55:00|2024-03-01T10:55:00|cpu=8,gres/gpu:a100=2,gres/gpu:v100=1,gres/gpumem=80G
 """
 
 
@@ -169,14 +171,18 @@ def test_slurm_accounting_is_read_as_one_open_session_per_gpu_job(tmp_path):
     path = tmp_path / "sacct.txt"
     path.write_text(SACCT)
     sessions = list(trace.read(path))
-    # bob's job (submitted first) then alice's; steps, jobs without GPUs and jobs that never ran are left out
-    assert [(s.user, s.end, len(s.jobs)) for s in sessions] == [("bob", None, 1), ("alice", None, 1)]
-    bob, alice = sessions
+    # bob's job (submitted first), then alice's, fay's, gus's; steps, jobs without GPUs and jobs that
+    # never ran are left out
+    assert [(s.user, s.end, len(s.jobs)) for s in sessions] == [("bob", None, 1), ("alice", None, 1),
+                                                                 ("fay", None, 1), ("gus", None, 1)]
+    bob, alice, fay, gus = sessions
+    assert fay.jobs[0].gpus == 4  # Slurm writes the typed count and the untyped total: 4 GPUs, not 8
+    assert gus.jobs[0].gpus == 3  # typed counts only (no total written): added up; gpumem is no GPU
     assert bob.jobs[0].gpus == 4 and bob.jobs[0].duration == 1800.0
     assert alice.jobs[0].gpus == 2 and alice.jobs[0].duration == 3600.0
     assert alice.start - bob.start == 3600.0 and alice.jobs[0].start == alice.start
     summary = replay.replay(trace.read(path), policy(), 4).summary(4)
-    assert summary["jobs_ran"] == 2
+    assert summary["jobs_ran"] == 4
 
 
 def test_sacct_output_without_the_fields_is_refused_on_one_line(tmp_path):
