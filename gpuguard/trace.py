@@ -20,11 +20,11 @@ flat however long the trace).
 Times are written exactly (the shortest text that reads back as the same number).
 
 Slurm's accounting, `sacct -a -P -X -o JobID,User,Submit,Start,End,AllocTRES` (recognised by its
-header line), is read as one open session per job with GPUs: it arrives at Submit and runs
-End - Start seconds on its gres/gpu count (the untyped total where Slurm writes one beside the
-typed counts, else the typed counts added up). Job steps (JobID with a dot), jobs without GPUs and
-jobs that never started or have not ended are left out; the times are read as the local time
-sacct prints, memory as unknown.
+header line; the fields in any order, others beside them), is read as one open session per job
+with GPUs: it arrives at Submit and runs End - Start seconds on its gres/gpu count (the untyped
+total where Slurm writes one beside the typed counts, else the typed counts added up). Job steps
+(JobID with a dot), jobs without GPUs and jobs that never started or have not ended are left out;
+the times are read as the local time sacct prints, memory as unknown.
 
 The Adobe file (../shared/data/adobe-notebook-sessions-2021-06-01.json, a JSON object with a
 `sessions` list, ticks of one minute) is read as it is: each session is one user named after
@@ -94,7 +94,7 @@ def read(path: Path) -> Iterator[Session]:
         handle.seek(0)
         if first == "{":
             yield from _adobe(path, handle)
-        elif handle.readline().startswith("JobID|"):
+        elif "JobID" in handle.readline().rstrip("\n").split("|"):  # sacct -P, its fields in any order
             handle.seek(0)
             yield from _sacct(path, handle)
         else:

@@ -185,6 +185,14 @@ def test_slurm_accounting_is_read_as_one_open_session_per_gpu_job(tmp_path):
     assert summary["jobs_ran"] == 4
 
 
+def test_sacct_fields_in_another_order_read_the_same(tmp_path):
+    lines = [line.split("|") for line in SACCT.splitlines()]
+    order = [5, 1, 3, 0, 4, 2]  # AllocTRES|User|Start|JobID|End|Submit
+    (tmp_path / "a.txt").write_text(SACCT)
+    (tmp_path / "b.txt").write_text("\n".join("|".join(cells[i] for i in order) for cells in lines) + "\n")
+    assert list(trace.read(tmp_path / "b.txt")) == list(trace.read(tmp_path / "a.txt"))
+
+
 def test_sacct_output_without_the_fields_is_refused_on_one_line(tmp_path):
     path = tmp_path / "sacct.txt"
     path.write_text("JobID|User|Start\n1|a|2024-03-01T09:00:00\n")
