@@ -306,7 +306,7 @@ class Waiting:
     free) and moved on by what changed, not worked out again."""
 
     all_rows: tuple[Queued, ...]         # the store's queue this is of
-    ids: frozenset[int]                  # their ids (a row never changes, and its id is never used again)
+    ids: frozenset[int]                  # their ids, never used again (a row keep_total changes: worked out afresh)
     holds: frozenset[int]
     by_id: dict[int, Queued]             # the waiters not held, by id
     runs: dict[scheduler.RunKey, list[scheduler.Waiter]]  # scheduler.runs of their waiters

@@ -43,8 +43,8 @@ Ended = Callable[[list[Grant], float], None]
 
 
 # Taken back without the user's or an admin's say: a request of theirs that counted these GPUs
-# waits for as many more (Queue.keep_total). A user's own release leaves the queue; an admin's
-# revoke or the group's loss means less, not the same elsewhere.
+# waits for as many more (Queue.keep_total). A user's own release, an admin's revoke or the
+# group's loss means less, not the same elsewhere.
 KEEPS_TOTAL = frozenset({Rule.IDLE, Rule.RECLAIM, Rule.TIME, Rule.LOGOUT, Rule.LAYOUT, Rule.COEXIST})
 
 
