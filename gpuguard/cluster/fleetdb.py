@@ -86,7 +86,7 @@ class FleetDb:
         return answer
 
     def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return self.call("heartbeat_v1", doc)
+        return self.call("heartbeat_v2", doc)
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
         return self.call("reserve_v1", doc)

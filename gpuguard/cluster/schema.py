@@ -192,6 +192,20 @@ MIGRATIONS: tuple[Migration, ...] = (
         RETURN jsonb_build_object('granted', to_jsonb(took), 'held', held, 'quota', quota);
     END $$;
     """),
+    # A node's place in its queue may change its GPU count in place (gpuguard.queueing's
+    # keep_total: a GPU it counted on was taken back by a rule), where heartbeat_v1 keeps a
+    # ticket's first count: v2 is v1, then the counts of the tickets it kept brought up to date.
+    Migration(2, 1, """
+    CREATE FUNCTION gpuguard.heartbeat_v2(doc jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE
+        answer jsonb := gpuguard.heartbeat_v1(doc);
+    BEGIN
+        UPDATE gpuguard.queue q SET gpus = x.gpus
+            FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer, gpus integer)
+            WHERE q.node = doc->>'node' AND q.ticket = x.ticket AND q.gpus <> x.gpus;
+        RETURN answer;
+    END $$;
+    """),
 )
 CURRENT = MIGRATIONS[-1].version
 

@@ -26,14 +26,15 @@ GPUS = 8
 
 def heartbeat_doc(node: str, grants: list[dict] | None = None, ledger: list[dict] | None = None,
                   taken_at: float | None = None, lease: float = 30.0, grace: float = 60.0,
-                  usage_for: list[str] | None = None, users: list[str] | None = None) -> dict:
+                  usage_for: list[str] | None = None, users: list[str] | None = None,
+                  queue: list[dict] | None = None) -> dict:
     """A heartbeat document as Cluster.snapshot makes it (its keys; the daemon tests send real ones)."""
     return {"node": node, "rack": "r1" if node < "node3" else "r2", "ssh": node, "version": "test",
             "schema": schema.CURRENT, "incarnation": "inc1", "heartbeat": 10.0, "lease": lease, "grace": grace,
             "taken_at": time.time() if taken_at is None else taken_at, "half_life": 7 * 86400.0,
             "gpus": [{"minor": m, "uuid": f"GPU-{node}-{m}", "name": "sim", "memory_total": 80 << 30,
                       "owner": "gpuguard"} for m in range(GPUS)],
-            "grants": grants or [], "queue": [], "ledger": ledger or [], "usage_for": usage_for or [],
+            "grants": grants or [], "queue": queue or [], "ledger": ledger or [], "usage_for": usage_for or [],
             "users": users or [], "want_free": False}
 
 
@@ -234,6 +235,17 @@ def test_heartbeat_mirrors_the_nodes_truth_and_replays_the_ledger_once(postgres)
     other = FleetDb(postgres.conninfo, "node1").heartbeat(heartbeat_doc("node1", usage_for=["u1"]))
     assert other["usage"]["u1"] == pytest.approx(50, rel=0.01)
     assert db.heartbeat(heartbeat_doc("node0", usage_for=["u1"]))["usage"]["u1"] == 0
+
+
+def test_the_queue_mirror_follows_a_place_that_grew_in_place_and_drops_one_that_left(postgres):
+    db = FleetDb(postgres.conninfo, "node0")
+
+    def place(ticket: int, gpus: int) -> dict:
+        return {"ticket": ticket, "username": f"u{ticket}", "gpus": gpus, "since": 100.0, "priority": 0}
+    db.heartbeat(heartbeat_doc("node0", queue=[place(1, 3), place(2, 1)]))
+    # ticket 1 now waits for 4 (a GPU it counted on was taken back), ticket 2 was served
+    db.heartbeat(heartbeat_doc("node0", queue=[place(1, 4)]))
+    assert rows(postgres.conninfo, "SELECT ticket, gpus FROM gpuguard.queue") == [(1, 4)]
 
 
 def test_a_lost_nodes_grants_stop_counting_after_its_grace_and_count_again_when_it_returns(postgres):
