@@ -165,10 +165,10 @@ class Queue:
         return self.store.leave_queue(ids)
 
     def keep_total(self, uid: int, taken: Iterable[int]) -> None:
-        """A rule (idle, reclaim, a time limit) took back these units of a user: a place of theirs
-        that counted on one of them now waits for as many more (never more than the quota's
-        count), so that it is served the total it asked for, not short by what a rule took while
-        it waited."""
+        """A rule (release.KEEPS_TOTAL: idle, reclaim, a time limit, a last logout, ...) took back
+        these units of a user: a place of theirs that counted on one of them now waits for as many
+        more (never more than the quota's count), so that it is served the total it asked for, not
+        short by what a rule took while it waited."""
         taken = set(taken)
         for queued in self.store.queue(uid):
             lost = taken.intersection(queued.counted)

@@ -411,9 +411,10 @@ class Replay:
         if len(mine) >= job.gpus:
             self._start(job, session, tuple(mine[:job.gpus]))
             return
+        # As gpuguard request asks: the rest, counting on what the user holds (here: the idle GPUs
+        # no waiting job of theirs counts on already).
         self._joining = (job, session)
-        try:  # as gpuguard request asks: the rest, counting on what the user holds (here: idle, and not
-            # counted on by a waiting job of theirs already)
+        try:
             queued, waits = self.queue.join(uid, name, job.gpus - len(mine), quota, self.now, Origin.SESSION,
                                             pid=session, counted=mine)
         finally:

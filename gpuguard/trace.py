@@ -16,8 +16,8 @@ Each such line is its own session, so two jobs one user submitted in the same se
 jobs, as Slurm's job arrays do. A session's lines come together (the same user, start and end
 again after another session's lines is another session: two logins in the same second), and
 sessions come in order of session_start, so a replay reads the file as it goes (memory stays
-flat however long the trace).
-Times are written exactly (the shortest text that reads back as the same number).
+flat however long the trace). Times are written exactly (the shortest text that reads back as
+the same number).
 
 Slurm's accounting, `sacct -a -P -X -o JobID,User,Submit,Start,End,AllocTRES` (recognised by its
 header line; the fields in any order, others beside them), is read as one open session per job
