@@ -35,8 +35,8 @@ from gpuguard.grants import Grants
 from gpuguard.model import Device, Gpu, Origin
 from gpuguard.store import Store
 
-LOGINS = 30   # per round, in each of ROUNDS rounds
-ROUNDS = 2    # local and cluster daemons take turns (one gate at a time), so drift hits both alike
+LOGINS = 15   # per round, in each of ROUNDS rounds
+ROUNDS = 4    # local and cluster daemons take turns (one gate at a time), in the order ABBA: drift hits both alike
 TIMEOUT = 0.5  # [cluster] timeout of the bench's node
 HEARTBEAT = 10.0
 FLEETS = (50, 500, 2000)
@@ -74,17 +74,24 @@ def login_rows(bench: Bench, db: Postgres) -> None:
     samples: dict[str, list[float]] = {"local": [], "up": [], "down": []}
     sock = str(configuration.load(fleet).paths.socket)
     firsts = []
-    for _ in range(ROUNDS):
+
+    def local_round() -> None:
         with bench.daemon(local):
             samples["local"] += _logins(str(configuration.load(local).paths.socket), bench, caller.pid, LOGINS)
+
+    def fleet_round() -> None:
         with bench.daemon(fleet):
             while not client.call(sock, "cluster_status")["online"]:
                 time.sleep(0.1)
             samples["up"] += _logins(sock, bench, caller.pid, LOGINS)
             db.stop("immediate")
-            firsts += _logins(sock, bench, caller.pid, 1)
+            firsts.extend(_logins(sock, bench, caller.pid, 1))
             samples["down"] += _logins(sock, bench, caller.pid, LOGINS)
             db.start()
+
+    for turn in range(ROUNDS):
+        for each in (local_round, fleet_round) if turn % 2 == 0 else (fleet_round, local_round):
+            each()
     first = max(firsts)
     local_median = statistics.median(samples["local"])
     row("login with [cluster], database up", statistics.median(samples["up"]), local_median, 1.5,

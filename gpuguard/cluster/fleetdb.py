@@ -3,6 +3,13 @@
 Every call is one round trip: the heartbeat and the grant-time check are server-side
 functions (schema.py) taking one JSON document, the view one SELECT. Connections run in
 autocommit, so a call is its own transaction without BEGIN and COMMIT round trips.
+The grant-time check and the release commit without waiting for the WAL to reach disk
+(synchronous_commit off for their transaction only): a login then waits for no disk flush on
+the database server. Others see them at once all the same; what a crash of the database
+server can lose of them (its last fraction of a second) the nodes send again before they
+check anything there, since a crash drops every connection, puts each node offline, and only
+a heartbeat, which carries the node's whole truth, brings it back online. The heartbeat keeps
+the default: once it commits, the node deletes the ledger rows it carried.
 Waits are bounded on both sides: libpq's connect_timeout and tcp_user_timeout on the
 client, statement_timeout and lock_timeout on the server.
 """
@@ -19,6 +26,9 @@ from gpuguard.cluster.schema import CURRENT, LOCK_KEY, MIGRATIONS, NAMESPACE, Cl
 STATEMENT_TIMEOUT_MS = 5000  # the heartbeat of a node with thousands of ledger rows to replay included
 LOCK_TIMEOUT_MS = 2000       # a user's quota row held longer than this by another check: give up
 CONNECT_TIMEOUT_S = 2        # libpq's minimum that means something (it rounds smaller values up to 2)
+# Selected in a statement, its transaction commits without waiting for the WAL flush (is_local:
+# for this transaction only; the commit reads the setting before it is undone).
+UNFLUSHED = "set_config('synchronous_commit', 'off', true)"
 
 
 def connection_options(node: str) -> dict[str, Any]:
@@ -74,29 +84,31 @@ class FleetDb:
                 self._migrated = True
         return self._conn
 
-    def call(self, function: str, doc: dict[str, Any]) -> dict[str, Any]:
-        """SELECT gpuguard.<function>(doc): one round trip; raises psycopg.Error (the connection is dropped)."""
+    def call(self, function: str, doc: dict[str, Any], flushed: bool = True) -> dict[str, Any]:
+        """SELECT gpuguard.<function>(doc): one round trip; raises psycopg.Error (the connection is
+        dropped). flushed=False: the commit does not wait for the WAL flush (the module's docstring)."""
+        query = f"SELECT {NAMESPACE}.{function}(%s)" if flushed else f"SELECT {UNFLUSHED}, {NAMESPACE}.{function}(%s)"
         try:
-            row = self._connection().execute(f"SELECT {NAMESPACE}.{function}(%s)", (Jsonb(doc),)).fetchone()
+            row = self._connection().execute(query, (Jsonb(doc),)).fetchone()
         except psycopg.Error:
             self.close()
             raise
         assert row is not None
-        answer: dict[str, Any] = row[0]  # the function returns jsonb, which psycopg loads as a dict
+        answer: dict[str, Any] = row[-1]  # the function returns jsonb, which psycopg loads as a dict
         return answer
 
     def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]:
         return self.call("heartbeat_v2", doc)
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return self.call("reserve_v1", doc)
+        return self.call("reserve_v1", doc, flushed=False)
 
     def release(self, pairs: list[tuple[int, str]]) -> None:
         """Grants of this node taken back: (minor, user) each; raises psycopg.Error."""
         try:
             self._connection().execute(
-                f"DELETE FROM {NAMESPACE}.grants WHERE node = %s AND (minor, username) IN"
-                " (SELECT * FROM unnest(%s::integer[], %s::text[]))",
+                f"WITH gone AS (DELETE FROM {NAMESPACE}.grants WHERE node = %s AND (minor, username) IN"
+                f" (SELECT * FROM unnest(%s::integer[], %s::text[])) RETURNING 1) SELECT {UNFLUSHED}",
                 (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
         except psycopg.Error:
             self.close()

@@ -237,6 +237,26 @@ def test_heartbeat_mirrors_the_nodes_truth_and_replays_the_ledger_once(postgres)
     assert db.heartbeat(heartbeat_doc("node0", usage_for=["u1"]))["usage"]["u1"] == 0
 
 
+def test_the_grant_check_and_the_release_do_not_wait_for_the_wal_flush_and_the_heartbeat_does(postgres):
+    db = FleetDb(postgres.conninfo, "node0")
+    db.heartbeat(heartbeat_doc("node0"))
+    conn = db._connection()  # the node's own: what a call sets is seen from inside the transaction around it
+
+    def commit_mode(call) -> str:
+        with conn.transaction():
+            call()
+            return conn.execute("SHOW synchronous_commit").fetchone()[0]
+    assert commit_mode(lambda: db.reserve(reserve_doc("node0", "u1", [1], 2))) == "off"
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants") == [(1, "u1")]
+    assert commit_mode(lambda: db.release([(1, "u1")])) == "off"
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants") == []
+    # for their own transaction only: the heartbeat after them, whose ledger rows the node then
+    # deletes, commits once its WAL is flushed
+    assert commit_mode(lambda: db.heartbeat(heartbeat_doc("node0"))) == "on"
+    assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "on"
+    db.close()
+
+
 def test_the_queue_mirror_follows_a_place_that_grew_in_place_and_drops_one_that_left(postgres):
     db = FleetDb(postgres.conninfo, "node0")
 
