@@ -174,7 +174,7 @@ class Api:
         closed = store.close_session(account.uid, pid)
         event(logging.INFO, "session_close", user=account.name, pid=pid,
               session=closed.id if closed else "unknown")
-        last = not store.sessions(account.uid)
+        last = not store.logged_in(account.uid)
         if last:  # a login's place in the queue ends with its last session
             self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == Origin.SESSION)
         # Only the close that ended the user's last session starts the release check: a close of a
@@ -319,13 +319,15 @@ class Api:
         # More than this server has for the user could never be served whole, and a place in the
         # queue for it would hold the free GPUs for ever once reserved: refused, or the quota's
         # worth cut to what there is.
-        if wanted > (most := self.grants.capacity(quota)):
+        held_now = len(store.grants(account.uid))
+        if wanted - held_now > (room := self.grants.room(account.uid, quota)):
             if request.gpus is not None:
+                most = self.grants.capacity(quota)
                 raise Refusal(f"this server has {most} GPU{'s' if most != 1 else ''} of a kind your quota takes; "
                               f"you asked for {wanted} (gpuguard status shows them)")
-            wanted = most
+            wanted = held_now + room
         wait = request.wait
-        more = wanted - len(store.grants(account.uid))
+        more = wanted - held_now
         granted: tuple[int, ...] = ()
         now = self.clock()
         if more > 0 and (mine := store.queue(account.uid)):
@@ -337,7 +339,7 @@ class Api:
                                **(_standing_info(self.queue.standing(account.uid, now)) or {}))
         if more > 0 and not store.queue():
             # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
-            origin = Origin.SESSION if store.sessions(account.uid) else Origin.REQUEST
+            origin = Origin.SESSION if store.logged_in(account.uid) else Origin.REQUEST
             granted = self.grants.allocate(account.uid, account.name, quota, more, now, origin,
                                            "requested with gpuguard request")
             more -= len(granted)

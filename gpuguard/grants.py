@@ -162,6 +162,16 @@ class Grants:
             slices = min(slices, quota.slices)
         return (len(pool.whole.by_unit) if quota.whole_gpus else 0) + slices
 
+    def room(self, uid: int, quota: Quota) -> int:
+        """How many more units uid could get at once on the terms of `quota`, were nobody else's
+        grants in the way: capacity() less those of its units the user holds (a unit they keep on
+        a drained GPU is not one of them)."""
+        pool = self.pool()
+        held = {grant.unit for grant in self.store.grants(uid)}
+        mine = len(held.intersection(pool.whole.by_unit)) if quota.whole_gpus else 0
+        mine += sum(gpu.unit in held and allocator.suits(gpu, quota) for gpu in pool.slices)
+        return self.capacity(quota) - mine
+
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
                  message: str, chosen: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """Up to `count` more units for the user on the terms of their quota (none when none is free).

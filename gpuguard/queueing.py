@@ -81,6 +81,8 @@ class Queue:
         # the watcher asks at every view, the queue and the grants change far less often.
         self._demand: tuple[Waiting, tuple[Grant, ...], allocator.Pool, rules.Demand] | None = None
         self._waiting: Waiting | None = None  # the waiters, as dispatch takes them, until the queue or holds change
+        # The pool the rows were last held against, and those that ask more than it has (_too_big).
+        self._too_big: tuple[allocator.Pool, frozenset[int]] | None = None
 
     # --- the order
 
@@ -148,7 +150,7 @@ class Queue:
     def _possible(self, queued: Queued) -> bool:
         """Whether this server could hold the waiter's GPUs, were every other user's grant given
         back (its user keeps those they hold while they wait): a drain may have made it too big."""
-        return queued.waiter.gpus + len(self.store.grants(queued.waiter.uid)) <= self.grants.capacity(queued.quota)
+        return queued.waiter.gpus <= self.grants.room(queued.waiter.uid, queued.quota)
 
     # --- joining and leaving
 
@@ -172,8 +174,8 @@ class Queue:
         taken = set(taken)
         for queued in self.store.queue(uid):
             lost = taken.intersection(queued.counted)
-            if lost:
-                gpus = min(queued.waiter.gpus + len(lost), queued.quota.gpus)
+            if lost:  # never more than the server has either (demand: rows never ask for more)
+                gpus = min(queued.waiter.gpus + len(lost), queued.quota.gpus, self.grants.capacity(queued.quota))
                 self.store.regrow_queued(queued, gpus, tuple(u for u in queued.counted if u not in lost))
                 self._waiting = None  # a row changed in place: the waiters are worked out afresh
 
@@ -217,20 +219,39 @@ class Queue:
     def _demand_of(self, waiting: Waiting, pool: allocator.Pool) -> rules.Demand:
         if not waiting.gpus:  # the usual case: no grants to read
             return rules.Demand()
+        too_big = self._too_big_of(waiting, pool)
+        # Taking back what the only waiter counts on serves nobody: it would wait for it again.
+        keep = (frozenset((q.waiter.uid, unit) for q in waiting.by_id.values() for unit in q.counted)
+                if len(waiting.by_id) == 1 else frozenset())
         if not pool.slices:
-            return rules.Demand(max(0, waiting.gpus - self.free()))
+            servable = waiting.gpus - sum(waiting.by_id[row].waiter.gpus for row in too_big)
+            return rules.Demand(max(0, servable - self.free()), keep=keep)
         units = self.grants.open_units()
         grants = self.store.grants()
         short, useful = 0, set()
         for queued in waiting.by_id.values():
             waiter = queued.waiter
+            if waiter.id in too_big:
+                continue
             got = allocator.choose(pool, self.grants.topology, grants, {}, waiter.uid, waiter.gpus,
                                    policy.may_share(queued.quota), None, queued.quota)
             if len(got) < waiter.gpus:
                 short += waiter.gpus - len(got)
                 useful |= {gpu.unit for gpu in units if allocator.suits(gpu, queued.quota)}
             grants += [Grant(waiter.uid, waiter.user, unit, 0.0, None, 0.0) for unit in got]
-        return rules.Demand(short, frozenset(useful))
+        return rules.Demand(short, frozenset(useful), keep)
+
+    def _too_big_of(self, waiting: Waiting, pool: allocator.Pool) -> list[int]:
+        """The waiters that ask for more than the server has of the kind their quota takes: a
+        drain or a new MIG layout made the pool smaller than when they asked. Nothing reclaim or
+        soft time could take back would serve them, so demand leaves them out. A row joins within
+        the pool (gpuguard request refuses more, a login asks at most that) and grows within it
+        (keep_total), so only a change of the pool can make one too big: the rows are looked at
+        then, not at every demand."""
+        if self._too_big is None or self._too_big[0] is not pool:
+            self._too_big = (pool, frozenset(q.waiter.id for q in waiting.by_id.values()
+                                             if q.waiter.gpus > self.grants.capacity(q.quota)))
+        return [row for row in self._too_big[1] if row in waiting.by_id]
 
     def dispatch(self, now: float) -> list[tuple[Queued, tuple[int, ...]]]:
         """Grant what the order admits now; each grant is announced to the listeners."""
@@ -265,17 +286,19 @@ class Queue:
                                       lambda waiter: self._possible(entries[waiter.id])):
             queued = entries[waiter.id]
             # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
-            origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.sessions(waiter.uid) else Origin.REQUEST
+            origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.logged_in(waiter.uid) else Origin.REQUEST
             units = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
                                          "granted from the queue", chosen.pop(waiter.id))
             chosen.clear()  # chosen before this grant: choose again
             if not units:  # a fleet quota in use on other servers (gpuguard.cluster): it keeps its place
                 continue
             self.store.leave_queue([waiter.id])
-            free = None
             served.append((queued, units))
             for listener in self.listeners:
                 listener(queued, units)
+            free = None if waiting.sharers else self.free()
+            if free is not None and waiting.fewest > free:
+                break  # nothing left that anyone could take: the rest of the walk would grant nothing
         return served
 
     def waiting(self) -> Waiting:

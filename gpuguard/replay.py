@@ -438,13 +438,14 @@ class Replay:
         session.closed = True
         await self.api.handle({"op": "session_close", "user": session.user, "pid": pid}, ROOT)
         await self.services.logout.settled()  # the release check after a last logout, in the background
-        waiting = {q.waiter.id for q in self.store.queue(session.uid)}
         mine = self.pending.get(session.uid, {})
-        for queue_id, (job, owner) in list(mine.items()):
+        if mine and not self.store.logged_in(session.uid):
             # The user's places end with their last session, also those of sessions closed before.
-            if queue_id not in waiting:
-                del mine[queue_id]
-                self._never_ran(job, owner)
+            waiting = {q.waiter.id for q in self.store.queue(session.uid)}
+            for queue_id, (job, owner) in list(mine.items()):
+                if queue_id not in waiting:
+                    del mine[queue_id]
+                    self._never_ran(job, owner)
         self._forget_if_done(pid)
 
     def _grants_need_check(self) -> bool:
@@ -648,9 +649,11 @@ class Replay:
 
 
 def _grew(before: rules.Demand, after: rules.Demand) -> bool:
-    """Whether the queue wants more than it did, or other units: reclaim and soft time may act at
-    once. (Less demand only makes them act later or not at all: the wake already set checks then.)"""
-    return after.short > before.short or (after.short > 0 and after.useful != before.useful)
+    """Whether the queue wants more than it did, other units, or units it kept before (another
+    waiter came): reclaim and soft time may act at once. (Less demand only makes them act later
+    or not at all: the wake already set checks then.)"""
+    return after.short > before.short or (after.short > 0 and (after.useful != before.useful
+                                                               or not before.keep <= after.keep))
 
 
 MAX_POOL = 100_000  # GPUs in a replayed pool; more is a typo

@@ -151,6 +151,7 @@ class Demand(NamedTuple):
 
     short: int = 0                          # how many units it lacks
     useful: frozenset[int] | None = None    # the units a waiter could have; None: any
+    keep: frozenset[Slot] = frozenset()     # (uid, unit) taking back would serve nobody (the only waiter's own)
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class View:
     failed: Collection[int] = ()  # units whose processes could not be read: nothing is known there
     demand: int = 0               # GPUs the queue needs beyond the free ones (reclaim on demand)
     useful: Collection[int] | None = None  # the units a waiter could have (kinds: whole, slice profiles); None: any
+    keep: Collection[Slot] = ()   # grants whose taking back serves no waiter (Demand.keep)
 
     def readable(self) -> View:
         """This view without the failed GPUs' grants and processes."""
@@ -211,8 +213,9 @@ class View:
         return self
 
     def helps(self, grant: Grant) -> bool:
-        """Whether taking this grant back frees a unit of a kind a waiter takes."""
-        return self.useful is None or grant.unit in self.useful
+        """Whether taking this grant back frees a unit of a kind a waiter takes, for a waiter
+        that would not wait for it again."""
+        return (self.useful is None or grant.unit in self.useful) and (grant.uid, grant.unit) not in self.keep
 
 
 @dataclass(frozen=True)

@@ -349,6 +349,10 @@ class Store:
         copy = self._session_copy()
         return list(copy.rows()) if uid is None else copy.of_user(uid)
 
+    def logged_in(self, uid: int) -> bool:
+        """Whether the user has an open session (without listing a user's thousands of batch jobs')."""
+        return self._session_copy().has_user(uid)
+
     def caller_starts(self) -> dict[int, int | None]:
         """Session id -> the start time of its PAM caller (None when unknown)."""
         return self._session_copy().caller_starts()
@@ -722,6 +726,9 @@ class _Sessions:
 
     def of_user(self, uid: int) -> list[Session]:
         return [self._by_id[id_][0] for id_ in sorted(self._of_uid.get(uid, ()))]
+
+    def has_user(self, uid: int) -> bool:
+        return uid in self._of_uid
 
     def caller_starts(self) -> dict[int, int | None]:
         return {id_: caller_start for id_, (_, caller_start) in self._by_id.items()}

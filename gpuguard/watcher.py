@@ -88,8 +88,8 @@ class Watcher:
             view = self._view(sample)
         else:
             wanted = self.demand()
-            if wanted != (view.demand, view.useful):
-                view = replace(view, demand=wanted.short, useful=wanted.useful).reusing(view)
+            if wanted != _demand_of(view):
+                view = replace(view, demand=wanted.short, useful=wanted.useful, keep=wanted.keep).reusing(view)
         return rules.next_change(view, self.state, timing_of(self.config()), now)
 
     def next_change_of(self, slots: Collection[rules.Slot], now: float) -> float | None:
@@ -102,7 +102,7 @@ class Watcher:
             return None
         wanted = self.demand()
         view = rules.View((), held, {g.uid: self.accounts.of(g.uid)[1] for g in held}, self.exempt.uids,
-                          demand=wanted.short, useful=wanted.useful)
+                          demand=wanted.short, useful=wanted.useful, keep=wanted.keep)
         return rules.next_change(view, self.state, timing_of(self.config()), now)
 
     def unchanged_until(self, now: float) -> None:
@@ -149,7 +149,7 @@ class Watcher:
             if confirming is None:
                 return []
             # The same sample (a replay's), grants and demand: the same view, which decides the same.
-            if self._standing_view(confirming) is not view or self.demand() != (view.demand, view.useful):
+            if self._standing_view(confirming) is not view or self.demand() != _demand_of(view):
                 await self.accounts.resolve(self._users(confirming))
                 first, view = view, self._view(confirming)  # grants read again: a request may have come in meanwhile
                 if view != first:
@@ -212,7 +212,8 @@ class Watcher:
         # the sample's units: Sample.ok).
         failed = frozenset(sample.failed).union(set(map(_unit_of, grants)).difference(sample.units))
         wanted = self.demand()
-        view = rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful)
+        view = rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful,
+                          keep=wanted.keep)
         if last is not None:
             view.reusing(last[1])
         self._last_view = (sample, view)
@@ -305,6 +306,11 @@ class Watcher:
 
 
 _uid_of, _unit_of = attrgetter("uid"), attrgetter("unit")
+
+
+def _demand_of(view: rules.View) -> tuple[object, ...]:
+    """The queue's demand a view was made with, to compare with rules.Demand."""
+    return view.demand, view.useful, view.keep
 
 
 def timing_of(config: Config) -> rules.Timing:

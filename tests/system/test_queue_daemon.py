@@ -136,24 +136,34 @@ def test_more_gpus_than_the_server_has_are_refused_and_never_hold_the_queue(star
 
 
 def test_a_held_gpu_reclaim_takes_from_a_waiting_user_is_waited_for_again(start_daemon):
-    """alice holds GPU 0 (idle) and waits for 1 more (2 in all, her quota); bob works on GPU 1.
-    Reclaim takes alice's idle GPU for the queue, which is alice: her request now waits for 2, and
-    comes whole when bob releases, not as GPU 0 alone."""
+    """alice holds GPU 0 (idle) and waits for 1 more (2 in all, her quota); bob works on GPU 1;
+    carol waits for 1 after alice. Reclaim takes alice's idle GPU for the queue: her request now
+    waits for 2, GPU 0 is held for her (first, past reserve_after), and her request comes whole
+    when bob releases, not as GPU 0 alone."""
     d = start_daemon(count=2, gate=False, defaults={"gpus": 2, "reclaim_after": "1s"},
-                     watcher={"interval": "0.2s"})
-    alice, bob = d.add_member(), d.add_member()
+                     watcher={"interval": "0.2s"}, scheduler={"reserve_after": "0s", "max_wait_boost": "0s"})
+    alice, bob, carol = d.add_member(), d.add_member(), d.add_member()
     assert d.call_as(alice, "request", gpus=1)["granted"] == [0]
     assert d.call_as(bob, "request", gpus=1)["granted"] == [1]
     with burn(d.config_path, 1, user=bob):
         waiting = popen_as(alice, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
+        behind = None
         try:
-            assert wait_for(lambda: d.granted_minors(alice) == [] and queue_users(d) == [alice.name])
-            assert [q["gpus"] for q in d.call("status")["queue"]] == [2]
+            assert wait_for(lambda: queue_users(d) == [alice.name])
+            behind = popen_as(carol, gpuguard(d.config_path, "request", "--wait", "--gpus", "1"), stdout=-1,
+                              stderr=-1, text=True)
+            assert wait_for(lambda: d.granted_minors(alice) == [] and queue_users(d) == [alice.name, carol.name])
+            assert [q["gpus"] for q in d.call("status")["queue"]] == [2, 1]
             assert waiting.poll() is None  # still waiting: GPU 0 alone is not what she asked for
+            assert d.granted_minors(carol) == []  # GPU 0 is held for alice
             assert d.cli_as(bob, "release").returncode == 1  # his process holds GPU 1
         except BaseException:
             waiting.kill()
             raise
+        finally:
+            if behind is not None:
+                behind.kill()
+                behind.wait()
     assert d.cli_as(bob, "release").returncode == 0
     out, err = waiting.communicate(timeout=60)
     assert waiting.returncode == 0, err

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 from fakes import GROUP, World
 
+from gpuguard import policy
+from gpuguard.model import Origin
 from gpuguard.server import Peer
 
 
@@ -110,18 +113,40 @@ def test_an_idle_grant_is_reclaimed_for_a_waiter_and_goes_to_it(world):
 
 
 def test_a_waiters_own_gpu_taken_back_by_reclaim_is_waited_for_again_so_the_request_comes_whole(world):
-    # eve holds GPU 3 and waits for 1 more (2 in all, her quota); reclaim takes her idle GPU 3 for
-    # the queue, which is her: she now waits for 2, so she is not served GPU 3 alone as if whole
+    # eve holds GPU 3 and waits for 1 more (2 in all, her quota); fred waits too. Reclaim takes her
+    # idle GPU 3 for the queue: she now waits for 2, so she is not served GPU 3 alone as if whole
     holders = fill(world)  # a GPU each
     world.quota(reclaim_after=60.0, gpus=2)
-    eve = holders[3]
+    # arrival order (everyone past max_wait_boost), and what is free held for the first at once
+    world.config = replace(world.config, scheduler=replace(world.config.scheduler, reserve_after=0.0,
+                                                           max_wait_boost=0.0))
+    eve, fred = holders[3], world.lookup.add("fred", 1006, GROUP)
     queued = world.call("request", uid=eve.uid, wait=True)
     assert queued["queued"] is True and [q.waiter.gpus for q in world.store.queue()] == [1]
+    assert world.call("request", uid=fred.uid, gpus=1, wait=True)["queued"] is True
     world.sampler.set([(100 + i, holders[i].uid, i, 1 << 30) for i in (0, 1, 2)])  # GPU 3 idle
     asyncio.run(world.watcher.check(world.sampler.last, time.time() + 120))
-    assert world.held(eve.uid) == [] and [q.waiter.gpus for q in world.store.queue()] == [2]
-    assert [q.waiter.id for q in world.store.queue()] == [queued["ticket"]]  # her place and ticket kept
+    assert world.held(eve.uid) == [] and [(q.waiter.user, q.waiter.gpus) for q in world.store.queue()] == [
+        ("h3", 2), ("fred", 1)]
+    assert world.store.queue()[0].waiter.id == queued["ticket"]  # her place and ticket kept
+    assert world.held(fred.uid) == []  # GPU 3 is held for eve, first and waiting past reserve_after
     world.sampler.set([(100 + i, holders[i].uid, i, 1 << 30) for i in (0, 2)])
+    world.call("release", uid=holders[1].uid)
+    assert world.held(eve.uid) == [1, 3] and [q.waiter.user for q in world.store.queue()] == ["fred"]
+
+
+def test_the_only_waiters_own_idle_gpu_is_not_reclaimed_for_her(world):
+    # taking back what she counts on would only make her wait for it again (and free it for the
+    # next one who asks): it stays hers while nobody else waits
+    holders = fill(world)
+    world.quota(reclaim_after=60.0, gpus=2)
+    eve = holders[3]
+    assert world.call("request", uid=eve.uid, wait=True)["queued"] is True
+    assert world.queue.demand().keep == {(eve.uid, 3)}
+    world.sampler.set([(100 + i, holders[i].uid, i, 1 << 30) for i in (0, 1, 2)])  # GPU 3 idle
+    asyncio.run(world.watcher.check(world.sampler.last, time.time() + 120))
+    assert world.held(eve.uid) == [3] and [q.waiter.gpus for q in world.store.queue()] == [1]
+    assert not any("for someone waiting" in told for _, told in world.notifier.told)
     world.call("release", uid=holders[1].uid)
     assert world.held(eve.uid) == [1, 3] and world.store.queue() == []
 
@@ -136,8 +161,6 @@ def test_an_admins_revoke_does_not_grow_what_they_wait_for(world):
 
 
 def test_a_waiter_a_drain_made_too_big_holds_nothing_and_is_no_ones_reason_to_wait(world):
-    from dataclasses import replace
-
     from gpuguard.drains import Drain
     holders = fill(world)
     world.quota(gpus=4)
@@ -149,6 +172,64 @@ def test_a_waiter_a_drain_made_too_big_holds_nothing_and_is_no_ones_reason_to_wa
     assert world.call("request", uid=fred.uid, gpus=2, wait=True)["queued"] is True  # 1 free: fred waits
     why = {row["user"]: row["reason"] for row in world.call("status")["queue"]}
     assert why == {"eve": "Resources", "fred": "Resources"}  # not "Reserved" (for eve)
+
+
+def test_a_waiter_a_drain_made_too_big_is_no_ones_demand_so_nothing_is_reclaimed_or_stopped_for_it(world):
+    from gpuguard.drains import Drain
+    holders = fill(world)
+    world.quota(gpus=4, reclaim_after=60.0)
+    eve = world.lookup.add("eve", 1005, GROUP)
+    assert world.call("request", uid=eve.uid, wait=True)["queued"] is True  # for all 4
+    assert world.queue.demand().short == 4
+    world.grants.drained[3] = Drain("ggt-test", 0.0)  # 3 at most could be hers now
+    assert world.queue.demand().short == 0
+    world.sampler.set([(103, holders[3].uid, 3, 1 << 30)])  # GPUs 0-2 idle
+    asyncio.run(world.watcher.check(world.sampler.last, time.time() + 120))
+    assert all(world.held(h.uid) for h in holders)  # not taken back for a request nothing can serve
+    del world.grants.drained[3]
+    assert world.queue.demand().short == 4  # the pool back: her wait is demand again
+
+
+def test_a_gpu_the_waiter_keeps_on_a_drained_gpu_does_not_make_her_request_look_too_big(world):
+    from gpuguard.drains import Drain
+    holders = fill(world)
+    world.quota(gpus=4)
+    world.config = replace(world.config, scheduler=replace(world.config.scheduler, reserve_after=0.0,
+                                                           max_wait_boost=0.0))  # arrival order
+    alice, fred = holders[0], world.lookup.add("fred", 1006, GROUP)
+    world.call("release", uid=holders[1].uid)
+    assert world.call("request", uid=alice.uid, gpus=4, wait=True)["queued"] is True  # holds 0, 1; 2 more
+    world.grants.drained[1] = Drain("ggt-test", 0.0)  # alice keeps GPU 1: GPUs 2 and 3 would still do
+    assert world.call("request", uid=fred.uid, gpus=1, wait=True)["queued"] is True
+    world.call("release", uid=holders[2].uid)  # held for alice, first and waiting past reserve_after
+    assert world.held(fred.uid) == [] and world.held(alice.uid) == [0, 1]
+    world.call("release", uid=holders[3].uid)
+    assert world.held(alice.uid) == [0, 1, 2, 3]
+    world.call("release", uid=alice.uid)
+    again = world.call("request", uid=alice.uid, gpus=4)  # 3 open GPUs: more could never come whole
+    assert again["ok"] is False and "this server has 3 GPUs" in again["error"]
+
+
+def test_a_walk_that_leaves_nothing_free_stops_there(world):
+    # one user holding every GPU, with a long line of 1-GPU requests of theirs behind (a job
+    # array in a replay): the release of one serves the first, which leaves nothing free, and the
+    # rest of the line is not looked at (it was, row by row, at every such release)
+    holders = fill(world)
+    world.quota(gpus=4)
+    world.config = replace(world.config, scheduler=replace(world.config.scheduler, reserve_after=0.0))
+    eve = holders[0]
+    for other in holders[1:]:
+        world.call("release", uid=other.uid)
+    assert world.call("request", uid=eve.uid, gpus=4)["gpus"] == [0, 1, 2, 3]
+    quota = policy.quota_for(eve.name, frozenset({GROUP}), world.config)
+    for _ in range(50):
+        assert world.queue.join(eve.uid, eve.name, 1, quota, time.time(), Origin.REQUEST)[1] is True
+    looked: list[int] = []
+    possible = world.queue._possible
+    world.queue._possible = lambda queued: looked.append(queued.waiter.id) or possible(queued)
+    world.call("release", uid=eve.uid, units=[2])
+    assert world.held(eve.uid) == [0, 1, 2, 3] and len(world.store.queue()) == 49
+    assert looked == []
 
 
 def test_nothing_is_reclaimed_while_nobody_waits(world):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import math
+import subprocess
+import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -147,13 +150,19 @@ def test_a_job_bigger_than_the_pool_never_runs_and_holds_nobody_up(tmp_path):
 
 def test_a_gpu_a_waiting_job_counted_on_and_lost_to_reclaim_is_waited_for_again(tmp_path):
     # a's second job (2 GPUs, at 105) counts on the GPU her first left idle and waits for 1 more
-    # (b holds the other until 1000). Reclaim takes that idle GPU for the queue (a waits): her job
-    # waits for 2 again, and runs on 2 from 1000, not on 1 from 110 (as it once did, short).
-    path = write(tmp_path, "b,0,,0,1000,1,0", "a,0,5000,0,100,1,0", "a,0,5000,105,200,2,0")
-    result = replay.replay(trace.read(path), policy(reclaim_after=10.0), 2)
-    assert sorted(result.waits) == [0.0, 0.0, 895.0]
-    assert result.busy == 1000 + 100 + 2 * 200
+    # (b holds the other until 1000). Alone in the queue, she keeps that idle GPU: taking it back
+    # would only make her wait for it again. c comes at 106 for 1 GPU: reclaim takes it for him
+    # at 110 (idle 10 s), and her job waits for 2 again, and runs on 2 from 1000, not on 1 from
+    # 110 (as it once did, short).
+    lines = ("b,0,,0,1000,1,0", "a,0,5000,0,100,1,0", "a,0,5000,105,200,2,0")
+    alone = replay.replay(trace.read(write(tmp_path, *lines)), policy(reclaim_after=10.0), 2)
+    assert sorted(alone.waits) == [0.0, 0.0, 895.0] and alone.reclaims == 0
+    assert alone.busy == 1000 + 100 + 2 * 200
+    result = replay.replay(trace.read(write(tmp_path, *lines, "c,106,,106,50,1,0")), policy(reclaim_after=10.0), 2)
+    assert sorted(result.waits) == [0.0, 0.0, 4.0, 895.0]
+    assert result.busy == 1000 + 100 + 2 * 200 + 50
     assert result.reclaims == 1
+
 
 SACCT = """JobID|User|Submit|Start|End|AllocTRES
 100|alice|2024-03-01T09:00:00|2024-03-01T09:10:00|2024-03-01T10:10:00|billing=8,cpu=8,gres/gpu=2,mem=64G,node=1
@@ -183,6 +192,22 @@ def test_slurm_accounting_is_read_as_one_open_session_per_gpu_job(tmp_path):
     assert alice.start - bob.start == 3600.0 and alice.jobs[0].start == alice.start
     summary = replay.replay(trace.read(path), policy(), 4).summary(4)
     assert summary["jobs_ran"] == 4
+    left_out: Counter[str] = Counter()
+    assert len(list(trace.read(path, left_out))) == 4
+    assert left_out == {"never started or still running (Start or End Unknown)": 2}  # carol's and erin's
+    converted = subprocess.run([sys.executable, "-m", "gpuguard", "trace", "convert", str(path)], capture_output=True,
+                               text=True, check=True)
+    assert converted.stderr.splitlines() == ["gpuguard: 4 jobs written", "gpuguard: left out 2 jobs with GPUs: 2 never "
+                                             "started or still running (Start or End Unknown)"]
+
+
+def test_sacct_with_epoch_times_reads_exactly_across_a_clock_change(tmp_path):
+    # SLURM_TIME_FORMAT=%s: 20 minutes that local times across the autumn change would read as -40
+    path = tmp_path / "sacct.txt"
+    path.write_text("JobID|User|Submit|Start|End|AllocTRES\n"
+                    "7|ann|1730594400|1730595000|1730596200|cpu=4,gres/gpu=2\n")
+    (session,) = trace.read(path)
+    assert (session.start, session.jobs[0].duration, session.jobs[0].gpus) == (1730594400.0, 1200.0, 2)
 
 
 def test_sacct_fields_in_another_order_read_the_same(tmp_path):
