@@ -528,6 +528,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: file not found") from None
     except PermissionError:
         raise ConfigError(f"{path}: permission denied") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory, not a config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 

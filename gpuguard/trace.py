@@ -23,8 +23,11 @@ Slurm's accounting, `sacct -a -P -X -o JobID,User,Submit,Start,End,AllocTRES` (r
 header line; the fields in any order, others beside them), is read as one open session per job
 with GPUs: it arrives at Submit and runs End - Start seconds on its gres/gpu count (the untyped
 total where Slurm writes one beside the typed counts, else the typed counts added up). Job steps
-(JobID with a dot), jobs without GPUs and jobs that never started or have not ended are left out;
-the times are read as the local time sacct prints, memory as unknown.
+(JobID with a dot) and jobs without GPUs are passed by; jobs with GPUs that never started, have
+not ended or ran no time are left out and counted (read's `left_out`). The times are read as the
+local time sacct prints (epoch seconds, with SLURM_TIME_FORMAT=%s, read exactly), memory as unknown.
+
+Any of the three may be gzipped (recognised by its first bytes) and may start with a byte order mark.
 
 The Adobe file (../shared/data/adobe-notebook-sessions-2021-06-01.json, a JSON object with a
 `sessions` list, ticks of one minute) is read as it is: each session is one user named after
@@ -34,12 +37,16 @@ memory per GPU; bursts without GPUs are left out, and so are the 8 sessions that
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
+import os
 import random
 import re
+import stat
+from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
@@ -51,6 +58,7 @@ HEADER = ("user", "session_start", "session_end", "job_start", "duration", "gpus
 ADOBE_TICK = 60.0  # seconds per tick in the Adobe file
 GB = 10 ** 9
 SACCT_FIELDS = ("JobID", "User", "Submit", "Start", "End", "AllocTRES")
+GZIP_MAGIC = b"\x1f\x8b"
 _GRES_GPU = re.compile(r"(?:^|,)gres/gpu(:[^=,]+)?=(\d+)")  # a type (gres/gpu:a100=4), or none
 
 
@@ -81,25 +89,37 @@ class Session:
         return max((job.start + job.duration for job in self.jobs), default=self.start)
 
 
-def read(path: Path) -> Iterator[Session]:
-    """The sessions of a trace file, in order of start: the Adobe JSON (recognised by its layout) or CSV."""
+def read(path: Path, left_out: Counter[str] | None = None) -> Iterator[Session]:
+    """The sessions of a trace file, in order of start: the Adobe JSON (recognised by its layout),
+    sacct's output (by its header) or CSV, as UTF-8 text (a BOM is skipped) or gzip of it.
+    left_out: set to how many of sacct's jobs with GPUs a replay cannot take, by why."""
     try:
-        handle = open(path, encoding="utf-8")
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise TraceError(f"{path}: not a regular file (a pipe?): a replay reads its trace more than once; "
+                             "write it to a file first")
+        with open(path, "rb") as raw:
+            compressed = raw.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+        handle = gzip.open(path, "rt", encoding="utf-8-sig") if compressed else open(path, encoding="utf-8-sig")
     except OSError as exc:
         raise TraceError(f"{path}: {exc.strerror}") from None
-    with handle:
-        first = handle.read(1)
-        while first.isspace():
+    try:
+        with handle:
             first = handle.read(1)
-        handle.seek(0)
-        if first == "{":
-            yield from _adobe(path, handle)
-        elif "JobID" in handle.readline().rstrip("\n").split("|"):  # sacct -P, its fields in any order
+            while first.isspace():
+                first = handle.read(1)
             handle.seek(0)
-            yield from _sacct(path, handle)
-        else:
-            handle.seek(0)
-            yield from _csv(path, handle)
+            if first == "{":
+                yield from _adobe(path, handle)
+            elif "JobID" in handle.readline().rstrip("\n").split("|"):  # sacct -P, its fields in any order
+                handle.seek(0)
+                yield from _sacct(path, handle, Counter() if left_out is None else left_out)
+            else:
+                handle.seek(0)
+                yield from _csv(path, handle)
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 text (nor gzip of it)") from None
+    except (OSError, EOFError) as exc:  # a damaged or cut gzip file, a failing disk
+        raise TraceError(f"{path}: {'damaged gzip: ' if compressed else ''}{exc}") from None
 
 
 def _csv(path: Path, handle: TextIO) -> Iterator[Session]:
@@ -143,14 +163,22 @@ def _csv_line(path: Path, number: int, line: str) -> tuple[str, float, float | N
     except ValueError:
         raise bad("times must be numbers of seconds (session_end may be empty), gpus and gpu_memory whole "
                   "numbers") from None
-    if not all(math.isfinite(t) for t in (session_start, job_start, duration, session_end or 0.0)):
-        raise bad("times must be finite")
-    if job_start < session_start or (session_end is not None and job_start >= session_end):
-        raise bad(f"job_start {job_start:g} is outside its session [{session_start:g}, "
-                  f"{'open' if session_end is None else f'{session_end:g}'})")
-    if duration <= 0 or gpus < 1 or memory < 0:
-        raise bad("duration must be > 0, gpus >= 1 and gpu_memory >= 0")
-    return user, session_start, session_end, Job(job_start, duration, gpus, memory)
+    job = Job(job_start, duration, gpus, memory)
+    if why := _job_problem(session_start, session_end, job):
+        raise bad(why)
+    return user, session_start, session_end, job
+
+
+def _job_problem(session_start: float, session_end: float | None, job: Job) -> str | None:
+    """Why a replay could not run this job of this session, or None."""
+    if not all(math.isfinite(t) for t in (session_start, job.start, job.duration, session_end or 0.0)):
+        return "times must be finite"
+    if job.start < session_start or (session_end is not None and job.start >= session_end):
+        return (f"job_start {job.start:g} is outside its session [{session_start:g}, "
+                f"{'open' if session_end is None else f'{session_end:g}'})")
+    if job.duration <= 0 or job.gpus < 1 or job.memory < 0:
+        return "duration must be > 0, gpus >= 1 and gpu_memory >= 0"
+    return None
 
 
 def _bad_user(user: str) -> str | None:
@@ -168,20 +196,30 @@ def _adobe(path: Path, handle: TextIO) -> Iterator[Session]:
         raw = data["sessions"]
         sessions = []
         for entry in raw:
-            jobs = tuple(Job(t["start_tick"] * ADOBE_TICK, t["duration_in_ticks"] * ADOBE_TICK, int(t["gpus"]),
-                             int(float(t["vram"]) * GB))
-                         for t in sorted(entry["trainings"], key=lambda t: t["start_tick"])
-                         if t["gpus"] > 0 and t["duration_in_ticks"] > 0)
+            session = Session(str(entry["id"])[:8], float(entry["start_tick"]) * ADOBE_TICK,
+                              float(entry["stop_tick"]) * ADOBE_TICK, ())
+            jobs = []
+            for t in sorted(entry["trainings"], key=lambda t: t["start_tick"]):
+                if not (t["gpus"] > 0 and t["duration_in_ticks"] > 0):
+                    continue  # a burst without GPUs
+                if not float(t["gpus"]).is_integer():
+                    raise TraceError(f"{path}: session {session.user}: gpus must be whole numbers, got {t['gpus']}")
+                job = Job(float(t["start_tick"]) * ADOBE_TICK, float(t["duration_in_ticks"]) * ADOBE_TICK,
+                          int(t["gpus"]), int(float(t["vram"]) * GB))
+                if why := _job_problem(session.start, session.end, job) or _bad_user(session.user):
+                    raise TraceError(f"{path}: session {session.user}: {why}")
+                jobs.append(job)
             if jobs:  # a session that never asks for a GPU plays no part (and a CSV has no line for it)
-                sessions.append(Session(str(entry["id"])[:8], entry["start_tick"] * ADOBE_TICK,
-                                        entry["stop_tick"] * ADOBE_TICK, jobs))
-    except (ValueError, KeyError, TypeError) as exc:
+                sessions.append(replace(session, jobs=tuple(jobs)))
+    except TraceError:
+        raise
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise TraceError(f"{path}: not a trace: JSON without the Adobe layout (sessions with trainings): {exc}"
                          ) from None
     yield from sorted(sessions, key=lambda s: s.start)
 
 
-def _sacct(path: Path, handle: TextIO) -> Iterator[Session]:
+def _sacct(path: Path, handle: TextIO, left_out: Counter[str]) -> Iterator[Session]:
     lines = enumerate(handle, start=1)
     _, header = next(lines)
     names = header.rstrip("\n").split("|")
@@ -190,6 +228,7 @@ def _sacct(path: Path, handle: TextIO) -> Iterator[Session]:
                          f"{','.join(SACCT_FIELDS)})")
     at = {name: names.index(name) for name in SACCT_FIELDS}
     sessions = []
+    counts: Counter[str] = Counter()
     for number, line in lines:
         cells = line.rstrip("\n").split("|")
         if not line.strip():
@@ -206,9 +245,14 @@ def _sacct(path: Path, handle: TextIO) -> Iterator[Session]:
             submit, start, end = (_sacct_time(cells[at[name]]) for name in ("Submit", "Start", "End"))
         except ValueError as exc:
             raise TraceError(f"{path}: line {number}: {exc}") from None
-        if submit is None or start is None or end is None or end <= start:
-            continue  # never started (cancelled while pending), still running, or ran no time
-        sessions.append(Session(user, submit, None, (Job(submit, end - start, gpus, 0),)))
+        if submit is None or start is None or end is None:
+            counts["never started or still running (Start or End Unknown)"] += 1
+        elif end <= start:
+            counts["ran no time (End at or before Start: a clock change? SLURM_TIME_FORMAT=%s gives exact times)"] += 1
+        else:
+            sessions.append(Session(user, submit, None, (Job(submit, end - start, gpus, 0),)))
+    left_out.clear()
+    left_out.update(counts)  # the same at every reading of the file
     yield from sorted(sessions, key=lambda s: s.start)
 
 
@@ -221,14 +265,15 @@ def _gpus_of(tres: str) -> int:
 
 
 def _sacct_time(text: str) -> float | None:
-    """Seconds since the epoch of sacct's local time (2024-03-01T09:30:00); None for Unknown/None."""
+    """Seconds since the epoch of sacct's local time (2024-03-01T09:30:00) or of epoch seconds
+    (SLURM_TIME_FORMAT=%s); None for Unknown/None."""
     text = text.strip()
     if text in ("", "Unknown", "None"):
         return None
     try:
-        return datetime.fromisoformat(text).timestamp()
+        return float(text) if text.isdigit() else datetime.fromisoformat(text).timestamp()
     except ValueError:
-        raise ValueError(f"expected a time such as 2024-03-01T09:30:00, got {text!r}") from None
+        raise ValueError(f"expected a time such as 2024-03-01T09:30:00 or epoch seconds, got {text!r}") from None
 
 
 def exact(number: float) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections import Counter
 from pathlib import Path
 
 from gpuguard import config as configuration
@@ -25,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                                "beside static reservation on the same pool. "
                                                "Example: gpuguard replay trace.csv --gpus 48 --config policy.toml")
     parser.add_argument("trace", type=Path, metavar="TRACE",
-                        help="a trace CSV, or the Adobe notebook JSON as published")
+                        help="a trace CSV, Slurm's sacct -P output or the Adobe notebook JSON (gzipped or not)")
     parser.add_argument("--gpus", type=int, metavar="N", help="GPUs in the pool (default: the config's GPU count)")
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="the policy to replay (default: as for the daemon; gpuguard's defaults if none)")
@@ -69,7 +71,10 @@ def run_replay(args: argparse.Namespace) -> int:
     gpus = args.gpus if args.gpus is not None else config.gpu.simulated.count
     if not 1 <= gpus <= replay.MAX_POOL:
         raise CommandError(f"--gpus must be between 1 and {replay.MAX_POOL}, got {gpus}", EXIT_USAGE)
-    report = replay.compare(lambda: trace.read(args.trace), config, gpus)
+    left_out: Counter[str] = Counter()
+    report = replay.compare(lambda: trace.read(args.trace, left_out), config, gpus)
+    report["left_out"] = dict(left_out)
+    _say_left_out(left_out)
     if args.json:
         print_json(report)
         return EXIT_OK
@@ -130,16 +135,25 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    jobs = trace.write_csv(trace.read(args.trace), sys.stdout)
+    left_out: Counter[str] = Counter()
+    jobs = trace.write_csv(trace.read(args.trace, left_out), sys.stdout)
     print(f"gpuguard: {jobs} jobs written", file=sys.stderr)
+    _say_left_out(left_out)
     return EXIT_OK
+
+
+def _say_left_out(left_out: Counter[str]) -> None:
+    """One line on stderr for the jobs with GPUs the trace has and a replay cannot take (sacct's)."""
+    if left_out:
+        why = "; ".join(f"{count} {reason}" for reason, count in sorted(left_out.items()))
+        print(f"gpuguard: left out {sum(left_out.values())} jobs with GPUs: {why}", file=sys.stderr)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.jobs < 1 or args.users < 1:
         raise CommandError("--jobs and --users must be at least 1", EXIT_USAGE)
-    if not args.days > 0:
-        raise CommandError(f"--days must be more than 0, got {args.days:g}", EXIT_USAGE)
+    if not 0 < args.days < math.inf:
+        raise CommandError(f"--days must be a number more than 0, got {args.days:g}", EXIT_USAGE)
     if args.profile == "batch":
         sessions = trace.generate_batch(args.jobs, args.users, args.seed, args.days, args.assign)
     else:

@@ -201,6 +201,15 @@ def test_missing_file(tmp_path):
         config.load(tmp_path / "absent.toml")
 
 
+def test_a_directory_or_a_file_not_utf8_is_a_one_line_error(tmp_path):
+    with pytest.raises(ConfigError, match="a directory, not a config file"):
+        config.load(tmp_path)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('[access]\ngroup = "\u00e9quipe"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="not valid TOML: not UTF-8 text"):
+        config.load(latin1)
+
+
 def test_config_check_command(tmp_path):
     path = write(tmp_path, GOOD, QUOTAS)
     result = cli(None, "config", "check", str(path))

@@ -111,6 +111,46 @@ def test_a_malformed_line_is_named_by_its_number(tmp_path, line, why):
     assert result.stderr.count("\n") == 1 and "line 4" in result.stderr
 
 
+def test_a_trace_with_a_bom_or_gzipped_reads_as_the_plain_file(tmp_path):
+    import gzip
+    text = f"{','.join(trace.HEADER)}\na,0,100,5,10,1,0\nb,1,,1,20,2,0\n"
+    plain = list(trace.read(write(tmp_path, text)))
+    assert len(plain) == 2
+    bom = tmp_path / "bom.csv"  # Excel's "CSV UTF-8", Windows tools
+    bom.write_text("\ufeff" + text, encoding="utf-8")
+    packed = tmp_path / "trace.csv.gz"
+    packed.write_bytes(gzip.compress(text.encode()))
+    assert list(trace.read(bom)) == plain and list(trace.read(packed)) == plain
+    assert json.loads(gpuguard("replay", str(packed), "--gpus", "2", "--json").stdout)["policy"]["jobs_ran"] == 2
+
+
+@pytest.mark.parametrize("content, why", [
+    ("user\n\u00e9\n".encode("latin-1"), "not UTF-8 text"),
+    ("\ufeffuser".encode("utf-16"), "not UTF-8 text"),  # PowerShell's redirection
+    (b"\x1f\x8b\x08\x00" + b"\x00" * 6, "gzip"),  # cut short
+    (b'{"sessions": [{"id": "s1", "start_tick": 0, "stop_tick": 10, "trainings": [{"start_tick": NaN, '
+     b'"duration_in_ticks": 2, "gpus": 1, "vram": 1}]}]}', "session s1: times must be finite"),
+    (b'{"sessions": [{"id": "s1", "start_tick": 0, "stop_tick": 10, "trainings": [{"start_tick": 1, '
+     b'"duration_in_ticks": 2, "gpus": 0.5, "vram": 1}]}]}', "session s1: gpus must be whole numbers"),
+    (b'{"sessions": [{"id": "s1", "start_tick": 5, "stop_tick": 10, "trainings": [{"start_tick": 1, '
+     b'"duration_in_ticks": 2, "gpus": 1, "vram": 1}]}]}', "session s1: job_start 60 is outside its session"),
+])
+def test_a_file_that_is_no_trace_is_a_one_line_error(tmp_path, content, why):
+    path = tmp_path / "trace"
+    path.write_bytes(content)
+    with pytest.raises(trace.TraceError, match=why):
+        list(trace.read(path))
+    result = gpuguard("replay", str(path), "--gpus", "2")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and why.split(":")[0] in result.stderr
+
+
+def test_a_pipe_is_refused_in_one_line_since_a_replay_reads_its_trace_more_than_once(tmp_path):
+    text = f"{','.join(trace.HEADER)}\na,0,100,5,10,1,0\n"
+    result = subprocess.run([sys.executable, "-m", "gpuguard", "replay", "/dev/stdin", "--gpus", "2"], input=text,
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "write it to a file first" in result.stderr
+
+
 def test_bad_pool_sizes_and_missing_files_exit_2(tmp_path):
     path = write(tmp_path, f"{','.join(trace.HEADER)}\na,0,100,5,10,1,0\n")
     for args in (["--gpus", "0"], ["--gpus", "-3"]):
