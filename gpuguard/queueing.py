@@ -124,8 +124,7 @@ class Queue:
         if not ordered:
             return []
         waiters, free = [q.waiter for q in ordered], self.free()
-        # A held waiter, or one the pool could never hold (_possible), keeps nobody waiting.
-        blocks = [q.waiter.id not in self.holds and self._possible(q) for q in ordered]
+        blocks = list(map(self._blocks, ordered))
         scheduling = self.config().scheduler
         return [(queued, HELD if queued.waiter.id in self.holds else
                  reason([w for w, block in zip(waiters[:i], blocks[:i], strict=True) if block], queued.waiter, usage, free, now,
@@ -141,11 +140,16 @@ class Queue:
         mine = waiters[place - 1]
         boost = self.config().scheduler.max_wait_boost
         ahead = [(w.user, scheduler.why_ahead(w, mine, usage, now, boost)) for w in reversed(waiters[:place - 1])]
-        need = sum(w.gpus for w in waiters[:place]) - self.free()
+        need = sum(q.waiter.gpus for q in ordered[:place - 1] if self._blocks(q)) + mine.gpus - self.free()
         expiries = [g.expires_at for g in self.store.grants() if g.expires_at is not None]
         return Standing(place, len(waiters), mine.gpus, mine.since, ahead, scheduler.estimate(need, expiries, now),
                         mine.priority, usage.get(mine.uid, 0.0) / mine.share,
                         mine.since + boost if boost < float("inf") else None)
+
+    def _blocks(self, queued: Queued) -> bool:
+        """Whether this waiter keeps those behind it waiting: not one an admin holds, nor one the
+        pool could never hold (_possible)."""
+        return queued.waiter.id not in self.holds and self._possible(queued)
 
     def _possible(self, queued: Queued) -> bool:
         """Whether this server could hold the waiter's GPUs, were every other user's grant given

@@ -59,6 +59,9 @@ ADOBE_TICK = 60.0  # seconds per tick in the Adobe file
 GB = 10 ** 9
 SACCT_FIELDS = ("JobID", "User", "Submit", "Start", "End", "AllocTRES")
 GZIP_MAGIC = b"\x1f\x8b"
+# Past this a time is no number of seconds (an epoch in milliseconds is 1.7e12): read as seconds,
+# a nanosecond epoch's jobs would run for no time in a float's precision.
+MAX_SECONDS = 1e11
 _GRES_GPU = re.compile(r"(?:^|,)gres/gpu(:[^=,]+)?=(\d+)")  # a type (gres/gpu:a100=4), or none
 
 
@@ -171,8 +174,11 @@ def _csv_line(path: Path, number: int, line: str) -> tuple[str, float, float | N
 
 def _job_problem(session_start: float, session_end: float | None, job: Job) -> str | None:
     """Why a replay could not run this job of this session, or None."""
-    if not all(math.isfinite(t) for t in (session_start, job.start, job.duration, session_end or 0.0)):
+    times = (session_start, job.start, job.duration, session_end or 0.0)
+    if not all(math.isfinite(t) for t in times):
         return "times must be finite"
+    if (largest := max(map(abs, times))) >= MAX_SECONDS:
+        return f"times must be seconds: {largest:g} is over 3,000 years (milliseconds or nanoseconds?)"
     if job.start < session_start or (session_end is not None and job.start >= session_end):
         return (f"job_start {job.start:g} is outside its session [{session_start:g}, "
                 f"{'open' if session_end is None else f'{session_end:g}'})")

@@ -210,6 +210,20 @@ def test_a_gpu_the_waiter_keeps_on_a_drained_gpu_does_not_make_her_request_look_
     assert again["ok"] is False and "this server has 3 GPUs" in again["error"]
 
 
+def test_whoami_expects_a_gpu_from_the_first_expiry_when_only_a_held_request_is_ahead(world):
+    world.quota(max_time=3600.0)
+    holders = fill(world)
+    world.quota(max_time=3600.0, gpus=4)
+    expiries = sorted(g.expires_at for g in world.store.grants())
+    fred, eve = world.lookup.add("fred", 1006, GROUP), world.lookup.add("eve", 1005, GROUP)
+    assert world.call("request", uid=fred.uid, gpus=4, wait=True)["queued"] is True
+    assert world.call("request", uid=eve.uid, gpus=1, wait=True)["queued"] is True
+    assert world.queue.standing(eve.uid, time.time()).estimate is None  # behind fred's 4: a 5th, of no known end
+    world.queue.holds.add(world.store.queue(fred.uid)[0].waiter.id)  # an admin holds fred's: he keeps nobody waiting
+    assert world.queue.standing(eve.uid, time.time()).estimate == expiries[0]
+    assert len(holders) == 4
+
+
 def test_a_walk_that_leaves_nothing_free_stops_there(world):
     # one user holding every GPU, with a long line of 1-GPU requests of theirs behind (a job
     # array in a replay): the release of one serves the first, which leaves nothing free, and the

@@ -101,6 +101,7 @@ def test_generated_trace_round_trips_through_csv(tmp_path):
     ("a,0,100,50,ten,1,0", "must be numbers"),
     ("a,0,100,50,10,0,0", "gpus >= 1"),
     ("a" * 257 + ",0,100,50,10,1,0", "user name longer than 256 characters"),  # as the daemon bounds it
+    ("a,1700000000000000000,,1700000000000000000,30000000000,1,0", "over 3,000 years"),  # nanoseconds
 ])
 def test_a_malformed_line_is_named_by_its_number(tmp_path, line, why):
     path = write(tmp_path, f"# a comment\n{','.join(trace.HEADER)}\nb,0,100,5,10,1,0\n{line}\n")
