@@ -81,8 +81,9 @@ class Queue:
         # the watcher asks at every view, the queue and the grants change far less often.
         self._demand: tuple[Waiting, tuple[Grant, ...], allocator.Pool, rules.Demand] | None = None
         self._waiting: Waiting | None = None  # the waiters, as dispatch takes them, until the queue or holds change
-        # The pool the rows were last held against, and those that ask more than it has (_too_big).
-        self._too_big: tuple[allocator.Pool, frozenset[int]] | None = None
+        # The pool and admins' holds the rows were last held against, and those that ask more than
+        # it has (_too_big_of).
+        self._too_big: tuple[allocator.Pool, frozenset[int], frozenset[int]] | None = None
 
     # --- the order
 
@@ -252,10 +253,11 @@ class Queue:
         the pool (gpuguard request refuses more, a login asks at most that) and grows within it
         (keep_total), so only a change of the pool can make one too big: the rows are looked at
         then, not at every demand."""
-        if self._too_big is None or self._too_big[0] is not pool:
-            self._too_big = (pool, frozenset(q.waiter.id for q in waiting.by_id.values()
-                                             if q.waiter.gpus > self.grants.capacity(q.quota)))
-        return [row for row in self._too_big[1] if row in waiting.by_id]
+        if self._too_big is None or self._too_big[0] is not pool or self._too_big[1] != waiting.holds:
+            # (a row an admin held is not among the waiters: looked at again when it is released)
+            self._too_big = (pool, waiting.holds, frozenset(q.waiter.id for q in waiting.by_id.values()
+                                                            if q.waiter.gpus > self.grants.capacity(q.quota)))
+        return [row for row in self._too_big[2] if row in waiting.by_id]
 
     def dispatch(self, now: float) -> list[tuple[Queued, tuple[int, ...]]]:
         """Grant what the order admits now; each grant is announced to the listeners."""

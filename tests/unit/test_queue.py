@@ -188,6 +188,14 @@ def test_a_waiter_a_drain_made_too_big_is_no_ones_demand_so_nothing_is_reclaimed
     assert all(world.held(h.uid) for h in holders)  # not taken back for a request nothing can serve
     del world.grants.drained[3]
     assert world.queue.demand().short == 4  # the pool back: her wait is demand again
+    (row,) = world.store.queue()
+    world.quota(gpus=1, reclaim_after=60.0)
+    assert world.call("request", uid=world.lookup.add("fred", 1006, GROUP).uid, wait=True)["queued"] is True
+    world.queue.holds.add(row.waiter.id)  # an admin holds her place while the GPU is drained again
+    world.grants.drained[3] = Drain("ggt-test", 0.0)
+    assert world.queue.demand().short == 1  # fred's
+    world.queue.holds.discard(row.waiter.id)  # released from the hold: still too big
+    assert world.queue.demand().short == 1
 
 
 def test_a_gpu_the_waiter_keeps_on_a_drained_gpu_does_not_make_her_request_look_too_big(world):
