@@ -27,7 +27,8 @@ total where Slurm writes one beside the typed counts, else the typed counts adde
 not ended or ran no time are left out and counted (read's `left_out`). The times are read as the
 local time sacct prints (epoch seconds, with SLURM_TIME_FORMAT=%s, read exactly), memory as unknown.
 
-Any of the three may be gzipped (recognised by its first bytes) and may start with a byte order mark.
+Any of the three may be gzipped (recognised by its first bytes) and may start with a byte order
+mark; in CSV and sacct output, blank lines and lines starting with # are passed by.
 
 The Adobe file (../shared/data/adobe-notebook-sessions-2021-06-01.json, a JSON object with a
 `sessions` list, ticks of one minute) is read as it is: each session is one user named after
@@ -113,7 +114,7 @@ def read(path: Path, left_out: Counter[str] | None = None) -> Iterator[Session]:
             handle.seek(0)
             if first == "{":
                 yield from _adobe(path, handle)
-            elif "JobID" in handle.readline().rstrip("\n").split("|"):  # sacct -P, its fields in any order
+            elif "JobID" in next(_said(handle), (0, ""))[1].rstrip("\n").split("|"):  # sacct -P, fields in any order
                 handle.seek(0)
                 yield from _sacct(path, handle, Counter() if left_out is None else left_out)
             else:
@@ -125,8 +126,13 @@ def read(path: Path, left_out: Counter[str] | None = None) -> Iterator[Session]:
         raise TraceError(f"{path}: {'damaged gzip: ' if compressed else ''}{exc}") from None
 
 
+def _said(handle: TextIO) -> Iterator[tuple[int, str]]:
+    """The lines that say something, numbered as in the file: no blank ones, no # comments."""
+    return ((number, line) for number, line in enumerate(handle, start=1) if line.strip() and not line.startswith("#"))
+
+
 def _csv(path: Path, handle: TextIO) -> Iterator[Session]:
-    rows = ((number, line) for number, line in enumerate(handle, start=1) if line.strip() and not line.startswith("#"))
+    rows = _said(handle)
     header = next(rows, None)
     if header is None or tuple(c.strip() for c in header[1].strip().split(",")) != HEADER:
         raise TraceError(f"{path}: line {header[0] if header else 1}: expected the header {','.join(HEADER)}")
@@ -226,19 +232,17 @@ def _adobe(path: Path, handle: TextIO) -> Iterator[Session]:
 
 
 def _sacct(path: Path, handle: TextIO, left_out: Counter[str]) -> Iterator[Session]:
-    lines = enumerate(handle, start=1)
-    _, header = next(lines)
+    lines = _said(handle)
+    first, header = next(lines)
     names = header.rstrip("\n").split("|")
     if missing := [name for name in SACCT_FIELDS if name not in names]:
-        raise TraceError(f"{path}: line 1: sacct output without {', '.join(missing)} (run sacct -P -o "
+        raise TraceError(f"{path}: line {first}: sacct output without {', '.join(missing)} (run sacct -P -o "
                          f"{','.join(SACCT_FIELDS)})")
     at = {name: names.index(name) for name in SACCT_FIELDS}
     sessions = []
     counts: Counter[str] = Counter()
     for number, line in lines:
         cells = line.rstrip("\n").split("|")
-        if not line.strip():
-            continue
         if len(cells) != len(names):
             raise TraceError(f"{path}: line {number}: expected {len(names)} fields separated by |, got {len(cells)}")
         job_id, user, tres = cells[at["JobID"]], cells[at["User"]].strip(), cells[at["AllocTRES"]]

@@ -203,8 +203,9 @@ def test_slurm_accounting_is_read_as_one_open_session_per_gpu_job(tmp_path):
 
 def test_sacct_with_epoch_times_reads_exactly_across_a_clock_change(tmp_path):
     # SLURM_TIME_FORMAT=%s: 20 minutes that local times across the autumn change would read as -40
+    # (and a blank line and a comment before the header, as a person saving it may leave them)
     path = tmp_path / "sacct.txt"
-    path.write_text("JobID|User|Submit|Start|End|AllocTRES\n"
+    path.write_text("\n# sacct -a -P -X on gpu1\nJobID|User|Submit|Start|End|AllocTRES\n"
                     "7|ann|1730594400|1730595000|1730596200|cpu=4,gres/gpu=2\n")
     (session,) = trace.read(path)
     assert (session.start, session.jobs[0].duration, session.jobs[0].gpus) == (1730594400.0, 1200.0, 2)
