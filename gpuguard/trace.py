@@ -24,7 +24,7 @@ header line; the fields in any order, others beside them), is read as one open s
 with GPUs: it arrives at Submit and runs End - Start seconds on its gres/gpu count (the untyped
 total where Slurm writes one beside the typed counts, else the typed counts added up). Job steps
 (JobID with a dot) and jobs without GPUs are passed by; jobs with GPUs that never started, have
-not ended or ran no time are left out and counted (read's `left_out`). The times are read as the
+not ended or ran no time are left out and counted (read's `notes`). The times are read as the
 local time sacct prints (epoch seconds, with SLURM_TIME_FORMAT=%s, read exactly), memory as unknown.
 
 Any of the three may be gzipped (recognised by its first bytes) and may start with a byte order
@@ -34,6 +34,8 @@ The Adobe file (../shared/data/adobe-notebook-sessions-2021-06-01.json, a JSON o
 `sessions` list, ticks of one minute) is read as it is: each session is one user named after
 the first 8 characters of its id, each training burst with GPUs is one job, `vram` (GB) its
 memory per GPU; bursts without GPUs are left out, and so are the 8 sessions that have no other.
+A file of this layout from elsewhere may slip where the published one does not: a burst outside
+its session, half a GPU, a negative vram are mended and counted (read's `notes`), not refused.
 """
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ import random
 import re
 import stat
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
@@ -93,10 +95,11 @@ class Session:
         return max((job.start + job.duration for job in self.jobs), default=self.start)
 
 
-def read(path: Path, left_out: Counter[str] | None = None) -> Iterator[Session]:
+def read(path: Path, notes: Counter[str] | None = None) -> Iterator[Session]:
     """The sessions of a trace file, in order of start: the Adobe JSON (recognised by its layout),
     sacct's output (by its header) or CSV, as UTF-8 text (a BOM is skipped) or gzip of it.
-    left_out: set to how many of sacct's jobs with GPUs a replay cannot take, by why."""
+    notes: set to what reading left out or mended (sacct's jobs a replay cannot take, the Adobe
+    layout's slips), each counted."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise TraceError(f"{path}: not a regular file (a pipe?): a replay reads its trace more than once; "
@@ -113,10 +116,10 @@ def read(path: Path, left_out: Counter[str] | None = None) -> Iterator[Session]:
                 first = handle.read(1)
             handle.seek(0)
             if first == "{":
-                yield from _adobe(path, handle)
+                yield from _adobe(path, handle, _set_to(notes))
             elif "JobID" in next(_said(handle), (0, ""))[1].rstrip("\n").split("|"):  # sacct -P, fields in any order
                 handle.seek(0)
-                yield from _sacct(path, handle, Counter() if left_out is None else left_out)
+                yield from _sacct(path, handle, _set_to(notes))
             else:
                 handle.seek(0)
                 yield from _csv(path, handle)
@@ -202,36 +205,46 @@ def _bad_user(user: str) -> str | None:
     return None
 
 
-def _adobe(path: Path, handle: TextIO) -> Iterator[Session]:
+def _adobe(path: Path, handle: TextIO, noted: Callable[[Counter[str]], None]) -> Iterator[Session]:
+    """The Adobe layout, with the checks of a CSV line. Its slips a replay can take are mended and
+    counted: a burst outside its session stretches the session to hold it, a fractional GPU count
+    is rounded up (half a GPU still takes one), a negative vram is unknown memory."""
+    counts: Counter[str] = Counter()
     try:
         data = json.load(handle)
         raw = data["sessions"]
         sessions = []
         for entry in raw:
-            session = Session(str(entry["id"])[:8], float(entry["start_tick"]) * ADOBE_TICK,
-                              float(entry["stop_tick"]) * ADOBE_TICK, ())
+            user = str(entry["id"])[:8]
+            start, end = float(entry["start_tick"]) * ADOBE_TICK, float(entry["stop_tick"]) * ADOBE_TICK
             jobs = []
             for t in sorted(entry["trainings"], key=lambda t: t["start_tick"]):
                 if not (t["gpus"] > 0 and t["duration_in_ticks"] > 0):
                     continue  # a burst without GPUs
-                if not float(t["gpus"]).is_integer():
-                    raise TraceError(f"{path}: session {session.user}: gpus must be whole numbers, got {t['gpus']}")
-                job = Job(float(t["start_tick"]) * ADOBE_TICK, float(t["duration_in_ticks"]) * ADOBE_TICK,
-                          int(t["gpus"]), int(float(t["vram"]) * GB))
-                if why := _job_problem(session.start, session.end, job) or _bad_user(session.user):
-                    raise TraceError(f"{path}: session {session.user}: {why}")
+                gpus, vram = math.ceil(t["gpus"]), float(t["vram"])
+                counts["fractional GPU counts rounded up"] += gpus != t["gpus"]
+                counts["negative vram read as unknown"] += vram < 0
+                job = Job(float(t["start_tick"]) * ADOBE_TICK, float(t["duration_in_ticks"]) * ADOBE_TICK, gpus,
+                          max(0, int(vram * GB)))
+                if math.isfinite(job.start) and not start <= job.start < end:
+                    counts["sessions stretched to hold a burst outside them"] += 1
+                    start, end = min(start, job.start), max(end, job.start + job.duration)
                 jobs.append(job)
+            for job in jobs:
+                if why := _job_problem(start, end, job) or _bad_user(user):
+                    raise TraceError(f"{path}: session {user}: {why}")
             if jobs:  # a session that never asks for a GPU plays no part (and a CSV has no line for it)
-                sessions.append(replace(session, jobs=tuple(jobs)))
+                sessions.append(Session(user, start, end, tuple(jobs)))
     except TraceError:
         raise
     except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise TraceError(f"{path}: not a trace: JSON without the Adobe layout (sessions with trainings): {exc}"
                          ) from None
+    noted(+counts)
     yield from sorted(sessions, key=lambda s: s.start)
 
 
-def _sacct(path: Path, handle: TextIO, left_out: Counter[str]) -> Iterator[Session]:
+def _sacct(path: Path, handle: TextIO, noted: Callable[[Counter[str]], None]) -> Iterator[Session]:
     lines = _said(handle)
     first, header = next(lines)
     names = header.rstrip("\n").split("|")
@@ -256,14 +269,24 @@ def _sacct(path: Path, handle: TextIO, left_out: Counter[str]) -> Iterator[Sessi
         except ValueError as exc:
             raise TraceError(f"{path}: line {number}: {exc}") from None
         if submit is None or start is None or end is None:
-            counts["never started or still running (Start or End Unknown)"] += 1
+            counts["jobs with GPUs left out: never started or still running (Start or End Unknown)"] += 1
         elif end <= start:
-            counts["ran no time (End at or before Start: a clock change? SLURM_TIME_FORMAT=%s gives exact times)"] += 1
+            counts["jobs with GPUs left out: ran no time (End at or before Start: a clock change? "
+                   "SLURM_TIME_FORMAT=%s gives exact times)"] += 1
         else:
             sessions.append(Session(user, submit, None, (Job(submit, end - start, gpus, 0),)))
-    left_out.clear()
-    left_out.update(counts)  # the same at every reading of the file
+    noted(counts)
     yield from sorted(sessions, key=lambda s: s.start)
+
+
+def _set_to(notes: Counter[str] | None) -> Callable[[Counter[str]], None]:
+    """What a reader calls with its counts once it has read the file: they replace `notes`
+    (a replay reads its trace three times, and says what it read once)."""
+    def noted(counts: Counter[str]) -> None:
+        if notes is not None:
+            notes.clear()
+            notes.update(counts)
+    return noted
 
 
 def _gpus_of(tres: str) -> int:

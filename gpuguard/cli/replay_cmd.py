@@ -71,10 +71,10 @@ def run_replay(args: argparse.Namespace) -> int:
     gpus = args.gpus if args.gpus is not None else config.gpu.simulated.count
     if not 1 <= gpus <= replay.MAX_POOL:
         raise CommandError(f"--gpus must be between 1 and {replay.MAX_POOL}, got {gpus}", EXIT_USAGE)
-    left_out: Counter[str] = Counter()
-    report = replay.compare(lambda: trace.read(args.trace, left_out), config, gpus)
-    report["left_out"] = dict(left_out)
-    _say_left_out(left_out)
+    notes: Counter[str] = Counter()
+    report = replay.compare(lambda: trace.read(args.trace, notes), config, gpus)
+    report["trace_notes"] = dict(notes)
+    _say_notes(notes)
     if args.json:
         print_json(report)
         return EXIT_OK
@@ -135,18 +135,18 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    left_out: Counter[str] = Counter()
-    jobs = trace.write_csv(trace.read(args.trace, left_out), sys.stdout)
+    notes: Counter[str] = Counter()
+    jobs = trace.write_csv(trace.read(args.trace, notes), sys.stdout)
     print(f"gpuguard: {jobs} jobs written", file=sys.stderr)
-    _say_left_out(left_out)
+    _say_notes(notes)
     return EXIT_OK
 
 
-def _say_left_out(left_out: Counter[str]) -> None:
-    """One line on stderr for the jobs with GPUs the trace has and a replay cannot take (sacct's)."""
-    if left_out:
-        why = "; ".join(f"{count} {reason}" for reason, count in sorted(left_out.items()))
-        print(f"gpuguard: left out {sum(left_out.values())} jobs with GPUs: {why}", file=sys.stderr)
+def _say_notes(notes: Counter[str]) -> None:
+    """One line on stderr for what reading the trace left out or mended (trace.read's notes)."""
+    if notes:
+        print("gpuguard: trace read with changes: " + "; ".join(f"{count} {what}" for what, count in
+                                                                sorted(notes.items())), file=sys.stderr)
 
 
 def run_generate(args: argparse.Namespace) -> int:

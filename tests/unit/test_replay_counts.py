@@ -192,13 +192,13 @@ def test_slurm_accounting_is_read_as_one_open_session_per_gpu_job(tmp_path):
     assert alice.start - bob.start == 3600.0 and alice.jobs[0].start == alice.start
     summary = replay.replay(trace.read(path), policy(), 4).summary(4)
     assert summary["jobs_ran"] == 4
-    left_out: Counter[str] = Counter()
-    assert len(list(trace.read(path, left_out))) == 4
-    assert left_out == {"never started or still running (Start or End Unknown)": 2}  # carol's and erin's
+    notes: Counter[str] = Counter()
+    assert len(list(trace.read(path, notes))) == 4
+    never = "jobs with GPUs left out: never started or still running (Start or End Unknown)"
+    assert notes == {never: 2}  # carol's and erin's
     converted = subprocess.run([sys.executable, "-m", "gpuguard", "trace", "convert", str(path)], capture_output=True,
                                text=True, check=True)
-    assert converted.stderr.splitlines() == ["gpuguard: 4 jobs written", "gpuguard: left out 2 jobs with GPUs: 2 never "
-                                             "started or still running (Start or End Unknown)"]
+    assert converted.stderr.splitlines() == ["gpuguard: 4 jobs written", f"gpuguard: trace read with changes: 2 {never}"]
 
 
 def test_sacct_with_epoch_times_reads_exactly_across_a_clock_change(tmp_path):
