@@ -89,7 +89,7 @@ class Watcher:
         else:
             wanted = self.demand()
             if wanted != _demand_of(view):
-                view = replace(view, demand=wanted.short, useful=wanted.useful, keep=wanted.keep).reusing(view)
+                view = replace(view, **_view_fields(wanted)).reusing(view)
         return rules.next_change(view, self.state, timing_of(self.config()), now)
 
     def next_change_of(self, slots: Collection[rules.Slot], now: float) -> float | None:
@@ -102,7 +102,7 @@ class Watcher:
             return None
         wanted = self.demand()
         view = rules.View((), held, {g.uid: self.accounts.of(g.uid)[1] for g in held}, self.exempt.uids,
-                          demand=wanted.short, useful=wanted.useful, keep=wanted.keep)
+                          **_view_fields(wanted))
         return rules.next_change(view, self.state, timing_of(self.config()), now)
 
     def unchanged_until(self, now: float) -> None:
@@ -212,8 +212,7 @@ class Watcher:
         # the sample's units: Sample.ok).
         failed = frozenset(sample.failed).union(set(map(_unit_of, grants)).difference(sample.units))
         wanted = self.demand()
-        view = rules.View(procs, grants, quotas, self.exempt.uids, failed, demand=wanted.short, useful=wanted.useful,
-                          keep=wanted.keep)
+        view = rules.View(procs, grants, quotas, self.exempt.uids, failed, **_view_fields(wanted))
         if last is not None:
             view.reusing(last[1])
         self._last_view = (sample, view)
@@ -308,8 +307,13 @@ class Watcher:
 _uid_of, _unit_of = attrgetter("uid"), attrgetter("unit")
 
 
+def _view_fields(wanted: rules.Demand) -> dict[str, Any]:
+    """The queue's demand as a view's fields (rules.View keeps it field by field)."""
+    return {"demand": wanted.short, "useful": wanted.useful, "keep": wanted.keep}
+
+
 def _demand_of(view: rules.View) -> tuple[object, ...]:
-    """The queue's demand a view was made with, to compare with rules.Demand."""
+    """The queue's demand a view was made with (_view_fields back), to compare with rules.Demand."""
     return view.demand, view.useful, view.keep
 
 
