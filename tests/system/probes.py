@@ -83,6 +83,15 @@ def open_node(path: Path, dev: tuple[int, int]) -> Path:
     return path
 
 
+def fresh_node(path: Path, dev: tuple[int, int]) -> Path:
+    """Put a fresh 0666 root-owned node for dev in place of the one at path, as nvidia-modprobe
+    makes one (no ACL, no uevent). Renamed over it: removing it first left a moment in which the
+    daemon's own repair could make it again, and the mknod then found it there."""
+    made = open_node(path.with_name(f".{path.name}.fresh"), dev)
+    os.replace(made, path)
+    return path
+
+
 def bare_nodes(directory: Path, minors: Iterable[int], major: int = NVIDIA_MAJOR) -> dict[int, Path]:
     """0666 nodes `directory/nvidia<minor>` (the directory made 0755 if need be): file permissions
     let everyone in, so only the gate can say no."""

@@ -449,8 +449,7 @@ def test_a_recreated_node_gets_its_mode_and_acl_back(gg_daemon):
     d = gg_daemon
     alice = d.add_member()
     (minor,) = d.open_session(alice)["gpus"]
-    d.node(minor).unlink()  # what nvidia-modprobe does: a fresh node, no uevent
-    probes.open_node(d.node(minor), (NVIDIA_MAJOR, minor))
+    probes.fresh_node(d.node(minor), (NVIDIA_MAJOR, minor))  # what nvidia-modprobe does: no uevent
     assert wait_for(lambda: posix_acl.acl_users(d.node(minor)) == {alice.uid}
                       and stat.S_IMODE(os.stat(d.node(minor)).st_mode) == 0o660)
     assert access(d, alice) == only(d, minor)

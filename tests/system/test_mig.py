@@ -202,6 +202,5 @@ def test_a_recreated_capability_node_gets_its_mode_and_acl_back(start_daemon) ->
     (unit,) = d.open_session(alice)["gpus"]
     _, ci = nodes_of(d, unit)["ci"]
     node = caps_node(d.device_dir, ci)
-    node.unlink()  # what nvidia-modprobe does: a fresh node, open to all, no uevent
-    probes.open_node(node, (CAPS_MAJOR, ci))
+    probes.fresh_node(node, (CAPS_MAJOR, ci))  # what nvidia-modprobe does: open to all, no uevent
     assert wait_for(lambda: posix_acl.acl_users(node) == {alice.uid} and stat.S_IMODE(os.stat(node).st_mode) == 0o660)
