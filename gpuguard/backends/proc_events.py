@@ -274,7 +274,9 @@ class ProcessIndex:
 
     @property
     def in_sync(self) -> bool:
-        return self._table is not None
+        # In the lock, as _seed publishes the table and counts its resync: in sync is seen counted.
+        with self._lock:
+            return self._table is not None
 
     def pids_of(self, uids: Collection[int]) -> set[int] | None:
         """The live pids whose real uid is one of `uids`, as of now (events queued so far are read
