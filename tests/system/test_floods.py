@@ -112,7 +112,8 @@ def test_a_release_flood_is_rate_limited_and_the_watcher_goes_on(start_daemon, f
         stop_burn(over)
     assert releases.poll() is None  # the flood ran all along
     assert_guarding(d, logins=2)
-    replies = [json.loads(line) for line in counts.read_text().splitlines()]
+    # The flood still runs: its last line may be half written, so only lines that end are read.
+    replies = [json.loads(line) for line in counts.read_text().split("\n")[:-1]]
     assert any(r.startswith("too many releases at once from your user") for r in replies), replies[:5]
     assert any("still in use by your processes" in r for r in replies), replies[:5]
     assert d.granted_minors(alice) == [minor]  # no release went through: the node is held
