@@ -57,7 +57,7 @@ from gpuguard.config import AccessConfig, Config, EventsConfig
 from gpuguard.model import Account, Gpu, GpuProcess, Grant, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
 from gpuguard.sampling import Sample
 from gpuguard.server import Peer
-from gpuguard.store import Queued
+from gpuguard.store import GrantChanges, Queued, Store
 from gpuguard.trace import Job, Session
 
 FIRST_UID = 100000
@@ -66,27 +66,44 @@ _grant_key = attrgetter("uid", "unit", "granted_at")  # a grant, as opposed to a
 
 
 class _GrantsSeen:
-    """The store's grants as a batch of events began, and what came and went since, by identity
-    (the store keeps a grant's object while it stands): no step per grant that stayed."""
+    """The store's grants as last counted, and what came and went since: the store's changes
+    (Store.grant_changes), no step per grant that stayed; a whole difference by identity only
+    where the store cannot tell (the first time)."""
 
-    def __init__(self) -> None:
-        self.rows: tuple[Grant, ...] = ()
-        self._ids: dict[int, Grant] = {}
-        # The last rows compared, by id, and what came and went (asked twice a batch: kept).
-        self._latest: tuple[tuple[Grant, ...], dict[int, Grant], tuple[list[Grant], list[Grant]]] = ((), {}, ([], []))
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._counted: dict[int, Grant] = {}  # the grants as last counted, by id (held: no id reused)
+        self._since = GrantChanges()
 
-    def since(self, rows: tuple[Grant, ...]) -> tuple[list[Grant], list[Grant]]:
-        """The grants gone since `self.rows`, and those that came."""
-        if self._latest[0] is not rows:
-            old, new = self._ids, dict(zip(map(id, rows), rows, strict=True))
-            self._latest = (rows, new, ([old[i] for i in old.keys() - new.keys()],
-                                        [new[i] for i in new.keys() - old.keys()]))
-        return self._latest[2]
+    def since(self) -> GrantChanges:
+        """What came and went since the grants were last counted."""
+        changes = self.store.grant_changes()
+        if changes is None:
+            now = {id(grant): grant for grant in self.store.grants_read()}
+            self._since = GrantChanges()
+            for key in self._counted.keys() - now.keys():
+                self._since.went(self._counted[key])
+            for key in now.keys() - self._counted.keys():
+                self._since.arrived(now[key])
+        else:
+            self._since.add(changes)
+        return self._since
 
-    def move_to(self, rows: tuple[Grant, ...]) -> None:
-        self.since(rows)  # indexes them, if not yet
-        self.rows, self._ids = rows, self._latest[1]
-        self._latest = (rows, self._ids, ([], []))  # nothing came or went since these
+    def count(self, end: bool = False) -> GrantChanges:
+        """What came and went since the grants were last counted (at the end: every grant went),
+        now counted."""
+        changes = self.since()
+        for grant in changes.gone:
+            del self._counted[id(grant)]
+        for grant in changes.came:
+            self._counted[id(grant)] = grant
+        if end:
+            changes = GrantChanges()
+            for grant in self._counted.values():
+                changes.went(grant)
+            self._counted = {}
+        self._since = GrantChanges()
+        return changes
 
 
 @dataclass
@@ -338,7 +355,7 @@ class Replay:
         self._wanted = rules.Demand()             # the queue's demand as the last batch of events left it
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
-        self._seen = _GrantsSeen()                # the store's grants after the last batch of events
+        self._seen = _GrantsSeen(self.store)      # the store's grants after the last batch of events
 
     # --- the event loop
 
@@ -455,13 +472,12 @@ class Replay:
         on it (its idle clock runs) or a time limit (whose warnings are moments). A busy grant that
         came has no idle clock; a rule that acts on its new process is _start's to see
         (rules.acts_on_arrival)."""
-        rows = self.store.grants_read()
-        if rows is self._seen.rows:
+        changes = self._seen.since()
+        if not changes:
             return False
-        gone, came = self._seen.since(rows)
         nothing: Counter[int] = Counter()
-        return (any(self.busy_of.get(g.uid, nothing)[g.unit] for g in gone)
-                or any(g.expires_at is not None or not self.busy_of.get(g.uid, nothing)[g.unit] for g in came))
+        return (any(self.busy_of.get(g.uid, nothing)[g.unit] for g in changes.gone)
+                or any(g.expires_at is not None or not self.busy_of.get(g.uid, nothing)[g.unit] for g in changes.came))
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
@@ -609,13 +625,11 @@ class Replay:
 
     def _count_granted(self, end: bool = False) -> None:
         """Count the GPU-seconds of the grants that ended in the last batch of events (all, at the end)."""
-        rows = () if end else self.store.grants_read()
-        if rows is self._seen.rows:
-            return  # the same object: no grant came or went since the last count
-        gone, came = self._seen.since(rows)
-        self._seen.move_to(rows)
-        ended = {_grant_key(g): g.user for g in gone}
-        for key in sorted(ended.keys() - set(map(_grant_key, came))):  # one of the same key stands: it goes on
+        changes = self._seen.count(end)
+        if not changes:
+            return  # no grant came or went since the last count
+        ended = {_grant_key(g): g.user for g in changes.gone}
+        for key in sorted(ended.keys() - set(map(_grant_key, changes.came))):  # one of the same key stands: it goes on
             self._taken_back += not end
             self.result.granted += self.now - key[2]
             self._user_totals(ended[key])[0] += self.now - key[2]

@@ -248,6 +248,14 @@ class Store:
         change: a caller may compare it by identity to know that nothing changed."""
         return self._grant_copy().rows()
 
+    def grant_changes(self) -> GrantChanges | None:
+        """The grants gone and come since the last call, by identity (a grant changed in place, as
+        a mark, is one of each; one that came and went since is in neither), at the cost of the
+        changes rather than of every grant: for a caller that follows each change, as a replay
+        does after each batch of events. None when that is not known: at the first call, and after
+        another connection's change (the table was read whole again)."""
+        return self._grant_copy().take_changes()
+
     def _data_version(self) -> int:
         """Moves when another connection commits, never for this one's own commits (SQLite's PRAGMA).
         A scratch store holds its lock: no other connection commits, and nothing is asked."""
@@ -600,13 +608,49 @@ def _marked_active(grant: Grant, now: float) -> Grant:
     return marked
 
 
+class GrantChanges:
+    """Grants gone and come, by identity: one that comes after it went (or goes after it came)
+    cancels out, so these are the difference between two sets of grants."""
+
+    def __init__(self) -> None:
+        self._gone: dict[int, Grant] = {}  # by id(): the dicts hold the objects, so no id is reused meanwhile
+        self._came: dict[int, Grant] = {}
+
+    def went(self, grant: Grant) -> None:
+        if self._came.pop(id(grant), None) is None:
+            self._gone[id(grant)] = grant
+
+    def arrived(self, grant: Grant) -> None:
+        if self._gone.pop(id(grant), None) is None:
+            self._came[id(grant)] = grant
+
+    def add(self, later: GrantChanges) -> None:
+        """Then `later`'s changes too."""
+        for grant in later.gone:
+            self.went(grant)
+        for grant in later.came:
+            self.arrived(grant)
+
+    @property
+    def gone(self) -> list[Grant]:
+        return list(self._gone.values())
+
+    @property
+    def came(self) -> list[Grant]:
+        return list(self._came.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._gone or self._came)
+
+
 class _Grants:
     """The store's copy of the grants table: read whole when another connection changed it
     (version: the data_version it was read at; None: not read), changed in place by this
     connection's own writes, after they committed. The grants by slot, and the slots by user and
     by GPU (a slice's grant on its parent's), so that a mark (only last_active changes) replaces
     one entry; the rows in order are built when first asked for after a change, and stay the
-    same object until the next."""
+    same object until the next. Once take_changes is called, the changes since are kept for the
+    next call (a daemon never calls it, and keeps none)."""
 
     def __init__(self) -> None:
         self.version: int | None = None
@@ -615,11 +659,19 @@ class _Grants:
         self._on_gpu: dict[int, set[tuple[int, int]]] = {}  # GPU -> the slots on it
         self._order: list[tuple[int, int]] | None = None  # the slots sorted (kept so); None: not since a read
         self._rows: tuple[Grant, ...] | None = None
+        self._changes: GrantChanges | None = None  # since the last take_changes; None: not followed
+        self._changes_known = False  # no whole read since the last take_changes
 
     def read(self, version: int, rows: Iterable[sqlite3.Row]) -> None:
         self.version = version
         self._by_slot, self._of_uid, self._on_gpu, self._order, self._rows = {}, {}, {}, None, None
+        self._changes_known = False
         self._put(map(_grant, rows))
+
+    def take_changes(self) -> GrantChanges | None:
+        taken, known = self._changes, self._changes_known
+        self._changes, self._changes_known = GrantChanges(), True
+        return taken if known else None
 
     def put(self, grants: Iterable[Grant]) -> None:
         if self.version is not None:
@@ -630,7 +682,9 @@ class _Grants:
             return
         for grant in grants:
             slot = (grant.uid, grant.unit)
-            if self._by_slot.pop(slot, None) is not None:
+            if (gone := self._by_slot.pop(slot, None)) is not None:
+                if self._changes is not None:
+                    self._changes.went(gone)
                 _discard_in(self._of_uid, grant.uid, grant.unit)
                 _discard_in(self._on_gpu, unit_parent(grant.unit), slot)
                 if self._order is not None:
@@ -643,17 +697,25 @@ class _Grants:
         by_slot = self._by_slot
         for slot in slots:
             if (grant := by_slot.get(slot)) is not None:
-                by_slot[slot] = _marked_active(grant, now)
+                marked = by_slot[slot] = _marked_active(grant, now)
+                if self._changes is not None:
+                    self._changes.went(grant)
+                    self._changes.arrived(marked)
         self._rows = None
 
     def _put(self, grants: Iterable[Grant]) -> None:
         for grant in grants:
             slot = (grant.uid, grant.unit)
-            if slot not in self._by_slot:  # a slot held already keeps its place in the indexes
+            held = self._by_slot.get(slot)
+            if held is None:  # a slot held already keeps its place in the indexes
                 self._of_uid.setdefault(grant.uid, set()).add(grant.unit)
                 self._on_gpu.setdefault(unit_parent(grant.unit), set()).add(slot)
                 if self._order is not None:
                     bisect.insort(self._order, slot)
+            if self._changes is not None:
+                if held is not None:
+                    self._changes.went(held)
+                self._changes.arrived(grant)
             self._by_slot[slot] = grant
         self._rows = None
 

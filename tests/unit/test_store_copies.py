@@ -18,11 +18,14 @@ def _fresh(path) -> Store:
 
 def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_path):
     """Random adds (also over a held slot: INSERT OR REPLACE), removals and marks; after each,
-    every view of the copy equals a new connection's read of the table."""
+    every view of the copy equals a new connection's read of the table, and the changes the store
+    gives (grant_changes), applied to the grants before, are the grants after, object for object."""
     rng = random.Random(20)
     store = Store(tmp_path / "state.db")
     try:
         store.grants()  # read: from here on the copy is changed in place
+        assert store.grant_changes() is None  # the first call: from here on the changes are kept
+        followed = {id(g): g for g in store.grants_read()}
         for step in range(200):
             now = 100.0 + step
             op = rng.choice(["add", "remove", "mark"])
@@ -37,6 +40,13 @@ def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_pa
                 store.remove_grants(uid, rng.choice([None, rng.sample(UNITS, 2)]), now)
             else:
                 store.mark_active([(uid, rng.choice(UNITS)), (rng.choice(UIDS), rng.choice(UNITS))], now)
+            changes = store.grant_changes()
+            assert changes is not None
+            for grant in changes.gone:
+                assert followed.pop(id(grant)) is grant
+            for grant in changes.came:
+                assert followed.setdefault(id(grant), grant) is grant
+            assert followed == {id(g): g for g in store.grants_read()}
             other = _fresh(store.path)
             try:
                 assert store.grants() == other.grants()
@@ -70,6 +80,32 @@ def test_the_grants_read_is_one_object_until_a_change(tmp_path):
         finally:
             other.close()
         assert store.grants_read() == ()
+    finally:
+        store.close()
+
+
+def test_grant_changes_net_out_and_are_unknown_after_another_connections_write(tmp_path):
+    store = Store(tmp_path / "state.db")
+    try:
+        assert store.grant_changes() is None  # the first call
+        store.add_grants(1001, "alice", [0, 1], 10.0, None)
+        store.remove_grants(1001, [1], 20.0)  # came and went since the last call: in neither
+        changes = store.grant_changes()
+        assert changes is not None and changes.gone == [] and [g.unit for g in changes.came] == [0]
+        store.mark_active([(1001, 0)], 50.0)  # changed in place: one gone, one come, of the same slot
+        changes = store.grant_changes()
+        assert changes is not None
+        assert [g.last_active for g in changes.gone] == [10.0] and [g.last_active for g in changes.came] == [50.0]
+        assert not store.grant_changes()  # nothing since
+        other = _fresh(store.path)
+        try:
+            other.remove_grants(1001, None, 60.0)  # another connection's write: the table is read whole again
+        finally:
+            other.close()
+        assert store.grant_changes() is None
+        store.add_grants(1002, "bob", [2], 70.0, None)
+        changes = store.grant_changes()
+        assert changes is not None and [g.uid for g in changes.came] == [1002]
     finally:
         store.close()
 
