@@ -7,7 +7,8 @@ are accounts in access.group (_ReplayAccounts), a signal to a job's process ends
 gate, terminals or /proc holders (Edges.find_holders None: no holder scans). The replay decides
 nothing itself: logins and logouts are Api.session_open / session_close (and the logout release
 after it), a job's request is the queue's join (whose dispatch serves the waiters), and every
-release, revoke and stop is an action of Watcher.check.
+release, revoke and stop is an action of Watcher.check, but for a batch job's own release as it
+ends (Releases.take_back, as `gpuguard release` ends).
 
 The replay: a session opens (a login with grant "never": jobs ask for their GPUs); each job asks
 the queue for the GPUs it needs beyond its user's idle granted ones that no other waiting job of
@@ -17,7 +18,9 @@ its count once they are granted: the time between is its time to GPU. (Api.reque
 used for this: it asks for a user's total and keeps one place in the queue per user, while a
 trace's user may have many jobs waiting at once; the queue's join is what it calls.) A job still
 waiting when its session ends never runs (its waiter leaves the queue with the last session); an
-open session (no end in the trace) ends once its last job has run. While a job runs its process
+open session (no end in the trace: a batch job) ends once its last job has run, and gives its
+GPUs back as it ends, as a job script's last `gpuguard release` does and as Slurm frees a
+job's GPUs (its user may have other jobs running, so that logout is not their last). While a job runs its process
 is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
 jobs are on it (a job on several GPUs at the pace of its most crowded one): its end moves when
 another job joins or leaves. Watcher.check runs after every batch of simultaneous events that
@@ -54,7 +57,19 @@ from typing import Any
 
 from gpuguard import logs, policy, rules, wiring
 from gpuguard.config import AccessConfig, Config, EventsConfig
-from gpuguard.model import Account, Gpu, GpuProcess, Grant, Origin, ProcessIdentity, Quota, SignalOutcome, SignalResult
+from gpuguard.model import (
+    Account,
+    EventKind,
+    Gpu,
+    GpuProcess,
+    Grant,
+    Origin,
+    ProcessIdentity,
+    Quota,
+    Rule,
+    SignalOutcome,
+    SignalResult,
+)
 from gpuguard.sampling import Sample
 from gpuguard.server import Peer
 from gpuguard.store import GrantChanges, Queued, Store
@@ -445,6 +460,7 @@ class Replay:
         if running is None or running.version != version:
             return  # ended earlier by a rule, or slowed or sped up since: a later end event stands
         self._stop(running)
+        self._batch_gives_back(running)
         self.result.count(running.user, running.started - running.arrived, running.job.duration,
                           self.now - running.started)
         self.result.stretch.append((self.now - running.started) / running.job.duration)
@@ -524,6 +540,19 @@ class Replay:
         self._sample = None
         self.watcher.process_ended((running.pid, running.identity.start_time),
                                    [(running.uid, unit) for unit in running.units], self.now)
+
+    def _batch_gives_back(self, running: _Running) -> None:
+        """A batch job (an open session) gives its GPUs back as it ends, as its script's last
+        `gpuguard release` does, and as Slurm frees a job's GPUs: the queue has them at once, not
+        after reclaim_after or an idle timeout (its user may run other jobs meanwhile, so their
+        logout does not free them). An interactive session's GPUs stay with its user between its
+        jobs, until a rule or the user's last logout takes them."""
+        if not self.sessions[running.session].open:
+            return
+        still = self.busy_of.get(running.uid, Counter())
+        if idle := [unit for unit in running.units if not still[unit]]:
+            self.services.releases.take_back(running.uid, idle, self.now, kind=EventKind.RELEASE, rule=Rule.USER,
+                                             message="released with gpuguard release")
 
     def _crowd(self, units: tuple[int, ...], add: int | None = None, remove: int | None = None) -> None:
         """A job joins or leaves these GPUs: count their busy and shared seconds up to now, then
@@ -614,6 +643,7 @@ class Replay:
         """A rule's signal reached the job: it ends here, and what it did is lost."""
         running = self.running[pid]
         self._stop(running)
+        self._batch_gives_back(running)
         ran = self.now - running.started
         self.result.work_lost += len(running.units) * ran
         self.result.count(running.user, running.started - running.arrived, running.job.duration,

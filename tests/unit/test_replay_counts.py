@@ -61,6 +61,19 @@ def test_an_open_session_lasts_until_its_last_job_has_run(tmp_path):
     assert static["wait_max"] == 890.0 and static["gpu_seconds_granted"] == 1000.0
 
 
+def test_a_batch_job_gives_its_gpus_back_as_it_ends_though_its_user_runs_others(tmp_path):
+    # a runs two batch jobs, one on each GPU; b's job waits. a's short job ends at 100 while its long
+    # one runs (a stays logged in): b has that GPU at once, as under static reservation, not once
+    # reclaim_after (10 minutes) has passed.
+    path = write(tmp_path, "a,0,,0,100,1,0", "a,0,,0,1000,1,0", "b,10,,10,50,1,0")
+    result = replay.replay(trace.read(path), policy(), 2)
+    summary = result.summary(2)
+    assert summary["jobs_ran"] == 3 and summary["wait_max"] == 90.0
+    assert summary["wait_max"] == replay.static_reservation(trace.read(path), 2).summary(2)["wait_max"]
+    assert result.reclaims == 0
+    assert result.per_user["a"][0] == 100.0 + 1000.0  # each job's GPU granted for its run only
+
+
 def test_sharers_slow_each_other_and_the_gpu_counts_busy_once(tmp_path):
     # Two sharers of 40 GiB on one 80 GiB GPU, each job 100 s alone: together from 0 they take 200 s.
     path = write(tmp_path, f"a,0,1000,0,100,1,{GIB}", f"b,0,1000,0,100,1,{GIB}")
