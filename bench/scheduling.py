@@ -156,7 +156,7 @@ def speed_rows(directory: Path) -> list[Row]:
     # same whatever the length of the trace. (The seconds themselves move with this shared
     # machine's speed, by up to 40 % between hours for the same code.)
     per_job = (seconds / 31000) / (little_seconds / 3000)
-    return [(f"replay speed: generated 31,000-job month on {SPEED_GPUS} GPUs, exclusive (an idle minute releases),"
+    return [(f"replay speed: generated 31,000-job month on {SPEED_GPUS} GPUs, exclusive (no sharing, no stops),"
              " both policies", f"{seconds:.1f} s", "< 20 s", seconds < 20),
             ("replay speed: the same month, gpuguard's defaults, both policies", f"{defaults:.1f} s", "< 20 s",
              defaults < 20),

@@ -94,6 +94,8 @@ class Api:
         self._releases = admission.RateLimit()  # each release scans /proc: per uid, a few at once
         # each request writes the store (a grant, or a queue place that a hang-up takes back and logs)
         self._requests = admission.RateLimit()
+        # each report or events read goes through the caller's history on the loop (indexed by uid)
+        self._records = admission.RateLimit()
         self.queue.listeners.append(self._queue_served)
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
@@ -289,6 +291,8 @@ class Api:
             if own != self.config().web.user:  # the web view's account reads as root does
                 if name is not None and name != own:
                     raise Refusal("only root may look at another user's records")
+                if wait := self._records.allow(peer.uid, time.monotonic()):
+                    raise Refusal(f"too many reports at once from your user; try again in {math.ceil(wait)}s")
                 return peer.uid
         if name is None:
             return None

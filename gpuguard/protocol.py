@@ -44,7 +44,7 @@ def decode(line: bytes, limit: int = MAX_REPLY) -> dict[str, Any]:
         raise ProtocolError(f"message exceeds {limit} bytes")
     try:
         message = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # bad JSON or UTF-8, or an integer over Python's limit of 4,300 digits
         raise ProtocolError(f"not JSON: {exc}") from None
     except RecursionError:  # [[[[...]]]] within the size limit: hostile, not an internal error
         raise ProtocolError("not JSON: nested too deeply") from None

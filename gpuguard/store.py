@@ -114,6 +114,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE queue ADD COLUMN counted TEXT NOT NULL DEFAULT '[]';
     """,
+    # A user's `gpuguard report` reads their own hours: without these, the key (hour first) made
+    # `report --since 0` walk every user's whole history, on the daemon's loop, for any local user.
+    """
+    CREATE INDEX usage_hours_by_uid ON usage_hours (uid, hour);
+    CREATE INDEX kills_hours_by_uid ON kills_hours (uid, hour);
+    """,
 )
 HOUR = 3600
 _Read = TypeVar("_Read")

@@ -13,13 +13,18 @@ from collections.abc import Callable, Collection
 from gpuguard.backends import procfs
 
 Cancel = Callable[[], None]
+# Pidfds one watch opens at most: a user may keep thousands of processes on a node, each a
+# descriptor of the daemon's otherwise. The first of these to end is as good a sign as any
+# (the caller checks again then, and in any case within its own re-check time).
+WATCHED = 8
 
 
 class ExitWatch:
     def watch(self, pids: Collection[int], uid: int, on_exit: Callable[[], None]) -> Cancel | None:
         """Call on_exit once, on the running loop, when the first of these processes of uid
-        exits. Returns what cancels the watch, or None (nothing watched) when one of them is
-        gone already or is no longer uid's: its pid may name another process by now."""
+        exits (of the first WATCHED of them, by pid). Returns what cancels the watch, or None
+        (nothing watched) when one of them is gone already or is no longer uid's (its pid may
+        name another process by now), or a pidfd could not be had (the descriptors ran out)."""
         loop = asyncio.get_running_loop()
         pidfds: list[int] = []
 
@@ -34,7 +39,7 @@ class ExitWatch:
                 cancel()
                 on_exit()
 
-        for pid in pids:
+        for pid in sorted(pids)[:WATCHED]:
             identity = procfs.process_identity(pid)
             try:
                 if identity is None or identity.uid != uid:
@@ -43,7 +48,7 @@ class ExitWatch:
                 # Still the same process once the pidfd names it: not a reused pid.
                 if procfs.process_identity(pid) != identity:
                     raise ProcessLookupError(pid)
-            except ProcessLookupError:
+            except OSError:  # gone (ProcessLookupError), or no descriptor left (EMFILE): none kept open
                 cancel()
                 return None
             loop.add_reader(pidfds[-1], exited)

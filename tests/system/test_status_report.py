@@ -9,6 +9,7 @@ import os
 import subprocess
 
 import pytest
+from conftest import PYTHON, run_as
 from sim_helpers import GiB, burn, gpuguard
 
 from devtools.harness import wait_for
@@ -121,3 +122,27 @@ def test_report_and_events_root_sees_everyone_a_user_only_themself(start_daemon)
     # report --csv: a column for every rule, whether or not anything was stopped
     header = d.cli("report", "--since", "1d", "--csv").stdout.splitlines()[0]
     assert header.endswith(",kills_memory,kills_time,kills_idle,kills_stray,kills_reclaim")
+
+
+FLOOD_REPORTS = """
+import sys
+from gpuguard import client
+refused = []
+for _ in range(30):
+    try:
+        client.call(sys.argv[1], "report" if len(refused) % 2 else "events", timeout=30, since=0.0)
+    except client.Refused as exc:
+        refused.append(str(exc))
+print(len(refused), refused[0] if refused else "")
+"""
+
+
+def test_a_users_reports_are_rate_limited_and_roots_are_not(start_daemon):
+    d = start_daemon(defaults={"gpus": 1})
+    alice = d.add_member()
+    d.open_session(alice)
+    result = run_as(alice, [PYTHON, "-c", FLOOD_REPORTS, d.socket])
+    assert result.returncode == 0, result.stderr
+    count, reason = result.stdout.split(" ", 1)
+    assert int(count) > 0 and reason.startswith("too many reports at once from your user; try again in"), result.stdout
+    assert all(d.call("report", since=0.0)["ok"] for _ in range(30))  # root's (and the web view's) are not

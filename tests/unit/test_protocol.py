@@ -17,6 +17,7 @@ def test_request_round_trip():
     (b"\xff\xfe", "not JSON"),
     (b"[" * 100_000 + b"]" * 100_000, "exceeds"),
     (b"[" * 30_000 + b"]" * 30_000, "not JSON: nested too deeply"),
+    (b'{"v": 1, "op": "whoami", "gpus": ' + b"9" * 5000 + b"}", "not JSON: .*4300"),  # Python's digit limit
     (b'["a list"]', "not a JSON object"),
     (b'{"v": 2, "op": "whoami"}', "unsupported protocol version 2"),
     (b'{"op": "whoami"}', "unsupported protocol version None"),

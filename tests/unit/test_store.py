@@ -144,6 +144,22 @@ def test_usage_by_hour_sums_per_user_gpu_and_day_within_the_period(store):
     assert store.usage_by("user", since=day + 2 * HOUR, until=until, uid=1001) == []
 
 
+def test_a_users_report_searches_their_own_hours_not_everyones(store):
+    """`report` as a user (uid given) reads the hours by uid and time, whatever `since` says: walking
+    the whole history of everyone, on the daemon's loop, was any local user's to ask for."""
+    queries: list[str] = []
+    store._db.set_trace_callback(queries.append)  # the statements as SQLite ran them, values bound
+    try:
+        store.usage_by("gpu", since=0.0, until=1e10, uid=1001)
+    finally:
+        store._db.set_trace_callback(None)
+    reads = [q for q in queries if q.lstrip().startswith("SELECT")]
+    assert len(reads) == 2
+    plans = [" ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + q)) for q in reads]
+    assert "USING INDEX usage_hours_by_uid (uid=? AND hour>? AND hour<?)" in plans[0], plans
+    assert "USING INDEX kills_hours_by_uid (uid=? AND hour>? AND hour<?)" in plans[1], plans
+
+
 def test_events_filtered_by_user_time_and_rule(store):
     for t, uid, rule in [(10.0, 1001, "memory"), (20.0, 1002, "memory"), (30.0, 1001, "idle"), (40.0, 1001, "memory")]:
         store.add_event(Event(t, uid, f"u{uid}", "warning", "m", rule=rule))
