@@ -35,7 +35,7 @@ from typing import Any
 from gpuguard import sampling
 from gpuguard.edges import Clock, GpuSampler, Processes
 from gpuguard.exempt import Exempt
-from gpuguard.logs import event
+from gpuguard.logs import Throttle, event
 from gpuguard.messages import unit_list
 from gpuguard.model import Event, ProcessIdentity, Rule, SignalOutcome
 from gpuguard.rules import Kind
@@ -92,6 +92,13 @@ class HolderEnder:
         self.processes = processes
         self.clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
+        # Being seen through to SIGKILL: a later release finds them still holding, and must not
+        # signal, log and record them all again (a user may pass a node to thousands of subuids).
+        self._ending: set[ProcessIdentity] = set()
+        # The log lines about one user's GPU's holders: a few a minute, then a count (the events
+        # stored keep every one, within the events' per-user bound).
+        self.log = Throttle("grantee", burst=20)
+        self._unsaved: list[Event] = []  # recorded, to be stored in one transaction (_save)
 
     async def scan(self, uid: int, units: Collection[int], max_age: float = sampling.MAX_AGE,
                    for_user: bool = False) -> Scan:
@@ -126,15 +133,20 @@ class HolderEnder:
         for pid, unit in scan.unlisted:
             holding.setdefault(pid, set()).add(unit)
         termed: dict[ProcessIdentity, set[int]] = {}
-        for pid, held in sorted(holding.items()):
+        for count, (pid, held) in enumerate(sorted(holding.items()), start=1):
             identity = self.processes.identity(pid)
-            if identity is None or identity.uid != uid:
-                continue  # exited since the scan
+            if identity is None or identity.uid != uid or identity in self._ending:
+                continue  # exited since the scan, or being ended already
             if self._signal(identity, held, user, signal.SIGTERM, why, uid):
                 termed[identity] = held
-        others = await self._others(uid, user, frozenset(units), why, termed) if why != Rule.LOGOUT else ()
-        if termed:
-            self._spawn(self._escalate(user, termed, why, uid))
+                self._ending.add(identity)
+            await self._pause(count)
+        try:
+            others = await self._others(uid, user, frozenset(units), why, termed) if why != Rule.LOGOUT else ()
+        finally:  # those signalled are seen through (and leave _ending) whatever the walk did
+            self._save()
+            if termed:
+                self._spawn(self._escalate(user, termed, why, uid))
         return Ending(scan, tuple(identity.pid for identity in termed if identity.uid == uid), others)
 
     async def _others(self, uid: int, user: str, units: frozenset[int], why: Rule,
@@ -152,13 +164,20 @@ class HolderEnder:
             if holder.uid in (uid, 0) or holder.uid in self.exempt.uids:
                 continue
             identity = self.processes.identity(holder.pid)
-            if identity is not None and identity.uid == holder.uid:
+            if identity is not None and identity.uid == holder.uid and identity not in self._ending:
                 holding.setdefault(identity, set()).add(holder.unit)
         others = []
-        for identity, held in sorted(holding.items()):
-            member = await self.is_member(identity.uid)
+        members: dict[int, bool | None] = {}  # asked once per uid: thousands of holders may share one
+        for count, (identity, held) in enumerate(sorted(holding.items()), start=1):
+            await self._pause(count)
+            if identity in self._ending:
+                continue  # ended meanwhile, by another take-back
+            if identity.uid not in members:
+                members[identity.uid] = await self.is_member(identity.uid)
+            member = members[identity.uid]
             if member is False and self._signal(identity, held, user, signal.SIGTERM, why, uid):
                 termed[identity] = held
+                self._ending.add(identity)
                 others.append(Other(identity.pid, identity.uid, frozenset(held), True))
             elif member is not False:
                 self._record(identity, held, user, Kind.REPORT, why, {"holder_uid": identity.uid},
@@ -169,14 +188,20 @@ class HolderEnder:
         return tuple(others)
 
     async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: Rule, uid: int) -> None:
-        await asyncio.sleep(self.kill_wait())
-        for identity in await self._still_holding(termed):
-            self._signal(identity, termed[identity], user, signal.SIGKILL, why, uid)
-        await asyncio.sleep(self.kill_wait())
-        for identity in await self._still_holding(termed):
-            self._record(identity, termed[identity], user, Kind.UNKILLABLE, why, {
-                "state": self.processes.state(identity) or "unknown"},
-                "survives SIGKILL (stuck in the kernel); an administrator must look at it", uid)
+        try:
+            await asyncio.sleep(self.kill_wait())
+            for count, identity in enumerate(await self._still_holding(termed), start=1):
+                self._signal(identity, termed[identity], user, signal.SIGKILL, why, uid)
+                await self._pause(count)
+            self._save()
+            await asyncio.sleep(self.kill_wait())
+            for identity in await self._still_holding(termed):
+                self._record(identity, termed[identity], user, Kind.UNKILLABLE, why, {
+                    "state": self.processes.state(identity) or "unknown"},
+                    "survives SIGKILL (stuck in the kernel); an administrator must look at it", uid)
+        finally:
+            self._save()
+            self._ending.difference_update(termed)
 
     async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
         """Those of `termed` that are the same process as before and still hold one of their nodes."""
@@ -191,7 +216,7 @@ class HolderEnder:
         """Signal a holder; its events go to uid (the user whose GPU it was), named `user`."""
         result = self.processes.send(identity, sig, self.exempt.uids)
         if not result.sent:
-            event(logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
+            self.log.event(uid, logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
                   outcome=result.outcome.value, detail=result.detail or None)
             if result.outcome is SignalOutcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
                 self._record(identity, units, user, Kind.REPORT, why, {"euid": 0},
@@ -212,15 +237,28 @@ class HolderEnder:
                 numbers: dict[str, Any], what: str, uid: int) -> None:
         """Log, and store as an event of uid (named `user`): the holder's own, or the grantee's."""
         command = self.processes.command(identity.pid)
-        event(logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}", rule=why,
+        self.log.event(uid, logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}", rule=why,
               user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(units),
               **numbers)
         whose = "your process" if identity.uid == uid else "process"
         message = f"gpuguard: {whose} {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
-        for unit in sorted(units):
-            self.store.add_event(Event(self.clock(), uid, user, action.event, message, unit=unit,
-                                       pid=identity.pid, command=command, rule=why, action=action,
-                                       numbers=dict(numbers)))
+        self._unsaved += [Event(self.clock(), uid, user, action.event, message, unit=unit, pid=identity.pid,
+                                command=command, rule=why, action=action, numbers=dict(numbers))
+                          for unit in sorted(units)]
+
+    def _save(self) -> None:
+        """Store the events recorded since the last save, in one transaction: one each was a
+        commit (an fsync) per holder, and a user may pass a node to thousands."""
+        if self._unsaved:
+            recorded, self._unsaved = self._unsaved, []
+            self.store.add_events(recorded)
+
+    async def _pause(self, count: int, every: int = 32) -> None:
+        """Every `every` holders, store what was recorded and let the loop serve others (logins,
+        the tick): each holder is a signal, a log line and an event."""
+        if count % every == 0:
+            self._save()
+            await asyncio.sleep(0)
 
     def _spawn(self, work: Awaitable[object]) -> None:
         task = asyncio.get_running_loop().create_task(self._logged(work))
@@ -237,3 +275,4 @@ class HolderEnder:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+

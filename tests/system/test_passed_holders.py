@@ -51,8 +51,11 @@ os.execv(sys.argv[2], [sys.argv[2], "600"])
 """
 
 
-def receiver(user, path) -> subprocess.Popen:
-    proc = popen_as(user, [PYTHON, "-c", RECEIVE, str(path)], stdout=subprocess.PIPE, text=True)
+def receiver(user, path, stubborn: bool = False) -> subprocess.Popen:
+    """A process of `user` that takes a descriptor on a socket at `path` and holds it (stubborn:
+    ignoring SIGTERM)."""
+    code = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if stubborn else "") + RECEIVE
+    proc = popen_as(user, [PYTHON, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
     return proc
 
@@ -128,6 +131,34 @@ def test_a_release_ends_a_non_members_holder_of_a_passed_descriptor(start_daemon
         assert released["ok"] and released["released"] == [minor], released
         assert taker.wait(timeout=MARGIN) == -signal.SIGTERM
         assert [e["kind"] for e in events(d, alice, pid=taker.pid)] == ["kill"]
+    finally:
+        taker.kill()
+        taker.wait()
+        taker.stdout.close()
+
+
+def test_a_holder_being_ended_is_not_signalled_again_by_the_next_revoke(start_daemon, make_user, sandbox):
+    """A holder that ignores SIGTERM keeps holding until kill_wait; a revoke meanwhile leaves it
+    to that: a user may pass a node to thousands of processes, and every release would otherwise
+    signal, log and record each of them again."""
+    d = start_daemon(defaults={"gpus": 1}, watcher={**WATCHER, "kill_wait": "60s"})
+    alice, mallory = d.add_member(), make_user()
+    minor = session_gpu(d, alice)
+    meeting = sandbox / "meet"
+    meeting.mkdir()
+    meeting.chmod(0o1777)
+    taker = receiver(mallory, meeting / "mallory.sock", stubborn=True)
+    try:
+        sent = run_as(alice, [PYTHON, "-c", SEND, str(d.node(minor)), str(meeting / "mallory.sock")])
+        assert sent.returncode == 0, sent.stderr
+        assert taker.stdout.readline() == "holding 1\n"
+        first = d.call("revoke", user=alice.name)
+        assert [(o["pid"], o["ended"]) for o in first["other_holders"]] == [(taker.pid, True)], first
+        assert d.call("grant", user=alice.name, units=[minor])["gpus"] == [minor]
+        second = d.call("revoke", user=alice.name)
+        assert second["other_holders"] == [], second  # being ended: SIGKILL comes at kill_wait
+        assert taker.poll() is None  # SIGTERM ignored, as it chose
+        assert [e["kind"] for e in events(d, alice, pid=taker.pid)] == ["kill"]  # one SIGTERM, recorded once
     finally:
         taker.kill()
         taker.wait()
