@@ -334,8 +334,7 @@ class Waiting:
     the next (a long queue under load is served many times between changes, mostly with nothing
     free) and moved on by what changed, not worked out again."""
 
-    all_rows: tuple[Queued, ...]         # the store's queue this is of
-    ids: frozenset[int]                  # their ids, never used again (a row keep_total changes: worked out afresh)
+    all_rows: tuple[Queued, ...]         # the store's queue this is of (by id; ids are never used again)
     holds: frozenset[int]
     by_id: dict[int, Queued]             # the waiters not held, by id
     runs: dict[scheduler.RunKey, list[scheduler.Waiter]]  # scheduler.runs of their waiters
@@ -350,18 +349,21 @@ class Waiting:
 
     @classmethod
     def of(cls, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> Waiting:
-        return cls((), frozenset(), holds, {}, {}, 0, Counter(), 0).following(all_rows, holds)
+        return cls((), holds, {}, {}, 0, Counter(), 0).following(all_rows, holds)
 
     def following(self, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> Waiting:
         """This moved on to the queue's rows now. The store's rows are by id and its ids only grow,
-        so the rows that came are the last ones; those gone are taken out. The holds changed:
-        worked out afresh. Copies throughout: a dispatch may still be walking this one's runs."""
+        so the rows that came are the last ones; those gone are found by where the rows kept stop
+        being the same objects (a step per row gone, not per row: a queue under load is thousands
+        long). The holds changed, or the rows are not this one's less some plus some (read again
+        from the database): worked out afresh. Copies throughout: a dispatch may still be walking
+        this one's runs."""
         if holds != self.holds:
             return Waiting.of(all_rows, holds)
-        ids = frozenset(map(_row_id, all_rows))
-        gone, new = self.ids - ids, ids - self.ids
-        came = all_rows[len(all_rows) - len(new):]
-        if set(map(_row_id, came)) != new:  # not the last rows after all (a database put back?): afresh
+        last = self.all_rows[-1].waiter.id if self.all_rows else -math.inf
+        came = all_rows[bisect.bisect_right(all_rows, last, key=_row_id):]
+        gone = _gone(self.all_rows, all_rows[:len(all_rows) - len(came)])
+        if gone is None:
             return Waiting.of(all_rows, holds)  # from nothing, every row came: no further turn here
         by_id, runs, alone = dict(self.by_id), dict(self.runs), Counter(self.alone)
         gpus, sharers = self.gpus, self.sharers
@@ -381,18 +383,46 @@ class Waiting:
                 runs[key] = list(runs.get(key, ()))
                 copied.add(key)
             return runs[key]
-        for left in gone & by_id.keys():  # a held one was never in
-            queued = by_id.pop(left)
-            moved(queued, -1).remove(queued.waiter)
+        for left in gone:
+            if by_id.pop(left.waiter.id, None) is not None:  # a held one was never in
+                moved(left, -1).remove(left.waiter)
         for queued in came:
             if queued.waiter.id not in holds:
                 by_id[queued.waiter.id] = queued
                 bisect.insort(moved(queued, 1), queued.waiter, key=scheduler.arrival)  # at the end, unless a clock went back
-        return Waiting(all_rows, ids, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone,
+        return Waiting(all_rows, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone,
                         sharers)
 
 
 _row_id = attrgetter("waiter.id")
+
+
+def _gone(before: tuple[Queued, ...], kept: tuple[Queued, ...]) -> list[Queued] | None:
+    """The rows of `before` that `kept` lacks, where `kept` is `before` less a few rows, the same
+    objects in the same order: where the two first differ is found by halving, once per row gone,
+    and what is left is compared whole (in C: the same objects compare at once). None when
+    `kept` is not that (its rows were read again, changed), or more than a few went."""
+    count = len(before) - len(kept)
+    if not 0 <= count <= _FEW:
+        return None
+    at: list[int] = []  # where in `before` the rows gone were
+    low = 0
+    for offset in range(count):  # kept[i] is before[i + offset] up to the next row gone
+        high = len(kept)
+        while low < high:
+            middle = (low + high) // 2
+            if before[middle + offset] is kept[middle]:
+                low = middle + 1
+            else:
+                high = middle
+        at.append(low + offset)
+    rest: tuple[Queued, ...] = ()
+    for start, end in zip([-1, *at], [*at, len(before)], strict=True):
+        rest += before[start + 1:end]
+    return [before[i] for i in at] if rest == kept else None
+
+
+_FEW = 16  # rows gone between two looks at the queue that _gone finds one by one
 
 
 class _WorkedOutWhenAsked(Mapping[int, float]):

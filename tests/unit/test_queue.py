@@ -366,3 +366,44 @@ def test_kept_waiters_are_worked_out_afresh_when_a_row_comes_that_is_not_the_las
     kept = Waiting.of((row[1], row[3]), frozenset()).following((row[1], row[2], row[3]), frozenset())
     assert list(kept.by_id) == [1, 2, 3] and kept.gpus == 3
     assert [w.id for w in kept.runs[(1001, 0, 1.0)]] == [1, 2, 3]
+
+
+def test_kept_waiters_moved_on_by_joins_and_leaves_equal_waiters_worked_out_afresh():
+    """Random joins, leaves (one or several at once, held ones too), rows read again as new
+    objects and rows changed in place: each Waiting.following equals Waiting.of the rows."""
+    import random
+    from dataclasses import replace as replaced
+
+    from gpuguard.model import Origin, Quota
+    from gpuguard.queueing import Waiting
+    from gpuguard.scheduler import Waiter
+    from gpuguard.store import Queued
+    rng = random.Random(33)
+    rows: tuple[Queued, ...] = ()
+    holds = frozenset[int]()
+    kept = Waiting.of(rows, holds)
+    next_id = 1
+    for _ in range(1500):
+        op = rng.random()
+        if op < 0.45 or not rows:
+            share = rng.random() < 0.2
+            rows += (Queued(Waiter(next_id, 1000 + rng.randrange(6), "u", rng.choice([1, 2, 4, 8]), float(next_id)),
+                            Quota(sharing=share, gpu_memory=1 << 30 if share else None), Origin.REQUEST, None, None),)
+            next_id += 1
+        elif op < 0.85:
+            gone = set(rng.sample([q.waiter.id for q in rows], min(len(rows), rng.choice([1, 1, 1, 2, 3, 20]))))
+            rows = tuple(q for q in rows if q.waiter.id not in gone)
+        elif op < 0.92:
+            rows = tuple(replaced(q) for q in rows)  # read again: equal rows, new objects
+        elif op < 0.97:
+            at = rng.randrange(len(rows))  # a row changed in place (keep_total): same id, another count
+            rows = rows[:at] + (replaced(rows[at], waiter=replaced(rows[at].waiter, gpus=rows[at].waiter.gpus + 1)),) \
+                + rows[at + 1:]
+        else:
+            holds = frozenset(rng.sample([q.waiter.id for q in rows], min(len(rows), 2)))
+        kept = kept.following(rows, holds)
+        fresh = Waiting.of(rows, holds)
+        assert kept.by_id == fresh.by_id
+        assert {k: [w.id for w in run] for k, run in kept.runs.items()} == \
+            {k: [w.id for w in run] for k, run in fresh.runs.items()}
+        assert (kept.gpus, kept.alone, kept.sharers) == (fresh.gpus, fresh.alone, fresh.sharers)
