@@ -415,7 +415,7 @@ class Api:
         reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})",
                                   new=units)
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
-        self.terminals.tell(waiter.user, waiter.uid, text, [s.tty for s in self.store.sessions(waiter.uid)])
+        self.terminals.tell(waiter.user, waiter.uid, text, self.store.ttys(waiter.uid))
 
     async def release(self, request: rq.Release, peer: Peer) -> dict[str, Any]:
         """Give GPUs back. It kills nothing: a GPU a process of the user still uses is kept, named
@@ -473,7 +473,7 @@ class Api:
             return protocol.ok(message=f"gpuguard: you left the queue{f' (you were {where})' if where else ''}; "
                                        "your GPUs, if any, stay yours")
         self.terminals.tell(account.name, account.uid, "gpuguard: root took your request out of the queue; ask your "
-                           "admin why - gpuguard whoami", [s.tty for s in self.store.sessions(account.uid)])
+                           "admin why - gpuguard whoami", self.store.ttys(account.uid))
         return protocol.ok(message=f"gpuguard: took {account.name}'s requests out of the queue"
                                    f"{f' ({where})' if where else ''}; they were told")
 
@@ -578,7 +578,7 @@ class Api:
             return protocol.ok(message=f"gpuguard: {account.name}'s request goes on in the queue")
         self.terminals.tell(account.name, account.uid, "gpuguard: root holds your request in the queue: it keeps its "
                            "place but is not served until released - ask your admin",
-                           [s.tty for s in self.store.sessions(account.uid)])
+                           self.store.ttys(account.uid))
         return protocol.ok(message=f"gpuguard: held {account.name}'s request in the queue; they were told")
 
     def _save_holds(self) -> None:
@@ -604,7 +604,7 @@ class Api:
                         "you release it, but will not be given again until resumed - gpuguard whoami")
                 self.store.add_event(Event(now, grant.uid, grant.user, EventKind.WARNING, text, unit=grant.unit,
                                            rule=Rule.DRAIN, action="warn"))
-                self.terminals.tell(grant.user, grant.uid, text, [s.tty for s in self.store.sessions(grant.uid)])
+                self.terminals.tell(grant.user, grant.uid, text, self.store.ttys(grant.uid))
         event(logging.WARNING, "drain", gpu=unit_list(minors), reason=reason or None)
         return protocol.ok(drained=minors, message=f"gpuguard: drained GPU {unit_list(minors)}{why}; holders told")
 

@@ -346,7 +346,7 @@ class Store:
         """Close the newest open session of uid opened by the PAM caller pid."""
         with self.transaction() as db:
             # exact here: no other connection writes until COMMIT
-            closed = next((s for s in reversed(self._session_copy().of_user(uid)) if s.pid == pid), None)
+            closed = self._session_copy().newest_of(uid, pid)
             if closed is not None:
                 db.execute("DELETE FROM sessions WHERE id = ?", (closed.id,))
         if closed is not None:
@@ -363,6 +363,11 @@ class Store:
         """The open sessions by id (of one user when uid is given)."""
         copy = self._session_copy()
         return list(copy.rows()) if uid is None else copy.of_user(uid)
+
+    def ttys(self, uid: int) -> list[str]:
+        """The terminals of uid's open sessions, each once: where they are told (a user's thousands
+        of open batch sessions share a few)."""
+        return self._session_copy().ttys_of(uid)
 
     def logged_in(self, uid: int) -> bool:
         """Whether the user has an open session (without listing a user's thousands of batch jobs')."""
@@ -771,11 +776,13 @@ class _Sessions:
         self.version: int | None = None
         self._by_id: dict[int, tuple[Session, int | None]] = {}  # id -> the session, its caller_start
         self._of_uid: dict[int, set[int]] = {}  # uid -> its session ids
+        self._by_caller: dict[tuple[int, int], set[int]] = {}  # (uid, PAM caller pid) -> its session ids
+        self._ttys: dict[int, Counter[str]] = {}  # uid -> its sessions' terminals, how many each
         self._rows: tuple[Session, ...] | None = None
 
     def read(self, version: int, rows: Iterable[sqlite3.Row]) -> None:
         self.version = version
-        self._by_id, self._of_uid, self._rows = {}, {}, None
+        self._by_id, self._of_uid, self._by_caller, self._ttys, self._rows = {}, {}, {}, {}, None
         for row in rows:
             self._put(_session(row), row["caller_start"])
 
@@ -784,8 +791,12 @@ class _Sessions:
             self._put(session, caller_start)
 
     def _put(self, session: Session, caller_start: int | None) -> None:
+        if session.id in self._by_id:
+            self.drop([session.id])
         self._by_id[session.id] = (session, caller_start)
         self._of_uid.setdefault(session.uid, set()).add(session.id)
+        self._by_caller.setdefault((session.uid, session.pid), set()).add(session.id)
+        self._ttys.setdefault(session.uid, Counter())[session.tty] += 1
         self._rows = None
 
     def drop(self, ids: Iterable[int]) -> None:
@@ -793,7 +804,15 @@ class _Sessions:
             return
         for id_ in ids:
             if (dropped := self._by_id.pop(id_, None)) is not None:
-                _discard_in(self._of_uid, dropped[0].uid, id_)
+                session = dropped[0]
+                _discard_in(self._of_uid, session.uid, id_)
+                _discard_in(self._by_caller, (session.uid, session.pid), id_)
+                ttys = self._ttys[session.uid]
+                ttys[session.tty] -= 1
+                if not ttys[session.tty]:
+                    del ttys[session.tty]
+                if not ttys:
+                    del self._ttys[session.uid]
         self._rows = None
 
     def rows(self) -> tuple[Session, ...]:
@@ -806,6 +825,14 @@ class _Sessions:
 
     def has_user(self, uid: int) -> bool:
         return uid in self._of_uid
+
+    def newest_of(self, uid: int, pid: int) -> Session | None:
+        """uid's newest session opened by the PAM caller pid."""
+        ids = self._by_caller.get((uid, pid))
+        return self._by_id[max(ids)][0] if ids else None
+
+    def ttys_of(self, uid: int) -> list[str]:
+        return sorted(self._ttys.get(uid, ()))
 
     def caller_starts(self) -> dict[int, int | None]:
         return {id_: caller_start for id_, (_, caller_start) in self._by_id.items()}

@@ -275,7 +275,7 @@ class Watcher:
                 pid=proc.pid if proc else None, command=command, rule=action.rule, action=action.kind,
                 numbers=dict(numbers)))
         if action.kind != rules.REPORT and action.uid not in self.exempt.uids:
-            ttys = [s.tty for s in self.store.sessions(action.uid)]
+            ttys = self.store.ttys(action.uid)
             self.terminals.tell(user, action.uid, text, ttys)
 
     # --- bookkeeping

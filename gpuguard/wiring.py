@@ -163,7 +163,7 @@ def build(edges: Edges) -> Services:
 
     def tell(uid: int, user: str, message: str) -> None:
         if uid not in exempt.uids:
-            edges.terminals.tell(user, uid, message, [s.tty for s in store.sessions(uid)])
+            edges.terminals.tell(user, uid, message, store.ttys(uid))
 
     # With no holder search (a replay: the sampled processes are all, and the rules end those),
     # nothing is left to end after a grant is taken back: no background task per release.

@@ -181,6 +181,7 @@ def _views(store: Store) -> dict[str, object]:
         "grants_on": {gpu: store.grants_on([gpu]) for gpu in (0, 1, 2, 3, 7)},
         "last_held": {uid: store.last_held(uid) for uid in UIDS}, "last_released": store.last_released(),
         "sessions": store.sessions(), "sessions_of": {uid: store.sessions(uid) for uid in UIDS},
+        "ttys": {uid: store.ttys(uid) for uid in UIDS},
         "caller_starts": store.caller_starts(),
         "queue": store.queue(), "queue_of": {uid: store.queue(uid) for uid in UIDS},
         "fairshare": store.fairshare(),
@@ -199,7 +200,7 @@ def _write(store: Store, rng: random.Random, now: float) -> None:
     elif op == "mark":
         store.mark_active([(uid, rng.choice(UNITS)), (rng.choice(UIDS), rng.choice(UNITS))], now)
     elif op == "open":
-        store.open_session(uid, f"u{uid}", "sshd", "", "pts/1", rng.choice([500, 600]), now,
+        store.open_session(uid, f"u{uid}", "sshd", "", rng.choice(["pts/1", "pts/2", ""]), rng.choice([500, 600]), now,
                            caller_start=rng.choice([None, 77]))
     elif op == "close":
         store.close_session(uid, rng.choice([500, 600]))
