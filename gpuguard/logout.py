@@ -13,10 +13,12 @@ RECHECK_HELD later.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from gpuguard import rules
 from gpuguard.edges import Cancel, Clock, ExitWatch, Processes
@@ -28,6 +30,9 @@ from gpuguard.scans import Scans
 from gpuguard.store import Store
 
 RECHECK_HELD = 60.0  # seconds between looks in /proc for a kept grant whose holders all still run
+# Sessions whose PAM caller a tick looks for at most, in turn: each is a /proc read on the loop,
+# and one user may hold thousands of sessions open.
+CALLERS_PER_TICK = 256
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class LogoutRelease:
         self.clock = clock
         self._kept: dict[int, _Kept] = {}  # uid -> grants kept for holders that are being watched
         self._pending: dict[int, asyncio.Task[None]] = {}  # uid -> its check after logout, running
+        self._looked_up_to = -1  # the last session id drop_dead_sessions looked at
 
     def unused(self, sample: Sample, busy: Collection[rules.Slot], uids: Iterable[int] | None = None
                ) -> dict[int, frozenset[int]]:
@@ -72,9 +78,15 @@ class LogoutRelease:
 
     def drop_dead_sessions(self) -> None:
         """Sessions whose PAM caller is gone without a close_session (crash, kill -9, lost
-        message): a logout that never came. Each tick; the release check follows in the tick."""
+        message): a logout that never came. Each tick, CALLERS_PER_TICK sessions at most, the
+        next ones by id in turn (beyond that many, one is found within a few ticks); the release
+        check follows in the tick."""
         starts = self.store.caller_starts()
-        gone = [s for s in self.store.sessions() if not self.caller_alive(s.pid, starts.get(s.id))]
+        sessions = self.store.sessions()
+        after = bisect.bisect_right(sessions, self._looked_up_to, key=attrgetter("id"))
+        turn = (sessions[after:] + sessions[:after])[:CALLERS_PER_TICK]
+        self._looked_up_to = turn[-1].id if turn and len(sessions) > CALLERS_PER_TICK else -1
+        gone = [s for s in turn if not self.caller_alive(s.pid, starts.get(s.id))]
         if gone:
             self.store.remove_sessions(s.id for s in gone)
             for session in gone:

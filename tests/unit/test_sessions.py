@@ -60,3 +60,26 @@ def test_a_tick_drops_the_sessions_whose_caller_is_gone_and_the_waiters_nobody_w
     assert sorted(s.pid for s in world.store.sessions()) == sorted(alive)
     gone = world.queue.drop_gone(world.logout.caller_alive)
     assert [q.waiter.user for q in gone] == ["eve"] and world.store.queue() == []
+
+
+def test_a_tick_looks_for_a_bounded_number_of_callers_in_turn(world, monkeypatch):
+    """A user's thousands of open sessions cost a tick CALLERS_PER_TICK /proc reads at most; every
+    dead one is still found, within a few ticks."""
+    from gpuguard import logout
+    monkeypatch.setattr(logout, "CALLERS_PER_TICK", 10)
+    eve = world.lookup.add("eve", 1005, "gpugroup")
+    for pid in range(7000, 7035):
+        world.store.open_session(eve.uid, eve.name, "sshd", "", "", pid, 0.0)
+    alive = set(range(7000, 7035, 2))  # every other caller died without a close_session
+    world.sampler.set([(pid, 0, 0, None) for pid in alive])
+    looked: list[int] = []
+    caller_alive = world.logout.caller_alive
+    monkeypatch.setattr(world.logout, "caller_alive", lambda pid, start: looked.append(pid) or caller_alive(pid, start))
+    ticks = 0
+    while {s.pid for s in world.store.sessions()} != alive:
+        looked.clear()
+        world.logout.drop_dead_sessions()
+        assert len(looked) <= 10
+        ticks += 1
+        assert ticks <= 4  # 35 sessions, 10 a tick
+    assert ticks == 4
