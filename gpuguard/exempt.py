@@ -42,7 +42,7 @@ class Exempt:
         self.set(uids | added)
 
     def _logged_in(self) -> set[int]:
-        return {s.uid for s in self._store.sessions()}
+        return self._store.users_logged_in()
 
     def add(self, uid: int) -> None:
         """A login that policy calls exempt, which the last refresh missed."""

@@ -63,7 +63,7 @@ class LogoutRelease:
             grants = self.store.grants()
         else:  # only theirs: a check after one logout costs that user's grants, not everyone's
             grants = [g for uid in sorted(set(uids)) for g in self.store.grants(uid)]
-        logged_in = {session.uid for session in self.store.sessions()}
+        logged_in = self.store.users_logged_in()
         return rules.unused_after_logout(grants, logged_in, busy, sample.units)
 
     def caller_alive(self, pid: int | None, start: int | None) -> bool:

@@ -194,7 +194,7 @@ class Queue:
     def drop_gone(self, alive: Alive) -> list[Queued]:
         """Take out the requests nobody waits for (gone): a login's whose user has no session left,
         a request's whose client is gone (also one that died while no daemon ran). Each tick."""
-        gone = self.gone({s.uid for s in self.store.sessions()}, alive)
+        gone = self.gone(self.store.users_logged_in(), alive)
         if gone:
             self.leave(q.waiter.id for q in gone)
             for queued in gone:

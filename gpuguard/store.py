@@ -373,6 +373,10 @@ class Store:
         """Whether the user has an open session (without listing a user's thousands of batch jobs')."""
         return self._session_copy().has_user(uid)
 
+    def users_logged_in(self) -> set[int]:
+        """The uids with an open session (a step per user, not per session)."""
+        return self._session_copy().uids()
+
     def caller_starts(self) -> dict[int, int | None]:
         """Session id -> the start time of its PAM caller (None when unknown)."""
         return self._session_copy().caller_starts()
@@ -825,6 +829,9 @@ class _Sessions:
 
     def has_user(self, uid: int) -> bool:
         return uid in self._of_uid
+
+    def uids(self) -> set[int]:
+        return set(self._of_uid)
 
     def newest_of(self, uid: int, pid: int) -> Session | None:
         """uid's newest session opened by the PAM caller pid."""

@@ -181,7 +181,7 @@ def _views(store: Store) -> dict[str, object]:
         "grants_on": {gpu: store.grants_on([gpu]) for gpu in (0, 1, 2, 3, 7)},
         "last_held": {uid: store.last_held(uid) for uid in UIDS}, "last_released": store.last_released(),
         "sessions": store.sessions(), "sessions_of": {uid: store.sessions(uid) for uid in UIDS},
-        "ttys": {uid: store.ttys(uid) for uid in UIDS},
+        "ttys": {uid: store.ttys(uid) for uid in UIDS}, "users_logged_in": store.users_logged_in(),
         "caller_starts": store.caller_starts(),
         "queue": store.queue(), "queue_of": {uid: store.queue(uid) for uid in UIDS},
         "fairshare": store.fairshare(),
