@@ -216,8 +216,8 @@ class HolderEnder:
         """Signal a holder; its events go to uid (the user whose GPU it was), named `user`."""
         result = self.processes.send(identity, sig, self.exempt.uids)
         if not result.sent:
-            self.log.event(uid, logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid, signal=sig.name,
-                  outcome=result.outcome.value, detail=result.detail or None)
+            self.log.event(uid, logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid,
+                           signal=sig.name, outcome=result.outcome.value, detail=result.detail or None)
             if result.outcome is SignalOutcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
                 self._record(identity, units, user, Kind.REPORT, why, {"euid": 0},
                              f"runs as root and holds GPU {unit_list(units)}, which is no longer yours ({why}); "
@@ -237,9 +237,9 @@ class HolderEnder:
                 numbers: dict[str, Any], what: str, uid: int) -> None:
         """Log, and store as an event of uid (named `user`): the holder's own, or the grantee's."""
         command = self.processes.command(identity.pid)
-        self.log.event(uid, logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}", rule=why,
-              user=user, uid=identity.uid, pid=identity.pid, command=command or None, gpus=unit_list(units),
-              **numbers)
+        self.log.event(uid, logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}",
+                       rule=why, user=user, uid=identity.uid, pid=identity.pid, command=command or None,
+                       gpus=unit_list(units), **numbers)
         whose = "your process" if identity.uid == uid else "process"
         message = f"gpuguard: {whose} {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
         self._unsaved += [Event(self.clock(), uid, user, action.event, message, unit=unit, pid=identity.pid,
@@ -275,4 +275,3 @@ class HolderEnder:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-

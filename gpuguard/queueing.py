@@ -22,7 +22,7 @@ from gpuguard.config import Config
 from gpuguard.grants import Grants
 from gpuguard.logs import event
 from gpuguard.model import Grant, Origin, Quota
-from gpuguard.store import Queued, Store
+from gpuguard.store import Queued, Store, queued_id
 
 Listener = Callable[[Queued, tuple[int, ...]], None]
 Alive = Callable[[int | None, int | None], bool]  # (pid, its start time) -> whether that process still runs
@@ -361,7 +361,7 @@ class Waiting:
         if holds != self.holds:
             return Waiting.of(all_rows, holds)
         last = self.all_rows[-1].waiter.id if self.all_rows else -math.inf
-        came = all_rows[bisect.bisect_right(all_rows, last, key=_row_id):]
+        came = all_rows[bisect.bisect_right(all_rows, last, key=queued_id):]
         gone = _gone(self.all_rows, all_rows[:len(all_rows) - len(came)])
         if gone is None:
             return Waiting.of(all_rows, holds)  # from nothing, every row came: no further turn here
@@ -393,8 +393,6 @@ class Waiting:
         return Waiting(all_rows, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone,
                         sharers)
 
-
-_row_id = attrgetter("waiter.id")
 
 
 def _gone(before: tuple[Queued, ...], kept: tuple[Queued, ...]) -> list[Queued] | None:

@@ -20,8 +20,8 @@ trace's user may have many jobs waiting at once; the queue's join is what it cal
 waiting when its session ends never runs (its waiter leaves the queue with the last session); an
 open session (no end in the trace: a batch job) ends once its last job has run, and gives its
 GPUs back as it ends, as a job script's last `gpuguard release` does and as Slurm frees a
-job's GPUs (its user may have other jobs running, so that logout is not their last). While a job runs its process
-is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
+job's GPUs (its user may have other jobs running, so that logout is not their last). While a
+job runs its process is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
 jobs are on it (a job on several GPUs at the pace of its most crowded one): its end moves when
 another job joins or leaves. Watcher.check runs after every batch of simultaneous events that
 added something a rule may act on at once (the queue's demand grew; a grant came that no job runs

@@ -554,7 +554,7 @@ class Store:
         if (copy := self._copies.get("queue")) is not None:  # written: the copy follows
             rows = copy[1]
             for gone in sorted(ids):  # found by id (the rows are by id) and cut out: no step per row kept
-                at = bisect.bisect_left(rows, gone, key=_queued_id)
+                at = bisect.bisect_left(rows, gone, key=queued_id)
                 if at < len(rows) and rows[at].waiter.id == gone:
                     rows = rows[:at] + rows[at + 1:]
             self._copies["queue"] = (copy[0], rows)
@@ -572,7 +572,7 @@ class Store:
             copy[1][uid] = (float(value), float(at))
 
 
-_queued_id = attrgetter("waiter.id")
+queued_id = attrgetter("waiter.id")  # a queue row's id: the rows are kept by it
 
 
 def _queued(row: sqlite3.Row) -> Queued:
@@ -795,8 +795,6 @@ class _Sessions:
             self._put(session, caller_start)
 
     def _put(self, session: Session, caller_start: int | None) -> None:
-        if session.id in self._by_id:
-            self.drop([session.id])
         self._by_id[session.id] = (session, caller_start)
         self._of_uid.setdefault(session.uid, set()).add(session.id)
         self._by_caller.setdefault((session.uid, session.pid), set()).add(session.id)
