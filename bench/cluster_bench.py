@@ -1,4 +1,4 @@
-"""Rows for several servers sharing one PostgreSQL (gpuguard.cluster), on a private PostgreSQL
+"""Rows for several servers sharing one PostgreSQL (gpuguard.fleet), on a private PostgreSQL
 (devtools/postgres.py) of the same run:
 
 - socket login with [cluster] against the same login on a daemon without it: the database up
@@ -27,13 +27,13 @@ from rows import p99, row
 from devtools.postgres import Postgres
 from gpuguard import client
 from gpuguard import config as configuration
-from gpuguard.cluster import ranking
-from gpuguard.cluster.fleetdb import FleetDb, connect, migrate, view
-from gpuguard.cluster.outbox import Outbox
-from gpuguard.cluster.service import Cluster
-from gpuguard.grants import Grants
-from gpuguard.model import Device, Gpu, Origin
-from gpuguard.store import Store
+from gpuguard.core.model import Device, Gpu, Origin
+from gpuguard.fleet import ranking
+from gpuguard.fleet.fleetdb import FleetDb, connect, migrate, view
+from gpuguard.fleet.node import Cluster
+from gpuguard.fleet.outbox import Outbox
+from gpuguard.services.grants import Grants
+from gpuguard.services.store import Store
 
 LOGINS = 15   # per round, in each of ROUNDS rounds
 ROUNDS = 4    # local and cluster daemons take turns (one gate at a time), in the order ABBA: drift hits both alike

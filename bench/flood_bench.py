@@ -33,7 +33,7 @@ from rows import row
 from devtools.harness import free_port
 from gpuguard import client
 from gpuguard import config as configuration
-from gpuguard.metrics import RENDER_EVERY
+from gpuguard.daemon.metrics import RENDER_EVERY
 
 FLOODS = REPO / "devtools" / "floods.py"
 INTERVAL = 0.5

@@ -15,7 +15,7 @@ from env import Bench
 from rows import row
 
 from gpuguard.backends.gate import Gate
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.model import NVIDIA_MAJOR
 
 OPENS, REPEATS, ROUNDS = 50_000, 5, 3
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from env import Bench
 from rows import per_call, row
 
-from gpuguard import allocator, rules
 from gpuguard import config as configuration
 from gpuguard.backends.sim_registry import register_process
 from gpuguard.backends.simulated import SimulatedBackend
-from gpuguard.model import Grant, Quota
-from gpuguard.store import Store
+from gpuguard.core import allocator, rules
+from gpuguard.core.model import Grant, Quota
+from gpuguard.services.store import Store
 
 
 def bench_allocator() -> None:

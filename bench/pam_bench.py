@@ -89,7 +89,7 @@ def socket_rows(bench: Bench, sock: str, echo: str, daemon_pid: int) -> None:
     row("socket login: session_open with a grant", statistics.median(opens), baseline, 25, "line echo")
     row("socket logout: session_close (release after the reply)", statistics.median(closes), baseline, 25,
         "line echo")
-    bare = subprocess.Popen([sys.executable, "-c", "import gpuguard.daemon, time; print(flush=True); time.sleep(60)"],
+    bare = subprocess.Popen([sys.executable, "-c", "import gpuguard.daemon.main, time; print(flush=True); time.sleep(60)"],
                             stdout=subprocess.PIPE)
     bare.stdout.readline()
     row("daemon memory after 200 logins", rss_kib(daemon_pid), rss_kib(bare.pid), 2,

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuguard import replay, trace  # noqa: E402  (after the checkout is on the path)
+from gpuguard.replay import engine, trace  # noqa: E402  (after the checkout is on the path)
 
 DATA = Path(os.environ.get("GPUGUARD_DATA") or REPO.parent / "shared" / "data")
 ADOBE = DATA / "adobe-notebook-sessions-2021-06-01.json"
@@ -71,12 +71,12 @@ def pool_for(path: Path, load: float) -> int:
     the pool grows, once the pool takes the load at all (smaller, the queue grows without end), so
     the search stays between half and twice the pool the mean demand alone would need; where no
     pool there reaches `load`, the smallest (the table shows the busy share static reached)."""
-    described = replay.describe(trace.read(path))
-    demand = replay.static_reservation(trace.read(path), replay.MAX_POOL).demanded
+    described = engine.describe(trace.read(path))
+    demand = engine.static_reservation(trace.read(path), engine.MAX_POOL).demanded
     guess = max(1, round(demand / (described["hours"] * 3600) / load))
 
     def busy(gpus: int) -> float:
-        return replay.static_reservation(trace.read(path), gpus).summary(gpus)["pool_busy"] or 0.0
+        return engine.static_reservation(trace.read(path), gpus).summary(gpus)["pool_busy"] or 0.0
     low, high = max(8, guess // 2), 2 * guess  # 8: the largest job
     while low < high:
         middle = (low + high + 1) // 2

@@ -28,11 +28,12 @@ from pathlib import Path
 from env import Bench, busy_host
 from rows import p99, per_call, row
 
-from gpuguard import client, sampling
+from gpuguard import client
 from gpuguard import config as configuration
 from gpuguard.backends import accounts, open_gpu_backend, procfs
+from gpuguard.backends import sampler as sampling
 from gpuguard.backends.gate import Gate
-from gpuguard.daemon import Daemon
+from gpuguard.daemon.main import Daemon
 
 INTERVAL, GRACE, KILL_WAIT = 0.5, 1.0, 1.0
 WINDOW = 6.0  # seconds of daemon CPU per measurement

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuguard.backends.posix_acl import apply_acls
-from gpuguard.errors import GpuguardError
+from gpuguard.core.errors import GpuguardError
 
 VENDOR_DIR = Path("/usr/lib/gpuguard")
 # nvidia-modprobe's defaults (NVreg_DeviceFileMode/UID/GID): GPUs 0666 root:root; it makes the
@@ -48,7 +48,7 @@ class Link:
 
 def links(etc: Path = Path("/etc"), vendor: Path = VENDOR_DIR) -> tuple[Link, ...]:
     return (Link(etc / "modprobe.d/gpuguard.conf", vendor / "modprobe.d/gpuguard.conf"),
-            Link(etc / "udev/rules.d/70-gpuguard.rules", vendor / "udev/70-gpuguard.rules"))
+            Link(etc / "udev/rules.d/70-gpuguard.core.rules", vendor / "udev/70-gpuguard.core.rules"))
 
 
 def make_links(wanted: tuple[Link, ...]) -> list[str]:

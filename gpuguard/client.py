@@ -9,7 +9,7 @@ from __future__ import annotations
 import _socket
 
 from gpuguard import protocol
-from gpuguard.errors import EXIT_UNREACHABLE, GpuguardError
+from gpuguard.core.errors import EXIT_UNREACHABLE, GpuguardError
 
 TYPE_CHECKING = False  # not typing's: it costs the pam_exec hook (gpuguard.pam_hook) a few ms per login
 if TYPE_CHECKING:

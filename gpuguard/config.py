@@ -14,11 +14,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpuguard import mig_profiles
-from gpuguard.compat import StrEnum, tomllib
-from gpuguard.errors import UsageError
-from gpuguard.model import MIG_PROFILE, Quota
-from gpuguard.units import UnitError, format_duration, format_size, parse_duration, parse_size
+from gpuguard.core import mig_profiles
+from gpuguard.core.compat import StrEnum, tomllib
+from gpuguard.core.errors import UsageError
+from gpuguard.core.model import MIG_PROFILE, Quota
+from gpuguard.core.quantities import UnitError, format_duration, format_size, parse_duration, parse_size
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
 # Accounts of the NVIDIA driver's own services, exempt by default where they exist:
@@ -81,7 +81,7 @@ class EventsConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The queue for GPUs (gpuguard.scheduler)."""
+    """The queue for GPUs (gpuguard.core.scheduler)."""
 
     half_life: float = 7 * 86400.0  # recent usage (fair share) halves in this time
     reserve_after: float = 300.0    # a waiter this long in the queue has free GPUs held for it (no backfill past it)
@@ -162,7 +162,7 @@ class WebConfig:
 
 @dataclass(frozen=True)
 class CoexistConfig:
-    """GPUs another system owns on this machine (gpuguard.coexist): left out of the gate, the ACLs and allocation."""
+    """GPUs another system owns on this machine (gpuguard.core.coexist): left out of the gate, the ACLs and allocation."""
 
     slurm: str | tuple[int, ...] | None = None  # "auto" (gres.conf), "off", or Slurm's GPU minors; None: not set
     gres_conf: Path = Path("/etc/slurm/gres.conf")
@@ -177,7 +177,7 @@ class GpuConfig:
 
 
 class OfflinePolicy(StrEnum):
-    """What a node of a fleet grants while the shared database cannot be reached (gpuguard.cluster)."""
+    """What a node of a fleet grants while the shared database cannot be reached (gpuguard.fleet)."""
 
     LOCAL = "local"    # the local quota alone: the fleet quota may be exceeded until the database is back
     BUDGET = "budget"  # also the fleet quota less what the user held elsewhere when last seen
@@ -185,7 +185,7 @@ class OfflinePolicy(StrEnum):
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Several servers sharing one PostgreSQL (gpuguard.cluster); read at start only."""
+    """Several servers sharing one PostgreSQL (gpuguard.fleet); read at start only."""
 
     database: str                   # a libpq connection string or URI (host=a,b target_session_attrs=read-write)
     node: str                       # this server's name in the fleet (unique)

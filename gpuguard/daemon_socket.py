@@ -29,7 +29,7 @@ def find(config_path: str | None, environ: Mapping[str, str]) -> tuple[str, str 
             text = file.read().decode()
         value = plain_socket(text)
         if value is UNSURE:
-            from gpuguard.compat import tomllib  # tomli on Python 3.10
+            from gpuguard.core.compat import tomllib  # tomli on Python 3.10
             value = tomllib.loads(text).get("paths", {}).get("socket", DEFAULT_SOCKET)
     except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:  # TOMLDecodeError is a ValueError
         return DEFAULT_SOCKET, f"cannot read {path} ({exc})"

@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from gpuguard.escape import printable
+from gpuguard.core.escape import printable
 
 logger = logging.getLogger("gpuguard")
 

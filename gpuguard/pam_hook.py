@@ -29,7 +29,7 @@ from collections import namedtuple
 from contextlib import contextmanager
 
 from gpuguard import client, daemon_socket
-from gpuguard.errors import GpuguardError
+from gpuguard.core.errors import GpuguardError
 
 TYPE_CHECKING = False  # not typing's, which would add a few ms to every login
 if TYPE_CHECKING:

@@ -9,26 +9,35 @@ message: the server takes it from SO_PEERCRED. JSON only, never pickle.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
-from gpuguard.errors import UsageError
-from gpuguard.escape import printable
+from gpuguard.core.errors import UsageError
+from gpuguard.core.escape import printable
 
 TYPE_CHECKING = False  # not typing's: it costs the pam_exec hook (gpuguard.pam_hook) a few ms per login
 if TYPE_CHECKING:
     from typing import Any
 
-    from gpuguard.model import Event, Grant
+    from gpuguard.core.model import Event, Grant
 
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile
 MAX_REPLY = 16 * 1024 * 1024  # status of a busy server, with its event history
+MAX_NAME = 256  # a user name (Linux's LOGIN_NAME_MAX; useradd allows 32)
 
 OPERATIONS = frozenset({
     "session_open", "session_close", "whoami", "status", "request", "release",
     "grant", "revoke", "reload", "sync_nodes", "report", "events", "wait", "gpus",
-    "cluster_status", "where",  # a fleet's (gpuguard.cluster.ops)
+    "cluster_status", "where",  # a fleet's (gpuguard.fleet.ops)
     "cancel", "fairshare", "drain", "resume", "hold",  # steering the queue
 })
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
 
 
 class ProtocolError(UsageError):

@@ -20,10 +20,10 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 from tomlkit.items import Null, Whitespace
 
-from gpuguard.compat import tomllib
 from gpuguard.config import QUOTA_KEYS
-from gpuguard.errors import UsageError
-from gpuguard.units import format_duration, format_size
+from gpuguard.core.compat import tomllib
+from gpuguard.core.errors import UsageError
+from gpuguard.core.quantities import format_duration, format_size
 
 DEFAULTS = ("defaults",)  # the [defaults] table of gpuguard.toml; ("users"|"groups", NAME) in quotas.toml
 NEW_FILE_MODE = 0o644      # quota files are world-readable: anyone may run `gpuguard quota show`

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from gpuguard.errors import GpuguardError
+from gpuguard.core.errors import GpuguardError
 
 # The Debian package runs gpuguard from dist-packages on Debian's libraries, and carries
 # nvidia-ml-py (pynvml), which Debian does not ship, in a directory of its own: only that install
@@ -17,8 +17,8 @@ if __file__.startswith("/usr/lib/python3/dist-packages/") and DEBIAN_VENDOR_DIR 
 if TYPE_CHECKING:
     from gpuguard.backends.gate import DeviceRange, Gate
     from gpuguard.backends.nvml import NvmlBackend
-    from gpuguard.coexist import Ownership
     from gpuguard.config import Config
+    from gpuguard.core.coexist import Ownership
 
 
 class GpuError(GpuguardError):
@@ -60,7 +60,7 @@ def caps_major(config: Config) -> int | None:
 
 def open_gate(config: Config, name: str, ownership: Ownership | None = None) -> Gate:
     """The gate over the GPU nodes and the MIG capability nodes of this config's GPUs, less those
-    of the GPUs another system owns (gpuguard.coexist); the ranges are asked again at every attach
+    of the GPUs another system owns (gpuguard.core.coexist); the ranges are asked again at every attach
     and repair (an nvidia-caps module may load after start, and its table with it)."""
     from gpuguard.backends.gate import Gate, managed_ranges
 

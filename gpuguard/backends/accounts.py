@@ -14,17 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuguard.config import AccessConfig
-from gpuguard.errors import GpuguardError
-from gpuguard.model import Account
-
-
-class UnknownUser(GpuguardError, LookupError):
-    """No such account (or NSS could not say in time)."""
-
-
-class NssFailure(UnknownUser):
-    """NSS failed to answer (out of descriptors or memory, a directory server down): not the
-    same as "no such user", and said as such; callers still give no GPUs on it."""
+from gpuguard.core.errors import NssFailure, UnknownUser
+from gpuguard.core.model import Account
 
 
 def by_name(name: str) -> Account:

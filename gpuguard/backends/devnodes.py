@@ -18,7 +18,7 @@ from pathlib import Path
 from gpuguard.backends import GpuError
 from gpuguard.backends.posix_acl import acl_entries, apply_acls, named_users
 from gpuguard.backends.procfs import char_major
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.model import NVIDIA_MAJOR
 
 DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
 BASE_MODE = 0o660  # GPU nodes: nobody but root and the ACL's named users may open them
@@ -42,7 +42,7 @@ def driver_loaded() -> bool:
 
 def ensure_driver_nodes(device_dir: Path, minors: list[int], foreign: Collection[int] = ()) -> list[Path]:
     """Create whichever driver nodes are missing or wrong, none without the driver; returns the ones made.
-    foreign: GPUs another system owns (gpuguard.coexist), whose nodes are made 0666 as the driver
+    foreign: GPUs another system owns (gpuguard.core.coexist), whose nodes are made 0666 as the driver
     would and otherwise left as they are: Slurm's cgroups or the container runtime guard them."""
     if not driver_loaded():
         return []

@@ -65,7 +65,7 @@ from gpuguard.backends.bpf_asm import (
 )
 from gpuguard.backends.mounts import BPFFS, cgroup2_root, ensure_bpffs
 from gpuguard.backends.procfs import char_major
-from gpuguard.model import NVIDIA_MAJOR, Device
+from gpuguard.core.model import NVIDIA_MAJOR, Device
 
 # --- the device program ------------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ def managed_ranges(caps_major: int | None, unmanaged: Collection[Device] = ()) -
     """/dev/nvidia0..253 (254 and 255 are nvidia-modeset and nvidiactl, open to all), plus every
     node of the nvidia-caps major (MIG capabilities: the slices' access, and config and monitor,
     which no grant ever opens) when there is one; less the `unmanaged` nodes (GPUs another system
-    owns: gpuguard.coexist), which split a range in two."""
+    owns: gpuguard.core.coexist), which split a range in two."""
     ranges = [DeviceRange(NVIDIA_MAJOR, 0, 253)]
     if caps_major is not None:
         ranges.append(DeviceRange(caps_major))

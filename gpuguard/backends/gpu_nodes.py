@@ -6,7 +6,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from gpuguard.backends import devnodes
-from gpuguard.model import NVIDIA_MAJOR, Device
+from gpuguard.core.model import NVIDIA_MAJOR, Device
 
 
 class AclNodes:

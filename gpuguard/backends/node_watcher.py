@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.model import NVIDIA_MAJOR
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, TypeVar
 import pynvml
 
 from gpuguard.backends import GpuError, mig_caps
-from gpuguard.model import MIG_PROFILE, Gpu, GpuProcess, GpuUse, Link, MigSlice, slice_unit
+from gpuguard.core.model import MIG_PROFILE, Gpu, GpuProcess, GpuUse, Link, MigSlice, slice_unit
 
 __all__ = ["GpuError", "MigLayout", "NvmlBackend", "ProcessQuery"]
 

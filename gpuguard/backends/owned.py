@@ -1,4 +1,4 @@
-"""The GPU backend as gpuguard's own GPUs only: those another system owns (gpuguard.coexist) left out.
+"""The GPU backend as gpuguard's own GPUs only: those another system owns (gpuguard.core.coexist) left out.
 
 Everything that reads the GPUs through it (allocation, the sampler, so the watcher and the
 release rules, metrics) never sees a Slurm or Kubernetes GPU: no process there is a stray to
@@ -10,7 +10,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from gpuguard.backends import GpuError
-from gpuguard.model import Gpu, GpuUse, Link, unit_parent
+from gpuguard.core.model import Gpu, GpuUse, Link, unit_parent
 
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import MigLayout, NvmlBackend, ProcessQuery

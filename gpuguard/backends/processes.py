@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from gpuguard.backends import procfs, signals
-from gpuguard.model import ProcessIdentity, SignalResult
+from gpuguard.core.model import ProcessIdentity, SignalResult
 
 
 class HostProcesses:

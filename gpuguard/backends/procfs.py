@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-from gpuguard.model import ProcessIdentity
+from gpuguard.core.model import ProcessIdentity
 
 PROC = Path("/proc")
 

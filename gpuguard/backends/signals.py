@@ -24,8 +24,8 @@ import signal
 from collections.abc import Collection
 
 from gpuguard.backends.procfs import STATE_NAMES, comm, inspect
-from gpuguard.escape import printable
-from gpuguard.model import ProcessIdentity, SignalOutcome, SignalResult
+from gpuguard.core.escape import printable
+from gpuguard.core.model import ProcessIdentity, SignalOutcome, SignalResult
 
 
 def command(pid: int) -> str:

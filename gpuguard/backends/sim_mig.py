@@ -21,12 +21,12 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpuguard import mig_profiles
 from gpuguard.backends import GpuError, mig_caps
 from gpuguard.backends.devnodes import caps_node, make_driver_node
 from gpuguard.backends.sim_registry import REGISTRY_DIR, Registry, make_registry
 from gpuguard.config import SimulatedConfig
-from gpuguard.model import CI_SLOTS, GI_SLOTS
+from gpuguard.core import mig_profiles
+from gpuguard.core.model import CI_SLOTS, GI_SLOTS
 
 MIG_FILE = "mig.json"
 MIG_MINORS_FILE = "mig-minors"

@@ -25,10 +25,10 @@ from typing import Any
 
 import pynvml
 
-from gpuguard import mig_profiles
 from gpuguard.backends.sim_mig import MIG_FILE, LayoutReader, SimSlice
 from gpuguard.backends.sim_registry import Registry, SimProcess
 from gpuguard.config import SimulatedConfig
+from gpuguard.core import mig_profiles
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pynvml
 
 from gpuguard.backends import GpuError, procfs
-from gpuguard.model import ProcessIdentity
+from gpuguard.core.model import ProcessIdentity
 
 REGISTRY_DIR = ".gpuguard-sim"
 FAIL_FILE = "fail"

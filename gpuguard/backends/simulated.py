@@ -27,7 +27,7 @@ from gpuguard.backends.sim_mig import MIG_MINORS_FILE, start_mig
 from gpuguard.backends.sim_nvml import FakeNvmlLibrary, fake_gpus
 from gpuguard.backends.sim_registry import Registry, make_registry
 from gpuguard.config import SimulatedConfig
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.model import NVIDIA_MAJOR
 
 CTL_MINOR = 255                     # /dev/nvidiactl
 

@@ -1,6 +1,6 @@
 """What this host says about Slurm: a slurmd running, its gres.conf, and `scontrol show node`.
 
-Gathered for gpuguard.coexist, which decides. gres.conf decides which GPUs gpuguard leaves
+Gathered for gpuguard.core.coexist, which decides. gres.conf decides which GPUs gpuguard leaves
 alone, so only a file root alone can change is believed (and the files it includes): a gres.conf
 another user can write would let them open every GPU. A slurmd is counted only when root runs it
 (Slurm's SlurmdUser is root): any user can name a process slurmd. scontrol asks slurmctld over the
@@ -18,10 +18,10 @@ import subprocess
 from collections.abc import Collection
 from pathlib import Path
 
-from gpuguard import coexist, gres
 from gpuguard.backends import procfs
-from gpuguard.coexist import Ownership, SlurmFacts
 from gpuguard.config import CoexistConfig
+from gpuguard.core import coexist, gres
+from gpuguard.core.coexist import Ownership, SlurmFacts
 
 SLURMD = "slurmd"
 SCONTROL_TIMEOUT = 5.0  # seconds; slurmctld answers in milliseconds when it is reachable at all

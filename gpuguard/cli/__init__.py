@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-from gpuguard.errors import GpuguardError  # no imports of its own: cheap
+from gpuguard.core.errors import GpuguardError  # no imports of its own: cheap
 
 TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (see above)
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def unit_arg(text: str) -> int | str:
     or a UUID (GPU-..., MIG-...) as CUDA_VISIBLE_DEVICES and nvidia-smi -L show it (the daemon maps it)."""
     import argparse
 
-    from gpuguard.unit_numbers import parse_unit
+    from gpuguard.core.unit_numbers import parse_unit
     if text.startswith(("GPU-", "MIG-")):
         return text
     try:
@@ -139,7 +139,7 @@ def _parser_class() -> type[argparse.ArgumentParser]:
         """argparse with one-line errors, as every other gpuguard error (its usage block is --help's)."""
 
         def error(self, message: str) -> typing.NoReturn:
-            from gpuguard.escape import printable
+            from gpuguard.core.escape import printable
             self.exit(2, f"gpuguard: {printable(message)} (see {self.prog} --help)\n")
 
     return Parser
@@ -224,6 +224,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    from gpuguard.escape import printable
+    from gpuguard.core.escape import printable
     print(f"gpuguard: {printable(message)}", file=sys.stderr)
     return code

@@ -6,7 +6,7 @@ import argparse
 
 from gpuguard.cli import print_json, unit_arg
 from gpuguard.cli.calls import ask
-from gpuguard.errors import EXIT_OK
+from gpuguard.core.errors import EXIT_OK
 
 TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
 if TYPE_CHECKING:

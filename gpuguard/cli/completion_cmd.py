@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpuguard.errors import EXIT_OK
+from gpuguard.core.errors import EXIT_OK
 
 SHELLS = ("bash", "zsh", "tcsh", "fish")
 

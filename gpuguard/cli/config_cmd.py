@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpuguard import config, config_warnings
+from gpuguard import config
 from gpuguard.backends import accounts, driver_minors, slurm
+from gpuguard.core import config_warnings
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -7,7 +7,7 @@ import os
 
 from gpuguard import logs
 from gpuguard.cli import CommandError, load_config
-from gpuguard.errors import EXIT_OK
+from gpuguard.core.errors import EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,13 +28,13 @@ def run(args: argparse.Namespace) -> int:
     logs.setup(logging.DEBUG if args.debug else logging.INFO)
     # The daemon's imports (asyncio, pyroute2, pynvml, the gate) only for this command: every
     # other command, the pam_exec hook above all, starts faster without them.
-    from gpuguard import daemon
     from gpuguard.backends import GateError, GpuError
-    from gpuguard.server import ServerError
-    from gpuguard.store import StoreError
+    from gpuguard.daemon import main
+    from gpuguard.daemon.server import ServerError
+    from gpuguard.services.store import StoreError
 
     try:
-        daemon.run(config, args.gate_name)
+        main.run(config, args.gate_name)
     except (GateError, GpuError, StoreError, ServerError, OSError) as exc:
         raise CommandError(f"cannot start: {exc}") from None
     return EXIT_OK

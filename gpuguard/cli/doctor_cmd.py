@@ -12,12 +12,13 @@ import shutil
 import stat
 from pathlib import Path
 
-from gpuguard import client, doctor
+from gpuguard import client
 from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gate, open_gpu_backend, slurm
 from gpuguard.cli import load_config, print_json, require_root
-from gpuguard.coexist import CoexistError, Ownership
 from gpuguard.config import AccessMode, Config
-from gpuguard.errors import EXIT_FAILED, EXIT_OK
+from gpuguard.core import doctor
+from gpuguard.core.coexist import CoexistError, Ownership
+from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, UnknownUser
 
 TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
 if TYPE_CHECKING:
@@ -190,5 +191,5 @@ def _read(path: Path) -> str | None:
 def _uid(name: str) -> int | None:
     try:
         return accounts.by_name(name).uid
-    except accounts.UnknownUser:
+    except UnknownUser:
         return None

@@ -20,7 +20,7 @@ from pathlib import Path
 from gpuguard import activation
 from gpuguard import config as configuration
 from gpuguard.cli import CommandError, load_config, require_root
-from gpuguard.errors import EXIT_FAILED, EXIT_OK
+from gpuguard.core.errors import EXIT_FAILED, EXIT_OK
 
 PAM_PROFILE = Path("/usr/share/pam-configs/gpuguard")
 UNIT = "gpuguard.service"

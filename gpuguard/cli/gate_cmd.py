@@ -13,7 +13,7 @@ from gpuguard import client
 from gpuguard import config as configuration
 from gpuguard.backends import accounts, devnodes, slurm
 from gpuguard.cli import CommandError, load_config, print_json, require_root
-from gpuguard.errors import EXIT_OK
+from gpuguard.core.errors import EXIT_OK, UnknownUser
 
 if TYPE_CHECKING:
     from gpuguard.backends.gate import Gate
@@ -42,11 +42,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _gate(args: argparse.Namespace, loaded: configuration.Config | None, strict: bool = True) -> Gate:
     """The gate over the device ranges of the config's GPUs (MIG capabilities included), less those
-    Slurm or Kubernetes own (gpuguard.coexist: raises CoexistError when undecided, unless not
+    Slurm or Kubernetes own (gpuguard.core.coexist: raises CoexistError when undecided, unless not
     strict); with no config, those of the loaded driver: an emergency must not wait for a config."""
     from gpuguard.backends import driver_minors, open_gate  # ctypes and the assembler: only for these commands
     from gpuguard.backends.gate import Gate
-    from gpuguard.coexist import CoexistError, Ownership
+    from gpuguard.core.coexist import CoexistError, Ownership
     if loaded is None:
         return Gate(args.name)
     try:
@@ -129,7 +129,7 @@ def acl_apply(args: argparse.Namespace) -> int:
 
 def _foreign(loaded: configuration.Config | None, minors: list[int]) -> frozenset[int]:
     """The GPUs Slurm or Kubernetes own; none (their nodes closed: fail closed) when that cannot be told."""
-    from gpuguard.coexist import CoexistError
+    from gpuguard.core.coexist import CoexistError
     if loaded is None:
         return frozenset()
     try:
@@ -142,5 +142,5 @@ def _foreign(loaded: configuration.Config | None, minors: list[int]) -> frozense
 def _user_name(uid: int) -> str:
     try:
         return f"{accounts.by_uid(uid).name} ({uid})"
-    except accounts.UnknownUser:
+    except UnknownUser:
         return str(uid)

@@ -16,12 +16,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from gpuguard import inventory
 from gpuguard.cli import load_config, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.config import Config
-from gpuguard.errors import EXIT_OK
-from gpuguard.units import format_size
+from gpuguard.core import inventory
+from gpuguard.core.errors import EXIT_OK
+from gpuguard.core.quantities import format_size
 
 # nvidia-smi topo -m's abbreviations, which admins already know
 _SHORT = {"NVLINK": "NV", "PCIE_SWITCH": "PIX", "NUMA_NODE": "NODE", "SYSTEM": "SYS", "X": "X"}
@@ -60,10 +60,10 @@ def _from_nvml(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _owners(config: Config) -> Callable[[int], str]:
-    """Who owns each GPU (gpuguard.coexist, from gres.conf without asking scontrol: a listing must
+    """Who owns each GPU (gpuguard.core.coexist, from gres.conf without asking scontrol: a listing must
     not wait on slurmctld); "?" for all, with a warning, where that cannot be told."""
     from gpuguard.backends import driver_minors, slurm
-    from gpuguard.coexist import CoexistError
+    from gpuguard.core.coexist import CoexistError
     try:
         ownership = slurm.ownership(config.coexist, driver_minors(config), ask_scontrol=False)
     except CoexistError as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from gpuguard.escape import printable_keeping_colour
+from gpuguard.core.escape import printable_keeping_colour
 
 TYPE_CHECKING = False  # not typing's: every command imports this module
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from gpuguard.backends import accounts
 from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root
 from gpuguard.cli.calls import ask
 from gpuguard.client import DaemonUnreachable, Refused
-from gpuguard.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from gpuguard.policy import quota_for, quota_sources
+from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UnknownUser
+from gpuguard.core.policy import quota_for, quota_sources
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -201,7 +201,7 @@ def _groups_of(user: str, warn: bool = False) -> frozenset[str]:
     """The user's groups, as the daemon resolves them; none for an account that does not exist (yet)."""
     try:
         return accounts.by_name(user).groups
-    except accounts.UnknownUser:
+    except UnknownUser:
         if warn:
             print(f"gpuguard: warning: no user named {user} on this host; showing the quota without "
                   "group entries", file=sys.stderr)

@@ -9,10 +9,10 @@ from collections import Counter
 from pathlib import Path
 
 from gpuguard import config as configuration
-from gpuguard import replay, trace
 from gpuguard.cli import CommandError, print_json, print_rows
-from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.units import format_duration
+from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.core.quantities import format_duration
+from gpuguard.replay import engine, trace
 
 TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
 if TYPE_CHECKING:
@@ -69,10 +69,10 @@ def policy_config(path: str | None) -> configuration.Config:
 def run_replay(args: argparse.Namespace) -> int:
     config = policy_config(getattr(args, "config", None))
     gpus = args.gpus if args.gpus is not None else config.gpu.simulated.count
-    if not 1 <= gpus <= replay.MAX_POOL:
-        raise CommandError(f"--gpus must be between 1 and {replay.MAX_POOL}, got {gpus}", EXIT_USAGE)
+    if not 1 <= gpus <= engine.MAX_POOL:
+        raise CommandError(f"--gpus must be between 1 and {engine.MAX_POOL}, got {gpus}", EXIT_USAGE)
     notes: Counter[str] = Counter()
-    report = replay.compare(lambda: trace.read(args.trace, notes), config, gpus)
+    report = engine.compare(lambda: trace.read(args.trace, notes), config, gpus)
     report["trace_notes"] = dict(notes)
     _say_notes(notes)
     if args.json:

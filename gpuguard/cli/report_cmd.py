@@ -16,10 +16,10 @@ from typing import Any
 
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
-from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.model import unit_label
-from gpuguard.rules import WATCHER_RULES
-from gpuguard.units import UnitError, parse_duration
+from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.core.model import unit_label
+from gpuguard.core.quantities import UnitError, parse_duration
+from gpuguard.core.rules import WATCHER_RULES
 
 HOUR = 3600.0
 _FORMATS = ("%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m")

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 from gpuguard.backends.devnodes import caps_node, gpu_node
 from gpuguard.cli import CommandError, load_config
-from gpuguard.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from gpuguard.model import slice_unit, unit_label
-from gpuguard.units import UnitError, format_size, parse_duration, parse_size
+from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from gpuguard.core.model import slice_unit, unit_label
+from gpuguard.core.quantities import UnitError, format_size, parse_duration, parse_size
 
 if TYPE_CHECKING:
     from gpuguard.config import Config

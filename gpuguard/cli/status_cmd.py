@@ -14,9 +14,9 @@ from collections import namedtuple
 
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
-from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.messages import clock, gpu_label, number_list
-from gpuguard.units import format_size
+from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.core.messages import clock, gpu_label, number_list
+from gpuguard.core.quantities import format_size
 
 TYPE_CHECKING = False  # not typing's, nor dataclasses: `status` starts within a few ms of Python itself
 if TYPE_CHECKING:
@@ -84,8 +84,8 @@ def _user_exists(name: str) -> bool:
 
 def show_status(args: argparse.Namespace) -> int:
     if args.cluster:
-        from gpuguard.cli import cluster_cmd
-        return cluster_cmd.show_cluster(args)
+        from gpuguard.cli import fleet_cmd
+        return fleet_cmd.show_cluster(args)
     if args.no_header and not args.csv:
         raise CommandError("--no-header goes with --csv", EXIT_USAGE)
     if args.user is not None and not _user_exists(args.user):

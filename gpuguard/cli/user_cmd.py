@@ -8,10 +8,10 @@ import time
 from gpuguard import client
 from gpuguard.cli import CommandError, print_json, print_rows, unit_arg
 from gpuguard.cli.calls import ask, socket_of
-from gpuguard.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.messages import clock, cuda_export, gpu_label, queue_message, queue_why, stale_devices
-from gpuguard.unit_numbers import unit_label
-from gpuguard.units import UnitError, format_duration, format_size, parse_duration
+from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.core.messages import clock, cuda_export, gpu_label, queue_message, queue_why, stale_devices
+from gpuguard.core.quantities import UnitError, format_duration, format_size, parse_duration
+from gpuguard.core.unit_numbers import unit_label
 
 TYPE_CHECKING = False  # not typing's: whoami starts within a few ms of Python itself
 if TYPE_CHECKING:

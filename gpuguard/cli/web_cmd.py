@@ -7,7 +7,7 @@ import os
 
 from gpuguard import logs
 from gpuguard.cli import CommandError, load_config
-from gpuguard.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,10 +33,10 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"gpuguard web does not run as root: run it as {config.web.user} "
                            f"(sudo -u {config.web.user} gpuguard web; the package's gpuguard-web.service does)")
     logs.setup(logging.INFO)
-    from gpuguard.web import service
+    from gpuguard.web import wiring
     from gpuguard.web.sessions import SessionKeyError
     try:
-        service.run(config, *listen)
+        wiring.run(config, *listen)
     except (SessionKeyError, OSError) as exc:
         raise CommandError(f"cannot start: {getattr(exc, 'strerror', None) or exc}") from None
     return EXIT_OK

@@ -9,9 +9,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gpuguard.messages import clock, cuda_export
-from gpuguard.model import unit_label
-from gpuguard.units import format_size
+from gpuguard.core.messages import clock, cuda_export
+from gpuguard.core.model import unit_label
+from gpuguard.core.quantities import format_size
 from gpuguard.web.views import Cell, FairShare, Server, Viewer, Waiting, duration, ordinal, plural
 
 NAV = (("/", "Now"), ("/queue", "Queue"), ("/me", "Me"), ("/usage", "Usage"))

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuguard.errors import GpuguardError
+from gpuguard.core.errors import GpuguardError
 
 KEY_BYTES = 32
 MAX_COOKIE = 1024  # a session cookie is about 150 bytes; anything far longer is not ours

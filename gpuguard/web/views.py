@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuguard.model import unit_label
+from gpuguard.core.model import unit_label
 
 IDLE_SHOWN = 300.0  # seconds without a process of its holders before a held GPU shows as idle
 HIDDEN = "another user"

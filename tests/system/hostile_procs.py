@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from gpuguard.backends.sim_registry import register_process
-from gpuguard.units import parse_size
+from gpuguard.core.quantities import parse_size
 
 MiB = 1 << 20
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from conftest import PYTHON, popen_as, run_as
 
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.model import NVIDIA_MAJOR
 
 if TYPE_CHECKING:
     from conftest import TestUser

@@ -36,7 +36,7 @@ def test_pam_hook_loads_no_cli_machinery(sandbox) -> None:
     # A logout with no daemon there: the socket is read from the config, the call fails (logged).
     loaded = loaded_by("--config", str(config), PAM_HOOK, PAM_TYPE="close_session", PAM_USER="ggt-nobody")
     assert "gpuguard.pam_hook" in loaded
-    assert not loaded & {"argparse", "typing", "tomllib", "gpuguard.config", "gpuguard.backends", "gpuguard.model"}, loaded
+    assert not loaded & {"argparse", "typing", "tomllib", "gpuguard.config", "gpuguard.backends", "gpuguard.core.model"}, loaded
     assert not any(module.endswith("_cmd") for module in loaded), loaded
 
 

@@ -20,7 +20,7 @@ from daemon_fixture import RunningDaemon
 from tcp_proxy import TcpProxy
 
 from devtools.harness import gate_test_lock, wait_for
-from gpuguard.cluster.ops import CACHE_FOR
+from gpuguard.fleet.ops import CACHE_FOR
 
 NODES = {"gpu1": ("r1", True), "gpu2": ("r1", False), "gpu3": ("r2", False)}
 DATA = {"/data/imagenet": ["gpu3"], "/data/shared": ["r1"]}
@@ -71,7 +71,7 @@ class Fleet:
 
     def held_in_database(self) -> list[tuple]:
         with psycopg.connect(self.postgres.conninfo, autocommit=True) as conn:
-            return conn.execute("SELECT node, username, minor FROM gpuguard.grants ORDER BY 1, 2, 3").fetchall()
+            return conn.execute("SELECT node, username, minor FROM gpuguard.services.grants ORDER BY 1, 2, 3").fetchall()
 
     def ledger(self) -> list[tuple]:
         with psycopg.connect(self.postgres.conninfo, autocommit=True) as conn:
@@ -259,7 +259,7 @@ def test_nodes_follow_the_standby_promoted_under_them(fleet):
     assert len(fleet.login("gpu3", bob)["gpus"]) == 2
     with psycopg.connect(both, autocommit=True) as conn:
         assert conn.execute("SELECT current_setting('port')").fetchone() == (str(standby.port),)
-        assert conn.execute("SELECT node, username FROM gpuguard.grants ORDER BY 1, 2").fetchall() == [
+        assert conn.execute("SELECT node, username FROM gpuguard.services.grants ORDER BY 1, 2").fetchall() == [
             ("gpu1", alice.name), ("gpu1", alice.name), ("gpu3", bob.name), ("gpu3", bob.name)]
 
 

@@ -9,7 +9,7 @@ from sim_helpers import cli, write_config
 
 from gpuguard import config
 from gpuguard.config import ConfigError
-from gpuguard.model import Quota
+from gpuguard.core.model import Quota
 
 GOOD = """
 [access]

@@ -9,7 +9,7 @@ from conftest import REPO
 from sim_helpers import cli
 
 from gpuguard import config
-from gpuguard.config_warnings import UNIT_WRITABLE, warnings
+from gpuguard.core.config_warnings import UNIT_WRITABLE, warnings
 
 
 def write(directory: Path, text: str, quotas: str | None = "") -> Path:

@@ -28,7 +28,7 @@ from devtools.harness import wait_for
 from gpuguard import client
 from gpuguard.backends import posix_acl
 from gpuguard.backends.gate import Gate
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.model import NVIDIA_MAJOR
 
 if TYPE_CHECKING:
     from conftest import TestUser

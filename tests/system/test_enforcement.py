@@ -20,10 +20,10 @@ from gpuguard.backends.gate import DeviceRange, Gate
 from gpuguard.backends.gpu_nodes import AclNodes
 from gpuguard.backends.mounts import cgroup2_root
 from gpuguard.backends.posix_acl import acl_users
-from gpuguard.daemon import Daemon
-from gpuguard.grants import Grants
-from gpuguard.model import NVIDIA_MAJOR
-from gpuguard.store import Store
+from gpuguard.core.model import NVIDIA_MAJOR
+from gpuguard.daemon.main import Daemon
+from gpuguard.services.grants import Grants
+from gpuguard.services.store import Store
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ from sim_helpers import write_config
 from gpuguard import config as gpuguard_config
 from gpuguard.backends import accounts, posix_acl
 from gpuguard.backends.gpu_nodes import AclNodes
-from gpuguard.exempt import Exempt
-from gpuguard.grants import Grants
-from gpuguard.lookups import AccountLookup
-from gpuguard.model import NVIDIA_MAJOR
-from gpuguard.store import Store
+from gpuguard.backends.nss import AccountLookup
+from gpuguard.core.model import NVIDIA_MAJOR
+from gpuguard.services.exempt import Exempt
+from gpuguard.services.grants import Grants
+from gpuguard.services.store import Store
 
 
 class MapGate:

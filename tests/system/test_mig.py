@@ -27,7 +27,7 @@ from gpuguard.backends import mig_caps, posix_acl
 from gpuguard.backends.devnodes import caps_node
 from gpuguard.backends.sim_mig import MIG_MINORS_FILE
 from gpuguard.backends.sim_registry import REGISTRY_DIR
-from gpuguard.model import NVIDIA_MAJOR, slice_place, unit_label
+from gpuguard.core.model import NVIDIA_MAJOR, slice_place, unit_label
 
 pytestmark = pytest.mark.gate
 

@@ -26,8 +26,8 @@ from gpuguard.backends.sim_mig import MIG_FILE, MIG_MINORS_FILE
 from gpuguard.backends.sim_registry import REGISTRY_DIR
 from gpuguard.backends.simulated import SimulatedBackend
 from gpuguard.config import SimulatedConfig
-from gpuguard.errors import EXIT_FAILED, EXIT_USAGE
-from gpuguard.model import GpuProcess, slice_unit, unit_label
+from gpuguard.core.errors import EXIT_FAILED, EXIT_USAGE
+from gpuguard.core.model import GpuProcess, slice_unit, unit_label
 
 H100 = "NVIDIA H100 80GB HBM3"
 LAYOUT = ("3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb")

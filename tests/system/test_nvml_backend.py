@@ -22,7 +22,7 @@ from gpuguard.backends import GpuError, procfs
 from gpuguard.backends.sim_registry import FAIL_FILE, REGISTRY_DIR, register_process
 from gpuguard.backends.simulated import SimulatedBackend
 from gpuguard.config import SimulatedConfig
-from gpuguard.model import GpuProcess, Link
+from gpuguard.core.model import GpuProcess, Link
 
 
 @pytest.fixture

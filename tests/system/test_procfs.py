@@ -18,7 +18,7 @@ from devtools.harness import no_gate_attached
 from gpuguard.backends import procfs
 from gpuguard.backends.gate import DeviceRange, default_managed
 from gpuguard.backends.procfs import IdentityCache, char_major, holders, process_identity, user_of
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.model import NVIDIA_MAJOR
 
 
 def psutil_ticks(pid: int) -> int:

@@ -17,7 +17,7 @@ from conftest import REPO
 from sim_helpers import cli
 
 from gpuguard import config
-from gpuguard.compat import tomllib
+from gpuguard.core.compat import tomllib
 from gpuguard.quota_file import edit
 
 ENTRIES = """

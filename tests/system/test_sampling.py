@@ -15,8 +15,8 @@ from sim_helpers import GiB, set_fault
 
 from gpuguard.backends.procfs import holders_of
 from gpuguard.backends.sim_registry import register_process
-from gpuguard.model import NVIDIA_MAJOR, GpuProcess
-from gpuguard.sampling import Sampler, node_holders
+from gpuguard.core.model import NVIDIA_MAJOR, GpuProcess
+from gpuguard.core.sample import Sampler, node_holders
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from conftest import PYTHON, run_as
 
 from gpuguard import client, protocol
-from gpuguard.server import LISTEN_BACKLOG, MAX_CONNECTIONS_PER_USER, Server, ServerError
+from gpuguard.daemon.server import LISTEN_BACKLOG, MAX_CONNECTIONS_PER_USER, Server, ServerError
 
 # A client run as a test user: open N silent connections, then make one call; print the reply.
 FLOOD = """

@@ -21,7 +21,7 @@ from freezer import frozen
 
 from devtools.harness import wait_for
 from gpuguard.backends import signals
-from gpuguard.model import ProcessIdentity, SignalOutcome
+from gpuguard.core.model import ProcessIdentity, SignalOutcome
 
 ANSWER = 60.0  # seconds: a bound on a reporter answering, not an expectation
 PROBE = signal.SIGRTMAX

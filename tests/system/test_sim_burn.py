@@ -17,7 +17,7 @@ from sim_helpers import GiB, burn, gpuguard, open_backend, start_burn, stop_burn
 
 from gpuguard.backends.nvml import NvmlBackend
 from gpuguard.backends.sim_registry import REGISTRY_DIR
-from gpuguard.model import GpuProcess
+from gpuguard.core.model import GpuProcess
 
 if TYPE_CHECKING:
     from conftest import TestUser  # not at run time: pytest would try to collect it

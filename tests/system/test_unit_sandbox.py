@@ -27,7 +27,7 @@ from devtools.harness import wait_for
 from gpuguard import client
 from gpuguard.backends.posix_acl import acl_users
 from gpuguard.backends.proc_events import RECEIVE_BUFFER
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.model import NVIDIA_MAJOR
 
 pytestmark = pytest.mark.gate
 

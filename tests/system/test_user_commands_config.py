@@ -55,5 +55,5 @@ def test_whoami_and_status_load_neither_the_config_nor_the_model(start_daemon, a
                             text=True, timeout=60)
     code, loaded = json.loads(result.stdout.splitlines()[-1])
     assert code == 0, result.stderr
-    assert not set(loaded) & {"gpuguard.config", "gpuguard.model", "gpuguard.rules", "gpuguard.policy", "tomllib",
+    assert not set(loaded) & {"gpuguard.config", "gpuguard.core.model", "gpuguard.core.rules", "gpuguard.core.policy", "tomllib",
                               "typing", "dataclasses", "pkgutil", "csv", "argparse", "socket"}, loaded

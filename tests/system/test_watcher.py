@@ -19,7 +19,7 @@ from probes import ALLOWED, FILE_DENIED, GATE_DENIED, bare_nodes, open_result
 from sim_helpers import GiB, set_fault, stop_burn
 
 from devtools.harness import wait_for
-from gpuguard.store import Store
+from gpuguard.services.store import Store
 
 pytestmark = pytest.mark.gate
 

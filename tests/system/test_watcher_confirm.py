@@ -19,9 +19,9 @@ from sim_helpers import set_fault, start_burn, stop_burn, write_config
 
 from devtools.harness import no_gate_attached
 from gpuguard import config as configuration
-from gpuguard.daemon import Daemon
-from gpuguard.model import NVIDIA_MAJOR
-from gpuguard.sampling import Sample
+from gpuguard.core.model import NVIDIA_MAJOR
+from gpuguard.core.sample import Sample
+from gpuguard.daemon.main import Daemon
 
 
 @pytest.fixture(autouse=True)

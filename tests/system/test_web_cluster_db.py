@@ -1,5 +1,5 @@
 """The web view on the cluster database: a real PostgreSQL (Debian's, private: the `postgres`
-fixture, tests/system/pg_fixture.py) with the fleet's schema (gpuguard.cluster's migrations), rows
+fixture, tests/system/pg_fixture.py) with the fleet's schema (gpuguard.fleet's migrations), rows
 as the nodes' heartbeats leave them, read through ClusterDatabase and served by the app."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gpuguard.cluster import fleetdb
 from gpuguard.config import WebConfig
+from gpuguard.fleet import fleetdb
 from gpuguard.web.app import Web, build
-from gpuguard.web.cluster import ClusterDatabase
+from gpuguard.web.fleet import ClusterDatabase
 from gpuguard.web.sessions import Signer
 
 GiB = 1 << 30
@@ -28,7 +28,7 @@ def fill(conn, now: float) -> None:
                          " VALUES (%s, %s, %s, 'NVIDIA H100', %s, %s)",
                          (name, minor, f"GPU-{name}-{minor}", 80 * GiB, "slurm" if (name, minor) == ("gpu2", 1)
                           else "gpuguard"))
-    conn.execute("INSERT INTO gpuguard.grants (node, minor, username, uid, granted_at, expires_at, origin)"
+    conn.execute("INSERT INTO gpuguard.services.grants (node, minor, username, uid, granted_at, expires_at, origin)"
                  " VALUES ('gpu1', 0, '<b>alice</b>', 1001, %s, %s, 'session')", (now - 1800, now + 3600))
     conn.execute("INSERT INTO gpuguard.queue (node, ticket, username, gpus, since, priority)"
                  " VALUES ('gpu1', 1, 'bob', 2, %s, 0)", (now - 60,))

@@ -30,8 +30,8 @@ from pathlib import Path
 from gpuguard import client
 from gpuguard.backends import posix_acl
 from gpuguard.backends.gate import Gate
-from gpuguard.model import NVIDIA_MAJOR
-from gpuguard.store import Store
+from gpuguard.core.model import NVIDIA_MAJOR
+from gpuguard.services.store import Store
 
 RETRY_FOR = 60.0  # seconds a client retries while the daemon is down (restarts take a few)
 KEEP_OPEN = 2     # sessions per user the crash torture keeps open while it kills the daemon

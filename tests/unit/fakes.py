@@ -12,11 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpuguard import wiring
 from gpuguard.backends import GateError
-from gpuguard.backends.accounts import UnknownUser
 from gpuguard.config import AccessConfig, Config
-from gpuguard.model import (
+from gpuguard.core.errors import UnknownUser
+from gpuguard.core.model import (
     NVIDIA_MAJOR,
     Account,
     Device,
@@ -29,8 +28,9 @@ from gpuguard.model import (
     SignalResult,
     slice_unit,
 )
-from gpuguard.sampling import Holder, Sample
-from gpuguard.server import Peer
+from gpuguard.core.sample import Holder, Sample
+from gpuguard.protocol import Peer
+from gpuguard.services import wiring
 
 GROUP = "gpugroup"
 

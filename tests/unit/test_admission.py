@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gpuguard import admission
-from gpuguard.admission import METRICS_KEY, NO_ACCOUNT_KEY, ROOT, AccountKinds, Budget, pending_key, uid_key
+from gpuguard.daemon import admission
+from gpuguard.daemon.admission import METRICS_KEY, NO_ACCOUNT_KEY, ROOT, AccountKinds, Budget, pending_key, uid_key
 
 
 def test_a_uid_is_capped_whether_its_connections_wait_for_nss_or_not():
@@ -71,7 +71,7 @@ def test_account_kinds_asks_once_per_uid_and_remembers():
 
 
 def test_account_kinds_does_not_remember_a_failure_of_nss():
-    from gpuguard.backends.accounts import NssFailure
+    from gpuguard.core.errors import NssFailure
 
     def failing(uid: int) -> bool:
         raise NssFailure("cannot look up uid 5: NSS failed (Too many open files)")

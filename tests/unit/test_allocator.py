@@ -7,8 +7,8 @@ from math import comb
 
 import pytest
 
-from gpuguard import allocator
-from gpuguard.model import Gpu, Grant, Link, Quota
+from gpuguard.core import allocator
+from gpuguard.core.model import Gpu, Grant, Link, Quota
 
 ALICE, BOB, CAROL, DAVE = 1001, 1002, 1003, 1004
 GIB = 1 << 30

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 from itertools import combinations
 
-from gpuguard import allocator
-from gpuguard.model import Gpu, Grant, Link, Quota
+from gpuguard.core import allocator
+from gpuguard.core.model import Gpu, Grant, Link, Quota
 
 GIB = 1 << 30
 

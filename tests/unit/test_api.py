@@ -6,7 +6,7 @@ import asyncio
 from fakes import GROUP
 
 from gpuguard.config import AccessConfig
-from gpuguard.sampling import Holder
+from gpuguard.core.sample import Holder
 
 
 def test_a_member_login_gets_a_gpu_and_a_second_session_reuses_it(world):

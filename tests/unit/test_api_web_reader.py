@@ -7,7 +7,7 @@ import pytest
 from fakes import GROUP, World
 
 from gpuguard.config import AccessConfig, Config, WebConfig
-from gpuguard.model import Quota
+from gpuguard.core.model import Quota
 
 
 @pytest.fixture

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard import config, config_warnings
-from gpuguard.cluster import ranking
-from gpuguard.cluster.outbox import Outbox
+from gpuguard import config
 from gpuguard.config import OfflinePolicy
-from gpuguard.model import Grant, Origin
+from gpuguard.core import config_warnings
+from gpuguard.core.model import Grant, Origin
+from gpuguard.fleet import ranking
+from gpuguard.fleet.outbox import Outbox
 
 
 def load(tmp_path: Path, text: str, quotas: str = "") -> config.Config:

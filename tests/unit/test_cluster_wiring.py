@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from fakes import GROUP, FakeFleetDb, World, gpu
 
-from gpuguard import coexist
-from gpuguard.coexist import Owner, Ownership
 from gpuguard.config import AccessConfig, ClusterConfig, Config, PathsConfig
-from gpuguard.model import Quota
+from gpuguard.core import coexist
+from gpuguard.core.coexist import Owner, Ownership
+from gpuguard.core.model import Quota
 
 
 def fleet_world(tmp_path: Path, foreign: list[dict] | None = None) -> World:

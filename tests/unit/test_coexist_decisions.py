@@ -1,4 +1,4 @@
-"""gpuguard.coexist's decisions on made-up facts, and the gate ranges they leave managed."""
+"""gpuguard.core.coexist's decisions on made-up facts, and the gate ranges they leave managed."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from gpuguard.backends.gate import DeviceRange, managed_ranges
-from gpuguard.coexist import CoexistError, Owner, Ownership, SlurmFacts, check_some_left, decide
 from gpuguard.config import CoexistConfig
-from gpuguard.errors import EXIT_NOT_CONFIGURED
-from gpuguard.gres import NodeGpus
-from gpuguard.model import NVIDIA_MAJOR
+from gpuguard.core.coexist import CoexistError, Owner, Ownership, SlurmFacts, check_some_left, decide
+from gpuguard.core.errors import EXIT_NOT_CONFIGURED
+from gpuguard.core.gres import NodeGpus
+from gpuguard.core.model import NVIDIA_MAJOR
 
 PRESENT = range(8)
 AUTO = CoexistConfig(slurm="auto", gres_conf=Path("/etc/slurm/gres.conf"))

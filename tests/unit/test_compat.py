@@ -1,4 +1,4 @@
-"""gpuguard.compat: the 3.11 standard library pieces gpuguard uses, on every supported Python
+"""gpuguard.core.compat: the 3.11 standard library pieces gpuguard uses, on every supported Python
 (`make test-py310` runs this file on 3.10, where the fallbacks are the ones in use)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gpuguard.compat import StrEnum, tomllib
+from gpuguard.core.compat import StrEnum, tomllib
 
 
 class Kind(StrEnum):

@@ -1,11 +1,11 @@
-"""When the daemon ticks: gpuguard.daemon.next_wake (pure), and the watcher's next deadline."""
+"""When the daemon ticks: gpuguard.daemon.main.next_wake (pure), and the watcher's next deadline."""
 from __future__ import annotations
 
 import asyncio
 
 from fakes import GROUP
 
-from gpuguard.daemon import next_wake
+from gpuguard.daemon.main import next_wake
 
 
 def test_the_tick_comes_at_a_waits_end_and_never_in_a_burst():

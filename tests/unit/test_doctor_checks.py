@@ -1,12 +1,12 @@
-"""gpuguard.doctor's verdicts on made-up facts: a healthy machine, then each thing that can be wrong."""
+"""gpuguard.core.doctor's verdicts on made-up facts: a healthy machine, then each thing that can be wrong."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
 
-from gpuguard import doctor
-from gpuguard.doctor import FAIL, OK, WARN, Facts, Node
+from gpuguard.core import doctor
+from gpuguard.core.doctor import FAIL, OK, WARN, Facts, Node
 
 ALICE = 1001
 
@@ -20,7 +20,7 @@ def healthy() -> Facts:
         gate_current=True, gate_error=None, gpus=[(0, "H100"), (1, "H100")], nvml_error=None,
         driver_minors=[0, 1], nodes=nodes, modify_device_files="0", modprobe_option=True,
         pam_service="sshd", pam_session=["pam_unix.so", "pam_systemd.so", "pam_gpuguard.so"],
-        pam_module_found=True, udev_rules=["/usr/lib/udev/rules.d/70-gpuguard.rules"],
+        pam_module_found=True, udev_rules=["/usr/lib/udev/rules.d/70-gpuguard.core.rules"],
         persistenced_uid=None, exempt_uids=frozenset({0}),
         daemon={"gpus": [{"minor": 0, "holders": []}, {"minor": 1, "holders": [{"uid": ALICE}]}],
                 "sessions": [{}]},

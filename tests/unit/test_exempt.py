@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gpuguard import lookups
+from gpuguard.backends import nss
+from gpuguard.backends.nss import AccountLookup
 from gpuguard.config import AccessConfig
-from gpuguard.lookups import AccountLookup, LookupTimeout
+from gpuguard.core.errors import LookupTimeout
 
 
 def test_a_hung_directory_times_out_in_the_pool_while_the_loop_goes_on(monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(lookups, "exempt_uids", lambda asked: release.wait(10) and frozenset({0}))
+    monkeypatch.setattr(nss, "exempt_uids", lambda asked: release.wait(10) and frozenset({0}))
     lookup = AccountLookup(timeout=0.2)
     turns = 0
 

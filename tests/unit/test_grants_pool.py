@@ -8,9 +8,9 @@ from pathlib import Path
 
 from fakes import World, gpu, mig_slice
 
-from gpuguard import allocator
 from gpuguard.backends.nvml import MigLayout
-from gpuguard.drains import Drain
+from gpuguard.core import allocator
+from gpuguard.services.drains import Drain
 
 
 def described(pool: allocator.Pool) -> tuple[object, ...]:

@@ -1,9 +1,9 @@
-"""gres.conf, Slurm hostlists and `scontrol show node`, as gpuguard.gres reads them."""
+"""gres.conf, Slurm hostlists and `scontrol show node`, as gpuguard.core.gres reads them."""
 from __future__ import annotations
 
 import pytest
 
-from gpuguard.gres import (
+from gpuguard.core.gres import (
     MAX_NAMES,
     GresError,
     NodeGpus,

@@ -1,5 +1,5 @@
 """What the command line lets through to a terminal."""
-from gpuguard.escape import printable, printable_keeping_colour
+from gpuguard.core.escape import printable, printable_keeping_colour
 
 
 def test_colour_passes_and_every_other_control_sequence_is_escaped():

@@ -10,8 +10,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.config import MetricsConfig
-from gpuguard.metrics import GpuState, Holding, Metrics, job_mapping, write_job_mapping
-from gpuguard.model import GpuUse
+from gpuguard.core.model import GpuUse
+from gpuguard.daemon.metrics import GpuState, Holding, Metrics, job_mapping, write_job_mapping
 
 
 def exposition(metrics: Metrics) -> dict[tuple[str, frozenset], float]:

@@ -7,7 +7,7 @@ import pytest
 
 from gpuguard.backends import mig_caps
 from gpuguard.backends.sim_mig import driver_mig_minors
-from gpuguard.mig_profiles import place
+from gpuguard.core.mig_profiles import place
 
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from fakes import CAPS_MAJOR, GROUP, FakeGate, World, gpu, mig_slice
 
-from gpuguard import allocator, config, layout, quota_file
+from gpuguard import config, quota_file
 from gpuguard.backends.nvml import MigLayout
 from gpuguard.config import QuotaOverrides
-from gpuguard.model import (
+from gpuguard.core import allocator, layout
+from gpuguard.core.model import (
     NVIDIA_MAJOR,
     SLICE_UNITS,
     EventKind,
@@ -29,8 +30,8 @@ from gpuguard.model import (
     unit_label,
     unit_parent,
 )
-from gpuguard.rules import Demand
-from gpuguard.store import Store
+from gpuguard.core.rules import Demand
+from gpuguard.services.store import Store
 
 H100 = 1 << 30
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from gpuguard import config, policy
+from gpuguard import config
 from gpuguard.config import AccessConfig
-from gpuguard.model import Quota
+from gpuguard.core import policy
+from gpuguard.core.model import Quota
 
 ACCESS = AccessConfig(group="gpugroup", exempt_users=("ops",), exempt_groups=("wheel",))
 
@@ -84,7 +85,7 @@ def test_expiry_is_now_plus_max_time():
 
 def test_which_logins_take_gpus():
     from gpuguard.config import SessionsConfig
-    from gpuguard.policy import login_takes_gpus
+    from gpuguard.core.policy import login_takes_gpus
 
     default = SessionsConfig()
     for tty in ("/dev/pts/3", "pts/3", "tty1", "/dev/tty2", "console"):  # su, login, sshd with a pty

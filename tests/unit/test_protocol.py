@@ -2,7 +2,7 @@
 import pytest
 
 from gpuguard import protocol
-from gpuguard.model import Event, Grant, slice_unit
+from gpuguard.core.model import Event, Grant, slice_unit
 from gpuguard.protocol import ProtocolError
 
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 from fakes import GROUP, World
 
-from gpuguard import policy
-from gpuguard.model import Origin
-from gpuguard.server import Peer
+from gpuguard.core import policy
+from gpuguard.core.model import Origin
+from gpuguard.protocol import Peer
 
 
 def fill(world: World) -> list:
@@ -161,7 +161,7 @@ def test_an_admins_revoke_does_not_grow_what_they_wait_for(world):
 
 
 def test_a_waiter_a_drain_made_too_big_holds_nothing_and_is_no_ones_reason_to_wait(world):
-    from gpuguard.drains import Drain
+    from gpuguard.services.drains import Drain
     holders = fill(world)
     world.quota(gpus=4)
     world.config = replace(world.config, scheduler=replace(world.config.scheduler, reserve_after=0.0))
@@ -175,7 +175,7 @@ def test_a_waiter_a_drain_made_too_big_holds_nothing_and_is_no_ones_reason_to_wa
 
 
 def test_a_waiter_a_drain_made_too_big_is_no_ones_demand_so_nothing_is_reclaimed_or_stopped_for_it(world):
-    from gpuguard.drains import Drain
+    from gpuguard.services.drains import Drain
     holders = fill(world)
     world.quota(gpus=4, reclaim_after=60.0)
     eve = world.lookup.add("eve", 1005, GROUP)
@@ -199,7 +199,7 @@ def test_a_waiter_a_drain_made_too_big_is_no_ones_demand_so_nothing_is_reclaimed
 
 
 def test_a_gpu_the_waiter_keeps_on_a_drained_gpu_does_not_make_her_request_look_too_big(world):
-    from gpuguard.drains import Drain
+    from gpuguard.services.drains import Drain
     holders = fill(world)
     world.quota(gpus=4)
     world.config = replace(world.config, scheduler=replace(world.config.scheduler, reserve_after=0.0,
@@ -287,8 +287,8 @@ def test_fair_share_puts_the_user_who_just_had_a_gpu_behind(world):
 def test_demand_follows_the_queue_the_grants_holds_and_drains(world):
     """What reclaim may take (Queue.demand) is worked out again when any of what it comes from
     changes, not only when the queue does."""
-    from gpuguard.drains import Drain
-    from gpuguard.rules import Demand
+    from gpuguard.core.rules import Demand
+    from gpuguard.services.drains import Drain
     holders = fill(world)
     world.login(world.lookup.add("eve", 1005, GROUP), pid=6000)
     (waiting,) = world.store.queue()
@@ -311,8 +311,8 @@ def test_the_waiters_kept_between_changes_are_those_worked_out_afresh(world):
     import math
     import random
 
-    from gpuguard import scheduler
-    from gpuguard.model import Origin, Quota
+    from gpuguard.core import scheduler
+    from gpuguard.core.model import Origin, Quota
     rng = random.Random(7)
     quotas = [Quota(gpus=8), Quota(gpus=8, priority=1), Quota(gpus=8, sharing=True, gpu_memory=1 << 30),
               Quota(gpus=8, share=2.0)]
@@ -341,7 +341,7 @@ def test_the_waiters_kept_between_changes_are_those_worked_out_afresh(world):
 def test_dispatch_asks_for_no_usage_of_a_user_whose_requests_all_waited_past_the_age_bound(world):
     """Requests past max_wait_boost go by arrival, whatever their users' usage, so dispatch never
     works that usage out (here and, on a fleet, on the other servers)."""
-    from gpuguard.model import Origin, Quota
+    from gpuguard.core.model import Origin, Quota
     asked: list[str] = []
     world.queue.remote_usage = lambda user: asked.append(user) or 0.0
     holders = fill(world)
@@ -358,10 +358,10 @@ def test_dispatch_asks_for_no_usage_of_a_user_whose_requests_all_waited_past_the
 def test_kept_waiters_are_worked_out_afresh_when_a_row_comes_that_is_not_the_last():
     """Queue ids only grow, so the rows that came are the last ones; where that fails (a database
     put back from a copy) the kept waiters are worked out afresh rather than counted twice."""
-    from gpuguard.model import Origin, Quota
-    from gpuguard.queueing import Waiting
-    from gpuguard.scheduler import Waiter
-    from gpuguard.store import Queued
+    from gpuguard.core.model import Origin, Quota
+    from gpuguard.core.scheduler import Waiter
+    from gpuguard.services.queueing import Waiting
+    from gpuguard.services.store import Queued
     row = {i: Queued(Waiter(i, 1001, "ada", 1, float(i)), Quota(), Origin.REQUEST, None, None) for i in (1, 2, 3)}
     kept = Waiting.of((row[1], row[3]), frozenset()).following((row[1], row[2], row[3]), frozenset())
     assert list(kept.by_id) == [1, 2, 3] and kept.gpus == 3
@@ -374,10 +374,10 @@ def test_kept_waiters_moved_on_by_joins_and_leaves_equal_waiters_worked_out_afre
     import random
     from dataclasses import replace as replaced
 
-    from gpuguard.model import Origin, Quota
-    from gpuguard.queueing import Waiting
-    from gpuguard.scheduler import Waiter
-    from gpuguard.store import Queued
+    from gpuguard.core.model import Origin, Quota
+    from gpuguard.core.scheduler import Waiter
+    from gpuguard.services.queueing import Waiting
+    from gpuguard.services.store import Queued
     rng = random.Random(33)
     rows: tuple[Queued, ...] = ()
     holds = frozenset[int]()

@@ -1,7 +1,7 @@
 """Why a request waits (queueing.reason) and how whoami says it (messages.queue_why): pure."""
-from gpuguard import queueing
-from gpuguard.messages import queue_why
-from gpuguard.scheduler import Waiter
+from gpuguard.core.messages import queue_why
+from gpuguard.core.scheduler import Waiter
+from gpuguard.services import queueing
 
 NOW = 10_000.0
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 from fakes import GROUP, World
 
-from gpuguard.model import Event, GpuUse
-from gpuguard.store import HOUR
+from gpuguard.core.model import Event, GpuUse
+from gpuguard.services.store import HOUR
 
 DAY = 1_700_006_400  # a UTC midnight
 

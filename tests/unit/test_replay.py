@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpuguard import config as configuration
-from gpuguard import replay, trace
-from gpuguard.model import Quota
+from gpuguard.core.model import Quota
+from gpuguard.replay import engine, trace
 
 REPO = Path(__file__).resolve().parents[2]
 # CI clones shared/ beside the repository; GPUGUARD_DATA names another copy of shared/data.
@@ -42,25 +42,25 @@ def gpuguard(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_jain_and_percentile_on_known_numbers():
-    assert replay.jain([1.0, 1.0, 1.0]) == 1.0
-    assert replay.jain([1.0, 0.0]) == 0.5
-    assert replay.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
-    assert replay.percentile(list(map(float, range(1, 101))), 0.95) == 95.0
-    assert replay.percentile([], 0.5) is None
+    assert engine.jain([1.0, 1.0, 1.0]) == 1.0
+    assert engine.jain([1.0, 0.0]) == 0.5
+    assert engine.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
+    assert engine.percentile(list(map(float, range(1, 101))), 0.95) == 95.0
+    assert engine.percentile([], 0.5) is None
 
 
 def test_two_users_on_one_gpu_take_turns_through_the_queue(tmp_path):
     path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
                            "a,0,1000,0,100,1,0\n"
                            "b,10,1000,10,100,1,0\n")
-    ours = replay.replay(trace.read(path), policy(reclaim_after=5.0), 1)
+    ours = engine.replay(trace.read(path), policy(reclaim_after=5.0), 1)
     summary = ours.summary(1)
     assert summary["jobs_ran"] == 2 and summary["jobs_never_ran"] == 0
     # b waits for a's job to end (100) and its grant to be reclaimed 5 s later, at the 2 s tick.
     assert summary["wait_max"] == pytest.approx(96.0)
     assert summary["reclaims"] == 1
     assert summary["gpu_seconds_busy"] == 200.0
-    static = replay.static_reservation(trace.read(path), 1).summary(1)
+    static = engine.static_reservation(trace.read(path), 1).summary(1)
     assert static["wait_max"] == 990.0  # b's session waits for all of a's
 
 
@@ -68,7 +68,7 @@ def test_without_reclaim_a_grant_stays_until_logout(tmp_path):
     path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
                            "a,0,500,0,100,1,0\n"
                            "b,10,1000,10,100,1,0\n")
-    summary = replay.replay(trace.read(path), policy(), 1).summary(1)
+    summary = engine.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["wait_max"] == 490.0  # a's logout at 500 releases it
     assert summary["releases"] == 2 and summary["reclaims"] == 0
 
@@ -77,14 +77,14 @@ def test_a_job_over_the_quota_never_runs(tmp_path):
     path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
                            "a,0,500,0,100,4,0\n")
     base = configuration.Config()
-    summary = replay.replay(trace.read(path), replace(base, defaults=Quota(gpus=2)), 8).summary(8)
+    summary = engine.replay(trace.read(path), replace(base, defaults=Quota(gpus=2)), 8).summary(8)
     assert summary["jobs_never_ran"] == 1 and summary["jobs_over_quota"] == 1
 
 
 def test_a_generated_trace_replays_with_every_job_run_on_a_large_pool():
     sessions = list(trace.generate(300, users=10, seed=3))
     assert sum(len(s.jobs) for s in sessions) == 300
-    summary = replay.replay(sessions, policy(idle_timeout=60.0), 64).summary(64)
+    summary = engine.replay(sessions, policy(idle_timeout=60.0), 64).summary(64)
     assert summary["jobs_ran"] == 300 and summary["wait_max"] == 0.0
     assert summary["gpu_seconds_busy"] == pytest.approx(sum(j.gpus * j.duration for s in sessions for j in s.jobs))
 
@@ -190,11 +190,11 @@ def test_replay_prints_both_columns_and_json(tmp_path):
 @needs_adobe
 def test_the_adobe_figures_under_static_reservation():
     """The data README's figures: 304,219 GPU-minutes reserved, 78,255 busy, a 142-GPU peak."""
-    at_peak = replay.static_reservation(trace.read(ADOBE), 142).summary(142)
+    at_peak = engine.static_reservation(trace.read(ADOBE), 142).summary(142)
     assert at_peak["gpu_seconds_granted"] == 304_219 * 60
     assert at_peak["gpu_seconds_busy"] == 78_255 * 60
     assert at_peak["wait_max"] == 0.0
-    assert replay.static_reservation(trace.read(ADOBE), 141).summary(141)["wait_max"] > 0
+    assert engine.static_reservation(trace.read(ADOBE), 141).summary(141)["wait_max"] > 0
 
 
 @needs_adobe
@@ -214,7 +214,7 @@ def _heavy_under_light_stream(tmp_path: Path, max_wait_boost: float) -> dict[str
     lines += lights[:1] + ["heavy,36050,,36050,100,1,0"] + lights[1:]
     config = policy()
     config = replace(config, scheduler=replace(config.scheduler, max_wait_boost=max_wait_boost))
-    return replay.replay(trace.read(write(tmp_path, "\n".join(lines) + "\n")), config, 1).user_waits
+    return engine.replay(trace.read(write(tmp_path, "\n".join(lines) + "\n")), config, 1).user_waits
 
 
 def test_a_heavy_users_request_under_a_stream_of_light_users_is_served_within_the_age_bound(tmp_path):
@@ -230,7 +230,7 @@ def test_a_heavy_users_request_under_a_stream_of_light_users_is_served_within_th
 def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The replay has no rules of its own: every release and stop is an action of Watcher.check,
     and a watcher that decides nothing leaves the replay with nothing decided."""
-    from gpuguard.watcher import Watcher
+    from gpuguard.services.watcher import Watcher
     path = write(tmp_path, "user,session_start,session_end,job_start,duration,gpus,gpu_memory\n"
                            "a,0,1000,0,100,1,0\n"
                            "b,10,1000,10,100,1,0\n")
@@ -244,7 +244,7 @@ def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path: Path, mon
         acted.extend(done)
         return done
     monkeypatch.setattr(Watcher, "check", counted)
-    summary = replay.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
+    summary = engine.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
     assert calls[0] == 2  # b joining the queue (a is served at once), and the wake at which the reclaim is due
     assert [(a.kind, a.rule) for a in acted] == [("release", "reclaim")] and summary["reclaims"] == 1
 
@@ -252,6 +252,6 @@ def test_the_replays_decisions_come_from_the_daemons_watcher(tmp_path: Path, mon
         calls[0] += 1
         return []
     monkeypatch.setattr(Watcher, "check", idle)
-    blind = replay.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
+    blind = engine.replay(trace.read(path), policy(reclaim_after=5.0), 1).summary(1)
     # nobody reclaims a's idle GPU for b: b waits until a's session ends at 1000 s
     assert blind["reclaims"] == 0 and blind["wait_max"] == pytest.approx(990.0)

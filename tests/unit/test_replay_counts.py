@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard import config as configuration
-from gpuguard import replay, trace
+from gpuguard.replay import engine, trace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def write(tmp_path: Path, *lines: str) -> Path:
 
 def test_a_job_dropped_with_its_session_counts_with_its_censored_wait(tmp_path):
     path = write(tmp_path, "a,0,1000,0,900,1,0", "b,10,400,10,100,1,0")  # b leaves at 400, never served
-    summary = replay.replay(trace.read(path), policy(), 1).summary(1)
+    summary = engine.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["jobs"] == 2 and summary["jobs_ran"] == 1 and summary["jobs_dropped"] == 1
     assert summary["censored_wait_p95"] == 390.0 and summary["wait_max"] == 390.0
     assert summary["ran_wait_max"] == 0.0  # only a ran, at once
@@ -48,16 +48,16 @@ def test_a_grant_idle_since_its_job_ended_is_released_idle_timeout_after_the_end
     # a's job ends at 1000 with its session open until 5000; b's login at 1500 makes the watcher
     # check in between: it must record a's GPU as last active at the job's end, not at 1500
     path = write(tmp_path, "a,0,5000,0,1000,1,0", "b,1500,1600,1500,50,1,0")
-    result = replay.replay(trace.read(path), policy(idle_timeout=600.0), 2)
+    result = engine.replay(trace.read(path), policy(idle_timeout=600.0), 2)
     assert result.per_user["a"][0] == 1000.0 + 600.0
 
 
 def test_an_open_session_lasts_until_its_last_job_has_run(tmp_path):
     path = write(tmp_path, "a,0,,0,900,1,0", "b,10,,10,100,1,0")
-    summary = replay.replay(trace.read(path), policy(), 1).summary(1)
+    summary = engine.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["jobs_ran"] == 2 and summary["jobs_never_ran"] == 0
     assert summary["wait_max"] == 890.0  # a's session ends with its job, and its grant with it
-    static = replay.static_reservation(trace.read(path), 1).summary(1)
+    static = engine.static_reservation(trace.read(path), 1).summary(1)
     assert static["wait_max"] == 890.0 and static["gpu_seconds_granted"] == 1000.0
 
 
@@ -66,10 +66,10 @@ def test_a_batch_job_gives_its_gpus_back_as_it_ends_though_its_user_runs_others(
     # one runs (a stays logged in): b has that GPU at once, as under static reservation, not once
     # reclaim_after (10 minutes) has passed.
     path = write(tmp_path, "a,0,,0,100,1,0", "a,0,,0,1000,1,0", "b,10,,10,50,1,0")
-    result = replay.replay(trace.read(path), policy(), 2)
+    result = engine.replay(trace.read(path), policy(), 2)
     summary = result.summary(2)
     assert summary["jobs_ran"] == 3 and summary["wait_max"] == 90.0
-    assert summary["wait_max"] == replay.static_reservation(trace.read(path), 2).summary(2)["wait_max"]
+    assert summary["wait_max"] == engine.static_reservation(trace.read(path), 2).summary(2)["wait_max"]
     assert result.reclaims == 0
     assert result.per_user["a"][0] == 100.0 + 1000.0  # each job's GPU granted for its run only
 
@@ -77,20 +77,20 @@ def test_a_batch_job_gives_its_gpus_back_as_it_ends_though_its_user_runs_others(
 def test_sharers_slow_each_other_and_the_gpu_counts_busy_once(tmp_path):
     # Two sharers of 40 GiB on one 80 GiB GPU, each job 100 s alone: together from 0 they take 200 s.
     path = write(tmp_path, f"a,0,1000,0,100,1,{GIB}", f"b,0,1000,0,100,1,{GIB}")
-    summary = replay.replay(trace.read(path), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
+    summary = engine.replay(trace.read(path), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
     assert summary["jobs_ran"] == 2 and summary["wait_max"] == 0.0 and summary["most_sharers"] == 2
     assert summary["stretch_p95"] == 2.0
     assert summary["gpu_seconds_busy"] == 200.0 and summary["gpu_seconds_shared"] == 200.0  # not 400
     # b joins half-way: a has 50 s of work left, both at half pace until a ends at 150, b alone after.
     later = write(tmp_path, f"a,0,1000,0,100,1,{GIB}", f"b,50,1000,50,100,1,{GIB}")
-    summary = replay.replay(trace.read(later), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
+    summary = engine.replay(trace.read(later), policy(sharing=True, gpu_memory=40 * GIB), 1).summary(1)
     assert summary["gpu_seconds_busy"] == 200.0 and summary["gpu_seconds_shared"] == 100.0
     assert summary["stretch_mean"] == pytest.approx((150 / 100 + 150 / 100) / 2)
 
 
 def test_the_replayed_pool_never_oversubscribes_memory(tmp_path):
     lines = [f"u{i},0,10000,0,1000,1,{GIB}" for i in range(6)]
-    summary = replay.replay(trace.read(write(tmp_path, *lines)), policy(sharing=True, gpu_memory=40 * GIB,
+    summary = engine.replay(trace.read(write(tmp_path, *lines)), policy(sharing=True, gpu_memory=40 * GIB,
                                                                           max_sharers=8), 1).summary(1)
     assert summary["most_sharers"] == 2 and summary["jobs_ran"] == 6
     assert summary["gpu_seconds_busy"] <= summary["gpu_seconds_granted"]
@@ -99,7 +99,7 @@ def test_the_replayed_pool_never_oversubscribes_memory(tmp_path):
 def test_work_thrown_away_by_a_stop_is_counted(tmp_path):
     # a's 1-hour grant runs out at 3600 with b waiting: its 10-hour job is stopped, an hour's work lost.
     path = write(tmp_path, "a,0,,0,36000,1,0", "b,100,,100,100,1,0")
-    summary = replay.replay(trace.read(path), policy({"soft_max_time": True}, max_time=3600.0), 1).summary(1)
+    summary = engine.replay(trace.read(path), policy({"soft_max_time": True}, max_time=3600.0), 1).summary(1)
     assert summary["kills"] == 1 and summary["revokes"] == 1
     assert summary["gpu_seconds_lost"] == pytest.approx(3600.0, abs=2 * configuration.Config().watcher.interval)
     assert summary["lost_of_demanded"] == pytest.approx(3600 / 36100, rel=0.01)
@@ -131,7 +131,7 @@ def test_two_jobs_one_user_submitted_in_the_same_second_stay_two_jobs(tmp_path):
     trace.write_csv(sessions, out)
     assert list(trace.read(write(tmp_path, *out.getvalue().splitlines()[1:]))) == sessions
     # static reservation runs u's 4-GPU job beside the 1-GPU ones, not on the same session's GPUs
-    assert replay.static_reservation(sessions, 4).waits == [0.0, 0.0, 0.0, 50.0]
+    assert engine.static_reservation(sessions, 4).waits == [0.0, 0.0, 0.0, 50.0]
     # a dense generated month repeats user and second often (here 31,000 jobs in 13 days would)
     dense = list(trace.generate_batch(3000, users=60, seed=1, days=0.5))
     assert len({(s.user, s.start) for s in dense}) < len(dense)
@@ -155,8 +155,8 @@ def test_a_job_bigger_than_the_pool_never_runs_and_holds_nobody_up(tmp_path):
     # 8 GPUs asked of 4 (the quota allows 8): refused as gpuguard request refuses it, and counted so;
     # the jobs after it run, as under static reservation
     path = write(tmp_path, "a,0,,0,100,8,0", "b,10,,10,100,1,0", "c,4000,,4000,100,2,0")
-    ours = replay.replay(trace.read(path), policy(), 4).summary(4)
-    static = replay.static_reservation(trace.read(path), 4).summary(4)
+    ours = engine.replay(trace.read(path), policy(), 4).summary(4)
+    static = engine.static_reservation(trace.read(path), 4).summary(4)
     for summary in (ours, static):
         assert (summary["jobs_ran"], summary["jobs_over_quota"], summary["jobs_dropped"]) == (2, 1, 0)
 
@@ -168,10 +168,10 @@ def test_a_gpu_a_waiting_job_counted_on_and_lost_to_reclaim_is_waited_for_again(
     # at 110 (idle 10 s), and her job waits for 2 again, and runs on 2 from 1000, not on 1 from
     # 110 (as it once did, short).
     lines = ("b,0,,0,1000,1,0", "a,0,5000,0,100,1,0", "a,0,5000,105,200,2,0")
-    alone = replay.replay(trace.read(write(tmp_path, *lines)), policy(reclaim_after=10.0), 2)
+    alone = engine.replay(trace.read(write(tmp_path, *lines)), policy(reclaim_after=10.0), 2)
     assert sorted(alone.waits) == [0.0, 0.0, 895.0] and alone.reclaims == 0
     assert alone.busy == 1000 + 100 + 2 * 200
-    result = replay.replay(trace.read(write(tmp_path, *lines, "c,106,,106,50,1,0")), policy(reclaim_after=10.0), 2)
+    result = engine.replay(trace.read(write(tmp_path, *lines, "c,106,,106,50,1,0")), policy(reclaim_after=10.0), 2)
     assert sorted(result.waits) == [0.0, 0.0, 4.0, 895.0]
     assert result.busy == 1000 + 100 + 2 * 200 + 50
     assert result.reclaims == 1
@@ -203,7 +203,7 @@ def test_slurm_accounting_is_read_as_one_open_session_per_gpu_job(tmp_path):
     assert bob.jobs[0].gpus == 4 and bob.jobs[0].duration == 1800.0
     assert alice.jobs[0].gpus == 2 and alice.jobs[0].duration == 3600.0
     assert alice.start - bob.start == 3600.0 and alice.jobs[0].start == alice.start
-    summary = replay.replay(trace.read(path), policy(), 4).summary(4)
+    summary = engine.replay(trace.read(path), policy(), 4).summary(4)
     assert summary["jobs_ran"] == 4
     notes: Counter[str] = Counter()
     assert len(list(trace.read(path, notes))) == 4
@@ -261,9 +261,9 @@ def test_a_job_waiting_after_its_session_closed_leaves_with_its_users_last_sessi
     # alice's first session closes at 300 with its job still waiting (her second one keeps the place);
     # her last session ends at 600: the job never ran, its wait censored there.
     path = write(tmp_path, "bob,0,,0,5000,1,0", "alice,10,300,10,100,1,0", "alice,20,600,20,100,1,0")
-    summary = replay.replay(trace.read(path), policy(), 1).summary(1)
+    summary = engine.replay(trace.read(path), policy(), 1).summary(1)
     assert summary["jobs_never_ran"] == 2 and summary["jobs_ran"] == 1
-    assert sorted(replay.replay(trace.read(path), policy(), 1).censored) == [580.0, 590.0]
+    assert sorted(engine.replay(trace.read(path), policy(), 1).censored) == [580.0, 590.0]
 
 
 def test_the_watcher_checks_what_the_queue_wants_and_the_rules_times_not_what_ended_or_started(tmp_path, monkeypatch):
@@ -272,7 +272,7 @@ def test_the_watcher_checks_what_the_queue_wants_and_the_rules_times_not_what_en
     waiting: its job is on its new GPU (no idle clock) and no rule acts on the process at once. A
     request that has to wait is (the queue's demand grew: reclaim may act). What is left is still
     acted on at its time."""
-    from gpuguard.watcher import Watcher
+    from gpuguard.services.watcher import Watcher
     checked: list[float] = []
     real_check = Watcher.check
 
@@ -283,7 +283,7 @@ def test_the_watcher_checks_what_the_queue_wants_and_the_rules_times_not_what_en
     # a's job ends at 100 (its session stays open until 5000); b takes the other GPU at 200 and
     # leaves at 250, when c, waiting since 210, gets b's GPU
     path = write(tmp_path, "a,0,5000,0,100,1,0", "b,200,,200,50,1,0", "c,210,,210,50,1,0")
-    result = replay.replay(trace.read(path), policy(idle_timeout=600.0), 2)
+    result = engine.replay(trace.read(path), policy(idle_timeout=600.0), 2)
     assert checked == [210.0, 700.0]  # c's wait, and a's idle release due at 100 + 600
     assert result.per_user["a"][0] == 700.0 and result.releases == 3  # a's idle GPU, b's and c's at logout
     assert result.waits == [0.0, 0.0, 40.0]
@@ -292,16 +292,16 @@ def test_the_watcher_checks_what_the_queue_wants_and_the_rules_times_not_what_en
 def without_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The replay checks every job's arrival and start, and asks next_change over everything after
     a batch of job ends (as before its shortcuts)."""
-    from gpuguard import rules
-    from gpuguard.watcher import Watcher
+    from gpuguard.core import rules
+    from gpuguard.services.watcher import Watcher
     monkeypatch.setattr(rules, "acts_on_arrival", lambda grant, quota, now: True)
     monkeypatch.setattr(Watcher, "next_change_of", lambda self, slots, now: self.next_change(self.sampler.last, now))
-    arrive = replay.Replay._on_arrive
+    arrive = engine.Replay._on_arrive
 
-    async def checked_arrival(self: replay.Replay, payload: tuple) -> None:
+    async def checked_arrival(self: engine.Replay, payload: tuple) -> None:
         self._added = True
         await arrive(self, payload)
-    monkeypatch.setattr(replay.Replay, "_on_arrive", checked_arrival)
+    monkeypatch.setattr(engine.Replay, "_on_arrive", checked_arrival)
 
 
 @pytest.mark.parametrize("name", ["default", "exclusive", "shared", "timed"])
@@ -314,9 +314,9 @@ def test_the_replays_shortcuts_decide_as_a_check_after_every_event_would(name, m
     between the watcher's ticks, where the replay, as the daemon, acts at the tick.)"""
     config = configuration.load(REPO / "bench" / f"scheduling-{name}.toml")
     traces = [(list(trace.generate_batch(600, users=12, seed=5)), 40), (list(trace.generate(300, users=10, seed=3)), 6)]
-    shortcut = [replay.replay(sessions, config, gpus).summary(gpus) for sessions, gpus in traces]
+    shortcut = [engine.replay(sessions, config, gpus).summary(gpus) for sessions, gpus in traces]
     without_shortcuts(monkeypatch)
-    every = [replay.replay(sessions, config, gpus).summary(gpus) for sessions, gpus in traces]
+    every = [engine.replay(sessions, config, gpus).summary(gpus) for sessions, gpus in traces]
     assert shortcut == every
     assert all(s["reclaims"] + s["releases"] + s["revokes"] for s in every)  # the runs took GPUs back
 
@@ -327,9 +327,9 @@ def test_a_job_starting_once_a_rule_is_due_is_checked_as_every_start_would_be(tm
     rule is due, so it is checked then, as a replay that checks every start does."""
     path = write(tmp_path, "a,0,5000,0,101,1,0", "a,0,5000,111,1,1,0", "b,0,5000,0,101,1,0", "c,105,,105,50,1,0")
     config = policy(reclaim_after=10.0)
-    shortcut = replay.replay(trace.read(path), config, 2).summary(2)
+    shortcut = engine.replay(trace.read(path), config, 2).summary(2)
     without_shortcuts(monkeypatch)
-    assert replay.replay(trace.read(path), config, 2).summary(2) == shortcut
+    assert engine.replay(trace.read(path), config, 2).summary(2) == shortcut
     assert shortcut["reclaims"] == 1 and shortcut["jobs_ran"] == 4
 
 
@@ -337,7 +337,7 @@ def test_between_rare_checks_the_watcher_remembers_only_the_jobs_still_running(t
     """With nobody waiting and no idle release a replay checks almost never; the processes it tells
     the watcher about are forgotten when they end, as a check would forget them, so what the
     watcher remembers stays as small as what runs (not every job of the month)."""
-    from gpuguard.watcher import Watcher
+    from gpuguard.services.watcher import Watcher
     sizes: list[int] = []
     real_ended = Watcher.process_ended
 
@@ -348,7 +348,7 @@ def test_between_rare_checks_the_watcher_remembers_only_the_jobs_still_running(t
     monkeypatch.setattr(Watcher, "process_ended", ended)
     # 300 one-GPU jobs of 10 users, at most 3 running at once, on 8 GPUs: never a queue
     path = write(tmp_path, *(f"u{i % 10},{i * 50},,{i * 50},120,1,0" for i in range(300)))
-    result = replay.replay(trace.read(path), policy(), 8)
+    result = engine.replay(trace.read(path), policy(), 8)
     assert result.waits == [0.0] * 300 and len(sizes) == 300
     assert max(sizes) <= 2  # the two others still running when one ends
 
@@ -363,9 +363,9 @@ def test_between_rare_checks_the_watcher_remembers_only_the_jobs_still_running(t
 ])
 def test_an_arrival_once_a_rule_is_due_is_checked_as_every_arrival_would_be(tmp_path, monkeypatch, lines, gpus):
     config = policy({"reserve_after": 0.0}, idle_timeout=61.0)
-    shortcut = replay.replay(trace.read(write(tmp_path, *lines)), config, gpus)
+    shortcut = engine.replay(trace.read(write(tmp_path, *lines)), config, gpus)
     without_shortcuts(monkeypatch)
-    every = replay.replay(trace.read(write(tmp_path, *lines)), config, gpus)
+    every = engine.replay(trace.read(write(tmp_path, *lines)), config, gpus)
     assert shortcut.summary(gpus) == every.summary(gpus)
     assert shortcut.per_user["a"][0] == 161.5  # a's idle GPU goes at the arrival, not at the tick after
 
@@ -379,8 +379,8 @@ def test_a_job_started_by_a_checks_action_has_its_work_counted_from_its_start(tm
     lines = ["p,0,5000,0,50,1,0", "u,0,5000,0,5000,1,0", "k,0,5000,0,100,1,0", "k,0,5000,200,5000,1,0",
              "w,55,5000,55,5000,1,0", "v,150,5000,150,10,9,0", "x,1100,5000,1100,10,1,0"]
     config = policy({"soft_max_time": True}, max_time=1000.0, reclaim_after=10.0)
-    shortcut = replay.replay(trace.read(write(tmp_path, *lines)), config, 3)
+    shortcut = engine.replay(trace.read(write(tmp_path, *lines)), config, 3)
     without_shortcuts(monkeypatch)
-    every = replay.replay(trace.read(write(tmp_path, *lines)), config, 3)
+    every = engine.replay(trace.read(write(tmp_path, *lines)), config, 3)
     assert shortcut.summary(3) == every.summary(3)
     assert shortcut.revokes == 1 and shortcut.work_lost == 900.0

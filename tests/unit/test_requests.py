@@ -8,9 +8,10 @@ import typing
 import pytest
 from fakes import GROUP
 
-from gpuguard import cluster, protocol, reporting
-from gpuguard import requests as rq
-from gpuguard.api import Api
+from gpuguard import fleet, protocol
+from gpuguard.core import reporting
+from gpuguard.daemon import requests as rq
+from gpuguard.daemon.api import Api
 
 # The least each operation needs, and what it reads as.
 MINIMAL: dict[str, tuple[dict, rq.Op]] = {
@@ -47,8 +48,8 @@ def refusal(op: str, **fields: object) -> tuple[str, int]:
 
 
 def test_every_operation_of_the_protocol_is_api_s_or_the_fleet_s():
-    assert set(rq.KINDS) | cluster.OPERATIONS == protocol.OPERATIONS
-    assert not set(rq.KINDS) & cluster.OPERATIONS
+    assert set(rq.KINDS) | fleet.OPERATIONS == protocol.OPERATIONS
+    assert not set(rq.KINDS) & fleet.OPERATIONS
     assert set(MINIMAL) == set(rq.KINDS)
 
 
@@ -160,8 +161,8 @@ def test_out_of_range(op, fields, error):
 
 
 @pytest.mark.parametrize("op, fields, error", [
-    ("whoami", {"user": "x" * (rq.MAX_NAME + 1)}, f"field 'user': longer than {rq.MAX_NAME} characters"),
-    ("report", {"since": 1, "by": "x" * (rq.MAX_NAME + 1)}, f"field 'by': longer than {rq.MAX_NAME} characters"),
+    ("whoami", {"user": "x" * (protocol.MAX_NAME + 1)}, f"field 'user': longer than {protocol.MAX_NAME} characters"),
+    ("report", {"since": 1, "by": "x" * (protocol.MAX_NAME + 1)}, f"field 'by': longer than {protocol.MAX_NAME} characters"),
     ("release", {"units": list(range(rq.MAX_UNITS + 1))}, f"field 'units': more than {rq.MAX_UNITS} GPUs"),
     ("grant", {"user": "a", "units": [0], "for": "1h" * 40},
      "--for: expected a duration like 8h, got " + protocol.shown("1h" * 40)),
@@ -171,7 +172,7 @@ def test_too_long(op, fields, error):
 
 
 def test_names_at_their_limit_are_read():
-    assert parse("whoami", user="x" * rq.MAX_NAME) == rq.Whoami("x" * rq.MAX_NAME)
+    assert parse("whoami", user="x" * protocol.MAX_NAME) == rq.Whoami("x" * protocol.MAX_NAME)
     assert len(parse("release", units=list(range(rq.MAX_UNITS))).units or ()) == rq.MAX_UNITS
 
 

@@ -1,9 +1,9 @@
 """The watcher's pure decisions, boundary by boundary: no processes, no clock, no store."""
 from __future__ import annotations
 
-from gpuguard import messages, rules
-from gpuguard.model import Grant, Quota
-from gpuguard.rules import (
+from gpuguard.core import messages, rules
+from gpuguard.core.model import Grant, Quota
+from gpuguard.core.rules import (
     IDLE,
     KILL,
     MEMORY,

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpuguard import rules
-from gpuguard.model import Grant, Quota
-from gpuguard.rules import KILL, MEMORY, RELEASE, REVOKE, STRAY, TERM, TIME, WARN, Proc, State, Timing, View
+from gpuguard.core import rules
+from gpuguard.core.model import Grant, Quota
+from gpuguard.core.rules import KILL, MEMORY, RELEASE, REVOKE, STRAY, TERM, TIME, WARN, Proc, State, Timing, View
 
 GiB = 1 << 30
 ALICE, BOB = 1001, 1002

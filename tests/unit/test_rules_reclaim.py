@@ -1,13 +1,14 @@
-"""Reclaim on demand and soft max_time (gpuguard.rules), and next_change held against decide."""
+"""Reclaim on demand and soft max_time (gpuguard.core.rules), and next_change held against decide."""
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 from pathlib import Path
 
-from gpuguard import config, messages, rules
-from gpuguard.model import Grant, Quota
-from gpuguard.rules import RECLAIM, RELEASE, REVOKE, TERM, TIME, WARN, Proc, State, Timing, View
+from gpuguard import config
+from gpuguard.core import messages, rules
+from gpuguard.core.model import Grant, Quota
+from gpuguard.core.rules import RECLAIM, RELEASE, REVOKE, TERM, TIME, WARN, Proc, State, Timing, View
 
 ALICE, BOB = 1001, 1002
 T = Timing(grace=30.0, kill_wait=10.0)

@@ -1,4 +1,4 @@
-"""The queue's pure decisions (gpuguard.scheduler): order, admission, no starvation, fair-share arithmetic."""
+"""The queue's pure decisions (gpuguard.core.scheduler): order, admission, no starvation, fair-share arithmetic."""
 from __future__ import annotations
 
 import itertools
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from gpuguard import scheduler
-from gpuguard.model import Grant
-from gpuguard.scheduler import Waiter
+from gpuguard.core import scheduler
+from gpuguard.core.model import Grant
+from gpuguard.core.scheduler import Waiter
 
 DAY = 86400.0
 WEEK = 7 * DAY

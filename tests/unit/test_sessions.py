@@ -6,8 +6,8 @@ import subprocess
 
 from gpuguard.backends.processes import HostProcesses
 from gpuguard.backends.procfs import process_identity
-from gpuguard.logout import LogoutRelease
-from gpuguard.store import MIGRATIONS, Store
+from gpuguard.services.logout import LogoutRelease
+from gpuguard.services.store import MIGRATIONS, Store
 
 
 def test_the_caller_start_time_column_is_added_to_an_existing_store(tmp_path):
@@ -65,7 +65,7 @@ def test_a_tick_drops_the_sessions_whose_caller_is_gone_and_the_waiters_nobody_w
 def test_a_tick_looks_for_a_bounded_number_of_callers_in_turn(world, monkeypatch):
     """A user's thousands of open sessions cost a tick CALLERS_PER_TICK /proc reads at most; every
     dead one is still found, within a few ticks."""
-    from gpuguard import logout
+    from gpuguard.services import logout
     monkeypatch.setattr(logout, "CALLERS_PER_TICK", 10)
     eve = world.lookup.add("eve", 1005, "gpugroup")
     for pid in range(7000, 7035):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpuguard.config import EventsConfig
-from gpuguard.model import Event, Origin, Quota
-from gpuguard.store import HOUR, MIGRATIONS, Store, StoreError
+from gpuguard.core.model import Event, Origin, Quota
+from gpuguard.services.store import HOUR, MIGRATIONS, Store, StoreError
 
 
 @pytest.fixture
@@ -204,8 +204,8 @@ def test_a_scratch_stores_failed_transaction_rolls_back_too(tmp_path):
 
 WRITER = textwrap.dedent("""
     import os, sys
-    from gpuguard.model import Event
-    from gpuguard.store import Store
+    from gpuguard.core.model import Event
+    from gpuguard.services.store import Store
     path, uid, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     store = Store(path)
     while True:  # each transaction grants one user four GPUs, and says so once it is committed

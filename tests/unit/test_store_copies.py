@@ -4,9 +4,9 @@ user keeps stay within the documented bound although a user's old ones are prune
 import random
 
 from gpuguard.config import EventsConfig
-from gpuguard.model import Event, Origin, Quota
-from gpuguard.store import PRUNE_EVERY, Store
-from gpuguard.unit_numbers import slice_unit, unit_parent
+from gpuguard.core.model import Event, Origin, Quota
+from gpuguard.core.unit_numbers import slice_unit, unit_parent
+from gpuguard.services.store import PRUNE_EVERY, Store
 
 UNITS = [0, 1, 2, slice_unit(3, 1, 0), slice_unit(3, 2, 0)]
 UIDS = [1001, 1002, 1003]

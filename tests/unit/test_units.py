@@ -1,6 +1,6 @@
 import pytest
 
-from gpuguard.units import UnitError, format_duration, format_size, parse_duration, parse_size
+from gpuguard.core.quantities import UnitError, format_duration, format_size, parse_duration, parse_size
 
 GiB = 1 << 30
 

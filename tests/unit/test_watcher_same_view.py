@@ -7,8 +7,8 @@ import asyncio
 
 from fakes import GROUP
 
-from gpuguard import rules
-from gpuguard.model import Origin, Quota
+from gpuguard.core import rules
+from gpuguard.core.model import Origin, Quota
 
 
 def _count_decisions(monkeypatch) -> list[int]:

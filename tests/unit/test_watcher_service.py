@@ -11,7 +11,7 @@ import asyncio
 
 from fakes import GROUP, World
 
-from gpuguard.watcher import ACTIVE_WRITE_EVERY
+from gpuguard.services.watcher import ACTIVE_WRITE_EVERY
 
 
 def check(world: World, now: float) -> list:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 
 from gpuguard.web import views
-from gpuguard.web.cluster import fleet_status, fleet_whoami, ledger_report
+from gpuguard.web.fleet import fleet_status, fleet_whoami, ledger_report
 from gpuguard.web.svg import usage_chart
 
 NOW = 1_800_000_000.0

@@ -1,0 +1,1 @@
+"""The pure core: decisions and nouns, no I/O."""

@@ -1,0 +1,1 @@
+"""The daemon's edge: the event loop, the socket, the operations, admission and metrics."""

@@ -1,0 +1,737 @@
+"""The daemon's operations, one method each, with the caller's identity from SO_PEERCRED.
+
+Root may do everything. Any other user may look at the machine (status) and query,
+request and release for themself only. A login (session_open) always gets an ok reply:
+whatever fails inside is logged and the session opens without GPUs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuguard import config as configuration
+from gpuguard import protocol
+from gpuguard.config import Config
+from gpuguard.core import allocator, inventory, policy, reporting
+from gpuguard.core.errors import GpuguardError, UnknownUser
+from gpuguard.core.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
+from gpuguard.core.model import (
+    Account,
+    Event,
+    EventKind,
+    Grant,
+    Origin,
+    Quota,
+    Rule,
+    is_slice,
+    unit_label,
+    unit_parent,
+)
+from gpuguard.core.quantities import format_duration
+from gpuguard.daemon import admission
+from gpuguard.daemon import requests as rq
+from gpuguard.daemon.requests import Refusal
+from gpuguard.logs import event
+from gpuguard.protocol import Peer
+from gpuguard.services import drains, state_files
+from gpuguard.services.drains import Drain
+from gpuguard.services.edges import Clock, GateMap, GpuSampler, Lookup, Processes, Terminals
+from gpuguard.services.exempt import Exempt
+from gpuguard.services.grants import Grants
+from gpuguard.services.logout import LogoutRelease
+from gpuguard.services.lookups import KnownAccounts
+from gpuguard.services.openers import HolderEnder, Scan
+from gpuguard.services.queueing import Queue, Standing
+from gpuguard.services.release import Releases
+from gpuguard.services.reload_effects import ReloadEffects
+from gpuguard.services.store import Queued, Store
+from gpuguard.services.usage import UsageMeter
+
+HOLDS_FILE = "queue_holds.json"  # the held queue rows, in state_dir (state_files)
+WHOAMI_EVENTS = 20
+NO_GPU_FREE = "gpuguard: no GPU is free right now; you are in the queue for one (gpuguard whoami)"
+LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
+
+
+# (user, quota) -> text added to a queued login's message: where GPUs are free for them now
+# (gpuguard.fleet.node.Cluster.elsewhere; "" when nowhere or unknown)
+Elsewhere = Callable[[str, Quota], str]
+
+
+def nowhere_else(user: str, quota: Quota) -> str:
+    """A lone server's Elsewhere: no other server to name."""
+    return ""
+
+
+@dataclass(eq=False)
+class Api:
+    """The operations, built from exactly the services they use and the edges they reach
+    (wiring.build composes them)."""
+
+    config: Callable[[], Config]  # the config in force, which a reload replaces
+    store: Store
+    grants: Grants
+    releases: Releases
+    exempt: Exempt
+    sampler: GpuSampler
+    lookup: Lookup
+    logout: LogoutRelease
+    holders: HolderEnder
+    gate: GateMap | None
+    apply_reload: Callable[[], Config]  # the `reload` operation's work: the config it put in force
+    resync_nodes: Callable[[], None]  # the `sync_nodes` operation's work
+    accounts: KnownAccounts  # names and quotas as the watcher last resolved them: no NSS wait
+    usage: UsageMeter  # the watcher's usage of the last minute, not written yet
+    queue: Queue
+    terminals: Terminals
+    processes: Processes
+    clock: Clock
+    reload_effects: ReloadEffects  # what a reload or a login does to former members' grants
+    state_dir: Path  # where the admin's drains and queue holds are kept (state_files)
+    foreign: Sequence[dict[str, Any]] = ()  # status entries of the GPUs Slurm or Kubernetes own (coexist)
+    # A fleet's (gpuguard.fleet): for a login that queues, where GPUs are free for the user now.
+    elsewhere: Elsewhere = nowhere_else
+
+    def __post_init__(self) -> None:
+        # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
+        # `request` reply (a grant may come before the client's `wait` call arrives).
+        self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
+        self._served: dict[int, tuple[int, tuple[int, ...]]] = {}  # ticket -> (its uid, the GPUs)
+        self._releases = admission.RateLimit()  # each release scans /proc: per uid, a few at once
+        # each request writes the store (a grant, or a queue place that a hang-up takes back and logs)
+        self._requests = admission.RateLimit()
+        # each report or events read goes through the caller's history on the loop (indexed by uid)
+        self._records = admission.RateLimit()
+        self.queue.listeners.append(self._queue_served)
+
+    async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Serve a decoded request (protocol.decode_request): root's operations are refused to
+        anyone else before the request is read, then requests.parse types it or refuses it."""
+        op = request["op"]
+        try:
+            if rq.kind_of(request).root_only and peer.uid != 0:
+                return protocol.refused(f"{op} is for root only")
+            reply: dict[str, Any] = await getattr(self, op)(rq.parse(request), peer)
+            return reply
+        except Refusal as exc:
+            return protocol.refused(str(exc), exc.code)
+
+    # --- logins
+
+    async def session_open(self, request: rq.SessionOpen, peer: Peer) -> dict[str, Any]:
+        user, pid = request.user, request.pid
+        try:
+            account = await self.lookup.by_name(user)  # before any state is read: the rest never awaits
+            return self._open_session(account, request.service, request.rhost, request.tty, pid, request.grant)
+        except Exception as exc:
+            # An unknown user is PAM's business, not a fault of ours: one line, no traceback.
+            known = exc.line() if isinstance(exc, GpuguardError) else None
+            event(logging.ERROR, "session_open_failed", exc_info=known is None, user=user, pid=pid, error=known)
+            return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
+
+    def _open_session(self, account: Account, service: str, rhost: str, tty: str, pid: int,
+                      grant: str = "auto") -> dict[str, Any]:
+        store, config = self.store, self.config()
+        now = self.clock()
+        caller = self.processes.identity(pid)  # None: gone already, and the next tick drops the session
+        session = store.open_session(account.uid, account.name, service, rhost, tty, pid, now,
+                                     caller.start_time if caller else None)
+        event(logging.INFO, "session_open", user=account.name, session=session.id, service=service,
+              rhost=rhost or None, tty=tty or None, pid=pid)
+        reply = protocol.ok(session=session.id, gpus=[], cuda_visible_devices="", message="")
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
+            self.exempt.add(account.uid)  # a no-op unless joined since, or missed by NSS member lists
+            return reply
+        if eligible == policy.Eligibility.OUTSIDER:
+            self.reload_effects.expel_if_gone(account, config, now, self.leave_queue)  # left the group since
+            return reply
+        held = store.grants(account.uid)
+        if held:  # a second session reuses the grant it already has
+            return {**reply, **self._grant_reply(held)}
+        if not policy.login_takes_gpus(service, tty, grant, config.sessions):
+            return reply  # scp, sftp, `ssh host cmd`: no GPUs of their own (gpuguard request gets some)
+        quota = policy.quota_for(account.name, account.groups, config)
+        if quota.gpus == 0:
+            return {**reply, "message": "gpuguard: your quota allows no GPUs - run gpuguard whoami for details"}
+        if not store.queue():  # with others waiting, a login takes its turn like them
+            self.grants.allocate(account.uid, account.name, quota, quota.gpus, now, origin=Origin.SESSION,
+                                 message=f"granted at login ({service or 'pam'})")
+        held = store.grants(account.uid)
+        wanted = min(quota.gpus, self.grants.capacity(quota))  # more could never be served whole
+        if not held and wanted and not store.queue(account.uid):
+            _, waits = self.queue.join(account.uid, account.name, wanted, quota, now, Origin.SESSION, pid,
+                                       caller.start_time if caller else None)
+            held = store.grants(account.uid)
+            if waits:
+                standing = self.queue.standing(account.uid, now)
+                event(logging.INFO, "queued", user=account.name, wanted=wanted,
+                      position=standing.position if standing else None)
+                return {**reply, "queue": _standing_info(standing),
+                        "message": (queue_message(standing.position, standing.waiting, standing.gpus,
+                                                  standing.estimate) if standing else NO_GPU_FREE)
+                        + self.elsewhere(account.name, quota)}
+        if not held:
+            return {**reply, "message": NO_GPU_FREE}
+        return {**reply, **self._grant_reply(held, wanted=wanted)}
+
+    async def session_close(self, request: rq.SessionClose, peer: Peer) -> dict[str, Any]:
+        pid, store = request.pid, self.store
+        account = await self._account_named(request.user)
+        held = {g.unit for g in store.grants(account.uid)}
+        closed = store.close_session(account.uid, pid)
+        event(logging.INFO, "session_close", user=account.name, pid=pid,
+              session=closed.id if closed else "unknown")
+        last = not store.logged_in(account.uid)
+        if last:  # a login's place in the queue ends with its last session
+            self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == Origin.SESSION)
+        # Only the close that ended the user's last session starts the release check: a close of a
+        # session already gone (dropped by the tick after its caller died, or never known) changes
+        # nothing the tick will not see, and each check costs a GPU sample and a /proc scan.
+        pending = bool(held) and closed is not None and last
+        if pending:  # checked in the background: the PAM module's reply waits for no NVML, no /proc
+            self.logout.after_logout(account.uid, lambda: self.sampler.take_or_log("grants kept until a good sample"))
+        return protocol.ok(closed=closed is not None, held=sorted(held), release_pending=pending)
+
+    # --- looking
+
+    async def whoami(self, request: rq.Whoami, peer: Peer) -> dict[str, Any]:
+        account = await self._subject(request.user, peer)
+        store, config = self.store, self.config()
+        access = config.access
+        quota = policy.quota_for(account.name, account.groups, config)
+        return protocol.ok(
+            user=account.name, uid=account.uid, group=access.group,
+            member=policy.is_member(account.groups, access),
+            exempt=self._eligibility(account) == policy.Eligibility.EXEMPT,
+            quota=asdict(quota),
+            grants=[self._grant_info(g) for g in store.grants(account.uid)],
+            sessions=[asdict(s) for s in store.sessions(account.uid)],
+            events=[protocol.record(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
+            usage=store.usage(account.uid),
+            queue=self._queue_info(account.uid, self.clock()))
+
+    def _queue_info(self, uid: int, now: float) -> dict[str, Any] | None:
+        """The user's place in the queue, with what holds the GPUs (messages.queue_why says it in words)."""
+        info = _standing_info(self.queue.standing(uid, now))
+        if info is None:
+            return None
+        holders = [{"minor": g.unit, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
+                    "reclaim_after": self.accounts.of(g.uid)[1].reclaim_after}
+                   for g in self.store.grants() if g.uid != uid]
+        held = any(q.waiter.id in self.queue.holds for q in self.store.queue(uid))
+        return {**info, "holders": holders, "free": self.queue.free(), "held": held}
+
+    async def status(self, request: rq.Status, peer: Peer) -> dict[str, Any]:
+        config = self.config()
+        sample = self.sampler.last
+        commands = await self.sampler.commands(sample.owners) if sample else {}
+        now = self.clock()
+        gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self.accounts.of, commands)
+        for gpu in gpus:
+            drained = self.grants.drained.get(unit_parent(gpu["minor"]))
+            gpu["drained"] = None if drained is None else asdict(drained)
+        gpus = sorted([*gpus, *self.foreign], key=lambda gpu: gpu["minor"])
+        reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=now,
+                            group=config.access.group,
+                            queue=[{"position": i, "user": q.waiter.user, "gpus": q.waiter.gpus,
+                                    "since": q.waiter.since, "priority": q.waiter.priority,
+                                    "waited": now - q.waiter.since, "reason": why}
+                                   for i, (q, why) in enumerate(self.queue.reasons(now), start=1)])
+        if peer.uid == 0:
+            reply.update(sessions=[asdict(s) for s in self.store.sessions()],
+                         exempt=sorted(self.exempt.uids), mode=config.access.mode,
+                         gate=self.gate.name if self.gate and self.gate.is_attached() else None)
+        return reply
+
+    async def fairshare(self, request: rq.Fairshare, peer: Peer) -> dict[str, Any]:
+        """Every user's fair-share standing, like Slurm's sshare: recent usage (decayed GPU-seconds),
+        share, and usage / share, which orders the queue after priority (lower first). Anyone may look."""
+        now, config = self.clock(), self.config()
+        uids = set(self.store.fairshare()) | {g.uid for g in self.store.grants()} | {
+            q.waiter.uid for q in self.store.queue()}
+        usage = self.queue.usage(now, uids)
+        users: list[dict[str, Any]] = []
+        for uid in sorted(uids):
+            try:
+                account = await self.lookup.by_uid(uid)
+                name, quota = account.name, policy.quota_for(account.name, account.groups, config)
+            except UnknownUser:  # deleted since: its usage still counts until it decays
+                name, quota = str(uid), config.defaults
+            users.append({"user": name, "uid": uid, "usage": usage[uid], "share": quota.share,
+                          "priority": quota.priority, "normalized": usage[uid] / quota.share})
+        users.sort(key=lambda u: (-u["priority"], u["normalized"], u["user"]))
+        return protocol.ok(users=users, half_life=config.scheduler.half_life, now=now)
+
+    async def gpus(self, request: rq.Gpus, peer: Peer) -> dict[str, Any]:
+        """`gpuguard gpus` for anyone: from what the daemon read already (no NVML call of its own)."""
+        sample, grants = self.sampler.last, self.grants
+        found = inventory.view(
+            grants.physical.values(), [unit for unit in grants.gpus.values() if unit.slice is not None],
+            sample.layout.unread if sample and sample.layout else (), grants.topology,
+            Counter(p.unit for p in sample.processes) if sample else Counter(), sample.use if sample else None)
+        found["gpus"] = sorted([*found["gpus"], *inventory.foreign(self.foreign)], key=lambda gpu: gpu["minor"])
+        return protocol.ok(**found)
+
+    # --- records: usage report and event history (root: anyone's or everyone's; a user: their own)
+
+    async def report(self, request: rq.Report, peer: Peer) -> dict[str, Any]:
+        uid = await self._records_of(request.user, peer)
+        since, until = request.period(self.clock())
+        by = request.by
+        self.usage.flush()  # a report made now includes the last tick
+        rows = self.store.usage_by(by, since, until, uid)
+        return protocol.ok(by=by, since=since, until=until, **reporting.report(rows))
+
+    async def events(self, request: rq.Events, peer: Peer) -> dict[str, Any]:
+        uid = await self._records_of(request.user, peer)
+        since, until = request.period(self.clock())
+        found = self.store.find_events(uid, since, until, request.rule, request.limit)
+        return protocol.ok(events=[protocol.record(e) for e in found])
+
+    async def _records_of(self, name: str | None, peer: Peer) -> int | None:
+        """Whose records a request naming user `name` may read: the caller's own; root's, anyone's
+        (None: everyone's). Root may name an account deleted since: its records keep the uid it had."""
+        if peer.uid != 0:
+            own = (await self._account_of(peer)).name
+            if own != self.config().web.user:  # the web view's account reads as root does
+                if name is not None and name != own:
+                    raise Refusal("only root may look at another user's records")
+                if wait := self._records.allow(peer.uid, time.monotonic()):
+                    raise Refusal(f"too many reports at once from your user; try again in {math.ceil(wait)}s")
+                return peer.uid
+        if name is None:
+            return None
+        try:
+            return (await self.lookup.by_name(name)).uid
+        except UnknownUser:
+            recorded = self.store.known_uid(name)
+            if recorded is None:
+                raise Refusal(f"no such user: {name}", 2) from None
+            return recorded
+
+    # --- a user's own GPUs
+
+    async def request(self, request: rq.Request, peer: Peer) -> dict[str, Any]:
+        store, config = self.store, self.config()
+        if wait := self._requests.allow(peer.uid, time.monotonic()):
+            raise Refusal(f"too many requests at once from your user; try again in {math.ceil(wait)}s")
+        account = await self._account_of(peer)
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
+            raise Refusal("you are exempt: every GPU is open to you without a grant")
+        if eligible == policy.Eligibility.OUTSIDER:
+            raise Refusal(f"only members of group {config.access.group} get GPUs; ask your admin")
+        quota = policy.quota_for(account.name, account.groups, config)
+        wanted = quota.gpus if request.gpus is None else request.gpus
+        if wanted > quota.gpus:
+            raise Refusal(f"your quota is {quota.gpus} GPU{'s' if quota.gpus != 1 else ''} (gpuguard whoami)")
+        # More than this server has for the user could never be served whole, and a place in the
+        # queue for it would hold the free GPUs for ever once reserved: refused, or the quota's
+        # worth cut to what there is.
+        held_now = len(store.grants(account.uid))
+        if wanted - held_now > (room := self.grants.room(account.uid, quota)):
+            if request.gpus is not None:
+                most = self.grants.capacity(quota)
+                raise Refusal(f"this server has {most} GPU{'s' if most != 1 else ''} of a kind your quota takes; "
+                              f"you asked for {wanted} (gpuguard status shows them)")
+            wanted = held_now + room
+        wait = request.wait
+        more = wanted - held_now
+        granted: tuple[int, ...] = ()
+        now = self.clock()
+        if more > 0 and (mine := store.queue(account.uid)):
+            # One place per user: a second one could bring them more than their quota.
+            if not wait:
+                raise Refusal("no GPU is free right now; you are in the queue already (gpuguard whoami shows your "
+                              "place); gpuguard request --wait waits for your turn")
+            return protocol.ok(queued=True, ticket=mine[0].waiter.id, login_place=mine[0].origin == Origin.SESSION,
+                               **(_standing_info(self.queue.standing(account.uid, now)) or {}))
+        if more > 0 and not store.queue():
+            # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
+            origin = Origin.SESSION if store.logged_in(account.uid) else Origin.REQUEST
+            granted = self.grants.allocate(account.uid, account.name, quota, more, now, origin,
+                                           "requested with gpuguard request")
+            more -= len(granted)
+        if more > 0 and (wait or not store.grants(account.uid)):
+            # Not all of it free (or others wait first): the queue decides, whole requests only.
+            caller = self.processes.identity(peer.pid)
+            queued, waits = self.queue.join(account.uid, account.name, more, quota, now, Origin.REQUEST, peer.pid,
+                                            caller.start_time if caller else None,
+                                            counted=[g.unit for g in store.grants(account.uid)])
+            if waits:
+                if wait:
+                    return protocol.ok(queued=True, ticket=queued.waiter.id,
+                                       **(_standing_info(self.queue.standing(account.uid, now)) or {}))
+                self.queue.leave([queued.waiter.id])
+                raise Refusal("no GPU is free right now; gpuguard request --wait queues for one "
+                              "(gpuguard status shows who holds them and who waits)")
+            granted += self._served.pop(queued.waiter.id, (account.uid, ()))[1]
+        held = store.grants(account.uid)
+        if not held:
+            raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
+        return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted, new=granted or None))
+
+    async def wait(self, request: rq.Wait, peer: Peer) -> dict[str, Any]:
+        """Block until a queued request (`ticket`, from request --wait) is granted, or `limit`
+        seconds pass (then it leaves the queue). A client that hangs up leaves it too: the
+        server cancels this call."""
+        ticket, timeout = request.ticket, request.limit
+        if self._served.get(ticket, (None,))[0] == peer.uid:  # another user's ticket is not theirs to take
+            return self._served_reply(peer.uid, self._served.pop(ticket)[1])
+        if not any(q.waiter.id == ticket for q in self.store.queue(peer.uid)):
+            raise Refusal(f"request {ticket} is not in the queue (left it, or not yours)")
+        future = self._waiting.setdefault(ticket, asyncio.get_running_loop().create_future())
+        try:
+            units = await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:  # not the builtin on Python 3.10
+            left = self._leave_unless_login(ticket)
+            assert timeout is not None  # no limit waits until served or cancelled
+            raise Refusal(f"no GPU within {format_duration(timeout)}"
+                          f"{'; you left the queue' if left else '; your login keeps its place'}", 1) from None
+        except asyncio.CancelledError:
+            if self._leave_unless_login(ticket):  # the client hung up
+                event(logging.INFO, "queue_left", uid=peer.uid, ticket=ticket, reason="client gone")
+            raise
+        finally:
+            self._waiting.pop(ticket, None)
+        self._served.pop(ticket, None)
+        return self._served_reply(peer.uid, units)
+
+    def _leave_unless_login(self, ticket: int) -> bool:
+        """A client that stops waiting takes its request out of the queue; a login's place (one
+        `request --wait` may wait on) stays until its last session ends. True when it left."""
+        if any(q.waiter.id == ticket and q.origin == Origin.SESSION for q in self.store.queue()):
+            return False
+        return self.queue.leave([ticket]) > 0
+
+    def _served_reply(self, uid: int, units: tuple[int, ...]) -> dict[str, Any]:
+        return protocol.ok(queued=False, granted=list(units), **self._grant_reply(self.store.grants(uid), new=units))
+
+    def _queue_served(self, queued: Queued, units: tuple[int, ...]) -> None:
+        """Queue listener: wake the blocked client, and tell the user on their terminals."""
+        waiter = queued.waiter
+        self._served[waiter.id] = (waiter.uid, units)
+        if len(self._served) > 1000:  # tickets nobody came back for: forget the oldest
+            self._served.pop(next(iter(self._served)))
+        future = self._waiting.get(waiter.id)
+        if future is not None and not future.done():
+            future.set_result(units)
+        waited = format_duration(max(0, round(self.clock() - waiter.since)))
+        reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})",
+                                  new=units)
+        text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
+        self.terminals.tell(waiter.user, waiter.uid, text, self.store.ttys(waiter.uid))
+
+    async def release(self, request: rq.Release, peer: Peer) -> dict[str, Any]:
+        """Give GPUs back. It kills nothing: a GPU a process of the user still uses is kept, named
+        with the pids, so no job loses its GPU by surprise. Without --gpu the idle ones go and the
+        busy ones stay (refused only when all are busy), and a place in the queue is left too."""
+        store = self.store
+        if wait := self._releases.allow(peer.uid, time.monotonic()):
+            raise Refusal(f"too many releases at once from your user; try again in {math.ceil(wait)}s")
+        account = await self._account_of(peer)
+        held = {g.unit for g in store.grants(account.uid)}
+        units = self._units(request.units)
+        left = self.leave_queue(account.uid) if units is None else 0
+        if not held:
+            if left:
+                return protocol.ok(released=[], kept=[], left_queue=left, gpus=[], cuda_visible_devices="",
+                                   message="gpuguard: you held no GPU; you left the queue")
+            raise Refusal("you hold no GPU")
+        if units is not None and set(units) - held:
+            raise Refusal(f"you do not hold GPU {unit_list(set(units) - held)} (you hold {unit_list(held)})")
+        targets = set(units) if units is not None else held
+        scan = _readable(await self.holders.scan(account.uid, targets, for_user=True))
+        busy = scan.listed | scan.unlisted
+        in_use = f"still in use by your process{'es' if len({p for p, _ in busy}) > 1 else ''} " \
+                 f"{number_list({pid for pid, _ in busy})}"
+        kept = {unit for _, unit in busy}
+        if kept and (units is not None or kept == targets):
+            raise Refusal(f"GPU {unit_list(kept)} {in_use}: stop them, then release")
+        removed = self.releases.take_back(account.uid, targets - kept, self.clock(), kind=EventKind.RELEASE,
+                                          rule=Rule.USER, message="released with gpuguard release")
+        released = [g.unit for g in removed]
+        parts = [f"released GPU {unit_list(released)}"]
+        if kept:
+            parts.append(f"GPU {unit_list(kept)} stays: {in_use} (stop them, then release)")
+        if still := held - set(released) - kept:
+            parts.append(f"you still hold GPU {unit_list(still)}")
+        if left:
+            parts.append("you left the queue")
+        return protocol.ok(released=released, kept=sorted(kept), left_queue=left,
+                           **{**self._grant_reply(store.grants(account.uid)), "message": f"gpuguard: {'; '.join(parts)}"})
+
+    async def cancel(self, request: rq.Cancel, peer: Peer) -> dict[str, Any]:
+        """Leave the queue (`gpuguard cancel`, `request --cancel`): every request of the caller's,
+        a login's place included, like scancel; root may take out another user's (`--user`), who is
+        told. GPUs already held stay."""
+        name = request.user
+        if name is not None and peer.uid != 0:
+            raise Refusal("only root may take another user's requests out of the queue")
+        account = await (self._account_named(name) if name is not None else self._account_of(peer))
+        waiting = self.queue.standing(account.uid, self.clock())
+        if not self.leave_queue(account.uid):
+            raise Refusal("you are not in the queue (gpuguard whoami shows your GPUs)" if name is None else
+                          f"{name} is not in the queue")
+        where = f"number {waiting.position} of {waiting.waiting}" if waiting else ""
+        if name is None:
+            return protocol.ok(message=f"gpuguard: you left the queue{f' (you were {where})' if where else ''}; "
+                                       "your GPUs, if any, stay yours")
+        self.terminals.tell(account.name, account.uid, "gpuguard: root took your request out of the queue; ask your "
+                           "admin why - gpuguard whoami", self.store.ttys(account.uid))
+        return protocol.ok(message=f"gpuguard: took {account.name}'s requests out of the queue"
+                                   f"{f' ({where})' if where else ''}; they were told")
+
+    def leave_queue(self, uid: int) -> int:
+        """Take every queued request of uid out of the queue (and wake its waiting clients with a refusal)."""
+        ids = [q.waiter.id for q in self.store.queue(uid)]
+        left = self.queue.leave(ids) if ids else 0
+        for ticket in ids:
+            future = self._waiting.get(ticket)
+            if future is not None and not future.done():
+                future.set_exception(Refusal("you left the queue (gpuguard cancel)"))
+        if left:
+            event(logging.INFO, "queue_left", uid=uid, reason="cancel")
+        return left
+
+    # --- admin
+
+    async def grant(self, request: rq.Grant, peer: Peer) -> dict[str, Any]:
+        store, config = self.store, self.config()
+        account = await self._account_named(request.user)
+        count, units, duration = request.gpus, self._units(request.units), request.duration
+        eligible = self._eligibility(account)
+        if eligible == policy.Eligibility.EXEMPT:
+            raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
+        if eligible == policy.Eligibility.OUTSIDER:
+            raise Refusal(f"{account.name} is not in group {config.access.group}: only members get GPUs")
+        quota = policy.quota_for(account.name, account.groups, config)
+        share = policy.may_share(quota)
+        if units is not None:
+            blocked = allocator.blocking(store.grants(), account.uid, units, share, self.grants.gpus, quota)
+            if blocked:
+                raise Refusal(f"GPU {unit_list({g.unit for g in blocked})} is held by "
+                              f"{', '.join(sorted({g.user for g in blocked}))}; revoke it first")
+            chosen = tuple(units)
+        else:
+            assert count is not None  # the request names either units or a count
+            chosen = self.grants.choose(account.uid, count, quota)
+            if len(chosen) < count:
+                raise Refusal(f"only {len(chosen)} more GPU{'s' if len(chosen) != 1 else ''} free for "
+                              f"{account.name}, {count} asked")
+        now = self.clock()
+        expires_at = now + duration if duration is not None else policy.expires_at(quota, now)
+        term = f" for {format_duration(duration)}" if duration is not None else ""
+        self.grants.add(account.uid, account.name, chosen, now, expires_at=expires_at, shared=share,
+                          origin=Origin.ADMIN, message=f"granted by root{term}", memory=quota.gpu_memory)
+        return protocol.ok(user=account.name, gpus=sorted(chosen), expires_at=expires_at,
+                           message=f"granted GPU {unit_list(chosen)} to {account.name}{term}")
+
+    async def revoke(self, request: rq.Revoke, peer: Peer) -> dict[str, Any]:
+        """Take GPUs back. The gate stops new opens at once, and the processes that opened a
+        GPU before are ended: the watcher warns and stops those NVML lists (stray use), and
+        those only /proc shows, which the watcher never sees, get SIGTERM here and SIGKILL
+        kill_wait later if they still hold it (holders.HolderEnder)."""
+        store = self.store
+        name, units = request.user, self._units(request.units)
+        uid: int | None
+        try:
+            uid = (await self.lookup.by_name(name)).uid
+        except UnknownUser:  # an account deleted while holding GPUs can still be revoked
+            uid = next((g.uid for g in store.grants() if g.user == name), None)
+        if uid is None:
+            raise Refusal(f"no such user: {name}", 2)
+        removed = self.releases.take_back(uid, units, self.clock(), kind=EventKind.REVOKE, rule=Rule.ADMIN,
+                                          message="revoked by root", end_holders=False)
+        if not removed:
+            raise Refusal(f"{name} holds {'no GPU' if units is None else 'none of GPU ' + unit_list(units)}")
+        revoked = {g.unit for g in removed}
+        ending = await self.holders.end(uid, removed[0].user, revoked, Rule.ADMIN)
+        scan = ending.scan
+        note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
+        if scan.listed:  # the gate only checks at open(): the watcher warns these as stray use and ends them
+            grace = format_duration(self.config().watcher.grace)
+            note += (f"; still open in process {number_list({pid for pid, _ in scan.listed})}: warned now, "
+                     f"stopped in {grace} by the watcher")
+        if ending.termed:
+            wait = format_duration(round(self.config().watcher.kill_wait))
+            note += (f"; process {number_list(ending.termed)} held the node open (no CUDA context): sent SIGTERM, "
+                     f"SIGKILL in {wait} if it still holds it")
+        if ended := [o.pid for o in ending.others if o.ended]:
+            note += f"; process {number_list(ended)} of other users (not members) held it too: sent SIGTERM"
+        if reported := [o.pid for o in ending.others if not o.ended]:
+            note += f"; process {number_list(reported)} of other members hold it too (passed on): reported"
+        holders = sorted(scan.listed | scan.unlisted)
+        return protocol.ok(user=name, revoked=sorted(revoked),
+                           holders=[{"pid": pid, "minor": unit} for pid, unit in holders],
+                           other_holders=[{"pid": o.pid, "uid": o.uid, "units": sorted(o.units), "ended": o.ended}
+                                          for o in ending.others],
+                           message=f"revoked GPU {unit_list(revoked)} from {name}{note}")
+
+    async def hold(self, request: rq.Hold, peer: Peer) -> dict[str, Any]:
+        """Hold a user's queued requests (`gpuguard hold USER`), or let them go again (`off`): a held
+        request keeps its place but is not served, and reserves nothing, like Slurm's scontrol hold."""
+        account, off = await self._account_named(request.user), request.off
+        ids = {q.waiter.id for q in self.store.queue(account.uid)}
+        if not ids:
+            raise Refusal(f"{account.name} is not in the queue")
+        self.queue.holds = (self.queue.holds - ids) if off else (self.queue.holds | ids)
+        self._save_holds()
+        event(logging.INFO, "unhold" if off else "hold", user=account.name, requests=len(ids))
+        if off:
+            self.queue.dispatch(self.clock())
+            return protocol.ok(message=f"gpuguard: {account.name}'s request goes on in the queue")
+        self.terminals.tell(account.name, account.uid, "gpuguard: root holds your request in the queue: it keeps its "
+                           "place but is not served until released - ask your admin",
+                           self.store.ttys(account.uid))
+        return protocol.ok(message=f"gpuguard: held {account.name}'s request in the queue; they were told")
+
+    def _save_holds(self) -> None:
+        self.queue.holds &= {q.waiter.id for q in self.store.queue()}  # rows gone since: forgotten
+        try:
+            state_files.write(self.state_dir / HOLDS_FILE, sorted(self.queue.holds))
+        except OSError as exc:
+            raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
+
+    async def drain(self, request: rq.Drain, peer: Peer) -> dict[str, Any]:
+        """Give these GPUs to nobody new (`gpuguard drain`): their holders keep them and are told."""
+        minors, reason = self._named_units(request.units), request.reason
+        if any(is_slice(m) for m in minors):
+            raise Refusal(rq.DRAIN_WHOLE, 2)
+        now = self.clock()
+        for minor in minors:
+            self.grants.drained[minor] = Drain(reason, now)
+        self._save_drains()
+        why = f" ({reason})" if reason else ""
+        for grant in self.store.grants():
+            if unit_parent(grant.unit) in minors:
+                text = (f"gpuguard: GPU {unit_label(grant.unit)} is being drained by root{why}: it stays yours until "
+                        "you release it, but will not be given again until resumed - gpuguard whoami")
+                self.store.add_event(Event(now, grant.uid, grant.user, EventKind.WARNING, text, unit=grant.unit,
+                                           rule=Rule.DRAIN, action="warn"))
+                self.terminals.tell(grant.user, grant.uid, text, self.store.ttys(grant.uid))
+        event(logging.WARNING, "drain", gpu=unit_list(minors), reason=reason or None)
+        return protocol.ok(drained=minors, message=f"gpuguard: drained GPU {unit_list(minors)}{why}; holders told")
+
+    async def resume(self, request: rq.Resume, peer: Peer) -> dict[str, Any]:
+        minors = self._named_units(request.units)
+        if not_drained := [m for m in minors if m not in self.grants.drained]:
+            raise Refusal(f"GPU {unit_list(not_drained)} is not drained")
+        for minor in minors:
+            del self.grants.drained[minor]
+        self._save_drains()
+        event(logging.INFO, "resume", gpu=unit_list(minors))
+        self.queue.dispatch(self.clock())  # the queue first, as with any GPU that comes free
+        return protocol.ok(resumed=minors, message=f"gpuguard: GPU {unit_list(minors)} may be given again")
+
+    def _save_drains(self) -> None:
+        try:
+            drains.save(self.state_dir / drains.FILE, self.grants.drained)
+        except OSError as exc:
+            raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
+
+    async def sync_nodes(self, request: rq.SyncNodes, peer: Peer) -> dict[str, Any]:
+        """Make missing driver nodes and re-apply every node's ACL; run by udev through
+        `gpuguard acl apply`. Reads no config, so an admin's half-edited file blocks nothing."""
+        self.resync_nodes()
+        return protocol.ok(message="device nodes and ACLs re-applied")
+
+    async def reload(self, request: rq.Reload, peer: Peer) -> dict[str, Any]:
+        try:
+            loaded = self.apply_reload()
+        except configuration.ConfigError as exc:
+            event(logging.ERROR, "reload_failed", error=str(exc), kept="previous config")
+            raise Refusal(f"{exc} (the previous config stays in force)", 2) from None
+        return protocol.ok(message=f"reloaded {loaded.source}")
+
+    # --- shared pieces
+
+    def _units(self, named: rq.Units | None) -> list[int] | None:
+        """The units a request names (None: it names none), as numbers; a UUID names one unit,
+        whatever the numbering. Refused when one is not on this machine."""
+        return None if named is None else self._named_units(named)
+
+    def _named_units(self, named: rq.Units) -> list[int]:
+        gpus = self.grants.gpus
+        by_uuid = {gpu.uuid: unit for unit, gpu in gpus.items()} if any(isinstance(u, str) for u in named) else {}
+        if unknown_uuids := [u for u in named if isinstance(u, str) and u not in by_uuid]:
+            raise Refusal(f"--gpu: no GPU or MIG slice {protocol.shown(unknown_uuids[0])} on this machine", 2)
+        units = {by_uuid[u] if isinstance(u, str) else u for u in named}
+        if unknown := units - set(gpus):
+            raise Refusal(f"no GPU {unit_list(unknown)} on this machine (GPUs: {unit_list(gpus)})", 2)
+        return sorted(units)
+
+    def _grant_info(self, grant: Grant) -> dict[str, Any]:
+        gpu = self.grants.gpus.get(grant.unit)
+        return {**protocol.record(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
+                "index": gpu.index if gpu else None,
+                "drained": asdict(drain) if (drain := self.grants.drained.get(unit_parent(grant.unit))) else None}
+
+    def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
+                     new: Collection[int] | None = None) -> dict[str, Any]:
+        """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message).
+        new: the units just granted, which the message is about (with their own end, not an older grant's)."""
+        gpus = [self.grants.gpus[g.unit] for g in held if g.unit in self.grants.gpus]
+        if not gpus:
+            return {"gpus": [], "cuda_visible_devices": "", "message": ""}
+        told = [g for g in held if new is None or g.unit in new] or held
+        expiries = [g.expires_at for g in told if g.expires_at is not None]
+        told_units = {g.unit for g in told}
+        told_gpus = [gpu for gpu in gpus if gpu.unit in told_units]
+        if wanted is not None:
+            wanted -= len(gpus) - len(told_gpus)  # the ones held before count towards it
+        return {"gpus": [gpu.unit for gpu in gpus],
+                "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
+                "message": grant_message(told_gpus, min(expiries, default=None), any(g.shared for g in told), wanted,
+                                         ending)}
+
+    # --- who is asking (NSS, off the event loop)
+
+    def _eligibility(self, account: Account) -> policy.Eligibility:
+        return policy.eligibility(account.uid, account.name, account.groups, self.config().access)
+
+    async def _account_named(self, name: str) -> Account:
+        try:
+            return await self.lookup.by_name(name)
+        except UnknownUser as exc:
+            raise Refusal(str(exc), 2) from None
+
+    async def _account_of(self, peer: Peer) -> Account:
+        try:
+            return await self.lookup.by_uid(peer.uid)
+        except UnknownUser as exc:
+            raise Refusal(str(exc)) from None
+
+    async def _subject(self, name: str | None, peer: Peer) -> Account:
+        """The caller (name None), or (root only) the user named."""
+        if name is None:
+            return await self._account_of(peer)
+        own = await self._account_of(peer) if peer.uid != 0 else None
+        if own is not None and own.name not in (name, self.config().web.user):  # the web view reads all
+            raise Refusal("only root may look at another user's GPUs")
+        return await self._account_named(name)
+
+
+def _readable(scan: Scan) -> Scan:
+    """The scan, or a Refusal when NVML could not say which processes use those GPUs: an NVML
+    error is not "no process"."""
+    if scan.error:
+        raise Refusal(f"cannot see the GPUs' processes right now ({scan.error}); try again")
+    if scan.unread:
+        raise Refusal(f"cannot see the processes on GPU {unit_list(scan.unread)} right now (NVML error); try again")
+    return scan
+
+
+def _standing_info(standing: Standing | None) -> dict[str, Any] | None:
+    """A user's place in the queue as the protocol carries it (None: not waiting)."""
+    if standing is None:
+        return None
+    return {**asdict(standing), "ahead": [{"user": user, "why": why} for user, why in standing.ahead]}

@@ -1,0 +1,143 @@
+"""The fleet database's edge: connections, migrations and the calls the node makes (psycopg 3).
+
+Every call is one round trip: the heartbeat and the grant-time check are server-side
+functions (schema.py) taking one JSON document, the view one SELECT. Connections run in
+autocommit, so a call is its own transaction without BEGIN and COMMIT round trips.
+The grant-time check and the release commit without waiting for the WAL to reach disk
+(synchronous_commit off for their transaction only): a login then waits for no disk flush on
+the database server. Others see them at once all the same; what a crash of the database
+server can lose of them (its last fraction of a second) the nodes send again before they
+check anything there, since a crash drops every connection, puts each node offline, and only
+a heartbeat, which carries the node's whole truth, brings it back online. The heartbeat keeps
+the default: once it commits, the node deletes the ledger rows it carried.
+Waits are bounded on both sides: libpq's connect_timeout and tcp_user_timeout on the
+client, statement_timeout and lock_timeout on the server.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from gpuguard.fleet.schema import CURRENT, LOCK_KEY, MIGRATIONS, NAMESPACE, ClusterError
+
+STATEMENT_TIMEOUT_MS = 5000  # the heartbeat of a node with thousands of ledger rows to replay included
+LOCK_TIMEOUT_MS = 2000       # a user's quota row held longer than this by another check: give up
+CONNECT_TIMEOUT_S = 2        # libpq's minimum that means something (it rounds smaller values up to 2)
+# Selected in a statement, its transaction commits without waiting for the WAL flush (is_local:
+# for this transaction only; the commit reads the setting before it is undone).
+UNFLUSHED = "set_config('synchronous_commit', 'off', true)"
+
+
+def connection_options(node: str) -> dict[str, Any]:
+    """libpq keywords added to the admin's connection string: bounded waits and a name in pg_stat_activity."""
+    return {"connect_timeout": CONNECT_TIMEOUT_S, "application_name": f"gpuguard {node}"[:63],
+            "tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+            "keepalives_count": 2,
+            "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS} -c lock_timeout={LOCK_TIMEOUT_MS}"}
+
+
+def connect(conninfo: str, node: str) -> psycopg.Connection:
+    return psycopg.connect(conninfo, autocommit=True, **connection_options(node))
+
+
+def migrate(conn: psycopg.Connection, node: str) -> int:
+    """Bring the database to this node's schema (what is missing of it), under an advisory lock;
+    returns the database's version. Raises ClusterError when an applied migration needs a newer node."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+        conn.execute(f"CREATE SCHEMA IF NOT EXISTS {NAMESPACE}")
+        conn.execute(f"CREATE TABLE IF NOT EXISTS {NAMESPACE}.migrations (version integer PRIMARY KEY,"
+                     " min_node integer NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), node text NOT NULL)")
+        applied = dict(conn.execute(f"SELECT version, min_node FROM {NAMESPACE}.migrations").fetchall())
+        for migration in MIGRATIONS:
+            if migration.version not in applied:
+                conn.execute(migration.sql)
+                conn.execute(f"INSERT INTO {NAMESPACE}.migrations (version, min_node, node) VALUES (%s, %s, %s)",
+                             (migration.version, migration.min_node, node))
+                applied[migration.version] = migration.min_node
+    needed = max(applied.values())
+    if needed > CURRENT:
+        raise ClusterError(f"the fleet database needs gpuguard schema {needed} or newer; this node has {CURRENT}: "
+                           "upgrade gpuguard on this node")
+    return max(applied)
+
+
+class FleetDb:
+    """The node's own connection, used from one thread at a time (the service's worker): opened
+    and migrated on first use, dropped after any error and opened again by the next call, so a
+    promoted standby (a multi-host connection string) is found without a restart."""
+
+    def __init__(self, conninfo: str, node: str):
+        self.conninfo = conninfo
+        self.node = node
+        self._conn: psycopg.Connection | None = None
+        self._migrated = False
+
+    def _connection(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.conninfo, self.node)
+            if not self._migrated:
+                migrate(self._conn, self.node)
+                self._migrated = True
+        return self._conn
+
+    def call(self, function: str, doc: dict[str, Any], flushed: bool = True) -> dict[str, Any]:
+        """SELECT gpuguard.<function>(doc): one round trip; raises psycopg.Error (the connection is
+        dropped). flushed=False: the commit does not wait for the WAL flush (the module's docstring)."""
+        query = f"SELECT {NAMESPACE}.{function}(%s)" if flushed else f"SELECT {UNFLUSHED}, {NAMESPACE}.{function}(%s)"
+        try:
+            row = self._connection().execute(query, (Jsonb(doc),)).fetchone()
+        except psycopg.Error:
+            self.close()
+            raise
+        assert row is not None
+        answer: dict[str, Any] = row[-1]  # the function returns jsonb, which psycopg loads as a dict
+        return answer
+
+    def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return self.call("heartbeat_v2", doc)
+
+    def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return self.call("reserve_v1", doc, flushed=False)
+
+    def release(self, pairs: list[tuple[int, str]]) -> None:
+        """Grants of this node taken back: (minor, user) each; raises psycopg.Error."""
+        try:
+            self._connection().execute(
+                f"WITH gone AS (DELETE FROM {NAMESPACE}.grants WHERE node = %s AND (minor, username) IN"
+                f" (SELECT * FROM unnest(%s::integer[], %s::text[])) RETURNING 1) SELECT {UNFLUSHED}",
+                (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
+        except psycopg.Error:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+# Every node, its GPUs with their holders, and its queue depth: what `status --cluster` and
+# `gpuguard where` show, in one statement.
+VIEW = f"""
+SELECT n.name AS node, n.rack, n.ssh, n.version, n.first_seen, n.last_seen, n.heartbeat, n.lease, n.grace,
+       g.minor, g.uuid, g.name AS gpu_name, g.memory_total, g.owner,
+       coalesce(h.holders, ARRAY[]::text[]) AS holders, coalesce(h.shared, false) AS shared,
+       coalesce(q.waiting, 0) AS queued, coalesce(q.gpus, 0) AS queued_gpus,
+       extract(epoch FROM clock_timestamp()) AS now
+FROM {NAMESPACE}.nodes n
+LEFT JOIN {NAMESPACE}.gpus g ON g.node = n.name
+LEFT JOIN LATERAL (SELECT array_agg(r.username ORDER BY r.username) AS holders, bool_and(r.shared) AS shared
+                   FROM {NAMESPACE}.grants r WHERE r.node = g.node AND r.minor = g.minor) h ON true
+LEFT JOIN (SELECT node, count(*) AS waiting, sum(gpus) AS gpus FROM {NAMESPACE}.queue GROUP BY node) q
+       ON q.node = n.name
+ORDER BY n.name, g.minor
+"""
+
+
+def view(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cursor:
+        return cursor.execute(VIEW).fetchall()

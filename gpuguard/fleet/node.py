@@ -1,0 +1,210 @@
+"""The daemon's side of a fleet: the grant-time check, the heartbeat, the offline policy and caches.
+
+Everything that talks to the database runs on one worker thread (worker.OrderedWorker), in the
+order the event loop asked (a heartbeat's snapshot and a check after it reach the database in that order). The
+loop waits for a grant-time check at most `timeout` (a login never waits longer on the
+network); a check that times out or fails puts the node offline, and from then on checks are
+decided locally at once, under `offline_policy`, until a heartbeat succeeds again. The gate and
+the local store are never touched by any of this: the fleet can only make a grant smaller.
+
+Called from the event-loop thread only, like the store, except the worker's own calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import psycopg
+
+from gpuguard import __version__
+from gpuguard.config import ClusterConfig, OfflinePolicy
+from gpuguard.core.model import Gpu, Grant, Origin, Quota
+from gpuguard.fleet.outbox import Outbox
+from gpuguard.fleet.schema import CURRENT, ClusterError
+from gpuguard.fleet.worker import OrderedWorker
+from gpuguard.logs import event
+from gpuguard.services.edges import FleetDatabase
+from gpuguard.services.store import Store
+
+MIN_GAP = 0.5  # seconds between two heartbeats that grants taken back ask for: a request/release loop sends 2 a second
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig, half_life: Callable[[], float], store: Store,
+                 units: Callable[[], Mapping[int, Gpu]], foreign: Sequence[dict[str, Any]], outbox: Outbox,
+                 db: FleetDatabase):
+        """units: what this node hands out now (Grants.gpus); foreign: the status entries of the GPUs
+        Slurm or Kubernetes own here (coexist.status_entries), each with its `owner`."""
+        self.config = config
+        self.half_life = half_life
+        self.store = store
+        self.units = units
+        self.foreign = list(foreign)
+        self.outbox = outbox
+        self.db = db
+        self._worker = OrderedWorker("gpuguard-fleet")
+        self.online = False  # until the first heartbeat: checks are local meanwhile
+        self.stale_since: float | None = time.time()  # the fleet's view as this node has it is old since then
+        self.last_beat: float | None = None
+        self.usage: dict[str, float] = {}   # recent usage elsewhere (fair share) of the users waiting here
+        self.held: dict[str, int] = {}      # grants elsewhere of the users here, as last seen
+        self.free: list[dict[str, Any]] = []  # where GPUs are free elsewhere, when this node is full
+        self._kick = asyncio.Event()
+
+    # --- the grant-time check
+
+    def admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...], now: float,
+              expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]:
+        """The part of `chosen` the fleet quota allows (all of it without one), recorded in the
+        database in the same transaction. Waits `timeout` at most; offline: offline_policy."""
+        if self.online:
+            doc = {"node": self.config.node, "user": user, "uid": uid, "cluster_gpus": quota.cluster_gpus,
+                   "minors": list(chosen), "granted_at": now, "expires_at": expires_at, "shared": shared,
+                   "origin": str(origin)}
+            future = self._worker.submit(self.db.reserve, doc)
+            try:
+                result = future.result(timeout=self.config.timeout)
+            except psycopg.errors.UniqueViolation:
+                event(logging.ERROR, "fleet_double_grant", user=user, gpus=list(chosen), node=self.config.node,
+                      action="refused: the database has these GPUs granted (is another server named the same?); "
+                             "this node's truth goes with the next heartbeat")
+                self._kick.set()
+                return ()
+            except concurrent.futures.TimeoutError:
+                self._offline(f"no answer within {self.config.timeout:g}s")
+            except (psycopg.Error, ClusterError) as exc:
+                self._offline(_first_line(exc))
+            else:
+                self.held[user] = result["held"] - len(self.store.grants(uid))
+                return tuple(result["granted"])
+        return self._offline_admit(uid, user, quota, chosen)
+
+    def _offline_admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...]) -> tuple[int, ...]:
+        if self.config.offline_policy == OfflinePolicy.LOCAL or quota.cluster_gpus is None:
+            return chosen
+        room = quota.cluster_gpus - self.held.get(user, 0) - len(self.store.grants(uid))
+        return chosen[:max(0, room)]
+
+    # --- the heartbeat
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """This node's truth, as the heartbeat sends it (read from the store, on the loop thread)."""
+        grants = self.store.grants()
+        queue = self.store.queue()
+        waiting = {q.waiter.user for q in queue}
+        # Whose grants elsewhere to bring back (each costs the database that user's grant rows): the
+        # offline budget needs every local user's; otherwise only the waiters' (the hint of `elsewhere`).
+        users = waiting
+        if self.config.offline_policy == OfflinePolicy.BUDGET:
+            users = users | {g.user for g in grants} | {s.user for s in self.store.sessions()}
+        units = self.units()
+        free = len(set(units) - {g.unit for g in grants})
+        return {
+            "node": self.config.node, "rack": self.config.rack, "ssh": self.config.ssh or self.config.node,
+            "version": __version__, "schema": CURRENT, "incarnation": self.outbox.incarnation,
+            "heartbeat": self.config.heartbeat, "lease": self.config.lease, "grace": self.config.grace,
+            "taken_at": now, "half_life": self.half_life(),
+            # Every GPU, those Slurm or Kubernetes own too, with its owner: the fleet's views show
+            # them, and only gpuguard's count as free (ranking.NodeView.free).
+            "gpus": [*({"minor": gpu.unit, "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.memory_total,
+                        "owner": "gpuguard"} for gpu in units.values()),
+                     *({"minor": gpu["minor"], "uuid": gpu["uuid"], "name": gpu["name"],
+                        "memory_total": gpu["memory_total"], "owner": gpu["owner"]} for gpu in self.foreign)],
+            "grants": [{"minor": g.unit, "username": g.user, "uid": g.uid, "granted_at": g.granted_at,
+                        "expires_at": g.expires_at, "shared": g.shared, "origin": str(g.origin)} for g in grants],
+            "queue": [{"ticket": q.waiter.id, "username": q.waiter.user, "gpus": q.waiter.gpus, "since": q.waiter.since,
+                       "priority": q.waiter.priority} for q in queue],
+            "ledger": self.outbox.pending(),
+            "usage_for": sorted(waiting),
+            "users": sorted(users),
+            "want_free": bool(queue) or free <= 1,
+        }
+
+    async def beat(self) -> bool:
+        """One heartbeat; True when the database took it."""
+        doc = self.snapshot(time.time())
+        try:
+            result = await asyncio.wrap_future(self._worker.submit(self.db.heartbeat, doc))
+        except (psycopg.Error, ClusterError) as exc:
+            self._offline(_first_line(exc))
+            return False
+        if doc["ledger"]:
+            self.outbox.confirm(doc["ledger"][-1]["seq"])
+        self.usage, self.held, self.free = result["usage"], result["held"], result["free"]
+        self.last_beat = time.time()
+        if not self.online:
+            event(logging.INFO, "fleet_online", node=self.config.node,
+                  offline_for=round(time.time() - self.stale_since, 1) if self.stale_since else None)
+        self.online, self.stale_since = True, None
+        return True
+
+    async def run(self) -> None:
+        """A heartbeat every `heartbeat` seconds, and soon after grants are taken back (their
+        release counts at once against the fleet quota on the other servers)."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self.beat()
+            except Exception:  # a bug of ours must not end the heartbeats: the next one tries again
+                event(logging.ERROR, "fleet_heartbeat_failed", exc_info=True)
+            self._kick.clear()
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.config.heartbeat)
+            except asyncio.TimeoutError:  # not the builtin on Python 3.10
+                continue
+            await asyncio.sleep(max(0.0, started + MIN_GAP - time.monotonic()))
+
+    def ended(self, removed: list[Grant], now: float) -> None:
+        """Grants taken back here (release.Releases.take_back): gone from the database before any later check (the worker keeps
+        the order, so the next grant of the same GPU finds it free there too), and their usage to
+        the ledger through the outbox, with a heartbeat soon when online."""
+        self.outbox.add(removed, now)
+        if self.online:  # offline, the regular heartbeats try again: no point sending sooner
+            self._worker.submit(self._release, [(g.unit, g.user) for g in removed])
+            self._kick.set()
+
+    def _release(self, pairs: list[tuple[int, str]]) -> None:
+        """On the worker: a failure here is mended by the next heartbeat, which sends the whole truth."""
+        try:
+            self.db.release(pairs)
+        except psycopg.Error as exc:
+            event(logging.WARNING, "fleet_release_failed", error=_first_line(exc), action="sent with the next heartbeat")
+
+    def _offline(self, why: str) -> None:
+        if self.online or self.stale_since is None:
+            event(logging.WARNING, "fleet_offline", node=self.config.node, error=why,
+                  policy=str(self.config.offline_policy))
+        self.online = False
+        if self.stale_since is None:
+            self.stale_since = time.time()
+
+    # --- what the other services read
+
+    def remote_usage(self, user: str) -> float:
+        """Recent usage (decayed GPU-seconds) of `user` on the other servers, as of the last heartbeat."""
+        return float(self.usage.get(user, 0.0))
+
+    def elsewhere(self, user: str, quota: Quota) -> str:
+        """For a login that queues here, holding nothing here: where GPUs are free for this user now
+        ('' when nowhere, or not known)."""
+        room = None if quota.cluster_gpus is None else quota.cluster_gpus - self.held.get(user, 0)
+        if not self.online or (room is not None and room <= 0):
+            return ""
+        places = [f"{place['node']} ({min(place['free'], room) if room is not None else place['free']})"
+                  for place in self.free if place["free"] > 0]
+        if not places:
+            return ""
+        return f"; GPUs free now on {', '.join(places)}: ssh {self.free[0]['ssh'] or self.free[0]['node']}"
+
+    def close(self) -> None:
+        self._worker.submit(self.db.close)  # on its own thread, after what it is doing
+        self._worker.stop()
+        self.outbox.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

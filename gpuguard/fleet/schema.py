@@ -1,0 +1,211 @@
+"""The fleet's PostgreSQL schema: ordered migrations, safe for rolling upgrades.
+
+Every migration is additive (new tables, columns with defaults, new functions under a new
+name: heartbeat_v2 beside heartbeat_v1), so a node of the previous version keeps working
+against a database a newer node has migrated. A migration that would break older nodes
+says so in `min_node`: the oldest node schema version that can still use the database once
+it is applied; a node older than that refuses to join with a clear message instead of
+writing what it no longer understands. Migrations run in one transaction under an advisory
+lock, so nodes starting together apply each exactly once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuguard.core.errors import GpuguardError
+
+NAMESPACE = "gpuguard"
+LOCK_KEY = 0x67707567  # pg_advisory_xact_lock key of the migrations ("gpug")
+
+
+class ClusterError(GpuguardError):
+    """The fleet database cannot be used by this node (too old, unreachable at start, bad schema)."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    min_node: int  # the oldest node schema version that still works once this is applied
+    sql: str
+
+
+# Times are epoch seconds (double precision): last_seen and first_seen by the database's clock,
+# so that nodes with skewed clocks agree on who is lost; grant and ledger times by the node's.
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, 1, """
+    CREATE TABLE gpuguard.nodes (
+        name text PRIMARY KEY, rack text NOT NULL DEFAULT '', ssh text NOT NULL DEFAULT '',
+        version text NOT NULL DEFAULT '', schema_version integer NOT NULL DEFAULT 0,
+        incarnation text NOT NULL DEFAULT '',
+        heartbeat double precision NOT NULL, lease double precision NOT NULL, grace double precision NOT NULL,
+        first_seen double precision NOT NULL, last_seen double precision NOT NULL);
+    -- owner: which system hands the GPU out (gpuguard, slurm, k8s)
+    CREATE TABLE gpuguard.gpus (
+        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, minor integer NOT NULL,
+        uuid text NOT NULL, name text NOT NULL, memory_total bigint NOT NULL,
+        owner text NOT NULL DEFAULT 'gpuguard',
+        PRIMARY KEY (node, minor));
+    CREATE TABLE gpuguard.services.grants (
+        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, minor integer NOT NULL,
+        username text NOT NULL, uid integer NOT NULL, granted_at double precision NOT NULL,
+        expires_at double precision, shared boolean NOT NULL DEFAULT false, origin text NOT NULL,
+        PRIMARY KEY (node, minor, username));
+    -- no GPU is granted twice, whatever a node (or two nodes misconfigured with one name) sends
+    CREATE UNIQUE INDEX grants_one_holder ON gpuguard.services.grants (node, minor) WHERE NOT shared;
+    CREATE INDEX grants_by_user ON gpuguard.services.grants (username);
+    -- one row per user: a grant-time check locks it, so a user's checks on all nodes run one at a time
+    CREATE TABLE gpuguard.fleet_quotas (
+        username text PRIMARY KEY, cluster_gpus integer, updated_at double precision NOT NULL);
+    CREATE TABLE gpuguard.queue (
+        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, ticket integer NOT NULL,
+        username text NOT NULL, gpus integer NOT NULL, since double precision NOT NULL,
+        priority integer NOT NULL,
+        PRIMARY KEY (node, ticket));
+    -- the usage ledger: one row per ended grant, from each node's outbox (seq: the outbox's id;
+    -- incarnation: a fresh state directory starts a new one), replayed without duplicates
+    CREATE TABLE gpuguard.ledger (
+        node text NOT NULL, incarnation text NOT NULL, seq bigint NOT NULL,
+        username text NOT NULL, minor integer NOT NULL,
+        started double precision NOT NULL, ended double precision NOT NULL,
+        PRIMARY KEY (node, incarnation, seq));
+    CREATE INDEX ledger_by_user ON gpuguard.ledger (username, ended);
+
+    -- A node's grants count against fleet quotas while it is seen, and for `grace` after its lease.
+    -- Asked as a scalar subquery per grant row: an index probe each (an EXISTS or a join is
+    -- planned as a hash over every node, which made a heartbeat cost grow with the fleet).
+    CREATE FUNCTION gpuguard.counts(n gpuguard.nodes, at double precision) RETURNS boolean
+        LANGUAGE sql IMMUTABLE AS $$ SELECT n.last_seen >= at - n.lease - n.grace $$;
+
+    -- One heartbeat, one round trip: the node's truth replaces its mirror, the ledger rows of
+    -- its outbox are added (a replay adds nothing twice), and it gets back what it caches:
+    -- the recent usage elsewhere of the users it asks about (fair share), their grants
+    -- elsewhere (offline budget), and when it is full, where GPUs are free.
+    CREATE FUNCTION gpuguard.heartbeat_v1(doc jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE
+        me text := doc->>'node';
+        at double precision := extract(epoch FROM clock_timestamp());
+        taken double precision := (doc->>'taken_at')::double precision;
+        half double precision := (doc->>'half_life')::double precision;
+        usage jsonb := '{}';
+        held jsonb := '{}';
+        free jsonb := '[]';
+    BEGIN
+        INSERT INTO gpuguard.nodes AS n (name, rack, ssh, version, schema_version, incarnation,
+                                         heartbeat, lease, grace, first_seen, last_seen)
+        VALUES (me, doc->>'rack', doc->>'ssh', doc->>'version', (doc->>'schema')::integer, doc->>'incarnation',
+                (doc->>'heartbeat')::double precision, (doc->>'lease')::double precision,
+                (doc->>'grace')::double precision, at, at)
+        ON CONFLICT (name) DO UPDATE SET rack = excluded.rack, ssh = excluded.ssh, version = excluded.version,
+            schema_version = excluded.schema_version, incarnation = excluded.incarnation,
+            heartbeat = excluded.heartbeat, lease = excluded.lease, grace = excluded.grace,
+            last_seen = excluded.last_seen;
+
+        DELETE FROM gpuguard.gpus g WHERE g.node = me AND NOT EXISTS (
+            SELECT 1 FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer) WHERE x.minor = g.minor);
+        -- unchanged rows are not touched (an upsert would lock each, writing to its page every beat)
+        UPDATE gpuguard.gpus g SET uuid = x.uuid, name = x.name, memory_total = x.memory_total, owner = x.owner
+            FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer, uuid text, name text, memory_total bigint, owner text)
+            WHERE g.node = me AND g.minor = x.minor
+              AND (g.uuid, g.name, g.memory_total, g.owner) IS DISTINCT FROM (x.uuid, x.name, x.memory_total, x.owner);
+        INSERT INTO gpuguard.gpus (node, minor, uuid, name, memory_total, owner)
+            SELECT me, x.minor, x.uuid, x.name, x.memory_total, x.owner
+            FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer, uuid text, name text, memory_total bigint, owner text)
+            WHERE NOT EXISTS (SELECT 1 FROM gpuguard.gpus g WHERE g.node = me AND g.minor = x.minor)
+        ON CONFLICT DO NOTHING;
+
+        -- grants made after the snapshot was taken are not in it, and stay
+        DELETE FROM gpuguard.services.grants g WHERE g.node = me AND g.granted_at < taken AND NOT EXISTS (
+            SELECT 1 FROM jsonb_to_recordset(doc->'grants') AS x(minor integer, username text)
+            WHERE x.minor = g.minor AND x.username = g.username);
+        INSERT INTO gpuguard.services.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
+            SELECT me, x.minor, x.username, x.uid, x.granted_at, x.expires_at, x.shared, x.origin
+            FROM jsonb_to_recordset(doc->'grants') AS x(minor integer, username text, uid integer,
+                 granted_at double precision, expires_at double precision, shared boolean, origin text)
+        ON CONFLICT DO NOTHING;
+
+        DELETE FROM gpuguard.queue q WHERE q.node = me AND NOT EXISTS (
+            SELECT 1 FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer) WHERE x.ticket = q.ticket);
+        INSERT INTO gpuguard.queue (node, ticket, username, gpus, since, priority)
+            SELECT me, x.ticket, x.username, x.gpus, x.since, x.priority
+            FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer, username text, gpus integer,
+                 since double precision, priority integer)
+        ON CONFLICT DO NOTHING;
+
+        INSERT INTO gpuguard.ledger (node, incarnation, seq, username, minor, started, ended)
+            SELECT me, doc->>'incarnation', x.seq, x.username, x.minor, x.started, x.ended
+            FROM jsonb_to_recordset(doc->'ledger') AS x(seq bigint, username text, minor integer,
+                 started double precision, ended double precision)
+        ON CONFLICT DO NOTHING;
+
+        IF jsonb_array_length(doc->'usage_for') > 0 THEN
+            SELECT coalesce(jsonb_object_agg(u.name, u.value), '{}') INTO usage FROM (
+                SELECT w.name, coalesce((
+                    SELECT sum(half / ln(2) * (power(0.5, greatest(0, at - l.ended) / half)
+                                               - power(0.5, greatest(0, at - l.started) / half)))
+                    FROM gpuguard.ledger l  -- 30 half-lives back: what is older counts less than 1e-9
+                    WHERE l.username = w.name AND l.ended >= at - 30 * half AND l.node <> me), 0)
+                  + coalesce((
+                    SELECT sum(half / ln(2) * (1 - power(0.5, greatest(0, at - g.granted_at) / half)))
+                    FROM gpuguard.services.grants g WHERE g.username = w.name AND g.node <> me AND (
+                        SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node)), 0) AS value
+                FROM jsonb_array_elements_text(doc->'usage_for') AS w(name)) u;
+        END IF;
+        IF jsonb_array_length(doc->'users') > 0 THEN
+            SELECT coalesce(jsonb_object_agg(w.name, (
+                SELECT count(*) FROM gpuguard.services.grants g WHERE g.username = w.name AND g.node <> me AND (
+                    SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node))), '{}') INTO held
+            FROM jsonb_array_elements_text(doc->'users') AS w(name);
+        END IF;
+        IF (doc->>'want_free')::boolean THEN
+            SELECT coalesce(jsonb_agg(f), '[]') INTO free FROM (
+                SELECT n.name AS node, n.rack, n.ssh, count(*) AS free
+                FROM gpuguard.gpus g JOIN gpuguard.nodes n ON n.name = g.node
+                WHERE g.owner = 'gpuguard' AND n.name <> me AND n.last_seen >= at - n.lease
+                  AND NOT EXISTS (SELECT 1 FROM gpuguard.services.grants r WHERE r.node = g.node AND r.minor = g.minor)
+                GROUP BY n.name, n.rack, n.ssh ORDER BY count(*) DESC, n.name LIMIT 5) f;
+        END IF;
+        RETURN jsonb_build_object('at', at, 'usage', usage, 'held', held, 'free', free);
+    END $$;
+
+    -- The grant-time check, one transaction: lock the user's quota row (taken by the upsert),
+    -- count their grants on every node that counts, insert what fits. Concurrent checks for
+    -- one user, from any node, wait on that row; the unique index refuses a GPU granted twice.
+    CREATE FUNCTION gpuguard.reserve_v1(doc jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE
+        me text := doc->>'node';
+        who text := doc->>'user';
+        quota integer := (doc->>'cluster_gpus')::integer;
+        at double precision := extract(epoch FROM clock_timestamp());
+        wanted integer[] := ARRAY(SELECT jsonb_array_elements_text(doc->'minors')::integer);
+        held integer;
+        took integer[];
+    BEGIN
+        INSERT INTO gpuguard.fleet_quotas AS q (username, cluster_gpus, updated_at) VALUES (who, quota, at)
+        ON CONFLICT (username) DO UPDATE SET cluster_gpus = excluded.cluster_gpus, updated_at = excluded.updated_at;
+        SELECT count(*) INTO held FROM gpuguard.services.grants g WHERE g.username = who AND (g.node = me OR (
+            SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node));
+        took := CASE WHEN quota IS NULL THEN wanted ELSE wanted[1:greatest(0, quota - held)] END;
+        INSERT INTO gpuguard.services.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
+            SELECT me, m, who, (doc->>'uid')::integer, (doc->>'granted_at')::double precision,
+                   (doc->>'expires_at')::double precision, (doc->>'shared')::boolean, doc->>'origin'
+            FROM unnest(took) AS m;
+        RETURN jsonb_build_object('granted', to_jsonb(took), 'held', held, 'quota', quota);
+    END $$;
+    """),
+    # A node's place in its queue may change its GPU count in place (gpuguard.services.queueing's
+    # keep_total: a GPU it counted on was taken back by a rule), where heartbeat_v1 keeps a
+    # ticket's first count: v2 is v1, then the counts of the tickets it kept brought up to date.
+    Migration(2, 1, """
+    CREATE FUNCTION gpuguard.heartbeat_v2(doc jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE
+        answer jsonb := gpuguard.heartbeat_v1(doc);
+    BEGIN
+        UPDATE gpuguard.queue q SET gpus = x.gpus
+            FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer, gpus integer)
+            WHERE q.node = doc->>'node' AND q.ticket = x.ticket AND q.gpus <> x.gpus;
+        RETURN answer;
+    END $$;
+    """),
+)
+CURRENT = MIGRATIONS[-1].version
+

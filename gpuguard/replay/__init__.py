@@ -1,0 +1,1 @@
+"""`gpuguard replay`: traces, and the daemon's services on a virtual clock."""

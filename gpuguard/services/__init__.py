@@ -1,0 +1,1 @@
+"""The services over the store, built by services.wiring from typed edges."""

@@ -1,0 +1,341 @@
+"""Giving and taking GPUs, choosing them included: the store records a grant, the gate and the
+device ACLs follow from the store, and the allocator (pure) picks which GPUs a user gets.
+
+A grant is on a unit (model.py): a whole GPU, or a MIG slice. Its holder may open the unit's
+device nodes (devices_of): the GPU's /dev/nvidia<N>; for a slice its parent's node and the
+slice's GI and CI access capability nodes (/dev/nvidia-caps/nvidia-cap<N>), which the driver
+checks before it lets a process use the slice. Gate entries and node ACLs are the union over a
+user's grants, so two slices of one GPU share the parent's entry and ACL line.
+
+Order is chosen so that what the kernel enforces never exceeds what the store says: a grant
+is written to the store before the gate opens, a release closes the gate before the store
+forgets. A crash in between therefore leaves, at worst, a grant the gate does not honour
+yet, which reconcile() at the next start repairs.
+
+Used by the API (logins, requests, admin commands) and release.Releases, the one step that takes
+grants back (store, gate, ACLs here; then the holders, the fair share and the queue); all calls
+come from the event-loop thread, as the store requires.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from gpuguard.core import allocator, layout, policy
+from gpuguard.core.allocator import Topology
+from gpuguard.core.messages import unit_list
+from gpuguard.core.model import (
+    NVIDIA_MAJOR,
+    Device,
+    Event,
+    EventKind,
+    Gpu,
+    Grant,
+    Origin,
+    Quota,
+    Rule,
+    is_slice,
+    unit_parent,
+)
+from gpuguard.logs import event
+from gpuguard.services.drains import Drain
+from gpuguard.services.edges import Entry, GateMap, HeldFiles, Nodes
+from gpuguard.services.store import Store
+
+if TYPE_CHECKING:
+    from gpuguard.backends.nvml import MigLayout
+
+_NODE = re.compile(r"nvidia(\d+)")
+_CAP_NODE = re.compile(r"nvidia-cap(\d+)")
+
+
+class Admit(Protocol):
+    """A fleet's grant-time check (gpuguard.fleet.node.Cluster.admit): the part of `chosen` the
+    fleet quota allows, recorded in the fleet database."""
+
+    def __call__(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...], now: float,
+                 expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]: ...
+
+
+class Grants:
+    def __init__(self, store: Store, gate: GateMap | None, nodes: Nodes, minors: Collection[int],
+                 exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
+                 topology: Topology | None = None, caps_major: int | None = None, admit: Admit | None = None,
+                 held: HeldFiles | None = None):
+        """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
+        nvidia-caps character major (None: no MIG capability nodes on this machine); admit: a
+        fleet's grant-time check (gpuguard.fleet), None on a single server; held: each user's
+        CUDA_VISIBLE_DEVICES for logins while the daemon is down (None: not kept)."""
+        self.store = store
+        self.held = held
+        self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
+        self.nodes = nodes
+        self.caps_major = caps_major
+        # The GPUs NVML could read at start and how they are linked: fixed while the driver stays
+        # loaded (a GPU that falls off the bus shows as NVML errors in the tick, not as a smaller
+        # inventory). Only their MIG mode and slices change (update_layout).
+        units = list((gpus or {}).values())
+        self.physical: dict[int, Gpu] = {gpu.unit: gpu for gpu in units if gpu.slice is None}
+        # The GPUs this machine has, only whose nodes are managed: the driver's (`minors`, also
+        # those NVML cannot read) and every one NVML reads.
+        self.minors = frozenset(minors) | self.physical.keys()
+        self.topology: Topology = dict(topology or {})
+        # Each slice's capability minors as last seen: fixed for its (GPU, GI, CI) place while the
+        # driver stays loaded, so a grant on a slice that has just vanished is still closed fully.
+        self._caps: dict[int, tuple[int, int]] = {}
+        self.gpus: dict[int, Gpu] = {}  # what can be handed out now: unit -> GPU or slice
+        self._pool: tuple[frozenset[int], allocator.Pool] | None = None  # pool(), with the drained GPUs it left out
+        self.drained: dict[int, Drain] = {}  # GPUs given to nobody new (drains.py), by minor
+        self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
+        # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
+        self.exempt = frozenset(exempt) - {0}
+        # The part of the chosen units a fleet quota allows, recorded in the fleet database: it
+        # may only make a grant smaller.
+        self.admit = admit
+
+    def write_held(self, uid: int) -> None:
+        """The user's held-devices file as the store now says (after every grant given or taken
+        back: add and remove are the only ways a grant changes, so no listener is needed)."""
+        if self.held is not None:
+            self.held.write(uid, [self.gpus[g.unit].uuid for g in sorted(self.store.grants(uid), key=lambda g: g.unit)
+                                  if g.unit in self.gpus])
+
+    def write_all_held(self) -> None:
+        """Every holder's file, and none for anyone else (at start: grants changed while no daemon ran)."""
+        if self.held is not None:
+            for uid in sorted(self.held.users() | {g.uid for g in self.store.grants()}):
+                self.write_held(uid)
+
+    def set_exempt(self, uids: Collection[int]) -> None:
+        """Change the exempt users; every node's ACL follows at once."""
+        uids = frozenset(uids) - {0}
+        if uids != self.exempt:
+            self.exempt = uids
+            self.node_changed(None)
+
+    def _set_units(self, units: Mapping[int, Gpu]) -> None:
+        # Changed in place: the metrics and the queue hold this very mapping.
+        self.gpus.clear()
+        self.gpus.update(units)
+        self._pool = None
+        self._caps.update({unit: gpu.slice.caps for unit, gpu in units.items() if gpu.slice is not None})
+
+    def devices_of(self, unit: int) -> list[Device]:
+        """The nodes a unit's holder may open: a GPU's node; for a slice its parent's node and
+        its GI and CI access capability nodes (caps never seen: the parent's only, which by
+        itself reaches no slice of a GPU in MIG mode)."""
+        parent = (NVIDIA_MAJOR, unit_parent(unit))
+        caps = self._caps.get(unit) if is_slice(unit) else None
+        if caps is None or self.caps_major is None:
+            return [parent]
+        return [parent, *((self.caps_major, cap) for cap in caps)]
+
+    def holder_devices(self, unit: int) -> list[Device]:
+        """The nodes whose holders use a unit: a GPU's node; a slice's capability nodes (its
+        parent's node alone reaches no slice, and the holder's other slices of that GPU need it).
+        Reads no store: called from worker threads (sampling.node_holders)."""
+        devices = self.devices_of(unit)
+        return devices[1:] if is_slice(unit) else devices
+
+    def _entries(self, grants: Iterable[Grant]) -> set[Entry]:
+        return {(grant.uid, device) for grant in grants for device in self.devices_of(grant.unit)}
+
+    def choose(self, uid: int, count: int, quota: Quota) -> tuple[int, ...]:
+        """Up to `count` more units for uid on the terms of `quota` (allocator.choose over the current grants)."""
+        return allocator.choose(self.pool(), self.topology, self.store.grants_read(),
+                                self.store.last_released(), uid, count, policy.may_share(quota),
+                                self.store.last_held(uid), quota)
+
+    def open_units(self) -> list[Gpu]:
+        """The units that may be given to someone new: all but those on a drained GPU."""
+        if not self.drained:
+            return list(self.gpus.values())
+        return [gpu for unit, gpu in self.gpus.items() if unit_parent(unit) not in self.drained]
+
+    def pool(self) -> allocator.Pool:
+        """open_units() sorted by kind for the allocator: built again only when the units or the
+        drained GPUs changed since, not at every choice."""
+        drained = frozenset(self.drained)
+        if self._pool is None or self._pool[0] != drained:
+            self._pool = (drained, allocator.Pool(self.open_units()))
+        return self._pool[1]
+
+    def capacity(self, quota: Quota) -> int:
+        """How many units one user could hold at once on the terms of `quota`, were nobody else's
+        grants in the way: the open units of a kind it takes. A request for more can never be
+        served whole."""
+        pool = self.pool()
+        slices = sum(allocator.suits(gpu, quota) for gpu in pool.slices)
+        if quota.slices is not None:
+            slices = min(slices, quota.slices)
+        return (len(pool.whole.by_unit) if quota.whole_gpus else 0) + slices
+
+    def room(self, uid: int, quota: Quota) -> int:
+        """How many more units uid could get at once on the terms of `quota`, were nobody else's
+        grants in the way: capacity() less those of its units the user holds (a unit they keep on
+        a drained GPU is not one of them)."""
+        pool = self.pool()
+        held = {grant.unit for grant in self.store.grants(uid)}
+        mine = len(held.intersection(pool.whole.by_unit)) if quota.whole_gpus else 0
+        mine += sum(gpu.unit in held and allocator.suits(gpu, quota) for gpu in pool.slices)
+        return self.capacity(quota) - mine
+
+    def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,
+                 message: str, chosen: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Up to `count` more units for the user on the terms of their quota (none when none is free).
+        chosen: what choose() just answered for this request, with no grant changed since."""
+        chosen = self.choose(uid, count, quota) if chosen is None else chosen
+        expires_at, shared = policy.expires_at(quota, now), policy.may_share(quota)
+        if chosen and self.admit is not None:
+            chosen = self.admit(uid, user, quota, chosen, now, expires_at, shared, origin)
+        self.add(uid, user, chosen, now, expires_at=expires_at, shared=shared, origin=origin, message=message,
+                 memory=quota.gpu_memory)
+        return chosen
+
+    def add(self, uid: int, user: str, units: Iterable[int], now: float, *, expires_at: float | None,
+            shared: bool, origin: Origin, message: str, memory: int | None = None) -> None:
+        """memory: a shared grant's memory quota per GPU, what the allocator counts against the
+        GPU's memory when others share it too (None: unknown, so nobody joins)."""
+        units = sorted(units)
+        if not units:
+            return
+        before = self._entries(self.store.grants(uid)) if self.gate else set()  # what the gate had opened
+        self.store.add_grants(uid, user, units, now, expires_at, shared=shared, origin=origin,
+                              uuids={m: self.gpus[m].uuid for m in units if m in self.gpus}, memory=memory)
+        try:
+            if self.gate:
+                for _, device in sorted(self._entries(self.store.grants(uid)) - before):
+                    self.gate.grant(uid, device)
+            self.sync_nodes(units)
+        except Exception:
+            # Not enforceable: take it back, so the store never claims what the kernel does not do.
+            self.remove(uid, units, now, kind=EventKind.ERROR, rule=Rule(origin), message="grant could not be applied")
+            raise
+        self.store.add_events(Event(now, uid, user, EventKind.GRANT, message, unit=unit, rule=Rule(origin),
+                                    action=EventKind.GRANT) for unit in units)
+        event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(units), origin=origin, expires_at=expires_at,
+              shared=shared or None)
+        self.write_held(uid)
+
+    def remove(self, uid: int, units: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
+               message: str) -> list[Grant]:
+        """Take back a user's GPUs (all, or these units) from the gate, the store and the ACLs, and
+        record it. kind: release, revoke, error (a grant that could not be applied). Returns what
+        was held. Only that: release.Releases.take_back is the whole step (holders, fair share,
+        queue), which every path that takes grants back goes through."""
+        wanted = None if units is None else set(units)
+        everything = self.store.grants(uid)
+        held = [g for g in everything if wanted is None or g.unit in wanted]
+        if not held:
+            return []
+        kept = [g for g in everything if wanted is not None and g.unit not in wanted]
+        closed: list[Device] = []
+        try:
+            if self.gate:
+                for _, device in sorted(self._entries(held) - self._entries(kept)):
+                    self.gate.revoke(uid, device)
+                    closed.append(device)
+            self.store.remove_grants(uid, [g.unit for g in held], now)
+        except Exception:
+            # The store still has these grants: reopen the gate for them, so both agree again.
+            for device in closed:
+                assert self.gate is not None  # only the gate closed anything
+                self.gate.grant(uid, device)
+            raise
+        self.sync_nodes(g.unit for g in held)
+        self.store.add_events(Event(now, uid, grant.user, kind, message, unit=grant.unit, rule=rule, action=kind)
+                              for grant in held)
+        event(logging.INFO, kind, user=held[0].user, uid=uid, gpu=unit_list(g.unit for g in held), rule=rule)
+        self.write_held(uid)
+        return held
+
+    def sync_nodes(self, units: Iterable[int]) -> list[str]:
+        """Make the nodes of these units (devices_of) exist, 0660 root:root, with an ACL entry for
+        exactly the users whose grants reach them and the exempt users; returns what was wrong.
+        GPUs this machine no longer has are skipped: no node to manage."""
+        units = list(units)
+        devices = {device for unit in units for device in self.devices_of(unit)}
+        parents = {unit_parent(unit) for unit in units}  # a grant's nodes are all on its own GPU
+        users: dict[Device, set[int]] = {}
+        for grant in self.store.grants_on(parents):
+            for device in self.devices_of(grant.unit):
+                users.setdefault(device, set()).add(grant.uid)
+        fixed = []
+        for device in sorted(devices):
+            if device[0] != NVIDIA_MAJOR or device[1] in self.minors:
+                fixed += self.nodes.sync(device, users.get(device, set()) | self.exempt)
+        return fixed
+
+    def _all_units(self) -> set[int]:
+        return set(self.minors) | set(self.gpus) | {g.unit for g in self.store.grants()}
+
+    def node_changed(self, path: Path | None) -> None:
+        """NodeWatcher callback: a node was (re)created or changed; None means check them all."""
+        if path is None:
+            self.sync_nodes(self._all_units())
+        elif match := _NODE.fullmatch(path.name):
+            self.sync_nodes([int(match[1])])
+        elif _CAP_NODE.fullmatch(path.name):
+            self.sync_nodes(unit for unit in self._all_units() if is_slice(unit))
+
+    def update_layout(self, now_seen: MigLayout) -> dict[Grant, str]:
+        """Follow the MIG layout NVML shows now (NvmlBackend.layout()): the new slices become what
+        can be handed out, so that what the revokes free goes to the queue from the layout of now.
+        Returns every grant the layout ends, with why (gpuguard.core.layout.stale, asked of the store
+        each time, so grants left from before a restart end too): the caller revokes them
+        (Releases.follow_layout), closed with the capability nodes they had, whose minors stay
+        known here."""
+        physical = {minor: replace(gpu, mig_mode=minor in now_seen.mig_gpus) if minor not in now_seen.unread else gpu
+                    for minor, gpu in self.physical.items()}
+        kept = [gpu for gpu in self.gpus.values() if gpu.slice is not None and gpu.slice.parent in now_seen.unread]
+        units = layout.grantable(physical.values(), [*now_seen.slices, *kept])
+        # the same units, by UUID (their memory in use is not the layout)
+        changed = {u: gpu.uuid for u, gpu in units.items()} != {u: gpu.uuid for u, gpu in self.gpus.items()}
+        learned = {unit for unit, gpu in units.items() if gpu.slice is not None and unit not in self._caps}
+        if changed:
+            self.physical = physical
+            self._set_units(units)
+            event(logging.INFO, "mig_layout", gpu=unit_list(now_seen.mig_gpus), slices=len(now_seen.slices))
+        stale = layout.stale(self.store.grants(), units, set(physical) - now_seen.unread)
+        if changed:
+            self.sync_nodes(unit for unit in units if is_slice(unit))
+        if learned and self.gate:  # grants on slices whose capabilities were not known until now
+            reached = [g for g in self.store.grants() if g.unit in learned and g not in stale]
+            for uid, device in sorted(self._entries(reached)):
+                self.gate.grant(uid, device)
+        return stale
+
+    def reconcile(self) -> list[str]:
+        """Rebuild the derived state from the store: gate entries exactly as granted, every node
+        synced. Returns what was wrong, one line each (empty: all was right)."""
+        repaired = []
+        if self.gate:
+            removed, added = self.gate.set_entries(self._entries(self.store.grants()))
+            if removed:
+                repaired.append(f"gate {self.gate.name}: map held grants the store does not: {_entries(removed)}")
+            if added:
+                repaired.append(f"gate {self.gate.name}: map lacked grants the store has: {_entries(added)}")
+        return repaired + self.sync_nodes(self._all_units())
+
+    def check_and_repair(self) -> list[str]:
+        """Enforcement that checks and repairs itself (the daemon calls this every few ticks and
+        logs each line): the gate loaded, attached to the cgroup v2 root, pinned and running the
+        program for the device ranges managed now (so an nvidia-caps module loaded since start is
+        managed: Gate.repair), its exempt and grants maps as configured and as the store says, and
+        every GPU node's owner, mode and ACL. Returns one line per thing that was wrong and is now
+        repaired; empty when everything was right. Raises GateError or OSError when a repair fails."""
+        repaired = []
+        if self.gate:
+            repaired += [f"gate {self.gate.name}: {problem}" for problem in self.gate.repair(self.exempt)]
+            if changed := self.gate.set_exempt(self.exempt):
+                repaired.append(f"gate {self.gate.name}: exempt uids differed from the configured ones: "
+                                f"{sorted(changed)}")
+        return repaired + self.reconcile()
+
+
+def _entries(entries: Iterable[Entry]) -> str:
+    return ", ".join(f"uid {uid} {major}:{minor}" for uid, (major, minor) in sorted(entries))

@@ -1,0 +1,71 @@
+"""Who accounts are, as the services need it without waiting for NSS: KnownAccounts keeps the
+short cache of names and quotas that the watcher judges by, and that the API and the metrics
+read; membership asks whether a uid is in the GPU group now. NSS itself is the Lookup edge
+(backends.nss.AccountLookup: off the event loop, bounded in time)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from gpuguard.config import AccessConfig, Config
+from gpuguard.core import policy
+from gpuguard.core.errors import LookupTimeout, NssFailure, UnknownUser
+from gpuguard.core.model import Quota
+from gpuguard.services.edges import Lookup
+
+ACCOUNT_CACHE = 60.0  # seconds a user's groups (hence quota) are reused; a reload clears it
+
+
+
+class KnownAccounts:
+    """Name and resolved quota per uid, asked of NSS at most once per ACCOUNT_CACHE per user, and
+    again after a reload (another config object)."""
+
+    def __init__(self, lookup: Lookup, config: Callable[[], Config]):
+        self.lookup = lookup
+        self.config = config
+        self._accounts: dict[int, tuple[float, Config, str, Quota]] = {}  # uid -> (when, config, name, quota)
+
+    def _stale(self, uids: Iterable[int]) -> list[int]:
+        """Those of uids not cached, or cached under another config or longer than ACCOUNT_CACHE ago."""
+        config, oldest = self.config(), time.monotonic() - ACCOUNT_CACHE
+        cached = self._accounts
+        return sorted(uid for uid in set(uids)
+                      if (entry := cached.get(uid)) is None or entry[1] is not config or entry[0] <= oldest)
+
+    async def resolve(self, uids: Iterable[int]) -> None:
+        """Look up (off the loop) the users whose name and quota are not cached or are stale."""
+        for uid in self._stale(uids):
+            if not self._stale([uid]):
+                continue  # looked up meanwhile (another caller's resolve, during an await)
+            config = self.config()
+            try:
+                account = await self.lookup.by_uid(uid)
+                entry = (account.name, policy.quota_for(account.name, account.groups, config))
+            except UnknownUser:  # deleted, or NSS too slow: the defaults still bound it
+                cached = self._accounts.get(uid)
+                entry = (cached[2], cached[3]) if cached and cached[1] is config else (str(uid), config.defaults)
+            self._accounts[uid] = (time.monotonic(), config, *entry)
+
+    def of(self, uid: int) -> tuple[str, Quota]:
+        """Name and resolved quota of uid as resolve left them; a uid it never saw (granted during
+        the watcher's confirming re-sample) gets the defaults until the next tick."""
+        cached = self._accounts.get(uid)
+        if cached is None:
+            return str(uid), self.config().defaults
+        return cached[2], cached[3]
+
+    def name_of(self, uid: int) -> str:
+        return self.of(uid)[0]
+
+
+async def membership(lookup: Lookup, access: AccessConfig, uid: int) -> bool | None:
+    """Whether uid is in the GPU group now; None when NSS cannot say (holders.HolderEnder then
+    reports a holder of that uid, never ends it)."""
+    try:
+        account = await lookup.by_uid(uid)
+    except (NssFailure, LookupTimeout):
+        return None
+    except UnknownUser:  # no account: a user namespace's uid, or deleted
+        return False
+    return policy.is_member(account.groups, access)

@@ -1,0 +1,59 @@
+"""`gpuguard web`'s composition root: the key, the source, PAM and NSS, then aiohttp's loop.
+
+The source is the cluster database when `[cluster]` is configured (every node of the fleet), else
+this server's daemon over its socket.
+
+It runs as its own account (`[web] user`, gpuguard-web in the package's unit), never as root: it
+parses what the network sends, and needs no privilege for it. The daemon lets that account read
+every user's records and change nothing; PAM (pam_unix) needs it to read /etc/shadow, which the
+unit gives through the shadow group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+from aiohttp import web
+
+from gpuguard.backends import accounts
+from gpuguard.config import Config
+from gpuguard.core.errors import UnknownUser
+from gpuguard.logs import event
+from gpuguard.web.app import Web, build
+from gpuguard.web.fleet import ClusterDatabase
+from gpuguard.web.sessions import Signer, load_key
+from gpuguard.web.sources import LocalDaemon, Source
+
+
+def pam_authenticate(service: str) -> Callable[[str, str], bool]:
+    """user, password -> whether the PAM service accepts them (authentication and account checks)."""
+    import pam  # python-pam: ctypes over libpam; loaded by `gpuguard web` only
+
+    def authenticate(user: str, password: str) -> bool:
+        authenticator = pam.PamAuthenticator()  # type: ignore[attr-defined]  # typeshed stubs PyPAM, another module named pam
+        return bool(authenticator.authenticate(user, password, service=service, resetcreds=False))
+    return authenticate
+
+
+def groups_of(user: str) -> tuple[str, ...]:
+    try:
+        return tuple(sorted(accounts.by_name(user).groups))
+    except UnknownUser:
+        return ()
+
+
+def run(config: Config, host: str, port: int) -> None:
+    settings = config.web
+    cluster = getattr(config, "cluster", None)  # the several-servers [cluster] (issue 21), when configured
+    source: Source = (ClusterDatabase(cluster.database) if cluster is not None
+                      else LocalDaemon(config.paths.socket, socket.gethostname()))
+    state = Web(settings, source, Signer(load_key(settings.key_file)), pam_authenticate(settings.pam_service), groups_of)
+    me = accounts.by_uid(os.geteuid()).name
+    if me != settings.user:
+        event(logging.WARNING, "web_account", runs_as=me, configured=settings.user,
+              effect="the daemon shows this account only its own records")
+    event(logging.INFO, "web_started", listen=f"{host}:{port}", user=me, show_users=settings.show_users)
+    # No access log: a line per request (the live refresh polls) would flood the journal.
+    web.run_app(build(state), host=host, port=port, print=None, access_log=None, handle_signals=True)
