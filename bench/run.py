@@ -15,8 +15,8 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
 - cli_bench.py: `gpuguard whoami` and `status` start-up against an empty `python3 -I -S`;
 - flood_bench.py: the tick and logins under release, metrics-slowloris and subuid floods, and a
   logout's release among 10,000 root-owned processes, each against the same daemon without;
-- cluster_bench.py: several servers on one PostgreSQL: logins with the database up and down,
-  status --cluster, heartbeat load for 50 to 2,000 nodes.
+- fleet_bench.py: several servers on one PostgreSQL: logins with the database up and down,
+  status --fleet, heartbeat load for 50 to 2,000 nodes.
 - web_bench.py: the web view's grid for 50 servers x 8 GPUs against a static file of its size.
 
 Small C helpers (bench/*.c) are built by the run with gcc. `--only SECTION` runs one section.
@@ -37,7 +37,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "logout", "gate", "cluster", "web")
+SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "logout", "gate", "fleet", "web")
 
 
 def machine() -> str:
@@ -95,9 +95,9 @@ def main() -> int:
             import gate_bench
             with env.gate_lock():  # the baseline too: no other run's gate attached while timing
                 gate_bench.gate_rows(bench)
-        if "cluster" in sections:
-            import cluster_bench
-            cluster_bench.run(bench)  # its daemons hold the gate lock one at a time (start_daemon)
+        if "fleet" in sections:
+            import fleet_bench
+            fleet_bench.run(bench)  # its daemons hold the gate lock one at a time (start_daemon)
         if "web" in sections:
             import web_bench
             web_bench.web_rows()

@@ -184,7 +184,7 @@ class OfflinePolicy(StrEnum):
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
+class FleetConfig:
     """Several servers sharing one PostgreSQL (gpuguard.fleet); read at start only."""
 
     database: str                   # a libpq connection string or URI (host=a,b target_session_attrs=read-write)
@@ -206,6 +206,7 @@ class QuotaOverrides:
 
     users: dict[str, dict[str, Any]] = field(default_factory=dict)
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    renamed: tuple[str, ...] = ()  # old names read in the file (RENAMED), for a warning
 
 
 # The [defaults] a config starts from. Reclaim on demand is on: a GPU with none of its user's
@@ -233,8 +234,9 @@ class Config:
     web: WebConfig = field(default_factory=WebConfig)
     coexist: CoexistConfig = field(default_factory=CoexistConfig)
     quotas: QuotaOverrides = field(default_factory=QuotaOverrides)
-    cluster: ClusterConfig | None = None  # None: a single server
+    fleet: FleetConfig | None = None  # None: a single server
     notify: NotifyConfig = field(default_factory=NotifyConfig)
+    renamed: tuple[str, ...] = ()  # old names read in the files (RENAMED), for a warning
 
 
 # --- value parsers: each takes the raw TOML value and returns the typed one or raises ValueError
@@ -395,7 +397,7 @@ def _mig(value: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
 
 
 def _data_map(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """`[cluster.data]`: `"/data/imagenet" = ["gpu1", "rack-b"]`, absolute paths to node or rack names."""
+    """`[fleet.data]`: `"/data/imagenet" = ["gpu1", "rack-b"]`, absolute paths to node or rack names."""
     if not isinstance(value, dict):
         raise ValueError(f'expected paths and the nodes or racks holding them, like {{ "/data" = ["gpu1"] }}, got {value!r}')
     for path, names in value.items():
@@ -470,7 +472,7 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "priority": _integer,
     "share": _weight,
     "reclaim_after": _limit("take back every grant someone waits for"),
-    "cluster_gpus": _fleet_limit,
+    "fleet_gpus": _fleet_limit,
     "max_sharers": _count(1, MAX_GPUS),
     "slices": _slice_limit,
     "whole_gpus": _bool,
@@ -497,7 +499,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
             "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
             "secure_cookies": _bool},
     "coexist": {"slurm": _slurm, "gres_conf": _absolute_path, "slurm_node": _string, "k8s_gpus": _minors},
-    "cluster": {"database": _string, "node": _string, "rack": _string, "ssh": _string,
+    "fleet": {"database": _string, "node": _string, "rack": _string, "ssh": _string,
                 "heartbeat": _positive_duration(1), "lease": _positive_duration(1), "grace": _positive_duration(0),
                 "timeout": _positive_duration(0.05), "offline_policy": _member(OfflinePolicy), "data": _data_map},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,
@@ -505,9 +507,29 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
 }
 
 
-def _parse_table(source: Path, section: str, table: Any, keys: dict[str, Callable[[Any], Any]]) -> dict[str, Any]:
+# Sections and keys renamed, each read under its old name for one release with a warning
+# (config check prints it, the daemon logs it at start): old name -> new name.
+RENAMED = {"cluster": "fleet", "cluster_gpus": "fleet_gpus"}
+
+
+def _new_names(source: Path, where: str, table: dict[str, Any], renamed: list[str]) -> dict[str, Any]:
+    """The table with its old names (RENAMED) under their new ones, each noted in `renamed`;
+    both names at once is refused."""
+    for old in RENAMED.keys() & table.keys():
+        new = RENAMED[old]
+        if new in table:
+            raise ConfigError(f"{source}: {where}{old} and {where}{new}: the same setting twice ({old} is its old name)")
+        renamed.append(f"{source}: {where}{old} is now {where}{new} (the old name is read until the next release)")
+        table = {(new if key == old else key): value for key, value in table.items()}
+    return table
+
+
+def _parse_table(source: Path, section: str, table: Any, keys: dict[str, Callable[[Any], Any]],
+                 renamed: list[str] | None = None) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise ConfigError(f"{source}: {section}: expected a table, got {table!r}")
+    if renamed is not None:
+        table = _new_names(source, f"{section}.", table, renamed)
     parsed: dict[str, Any] = {}
     for key, value in table.items():
         if key not in keys:
@@ -560,16 +582,16 @@ def _check_mig(source: Path, sim: SimulatedConfig) -> None:
             raise ConfigError(f"{source}: gpu.simulated.mig.{minor}: {exc}") from None
 
 
-def _cluster(source: Path, section: dict[str, Any] | None) -> ClusterConfig | None:
+def _fleet(source: Path, section: dict[str, Any] | None) -> FleetConfig | None:
     if section is None:
         return None
     if "database" not in section:
-        raise ConfigError(f"{source}: cluster.database: missing (a PostgreSQL connection string)")
-    cluster = ClusterConfig(**{"node": socket.gethostname().split(".")[0], **section})
-    if cluster.lease < 2 * cluster.heartbeat:
-        raise ConfigError(f"{source}: cluster.lease: must be at least twice cluster.heartbeat "
-                          f"({cluster.heartbeat:g}s), got {cluster.lease:g}s")
-    return cluster
+        raise ConfigError(f"{source}: fleet.database: missing (a PostgreSQL connection string)")
+    fleet = FleetConfig(**{"node": socket.gethostname().split(".")[0], **section})
+    if fleet.lease < 2 * fleet.heartbeat:
+        raise ConfigError(f"{source}: fleet.lease: must be at least twice fleet.heartbeat "
+                          f"({fleet.heartbeat:g}s), got {fleet.lease:g}s")
+    return fleet
 
 
 def _coexist(source: Path, section: dict[str, Any]) -> CoexistConfig:
@@ -586,16 +608,17 @@ def load_quotas(path: Path, floors: bool = True) -> QuotaOverrides:
         return QuotaOverrides()
     data = _read_toml(path)
     tables: dict[str, dict[str, dict[str, Any]]] = {"users": {}, "groups": {}}
+    renamed: list[str] = []
     for kind, entries in data.items():
         if kind not in tables:
             raise ConfigError(f"{path}: {kind}: unknown table (known: users, groups)")
         if not isinstance(entries, dict):
             raise ConfigError(f"{path}: {kind}: expected tables like [{kind}.NAME]")
         for name, table in entries.items():
-            tables[kind][name] = _parse_table(path, f"{kind}.{name}", table, QUOTA_KEYS)
+            tables[kind][name] = _parse_table(path, f"{kind}.{name}", table, QUOTA_KEYS, renamed)
             if floors:
                 _check_floors(f"{path}: {kind}.{name}", tables[kind][name])
-    return QuotaOverrides(users=tables["users"], groups=tables["groups"])
+    return QuotaOverrides(users=tables["users"], groups=tables["groups"], renamed=tuple(renamed))
 
 
 def load_addresses(path: Path) -> dict[str, dict[str, str]]:
@@ -610,12 +633,13 @@ def load_addresses(path: Path) -> dict[str, dict[str, str]]:
 def load(path: Path | str | None = None) -> Config:
     """Load and validate a config file (and the quotas file it names). Raises ConfigError."""
     source = Path(path) if path else default_path()
-    data = _read_toml(source)
+    renamed: list[str] = []
+    data = _new_names(source, "", _read_toml(source), renamed)
     sections: dict[str, dict[str, Any]] = {}
     for section, table in data.items():
         if section not in SCHEMA:
             raise ConfigError(f"{source}: {section}: unknown section (known: {', '.join(s for s in SCHEMA if '.' not in s)})")
-        sections[section] = _parse_table(source, section, table, SCHEMA[section])
+        sections[section] = _parse_table(source, section, table, SCHEMA[section], renamed)
     gpu_section = sections.get("gpu", {})
     simulated = SimulatedConfig(**_parse_table(source, "gpu.simulated", gpu_section.pop("simulated", {}),
                                                SCHEMA["gpu.simulated"]))
@@ -644,9 +668,10 @@ def load(path: Path | str | None = None) -> Config:
         metrics=MetricsConfig(**sections.get("metrics", {})),
         web=WebConfig(**sections.get("web", {})),
         coexist=_coexist(source, sections.get("coexist", {})),
-        quotas=load_quotas(paths.quotas, floors),
+        quotas=(quotas := load_quotas(paths.quotas, floors)),
         notify=_notify(sections.get("notify", {})),
-        cluster=_cluster(source, sections.get("cluster")),
+        fleet=_fleet(source, sections.get("fleet")),
+        renamed=(*renamed, *quotas.renamed),
     )
     if config.gpu.backend == GpuBackend.NVML and config.watcher.interval < 1.0:
         # NVML process queries serialize on the driver lock; faster polling slows every CUDA call.

@@ -29,9 +29,9 @@ SECTIONS: dict[str, str] = {
     "web": "gpuguard web, the read-only web view (its own process and unit, gpuguard-web.service): off until listen is set.",
     "coexist": "GPUs another system (Slurm, Kubernetes) hands out on this machine: left out of the gate, the ACLs "
                "and allocation; read at start only.",
-    "cluster": "Several servers sharing one PostgreSQL: a fleet quota (cluster_gpus), fair share over every server, "
-               "gpuguard where and gpuguard status --cluster. Off (a single server) unless the table is written; read "
-               "at start only. [cluster.data] maps storage paths to the nodes or racks holding them: "
+    "fleet": "Several servers sharing one PostgreSQL: a fleet quota (fleet_gpus), fair share over every server, "
+               "gpuguard where and gpuguard status --fleet. Off (a single server) unless the table is written; read "
+               "at start only. [fleet.data] maps storage paths to the nodes or racks holding them: "
                "\"/data/imagenet\" = [\"gpu1\", \"rack-b\"].",
     "gpu.simulated": "Simulated GPUs (backend = \"simulated\"): the demo and the tests; no GPU needed.",
 }
@@ -58,7 +58,7 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("defaults", "slices"): ("count", "how many of gpus may be MIG slices, or \"any\""),
     ("defaults", "whole_gpus"): ("bool", "whether whole GPUs may be granted (false: MIG slices only)"),
     ("defaults", "slice_profiles"): ("names", "which MIG profiles, preferred in this order (empty: any, smallest first)"),
-    ("defaults", "cluster_gpus"): ("integer", "GPUs a user may hold on all servers of a fleet together ([cluster]), "
+    ("defaults", "fleet_gpus"): ("integer", "GPUs a user may hold on all servers of a fleet together ([fleet]), "
                                               "or \"none\" (unset: no fleet limit)"),
     ("defaults", "max_sharers"): ("integer", "sharing: at most this many users on one GPU (and never more memory "
                                              "quotas promised than it has)"),
@@ -106,21 +106,21 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("coexist", "gres_conf"): ("path", "Slurm's gres.conf (must be root's and writable by root alone)"),
     ("coexist", "slurm_node"): ("string", "this host's Slurm NodeName (unset: the short host name)"),
     ("coexist", "k8s_gpus"): ("names", "GPU minors the Kubernetes device plugin hands to containers"),
-    ("cluster", "database"): ("string", "the fleet's PostgreSQL, a libpq connection string or URI (required); two "
+    ("fleet", "database"): ("string", "the fleet's PostgreSQL, a libpq connection string or URI (required); two "
                                         "hosts and target_session_attrs=read-write follow a promoted standby. Keep "
                                         "passwords in root's ~/.pgpass, not here: gpuguard.toml is readable by users"),
-    ("cluster", "node"): ("string", "this server's name in the fleet, unique (unset: the short host name)"),
-    ("cluster", "rack"): ("string", "its rack, for gpuguard where's locality"),
-    ("cluster", "ssh"): ("string", "what gpuguard where prints after ssh (unset: node)"),
-    ("cluster", "heartbeat"): ("duration", "how often this node sends its GPUs, grants and queue to the database"),
-    ("cluster", "lease"): ("duration", "silent this long, the node shows as lost (at least twice heartbeat)"),
-    ("cluster", "grace"): ("duration", "lost this long more, its grants stop counting against fleet quotas"),
-    ("cluster", "timeout"): ("duration", "the longest a login waits on the database; then the node decides alone "
+    ("fleet", "node"): ("string", "this server's name in the fleet, unique (unset: the short host name)"),
+    ("fleet", "rack"): ("string", "its rack, for gpuguard where's locality"),
+    ("fleet", "ssh"): ("string", "what gpuguard where prints after ssh (unset: node)"),
+    ("fleet", "heartbeat"): ("duration", "how often this node sends its GPUs, grants and queue to the database"),
+    ("fleet", "lease"): ("duration", "silent this long, the node shows as lost (at least twice heartbeat)"),
+    ("fleet", "grace"): ("duration", "lost this long more, its grants stop counting against fleet quotas"),
+    ("fleet", "timeout"): ("duration", "the longest a login waits on the database; then the node decides alone "
                                          "until a heartbeat succeeds"),
-    ("cluster", "offline_policy"): ("choice", "while the database cannot be reached: local (the local quota alone) or "
+    ("fleet", "offline_policy"): ("choice", "while the database cannot be reached: local (the local quota alone) or "
                                               "budget (also the fleet quota less what the user held elsewhere when "
                                               "last seen)"),
-    ("cluster", "data"): ("table", "the [cluster.data] table: absolute storage paths to node or rack names"),
+    ("fleet", "data"): ("table", "the [fleet.data] table: absolute storage paths to node or rack names"),
     ("gpu.simulated", "count"): ("integer", "how many GPUs"),
     ("gpu.simulated", "memory"): ("size", "memory of each"),
     ("gpu.simulated", "name"): ("string", "their model name (H100 or H200 in it: MIG with that GPU's profiles)"),

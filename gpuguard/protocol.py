@@ -28,7 +28,7 @@ MAX_NAME = 256  # a user name (Linux's LOGIN_NAME_MAX; useradd allows 32)
 OPERATIONS = frozenset({
     "session_open", "session_close", "whoami", "status", "request", "release",
     "grant", "revoke", "reload", "sync_nodes", "report", "events", "wait", "gpus",
-    "cluster_status", "where",  # a fleet's (gpuguard.fleet.ops)
+    "fleet_status", "where",  # a fleet's (gpuguard.fleet.ops)
     "cancel", "fairshare", "drain", "resume", "hold",  # steering the queue
 })
 
@@ -38,6 +38,10 @@ class Peer:
     pid: int
     uid: int
     gid: int
+
+
+# Operations renamed, read under the old name for one release (an older CLI): old -> new.
+RENAMED_OPERATIONS = {"cluster_status": "fleet_status"}
 
 
 class ProtocolError(UsageError):
@@ -67,6 +71,8 @@ def decode(line: bytes, limit: int = MAX_REPLY) -> dict[str, Any]:
 def decode_request(line: bytes) -> dict[str, Any]:
     message = decode(line, MAX_REQUEST)
     op = message.get("op")
+    if isinstance(op, str) and op in RENAMED_OPERATIONS:
+        message["op"] = op = RENAMED_OPERATIONS[op]
     if not isinstance(op, str) or op not in OPERATIONS:  # a list or an object is not hashable
         raise ProtocolError(f"unknown operation {shown(op)}")
     return message

@@ -37,7 +37,7 @@ _SHOWN: dict[str, Callable[[Any], str]] = {
     "sharing": lambda value: "true" if value else "false",
     "share": lambda value: f"{value:g}",
     "reclaim_after": format_duration,
-    "cluster_gpus": lambda value: "none" if value is None else str(value),
+    "fleet_gpus": lambda value: "none" if value is None else str(value),
     "slices": lambda value: "any" if value is None else str(value),
     "whole_gpus": lambda value: "true" if value else "false",
     "slice_profiles": lambda value: json.dumps(list(value)),  # a TOML array, as quota set takes it

@@ -234,7 +234,7 @@ def admin_page() -> list[str]:
 # --- gpuguard.toml(5), from the loader's table
 
 # Sections that are off unless written (Config holds None for them): their dataclass's defaults.
-OPTIONAL_SECTIONS: dict[str, Any] = {"cluster": config.ClusterConfig}
+OPTIONAL_SECTIONS: dict[str, Any] = {"fleet": config.FleetConfig}
 
 
 def section_defaults(section: str) -> Any:

@@ -1,7 +1,7 @@
 """Being told when processes exit, without polling: a pidfd becomes readable when its process
 ends (Linux 5.3+), so the daemon's event loop watches it like a socket (loop.add_reader).
 
-Used for processes that keep a logged-out user's grant (procfs.holders_of found them): instead
+Used for processes that keep a logged-out user's grant (procfs.openers_of found them): instead
 of looking in /proc for them again every tick, the release check waits until one of them ends.
 """
 from __future__ import annotations

@@ -431,7 +431,7 @@ class IndexCollector(Collector):
                                 "processes (netlink process events); 0: they walk all of /proc",
                                 value=int(index.in_sync))
         yield GaugeMetricFamily("gpuguard_process_index_processes", "Live processes the index holds", value=index.size())
-        yield CounterMetricFamily("gpuguard_process_index_fallback_walks", "Holder scans that walked all of /proc "
+        yield CounterMetricFamily("gpuguard_process_index_fallback_walks", "Opener scans that walked all of /proc "
                                   "because the index could not answer", value=index.fallback_walks)
         yield CounterMetricFamily("gpuguard_process_index_events", "Process events applied (forks, uid "
                                   "changes, exits of processes)", value=index.events)

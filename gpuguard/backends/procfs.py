@@ -132,9 +132,9 @@ def holders(dev: tuple[int, int], owners: Collection[int] | None = None) -> list
 
     Matched by st_rdev, so the node's path does not matter (containers, bind mounts,
     copies made with mknod). A mapping keeps the device open after its fd is closed,
-    which CUDA does, so /proc/<pid>/map_files is checked too. See holders_of for `owners`.
+    which CUDA does, so /proc/<pid>/map_files is checked too. See openers_of for `owners`.
     """
-    return holders_of([dev], owners)[dev]
+    return openers_of([dev], owners)[dev]
 
 
 class RealUids:
@@ -161,7 +161,7 @@ class RealUids:
         self._known, self._seen = self._seen, {}
 
 
-def holders_of(devices: Collection[tuple[int, int]],
+def openers_of(devices: Collection[tuple[int, int]],
                owners: Collection[int] | None = None,
                real_uids: RealUids | None = None,
                candidates: Iterable[int] | None = None) -> dict[tuple[int, int], list[int]]:

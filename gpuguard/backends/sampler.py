@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuguard.backends import procfs, signals
 from gpuguard.core.model import Device, GpuUse
-from gpuguard.core.sample import MAX_AGE, Holder, Sample
+from gpuguard.core.sample import MAX_AGE, Opener, Sample
 from gpuguard.logs import event
 
 if TYPE_CHECKING:
@@ -118,27 +118,27 @@ def _without_exited(sample: Sample) -> Sample:
     return replace(sample, processes=tuple(p for p in sample.processes if p.pid in alive), owners=alive)
 
 
-def node_holders(units: Iterable[int], uids: Collection[int] | None,
+def node_openers(units: Iterable[int], uids: Collection[int] | None,
                  devices_of: Callable[[int], Iterable[Device]], real_uids: procfs.RealUids | None = None,
-                 pids_of: Callable[[Collection[int]], Collection[int] | None] | None = None) -> list[Holder]:
+                 pids_of: Callable[[Collection[int]], Collection[int] | None] | None = None) -> list[Opener]:
     """Processes of these users (None: of anyone, a walk of all of /proc) holding these units'
     nodes open per /proc (blocking: one pass over /proc for all). devices_of: the nodes whose
-    holders use a unit (Grants.holder_devices).
+    holders use a unit (Grants.opener_devices).
 
     NVML lists processes with a CUDA context; a process that opened the node without one
     (or before creating it) shows up only here. Only the users' own processes are looked at
-    (procfs.holders_of), so the cost follows their processes, not the host's. pids_of: their
+    (procfs.openers_of), so the cost follows their processes, not the host's. pids_of: their
     live pids from the process index (proc_events.ProcessIndex.pids_of; None from it: walk /proc).
     """
     units_of: dict[Device, list[int]] = {}  # two slices of one GPU instance share its capability node
     for unit in units:
         for device in devices_of(unit):
             units_of.setdefault(device, []).append(unit)
-    found: set[Holder] = set()
+    found: set[Opener] = set()
     candidates = pids_of(uids) if pids_of is not None and uids is not None else None
-    for device, pids in procfs.holders_of(list(units_of), uids, real_uids, candidates).items():
+    for device, pids in procfs.openers_of(list(units_of), uids, real_uids, candidates).items():
         for pid in pids:
             uid = procfs.user_of(pid)
             if uid is not None and (uids is None or uid in uids):
-                found.update(Holder(pid, uid, unit) for unit in units_of[device])
+                found.update(Opener(pid, uid, unit) for unit in units_of[device])
     return sorted(found, key=lambda h: (h.unit, h.pid))

@@ -30,8 +30,8 @@ def directory_for(socket: Path) -> Path:
     return socket.parent / DIRECTORY
 
 
-class HeldDevices:
-    """The files (the real edges.HeldFiles): Grants.write_held says what each one holds."""
+class VisibleDevicesFiles:
+    """The files (the real edges.VisibleDevices): Grants.write_visible_devices says what each one holds."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -41,7 +41,7 @@ class HeldDevices:
             self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
             return {int(name) for name in os.listdir(self.directory) if name.isdigit()}
         except OSError as exc:
-            event(logging.WARNING, "held_devices_failed", path=self.directory, error=exc.strerror or str(exc))
+            event(logging.WARNING, "visible_devices_failed", path=self.directory, error=exc.strerror or str(exc))
             return set()
 
     def write(self, uid: int, uuids: Sequence[str]) -> None:
@@ -52,7 +52,7 @@ class HeldDevices:
             else:
                 path.unlink(missing_ok=True)
         except OSError as exc:
-            event(logging.WARNING, "held_devices_failed", uid=uid, path=path, error=exc.strerror or str(exc))
+            event(logging.WARNING, "visible_devices_failed", uid=uid, path=path, error=exc.strerror or str(exc))
 
     def _write(self, path: Path, uid: int, devices: str) -> None:
         fd, temporary = tempfile.mkstemp(prefix=f".{uid}.", dir=self.directory)

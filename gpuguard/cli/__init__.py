@@ -85,7 +85,7 @@ COMMANDS = {
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
     "fairshare": "user_cmd",
     "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
-    "where": "cluster_cmd",
+    "where": "fleet_cmd",
 }
 # Help lists the commands users run first (in this order), then the admins' and the tools, by module.
 USER_MODULES = ("user_cmd", "status_cmd", "report_cmd", "quota_cmd")
@@ -170,9 +170,10 @@ def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
 QUICK: dict[str, tuple[str, dict[str, str], dict[str, str], dict[str, object]]] = {
     "whoami": ("show_whoami", {"--json": "json"}, {"--user": "user"}, {"json": False, "user": None}),
     "env": ("show_env", {}, {}, {}),
-    "status": ("show_status", {"--json": "json", "--csv": "csv", "--no-header": "no_header", "--cluster": "cluster"},
+    "status": ("show_status", {"--json": "json", "--csv": "csv", "--no-header": "no_header", "--fleet": "fleet",
+                               "--cluster": "old_fleet"},
                {"--user": "user", "-u": "user"},
-               {"json": False, "csv": False, "no_header": False, "cluster": False, "user": None}),
+               {"json": False, "csv": False, "no_header": False, "fleet": False, "old_fleet": False, "user": None}),
 }
 
 

@@ -1,4 +1,4 @@
-"""`gpuguard where` and `gpuguard status --cluster`: the fleet of servers sharing one PostgreSQL.
+"""`gpuguard where` and `gpuguard status --fleet`: the fleet of servers sharing one PostgreSQL.
 
 Both ask the local daemon, which reads the fleet database (users hold no database password).
 A node silent past its lease shows as lost; a view the daemon could not refresh says since when.
@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "fleet quota), data locality (same node, same rack, another rack), queue depth; and the ssh line. "
                     "Example: gpuguard where --gpus 2 --data /data/imagenet")
     where.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs you want (default 1)")
-    where.add_argument("--data", metavar="PATH", help="your data's path, as [cluster.data] names storage")
+    where.add_argument("--data", metavar="PATH", help="your data's path, as [fleet.data] names storage")
     where.add_argument("--json", action="store_true", help="print JSON")
     where.set_defaults(func=show_where)
 
@@ -34,7 +34,7 @@ def show_where(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
-    quota = "no fleet quota" if reply["cluster_gpus"] is None else f"fleet quota {reply['cluster_gpus']}"
+    quota = "no fleet quota" if reply["fleet_gpus"] is None else f"fleet quota {reply['fleet_gpus']}"
     print(f"{reply['user']}: {quota}, {reply['held']} held; {staleness(reply)}")
     choices = reply["choices"]
     if not choices:
@@ -53,9 +53,9 @@ def show_where(args: argparse.Namespace) -> int:
     return 1
 
 
-def show_cluster(args: argparse.Namespace) -> int:
-    """`gpuguard status --cluster`: every server's GPUs, holders, queue and staleness in one table."""
-    reply = ask(args, "cluster_status")
+def show_fleet(args: argparse.Namespace) -> int:
+    """`gpuguard status --fleet`: every server's GPUs, holders, queue and staleness in one table."""
+    reply = ask(args, "fleet_status")
     if args.json:
         print_json(reply)
         return EXIT_OK

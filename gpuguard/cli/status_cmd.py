@@ -30,6 +30,8 @@ _COLOURS = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33",
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from argparse import SUPPRESS  # only when the full parser is built: `status` itself skips argparse
+
     status = subparsers.add_parser(
         "status", help="who holds which GPU, memory, utilisation and processes",
         description="Each GPU with its holders, their memory against their quota, time left and processes, "
@@ -37,8 +39,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "Examples: gpuguard status; gpuguard status -u alice; gpuguard status --csv",
         epilog=f"--csv columns: {','.join(CSV_COLUMNS)} (holders space-separated; empty when unknown or none)")
     status.add_argument("-u", "--user", metavar="NAME", help="only the GPUs this user holds or runs processes on")
-    status.add_argument("--cluster", action="store_true",
+    status.add_argument("--fleet", action="store_true",
                         help="every server of the fleet: GPUs, holders, queue, staleness (with --json too)")
+    # its old name, for one release: said on stderr, hidden from --help
+    status.add_argument("--cluster", action="store_true", dest="old_fleet", help=SUPPRESS)
     output = status.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
     output.add_argument("--csv", action="store_true", help="print CSV, one line per GPU, after a header line")
@@ -83,9 +87,12 @@ def _user_exists(name: str) -> bool:
 
 
 def show_status(args: argparse.Namespace) -> int:
-    if args.cluster:
+    if args.old_fleet:
+        print("gpuguard: status --cluster is now status --fleet (the old name works until the next release)",
+              file=sys.stderr)
+    if args.fleet or args.old_fleet:
         from gpuguard.cli import fleet_cmd
-        return fleet_cmd.show_cluster(args)
+        return fleet_cmd.show_fleet(args)
     if args.no_header and not args.csv:
         raise CommandError("--no-header goes with --csv", EXIT_USAGE)
     if args.user is not None and not _user_exists(args.user):

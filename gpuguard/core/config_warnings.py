@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gpuguard.config import DRIVER_ACCOUNTS, ClusterConfig, Config, MetricsConfig
+from gpuguard.config import DRIVER_ACCOUNTS, Config, FleetConfig, MetricsConfig
 
 # Where etc/gpuguard.service (ProtectSystem=strict) lets the daemon write files: its
 # RuntimeDirectory= and StateDirectory=.
@@ -41,19 +41,19 @@ def warnings(config: Config, user_exists: Callable[[str], bool], group_exists: C
         found += [f"{config.paths.quotas}: {kind}.{name}.sharing: has no effect without a gpu_memory limit"
                   for name, table in tables.items()
                   if table.get("sharing") and table.get("gpu_memory", memory) is None]
-    return found + _under_the_unit(config.metrics) + _cluster(config.cluster)
+    return [*config.renamed, *found, *_under_the_unit(config.metrics), *_fleet(config.fleet)]
 
 
-def _cluster(cluster: ClusterConfig | None) -> list[str]:
+def _fleet(fleet: FleetConfig | None) -> list[str]:
     """The fleet database's connection string: a password in a file users may read, and hosts the
     shipped unit's IPAddressAllow=localhost does not let the daemon reach."""
-    if cluster is None:
+    if fleet is None:
         return []
     found = []
-    database = cluster.database
+    database = fleet.database
     uri = re.match(r"postgres(?:ql)?://", database)
     if re.search(r"(?:^|\s)password\s*=", database) or (uri and ":" in urlsplit(database).netloc.rpartition("@")[0]):
-        found.append("cluster.database: holds a password, and gpuguard.toml is readable by users: use passfile= "
+        found.append("fleet.database: holds a password, and gpuguard.toml is readable by users: use passfile= "
                      "(a root-only file in .pgpass format) instead")
     if uri:  # postgresql://user@host1:5432,[::1]:5433/db
         hosts = [_uri_host(part) for part in urlsplit(database).netloc.rpartition("@")[2].split(",") if part]
@@ -61,7 +61,7 @@ def _cluster(cluster: ClusterConfig | None) -> list[str]:
         hosts = [h for m in re.finditer(r"(?:^|\s)(?:host|hostaddr)\s*=\s*(\S+)", database) for h in m[1].split(",")]
     remote = sorted({host for host in hosts if not _local(host)})
     if remote:
-        found.append(f"cluster.database: {', '.join(remote)} is not this host, and the systemd unit lets the daemon "
+        found.append(f"fleet.database: {', '.join(remote)} is not this host, and the systemd unit lets the daemon "
                      "reach only localhost (IPAddressAllow=localhost): open it with a drop-in (README, Several servers)")
     return found
 

@@ -131,7 +131,7 @@ class Quota:
     priority: int = 0                   # the queue serves higher first (gpuguard.core.scheduler)
     share: float = 1.0                  # fair-share weight: recent usage counts divided by it
     reclaim_after: float | None = None  # seconds without a process before release, only while someone waits
-    cluster_gpus: int | None = None     # GPUs on all servers of a fleet together (gpuguard.fleet); None = no limit
+    fleet_gpus: int | None = None     # GPUs on all servers of a fleet together (gpuguard.fleet); None = no limit
     max_sharers: int = 2                # sharing: at most this many users on one GPU (allocator)
     # MIG: `gpus` counts units, a whole GPU or a slice each. At most `slices` of them slices (None:
     # all may be), whole GPUs only when whole_gpus, slices of these profiles only, preferred in

@@ -41,7 +41,7 @@ class Sample:
         return {(uid, p.unit) for p in self.processes if (uid := self.uid_of(p.pid)) is not None}
 
 
-class Holder(NamedTuple):
+class Opener(NamedTuple):
     pid: int
     uid: int
     unit: int

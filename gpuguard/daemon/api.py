@@ -47,7 +47,7 @@ from gpuguard.services.exempt import Exempt
 from gpuguard.services.grants import Grants
 from gpuguard.services.logout import LogoutRelease
 from gpuguard.services.lookups import KnownAccounts
-from gpuguard.services.openers import HolderEnder, Scan
+from gpuguard.services.openers import OpenerEnder, Scan
 from gpuguard.services.queueing import Queue, Standing
 from gpuguard.services.release import Releases
 from gpuguard.services.reload_effects import ReloadEffects
@@ -61,7 +61,7 @@ LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for
 
 
 # (user, quota) -> text added to a queued login's message: where GPUs are free for them now
-# (gpuguard.fleet.node.Cluster.elsewhere; "" when nowhere or unknown)
+# (gpuguard.fleet.node.FleetNode.elsewhere; "" when nowhere or unknown)
 Elsewhere = Callable[[str, Quota], str]
 
 
@@ -83,7 +83,7 @@ class Api:
     sampler: GpuSampler
     lookup: Lookup
     logout: LogoutRelease
-    holders: HolderEnder
+    openers: OpenerEnder
     gate: GateMap | None
     apply_reload: Callable[[], Config]  # the `reload` operation's work: the config it put in force
     resync_nodes: Callable[[], None]  # the `sync_nodes` operation's work
@@ -449,7 +449,7 @@ class Api:
         if units is not None and set(units) - held:
             raise Refusal(f"you do not hold GPU {unit_list(set(units) - held)} (you hold {unit_list(held)})")
         targets = set(units) if units is not None else held
-        scan = _readable(await self.holders.scan(account.uid, targets, for_user=True))
+        scan = _readable(await self.openers.scan(account.uid, targets, for_user=True))
         busy = scan.listed | scan.unlisted
         in_use = f"still in use by your process{'es' if len({p for p, _ in busy}) > 1 else ''} " \
                  f"{number_list({pid for pid, _ in busy})}"
@@ -539,7 +539,7 @@ class Api:
         """Take GPUs back. The gate stops new opens at once, and the processes that opened a
         GPU before are ended: the watcher warns and stops those NVML lists (stray use), and
         those only /proc shows, which the watcher never sees, get SIGTERM here and SIGKILL
-        kill_wait later if they still hold it (holders.HolderEnder)."""
+        kill_wait later if they still hold it (openers.OpenerEnder)."""
         store = self.store
         name, units = request.user, self._units(request.units)
         uid: int | None
@@ -550,11 +550,11 @@ class Api:
         if uid is None:
             raise Refusal(f"no such user: {name}", 2)
         removed = self.releases.take_back(uid, units, self.clock(), kind=EventKind.REVOKE, rule=Rule.ADMIN,
-                                          message="revoked by root", end_holders=False)
+                                          message="revoked by root", end_openers=False)
         if not removed:
             raise Refusal(f"{name} holds {'no GPU' if units is None else 'none of GPU ' + unit_list(units)}")
         revoked = {g.unit for g in removed}
-        ending = await self.holders.end(uid, removed[0].user, revoked, Rule.ADMIN)
+        ending = await self.openers.end(uid, removed[0].user, revoked, Rule.ADMIN)
         scan = ending.scan
         note = f"; cannot see the GPUs' processes right now ({scan.error})" if scan.error else ""
         if scan.listed:  # the gate only checks at open(): the watcher warns these as stray use and ends them

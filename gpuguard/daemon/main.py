@@ -7,7 +7,7 @@ watch the device directory -> serve the socket -> READY=1. Under systemd it also
 is doing (STATUS=) and pings the watchdog (WATCHDOG=1, WatchdogSec= in etc/gpuguard.service)
 from the event loop, so a loop that hangs gets the daemon restarted. One asyncio loop in the main thread
 runs the server, the metrics endpoint and a periodic tick; the store is touched only from that
-thread, and blocking NVML and /proc work runs in threads of its own (sampling.Sampler, scans.Scans).
+thread, and blocking NVML and /proc work runs in threads of its own (backends.sampler.Sampler, scans.Scans).
 Decisions that read state and
 then change it never await in between, so concurrent requests cannot interleave inside one.
 
@@ -43,7 +43,6 @@ from gpuguard.backends import (
     systemd,
     visible_devices,
 )
-from gpuguard.backends import sampler as sampling
 from gpuguard.backends.exits import ExitWatch
 from gpuguard.backends.gate import Gate
 from gpuguard.backends.gpu_nodes import AclNodes
@@ -52,6 +51,7 @@ from gpuguard.backends.nss import AccountLookup
 from gpuguard.backends.owned import OwnedGpus
 from gpuguard.backends.processes import HostProcesses
 from gpuguard.backends.remote_notify import RemoteNotifier
+from gpuguard.backends.sampler import Sampler, node_openers
 from gpuguard.config import AccessMode, Config, GpuBackend
 from gpuguard.core import coexist
 from gpuguard.core.coexist import Owner
@@ -86,6 +86,8 @@ class Daemon:
         _raise_nofile()
         self.server = Server(self.config.paths.socket, self._handle, abandoned_on_hangup=frozenset({"wait"}))
         self.server.claim()  # a second daemon stops here, before it touches the gate or the nodes
+        for line in self.config.renamed:  # old names in the admin's files, read for one release
+            event(logging.WARNING, "config_renamed", detail=line)
         systemd.status("starting: opening the store and the GPUs")
         # Before anything is touched: on a Slurm node nobody has decided about, refusing is safe
         present = driver_minors(self.config)
@@ -102,7 +104,7 @@ class Daemon:
         # alone, its node would stay as the driver made it (0666), open to all in acl mode.
         first_layout = self.backend.layout()
         remote = RemoteNotifier(lambda: self.config.notify)  # webhook and e-mail, beside the terminals
-        sampler = self.sampler = sampling.Sampler(self.backend)
+        sampler = self.sampler = Sampler(self.backend)
         # The users' pids for holder scans, from the kernel's process events; without it they walk /proc.
         index = self.process_index = proc_events.ProcessIndex()
         index.start()
@@ -112,13 +114,13 @@ class Daemon:
             units={gpu.unit: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
             driver_minors=present - self.ownership.foreign.keys(), nodes=AclNodes(self.config.paths.device_dir),
             lookup=AccountLookup(), terminals=notify.Notifier(remote=remote), exits=ExitWatch(),
-            find_holders=partial(sampling.node_holders, real_uids=procfs.RealUids(), pids_of=index.pids_of),
+            find_openers=partial(node_openers, real_uids=procfs.RealUids(), pids_of=index.pids_of),
             processes=HostProcesses(),
             gate=self.gate,
             topology=self.backend.topology(), caps_major=caps_major(self.config),
             reload=self.reload, sync_nodes=self.sync_nodes,
             foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership),
-            held=visible_devices.HeldDevices(visible_devices.directory_for(self.config.paths.socket)),
+            visible_devices=visible_devices.VisibleDevicesFiles(visible_devices.directory_for(self.config.paths.socket)),
             notices=remote.counts, fleet_db=fleet.database(self.config),
             collectors=(proc_events.IndexCollector(index),)))
         self.store, self.grants = services.store, services.grants
@@ -135,7 +137,7 @@ class Daemon:
         for repaired in self.grants.reconcile():  # what changed while no daemon ran
             event(logging.INFO, "reconcile", repaired=repaired)
         # Each holder's CUDA_VISIBLE_DEVICES for the PAM module, should it find no daemon at a login.
-        self.grants.write_all_held()
+        self.grants.write_all_visible_devices()
         self.node_watchers = [NodeWatcher(self.config.paths.device_dir, self._node_changed)]
         caps_dir = self.config.paths.device_dir / "nvidia-caps"
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
@@ -172,7 +174,7 @@ class Daemon:
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
         fleet_services = self.services.fleet
-        heartbeat = asyncio.create_task(fleet_services.cluster.run()) if fleet_services else None
+        heartbeat = asyncio.create_task(fleet_services.node.run()) if fleet_services else None
         systemd.notify("READY=1", f"STATUS={self._status_text()}")
         event(logging.INFO, "ready", socket=self.config.paths.socket, gpu=unit_list(self.grants.gpus),
               gate=self.gate_name if self.gate else "none (acl mode)", grants=len(self.store.grants()))
@@ -209,11 +211,11 @@ class Daemon:
         new, old = configuration.load(self.config.source), self.config
         # The backend, the socket, the nodes and the gate were built from these: they need a restart.
         fixed = replace(new, paths=self.config.paths, gpu=self.config.gpu, metrics=self.config.metrics,
-                        coexist=self.config.coexist, cluster=self.config.cluster,
+                        coexist=self.config.coexist, fleet=self.config.fleet,
                         access=replace(new.access, mode=self.config.access.mode))
         if fixed != new:
             event(logging.WARNING, "reload_partial",
-                  reason="paths, gpu, metrics, coexist, cluster and access.mode change at restart")
+                  reason="paths, gpu, metrics, coexist, fleet and access.mode change at restart")
         self.config = fixed
         loop = asyncio.get_running_loop()
         self._exempt_read = loop.create_task(self.services.exempt.refresh())  # NSS, off the loop

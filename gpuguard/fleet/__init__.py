@@ -7,9 +7,9 @@ fleet quota rows that grant-time checks lock. A database outage never opens or c
 - schema.py: the PostgreSQL schema as ordered, additive migrations (rolling upgrades);
 - fleetdb.py: the SQL edge (psycopg): heartbeat, reserve, the views; every call one round trip;
 - outbox.py: the SQLite outbox of ended grants (the usage ledger) kept until the database has them;
-- service.py: the daemon's side: the ordered worker, bounded waits, offline policy, caches;
+- node.py: the node's side in the daemon: the ordered worker, bounded waits, offline policy, caches;
 - ranking.py: pure: which server `gpuguard where` recommends, data locality included;
-- ops.py: the socket operations `cluster_status` and `where`; wiring.py builds them (called by
+- ops.py: the socket operations `fleet_status` and `where`; wiring.py builds them (called by
   gpuguard.services.wiring.build, from the database edge that `database` makes).
 
 This module imports nothing heavy: a single server never loads psycopg.
@@ -24,28 +24,28 @@ from gpuguard import protocol
 if TYPE_CHECKING:
     from gpuguard.config import Config
     from gpuguard.core.model import Gpu
-    from gpuguard.fleet.wiring import Fleet
+    from gpuguard.fleet.wiring import FleetServices
     from gpuguard.services.edges import FleetDatabase, Lookup
     from gpuguard.services.store import Store
 
-OPERATIONS = frozenset({"cluster_status", "where"})  # the socket operations of gpuguard.fleet.ops
+OPERATIONS = frozenset({"fleet_status", "where"})  # the socket operations of gpuguard.fleet.ops
 
 
 def database(config: Config) -> FleetDatabase | None:
     """The fleet database's edge for the daemon (psycopg, imported here only), or None for a
-    single server (no [cluster]). Nothing connects before the first heartbeat."""
-    if config.cluster is None:
+    single server (no [fleet]). Nothing connects before the first heartbeat."""
+    if config.fleet is None:
         return None
     from gpuguard.fleet.fleetdb import FleetDb
-    return FleetDb(config.cluster.database, config.cluster.node)
+    return FleetDb(config.fleet.database, config.fleet.node)
 
 
 def build(db: FleetDatabase, config: Callable[[], Config], store: Store, units: Callable[[], Mapping[int, Gpu]],
-          foreign: Sequence[dict[str, Any]], lookup: Lookup) -> Fleet:
+          foreign: Sequence[dict[str, Any]], lookup: Lookup) -> FleetServices:
     """The fleet services, for gpuguard.services.wiring.build (which calls this only with a fleet database)."""
     from gpuguard.fleet import wiring
     return wiring.build(db, config, store, units, foreign, lookup)
 
 
 async def not_in_fleet(request: dict[str, Any], peer: Any) -> dict[str, Any]:
-    return protocol.refused("this server is not part of a fleet (no [cluster] in its gpuguard.toml)")
+    return protocol.refused("this server is not part of a fleet (no [fleet] in its gpuguard.toml)")

@@ -21,7 +21,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from gpuguard.fleet.schema import CURRENT, LOCK_KEY, MIGRATIONS, NAMESPACE, ClusterError
+from gpuguard.fleet.schema import CURRENT, LOCK_KEY, MIGRATIONS, NAMESPACE, FleetError
 
 STATEMENT_TIMEOUT_MS = 5000  # the heartbeat of a node with thousands of ledger rows to replay included
 LOCK_TIMEOUT_MS = 2000       # a user's quota row held longer than this by another check: give up
@@ -45,7 +45,7 @@ def connect(conninfo: str, node: str) -> psycopg.Connection:
 
 def migrate(conn: psycopg.Connection, node: str) -> int:
     """Bring the database to this node's schema (what is missing of it), under an advisory lock;
-    returns the database's version. Raises ClusterError when an applied migration needs a newer node."""
+    returns the database's version. Raises FleetError when an applied migration needs a newer node."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
         conn.execute(f"CREATE SCHEMA IF NOT EXISTS {NAMESPACE}")
@@ -60,7 +60,7 @@ def migrate(conn: psycopg.Connection, node: str) -> int:
                 applied[migration.version] = migration.min_node
     needed = max(applied.values())
     if needed > CURRENT:
-        raise ClusterError(f"the fleet database needs gpuguard schema {needed} or newer; this node has {CURRENT}: "
+        raise FleetError(f"the fleet database needs gpuguard schema {needed} or newer; this node has {CURRENT}: "
                            "upgrade gpuguard on this node")
     return max(applied)
 
@@ -120,7 +120,7 @@ class FleetDb:
             self._conn = None
 
 
-# Every node, its GPUs with their holders, and its queue depth: what `status --cluster` and
+# Every node, its GPUs with their holders, and its queue depth: what `status --fleet` and
 # `gpuguard where` show, in one statement.
 VIEW = f"""
 SELECT n.name AS node, n.rack, n.ssh, n.version, n.first_seen, n.last_seen, n.heartbeat, n.lease, n.grace,

@@ -21,10 +21,10 @@ from typing import Any
 import psycopg
 
 from gpuguard import __version__
-from gpuguard.config import ClusterConfig, OfflinePolicy
+from gpuguard.config import FleetConfig, OfflinePolicy
 from gpuguard.core.model import Gpu, Grant, Origin, Quota
 from gpuguard.fleet.outbox import Outbox
-from gpuguard.fleet.schema import CURRENT, ClusterError
+from gpuguard.fleet.schema import CURRENT, FleetError
 from gpuguard.fleet.worker import OrderedWorker
 from gpuguard.logs import event
 from gpuguard.services.edges import FleetDatabase
@@ -33,8 +33,8 @@ from gpuguard.services.store import Store
 MIN_GAP = 0.5  # seconds between two heartbeats that grants taken back ask for: a request/release loop sends 2 a second
 
 
-class Cluster:
-    def __init__(self, config: ClusterConfig, half_life: Callable[[], float], store: Store,
+class FleetNode:
+    def __init__(self, config: FleetConfig, half_life: Callable[[], float], store: Store,
                  units: Callable[[], Mapping[int, Gpu]], foreign: Sequence[dict[str, Any]], outbox: Outbox,
                  db: FleetDatabase):
         """units: what this node hands out now (Grants.gpus); foreign: the status entries of the GPUs
@@ -62,7 +62,9 @@ class Cluster:
         """The part of `chosen` the fleet quota allows (all of it without one), recorded in the
         database in the same transaction. Waits `timeout` at most; offline: offline_policy."""
         if self.online:
-            doc = {"node": self.config.node, "user": user, "uid": uid, "cluster_gpus": quota.cluster_gpus,
+            doc = {"node": self.config.node, "user": user, "uid": uid,
+                   # the key the released schema's reserve() reads (schema.py: never edited)
+                   "cluster_gpus": quota.fleet_gpus,
                    "minors": list(chosen), "granted_at": now, "expires_at": expires_at, "shared": shared,
                    "origin": str(origin)}
             future = self._worker.submit(self.db.reserve, doc)
@@ -76,7 +78,7 @@ class Cluster:
                 return ()
             except concurrent.futures.TimeoutError:
                 self._offline(f"no answer within {self.config.timeout:g}s")
-            except (psycopg.Error, ClusterError) as exc:
+            except (psycopg.Error, FleetError) as exc:
                 self._offline(_first_line(exc))
             else:
                 self.held[user] = result["held"] - len(self.store.grants(uid))
@@ -84,9 +86,9 @@ class Cluster:
         return self._offline_admit(uid, user, quota, chosen)
 
     def _offline_admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...]) -> tuple[int, ...]:
-        if self.config.offline_policy == OfflinePolicy.LOCAL or quota.cluster_gpus is None:
+        if self.config.offline_policy == OfflinePolicy.LOCAL or quota.fleet_gpus is None:
             return chosen
-        room = quota.cluster_gpus - self.held.get(user, 0) - len(self.store.grants(uid))
+        room = quota.fleet_gpus - self.held.get(user, 0) - len(self.store.grants(uid))
         return chosen[:max(0, room)]
 
     # --- the heartbeat
@@ -129,7 +131,7 @@ class Cluster:
         doc = self.snapshot(time.time())
         try:
             result = await asyncio.wrap_future(self._worker.submit(self.db.heartbeat, doc))
-        except (psycopg.Error, ClusterError) as exc:
+        except (psycopg.Error, FleetError) as exc:
             self._offline(_first_line(exc))
             return False
         if doc["ledger"]:
@@ -191,7 +193,7 @@ class Cluster:
     def elsewhere(self, user: str, quota: Quota) -> str:
         """For a login that queues here, holding nothing here: where GPUs are free for this user now
         ('' when nowhere, or not known)."""
-        room = None if quota.cluster_gpus is None else quota.cluster_gpus - self.held.get(user, 0)
+        room = None if quota.fleet_gpus is None else quota.fleet_gpus - self.held.get(user, 0)
         if not self.online or (room is not None and room <= 0):
             return ""
         places = [f"{place['node']} ({min(place['free'], room) if room is not None else place['free']})"

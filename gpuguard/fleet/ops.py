@@ -1,4 +1,4 @@
-"""The socket operations of a fleet: `cluster_status` (every server) and `where` (which server for me).
+"""The socket operations of a fleet: `fleet_status` (every server) and `where` (which server for me).
 
 Both read fleetdb.VIEW through a small connection pool on a worker thread, never on the event
 loop. What any user can make this cost is bounded: one query a second for everybody together
@@ -22,7 +22,7 @@ from gpuguard.core import policy
 from gpuguard.core.errors import UnknownUser
 from gpuguard.fleet import ranking
 from gpuguard.fleet.fleetdb import connection_options, view
-from gpuguard.fleet.node import Cluster
+from gpuguard.fleet.node import FleetNode
 from gpuguard.protocol import Peer
 from gpuguard.services.edges import Lookup
 
@@ -39,11 +39,11 @@ MAX_WANTED = 1024
 
 
 class FleetOps:
-    def __init__(self, config: Callable[[], Config], cluster: Cluster, lookup: Lookup):
+    def __init__(self, config: Callable[[], Config], node: FleetNode, lookup: Lookup):
         self.config = config
-        self.cluster = cluster
+        self.node = node
         self.lookup = lookup
-        settings = cluster.config
+        settings = node.config
         # No connection kept while nobody looks (a fleet of thousands of nodes holds one each, the
         # worker's, not three); one opened for a look stays IDLE_FOR seconds for the next.
         self.pool = psycopg_pool.ConnectionPool(settings.database, min_size=0, max_size=POOL_SIZE, open=False,
@@ -71,12 +71,12 @@ class FleetOps:
             return view(conn)
 
     def _freshness(self) -> dict[str, Any]:
-        cluster = self.cluster
-        return {"node": cluster.config.node, "online": cluster.online, "stale_since": cluster.stale_since,
+        node = self.node
+        return {"node": node.config.node, "online": node.online, "stale_since": node.stale_since,
                 "view_stale": self._failed_at is not None, "now": time.time()}
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        if request["op"] == "cluster_status":
+        if request["op"] == "fleet_status":
             fleet = await self._fleet()
             return protocol.ok(nodes=[{**asdict(node), "free": node.free} for node in fleet], **self._freshness())
         return await self.where(request, peer)
@@ -93,13 +93,13 @@ class FleetOps:
             return protocol.refused(str(exc))
         config = self.config()
         quota = policy.quota_for(account.name, account.groups, config)
-        holders = ranking.data_holders(data, self.cluster.config.data) if data else None
+        holders = ranking.data_holders(data, self.node.config.data) if data else None
         if data and holders is None:
-            return protocol.refused(f"{data} is not under any path of [cluster.data] "
-                                    f"({', '.join(p for p, _ in self.cluster.config.data) or 'none configured'})", 2)
+            return protocol.refused(f"{data} is not under any path of [fleet.data] "
+                                    f"({', '.join(p for p, _ in self.node.config.data) or 'none configured'})", 2)
         fleet = await self._fleet()
-        choices = ranking.rank(fleet, account.name, quota.cluster_gpus, wanted, holders)
-        return protocol.ok(user=account.name, cluster_gpus=quota.cluster_gpus, held=ranking.held_by(fleet, account.name),
+        choices = ranking.rank(fleet, account.name, quota.fleet_gpus, wanted, holders)
+        return protocol.ok(user=account.name, fleet_gpus=quota.fleet_gpus, held=ranking.held_by(fleet, account.name),
                            wanted=wanted, data=data, data_holders=list(holders or ()),
                            choices=[{"node": c.node.name, "rack": c.node.rack, "ssh": c.ssh, "free": c.node.free,
                                      "may_take": c.may_take, "queued": c.node.queued,

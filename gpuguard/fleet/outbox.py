@@ -1,6 +1,6 @@
 """The node's outbox: the ended grants (the usage ledger) the fleet database has not confirmed yet.
 
-A SQLite file of its own next to the state database (cluster.db), so a node keeps its ledger
+A SQLite file of its own next to the state database (fleet.db), so a node keeps its ledger
 across a database outage and a restart. Rows go out with the next heartbeat and are deleted
 once it succeeded; the database keys them by (node, incarnation, seq) and ignores a row it has,
 so a heartbeat lost after it committed replays nothing twice. `seq` is AUTOINCREMENT (never

@@ -1,7 +1,7 @@
-"""Pure: the fleet as `status --cluster` shows it, and which server `gpuguard where` recommends.
+"""Pure: the fleet as `status --fleet` shows it, and which server `gpuguard where` recommends.
 
 Input: the rows of fleetdb.VIEW (one per node and GPU). A node silent past its lease is lost:
-shown, never recommended. Locality of data: `[cluster.data]` maps storage paths to the nodes
+shown, never recommended. Locality of data: `[fleet.data]` maps storage paths to the nodes
 or racks holding them; the longest path that contains the one asked for decides, and a node
 is near when it is one of those nodes (0), in the rack of one of them or in a rack named
 there (1), or elsewhere (2).
@@ -75,7 +75,7 @@ def held_by(fleet: Iterable[NodeView], user: str) -> int:
 
 
 def data_holders(path: str, data: Sequence[tuple[str, Sequence[str]]]) -> tuple[str, ...] | None:
-    """The nodes or racks of the longest `[cluster.data]` path containing `path` (None: not mapped)."""
+    """The nodes or racks of the longest `[fleet.data]` path containing `path` (None: not mapped)."""
     path = path.rstrip("/") or "/"
     best = max((prefix for prefix, _ in data if path == prefix or path.startswith(prefix.rstrip("/") + "/")),
                key=len, default=None)
@@ -89,11 +89,11 @@ def locality(node: NodeView, holders: Sequence[str], racks: Mapping[str, str]) -
     return 1 if node.rack and node.rack in near else 2
 
 
-def rank(fleet: Sequence[NodeView], user: str, cluster_gpus: int | None, wanted: int,
+def rank(fleet: Sequence[NodeView], user: str, fleet_gpus: int | None, wanted: int,
          holders: Sequence[str] | None) -> list[Choice]:
     """The servers for `user`, best first: first those where they may take `wanted` GPUs now,
     then by data locality (when holders is given), then the shorter queue, then more free GPUs."""
-    room = None if cluster_gpus is None else max(0, cluster_gpus - held_by(fleet, user))
+    room = None if fleet_gpus is None else max(0, fleet_gpus - held_by(fleet, user))
     racks = {node.name: node.rack for node in fleet}
     choices = [Choice(node, node.free if room is None else min(node.free, room),
                       None if holders is None else locality(node, holders, racks))

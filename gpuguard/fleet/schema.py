@@ -18,7 +18,7 @@ NAMESPACE = "gpuguard"
 LOCK_KEY = 0x67707567  # pg_advisory_xact_lock key of the migrations ("gpug")
 
 
-class ClusterError(GpuguardError):
+class FleetError(GpuguardError):
     """The fleet database cannot be used by this node (too old, unreachable at start, bad schema)."""
 
 
@@ -55,7 +55,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     CREATE INDEX grants_by_user ON gpuguard.services.grants (username);
     -- one row per user: a grant-time check locks it, so a user's checks on all nodes run one at a time
     CREATE TABLE gpuguard.fleet_quotas (
-        username text PRIMARY KEY, cluster_gpus integer, updated_at double precision NOT NULL);
+        username text PRIMARY KEY, fleet_gpus integer, updated_at double precision NOT NULL);
     CREATE TABLE gpuguard.queue (
         node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, ticket integer NOT NULL,
         username text NOT NULL, gpus integer NOT NULL, since double precision NOT NULL,
@@ -174,14 +174,14 @@ MIGRATIONS: tuple[Migration, ...] = (
     DECLARE
         me text := doc->>'node';
         who text := doc->>'user';
-        quota integer := (doc->>'cluster_gpus')::integer;
+        quota integer := (doc->>'fleet_gpus')::integer;
         at double precision := extract(epoch FROM clock_timestamp());
         wanted integer[] := ARRAY(SELECT jsonb_array_elements_text(doc->'minors')::integer);
         held integer;
         took integer[];
     BEGIN
-        INSERT INTO gpuguard.fleet_quotas AS q (username, cluster_gpus, updated_at) VALUES (who, quota, at)
-        ON CONFLICT (username) DO UPDATE SET cluster_gpus = excluded.cluster_gpus, updated_at = excluded.updated_at;
+        INSERT INTO gpuguard.fleet_quotas AS q (username, fleet_gpus, updated_at) VALUES (who, quota, at)
+        ON CONFLICT (username) DO UPDATE SET fleet_gpus = excluded.fleet_gpus, updated_at = excluded.updated_at;
         SELECT count(*) INTO held FROM gpuguard.services.grants g WHERE g.username = who AND (g.node = me OR (
             SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node));
         took := CASE WHEN quota IS NULL THEN wanted ELSE wanted[1:greatest(0, quota - held)] END;

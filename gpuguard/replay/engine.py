@@ -4,7 +4,7 @@ The services are the daemon's, built by the same wiring.build; only the edges di
 is virtual, the GPU sample is the jobs running at that moment (_ReplayGpus), the trace's users
 are accounts in access.group (_ReplayAccounts), a signal to a job's process ends the job
 (_ReplayProcesses), the store is a scratch file without fsync, and there are no device nodes,
-gate, terminals or /proc holders (Edges.find_holders None: no holder scans). The replay decides
+gate, terminals or /proc holders (Edges.find_openers None: no holder scans). The replay decides
 nothing itself: logins and logouts are Api.session_open / session_close (and the logout release
 after it), a job's request is the queue's join (whose dispatch serves the waiters), and every
 release, revoke and stop is an action of Watcher.check, but for a batch job's own release as it
@@ -342,7 +342,7 @@ class Replay:
         self.services = wiring.build(wiring.Edges(
             config=lambda: services_config, store_path=scratch / "state.db", sampler=_ReplayGpus(self), units=inventory,
             driver_minors=range(gpus), nodes=nowhere, lookup=_ReplayAccounts(self), terminals=nowhere,
-            exits=nowhere, find_holders=None, processes=_ReplayProcesses(self), clock=lambda: self.now,
+            exits=nowhere, find_openers=None, processes=_ReplayProcesses(self), clock=lambda: self.now,
             durable=False))
         self.store, self.grants, self.queue = self.services.store, self.services.grants, self.services.queue
         self.api, self.watcher = self.services.api, self.services.watcher

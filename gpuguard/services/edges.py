@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from gpuguard.config import AccessConfig
     from gpuguard.core.model import Account, Device, ProcessIdentity, SignalResult
-    from gpuguard.core.sample import Holder, Sample
+    from gpuguard.core.sample import Opener, Sample
 
 Clock = Callable[[], float]  # wall-clock seconds: time.time, or a replay's virtual clock
 Cancel = Callable[[], None]
@@ -21,7 +21,7 @@ Entry = tuple[int, "Device"]  # (uid, (major, minor)): one grant in the gate's m
 
 
 class GpuSampler(Protocol):
-    """Samples of the GPUs (sampling.Sampler over NVML or the simulated GPUs)."""
+    """Samples of the GPUs (backends.sampler.Sampler over NVML or the simulated GPUs)."""
 
     @property
     def last(self) -> Sample | None: ...
@@ -93,13 +93,13 @@ class ExitWatch(Protocol):
     def watch(self, pids: Collection[int], uid: int, on_exit: Callable[[], None]) -> Cancel | None: ...
 
 
-class HolderSearch(Protocol):
+class OpenerSearch(Protocol):
     """Processes of these users (None: anyone's, a walk of all of /proc) holding these units' nodes
-    (sampling.node_holders: a /proc scan, blocking, run in scans.Scans' pools). devices_of: the
+    (backends.sampler.node_openers: a /proc scan, blocking, run in scans.Scans' pools). devices_of: the
     nodes whose holders use a unit."""
 
     def __call__(self, units: Iterable[int], uids: Collection[int] | None,
-                 devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]: ...
+                 devices_of: Callable[[int], Iterable[Device]]) -> list[Opener]: ...
 
 
 class Processes(Protocol):
@@ -127,9 +127,9 @@ class FleetDatabase(Protocol):
     def close(self) -> None: ...
 
 
-class HeldFiles(Protocol):
+class VisibleDevices(Protocol):
     """Each user's held GPUs (UUIDs) where the PAM module finds them when no daemon answers
-    (held_devices.HeldDevices: /run/gpuguard/held/UID)."""
+    (backends.visible_devices.VisibleDevicesFiles: /run/gpuguard/held/UID)."""
 
     def write(self, uid: int, uuids: Sequence[str]) -> None:
         """Say these UUIDs for uid (none: the user's file goes); a failure is logged, never raised."""

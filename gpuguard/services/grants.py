@@ -43,7 +43,7 @@ from gpuguard.core.model import (
 )
 from gpuguard.logs import event
 from gpuguard.services.drains import Drain
-from gpuguard.services.edges import Entry, GateMap, HeldFiles, Nodes
+from gpuguard.services.edges import Entry, GateMap, Nodes, VisibleDevices
 from gpuguard.services.store import Store
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ _CAP_NODE = re.compile(r"nvidia-cap(\d+)")
 
 
 class Admit(Protocol):
-    """A fleet's grant-time check (gpuguard.fleet.node.Cluster.admit): the part of `chosen` the
+    """A fleet's grant-time check (gpuguard.fleet.node.FleetNode.admit): the part of `chosen` the
     fleet quota allows, recorded in the fleet database."""
 
     def __call__(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...], now: float,
@@ -65,13 +65,13 @@ class Grants:
     def __init__(self, store: Store, gate: GateMap | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
                  topology: Topology | None = None, caps_major: int | None = None, admit: Admit | None = None,
-                 held: HeldFiles | None = None):
+                 visible_devices: VisibleDevices | None = None):
         """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
         nvidia-caps character major (None: no MIG capability nodes on this machine); admit: a
         fleet's grant-time check (gpuguard.fleet), None on a single server; held: each user's
         CUDA_VISIBLE_DEVICES for logins while the daemon is down (None: not kept)."""
         self.store = store
-        self.held = held
+        self.visible_devices = visible_devices
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
         self.nodes = nodes
         self.caps_major = caps_major
@@ -97,18 +97,18 @@ class Grants:
         # may only make a grant smaller.
         self.admit = admit
 
-    def write_held(self, uid: int) -> None:
+    def write_visible_devices(self, uid: int) -> None:
         """The user's held-devices file as the store now says (after every grant given or taken
         back: add and remove are the only ways a grant changes, so no listener is needed)."""
-        if self.held is not None:
-            self.held.write(uid, [self.gpus[g.unit].uuid for g in sorted(self.store.grants(uid), key=lambda g: g.unit)
+        if self.visible_devices is not None:
+            self.visible_devices.write(uid, [self.gpus[g.unit].uuid for g in sorted(self.store.grants(uid), key=lambda g: g.unit)
                                   if g.unit in self.gpus])
 
-    def write_all_held(self) -> None:
+    def write_all_visible_devices(self) -> None:
         """Every holder's file, and none for anyone else (at start: grants changed while no daemon ran)."""
-        if self.held is not None:
-            for uid in sorted(self.held.users() | {g.uid for g in self.store.grants()}):
-                self.write_held(uid)
+        if self.visible_devices is not None:
+            for uid in sorted(self.visible_devices.users() | {g.uid for g in self.store.grants()}):
+                self.write_visible_devices(uid)
 
     def set_exempt(self, uids: Collection[int]) -> None:
         """Change the exempt users; every node's ACL follows at once."""
@@ -134,10 +134,10 @@ class Grants:
             return [parent]
         return [parent, *((self.caps_major, cap) for cap in caps)]
 
-    def holder_devices(self, unit: int) -> list[Device]:
+    def opener_devices(self, unit: int) -> list[Device]:
         """The nodes whose holders use a unit: a GPU's node; a slice's capability nodes (its
         parent's node alone reaches no slice, and the holder's other slices of that GPU need it).
-        Reads no store: called from worker threads (sampling.node_holders)."""
+        Reads no store: called from worker threads (backends.sampler.node_openers)."""
         devices = self.devices_of(unit)
         return devices[1:] if is_slice(unit) else devices
 
@@ -219,7 +219,7 @@ class Grants:
                                     action=EventKind.GRANT) for unit in units)
         event(logging.INFO, "grant", user=user, uid=uid, gpu=unit_list(units), origin=origin, expires_at=expires_at,
               shared=shared or None)
-        self.write_held(uid)
+        self.write_visible_devices(uid)
 
     def remove(self, uid: int, units: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
                message: str) -> list[Grant]:
@@ -250,7 +250,7 @@ class Grants:
         self.store.add_events(Event(now, uid, grant.user, kind, message, unit=grant.unit, rule=rule, action=kind)
                               for grant in held)
         event(logging.INFO, kind, user=held[0].user, uid=uid, gpu=unit_list(g.unit for g in held), rule=rule)
-        self.write_held(uid)
+        self.write_visible_devices(uid)
         return held
 
     def sync_nodes(self, units: Iterable[int]) -> list[str]:

@@ -60,7 +60,7 @@ class KnownAccounts:
 
 
 async def membership(lookup: Lookup, access: AccessConfig, uid: int) -> bool | None:
-    """Whether uid is in the GPU group now; None when NSS cannot say (holders.HolderEnder then
+    """Whether uid is in the GPU group now; None when NSS cannot say (openers.OpenerEnder then
     reports a holder of that uid, never ends it)."""
     try:
         account = await lookup.by_uid(uid)

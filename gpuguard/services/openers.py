@@ -79,7 +79,7 @@ class Ending:
 IsMember = Callable[[int], Awaitable[bool | None]]
 
 
-class HolderEnder:
+class OpenerEnder:
     def __init__(self, scans: Scans, sampler: GpuSampler, exempt: Exempt, store: Store,
                  kill_wait: Callable[[], float], processes: Processes, clock: Clock = time.time,
                  is_member: IsMember | None = None):

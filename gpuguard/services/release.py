@@ -5,7 +5,7 @@ reclaim rules, a logout, a MIG layout change) calls take_back, which, in this or
 
 1. takes the grants back (Grants.remove: the gate closes, the store forgets, the ACLs follow,
    the event is recorded);
-2. ends the user's processes still holding those nodes, in the background (HolderEnder.schedule),
+2. ends the user's processes still holding those nodes, in the background (OpenerEnder.schedule),
    unless the caller ends them itself to report on them (an admin's revoke);
 3. charges the ended grants to their users' fair share (Queue.charge), and, where a rule took
    them (KEEPS_TOTAL), lets the user's place in the queue wait for as many more (Queue.keep_total);
@@ -34,11 +34,11 @@ from gpuguard.services.queueing import Queue
 if TYPE_CHECKING:
     from gpuguard.backends.nvml import MigLayout
 
-# (uid, user, units, why): end that user's processes still holding these units' nodes (HolderEnder.schedule)
-EndHolders = Callable[[int, str, Iterable[int], Rule], None]
+# (uid, user, units, why): end that user's processes still holding these units' nodes (OpenerEnder.schedule)
+EndOpeners = Callable[[int, str, Iterable[int], Rule], None]
 # (uid, user, message): tell a user on their terminals (not an exempt one)
 Tell = Callable[[int, str, str], None]
-# (grants taken back, now): the fleet's record of them (gpuguard.fleet.node.Cluster.ended)
+# (grants taken back, now): the fleet's record of them (gpuguard.fleet.node.FleetNode.ended)
 Ended = Callable[[list[Grant], float], None]
 
 
@@ -49,25 +49,25 @@ KEEPS_TOTAL = frozenset({Rule.IDLE, Rule.RECLAIM, Rule.TIME, Rule.LOGOUT, Rule.L
 
 
 class Releases:
-    def __init__(self, grants: Grants, queue: Queue, end_holders: EndHolders, tell: Tell,
+    def __init__(self, grants: Grants, queue: Queue, end_openers: EndOpeners, tell: Tell,
                  fleet_ended: Ended | None = None):
         self.grants = grants
         self.queue = queue
-        self.end_holders = end_holders
+        self.end_openers = end_openers
         self.tell = tell
         self.fleet_ended = fleet_ended  # None on a single server
         self._freed_in_batch: bool | None = None  # None: no batch open
 
     def take_back(self, uid: int, units: Iterable[int] | None, now: float, *, kind: EventKind, rule: Rule,
-                  message: str, end_holders: bool = True) -> list[Grant]:
+                  message: str, end_openers: bool = True) -> list[Grant]:
         """Take back a user's units (all, or these): kind release (the user's, idle, reclaim,
         logout) or revoke (an admin, a time limit, a layout change). Returns what was held.
-        end_holders=False: the caller ends the holders itself (HolderEnder.end) to report on them."""
+        end_openers=False: the caller ends the holders itself (OpenerEnder.end) to report on them."""
         removed = self.grants.remove(uid, units, now, kind=kind, rule=rule, message=message)
         if not removed:
             return []
-        if end_holders:
-            self.end_holders(uid, removed[0].user, [g.unit for g in removed], rule)
+        if end_openers:
+            self.end_openers(uid, removed[0].user, [g.unit for g in removed], rule)
         self.queue.charge(removed, now)
         if rule in KEEPS_TOTAL:
             self.queue.keep_total(uid, [g.unit for g in removed])

@@ -602,7 +602,7 @@ def _add_usage_total(db: sqlite3.Connection, uid: int, user: str, unit: int, gra
 
 def _fields(row: sqlite3.Row) -> dict[str, Any]:
     """A grants or events row as its dataclass's fields. The column keeps the name `minor` that
-    every schema version, the frozen databases and the cluster's tables have (renaming it is a
+    every schema version, the frozen databases and the fleet's tables have (renaming it is a
     migration for no reader's benefit); the dataclasses call it `unit`, as it holds one. Here only."""
     fields = dict(row)
     fields["unit"] = fields.pop("minor")

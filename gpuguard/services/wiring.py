@@ -2,7 +2,7 @@
 
 The daemon, the unit tests (tests/unit/fakes.py) and a replay all call build: each service is
 made here and handed exactly the others it uses, so the three cannot wire them differently. The
-callers differ only in the edges they pass: the kernel and the hardware (daemon.py), fakes that
+callers differ only in the edges they pass: the kernel and the hardware (daemon/main.py), fakes that
 record what was asked (the unit tests), or a virtual clock and a simulated sample (a replay).
 """
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,18 +29,18 @@ from gpuguard.services.edges import (
     FleetDatabase,
     GateMap,
     GpuSampler,
-    HeldFiles,
-    HolderSearch,
     Lookup,
     Nodes,
+    OpenerSearch,
     Processes,
     Terminals,
+    VisibleDevices,
 )
 from gpuguard.services.exempt import Exempt
 from gpuguard.services.grants import Grants
 from gpuguard.services.logout import LogoutRelease
 from gpuguard.services.lookups import KnownAccounts, membership
-from gpuguard.services.openers import HolderEnder
+from gpuguard.services.openers import OpenerEnder
 from gpuguard.services.queueing import Queue
 from gpuguard.services.release import Releases
 from gpuguard.services.reload_effects import ReloadEffects
@@ -51,7 +50,7 @@ from gpuguard.services.usage import UsageMeter
 from gpuguard.services.watcher import ACTIVE_WRITE_EVERY, Watcher
 
 if TYPE_CHECKING:
-    from gpuguard.fleet.wiring import Fleet
+    from gpuguard.fleet.wiring import FleetServices
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class Edges:
     terminals: Terminals             # telling users
     exits: ExitWatch                 # being told when processes exit
     # /proc: who holds a node open; None: nothing beyond the sampled processes does (a replay)
-    find_holders: HolderSearch | None
+    find_openers: OpenerSearch | None
     processes: Processes             # who a process is; signals
     gate: GateMap | None = None      # None in access.mode = acl
     topology: Topology | None = None
@@ -80,10 +79,10 @@ class Edges:
     sync_nodes: Callable[[], None] = field(default=lambda: None)  # the `sync_nodes` operation
     # `status` entries of the GPUs Slurm or Kubernetes own (coexist.status_entries): shown, never handed out
     foreign: Sequence[dict[str, Any]] = ()
-    # A fleet's PostgreSQL ([cluster]: cluster.database makes it); None on a single server
+    # A fleet's PostgreSQL ([fleet]: fleet.database makes it); None on a single server
     fleet_db: FleetDatabase | None = None
     # each holder's CUDA_VISIBLE_DEVICES for the PAM module when no daemon answers (None: not kept)
-    held: HeldFiles | None = None
+    visible_devices: VisibleDevices | None = None
     # webhook and e-mail notices by (channel, outcome): sent, failed, dropped (remote_notify)
     notices: Callable[[], Mapping[tuple[str, str], int]] = dict
     # the connection budget the metrics endpoint shares with the socket (server.Server's); None: one of its own
@@ -102,7 +101,7 @@ class Services:
     accounts: KnownAccounts
     usage: UsageMeter
     scans: Scans
-    holders: HolderEnder
+    openers: OpenerEnder
     queue: Queue
     releases: Releases
     logout: LogoutRelease
@@ -110,7 +109,7 @@ class Services:
     watcher: Watcher
     api: Api
     metrics: Metrics
-    fleet: Fleet | None  # several servers, one PostgreSQL (gpuguard.fleet); None on a single server
+    fleet: FleetServices | None  # several servers, one PostgreSQL (gpuguard.fleet); None on a single server
     edges: Edges
 
     def close(self) -> None:
@@ -120,7 +119,7 @@ class Services:
             self.fleet.close()
         self.metrics.close()
         self.logout.close()
-        self.holders.close()
+        self.openers.close()
         self.scans.close()
         self.usage.flush()
         self.edges.terminals.close()
@@ -142,8 +141,8 @@ def build(edges: Edges) -> Services:
     fleet_services = None if edges.fleet_db is None else fleet.build(
         edges.fleet_db, config, store, lambda: grants.gpus, edges.foreign, edges.lookup)
     grants = Grants(store, edges.gate, edges.nodes, edges.driver_minors, gpus=edges.units,
-                    topology=edges.topology, caps_major=edges.caps_major, held=edges.held,
-                    admit=fleet_services.cluster.admit if fleet_services else None)
+                    topology=edges.topology, caps_major=edges.caps_major, visible_devices=edges.visible_devices,
+                    admit=fleet_services.node.admit if fleet_services else None)
     grants.drained.update(drains.load(state_dir / drains.FILE))
 
     def apply_exempt(uids: frozenset[int]) -> None:
@@ -155,11 +154,11 @@ def build(edges: Edges) -> Services:
     accounts = KnownAccounts(edges.lookup, config)
     usage = UsageMeter(store, accounts.name_of)
     # the /proc scans users' requests cause and the daemon's own, in pools of their own (scans.py)
-    scans = Scans(None if edges.find_holders is None else partial(edges.find_holders, devices_of=grants.holder_devices))
-    holders = HolderEnder(scans, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
+    scans = Scans(edges.find_openers, grants.opener_devices)
+    openers = OpenerEnder(scans, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
                           edges.processes, edges.clock,
                           is_member=lambda uid: membership(edges.lookup, config().access, uid))
-    queue = Queue(config, store, grants, remote_usage=fleet_services.cluster.remote_usage if fleet_services else None)
+    queue = Queue(config, store, grants, remote_usage=fleet_services.node.remote_usage if fleet_services else None)
     queue.holds = state_files.read_ids(state_dir / HOLDS_FILE)
 
     def tell(uid: int, user: str, message: str) -> None:
@@ -168,20 +167,20 @@ def build(edges: Edges) -> Services:
 
     # With no holder search (a replay: the sampled processes are all, and the rules end those),
     # nothing is left to end after a grant is taken back: no background task per release.
-    end_holders = holders.schedule if edges.find_holders is not None else _ends_nothing
-    releases = Releases(grants, queue, end_holders, tell, fleet_ended=fleet_services.cluster.ended if fleet_services else None)
+    end_openers = openers.schedule if edges.find_openers is not None else _ends_nothing
+    releases = Releases(grants, queue, end_openers, tell, fleet_ended=fleet_services.node.ended if fleet_services else None)
     logout = LogoutRelease(store, releases, scans, edges.exits, edges.processes, edges.clock)
     reload_effects = ReloadEffects(store, releases, edges.lookup, tell)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
                       usage, demand=queue.demand,
                       active_write_every=ACTIVE_WRITE_EVERY if edges.durable else None)
-    api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, holders, edges.gate,
+    api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, openers, edges.gate,
               apply_reload=edges.reload or config, resync_nodes=edges.sync_nodes, accounts=accounts, usage=usage,
               queue=queue, terminals=edges.terminals, processes=edges.processes, clock=edges.clock,
               reload_effects=reload_effects, state_dir=state_dir, foreign=edges.foreign,
-              elsewhere=fleet_services.cluster.elsewhere if fleet_services else nowhere_else)
+              elsewhere=fleet_services.node.elsewhere if fleet_services else nowhere_else)
     metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of,
                       notices=edges.notices, drained=lambda: grants.drained, budget=edges.connections,
                       collectors=edges.collectors)
-    return Services(store, grants, exempt, accounts, usage, scans, holders, queue, releases, logout, reload_effects,
+    return Services(store, grants, exempt, accounts, usage, scans, openers, queue, releases, logout, reload_effects,
                     watcher, api, metrics, fleet_services, edges)

@@ -1,4 +1,4 @@
-"""The cluster database as the web view's source: issue 21's PostgreSQL schema `gpuguard`.
+"""The fleet database as the web view's source: issue 21's PostgreSQL schema `gpuguard`.
 
 Every node's GPUs (and who owns them: gpuguard, Slurm, Kubernetes), its grants and its queue, as
 the nodes' heartbeats mirror them; a user's grants and queue places across the fleet; GPU-hours
@@ -37,14 +37,14 @@ LEDGER = """SELECT node, username, minor, started, ended FROM gpuguard.ledger
 WHERE started < %(until)s AND ended > %(since)s AND (%(user)s::text IS NULL OR username = %(user)s)"""
 
 
-class ClusterDatabase:
-    """A `Source` over the fleet's PostgreSQL (conninfo: [cluster] database)."""
+class FleetSource:
+    """A `Source` over the fleet's PostgreSQL (conninfo: [fleet] database)."""
 
     def __init__(self, conninfo: str):
         self.conninfo = conninfo
 
     def _query(self, *statements: tuple[str, Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
-        import psycopg  # the cluster's dependency: loaded only where [cluster] is configured
+        import psycopg  # the fleet's dependency: loaded only where [fleet] is configured
         from psycopg.rows import dict_row
 
         with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
@@ -58,14 +58,14 @@ class ClusterDatabase:
         try:
             return await asyncio.to_thread(self._query, *statements)
         except Exception as exc:  # psycopg.Error, and libpq's own errors: one line for the page
-            raise DaemonUnreachable(f"cluster database: {str(exc).strip().splitlines()[0] if str(exc) else exc!r}") from None
+            raise DaemonUnreachable(f"fleet database: {str(exc).strip().splitlines()[0] if str(exc) else exc!r}") from None
 
     async def servers(self) -> list[ServerStatus]:
         from gpuguard.web.sources import ServerStatus
         try:
             nodes, grants, queue = await self._ask((NODES, {}), (GRANTS, {"user": None}), (QUEUE, {}))
         except Exception as exc:
-            return [ServerStatus("cluster", None, str(exc))]
+            return [ServerStatus("fleet", None, str(exc))]
         return [ServerStatus(name, status, error) for name, status, error in fleet_status(nodes, grants, queue)]
 
     async def whoami(self, user: str) -> dict[str, dict[str, Any]]:

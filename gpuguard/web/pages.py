@@ -123,7 +123,7 @@ def me_page(user: str, replies: Mapping[str, Mapping[str, Any]], viewer: Viewer,
     parts = [f"<h1>{h(whose)}</h1>"]
     for server, who in sorted(replies.items()):
         parts.append(f'<section class="me" data-server="{h(server)}"><h2>{h(server)}</h2>')
-        quota = who.get("quota")  # the local daemon's; the cluster database has none per node
+        quota = who.get("quota")  # the local daemon's; the fleet database has none per node
         if quota:
             parts.append(f"<p>{h(who['user'])} (uid {who['uid']}), {'member' if who['member'] else 'not a member'} of "
                          f"{h(who['group'])}{'; exempt' if who['exempt'] else ''}. Quota: {plural(quota['gpus'], 'GPU')}, "

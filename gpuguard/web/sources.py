@@ -1,7 +1,7 @@
 """Where the web view reads from: the `Source` protocol, and the local daemon behind it.
 
 A source answers for every server it knows: one for the local daemon, each node of the fleet for
-the cluster database. `LocalDaemon` asks the daemon over its socket, as the web's own account
+the fleet database. `LocalDaemon` asks the daemon over its socket, as the web's own account
 (`[web] user`), which the daemon lets read every user's records (as root may) and nothing more:
 the web changes nothing. `Memo` keeps each answer for a moment, so however many browsers poll,
 the daemon is asked at most once per key and window.

@@ -40,7 +40,7 @@ class Viewer:
 
 
 @dataclass(frozen=True)
-class Holder:
+class Opener:
     user: str
     memory_used: int | None
     quota: int | None           # gpu_memory, None: no limit (or a MIG slice)
@@ -67,7 +67,7 @@ class Cell:
     profile: str | None
     state: str                  # a key of STATE_WORDS
     owner: str | None           # the system that owns it when not gpuguard (slurm, k8s)
-    holders: tuple[Holder, ...]
+    holders: tuple[Opener, ...]
     memory_used: int | None
     memory_total: int
     utilization: int | None
@@ -108,7 +108,7 @@ def cell(server: str, gpu: Mapping[str, Any], now: float, viewer: Viewer, show_u
     holders = tuple(_holder(h, busy_uids, listed is not None, now, viewer, show_users) for h in gpu["holders"])
     processes = None if listed is None else tuple(
         Process(p["pid"], viewer.name(p["user"], show_users), p["memory"], p["command"]) for p in listed)
-    owner = gpu.get("owner")  # the cluster's: which system owns the GPU (absent: gpuguard)
+    owner = gpu.get("owner")  # the fleet's: which system owns the GPU (absent: gpuguard)
     if owner not in (None, "gpuguard"):
         state = "other"
     elif gpu.get("drained"):
@@ -127,13 +127,13 @@ def cell(server: str, gpu: Mapping[str, Any], now: float, viewer: Viewer, show_u
 
 
 def _holder(h: Mapping[str, Any], busy_uids: set[int], read: bool, now: float, viewer: Viewer,
-            show_users: bool) -> Holder:
+            show_users: bool) -> Opener:
     used, quota = h.get("memory_used"), h.get("gpu_memory")
     idle = None
     if read and h["uid"] not in busy_uids:  # idle only when NVML said so: an unread GPU is not idle
         idle = max(0.0, now - (h.get("last_active") or h["granted_at"]))
     expires = h.get("expires_at")
-    return Holder(viewer.name(h["user"], show_users), used, quota,
+    return Opener(viewer.name(h["user"], show_users), used, quota,
                   None if expires is None else max(0.0, expires - now), idle,
                   bool(quota and used is not None and used > quota))
 
@@ -221,7 +221,7 @@ def _fair_key(u: Mapping[str, Any]) -> tuple[int, float, str]:
 class Usage:
     label: str
     granted_hours: float
-    busy_hours: float | None  # None: the source does not know (the cluster database records grants only)
+    busy_hours: float | None  # None: the source does not know (the fleet database records grants only)
     idle_hours: float | None
 
     @property

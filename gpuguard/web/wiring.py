@@ -1,6 +1,6 @@
 """`gpuguard web`'s composition root: the key, the source, PAM and NSS, then aiohttp's loop.
 
-The source is the cluster database when `[cluster]` is configured (every node of the fleet), else
+The source is the fleet database when `[fleet]` is configured (every node of the fleet), else
 this server's daemon over its socket.
 
 It runs as its own account (`[web] user`, gpuguard-web in the package's unit), never as root: it
@@ -22,7 +22,7 @@ from gpuguard.config import Config
 from gpuguard.core.errors import UnknownUser
 from gpuguard.logs import event
 from gpuguard.web.app import Web, build
-from gpuguard.web.fleet import ClusterDatabase
+from gpuguard.web.fleet import FleetSource
 from gpuguard.web.sessions import Signer, load_key
 from gpuguard.web.sources import LocalDaemon, Source
 
@@ -46,8 +46,8 @@ def groups_of(user: str) -> tuple[str, ...]:
 
 def run(config: Config, host: str, port: int) -> None:
     settings = config.web
-    cluster = getattr(config, "cluster", None)  # the several-servers [cluster] (issue 21), when configured
-    source: Source = (ClusterDatabase(cluster.database) if cluster is not None
+    fleet = config.fleet  # several servers on one PostgreSQL, when configured
+    source: Source = (FleetSource(fleet.database) if fleet is not None
                       else LocalDaemon(config.paths.socket, socket.gethostname()))
     state = Web(settings, source, Signer(load_key(settings.key_file)), pam_authenticate(settings.pam_service), groups_of)
     me = accounts.by_uid(os.geteuid()).name

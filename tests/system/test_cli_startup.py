@@ -69,8 +69,8 @@ def test_split_command(argv, expected) -> None:
 
 QUICK_ARGV = [["whoami"], ["whoami", "--json"], ["whoami", "--user", "bob"], ["whoami", "--user=bob", "--json"],
               ["--config", "/x.toml", "status", "-u", "bob", "--csv"], ["status", "--json", "--user", "a"], ["env"],
-              ["--config=/y.toml", "env"], ["whoami", "--user", "a", "--user", "b"], ["status", "--cluster"],
-              ["status", "--csv", "--no-header"], ["status", "--cluster", "--json"]]
+              ["--config=/y.toml", "env"], ["whoami", "--user", "a", "--user", "b"], ["status", "--fleet"],
+              ["status", "--cluster"], ["status", "--csv", "--no-header"], ["status", "--cluster", "--json"]]
 
 
 @pytest.mark.parametrize("argv", QUICK_ARGV)

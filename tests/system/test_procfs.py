@@ -163,9 +163,9 @@ def test_holders_of_some_users_reads_only_their_processes(make_user, sandbox):
     try:
         for proc in procs:
             assert proc.stdout.readline() == "held\n"
-        everyone = procfs.holders_of([(1, 3)])[(1, 3)]
+        everyone = procfs.openers_of([(1, 3)])[(1, 3)]
         assert {p.pid for p in procs} <= set(everyone)
-        assert procfs.holders_of([(1, 3)], owners={alice.uid})[(1, 3)] == [procs[0].pid]
+        assert procfs.openers_of([(1, 3)], owners={alice.uid})[(1, 3)] == [procs[0].pid]
     finally:
         for proc in procs:
             proc.kill()

@@ -69,7 +69,7 @@ def test_setting_a_key_changes_only_its_value(sandbox):
                                                 "gpus = 3                 # two for now")
     assert config_path.read_bytes() == main_before
     assert result.stdout == (f"ggt-alice: gpus=3 gpu_memory=unlimited max_time=none idle_timeout=none sharing=false "
-                             "priority=0 share=1 reclaim_after=10m cluster_gpus=none max_sharers=2 slices=any "
+                             "priority=0 share=1 reclaim_after=10m fleet_gpus=none max_sharers=2 slices=any "
                              "whole_gpus=true slice_profiles=[] "
                              f"(written to {quotas}; "
                              "the daemon is not running, it takes effect when it starts)\n")
@@ -126,7 +126,7 @@ def test_defaults_edit_the_main_config(sandbox):
                                        .replace("\nsharing = false\n", "\nsharing = true\n"))
     assert quotas.read_bytes() == quotas_before
     assert result.stdout.startswith("defaults: gpus=2 gpu_memory=unlimited max_time=none idle_timeout=none "
-                                    "sharing=true priority=0 share=1 reclaim_after=10m cluster_gpus=none max_sharers=2 "
+                                    "sharing=true priority=0 share=1 reclaim_after=10m fleet_gpus=none max_sharers=2 "
                                     "slices=any whole_gpus=true slice_profiles=[] (written to ")
 
 
@@ -243,7 +243,7 @@ def test_show_lists_defaults_users_and_groups_in_file_order(sandbox, make_user):
     assert result.returncode == 0, result.stderr
     assert result.stdout == (
         f"defaults ({config_path}): gpus=1 gpu_memory=unlimited max_time=none idle_timeout=none sharing=false "
-        "priority=0 share=1 reclaim_after=10m cluster_gpus=none max_sharers=2 slices=any whole_gpus=true "
+        "priority=0 share=1 reclaim_after=10m fleet_gpus=none max_sharers=2 slices=any whole_gpus=true "
         "slice_profiles=[]\n"
         f"users ({sandbox / 'quotas.toml'}):\n"
         "  ggt-alice: gpus=2\n"
@@ -270,12 +270,12 @@ def test_show_user_gives_the_effective_quota_and_where_each_key_comes_from(sandb
     shown = json.loads(result.stdout)
     assert shown["quota"] == {"gpus": 2, "gpu_memory": 20 << 30, "max_time": 28800.0, "idle_timeout": None,
                               "sharing": False, "priority": 0, "share": 1.0, "reclaim_after": 600.0,
-                              "cluster_gpus": None, "max_sharers": 2, "slices": None, "whole_gpus": True,
+                              "fleet_gpus": None, "max_sharers": 2, "slices": None, "whole_gpus": True,
                               "slice_profiles": []}
     assert shown["source"] == {"gpus": f"user {user.name}", "gpu_memory": f"group {first}",
                                "max_time": f"group {second}", "idle_timeout": "defaults", "sharing": "defaults",
                                "priority": "defaults", "share": "defaults", "reclaim_after": "defaults",
-                               "cluster_gpus": "defaults", "max_sharers": "defaults", "slices": "defaults",
+                               "fleet_gpus": "defaults", "max_sharers": "defaults", "slices": "defaults",
                                "whole_gpus": "defaults",
                                "slice_profiles": "defaults"}
     assert {first, second} <= set(shown["groups"])

@@ -13,10 +13,10 @@ import pytest
 from conftest import popen_as
 from sim_helpers import GiB, set_fault
 
-from gpuguard.backends.procfs import holders_of
+from gpuguard.backends.procfs import openers_of
+from gpuguard.backends.sampler import Sampler, node_openers
 from gpuguard.backends.sim_registry import register_process
 from gpuguard.core.model import NVIDIA_MAJOR, GpuProcess
-from gpuguard.core.sample import Sampler, node_holders
 
 
 @pytest.fixture
@@ -96,12 +96,12 @@ def test_holders_of_several_devices_in_one_scan(sandbox) -> None:
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        found = holders_of([(1, 7), (1, 3), (1, 5)])
+        found = openers_of([(1, 7), (1, 3), (1, 5)])
         assert holder.pid in found[(1, 7)] and holder.pid in found[(1, 3)] and holder.pid not in found[(1, 5)]
     finally:
         holder.communicate("\n", timeout=30)
-    assert holder.pid not in holders_of([(1, 7)])[(1, 7)]
-    assert holders_of([]) == {} and node_holders([], {0}, lambda unit: [(NVIDIA_MAJOR, unit)]) == []
+    assert holder.pid not in openers_of([(1, 7)])[(1, 7)]
+    assert openers_of([]) == {} and node_openers([], {0}, lambda unit: [(NVIDIA_MAJOR, unit)]) == []
 
 
 HOLD = ("import os, sys\n"
@@ -126,10 +126,10 @@ def test_holders_of_given_owners_only_theirs_setuid_root_ones_too(sandbox, make_
         for proc in alices + others:
             assert proc.stdout.readline().strip() == "held"
         assert os.stat(f"/proc/{alices[1].pid}").st_uid == 0
-        assert holders_of([(1, 7)], owners={alice.uid})[(1, 7)] == sorted(p.pid for p in alices)
+        assert openers_of([(1, 7)], owners={alice.uid})[(1, 7)] == sorted(p.pid for p in alices)
         both = {alice.uid, bob.uid}
-        assert holders_of([(1, 7)], owners=both)[(1, 7)] == sorted(p.pid for p in alices + others[:1])
-        assert holders_of([(1, 7)], owners=set()) == {(1, 7): []}
+        assert openers_of([(1, 7)], owners=both)[(1, 7)] == sorted(p.pid for p in alices + others[:1])
+        assert openers_of([(1, 7)], owners=set()) == {(1, 7): []}
     finally:
         for proc in alices + others:
             proc.communicate("\n", timeout=30)

@@ -28,7 +28,7 @@ from gpuguard.core.model import (
     SignalResult,
     slice_unit,
 )
-from gpuguard.core.sample import Holder, Sample
+from gpuguard.core.sample import Opener, Sample
 from gpuguard.protocol import Peer
 from gpuguard.services import wiring
 
@@ -183,8 +183,8 @@ class FakeNotifier:
         pass
 
 
-class FakeHeldFiles:
-    """held_devices.HeldDevices without files: what each user's file would say now (no key: no file)."""
+class FakeVisibleDevices:
+    """backends.visible_devices.VisibleDevicesFiles without files: what each user's file would say now (no key: no file)."""
 
     def __init__(self) -> None:
         self.files: dict[int, list[str]] = {}
@@ -277,12 +277,12 @@ class World:
 
     tmp: Path
     config: Config = field(default_factory=lambda: Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=1)))
-    holders: list[Holder] = field(default_factory=list)
+    openers: list[Opener] = field(default_factory=list)
     scans: int = 0  # /proc scans asked for
     scanned_uids: list = field(default_factory=list)  # whose processes each scan read
     gpus: list[Gpu] = field(default_factory=lambda: [gpu(m) for m in range(4)])  # GPUs and MIG slices
     gate: FakeGate | None = None  # None: acl mode
-    fleet_db: FakeFleetDb | None = None  # a fleet's database (config.cluster set too); None: a single server
+    fleet_db: FakeFleetDb | None = None  # a fleet's database (config.fleet set too); None: a single server
     foreign: list[dict[str, Any]] = field(default_factory=list)  # status entries of Slurm's/Kubernetes' GPUs
 
     def __post_init__(self) -> None:
@@ -292,25 +292,25 @@ class World:
         self.notifier = FakeNotifier()
         self.exits = FakeExits()
         self.processes = FakeProcesses(self.sampler)
-        self.held_files = FakeHeldFiles()
+        self.visible_devices = FakeVisibleDevices()
         self.reloads = 0
         self.services = wiring.build(wiring.Edges(
             config=lambda: self.config, store_path=self.tmp / "state.db", sampler=self.sampler,
             units={g.unit: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
-            terminals=self.notifier, exits=self.exits, find_holders=self.find_holders, processes=self.processes,
+            terminals=self.notifier, exits=self.exits, find_openers=self.find_openers, processes=self.processes,
             gate=self.gate, caps_major=CAPS_MAJOR, reload=self._reload, foreign=self.foreign,
-            fleet_db=self.fleet_db, held=self.held_files))
+            fleet_db=self.fleet_db, visible_devices=self.visible_devices))
         s = self.services
         self.store, self.grants, self.exempt, self.queue = s.store, s.grants, s.exempt, s.queue
-        self.watcher, self.api, self.logout, self.holder_ender = s.watcher, s.api, s.logout, s.holders
+        self.watcher, self.api, self.logout, self.opener_ender = s.watcher, s.api, s.logout, s.openers
 
-    def find_holders(self, units: Iterable[int], uids: Collection[int] | None,
-                     devices_of: Callable[[int], Iterable[Device]]) -> list[Holder]:
-        """The /proc scan: the holders a test listed, on those GPUs, of those users; counted."""
+    def find_openers(self, units: Iterable[int], uids: Collection[int] | None,
+                     devices_of: Callable[[int], Iterable[Device]]) -> list[Opener]:
+        """The /proc scan: the openers a test listed, on those GPUs, of those users; counted."""
         self.scans += 1
         self.scanned_uids.append(None if uids is None else frozenset(uids))  # None: a walk of all of /proc
         wanted = set(units)
-        return [h for h in self.holders if h.unit in wanted and (uids is None or h.uid in uids)]
+        return [h for h in self.openers if h.unit in wanted and (uids is None or h.uid in uids)]
 
     def _reload(self) -> Config:
         self.reloads += 1

@@ -6,7 +6,7 @@ import asyncio
 from fakes import GROUP
 
 from gpuguard.config import AccessConfig
-from gpuguard.core.sample import Holder
+from gpuguard.core.sample import Opener
 
 
 def test_a_member_login_gets_a_gpu_and_a_second_session_reuses_it(world):
@@ -39,7 +39,7 @@ def test_logout_releases_unused_session_grants_and_keeps_held_ones(world):
     alice, bob = world.lookup.add("alice", 1001, GROUP), world.lookup.add("bob", 1002, GROUP)
     (a_minor,) = world.login(alice, pid=11)["gpus"]
     (b_minor,) = world.login(bob, pid=12)["gpus"]
-    world.holders.append(Holder(pid=99, uid=1002, unit=b_minor))  # bob's nohup job holds the node open
+    world.openers.append(Opener(pid=99, uid=1002, unit=b_minor))  # bob's nohup job holds the node open
     closed = world.call("session_close", user="alice", pid=11)
     assert closed["held"] == [a_minor] and closed["release_pending"]
     assert world.held(1001) == [] and world.nodes.users[a_minor] == frozenset()
@@ -60,15 +60,15 @@ def test_a_close_that_is_not_the_last_starts_no_release(world):
 def test_a_kept_grant_is_not_looked_for_each_tick_but_when_its_holder_exits(world):
     bob = world.lookup.add("bob", 1002, GROUP)
     (unit,) = world.login(bob, pid=12)["gpus"]
-    world.holders.append(Holder(pid=99, uid=1002, unit=unit))
+    world.openers.append(Opener(pid=99, uid=1002, unit=unit))
     world.call("session_close", user="bob", pid=12)
     tick = lambda: asyncio.run(world.logout.release_unused(world.sampler.last))  # noqa: E731
     for _ in range(5):
         tick()
     assert world.scans == 1 and world.held(1002) == [unit]
-    world.holders.clear()
+    world.openers.clear()
     world.exits.exit(99)
-    tick()  # looks again (only a look can release it), and Grants.remove has the HolderEnder look too
+    tick()  # looks again (only a look can release it), and Grants.remove has the OpenerEnder look too
     assert world.held(1002) == []
     assert 1002 not in world.exits.watched
 
@@ -126,7 +126,7 @@ def test_closing_sessions_already_gone_scans_nothing(world):
     for user in users:
         world.login(user, pid=9000 + user.uid)
         (unit,) = world.held(user.uid)
-        world.holders.append(Holder(pid=500 + user.uid, uid=user.uid, unit=unit))  # a job without a CUDA context
+        world.openers.append(Opener(pid=500 + user.uid, uid=user.uid, unit=unit))  # a job without a CUDA context
     world.store.remove_sessions(s.id for s in world.store.sessions())  # as drop_dead_sessions does
     for _ in range(5):
         for user in users:
@@ -141,7 +141,7 @@ def test_the_close_that_ends_the_last_session_scans_only_that_users_processes(wo
         for pid in (1, 2):
             world.login(user, pid=pid * 10000 + user.uid)
     for user in users:
-        world.holders.append(Holder(pid=500 + user.uid, uid=user.uid, unit=world.held(user.uid)[0]))
+        world.openers.append(Opener(pid=500 + user.uid, uid=user.uid, unit=world.held(user.uid)[0]))
     for pid in (1, 2):
         for user in users:
             world.call("session_close", user=user.name, pid=pid * 10000 + user.uid)

@@ -159,7 +159,7 @@ def test_two_users_on_two_slices_of_one_gpu(mig_world: World) -> None:
     assert nodes[(NVIDIA_MAJOR, 1)] == {1001, 1002}  # the parent: both
     assert nodes[(CAPS_MAJOR, caps(a)[0])] == nodes[(CAPS_MAJOR, caps(a)[1])] == {1001}
     assert nodes[(CAPS_MAJOR, caps(b)[0])] == {1002}
-    assert mig_world.grants.holder_devices(a.unit) == [(CAPS_MAJOR, cap) for cap in caps(a)]
+    assert mig_world.grants.opener_devices(a.unit) == [(CAPS_MAJOR, cap) for cap in caps(a)]
     # bob gives his back: the parent stays open to alice only, his caps to nobody
     mig_world.call("release", uid=1002)
     assert nodes[(NVIDIA_MAJOR, 1)] == {1001} and nodes[(CAPS_MAJOR, caps(b)[1])] == frozenset()

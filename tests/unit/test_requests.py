@@ -196,7 +196,7 @@ def test_the_old_minors_key_is_still_read_and_units_wins_over_it():
     assert refusal("resume", minors="3") == ("field 'minors': expected a non-empty list of GPU numbers, got '3'", 2)
 
 
-@pytest.mark.parametrize("op", [None, 3, ["status"], "cluster_status", "nonsense"])
+@pytest.mark.parametrize("op", [None, 3, ["status"], "fleet_status", "nonsense"])
 def test_an_operation_api_does_not_serve(op):
     with pytest.raises(rq.Refusal) as caught:
         rq.parse({"v": 1, "op": op})

@@ -175,7 +175,7 @@ def test_me_page_fair_share_block_names_no_one_else():
     assert "Recent use <span class=\"hours\">3.00</span> GPU-hours, share <span class=\"share\">1.5</span>" in page
     assert '<span class="rank">3rd of 3</span> by usage per share (2.00); a lower rank is served first.' in page
     assert "half every 7d00h" in page and "the more you used lately, the later you go" in page
-    assert "Not available from this source." in page  # gpu2: the cluster database knows no fair share
+    assert "Not available from this source." in page  # gpu2: the fleet database knows no fair share
     assert "bob" not in page and "carol" not in page
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fakes import GROUP, FakeFleetDb, World, gpu
 
-from gpuguard.config import AccessConfig, ClusterConfig, Config, PathsConfig
+from gpuguard.config import AccessConfig, Config, FleetConfig, PathsConfig
 from gpuguard.core import coexist
 from gpuguard.core.coexist import Owner, Ownership
 from gpuguard.core.model import Quota
@@ -20,7 +20,7 @@ from gpuguard.core.model import Quota
 
 def fleet_world(tmp_path: Path, foreign: list[dict] | None = None) -> World:
     config = Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=4), paths=PathsConfig(state_dir=tmp_path),
-                    cluster=ClusterConfig(database="host=/nonexistent", node="n1"))
+                    fleet=FleetConfig(database="host=/nonexistent", node="n1"))
     return World(tmp_path, config=config, fleet_db=FakeFleetDb(), foreign=foreign or [])
 
 
@@ -33,7 +33,7 @@ def fleet(tmp_path: Path) -> Iterator[World]:
 
 def online(world: World) -> FakeFleetDb:
     assert world.services.fleet is not None and world.fleet_db is not None
-    assert asyncio.run(world.services.fleet.cluster.beat())
+    assert asyncio.run(world.services.fleet.node.beat())
     return world.fleet_db
 
 
@@ -63,7 +63,7 @@ def test_a_release_leaves_the_fleet_database_before_the_queue_hands_the_gpus_on(
     assert db.calls[2] == ("release", [(m, "alice") for m in range(4)])
     assert db.calls[3] == ("reserve", ("bob", (0, 1, 2, 3)))
     assert fleet.services.fleet is not None
-    pending = fleet.services.fleet.cluster.outbox.pending()
+    pending = fleet.services.fleet.node.outbox.pending()
     assert sorted((row["username"], row["minor"]) for row in pending) == [("alice", m) for m in range(4)]
 
 

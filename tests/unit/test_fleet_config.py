@@ -1,4 +1,4 @@
-"""The fleet's pure parts and its SQLite outbox: [cluster] in the config, `where`'s ranking with
+"""The fleet's pure parts and its SQLite outbox: [fleet] in the config, `where`'s ranking with
 data locality, and the outbox a heartbeat replays (no database here: tests/system has it)."""
 from __future__ import annotations
 
@@ -20,37 +20,58 @@ def load(tmp_path: Path, text: str, quotas: str = "") -> config.Config:
     return config.load(tmp_path / "gpuguard.toml")
 
 
-def test_no_cluster_section_is_a_single_server(tmp_path):
-    assert load(tmp_path, "").cluster is None
+def test_no_fleet_section_is_a_single_server(tmp_path):
+    assert load(tmp_path, "").fleet is None
 
 
-def test_cluster_section_with_data_map_and_fleet_quota(tmp_path):
-    loaded = load(tmp_path, '[cluster]\ndatabase = "host=db1,db2 target_session_attrs=read-write"\nnode = "gpu1"\n'
-                            'rack = "r1"\noffline_policy = "budget"\n[cluster.data]\n"/data/imagenet/" = ["gpu3"]\n'
+def test_fleet_section_with_data_map_and_fleet_quota(tmp_path):
+    loaded = load(tmp_path, '[fleet]\ndatabase = "host=db1,db2 target_session_attrs=read-write"\nnode = "gpu1"\n'
+                            'rack = "r1"\noffline_policy = "budget"\n[fleet.data]\n"/data/imagenet/" = ["gpu3"]\n'
                             '"/data" = ["r2"]\n',
-                  '[users.alice]\ncluster_gpus = 2\n[users.bob]\ncluster_gpus = "none"\n')
-    cluster = loaded.cluster
-    assert cluster is not None and cluster.node == "gpu1" and cluster.rack == "r1"
-    assert cluster.offline_policy == OfflinePolicy.BUDGET and cluster.heartbeat == 10 and cluster.timeout == 0.5
-    assert cluster.data == (("/data", ("r2",)), ("/data/imagenet", ("gpu3",)))
-    assert loaded.quotas.users == {"alice": {"cluster_gpus": 2}, "bob": {"cluster_gpus": None}}
+                  '[users.alice]\nfleet_gpus = 2\n[users.bob]\nfleet_gpus = "none"\n')
+    fleet = loaded.fleet
+    assert fleet is not None and fleet.node == "gpu1" and fleet.rack == "r1"
+    assert fleet.offline_policy == OfflinePolicy.BUDGET and fleet.heartbeat == 10 and fleet.timeout == 0.5
+    assert fleet.data == (("/data", ("r2",)), ("/data/imagenet", ("gpu3",)))
+    assert loaded.quotas.users == {"alice": {"fleet_gpus": 2}, "bob": {"fleet_gpus": None}}
+    assert loaded.renamed == ()
+
+
+def test_the_old_names_cluster_and_cluster_gpus_are_read_for_a_release_with_a_warning(tmp_path):
+    loaded = load(tmp_path, '[cluster]\ndatabase = "host=db1"\nnode = "gpu1"\n[cluster.data]\n"/data" = ["r2"]\n'
+                            '[defaults]\ncluster_gpus = 3\n',
+                  '[users.alice]\ncluster_gpus = 2\n')
+    assert loaded.fleet is not None and loaded.fleet.node == "gpu1" and loaded.fleet.data == (("/data", ("r2",)),)
+    assert loaded.defaults.fleet_gpus == 3 and loaded.quotas.users == {"alice": {"fleet_gpus": 2}}
+    warned = config_warnings.warnings(loaded, lambda name: True, lambda name: True)
+    assert [line for line in warned if "is now" in line] == [
+        f"{tmp_path / 'gpuguard.toml'}: cluster is now fleet (the old name is read until the next release)",
+        f"{tmp_path / 'gpuguard.toml'}: defaults.cluster_gpus is now defaults.fleet_gpus (the old name is read until "
+        "the next release)",
+        f"{tmp_path / 'quotas.toml'}: users.alice.cluster_gpus is now users.alice.fleet_gpus (the old name is read "
+        "until the next release)"]
+
+
+def test_an_old_and_a_new_name_together_are_refused(tmp_path):
+    with pytest.raises(config.ConfigError, match="cluster and fleet: the same setting twice"):
+        load(tmp_path, '[cluster]\ndatabase = "a"\n[fleet]\ndatabase = "b"\n')
 
 
 @pytest.mark.parametrize(("text", "problem"), [
-    ('[cluster]\nnode = "a"\n', "cluster.database: missing"),
-    ('[cluster]\ndatabase = "x"\nlease = "5s"\n', "cluster.lease: must be at least twice"),
-    ('[cluster]\ndatabase = "x"\noffline_policy = "open"\n', "cluster.offline_policy: must be one of local, budget"),
-    ('[cluster]\ndatabase = "x"\n[cluster.data]\n"relative" = ["a"]\n', "cluster.data: expected an absolute path"),
-    ('[cluster]\ndatabase = "x"\ntimeout = "10ms"\n', "cluster.timeout"),
+    ('[fleet]\nnode = "a"\n', "fleet.database: missing"),
+    ('[fleet]\ndatabase = "x"\nlease = "5s"\n', "fleet.lease: must be at least twice"),
+    ('[fleet]\ndatabase = "x"\noffline_policy = "open"\n', "fleet.offline_policy: must be one of local, budget"),
+    ('[fleet]\ndatabase = "x"\n[fleet.data]\n"relative" = ["a"]\n', "fleet.data: expected an absolute path"),
+    ('[fleet]\ndatabase = "x"\ntimeout = "10ms"\n', "fleet.timeout"),
 ])
-def test_bad_cluster_settings_are_refused_with_one_line(tmp_path, text, problem):
+def test_bad_fleet_settings_are_refused_with_one_line(tmp_path, text, problem):
     with pytest.raises(config.ConfigError, match=problem):
         load(tmp_path, text)
 
 
 def test_a_negative_fleet_quota_is_refused(tmp_path):
-    with pytest.raises(config.ConfigError, match="users.alice.cluster_gpus"):
-        load(tmp_path, "", "[users.alice]\ncluster_gpus = -1\n")
+    with pytest.raises(config.ConfigError, match="users.alice.fleet_gpus"):
+        load(tmp_path, "", "[users.alice]\nfleet_gpus = -1\n")
 
 
 def row(node: str, rack: str, minor: int | None, holders: tuple[str, ...] = (), last_seen: float = 100.0,
@@ -80,7 +101,7 @@ def test_nodes_group_rows_and_tell_lost_and_counted():
 def test_where_prefers_what_the_user_may_take_then_locality_then_queue():
     holders = ranking.data_holders("/data/imagenet/train", [("/data", ("r2",)), ("/data/imagenet", ("gpu1",))])
     assert holders == ("gpu1",)
-    ranked = ranking.rank(FLEET, "alice", cluster_gpus=None, wanted=1, holders=holders)
+    ranked = ranking.rank(FLEET, "alice", fleet_gpus=None, wanted=1, holders=holders)
     assert [(c.node.name, c.locality) for c in ranked] == [("gpu1", 0), ("gpu2", 1), ("gpu3", 2), ("gpu5", 2)]
     assert ranked[0].ssh == "ssh gpu1.lab"
     # two GPUs: only gpu2 has them now, so it goes first whatever the locality
@@ -88,9 +109,9 @@ def test_where_prefers_what_the_user_may_take_then_locality_then_queue():
 
 
 def test_where_counts_the_fleet_quota():
-    ranked = ranking.rank(FLEET, "alice", cluster_gpus=2, wanted=1, holders=None)
+    ranked = ranking.rank(FLEET, "alice", fleet_gpus=2, wanted=1, holders=None)
     assert {c.node.name: c.may_take for c in ranked} == {"gpu1": 1, "gpu2": 1, "gpu3": 1, "gpu5": 0}
-    assert all(c.may_take == 0 for c in ranking.rank(FLEET, "alice", cluster_gpus=1, wanted=1, holders=None))
+    assert all(c.may_take == 0 for c in ranking.rank(FLEET, "alice", fleet_gpus=1, wanted=1, holders=None))
 
 
 def test_a_path_under_no_data_entry_is_not_mapped():
@@ -127,7 +148,7 @@ def test_outbox_keeps_rows_until_confirmed_and_never_reuses_a_seq(tmp_path):
     ("hostaddr=10.0.0.21 password=secret", ["holds a password", "database: 10.0.0.21 is not this host"]),
 ])
 def test_config_check_warns_of_a_password_and_of_hosts_the_unit_blocks(tmp_path, database, expected):
-    loaded = load(tmp_path, f"[cluster]\ndatabase = {database!r}\nnode = \"gpu1\"\n")
+    loaded = load(tmp_path, f"[fleet]\ndatabase = {database!r}\nnode = \"gpu1\"\n")
     found = [line for line in config_warnings.warnings(loaded, lambda name: True, lambda name: True, lambda path: True)
-             if line.startswith("cluster.")]
+             if line.startswith("fleet.")]
     assert len(found) == len(expected) and all(part in line for part, line in zip(expected, found, strict=True)), found

@@ -18,7 +18,7 @@ from devtools.harness import wait_for
 from devtools.postgres import stop_all_under
 from gpuguard.fleet import schema
 from gpuguard.fleet.fleetdb import FleetDb, connect, migrate
-from gpuguard.fleet.schema import ClusterError
+from gpuguard.fleet.schema import FleetError
 
 NODES = [f"node{i}" for i in range(5)]
 GPUS = 8
@@ -28,7 +28,7 @@ def heartbeat_doc(node: str, grants: list[dict] | None = None, ledger: list[dict
                   taken_at: float | None = None, lease: float = 30.0, grace: float = 60.0,
                   usage_for: list[str] | None = None, users: list[str] | None = None,
                   queue: list[dict] | None = None) -> dict:
-    """A heartbeat document as Cluster.snapshot makes it (its keys; the daemon tests send real ones)."""
+    """A heartbeat document as FleetNode.snapshot makes it (its keys; the daemon tests send real ones)."""
     return {"node": node, "rack": "r1" if node < "node3" else "r2", "ssh": node, "version": "test",
             "schema": schema.CURRENT, "incarnation": "inc1", "heartbeat": 10.0, "lease": lease, "grace": grace,
             "taken_at": time.time() if taken_at is None else taken_at, "half_life": 7 * 86400.0,
@@ -39,7 +39,7 @@ def heartbeat_doc(node: str, grants: list[dict] | None = None, ledger: list[dict
 
 
 def reserve_doc(node: str, user: str, minors: list[int], quota: int | None, shared: bool = False) -> dict:
-    return {"node": node, "user": user, "uid": 1000 + int(user[1:]), "cluster_gpus": quota, "minors": minors,
+    return {"node": node, "user": user, "uid": 1000 + int(user[1:]), "fleet_gpus": quota, "minors": minors,
             "granted_at": time.time(), "expires_at": None, "shared": shared, "origin": "session"}
 
 
@@ -88,7 +88,7 @@ def test_rolling_upgrade_a_newer_additive_schema_is_used_and_a_breaking_one_refu
         # one that old nodes cannot follow: refused with what to do
         conn.execute("INSERT INTO gpuguard.migrations (version, min_node, node) VALUES (%s, %s, 'newer')",
                      (schema.CURRENT + 2, schema.CURRENT + 1))
-        with pytest.raises(ClusterError, match="upgrade gpuguard on this node"):
+        with pytest.raises(FleetError, match="upgrade gpuguard on this node"):
             migrate(conn, "old")
 
 

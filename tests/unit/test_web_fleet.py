@@ -1,4 +1,4 @@
-"""The cluster database's rows as the web view reads them (pure: rows in, reply shapes out; the
+"""The fleet database's rows as the web view reads them (pure: rows in, reply shapes out; the
 real PostgreSQL with issue 21's schema: tests/system/test_web_cluster.py)."""
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Rows for several servers sharing one PostgreSQL (gpuguard.fleet), on a private PostgreSQL
 (devtools/postgres.py) of the same run:
 
-- socket login with [cluster] against the same login on a daemon without it: the database up
+- socket login with [fleet] against the same login on a daemon without it: the database up
   (the grant-time check is one round trip); the database down (the first login waits the
   bounded timeout once, then the node decides locally at local speed);
-- `status --cluster` for 50 nodes x 8 GPUs (the daemon's query and its grouping into nodes)
+- `status --fleet` for 50 nodes x 8 GPUs (the daemon's query and its grouping into nodes)
   against a bare SELECT of the same rows;
-- heartbeat load: the node's own heartbeat (Cluster.snapshot of a real store, sent by
+- heartbeat load: the node's own heartbeat (FleetNode.snapshot of a real store, sent by
   FleetDb.heartbeat) under 50, 500 and 2,000 identities at their fleet's rate (one per node
   every 10 s): the database's CPU and transactions per second, printed as a table, and a row
   for the database CPU per heartbeat at 2,000 nodes against 500.
@@ -30,14 +30,14 @@ from gpuguard import config as configuration
 from gpuguard.core.model import Device, Gpu, Origin
 from gpuguard.fleet import ranking
 from gpuguard.fleet.fleetdb import FleetDb, connect, migrate, view
-from gpuguard.fleet.node import Cluster
+from gpuguard.fleet.node import FleetNode
 from gpuguard.fleet.outbox import Outbox
 from gpuguard.services.grants import Grants
 from gpuguard.services.store import Store
 
 LOGINS = 15   # per round, in each of ROUNDS rounds
 ROUNDS = 4    # local and cluster daemons take turns (one gate at a time), in the order ABBA: drift hits both alike
-TIMEOUT = 0.5  # [cluster] timeout of the bench's node
+TIMEOUT = 0.5  # [fleet] timeout of the bench's node
 HEARTBEAT = 10.0
 FLEETS = (50, 500, 2000)
 LOAD_SECONDS = 10.0
@@ -69,7 +69,7 @@ def login_rows(bench: Bench, db: Postgres) -> None:
     bench.stack.callback(caller.wait)
     bench.stack.callback(caller.kill)
     local = bench.write_config("cluster-local")
-    fleet = bench.write_config("cluster-node", extra=f'[cluster]\ndatabase = "{db.conninfo}"\nnode = "bench1"\n'
+    fleet = bench.write_config("cluster-node", extra=f'[fleet]\ndatabase = "{db.conninfo}"\nnode = "bench1"\n'
                                                      f'timeout = "{TIMEOUT}s"\n')
     samples: dict[str, list[float]] = {"local": [], "up": [], "down": []}
     sock = str(configuration.load(fleet).paths.socket)
@@ -81,7 +81,7 @@ def login_rows(bench: Bench, db: Postgres) -> None:
 
     def fleet_round() -> None:
         with bench.daemon(fleet):
-            while not client.call(sock, "cluster_status")["online"]:
+            while not client.call(sock, "fleet_status")["online"]:
                 time.sleep(0.1)
             samples["up"] += _logins(sock, bench, caller.pid, LOGINS)
             db.stop("immediate")
@@ -94,10 +94,10 @@ def login_rows(bench: Bench, db: Postgres) -> None:
             each()
     first = max(firsts)
     local_median = statistics.median(samples["local"])
-    row("login with [cluster], database up", statistics.median(samples["up"]), local_median, 1.5,
-        "the same login, no [cluster]")
-    row("login with [cluster], database down (after the first)", statistics.median(samples["down"]), local_median,
-        1.1, "the same login, no [cluster]")
+    row("login with [fleet], database up", statistics.median(samples["up"]), local_median, 1.5,
+        "the same login, no [fleet]")
+    row("login with [fleet], database down (after the first)", statistics.median(samples["down"]), local_median,
+        1.1, "the same login, no [fleet]")
     row("first login after the database went down", first, local_median * 1.1 + TIMEOUT, 1.0,
         f"1.1 x local + the {TIMEOUT:g} s timeout")
 
@@ -138,7 +138,7 @@ def status_row(db: Postgres) -> None:
                 fn()
                 times[kind].append(time.perf_counter() - start)
         conn.execute("DELETE FROM gpuguard.nodes WHERE name LIKE 'status%'")
-    row("status --cluster, 50 nodes x 8 GPUs (query + grouping)", statistics.median(times["ours"]),
+    row("status --fleet, 50 nodes x 8 GPUs (query + grouping)", statistics.median(times["ours"]),
         statistics.median(times["bare"]), 3, "bare SELECT of the same 400 rows")
 
 
@@ -162,7 +162,7 @@ def _commits(conn: psycopg.Connection) -> int:
 
 
 def _snapshot(bench: Bench) -> dict:
-    """The heartbeat document a real node's code makes: Cluster.snapshot of a real store with 8 GPUs, 4 held."""
+    """The heartbeat document a real node's code makes: FleetNode.snapshot of a real store with 8 GPUs, 4 held."""
     home = bench.base / "heartbeat-node"
     store = Store(home / "state.db")
     gpus = {m: Gpu(m, m, f"GPU-bench-{m}", "NVIDIA H100 80GB HBM3", f"0000:{m:02x}:00.0", 80 << 30, 0, 0, 0)
@@ -175,8 +175,8 @@ def _snapshot(bench: Bench) -> dict:
     grants = Grants(store, None, NoNodes(), set(gpus), gpus=gpus)
     for m in range(4):
         store.add_grants(2000 + m, f"user{m}", [m], time.time() - 60, None, origin=Origin.SESSION)
-    settings = configuration.ClusterConfig(database="", node="template", heartbeat=HEARTBEAT)
-    cluster = Cluster(settings, lambda: 7 * 86400.0, store, lambda: grants.gpus, (), Outbox(home / "cluster.db"),
+    settings = configuration.FleetConfig(database="", node="template", heartbeat=HEARTBEAT)
+    cluster = FleetNode(settings, lambda: 7 * 86400.0, store, lambda: grants.gpus, (), Outbox(home / "cluster.db"),
                       FleetDb("", "template"))
     doc = cluster.snapshot(time.time())
     cluster.close()

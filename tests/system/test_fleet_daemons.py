@@ -1,7 +1,7 @@
 """Three servers sharing one PostgreSQL: real daemons on simulated GPUs (gpu1 with the gate,
 gpu2 and gpu3 in acl mode: a gate is machine-wide, so one is attached at a time), real users
 in one group, a real PostgreSQL. The fleet quota across servers, fair share counting usage on
-all of them, `where` and `status --cluster`, and the faults: the database stopped, a node
+all of them, `where` and `status --fleet`, and the faults: the database stopped, a node
 SIGKILLed and returning, a node cut off from the database by a TCP proxy."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ NODES = {"gpu1": ("r1", True), "gpu2": ("r1", False), "gpu3": ("r2", False)}
 DATA = {"/data/imagenet": ["gpu3"], "/data/shared": ["r1"]}
 
 
-class Fleet:
+class FleetServices:
     def __init__(self, postgres, group: str, make_user):
         self.postgres = postgres
         self.group = group
@@ -48,7 +48,7 @@ class Fleet:
                 conninfo = self.postgres.tcp_conninfo(self.proxy.port)
             node = RunningDaemon(sandbox, self.group, self.make_user)
             node.write_config(count=2, gate=gate, quotas=quotas, **{"defaults": {"gpus": 2}, **tables},
-                              cluster={"database": conninfo, "node": name, "rack": rack, "heartbeat": "1s",
+                              fleet={"database": conninfo, "node": name, "rack": rack, "heartbeat": "1s",
                                        "lease": "2s", "grace": "2s", "data": DATA,
                                        "offline_policy": policy})
             node.start()
@@ -58,13 +58,13 @@ class Fleet:
     def wait_online(self, *names: str) -> None:
         """Until these nodes are online, and every node's view shows them seen."""
         for name in names or self.nodes:
-            assert wait_for(lambda n=name: self.nodes[n].call("cluster_status")["online"]), name
+            assert wait_for(lambda n=name: self.nodes[n].call("fleet_status")["online"]), name
             for viewer in self.nodes:
                 assert wait_for(lambda v=viewer, n=name: (seen := self.seen(v, n)) and not seen["lost"]), (viewer, name)
 
     def seen(self, viewer: str, name: str) -> dict | None:
         """Node `name` in the fleet view of `viewer` (None: not in it)."""
-        return next((n for n in self.nodes[viewer].call("cluster_status")["nodes"] if n["name"] == name), None)
+        return next((n for n in self.nodes[viewer].call("fleet_status")["nodes"] if n["name"] == name), None)
 
     def login(self, node: str, user) -> dict:
         return self.nodes[node].open_session(user)
@@ -80,7 +80,7 @@ class Fleet:
     def close(self) -> None:
         for node in self.nodes.values():
             node.cleanup()
-            print(f"--- {node.config.cluster.node} log ---\n{node.log()}")
+            print(f"--- {node.config.fleet.node} log ---\n{node.log()}")
         if self.proxy:
             self.proxy.stop()
         for sandbox in self.sandboxes:
@@ -88,22 +88,22 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(postgres, make_group, make_user) -> Iterator[Fleet]:
+def fleet(postgres, make_group, make_user) -> Iterator[FleetServices]:
     with gate_test_lock():  # gpu1's gate is machine-wide
-        fleet = Fleet(postgres, make_group(), make_user)
+        fleet = FleetServices(postgres, make_group(), make_user)
         try:
             yield fleet
         finally:
             fleet.close()
 
 
-def member(fleet: Fleet):
+def member(fleet: FleetServices):
     return fleet.make_user(groups=[fleet.group])
 
 
 def test_a_fleet_quota_holds_across_servers_and_the_queue_follows_a_release_elsewhere(fleet):
     alice, bob = member(fleet), member(fleet)
-    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 2}}})
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 2}}})
     first = fleet.login("gpu1", alice)
     assert len(first["gpus"]) == 2
     # her fleet quota is in use on gpu1: gpu2 queues her login instead of granting
@@ -145,9 +145,9 @@ def test_fair_share_counts_usage_on_the_other_servers(fleet):
     assert gpu1.granted_minors(heavy) == []
 
 
-def test_where_and_status_cluster_show_the_fleet_with_data_locality(fleet):
+def test_where_and_status_fleet_show_the_fleet_with_data_locality(fleet):
     alice, bob, carol = member(fleet), member(fleet), member(fleet)
-    fleet.start(quotas={"users": {carol.name: {"cluster_gpus": 3}}})
+    fleet.start(quotas={"users": {carol.name: {"fleet_gpus": 3}}})
     assert len(fleet.login("gpu1", alice)["gpus"]) == 2  # gpu1 is full
     assert wait_for(lambda: fleet.seen("gpu1", "gpu1")["free"] == 0)  # and the fleet's view says so
     ranked = json.loads(fleet.nodes["gpu1"].cli_as(carol, "where", "--data", "/data/imagenet/train", "--json").stdout)
@@ -160,29 +160,33 @@ def test_where_and_status_cluster_show_the_fleet_with_data_locality(fleet):
     queued = fleet.login("gpu1", bob)
     assert queued["gpus"] == [] and "GPUs free now on gpu2 (2), gpu3 (2): ssh gpu2" in queued["message"]
     assert wait_for(lambda: fleet.seen("gpu2", "gpu1")["queued"] == 1)  # gpu1's heartbeat sent its queue
-    table = fleet.nodes["gpu2"].cli_as(carol, "status", "--cluster")
-    assert table.returncode == 0, table.stderr
+    table = fleet.nodes["gpu2"].cli_as(carol, "status", "--fleet")
+    assert table.returncode == 0 and table.stderr == "", table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].endswith("up to date")
     gpu1_line = next(line for line in lines if line.startswith("gpu1"))
     assert "r1" in gpu1_line and " ok " in gpu1_line and alice.name in gpu1_line and "1 (2 GPUs)" in gpu1_line
-    status = json.loads(fleet.nodes["gpu3"].cli_as(carol, "status", "--cluster", "--json").stdout)
+    # the old spelling, for one release: the same answer, and a line on stderr that says the new one
+    old = fleet.nodes["gpu3"].cli_as(carol, "status", "--cluster", "--json")
+    assert "status --cluster is now status --fleet" in old.stderr, old.stderr
+    status = json.loads(old.stdout)
     assert {n["name"]: n["free"] for n in status["nodes"]} == {"gpu1": 0, "gpu2": 2, "gpu3": 2}
+    assert {n["name"] for n in fleet.nodes["gpu3"].call("cluster_status")["nodes"]} == {"gpu1", "gpu2", "gpu3"}
     assert fleet.nodes["gpu1"].cli_as(carol, "where", "--data", "/elsewhere").returncode == 2
 
 
 def test_pulling_the_database_out_changes_nothing_for_logins_and_the_outbox_catches_up(fleet):
     alice, bob = member(fleet), member(fleet)
-    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 2}}})
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 2}}})
     fleet.postgres.stop("immediate")
     gpu1 = fleet.nodes["gpu1"]
     # the first login after the outage waits at most the bounded timeout, then grants locally (offline_policy local)
     assert len(fleet.login("gpu1", alice)["gpus"]) == 2
     opened = fleet.login("gpu2", bob)
     assert len(opened["gpus"]) == 2
-    view = gpu1.call("cluster_status")
+    view = gpu1.call("fleet_status")
     assert view["online"] is False and view["stale_since"] is not None
-    assert "stale since" in gpu1.cli("status", "--cluster").stdout.splitlines()[0]
+    assert "stale since" in gpu1.cli("status", "--fleet").stdout.splitlines()[0]
     fleet.nodes["gpu2"].close_session(bob, opened["pid"])  # released while offline: kept in gpu2's outbox
     assert wait_for(lambda: fleet.nodes["gpu2"].grants(bob) == [])
     fleet.postgres.start()
@@ -195,7 +199,7 @@ def test_pulling_the_database_out_changes_nothing_for_logins_and_the_outbox_catc
 
 def test_a_node_sigkilled_is_lost_its_grants_stop_counting_and_it_returns_with_its_truth(fleet):
     alice = member(fleet)
-    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 2, "gpus": 1}}}, defaults={"gpus": 1})
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 2, "gpus": 1}}}, defaults={"gpus": 1})
     gpu2 = fleet.nodes["gpu2"]
     assert fleet.login("gpu2", alice)["gpus"]
     assert fleet.login("gpu1", alice)["gpus"]
@@ -214,11 +218,11 @@ def test_a_node_sigkilled_is_lost_its_grants_stop_counting_and_it_returns_with_i
 
 def test_a_node_cut_off_from_the_database_carries_on_and_so_do_the_others(fleet):
     alice, bob = member(fleet), member(fleet)
-    fleet.start(quotas={"users": {bob.name: {"cluster_gpus": 2}}}, proxied="gpu3")
+    fleet.start(quotas={"users": {bob.name: {"fleet_gpus": 2}}}, proxied="gpu3")
     assert fleet.proxy is not None
     fleet.proxy.stop()
     assert len(fleet.login("gpu3", alice)["gpus"]) == 2  # granted locally, at most the timeout later
-    assert wait_for(lambda: fleet.nodes["gpu3"].call("cluster_status")["online"] is False)
+    assert wait_for(lambda: fleet.nodes["gpu3"].call("fleet_status")["online"] is False)
     # the others carry on: a fleet-quota check and the view, gpu3 lost there
     assert len(fleet.login("gpu1", bob)["gpus"]) == 2
     assert fleet.login("gpu2", bob)["gpus"] == []
@@ -231,13 +235,13 @@ def test_a_node_cut_off_from_the_database_carries_on_and_so_do_the_others(fleet)
 
 def test_offline_budget_keeps_the_fleet_quota_with_what_was_last_seen_elsewhere(fleet):
     alice = member(fleet)
-    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 3}}}, policy="budget")
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 3}}}, policy="budget")
     assert len(fleet.login("gpu1", alice)["gpus"]) == 2
     gpu2 = fleet.nodes["gpu2"]
     assert len(fleet.login("gpu2", alice)["gpus"]) == 1  # 3 in the fleet, 2 of them on gpu1
     assert gpu2.cli_as(alice, "release").returncode == 0
     fleet.postgres.stop("immediate")
-    assert wait_for(lambda: gpu2.call("cluster_status")["online"] is False)
+    assert wait_for(lambda: gpu2.call("fleet_status")["online"] is False)
     # offline, gpu2 still allows her only her fleet quota less what gpu1 had: 1, not her local 2
     granted = gpu2.call_as(alice, "request")
     assert granted["ok"] and len(granted["gpus"]) == 1, granted
@@ -248,12 +252,12 @@ def test_nodes_follow_the_standby_promoted_under_them(fleet):
     standby = fleet.postgres.standby()
     both = (f"host={fleet.postgres.root},{standby.root} port={fleet.postgres.port},{standby.port} user=postgres"
             " dbname=postgres target_session_attrs=read-write")
-    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 2}}}, database=both)
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 2}}}, database=both)
     assert len(fleet.login("gpu1", alice)["gpus"]) == 2
     fleet.postgres.kill()
     standby.promote()
     fleet.wait_online()
-    assert wait_for(lambda: fleet.nodes["gpu1"].call("cluster_status")["online"])
+    assert wait_for(lambda: fleet.nodes["gpu1"].call("fleet_status")["online"])
     # the fleet quota is still kept, now by the promoted standby
     assert fleet.login("gpu2", alice)["gpus"] == []
     assert len(fleet.login("gpu3", bob)["gpus"]) == 2
@@ -265,14 +269,14 @@ def test_nodes_follow_the_standby_promoted_under_them(fleet):
 
 def test_a_database_link_that_swallows_packets_costs_a_login_the_timeout_at_most(fleet):
     alice = member(fleet)
-    fleet.start(quotas={"users": {alice.name: {"cluster_gpus": 2}}}, proxied="gpu3")
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 2}}}, proxied="gpu3")
     assert fleet.proxy is not None
-    assert fleet.nodes["gpu3"].call("cluster_status")["view_stale"] is False  # a pooled connection stays open
+    assert fleet.nodes["gpu3"].call("fleet_status")["view_stale"] is False  # a pooled connection stays open
     fleet.proxy.freeze()  # the check's query goes out and no answer ever comes back
     opened = fleet.login("gpu3", alice)  # without the bound this would hang (the call's limit is 30 s)
     assert len(opened["gpus"]) == 2
     time.sleep(CACHE_FOR)  # the view read before is no longer shared: the next look reads again
-    view = fleet.nodes["gpu3"].call("cluster_status")  # its query on the pooled connection: answered stale
+    view = fleet.nodes["gpu3"].call("fleet_status")  # its query on the pooled connection: answered stale
     assert view["online"] is False and view["stale_since"] is not None and view["view_stale"] is True
     fleet.nodes["gpu3"].close_session(alice, opened["pid"])
     assert wait_for(lambda: fleet.nodes["gpu3"].grants(alice) == [])

@@ -1,6 +1,6 @@
-"""The web view on the cluster database: a real PostgreSQL (Debian's, private: the `postgres`
+"""The web view on the fleet database: a real PostgreSQL (Debian's, private: the `postgres`
 fixture, tests/system/pg_fixture.py) with the fleet's schema (gpuguard.fleet's migrations), rows
-as the nodes' heartbeats leave them, read through ClusterDatabase and served by the app."""
+as the nodes' heartbeats leave them, read through FleetSource and served by the app."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gpuguard.config import WebConfig
 from gpuguard.fleet import fleetdb
 from gpuguard.web.app import Web, build
-from gpuguard.web.fleet import ClusterDatabase
+from gpuguard.web.fleet import FleetSource
 from gpuguard.web.sessions import Signer
 
 GiB = 1 << 30
@@ -41,7 +41,7 @@ def test_the_fleet_from_the_cluster_database(postgres):
         fleetdb.migrate(conn, "ggt-web")
         now = time.time()
         fill(conn, now)
-    source = ClusterDatabase(postgres.conninfo)
+    source = FleetSource(postgres.conninfo)
 
     servers = {s.name: s for s in asyncio.run(source.servers())}
     assert sorted(servers) == ["gpu1", "gpu2"]
@@ -66,6 +66,6 @@ def test_the_fleet_from_the_cluster_database(postgres):
     assert 'data-state="other"' in html and "lost: last heard from" in html
 
     postgres.stop("immediate")
-    with pytest.raises(Exception, match="cluster database"):  # the database gone: one line, no traceback
+    with pytest.raises(Exception, match="fleet database"):  # the database gone: one line, no traceback
         asyncio.run(source.whoami("alice"))
-    assert asyncio.run(source.servers())[0].error.startswith("cluster database:")
+    assert asyncio.run(source.servers())[0].error.startswith("fleet database:")
