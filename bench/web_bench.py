@@ -47,7 +47,7 @@ def fleet(now: float) -> list:
     return servers
 
 
-class FleetServices:
+class FakeFleetSource:
     def __init__(self, servers: list) -> None:
         self._servers = servers
 
@@ -72,7 +72,7 @@ def _serve(static_dir: str, port_out, memo_age: float) -> None:
     from gpuguard.web.sessions import Signer
     from gpuguard.web.sources import Memo
 
-    state = Web(WebConfig(secure_cookies=False), FleetServices(fleet(time.time())), Signer(b"b" * 32),
+    state = Web(WebConfig(secure_cookies=False), FakeFleetSource(fleet(time.time())), Signer(b"b" * 32),
                 lambda user, password: False, lambda user: (), memo=Memo(memo_age))
     app = build(state)
     app.router.add_static("/bench", static_dir)

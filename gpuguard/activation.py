@@ -48,7 +48,7 @@ class Link:
 
 def links(etc: Path = Path("/etc"), vendor: Path = VENDOR_DIR) -> tuple[Link, ...]:
     return (Link(etc / "modprobe.d/gpuguard.conf", vendor / "modprobe.d/gpuguard.conf"),
-            Link(etc / "udev/rules.d/70-gpuguard.core.rules", vendor / "udev/70-gpuguard.core.rules"))
+            Link(etc / "udev/rules.d/70-gpuguard.rules", vendor / "udev/70-gpuguard.rules"))
 
 
 def make_links(wanted: tuple[Link, ...]) -> list[str]:

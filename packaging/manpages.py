@@ -212,9 +212,9 @@ def admin_page() -> list[str]:
                 ("/var/lib/gpuguard/drained.json, /var/lib/gpuguard/queue_holds.json",
                  "the drained GPUs (gpuguard drain) and held queue requests (gpuguard hold), kept across restarts"),
                 ("/sys/fs/bpf/gpuguard", "the gate's program and maps, pinned"),
-                ("/usr/lib/gpuguard/modprobe.d/gpuguard.conf, /usr/lib/gpuguard/udev/70-gpuguard.core.rules",
+                ("/usr/lib/gpuguard/modprobe.d/gpuguard.conf, /usr/lib/gpuguard/udev/70-gpuguard.rules",
                  "the inert copies gpuguard enable links to /etc/modprobe.d/gpuguard.conf and "
-                 "/etc/udev/rules.d/70-gpuguard.core.rules"),
+                 "/etc/udev/rules.d/70-gpuguard.rules"),
                 ("/usr/share/pam-configs/gpuguard", "the pam-auth-update profile (off until gpuguard enable)"),
                 ("/usr/lib/systemd/system/gpuguard.service", "the systemd unit")]),
         ".SH EXAMPLES",

@@ -192,7 +192,7 @@ def check_udev(f: Facts) -> Finding:
     if f.udev_rules:
         return Finding("udev", OK, f"{', '.join(f.udev_rules)} runs gpuguard acl apply")
     return Finding("udev", FAIL, "no udev rule runs gpuguard acl apply when the driver loads",
-                   "gpuguard enable (it links /etc/udev/rules.d/70-gpuguard.core.rules)")
+                   "gpuguard enable (it links /etc/udev/rules.d/70-gpuguard.rules)")
 
 
 def check_persistenced(f: Facts) -> Finding:

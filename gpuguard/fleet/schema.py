@@ -45,17 +45,17 @@ MIGRATIONS: tuple[Migration, ...] = (
         uuid text NOT NULL, name text NOT NULL, memory_total bigint NOT NULL,
         owner text NOT NULL DEFAULT 'gpuguard',
         PRIMARY KEY (node, minor));
-    CREATE TABLE gpuguard.services.grants (
+    CREATE TABLE gpuguard.grants (
         node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, minor integer NOT NULL,
         username text NOT NULL, uid integer NOT NULL, granted_at double precision NOT NULL,
         expires_at double precision, shared boolean NOT NULL DEFAULT false, origin text NOT NULL,
         PRIMARY KEY (node, minor, username));
     -- no GPU is granted twice, whatever a node (or two nodes misconfigured with one name) sends
-    CREATE UNIQUE INDEX grants_one_holder ON gpuguard.services.grants (node, minor) WHERE NOT shared;
-    CREATE INDEX grants_by_user ON gpuguard.services.grants (username);
+    CREATE UNIQUE INDEX grants_one_holder ON gpuguard.grants (node, minor) WHERE NOT shared;
+    CREATE INDEX grants_by_user ON gpuguard.grants (username);
     -- one row per user: a grant-time check locks it, so a user's checks on all nodes run one at a time
     CREATE TABLE gpuguard.fleet_quotas (
-        username text PRIMARY KEY, fleet_gpus integer, updated_at double precision NOT NULL);
+        username text PRIMARY KEY, cluster_gpus integer, updated_at double precision NOT NULL);
     CREATE TABLE gpuguard.queue (
         node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, ticket integer NOT NULL,
         username text NOT NULL, gpus integer NOT NULL, since double precision NOT NULL,
@@ -114,10 +114,10 @@ MIGRATIONS: tuple[Migration, ...] = (
         ON CONFLICT DO NOTHING;
 
         -- grants made after the snapshot was taken are not in it, and stay
-        DELETE FROM gpuguard.services.grants g WHERE g.node = me AND g.granted_at < taken AND NOT EXISTS (
+        DELETE FROM gpuguard.grants g WHERE g.node = me AND g.granted_at < taken AND NOT EXISTS (
             SELECT 1 FROM jsonb_to_recordset(doc->'grants') AS x(minor integer, username text)
             WHERE x.minor = g.minor AND x.username = g.username);
-        INSERT INTO gpuguard.services.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
+        INSERT INTO gpuguard.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
             SELECT me, x.minor, x.username, x.uid, x.granted_at, x.expires_at, x.shared, x.origin
             FROM jsonb_to_recordset(doc->'grants') AS x(minor integer, username text, uid integer,
                  granted_at double precision, expires_at double precision, shared boolean, origin text)
@@ -146,13 +146,13 @@ MIGRATIONS: tuple[Migration, ...] = (
                     WHERE l.username = w.name AND l.ended >= at - 30 * half AND l.node <> me), 0)
                   + coalesce((
                     SELECT sum(half / ln(2) * (1 - power(0.5, greatest(0, at - g.granted_at) / half)))
-                    FROM gpuguard.services.grants g WHERE g.username = w.name AND g.node <> me AND (
+                    FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
                         SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node)), 0) AS value
                 FROM jsonb_array_elements_text(doc->'usage_for') AS w(name)) u;
         END IF;
         IF jsonb_array_length(doc->'users') > 0 THEN
             SELECT coalesce(jsonb_object_agg(w.name, (
-                SELECT count(*) FROM gpuguard.services.grants g WHERE g.username = w.name AND g.node <> me AND (
+                SELECT count(*) FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
                     SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node))), '{}') INTO held
             FROM jsonb_array_elements_text(doc->'users') AS w(name);
         END IF;
@@ -161,7 +161,7 @@ MIGRATIONS: tuple[Migration, ...] = (
                 SELECT n.name AS node, n.rack, n.ssh, count(*) AS free
                 FROM gpuguard.gpus g JOIN gpuguard.nodes n ON n.name = g.node
                 WHERE g.owner = 'gpuguard' AND n.name <> me AND n.last_seen >= at - n.lease
-                  AND NOT EXISTS (SELECT 1 FROM gpuguard.services.grants r WHERE r.node = g.node AND r.minor = g.minor)
+                  AND NOT EXISTS (SELECT 1 FROM gpuguard.grants r WHERE r.node = g.node AND r.minor = g.minor)
                 GROUP BY n.name, n.rack, n.ssh ORDER BY count(*) DESC, n.name LIMIT 5) f;
         END IF;
         RETURN jsonb_build_object('at', at, 'usage', usage, 'held', held, 'free', free);
@@ -174,18 +174,18 @@ MIGRATIONS: tuple[Migration, ...] = (
     DECLARE
         me text := doc->>'node';
         who text := doc->>'user';
-        quota integer := (doc->>'fleet_gpus')::integer;
+        quota integer := (doc->>'cluster_gpus')::integer;
         at double precision := extract(epoch FROM clock_timestamp());
         wanted integer[] := ARRAY(SELECT jsonb_array_elements_text(doc->'minors')::integer);
         held integer;
         took integer[];
     BEGIN
-        INSERT INTO gpuguard.fleet_quotas AS q (username, fleet_gpus, updated_at) VALUES (who, quota, at)
-        ON CONFLICT (username) DO UPDATE SET fleet_gpus = excluded.fleet_gpus, updated_at = excluded.updated_at;
-        SELECT count(*) INTO held FROM gpuguard.services.grants g WHERE g.username = who AND (g.node = me OR (
+        INSERT INTO gpuguard.fleet_quotas AS q (username, cluster_gpus, updated_at) VALUES (who, quota, at)
+        ON CONFLICT (username) DO UPDATE SET cluster_gpus = excluded.cluster_gpus, updated_at = excluded.updated_at;
+        SELECT count(*) INTO held FROM gpuguard.grants g WHERE g.username = who AND (g.node = me OR (
             SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node));
         took := CASE WHEN quota IS NULL THEN wanted ELSE wanted[1:greatest(0, quota - held)] END;
-        INSERT INTO gpuguard.services.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
+        INSERT INTO gpuguard.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
             SELECT me, m, who, (doc->>'uid')::integer, (doc->>'granted_at')::double precision,
                    (doc->>'expires_at')::double precision, (doc->>'shared')::boolean, doc->>'origin'
             FROM unnest(took) AS m;

@@ -29,7 +29,7 @@ STATEMENT_TIMEOUT_MS = 5000
 NODES = """SELECT n.name AS node, n.last_seen, n.lease, extract(epoch FROM clock_timestamp())::double precision AS now,
        g.minor, g.uuid, g.name AS gpu_name, g.memory_total, g.owner
 FROM gpuguard.nodes n LEFT JOIN gpuguard.gpus g ON g.node = n.name ORDER BY n.name, g.minor"""
-GRANTS = """SELECT node, minor, username, uid, granted_at, expires_at, shared, origin FROM gpuguard.services.grants
+GRANTS = """SELECT node, minor, username, uid, granted_at, expires_at, shared, origin FROM gpuguard.grants
 WHERE %(user)s::text IS NULL OR username = %(user)s ORDER BY node, minor, username"""
 QUEUE = """SELECT node, ticket, username, gpus, since, priority FROM gpuguard.queue
 ORDER BY node, priority DESC, since, ticket"""

@@ -53,7 +53,7 @@ WATCHED = ["/opt", "/usr/bin", "/usr/lib/gpuguard", f"{DIST_PACKAGES}/gpuguard",
            "/var/lib/gpuguard", "/var/lib/dpkg/info", "/var/lib/pam", "/run/gpuguard"]
 # What `gpuguard enable` links, to what.
 LINKS = {Path("/etc/modprobe.d/gpuguard.conf"): "/usr/lib/gpuguard/modprobe.d/gpuguard.conf",
-         Path("/etc/udev/rules.d/70-gpuguard.core.rules"): "/usr/lib/gpuguard/udev/70-gpuguard.core.rules"}
+         Path("/etc/udev/rules.d/70-gpuguard.rules"): "/usr/lib/gpuguard/udev/70-gpuguard.rules"}
 UDEV_DIRS = ["/etc/udev/rules.d", "/run/udev/rules.d", "/usr/lib/udev/rules.d", "/lib/udev/rules.d"]
 GPUS = 4
 

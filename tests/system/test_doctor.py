@@ -29,7 +29,7 @@ def files_root(sandbox, pam_module):
         "session required pam_unix.so\nsession optional pam_systemd.so\n"
         f"session optional {MODULE}\n")
     (root / "etc/pam.d/sshd").write_text("auth required pam_permit.so\n@include common-session\n")
-    for source, target in [("udev/70-gpuguard.core.rules", "usr/lib/udev/rules.d/70-gpuguard.core.rules"),
+    for source, target in [("udev/70-gpuguard.rules", "usr/lib/udev/rules.d/70-gpuguard.rules"),
                            ("etc/modprobe.d/gpuguard.conf", "usr/lib/modprobe.d/gpuguard.conf")]:
         (root / target).parent.mkdir(parents=True)
         shutil.copy(REPO / source, root / target)
@@ -60,7 +60,7 @@ def test_broken_setups_fail_with_a_fix(gg_daemon, files_root) -> None:
     (minor,) = d.open_session(alice)["gpus"]
     Gate(d.gate_name).revoke(alice.uid, (NVIDIA_MAJOR, minor))  # the map lost a grant the store has
     (files_root / "etc/pam.d/common-session").write_text("session optional pam_systemd.so\n")
-    (files_root / "usr/lib/udev/rules.d/70-gpuguard.core.rules").unlink()
+    (files_root / "usr/lib/udev/rules.d/70-gpuguard.rules").unlink()
 
     result = d.cli("doctor", "--files-root", str(files_root))
     assert result.returncode == 1

@@ -26,7 +26,7 @@ NODES = {"gpu1": ("r1", True), "gpu2": ("r1", False), "gpu3": ("r2", False)}
 DATA = {"/data/imagenet": ["gpu3"], "/data/shared": ["r1"]}
 
 
-class FleetServices:
+class DaemonFleet:
     def __init__(self, postgres, group: str, make_user):
         self.postgres = postgres
         self.group = group
@@ -71,7 +71,7 @@ class FleetServices:
 
     def held_in_database(self) -> list[tuple]:
         with psycopg.connect(self.postgres.conninfo, autocommit=True) as conn:
-            return conn.execute("SELECT node, username, minor FROM gpuguard.services.grants ORDER BY 1, 2, 3").fetchall()
+            return conn.execute("SELECT node, username, minor FROM gpuguard.grants ORDER BY 1, 2, 3").fetchall()
 
     def ledger(self) -> list[tuple]:
         with psycopg.connect(self.postgres.conninfo, autocommit=True) as conn:
@@ -88,16 +88,16 @@ class FleetServices:
 
 
 @pytest.fixture
-def fleet(postgres, make_group, make_user) -> Iterator[FleetServices]:
+def fleet(postgres, make_group, make_user) -> Iterator[DaemonFleet]:
     with gate_test_lock():  # gpu1's gate is machine-wide
-        fleet = FleetServices(postgres, make_group(), make_user)
+        fleet = DaemonFleet(postgres, make_group(), make_user)
         try:
             yield fleet
         finally:
             fleet.close()
 
 
-def member(fleet: FleetServices):
+def member(fleet: DaemonFleet):
     return fleet.make_user(groups=[fleet.group])
 
 
@@ -263,7 +263,7 @@ def test_nodes_follow_the_standby_promoted_under_them(fleet):
     assert len(fleet.login("gpu3", bob)["gpus"]) == 2
     with psycopg.connect(both, autocommit=True) as conn:
         assert conn.execute("SELECT current_setting('port')").fetchone() == (str(standby.port),)
-        assert conn.execute("SELECT node, username FROM gpuguard.services.grants ORDER BY 1, 2").fetchall() == [
+        assert conn.execute("SELECT node, username FROM gpuguard.grants ORDER BY 1, 2").fetchall() == [
             ("gpu1", alice.name), ("gpu1", alice.name), ("gpu3", bob.name), ("gpu3", bob.name)]
 
 

@@ -39,7 +39,7 @@ def heartbeat_doc(node: str, grants: list[dict] | None = None, ledger: list[dict
 
 
 def reserve_doc(node: str, user: str, minors: list[int], quota: int | None, shared: bool = False) -> dict:
-    return {"node": node, "user": user, "uid": 1000 + int(user[1:]), "fleet_gpus": quota, "minors": minors,
+    return {"node": node, "user": user, "uid": 1000 + int(user[1:]), "cluster_gpus": quota, "minors": minors,
             "granted_at": time.time(), "expires_at": None, "shared": shared, "origin": "session"}
 
 
@@ -133,7 +133,7 @@ class Storm:
                     outcome = "granted" if len(result["granted"]) == len(minors) else "over_quota"
                     if result["granted"] and n % 5 == 0:  # some give their GPUs back: quotas free up again
                         with psycopg.connect(self.conninfo, autocommit=True) as conn:
-                            conn.execute("DELETE FROM gpuguard.services.grants WHERE node = %s AND username = %s",
+                            conn.execute("DELETE FROM gpuguard.grants WHERE node = %s AND username = %s",
                                          (node, user))
                 except psycopg.errors.UniqueViolation:
                     outcome = "double"
@@ -167,9 +167,9 @@ class Storm:
 
     def check(self) -> None:
         """No quota exceeded, no GPU granted twice, in what the database holds now."""
-        held = dict(rows(self.conninfo, "SELECT username, count(*) FROM gpuguard.services.grants GROUP BY username"))
+        held = dict(rows(self.conninfo, "SELECT username, count(*) FROM gpuguard.grants GROUP BY username"))
         assert all(held[user] <= self.QUOTAS[user] for user in held), held
-        per_gpu = rows(self.conninfo, "SELECT node, minor, count(*) FROM gpuguard.services.grants GROUP BY node, minor"
+        per_gpu = rows(self.conninfo, "SELECT node, minor, count(*) FROM gpuguard.grants GROUP BY node, minor"
                                       " HAVING count(*) > 1")
         assert per_gpu == []
 
@@ -221,13 +221,13 @@ def test_heartbeat_mirrors_the_nodes_truth_and_replays_the_ledger_once(postgres)
     grant = {"minor": 1, "username": "u1", "uid": 1001, "granted_at": t0 - 100, "expires_at": None, "shared": False,
              "origin": "session"}
     db.heartbeat(heartbeat_doc("node0", grants=[grant]))
-    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.services.grants") == [(1, "u1")]
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants") == [(1, "u1")]
     # a grant checked (reserve) after the snapshot was taken is not in it: it stays
     late = db.reserve(reserve_doc("node0", "u2", [2], None))
     assert late["granted"] == [2]
     ledger = [{"seq": 1, "username": "u1", "minor": 1, "started": t0 - 100, "ended": t0 - 50}]
     db.heartbeat(heartbeat_doc("node0", ledger=ledger, taken_at=t0 - 1))
-    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.services.grants ORDER BY minor") == [(2, "u2")]
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants ORDER BY minor") == [(2, "u2")]
     # the answer to a heartbeat got lost: the node sends the same rows again, and nothing is counted twice
     db.heartbeat(heartbeat_doc("node0", ledger=ledger, taken_at=t0 - 1))
     assert rows(postgres.conninfo, "SELECT node, seq, username FROM gpuguard.ledger") == [("node0", 1, "u1")]
@@ -247,9 +247,9 @@ def test_the_grant_check_and_the_release_do_not_wait_for_the_wal_flush_and_the_h
             call()
             return conn.execute("SHOW synchronous_commit").fetchone()[0]
     assert commit_mode(lambda: db.reserve(reserve_doc("node0", "u1", [1], 2))) == "off"
-    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.services.grants") == [(1, "u1")]
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants") == [(1, "u1")]
     assert commit_mode(lambda: db.release([(1, "u1")])) == "off"
-    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.services.grants") == []
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants") == []
     # for their own transaction only: the heartbeat after them, whose ledger rows the node then
     # deletes, commits once its WAL is flushed
     assert commit_mode(lambda: db.heartbeat(heartbeat_doc("node0"))) == "on"
@@ -283,7 +283,7 @@ def test_a_lost_nodes_grants_stop_counting_after_its_grace_and_count_again_when_
              "shared": False, "origin": "session"} for m in (0, 1)]
     lost.heartbeat(heartbeat_doc("node0", grants=held, lease=2, grace=1))
     assert other.reserve(reserve_doc("node1", "u1", [1], 2))["granted"] == []
-    assert rows(postgres.conninfo, "SELECT count(*) FROM gpuguard.services.grants WHERE username = 'u1'") == [(3,)]
+    assert rows(postgres.conninfo, "SELECT count(*) FROM gpuguard.grants WHERE username = 'u1'") == [(3,)]
 
 
 def test_an_aborted_runs_postgresql_is_stopped_by_the_sweep(postgres):

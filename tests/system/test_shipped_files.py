@@ -1,6 +1,6 @@
 """The files gpuguard ships for a real server, parsed as the programs that read them would.
 
-- udev/70-gpuguard.core.rules: GPU nodes 0660 root:root, never TAG "uaccess" (udev's uaccess builtin
+- udev/70-gpuguard.rules: GPU nodes 0660 root:root, never TAG "uaccess" (udev's uaccess builtin
   would rewrite their ACLs and flush gpuguard's grants), RUN commands that gpuguard accepts;
 - etc/modprobe.d/gpuguard.conf: NVreg_ModifyDeviceFiles=0 for the nvidia module;
 - etc/gpuguard.toml: passes `gpuguard config check`;
@@ -29,7 +29,7 @@ from sim_helpers import cli
 
 from gpuguard.cli import build_parser
 
-RULES = REPO / "udev" / "70-gpuguard.core.rules"
+RULES = REPO / "udev" / "70-gpuguard.rules"
 MODPROBE = REPO / "etc" / "modprobe.d" / "gpuguard.conf"
 CONFIG = REPO / "etc" / "gpuguard.toml"
 UNIT = REPO / "etc" / "gpuguard.service"
@@ -306,7 +306,7 @@ def test_make_install_honours_destdir_and_prefix_and_uninstall_keeps_the_configu
     for path, source in [("usr/lib/systemd/system/gpuguard.service", UNIT),
                          ("usr/lib/systemd/system/gpuguard-web.service", REPO / "etc/gpuguard-web.service"),
                          ("etc/pam.d/gpuguard-web", REPO / "etc/pam.d/gpuguard-web"),
-                         ("usr/lib/gpuguard/udev/70-gpuguard.core.rules", RULES),
+                         ("usr/lib/gpuguard/udev/70-gpuguard.rules", RULES),
                          ("usr/lib/gpuguard/modprobe.d/gpuguard.conf", MODPROBE), ("etc/gpuguard/gpuguard.toml", CONFIG)]:
         assert (stage / path).read_text() == source.read_text().replace(installed_gpuguard(), appdir_gpuguard()), path
         assert stat.S_IMODE((stage / path).stat().st_mode) == 0o644, path

@@ -28,7 +28,7 @@ def fill(conn, now: float) -> None:
                          " VALUES (%s, %s, %s, 'NVIDIA H100', %s, %s)",
                          (name, minor, f"GPU-{name}-{minor}", 80 * GiB, "slurm" if (name, minor) == ("gpu2", 1)
                           else "gpuguard"))
-    conn.execute("INSERT INTO gpuguard.services.grants (node, minor, username, uid, granted_at, expires_at, origin)"
+    conn.execute("INSERT INTO gpuguard.grants (node, minor, username, uid, granted_at, expires_at, origin)"
                  " VALUES ('gpu1', 0, '<b>alice</b>', 1001, %s, %s, 'session')", (now - 1800, now + 3600))
     conn.execute("INSERT INTO gpuguard.queue (node, ticket, username, gpus, since, priority)"
                  " VALUES ('gpu1', 1, 'bob', 2, %s, 0)", (now - 60,))

@@ -13,7 +13,7 @@ from gpuguard import activation
 @pytest.fixture
 def layout(tmp_path: Path) -> tuple[activation.Link, ...]:
     vendor = tmp_path / "usr/lib/gpuguard"
-    for name in ("modprobe.d/gpuguard.conf", "udev/70-gpuguard.core.rules"):
+    for name in ("modprobe.d/gpuguard.conf", "udev/70-gpuguard.rules"):
         (vendor / name).parent.mkdir(parents=True, exist_ok=True)
         (vendor / name).write_text(f"# {name}\n")
     return activation.links(tmp_path / "etc", vendor)

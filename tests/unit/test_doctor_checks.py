@@ -20,7 +20,7 @@ def healthy() -> Facts:
         gate_current=True, gate_error=None, gpus=[(0, "H100"), (1, "H100")], nvml_error=None,
         driver_minors=[0, 1], nodes=nodes, modify_device_files="0", modprobe_option=True,
         pam_service="sshd", pam_session=["pam_unix.so", "pam_systemd.so", "pam_gpuguard.so"],
-        pam_module_found=True, udev_rules=["/usr/lib/udev/rules.d/70-gpuguard.core.rules"],
+        pam_module_found=True, udev_rules=["/usr/lib/udev/rules.d/70-gpuguard.rules"],
         persistenced_uid=None, exempt_uids=frozenset({0}),
         daemon={"gpus": [{"minor": 0, "holders": []}, {"minor": 1, "holders": [{"uid": ALICE}]}],
                 "sessions": [{}]},
