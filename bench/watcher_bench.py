@@ -185,7 +185,7 @@ def own_tick_rows(bench: Bench) -> None:
 
         own = asyncio.run(run()) / ticks
         sample = statistics.median(nvml)
-        snapshot = per_call(lambda: daemon.services.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
+        snapshot = per_call(lambda: daemon.front.metrics.publish(0.01), 20)  # what after_tick adds when metrics are on
     row("gpuguard's own part of a tick (loop CPU), 8 GPUs x 50 processes", own, sample, 0.25,
         "the simulated NVML sample")
     row("metrics snapshot per tick, 8 GPUs x 50 processes", snapshot, sample, 0.5, "the simulated NVML sample")

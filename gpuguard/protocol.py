@@ -9,7 +9,6 @@ message: the server takes it from SO_PEERCRED. JSON only, never pickle.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from gpuguard.core.errors import UsageError
 from gpuguard.core.escape import printable
@@ -31,13 +30,6 @@ OPERATIONS = frozenset({
     "fleet_status", "where",  # a fleet's (gpuguard.fleet.ops)
     "cancel", "fairshare", "drain", "resume", "hold",  # steering the queue
 })
-
-
-@dataclass(frozen=True)
-class Peer:
-    pid: int
-    uid: int
-    gid: int
 
 
 # Operations renamed, read under the old name for one release (an older CLI): old -> new.

@@ -25,6 +25,11 @@ class GpuguardError(Exception):
         return (str(self).splitlines() or [""])[0]
 
 
+class Refusal(GpuguardError):
+    """A request to the daemon that cannot be done, with the CLI exit code the caller should use:
+    the operations and the services they call raise it, and the reply says it in one line."""
+
+
 class UsageError(GpuguardError, ValueError):
     """Bad input: a malformed value, file, argument or request (exit 2)."""
 

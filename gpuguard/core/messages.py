@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from gpuguard.core.quantities import format_duration, format_size
 from gpuguard.core.unit_numbers import is_slice, slice_place, unit_label
@@ -11,7 +11,7 @@ TYPE_CHECKING = False  # not typing's: the users' commands import this module, a
 if TYPE_CHECKING:
     from typing import Any
 
-    from gpuguard.core.model import Gpu
+    from gpuguard.core.model import Gpu, Grant
     from gpuguard.core.rules import Action
 
 WHOAMI_HINT = " - run gpuguard whoami for details"
@@ -30,6 +30,27 @@ def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wante
     until = f" until {clock(expires_at)}" if expires_at is not None else ""
     short = f" ({len(gpus)} of {wanted}: no more free)" if wanted and len(gpus) < wanted else ""
     return f"gpuguard: {subject} {'are' if several else 'is'} yours{until}{short}{ending}"
+
+
+def grant_reply(gpus: Mapping[int, Gpu], held: Sequence[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
+                new: Collection[int] | None = None) -> dict[str, Any]:
+    """gpus, cuda_visible_devices and the one-line message (grant_message) for what a user holds
+    (`held`, of the units in `gpus`): what a login, a request and a grant from the queue reply or
+    tell. new: the units just granted, which the message is about (with their own end, not an
+    older grant's); wanted: the total asked for, of which those held before count too."""
+    mine = [gpus[g.unit] for g in held if g.unit in gpus]
+    if not mine:
+        return {"gpus": [], "cuda_visible_devices": "", "message": ""}
+    told = [g for g in held if new is None or g.unit in new] or list(held)
+    expiries = [g.expires_at for g in told if g.expires_at is not None]
+    told_units = {g.unit for g in told}
+    told_gpus = [gpu for gpu in mine if gpu.unit in told_units]
+    if wanted is not None:
+        wanted -= len(mine) - len(told_gpus)  # the ones held before count towards it
+    return {"gpus": [gpu.unit for gpu in mine],
+            "cuda_visible_devices": ",".join(gpu.uuid for gpu in mine),
+            "message": grant_message(told_gpus, min(expiries, default=None), any(g.shared for g in told), wanted,
+                                     ending)}
 
 
 def smi_differs(unit: int, index: int | None) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 from gpuguard.config import AccessConfig, Config, SessionsConfig
 from gpuguard.core.compat import StrEnum
-from gpuguard.core.model import Quota
+from gpuguard.core.model import Origin, Quota
 
 ROOT_UID = 0
 
@@ -95,3 +95,10 @@ def may_share(quota: Quota) -> bool:
 
 def expires_at(quota: Quota, now: float) -> float | None:
     return None if quota.max_time is None else now + quota.max_time
+
+
+def grant_origin(asked: Origin, logged_in: bool) -> Origin:
+    """What a grant made for an ask (or a queue row) of this origin is: a login's, or any grant
+    made while its user has a session (a request from a login shell), ends with the user's
+    sessions; one asked with no session open (cron, systemd-run) stays until released."""
+    return Origin.SESSION if asked == Origin.SESSION or logged_in else Origin.REQUEST

@@ -6,58 +6,38 @@ whatever fails inside is logged and the session opens without GPUs.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any
 
 from gpuguard import config as configuration
 from gpuguard import protocol
 from gpuguard.config import Config
 from gpuguard.core import allocator, inventory, policy, reporting
-from gpuguard.core.errors import GpuguardError, UnknownUser
-from gpuguard.core.messages import WHOAMI_HINT, cuda_export, grant_message, number_list, queue_message, unit_list
-from gpuguard.core.model import (
-    Account,
-    Event,
-    EventKind,
-    Grant,
-    Origin,
-    Quota,
-    Rule,
-    is_slice,
-    unit_label,
-    unit_parent,
-)
+from gpuguard.core.errors import GpuguardError, Refusal, UnknownUser
+from gpuguard.core.messages import WHOAMI_HINT, grant_reply, number_list, queue_message, unit_list
+from gpuguard.core.model import Account, Event, EventKind, Grant, Origin, Quota, Rule, is_slice, unit_label, unit_parent
 from gpuguard.core.quantities import format_duration
 from gpuguard.daemon import admission
 from gpuguard.daemon import requests as rq
-from gpuguard.daemon.requests import Refusal
+from gpuguard.daemon.server import Peer
 from gpuguard.logs import event
-from gpuguard.protocol import Peer
-from gpuguard.services import drains, state_files
-from gpuguard.services.drains import Drain
-from gpuguard.services.edges import Clock, GateMap, GpuSampler, Lookup, Processes, Terminals
-from gpuguard.services.exempt import Exempt
-from gpuguard.services.grants import Grants
-from gpuguard.services.logout import LogoutRelease
-from gpuguard.services.lookups import KnownAccounts
-from gpuguard.services.openers import OpenerEnder, Scan
-from gpuguard.services.queueing import Queue, Standing
-from gpuguard.services.release import Releases
-from gpuguard.services.reload_effects import ReloadEffects
-from gpuguard.services.store import Queued, Store
-from gpuguard.services.usage import UsageMeter
+from gpuguard.services.asks import Answer, Ask, Outcome, Waits, Why
+from gpuguard.services.drains import NotSaved
+from gpuguard.services.logins import Login, Took
+from gpuguard.services.openers import Scan
+from gpuguard.services.queueing import Standing
+from gpuguard.services.wiring import Services
 
-HOLDS_FILE = "queue_holds.json"  # the held queue rows, in state_dir (state_files)
 WHOAMI_EVENTS = 20
 NO_GPU_FREE = "gpuguard: no GPU is free right now; you are in the queue for one (gpuguard whoami)"
 LOGIN_FAILED = "gpuguard: no GPU for this session (an internal error, logged for your admin)"
+NO_QUOTA = "gpuguard: your quota allows no GPUs - run gpuguard whoami for details"
 
 
 # (user, quota) -> text added to a queued login's message: where GPUs are free for them now
@@ -70,46 +50,31 @@ def nowhere_else(user: str, quota: Quota) -> str:
     return ""
 
 
-@dataclass(eq=False)
 class Api:
-    """The operations, built from exactly the services they use and the edges they reach
-    (wiring.build composes them)."""
+    """The operations: each parses nothing (requests.parse typed it), asks the services that decide
+    (a login: Logins; a request: Asks; ...), and says what came of it in a reply."""
 
-    config: Callable[[], Config]  # the config in force, which a reload replaces
-    store: Store
-    grants: Grants
-    releases: Releases
-    exempt: Exempt
-    sampler: GpuSampler
-    lookup: Lookup
-    logout: LogoutRelease
-    openers: OpenerEnder
-    gate: GateMap | None
-    apply_reload: Callable[[], Config]  # the `reload` operation's work: the config it put in force
-    resync_nodes: Callable[[], None]  # the `sync_nodes` operation's work
-    accounts: KnownAccounts  # names and quotas as the watcher last resolved them: no NSS wait
-    usage: UsageMeter  # the watcher's usage of the last minute, not written yet
-    queue: Queue
-    terminals: Terminals
-    processes: Processes
-    clock: Clock
-    reload_effects: ReloadEffects  # what a reload or a login does to former members' grants
-    state_dir: Path  # where the admin's drains and queue holds are kept (state_files)
-    foreign: Sequence[dict[str, Any]] = ()  # status entries of the GPUs Slurm or Kubernetes own (coexist)
-    # A fleet's (gpuguard.fleet): for a login that queues, where GPUs are free for the user now.
-    elsewhere: Elsewhere = nowhere_else
-
-    def __post_init__(self) -> None:
-        # Blocked `gpuguard request --wait` clients by queue row, and the rows served since their
-        # `request` reply (a grant may come before the client's `wait` call arrives).
-        self._waiting: dict[int, asyncio.Future[tuple[int, ...]]] = {}
-        self._served: dict[int, tuple[int, tuple[int, ...]]] = {}  # ticket -> (its uid, the GPUs)
+    def __init__(self, services: Services, reload: Callable[[], Config], sync_nodes: Callable[[], None]) -> None:
+        """reload: the `reload` operation's work (the config it put in force); sync_nodes: the
+        `sync_nodes` operation's (the daemon's, both)."""
+        edges = services.edges
+        self.config = edges.config  # the config in force, which a reload replaces
+        self.store, self.grants, self.drains = services.store, services.grants, services.drains
+        self.queue, self.holds, self.asks, self.tickets = services.queue, services.holds, services.asks, services.tickets
+        self.logins, self.releases, self.openers = services.logins, services.releases, services.openers
+        self.exempt, self.usage = services.exempt, services.usage
+        self.accounts = services.accounts  # names and quotas as the watcher last resolved them: no NSS wait
+        self.sampler, self.lookup, self.gate = edges.sampler, edges.lookup, edges.gate
+        self.terminals, self.processes, self.clock = edges.terminals, edges.processes, edges.clock
+        self.foreign = edges.foreign  # status entries of the GPUs Slurm or Kubernetes own (coexist)
+        # A fleet's (gpuguard.fleet): for a login that queues, where GPUs are free for the user now.
+        self.elsewhere: Elsewhere = services.fleet.node.elsewhere if services.fleet else nowhere_else
+        self.apply_reload, self.resync_nodes = reload, sync_nodes
         self._releases = admission.RateLimit()  # each release scans /proc: per uid, a few at once
         # each request writes the store (a grant, or a queue place that a hang-up takes back and logs)
         self._requests = admission.RateLimit()
         # each report or events read goes through the caller's history on the loop (indexed by uid)
         self._records = admission.RateLimit()
-        self.queue.listeners.append(self._queue_served)
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """Serve a decoded request (protocol.decode_request): root's operations are refused to
@@ -129,76 +94,39 @@ class Api:
         user, pid = request.user, request.pid
         try:
             account = await self.lookup.by_name(user)  # before any state is read: the rest never awaits
-            return self._open_session(account, request.service, request.rhost, request.tty, pid, request.grant)
+            return self._login_reply(account, self.logins.open(account, request.service, request.rhost, request.tty,
+                                                               pid, request.grant))
         except Exception as exc:
             # An unknown user is PAM's business, not a fault of ours: one line, no traceback.
             known = exc.line() if isinstance(exc, GpuguardError) else None
             event(logging.ERROR, "session_open_failed", exc_info=known is None, user=user, pid=pid, error=known)
             return protocol.ok(session=None, gpus=[], cuda_visible_devices="", message=LOGIN_FAILED)
 
-    def _open_session(self, account: Account, service: str, rhost: str, tty: str, pid: int,
-                      grant: str = "auto") -> dict[str, Any]:
-        store, config = self.store, self.config()
-        now = self.clock()
-        caller = self.processes.identity(pid)  # None: gone already, and the next tick drops the session
-        session = store.open_session(account.uid, account.name, service, rhost, tty, pid, now,
-                                     caller.start_time if caller else None)
-        event(logging.INFO, "session_open", user=account.name, session=session.id, service=service,
-              rhost=rhost or None, tty=tty or None, pid=pid)
-        reply = protocol.ok(session=session.id, gpus=[], cuda_visible_devices="", message="")
-        eligible = self._eligibility(account)
-        if eligible == policy.Eligibility.EXEMPT:
-            self.exempt.add(account.uid)  # a no-op unless joined since, or missed by NSS member lists
+    def _login_reply(self, account: Account, login: Login) -> dict[str, Any]:
+        reply = protocol.ok(session=login.session.id, gpus=[], cuda_visible_devices="", message="")
+        if login.took == Took.KEPT:  # a second session reuses the grant it already has
+            return {**reply, **self._grant_reply(self.store.grants(account.uid))}
+        if login.took == Took.NO_QUOTA:
+            return {**reply, "message": NO_QUOTA}
+        answer = login.answer
+        if answer is None:  # exempt, an outsider, or a session that takes no GPUs of its own
             return reply
-        if eligible == policy.Eligibility.OUTSIDER:
-            self.reload_effects.expel_if_gone(account, config, now, self.leave_queue)  # left the group since
-            return reply
-        held = store.grants(account.uid)
-        if held:  # a second session reuses the grant it already has
-            return {**reply, **self._grant_reply(held)}
-        if not policy.login_takes_gpus(service, tty, grant, config.sessions):
-            return reply  # scp, sftp, `ssh host cmd`: no GPUs of their own (gpuguard request gets some)
-        quota = policy.quota_for(account.name, account.groups, config)
-        if quota.gpus == 0:
-            return {**reply, "message": "gpuguard: your quota allows no GPUs - run gpuguard whoami for details"}
-        if not store.queue():  # with others waiting, a login takes its turn like them
-            self.grants.allocate(account.uid, account.name, quota, quota.gpus, now, origin=Origin.SESSION,
-                                 message=f"granted at login ({service or 'pam'})")
-        held = store.grants(account.uid)
-        wanted = min(quota.gpus, self.grants.capacity(quota))  # more could never be served whole
-        if not held and wanted and not store.queue(account.uid):
-            _, waits = self.queue.join(account.uid, account.name, wanted, quota, now, Origin.SESSION, pid,
-                                       caller.start_time if caller else None)
-            held = store.grants(account.uid)
-            if waits:
-                standing = self.queue.standing(account.uid, now)
-                event(logging.INFO, "queued", user=account.name, wanted=wanted,
-                      position=standing.position if standing else None)
-                return {**reply, "queue": _standing_info(standing),
-                        "message": (queue_message(standing.position, standing.waiting, standing.gpus,
-                                                  standing.estimate) if standing else NO_GPU_FREE)
-                        + self.elsewhere(account.name, quota)}
+        if answer.outcome == Outcome.WAITING:
+            standing = self.queue.standing(account.uid, self.clock())
+            event(logging.INFO, "queued", user=account.name, wanted=answer.wanted,
+                  position=standing.position if standing else None)
+            return {**reply, "queue": _standing_info(standing),
+                    "message": (queue_message(standing.position, standing.waiting, standing.gpus, standing.estimate)
+                                if standing else NO_GPU_FREE) + self.elsewhere(account.name, answer.quota)}
+        held = self.store.grants(account.uid)
         if not held:
             return {**reply, "message": NO_GPU_FREE}
-        return {**reply, **self._grant_reply(held, wanted=wanted)}
+        return {**reply, **self._grant_reply(held, wanted=answer.wanted)}
 
     async def session_close(self, request: rq.SessionClose, peer: Peer) -> dict[str, Any]:
-        pid, store = request.pid, self.store
-        account = await self._account_named(request.user)
-        held = {g.unit for g in store.grants(account.uid)}
-        closed = store.close_session(account.uid, pid)
-        event(logging.INFO, "session_close", user=account.name, pid=pid,
-              session=closed.id if closed else "unknown")
-        last = not store.logged_in(account.uid)
-        if last:  # a login's place in the queue ends with its last session
-            self.queue.leave(q.waiter.id for q in store.queue(account.uid) if q.origin == Origin.SESSION)
-        # Only the close that ended the user's last session starts the release check: a close of a
-        # session already gone (dropped by the tick after its caller died, or never known) changes
-        # nothing the tick will not see, and each check costs a GPU sample and a /proc scan.
-        pending = bool(held) and closed is not None and last
-        if pending:  # checked in the background: the PAM module's reply waits for no NVML, no /proc
-            self.logout.after_logout(account.uid, lambda: self.sampler.take_or_log("grants kept until a good sample"))
-        return protocol.ok(closed=closed is not None, held=sorted(held), release_pending=pending)
+        logout = self.logins.close(await self._account_named(request.user), request.pid)
+        return protocol.ok(closed=logout.closed is not None, held=sorted(logout.held),
+                           release_pending=logout.release_pending)
 
     # --- looking
 
@@ -210,7 +138,7 @@ class Api:
         return protocol.ok(
             user=account.name, uid=account.uid, group=access.group,
             member=policy.is_member(account.groups, access),
-            exempt=self._eligibility(account) == policy.Eligibility.EXEMPT,
+            exempt=self.asks.eligibility(account) == policy.Eligibility.EXEMPT,
             quota=asdict(quota),
             grants=[self._grant_info(g) for g in store.grants(account.uid)],
             sessions=[asdict(s) for s in store.sessions(account.uid)],
@@ -226,7 +154,7 @@ class Api:
         holders = [{"minor": g.unit, "user": g.user, "expires_at": g.expires_at, "idle": max(0.0, now - g.last_active),
                     "reclaim_after": self.accounts.of(g.uid)[1].reclaim_after}
                    for g in self.store.grants() if g.uid != uid]
-        held = any(q.waiter.id in self.queue.holds for q in self.store.queue(uid))
+        held = any(q.waiter.id in self.holds.ids for q in self.store.queue(uid))
         return {**info, "holders": holders, "free": self.queue.free(), "held": held}
 
     async def status(self, request: rq.Status, peer: Peer) -> dict[str, Any]:
@@ -236,7 +164,7 @@ class Api:
         now = self.clock()
         gpus = reporting.status_gpus(self.grants.gpus, self.store.grants(), sample, self.accounts.of, commands)
         for gpu in gpus:
-            drained = self.grants.drained.get(unit_parent(gpu["minor"]))
+            drained = self.drains.get(unit_parent(gpu["minor"]))
             gpu["drained"] = None if drained is None else asdict(drained)
         gpus = sorted([*gpus, *self.foreign], key=lambda gpu: gpu["minor"])
         reply = protocol.ok(gpus=gpus, sampled_at=sample.time if sample else None, now=now,
@@ -320,115 +248,54 @@ class Api:
     # --- a user's own GPUs
 
     async def request(self, request: rq.Request, peer: Peer) -> dict[str, Any]:
-        store, config = self.store, self.config()
         if wait := self._requests.allow(peer.uid, time.monotonic()):
             raise Refusal(f"too many requests at once from your user; try again in {math.ceil(wait)}s")
         account = await self._account_of(peer)
-        eligible = self._eligibility(account)
-        if eligible == policy.Eligibility.EXEMPT:
-            raise Refusal("you are exempt: every GPU is open to you without a grant")
-        if eligible == policy.Eligibility.OUTSIDER:
-            raise Refusal(f"only members of group {config.access.group} get GPUs; ask your admin")
-        quota = policy.quota_for(account.name, account.groups, config)
-        wanted = quota.gpus if request.gpus is None else request.gpus
-        if wanted > quota.gpus:
-            raise Refusal(f"your quota is {quota.gpus} GPU{'s' if quota.gpus != 1 else ''} (gpuguard whoami)")
-        # More than this server has for the user could never be served whole, and a place in the
-        # queue for it would hold the free GPUs for ever once reserved: refused, or the quota's
-        # worth cut to what there is.
-        held_now = len(store.grants(account.uid))
-        if wanted - held_now > (room := self.grants.room(account.uid, quota)):
-            if request.gpus is not None:
-                most = self.grants.capacity(quota)
-                raise Refusal(f"this server has {most} GPU{'s' if most != 1 else ''} of a kind your quota takes; "
-                              f"you asked for {wanted} (gpuguard status shows them)")
-            wanted = held_now + room
-        wait = request.wait
-        more = wanted - held_now
-        granted: tuple[int, ...] = ()
+        caller = self.processes.identity(peer.pid)  # its place in the queue lives while this client does
         now = self.clock()
-        if more > 0 and (mine := store.queue(account.uid)):
-            # One place per user: a second one could bring them more than their quota.
-            if not wait:
-                raise Refusal("no GPU is free right now; you are in the queue already (gpuguard whoami shows your "
-                              "place); gpuguard request --wait waits for your turn")
-            return protocol.ok(queued=True, ticket=mine[0].waiter.id, login_place=mine[0].origin == Origin.SESSION,
+        answer = self.asks.ask(Ask(account, request.gpus, Origin.REQUEST, Waits.YES if request.wait else Waits.NEVER,
+                                   "requested with gpuguard request",
+                                   keeps=tuple(g.unit for g in self.store.grants(account.uid)),
+                                   pid=peer.pid, pid_start=caller.start_time if caller else None), now)
+        if answer.outcome == Outcome.REFUSED:
+            raise Refusal(self._refused(answer))
+        if answer.outcome == Outcome.WAITING:
+            assert answer.place is not None  # a place is what waiting is
+            return protocol.ok(queued=True, ticket=answer.place.waiter.id,
+                               login_place=answer.place.origin == Origin.SESSION,
                                **(_standing_info(self.queue.standing(account.uid, now)) or {}))
-        if more > 0 and not store.queue():
-            # From a login shell the grant ends with the sessions; from cron or systemd-run it stays.
-            origin = Origin.SESSION if store.logged_in(account.uid) else Origin.REQUEST
-            granted = self.grants.allocate(account.uid, account.name, quota, more, now, origin,
-                                           "requested with gpuguard request")
-            more -= len(granted)
-        if more > 0 and (wait or not store.grants(account.uid)):
-            # Not all of it free (or others wait first): the queue decides, whole requests only.
-            caller = self.processes.identity(peer.pid)
-            queued, waits = self.queue.join(account.uid, account.name, more, quota, now, Origin.REQUEST, peer.pid,
-                                            caller.start_time if caller else None,
-                                            counted=[g.unit for g in store.grants(account.uid)])
-            if waits:
-                if wait:
-                    return protocol.ok(queued=True, ticket=queued.waiter.id,
-                                       **(_standing_info(self.queue.standing(account.uid, now)) or {}))
-                self.queue.leave([queued.waiter.id])
-                raise Refusal("no GPU is free right now; gpuguard request --wait queues for one "
-                              "(gpuguard status shows who holds them and who waits)")
-            granted += self._served.pop(queued.waiter.id, (account.uid, ()))[1]
-        held = store.grants(account.uid)
+        held = self.store.grants(account.uid)
         if not held:
             raise Refusal("no GPU is free right now; try again later (gpuguard status shows who holds them)")
-        return protocol.ok(granted=list(granted), **self._grant_reply(held, wanted=wanted, new=granted or None))
+        return protocol.ok(granted=list(answer.granted),
+                           **self._grant_reply(held, wanted=answer.wanted, new=answer.granted or None))
+
+    def _refused(self, answer: Answer) -> str:
+        """Why `gpuguard request` got nothing, in the words its user reads."""
+        quota, why = answer.quota, answer.why
+        if why == Why.EXEMPT:
+            return "you are exempt: every GPU is open to you without a grant"
+        if why == Why.OUTSIDER:
+            return f"only members of group {self.config().access.group} get GPUs; ask your admin"
+        if why == Why.OVER_QUOTA:
+            return f"your quota is {quota.gpus} GPU{'s' if quota.gpus != 1 else ''} (gpuguard whoami)"
+        if why == Why.TOO_BIG:
+            most = answer.capacity
+            return (f"this server has {most} GPU{'s' if most != 1 else ''} of a kind your quota takes; "
+                    f"you asked for {answer.wanted} (gpuguard status shows them)")
+        if why == Why.ALREADY_WAITING:
+            return ("no GPU is free right now; you are in the queue already (gpuguard whoami shows your place); "
+                    "gpuguard request --wait waits for your turn")
+        return ("no GPU is free right now; gpuguard request --wait queues for one "
+                "(gpuguard status shows who holds them and who waits)")
 
     async def wait(self, request: rq.Wait, peer: Peer) -> dict[str, Any]:
         """Block until a queued request (`ticket`, from request --wait) is granted, or `limit`
         seconds pass (then it leaves the queue). A client that hangs up leaves it too: the
         server cancels this call."""
-        ticket, timeout = request.ticket, request.limit
-        if self._served.get(ticket, (None,))[0] == peer.uid:  # another user's ticket is not theirs to take
-            return self._served_reply(peer.uid, self._served.pop(ticket)[1])
-        if not any(q.waiter.id == ticket for q in self.store.queue(peer.uid)):
-            raise Refusal(f"request {ticket} is not in the queue (left it, or not yours)")
-        future = self._waiting.setdefault(ticket, asyncio.get_running_loop().create_future())
-        try:
-            units = await asyncio.wait_for(asyncio.shield(future), timeout)
-        except asyncio.TimeoutError:  # not the builtin on Python 3.10
-            left = self._leave_unless_login(ticket)
-            assert timeout is not None  # no limit waits until served or cancelled
-            raise Refusal(f"no GPU within {format_duration(timeout)}"
-                          f"{'; you left the queue' if left else '; your login keeps its place'}", 1) from None
-        except asyncio.CancelledError:
-            if self._leave_unless_login(ticket):  # the client hung up
-                event(logging.INFO, "queue_left", uid=peer.uid, ticket=ticket, reason="client gone")
-            raise
-        finally:
-            self._waiting.pop(ticket, None)
-        self._served.pop(ticket, None)
-        return self._served_reply(peer.uid, units)
-
-    def _leave_unless_login(self, ticket: int) -> bool:
-        """A client that stops waiting takes its request out of the queue; a login's place (one
-        `request --wait` may wait on) stays until its last session ends. True when it left."""
-        if any(q.waiter.id == ticket and q.origin == Origin.SESSION for q in self.store.queue()):
-            return False
-        return self.queue.leave([ticket]) > 0
-
-    def _served_reply(self, uid: int, units: tuple[int, ...]) -> dict[str, Any]:
-        return protocol.ok(queued=False, granted=list(units), **self._grant_reply(self.store.grants(uid), new=units))
-
-    def _queue_served(self, queued: Queued, units: tuple[int, ...]) -> None:
-        """Queue listener: wake the blocked client, and tell the user on their terminals."""
-        waiter = queued.waiter
-        self._served[waiter.id] = (waiter.uid, units)
-        if len(self._served) > 1000:  # tickets nobody came back for: forget the oldest
-            self._served.pop(next(iter(self._served)))
-        future = self._waiting.get(waiter.id)
-        if future is not None and not future.done():
-            future.set_result(units)
-        waited = format_duration(max(0, round(self.clock() - waiter.since)))
-        reply = self._grant_reply(self.store.grants(waiter.uid), ending=f" (from the queue, after {waited})",
-                                  new=units)
-        text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
-        self.terminals.tell(waiter.user, waiter.uid, text, self.store.ttys(waiter.uid))
+        units = await self.tickets.wait(request.ticket, peer.uid, request.limit)
+        return protocol.ok(queued=False, granted=list(units),
+                           **self._grant_reply(self.store.grants(peer.uid), new=units))
 
     async def release(self, request: rq.Release, peer: Peer) -> dict[str, Any]:
         """Give GPUs back. It kills nothing: a GPU a process of the user still uses is kept, named
@@ -440,7 +307,7 @@ class Api:
         account = await self._account_of(peer)
         held = {g.unit for g in store.grants(account.uid)}
         units = self._units(request.units)
-        left = self.leave_queue(account.uid) if units is None else 0
+        left = self.tickets.leave_all(account.uid) if units is None else 0
         if not held:
             if left:
                 return protocol.ok(released=[], kept=[], left_queue=left, gpus=[], cuda_visible_devices="",
@@ -478,7 +345,7 @@ class Api:
             raise Refusal("only root may take another user's requests out of the queue")
         account = await (self._account_named(name) if name is not None else self._account_of(peer))
         waiting = self.queue.standing(account.uid, self.clock())
-        if not self.leave_queue(account.uid):
+        if not self.tickets.leave_all(account.uid):
             raise Refusal("you are not in the queue (gpuguard whoami shows your GPUs)" if name is None else
                           f"{name} is not in the queue")
         where = f"number {waiting.position} of {waiting.waiting}" if waiting else ""
@@ -490,25 +357,13 @@ class Api:
         return protocol.ok(message=f"gpuguard: took {account.name}'s requests out of the queue"
                                    f"{f' ({where})' if where else ''}; they were told")
 
-    def leave_queue(self, uid: int) -> int:
-        """Take every queued request of uid out of the queue (and wake its waiting clients with a refusal)."""
-        ids = [q.waiter.id for q in self.store.queue(uid)]
-        left = self.queue.leave(ids) if ids else 0
-        for ticket in ids:
-            future = self._waiting.get(ticket)
-            if future is not None and not future.done():
-                future.set_exception(Refusal("you left the queue (gpuguard cancel)"))
-        if left:
-            event(logging.INFO, "queue_left", uid=uid, reason="cancel")
-        return left
-
     # --- admin
 
     async def grant(self, request: rq.Grant, peer: Peer) -> dict[str, Any]:
         store, config = self.store, self.config()
         account = await self._account_named(request.user)
         count, units, duration = request.gpus, self._units(request.units), request.duration
-        eligible = self._eligibility(account)
+        eligible = self.asks.eligibility(account)
         if eligible == policy.Eligibility.EXEMPT:
             raise Refusal(f"{account.name} is exempt: every GPU is open to them already")
         if eligible == policy.Eligibility.OUTSIDER:
@@ -583,8 +438,8 @@ class Api:
         ids = {q.waiter.id for q in self.store.queue(account.uid)}
         if not ids:
             raise Refusal(f"{account.name} is not in the queue")
-        self.queue.holds = (self.queue.holds - ids) if off else (self.queue.holds | ids)
-        self._save_holds()
+        with _saved():
+            (self.holds.release if off else self.holds.hold)(ids)
         event(logging.INFO, "unhold" if off else "hold", user=account.name, requests=len(ids))
         if off:
             self.queue.dispatch(self.clock())
@@ -594,22 +449,14 @@ class Api:
                            self.store.ttys(account.uid))
         return protocol.ok(message=f"gpuguard: held {account.name}'s request in the queue; they were told")
 
-    def _save_holds(self) -> None:
-        self.queue.holds &= {q.waiter.id for q in self.store.queue()}  # rows gone since: forgotten
-        try:
-            state_files.write(self.state_dir / HOLDS_FILE, sorted(self.queue.holds))
-        except OSError as exc:
-            raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
-
     async def drain(self, request: rq.Drain, peer: Peer) -> dict[str, Any]:
         """Give these GPUs to nobody new (`gpuguard drain`): their holders keep them and are told."""
         minors, reason = self._named_units(request.units), request.reason
         if any(is_slice(m) for m in minors):
             raise Refusal(rq.DRAIN_WHOLE, 2)
         now = self.clock()
-        for minor in minors:
-            self.grants.drained[minor] = Drain(reason, now)
-        self._save_drains()
+        with _saved():
+            self.drains.drain(minors, reason, now)
         why = f" ({reason})" if reason else ""
         for grant in self.store.grants():
             if unit_parent(grant.unit) in minors:
@@ -623,20 +470,13 @@ class Api:
 
     async def resume(self, request: rq.Resume, peer: Peer) -> dict[str, Any]:
         minors = self._named_units(request.units)
-        if not_drained := [m for m in minors if m not in self.grants.drained]:
+        if not_drained := [m for m in minors if m not in self.drains]:
             raise Refusal(f"GPU {unit_list(not_drained)} is not drained")
-        for minor in minors:
-            del self.grants.drained[minor]
-        self._save_drains()
+        with _saved():
+            self.drains.resume(minors)
         event(logging.INFO, "resume", gpu=unit_list(minors))
         self.queue.dispatch(self.clock())  # the queue first, as with any GPU that comes free
         return protocol.ok(resumed=minors, message=f"gpuguard: GPU {unit_list(minors)} may be given again")
-
-    def _save_drains(self) -> None:
-        try:
-            drains.save(self.state_dir / drains.FILE, self.grants.drained)
-        except OSError as exc:
-            raise Refusal(f"in force until a restart, but not saved: {exc.strerror or exc}") from None
 
     async def sync_nodes(self, request: rq.SyncNodes, peer: Peer) -> dict[str, Any]:
         """Make missing driver nodes and re-apply every node's ACL; run by udev through
@@ -673,30 +513,14 @@ class Api:
         gpu = self.grants.gpus.get(grant.unit)
         return {**protocol.record(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
                 "index": gpu.index if gpu else None,
-                "drained": asdict(drain) if (drain := self.grants.drained.get(unit_parent(grant.unit))) else None}
+                "drained": asdict(drain) if (drain := self.drains.get(unit_parent(grant.unit))) else None}
 
     def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
                      new: Collection[int] | None = None) -> dict[str, Any]:
-        """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_message).
-        new: the units just granted, which the message is about (with their own end, not an older grant's)."""
-        gpus = [self.grants.gpus[g.unit] for g in held if g.unit in self.grants.gpus]
-        if not gpus:
-            return {"gpus": [], "cuda_visible_devices": "", "message": ""}
-        told = [g for g in held if new is None or g.unit in new] or held
-        expiries = [g.expires_at for g in told if g.expires_at is not None]
-        told_units = {g.unit for g in told}
-        told_gpus = [gpu for gpu in gpus if gpu.unit in told_units]
-        if wanted is not None:
-            wanted -= len(gpus) - len(told_gpus)  # the ones held before count towards it
-        return {"gpus": [gpu.unit for gpu in gpus],
-                "cuda_visible_devices": ",".join(gpu.uuid for gpu in gpus),
-                "message": grant_message(told_gpus, min(expiries, default=None), any(g.shared for g in told), wanted,
-                                         ending)}
+        """gpus, cuda_visible_devices and the one-line message for what a user holds (messages.grant_reply)."""
+        return grant_reply(self.grants.gpus, held, wanted, ending, new)
 
     # --- who is asking (NSS, off the event loop)
-
-    def _eligibility(self, account: Account) -> policy.Eligibility:
-        return policy.eligibility(account.uid, account.name, account.groups, self.config().access)
 
     async def _account_named(self, name: str) -> Account:
         try:
@@ -735,3 +559,12 @@ def _standing_info(standing: Standing | None) -> dict[str, Any] | None:
     if standing is None:
         return None
     return {**asdict(standing), "ahead": [{"user": user, "why": why} for user, why in standing.ahead]}
+
+
+@contextmanager
+def _saved() -> Iterator[None]:
+    """An admin's change (a drain, a hold) in force, but not written to its file: said, not hidden."""
+    try:
+        yield
+    except NotSaved as exc:
+        raise Refusal(f"in force until a restart, but not saved: {exc}") from None

@@ -1,7 +1,8 @@
-"""`gpuguard daemon`: the real edges (kernel, NVML, NSS, terminals) handed to wiring.build, and the event loop.
+"""`gpuguard daemon`: the real edges (kernel, NVML, NSS, terminals) handed to services.wiring.build, and the event loop.
 
 Start: claim the socket path (refused while another daemon serves) -> GPU backend -> gate ->
-the services (wiring.build, which opens the store) -> exemptions, the gate attached or found with
+the services (services.wiring.build, which opens the store; daemon.wiring.build, the operations
+and the metrics on them) -> exemptions, the gate attached or found with
 them -> the MIG layout followed -> reconcile the gate map and node ACLs from the store ->
 watch the device directory -> serve the socket -> READY=1. Under systemd it also says what it
 is doing (STATUS=) and pings the watchdog (WATCHDOG=1, WatchdogSec= in etc/gpuguard.service)
@@ -57,9 +58,9 @@ from gpuguard.core import coexist
 from gpuguard.core.coexist import Owner
 from gpuguard.core.messages import unit_list
 from gpuguard.core.model import EventKind, Rule, unit_parent
-from gpuguard.daemon.server import Server
+from gpuguard.daemon import wiring as front
+from gpuguard.daemon.server import Peer, Server
 from gpuguard.logs import event
-from gpuguard.protocol import Peer
 from gpuguard.services import wiring
 
 DEADLINE_MARGIN = 0.001  # seconds past a wait's end: the tick's clock must read it as over
@@ -71,9 +72,7 @@ class Daemon:
         self.config = config
         self.gate_name = gate_name
         self._stop = asyncio.Event()
-        self._layout_read: asyncio.Task[None] | None = None  # the MIG layout read a reload asked for
-        self._exempt_read: asyncio.Task[None] | None = None  # the exempt users' lookup a reload asked for
-        self._reload_effects: asyncio.Task[None] | None = None  # what the last reload does to grants (reload_effects)
+        self._reloading: asyncio.Task[None] | None = None  # what the last reload does to the services
 
     def current_config(self) -> Config:
         """What the services read the config through: a reload replaces self.config."""
@@ -110,7 +109,7 @@ class Daemon:
         index.start()
         services = self.services = wiring.build(wiring.Edges(
             config=self.current_config, store_path=self.config.paths.state_dir / "state.db",
-            sampler=sampler, connections=self.server.budget,
+            sampler=sampler,
             units={gpu.unit: gpu for gpu in [*self.backend.gpus(), *first_layout.slices]},
             driver_minors=present - self.ownership.foreign.keys(), nodes=AclNodes(self.config.paths.device_dir),
             lookup=AccountLookup(), terminals=notify.Notifier(remote=remote), exits=ExitWatch(),
@@ -118,11 +117,11 @@ class Daemon:
             processes=HostProcesses(),
             gate=self.gate,
             topology=self.backend.topology(), caps_major=caps_major(self.config),
-            reload=self.reload, sync_nodes=self.sync_nodes,
             foreign=coexist.status_entries(self.backend.foreign_gpus(), self.ownership),
             visible_devices=visible_devices.VisibleDevicesFiles(visible_devices.directory_for(self.config.paths.socket)),
-            notices=remote.counts, fleet_db=fleet.database(self.config),
-            collectors=(proc_events.IndexCollector(index),)))
+            fleet_db=fleet.database(self.config)))
+        self.front = front.build(services, reload=self.reload, sync_nodes=self.sync_nodes, notices=remote.counts,
+                                 connections=self.server.budget, collectors=(proc_events.IndexCollector(index),))
         self.store, self.grants = services.store, services.grants
         systemd.status("starting: attaching the gate and restoring grants")
         # NSS blocking here, at start only, before anything is served; a reload refreshes off the loop
@@ -142,7 +141,7 @@ class Daemon:
         caps_dir = self.config.paths.device_dir / "nvidia-caps"
         if caps_dir.is_dir():  # made by the reconcile when this machine has MIG slices
             self.node_watchers.append(NodeWatcher(caps_dir, self._node_changed, pattern="nvidia-cap*", uevents=False))
-        self.services.metrics.start()  # bound now; served on the loop, a scrape reads the snapshot each tick publishes
+        self.front.metrics.start()  # bound now; served on the loop, a scrape reads the snapshot each tick publishes
 
     def _end_foreign_grants(self) -> None:
         """Grants made before their GPU became Slurm's or Kubernetes' end: the gate leaves its node alone now."""
@@ -158,7 +157,7 @@ class Daemon:
         if request["op"] in fleet.OPERATIONS:
             fleet_services = self.services.fleet
             return await (fleet_services.ops.handle if fleet_services else fleet.not_in_fleet)(request, peer)
-        return await self.services.api.handle(request, peer)
+        return await self.front.api.handle(request, peer)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -169,7 +168,7 @@ class Daemon:
         for watcher in self.node_watchers:
             loop.add_reader(watcher.fileno(), watcher.process)
         await self.server.start()
-        await self.services.metrics.serve()
+        await self.front.metrics.serve()
         ticker = asyncio.create_task(self._ticker())
         watchdog = systemd.watchdog_period()
         pinger = asyncio.create_task(self._watchdog(watchdog)) if watchdog else None
@@ -189,14 +188,14 @@ class Daemon:
                 heartbeat.cancel()
             for watcher in self.node_watchers:
                 loop.remove_reader(watcher.fileno())
-            for task in (self._layout_read, self._exempt_read, self._reload_effects):
-                if task is not None:
-                    task.cancel()
+            if self._reloading is not None:
+                self._reloading.cancel()
             await self.server.close()
             self.close()
         event(logging.INFO, "stopped", gate="left attached" if self.gate else None)
 
     def close(self) -> None:
+        self.front.close()
         self.services.close()
         self.process_index.close()  # edges: the daemon made them
         self.sampler.close()
@@ -217,13 +216,9 @@ class Daemon:
             event(logging.WARNING, "reload_partial",
                   reason="paths, gpu, metrics, coexist, fleet and access.mode change at restart")
         self.config = fixed
-        loop = asyncio.get_running_loop()
-        self._exempt_read = loop.create_task(self.services.exempt.refresh())  # NSS, off the loop
-        # The MIG layout is read again at once, through the sampler: NVML is used from one thread at a time.
-        self._layout_read = loop.create_task(self.read_layout())
-        # Former members lose their grants, lowered idle limits warn first (NSS lookups: off this call).
-        self._reload_effects = loop.create_task(
-            self.services.reload_effects.apply(old, fixed, time.time(), self.services.api.leave_queue))
+        # The exempt users, the MIG layout and what the new config does to grants given (former
+        # members', lowered idle limits): one call into the services, off this call (NSS, NVML).
+        self._reloading = asyncio.get_running_loop().create_task(self.services.reload(old, fixed, time.time()))
         self.sync_nodes()
         event(logging.INFO, "reload", source=new.source, users=len(new.quotas.users), groups=len(new.quotas.groups))
         systemd.status(self._status_text())
@@ -315,17 +310,11 @@ class Daemon:
             self.services.logout.drop_dead_sessions()
             self.services.queue.drop_gone(self.services.logout.caller_alive)
             await self.services.logout.release_unused(sample)
-            if self._reload_effects is not None:  # a reload's notices go first: its new limits act after them
-                await asyncio.wait({self._reload_effects})
+            if self._reloading is not None:  # a reload's notices go first: its new limits act after them
+                await asyncio.wait({self._reloading})
             await self.services.watcher.check(sample, time.time())
             self.services.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
-        await self.services.metrics.after_tick(time.monotonic() - started)
-
-    async def read_layout(self) -> None:
-        sample = await self.sampler.take_or_log("MIG layout read at the next tick", max_age=0)
-        if sample is not None:
-            self.services.releases.follow_layout(sample.layout, time.time())
-
+        await self.front.metrics.after_tick(time.monotonic() - started)
 
 def next_wake(last: float, regular: float, deadline: float | None, interval: float) -> float:
     """When the next tick comes (loop time): the regular one, `interval` after the one before, or

@@ -17,13 +17,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gpuguard.core import policy, reporting
-from gpuguard.core.errors import EXIT_USAGE, GpuguardError
+from gpuguard.core.errors import EXIT_USAGE, Refusal
 from gpuguard.core.quantities import UnitError, parse_duration
 from gpuguard.protocol import MAX_NAME, shown
-
-
-class Refusal(GpuguardError):
-    """A request that cannot be done, with the CLI exit code the caller should use."""
 
 
 def _bad(message: str) -> Refusal:

@@ -27,6 +27,7 @@ import socket
 import stat
 import struct
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,6 @@ from gpuguard import protocol
 from gpuguard.core.errors import GpuguardError
 from gpuguard.daemon import admission
 from gpuguard.logs import Throttle
-from gpuguard.protocol import Peer
 
 READ_TIMEOUT = 2.0    # a PAM request is one small line; a client this slow is broken or hostile
 WRITE_TIMEOUT = 10.0  # replies can be large (status of a busy server) and readers slow
@@ -51,6 +51,15 @@ ACCEPT_BATCH = 32
 
 class ServerError(GpuguardError):
     """The socket cannot be served (another daemon holds it, or the path is unusable)."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is calling, as SO_PEERCRED says (never what a message claims)."""
+
+    pid: int
+    uid: int
+    gid: int
 
 
 Handler = Callable[[dict[str, Any], Peer], Awaitable[dict[str, Any]]]

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import psycopg_pool
@@ -23,8 +23,10 @@ from gpuguard.core.errors import UnknownUser
 from gpuguard.fleet import ranking
 from gpuguard.fleet.fleetdb import connection_options, view
 from gpuguard.fleet.node import FleetNode
-from gpuguard.protocol import Peer
 from gpuguard.services.edges import Lookup
+
+if TYPE_CHECKING:
+    from gpuguard.daemon.server import Peer  # the daemon calls these operations
 
 CACHE_FOR = 1.0  # seconds a view is shared between callers
 POOL_SIZE = 2

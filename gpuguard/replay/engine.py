@@ -72,9 +72,9 @@ from gpuguard.core.model import (
     SignalResult,
 )
 from gpuguard.core.sample import Sample
-from gpuguard.protocol import Peer
 from gpuguard.replay.trace import Job, Session
 from gpuguard.services import wiring
+from gpuguard.services.asks import Ask, Outcome, Waits
 from gpuguard.services.store import GrantChanges, Queued, Store
 
 FIRST_UID = 100000
@@ -296,9 +296,6 @@ class _Nowhere:
         return None
 
 
-ROOT = Peer(pid=1, uid=0, gid=0)  # the PAM module's calls come from root
-
-
 @dataclass
 class _Running:
     """A job on its GPUs. Its work is its trace duration; it progresses at `rate` (1 alone; 1/n
@@ -345,7 +342,7 @@ class Replay:
             exits=nowhere, find_openers=None, processes=_ReplayProcesses(self), clock=lambda: self.now,
             durable=False))
         self.store, self.grants, self.queue = self.services.store, self.services.grants, self.services.queue
-        self.api, self.watcher = self.services.api, self.services.watcher
+        self.logins, self.asks, self.watcher = self.services.logins, self.services.asks, self.services.watcher
         self.queue.listeners.append(self._served)
         self.result = Result()
         self.now = 0.0
@@ -419,10 +416,8 @@ class Replay:
     async def _on_login(self, session: Session) -> None:
         uid = self._uid(session.user)
         pid = next(self._pids)
-        # As the PAM module asks; grant "never": a replayed login takes no GPU, its jobs ask for theirs.
-        opened = await self.api.handle({"op": "session_open", "user": session.user, "pid": pid, "service": "replay",
-                                        "grant": "never"}, ROOT)
-        assert opened.get("session") is not None, opened
+        # As the PAM module's login; grant "never": a replayed login takes no GPU, its jobs ask for theirs.
+        self.logins.open(self.account(session.user), "replay", "", "", pid, "never")
         self.sessions[pid] = _Session(uid, session.user, len(session.jobs), session.end is None)
         for job in session.jobs:
             self.result.demanded += job.gpus * job.duration
@@ -435,26 +430,26 @@ class Replay:
         job, session = payload
         self._added |= self.now >= self._due  # a rule's moment has come, its tick not yet: checked now
         uid = self.sessions[session].uid
-        name = self.names[uid]
-        quota = self._quota(name)
-        if job.gpus > min(quota.gpus, self.grants.capacity(quota)):  # as gpuguard request refuses it
-            self.result.over_quota += 1
-            self._never_ran(job, session)
-            return
+        # As `gpuguard request --wait` from the job's script, through the one path a request takes
+        # (Asks.ask), but whole (a job cannot start on part of its GPUs) and with a place of its own
+        # (each job of a batch waits for itself): counting the user's idle granted GPUs that no
+        # waiting job of theirs counts on already.
         mine = self._uncounted_idle(uid)
-        if len(mine) >= job.gpus:
-            self._start(job, session, tuple(mine[:job.gpus]))
-            return
-        # As gpuguard request asks: the rest, counting on what the user holds (here: the idle GPUs
-        # no waiting job of theirs counts on already).
         self._joining = (job, session)
         try:
-            queued, waits = self.queue.join(uid, name, job.gpus - len(mine), quota, self.now, Origin.SESSION,
-                                            pid=session, counted=mine)
+            answer = self.asks.ask(Ask(self.account(self.names[uid]), job.gpus, Origin.SESSION, Waits.YES,
+                                       "a replayed job", keeps=tuple(mine), whole=True, one_place=False, pid=session),
+                                   self.now)
         finally:
             self._joining = None
-        if waits:
-            self.pending.setdefault(uid, {})[queued.waiter.id] = (job, session)
+        if answer.outcome == Outcome.REFUSED:  # over the quota's count, or more than the pool has
+            self.result.over_quota += 1
+            self._never_ran(job, session)
+        elif answer.outcome == Outcome.WAITING:
+            assert answer.place is not None
+            self.pending.setdefault(uid, {})[answer.place.waiter.id] = (job, session)
+        elif not answer.granted:  # its user's idle GPUs are enough: it runs on them (a grant served it: _served)
+            self._start(job, session, tuple(mine[:job.gpus]))
 
     async def _on_end(self, payload: tuple[int, int]) -> None:
         pid, version = payload
@@ -471,7 +466,7 @@ class Replay:
     async def _on_logout(self, pid: int) -> None:
         session = self.sessions[pid]
         session.closed = True
-        await self.api.handle({"op": "session_close", "user": session.user, "pid": pid}, ROOT)
+        self.logins.close(self.account(session.user), pid)
         await self.services.logout.settled()  # the release check after a last logout, in the background
         mine = self.pending.get(session.uid, {})
         if mine and not self.store.logged_in(session.uid):

@@ -42,7 +42,7 @@ from gpuguard.core.model import (
     unit_parent,
 )
 from gpuguard.logs import event
-from gpuguard.services.drains import Drain
+from gpuguard.services.drains import Drains
 from gpuguard.services.edges import Entry, GateMap, Nodes, VisibleDevices
 from gpuguard.services.store import Store
 
@@ -65,10 +65,11 @@ class Grants:
     def __init__(self, store: Store, gate: GateMap | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
                  topology: Topology | None = None, caps_major: int | None = None, admit: Admit | None = None,
-                 visible_devices: VisibleDevices | None = None):
+                 visible_devices: VisibleDevices | None = None, drains: Drains | None = None):
         """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
         nvidia-caps character major (None: no MIG capability nodes on this machine); admit: a
-        fleet's grant-time check (gpuguard.fleet), None on a single server; held: each user's
+        fleet's grant-time check (gpuguard.fleet), None on a single server; drains: the GPUs given
+        to nobody new (None: none, ever); visible_devices: each user's
         CUDA_VISIBLE_DEVICES for logins while the daemon is down (None: not kept)."""
         self.store = store
         self.visible_devices = visible_devices
@@ -88,8 +89,9 @@ class Grants:
         # driver stays loaded, so a grant on a slice that has just vanished is still closed fully.
         self._caps: dict[int, tuple[int, int]] = {}
         self.gpus: dict[int, Gpu] = {}  # what can be handed out now: unit -> GPU or slice
-        self._pool: tuple[frozenset[int], allocator.Pool] | None = None  # pool(), with the drained GPUs it left out
-        self.drained: dict[int, Drain] = {}  # GPUs given to nobody new (drains.py), by minor
+        self._pool: tuple[tuple[int, int], allocator.Pool] | None = None  # pool(), with the pool_version it is of
+        self._units_changed = 0  # moves when the units that can be handed out change (a MIG layout)
+        self.drained = drains if drains is not None else Drains(None)  # GPUs given to nobody new (their owner's)
         self._set_units(layout.grantable(self.physical.values(), [u for u in units if u.slice is not None]))
         # Exempt users pass the gate, but the nodes are 0660 root:root: they need ACL entries too.
         self.exempt = frozenset(exempt) - {0}
@@ -121,7 +123,7 @@ class Grants:
         # Changed in place: the metrics and the queue hold this very mapping.
         self.gpus.clear()
         self.gpus.update(units)
-        self._pool = None
+        self._units_changed += 1
         self._caps.update({unit: gpu.slice.caps for unit, gpu in units.items() if gpu.slice is not None})
 
     def devices_of(self, unit: int) -> list[Device]:
@@ -159,10 +161,15 @@ class Grants:
     def pool(self) -> allocator.Pool:
         """open_units() sorted by kind for the allocator: built again only when the units or the
         drained GPUs changed since, not at every choice."""
-        drained = frozenset(self.drained)
-        if self._pool is None or self._pool[0] != drained:
-            self._pool = (drained, allocator.Pool(self.open_units()))
+        version = self.pool_version
+        if self._pool is None or self._pool[0] != version:
+            self._pool = (version, allocator.Pool(self.open_units()))
         return self._pool[1]
+
+    @property
+    def pool_version(self) -> tuple[int, int]:
+        """Moves when pool() does: the units change (a MIG layout), or the drained GPUs."""
+        return (self._units_changed, self.drained.version)
 
     def capacity(self, quota: Quota) -> int:
         """How many units one user could hold at once on the terms of `quota`, were nobody else's
@@ -176,12 +183,17 @@ class Grants:
 
     def room(self, uid: int, quota: Quota) -> int:
         """How many more units uid could get at once on the terms of `quota`, were nobody else's
-        grants in the way: capacity() less those of its units the user holds (a unit they keep on
-        a drained GPU is not one of them)."""
-        pool = self.pool()
-        held = {grant.unit for grant in self.store.grants(uid)}
-        mine = len(held.intersection(pool.whole.by_unit)) if quota.whole_gpus else 0
-        mine += sum(gpu.unit in held and allocator.suits(gpu, quota) for gpu in pool.slices)
+        grants in the way, beside all they hold (room_beside)."""
+        return self.room_beside(quota, [grant.unit for grant in self.store.grants(uid)])
+
+    def room_beside(self, quota: Quota, kept: Iterable[int]) -> int:
+        """How many more units one user could get at once on the terms of `quota` beside the units
+        `kept` (theirs), were nobody else's grants in the way: capacity() less the kept units of a
+        kind it takes (one kept on a drained GPU is not one of them). More than this can never be
+        served whole: the one place that says so."""
+        pool, kept = self.pool(), set(kept)
+        mine = len(kept.intersection(pool.whole.by_unit)) if quota.whole_gpus else 0
+        mine += sum(gpu.unit in kept and allocator.suits(gpu, quota) for gpu in pool.slices)
         return self.capacity(quota) - mine
 
     def allocate(self, uid: int, user: str, quota: Quota, count: int, now: float, origin: Origin,

@@ -16,7 +16,7 @@ import asyncio
 import bisect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -24,7 +24,7 @@ from gpuguard.core import rules
 from gpuguard.core.model import EventKind, Grant, Origin, Rule
 from gpuguard.core.sample import Sample
 from gpuguard.logs import event
-from gpuguard.services.edges import Cancel, Clock, ExitWatch, Processes
+from gpuguard.services.edges import Cancel, Clock, ExitWatch, GpuSampler, Processes
 from gpuguard.services.release import Releases
 from gpuguard.services.scans import Scans
 from gpuguard.services.store import Store
@@ -44,8 +44,9 @@ class _Kept:
 
 class LogoutRelease:
     def __init__(self, store: Store, releases: Releases, scans: Scans, exits: ExitWatch,
-                 processes: Processes, clock: Clock = time.time):
+                 processes: Processes, sampler: GpuSampler, clock: Clock = time.time):
         self.store = store
+        self.sampler = sampler  # a sample for the check after a logout (reused when a second old)
         self.releases = releases
         self.scans = scans
         self.exits = exits
@@ -92,16 +93,16 @@ class LogoutRelease:
             for session in gone:
                 event(logging.INFO, "session_gone", user=session.user, session=session.id, pid=session.pid)
 
-    def after_logout(self, uid: int, take_sample: Callable[[], Awaitable[Sample | None]]) -> None:
+    def after_logout(self, uid: int) -> None:
         """Check uid's grants after their last logout, in the background (one check at a time)."""
         if uid not in self._pending:
-            task = asyncio.get_running_loop().create_task(self._after_logout(uid, take_sample))
+            task = asyncio.get_running_loop().create_task(self._after_logout(uid))
             self._pending[uid] = task
             task.add_done_callback(lambda _: self._pending.pop(uid, None))
 
-    async def _after_logout(self, uid: int, take_sample: Callable[[], Awaitable[Sample | None]]) -> None:
+    async def _after_logout(self, uid: int) -> None:
         try:
-            sample = await take_sample()
+            sample = await self.sampler.take_or_log("grants kept until a good sample")
             if sample is not None:  # no data, no release: the tick tries again
                 await self.release_unused(sample, [uid])
         except Exception:  # the tick tries again; nobody else would see this

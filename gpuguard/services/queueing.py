@@ -22,7 +22,8 @@ from gpuguard.core import allocator, policy, rules, scheduler
 from gpuguard.core.model import Grant, Origin, Quota
 from gpuguard.logs import event
 from gpuguard.services.grants import Grants
-from gpuguard.services.store import Queued, Store, queued_id
+from gpuguard.services.holds import QueueHolds
+from gpuguard.services.store import QueueChange, Queued, Store
 
 Listener = Callable[[Queued, tuple[int, ...]], None]
 Alive = Callable[[int | None, int | None], bool]  # (pid, its start time) -> whether that process still runs
@@ -68,22 +69,22 @@ class Standing:
 
 
 class Queue:
-    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants,
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, holds: QueueHolds,
                  remote_usage: Callable[[str], float] | None = None):
         self.config = config
         # A fleet's (gpuguard.fleet): a user's recent usage on the other servers, added to theirs here.
         self.remote_usage = remote_usage
         self.store = store
         self.grants = grants
+        self.holds = holds  # the rows an admin holds: kept in place, never served (`gpuguard hold`)
         self.listeners: list[Listener] = []
-        self.holds: set[int] = set()  # queue rows an admin holds: kept in place, never served (`gpuguard hold`)
-        # The last demand() and what it was worked out from (the waiters, the grants, the pool):
-        # the watcher asks at every view, the queue and the grants change far less often.
-        self._demand: tuple[Waiting, tuple[Grant, ...], allocator.Pool, rules.Demand] | None = None
+        # The last demand() and the versions it was worked out from (the waiters, the grants, the
+        # pool): the watcher asks at every view, the queue and the grants change far less often.
+        self._demand: tuple[tuple[object, ...], rules.Demand] | None = None
         self._waiting: Waiting | None = None  # the waiters, as dispatch takes them, until the queue or holds change
         # The pool and admins' holds the rows were last held against, and those that ask more than
         # it has (_too_big_of).
-        self._too_big: tuple[allocator.Pool, frozenset[int], frozenset[int]] | None = None
+        self._too_big: tuple[tuple[object, ...], frozenset[int]] | None = None
 
     # --- the order
 
@@ -127,7 +128,8 @@ class Queue:
         waiters, free = [q.waiter for q in ordered], self.free()
         blocks = list(map(self._blocks, ordered))
         scheduling = self.config().scheduler
-        return [(queued, HELD if queued.waiter.id in self.holds else
+        held = self.holds.ids
+        return [(queued, HELD if queued.waiter.id in held else
                  reason([w for w, block in zip(waiters[:i], blocks[:i], strict=True) if block], queued.waiter, usage, free, now,
                         scheduling.reserve_after, scheduling.max_wait_boost))
                 for i, queued in enumerate(ordered)]
@@ -150,7 +152,7 @@ class Queue:
     def _blocks(self, queued: Queued) -> bool:
         """Whether this waiter keeps those behind it waiting: not one an admin holds, nor one the
         pool could never hold (_possible)."""
-        return queued.waiter.id not in self.holds and self._possible(queued)
+        return queued.waiter.id not in self.holds.ids and self._possible(queued)
 
     def _possible(self, queued: Queued) -> bool:
         """Whether this server could hold the waiter's GPUs, were every other user's grant given
@@ -161,12 +163,13 @@ class Queue:
 
     def join(self, uid: int, user: str, gpus: int, quota: Quota, now: float, origin: Origin,
              pid: int | None = None, pid_start: int | None = None,
-             counted: Iterable[int] = ()) -> tuple[Queued, bool]:
+             counted: Iterable[int] = ()) -> tuple[Queued, tuple[int, ...] | None]:
         """Queue a request for `gpus` more, on top of the `counted` units its user holds, and serve
-        the queue at once: the row, and whether it still waits."""
+        the queue at once: the row, and the units it was served (None: it waits). Only
+        asks.Asks.ask joins: a login, a request and a replayed job alike."""
         queued = self.store.join_queue(uid, user, gpus, now, quota, origin, pid, pid_start, counted)
         served = self.dispatch(now)  # its queue rows are the ones dispatch took out: no read of the queue again
-        return queued, all(q.waiter.id != queued.waiter.id for q, _ in served)
+        return queued, next((units for q, units in served if q.waiter.id == queued.waiter.id), None)
 
     def leave(self, ids: Iterable[int]) -> int:
         return self.store.leave_queue(ids)
@@ -182,7 +185,6 @@ class Queue:
             if lost:  # never more than the server has either (demand: rows never ask for more)
                 gpus = min(queued.waiter.gpus + len(lost), queued.quota.gpus, self.grants.capacity(queued.quota))
                 self.store.regrow_queued(queued, gpus, tuple(u for u in queued.counted if u not in lost))
-                self._waiting = None  # a row changed in place: the waiters are worked out afresh
 
     def gone(self, logged_in: set[int], alive: Alive) -> list[Queued]:
         """Waiters nobody waits for any more: a login's, once its user has no session; a request's,
@@ -213,12 +215,13 @@ class Queue:
         on demand may take. With MIG slices a free unit counts only for a waiter whose quota takes
         its kind (allocator.suits), so the waiters are served in turn on paper: allocator.choose
         over the grants plus what those before them got."""
-        waiting, held, pool = self.waiting(), self.store.grants_read(), self.grants.pool()
+        waiting, pool = self.waiting(), self.grants.pool()
+        versions = (waiting.version, waiting.holds, self.store.grants_version, self.grants.pool_version)
         last = self._demand
-        if last is not None and last[0] is waiting and last[1] is held and last[2] is pool:
-            return last[3]  # the same objects: waiting() makes a new one when the queue or the holds change
+        if last is not None and last[0] == versions:
+            return last[1]
         wanted = self._demand_of(waiting, pool)
-        self._demand = (waiting, held, pool, wanted)
+        self._demand = (versions, wanted)
         return wanted
 
     def _demand_of(self, waiting: Waiting, pool: allocator.Pool) -> rules.Demand:
@@ -253,11 +256,12 @@ class Queue:
         the pool (gpuguard request refuses more, a login asks at most that) and grows within it
         (keep_total), so only a change of the pool can make one too big: the rows are looked at
         then, not at every demand."""
-        if self._too_big is None or self._too_big[0] is not pool or self._too_big[1] != waiting.holds:
+        looked_at = (self.grants.pool_version, waiting.holds)
+        if self._too_big is None or self._too_big[0] != looked_at:
             # (a row an admin held is not among the waiters: looked at again when it is released)
-            self._too_big = (pool, waiting.holds, frozenset(q.waiter.id for q in waiting.by_id.values()
-                                                            if q.waiter.gpus > self.grants.capacity(q.quota)))
-        return [row for row in self._too_big[2] if row in waiting.by_id]
+            self._too_big = (looked_at, frozenset(q.waiter.id for q in waiting.by_id.values()
+                                                  if q.waiter.gpus > self.grants.capacity(q.quota)))
+        return [row for row in self._too_big[1] if row in waiting.by_id]
 
     def dispatch(self, now: float) -> list[tuple[Queued, tuple[int, ...]]]:
         """Grant what the order admits now; each grant is announced to the listeners."""
@@ -291,8 +295,7 @@ class Queue:
         for waiter in scheduler.admit(ordered, fits, now, scheduling.reserve_after,
                                       lambda waiter: self._possible(entries[waiter.id])):
             queued = entries[waiter.id]
-            # As for gpuguard request: from a login the grant ends with the sessions, else it stays.
-            origin = Origin.SESSION if queued.origin == Origin.SESSION or self.store.logged_in(waiter.uid) else Origin.REQUEST
+            origin = policy.grant_origin(queued.origin, self.store.logged_in(waiter.uid))
             units = self.grants.allocate(waiter.uid, waiter.user, queued.quota, waiter.gpus, now, origin,
                                          "granted from the queue", chosen.pop(waiter.id))
             chosen.clear()  # chosen before this grant: choose again
@@ -308,13 +311,16 @@ class Queue:
         return served
 
     def waiting(self) -> Waiting:
-        """The waiters not held, as the queue's rows and the holds now say (kept until they change)."""
-        rows, last = self.store.queue_read(), self._waiting
-        if last is None:
-            last = self._waiting = Waiting.of(rows, frozenset(self.holds))
-        elif last.all_rows is not rows or last.holds != self.holds:
-            last = self._waiting = last.following(rows, frozenset(self.holds))
-        return last
+        """The waiters not held, as the queue's rows and the holds now say: kept, and moved on by
+        the queue's changes since (Store.queue_changes), not worked out again at each change."""
+        store, holds, last = self.store, self.holds.ids, self._waiting
+        version = store.queue_version
+        if last is not None and last.holds == holds and last.version == version:
+            return last
+        changes = store.queue_changes(last.version) if last is not None and last.holds == holds else None
+        self._waiting = (Waiting.of(store.queue_read(), version, holds) if last is None or changes is None
+                         else last.following(changes, version))
+        return self._waiting
 
     def charge(self, removed: list[Grant], now: float) -> None:
         """Add ended grants to their users' recent usage."""
@@ -334,7 +340,7 @@ class Waiting:
     the next (a long queue under load is served many times between changes, mostly with nothing
     free) and moved on by what changed, not worked out again."""
 
-    all_rows: tuple[Queued, ...]         # the store's queue this is of (by id; ids are never used again)
+    version: int                         # the store's queue version this is of
     holds: frozenset[int]
     by_id: dict[int, Queued]             # the waiters not held, by id
     runs: dict[scheduler.RunKey, list[scheduler.Waiter]]  # scheduler.runs of their waiters
@@ -348,25 +354,15 @@ class Waiting:
         return min(self.alone, default=math.inf)
 
     @classmethod
-    def of(cls, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> Waiting:
-        return cls((), holds, {}, {}, 0, Counter(), 0).following(all_rows, holds)
+    def of(cls, rows: Iterable[Queued], version: int, holds: frozenset[int]) -> Waiting:
+        return cls(version, holds, {}, {}, 0, Counter(), 0).following([(None, queued) for queued in rows], version)
 
-    def following(self, all_rows: tuple[Queued, ...], holds: frozenset[int]) -> Waiting:
-        """This moved on to the queue's rows now. The store's rows are by id and its ids only grow,
-        so the rows that came are the last ones; those gone are found by where the rows kept stop
-        being the same objects (a step per row gone, not per row: a queue under load is thousands
-        long). The holds changed, or the rows are not this one's less some plus some (read again
-        from the database): worked out afresh. Copies throughout: a dispatch may still be walking
-        this one's runs."""
-        if holds != self.holds:
-            return Waiting.of(all_rows, holds)
-        last = self.all_rows[-1].waiter.id if self.all_rows else -math.inf
-        came = all_rows[bisect.bisect_right(all_rows, last, key=queued_id):]
-        gone = _gone(self.all_rows, all_rows[:len(all_rows) - len(came)])
-        if gone is None:
-            return Waiting.of(all_rows, holds)  # from nothing, every row came: no further turn here
+    def following(self, changes: Iterable[QueueChange], version: int) -> Waiting:
+        """This moved on by the queue's changes (a row in, or out), to `version`: a step per change,
+        not per row (a queue under load is thousands long). Copies throughout: a dispatch may still
+        be walking this one's runs."""
         by_id, runs, alone = dict(self.by_id), dict(self.runs), Counter(self.alone)
-        gpus, sharers = self.gpus, self.sharers
+        gpus, sharers, holds = self.gpus, self.sharers, self.holds
         copied: set[scheduler.RunKey] = set()
 
         def moved(queued: Queued, sign: int) -> list[scheduler.Waiter]:
@@ -383,44 +379,17 @@ class Waiting:
                 runs[key] = list(runs.get(key, ()))
                 copied.add(key)
             return runs[key]
-        for left in gone:
-            if by_id.pop(left.waiter.id, None) is not None:  # a held one was never in
-                moved(left, -1).remove(left.waiter)
-        for queued in came:
-            if queued.waiter.id not in holds:
-                by_id[queued.waiter.id] = queued
-                bisect.insort(moved(queued, 1), queued.waiter, key=scheduler.arrival)  # at the end, unless a clock went back
-        return Waiting(all_rows, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone,
-                        sharers)
-
-
-
-def _gone(before: tuple[Queued, ...], kept: tuple[Queued, ...]) -> list[Queued] | None:
-    """The rows of `before` that `kept` lacks, where `kept` is `before` less a few rows, the same
-    objects in the same order: where the two first differ is found by halving, once per row gone,
-    and what is left is compared whole (in C: the same objects compare at once). None when
-    `kept` is not that (its rows were read again, changed), or more than a few went."""
-    count = len(before) - len(kept)
-    if not 0 <= count <= _FEW:
-        return None
-    at: list[int] = []  # where in `before` the rows gone were
-    low = 0
-    for offset in range(count):  # kept[i] is before[i + offset] up to the next row gone
-        high = len(kept)
-        while low < high:
-            middle = (low + high) // 2
-            if before[middle + offset] is kept[middle]:
-                low = middle + 1
-            else:
-                high = middle
-        at.append(low + offset)
-    rest: tuple[Queued, ...] = ()
-    for start, end in zip([-1, *at], [*at, len(before)], strict=True):
-        rest += before[start + 1:end]
-    return [before[i] for i in at] if rest == kept else None
-
-
-_FEW = 16  # rows gone between two looks at the queue that _gone finds one by one
+        for before, after in changes:
+            row = (after or before).waiter.id  # type: ignore[union-attr]  # a change has one side at least
+            was = by_id.get(row)  # a held one was never in
+            if was is not None:
+                moved(was, -1).remove(was.waiter)
+            if after is not None and row not in holds:
+                by_id[row] = after  # one grown in place keeps its place; one that joined comes last (ids only grow)
+                bisect.insort(moved(after, 1), after.waiter, key=scheduler.arrival)  # at the end, unless a clock went back
+            elif was is not None:
+                del by_id[row]
+        return Waiting(version, holds, by_id, {key: run for key, run in runs.items() if run}, gpus, +alone, sharers)
 
 
 class _WorkedOutWhenAsked(Mapping[int, float]):

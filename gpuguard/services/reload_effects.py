@@ -13,7 +13,6 @@ is what the idle rule reads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from gpuguard.config import Config
 from gpuguard.core import policy
@@ -25,26 +24,26 @@ from gpuguard.logs import event
 from gpuguard.services.edges import Lookup
 from gpuguard.services.release import Releases, Tell
 from gpuguard.services.store import Store
+from gpuguard.services.tickets import Tickets
 
 IDLE_NOTICE = 600.0  # seconds a grant keeps after a reload made it idle past its limit (capped by the limit)
-# Takes all of a uid's requests out of the queue, waking their waiting clients (Api.leave_queue); returns how many
-LeaveQueue = Callable[[int], int]
 
 
 class ReloadEffects:
-    def __init__(self, store: Store, releases: Releases, lookup: Lookup, tell: Tell):
+    def __init__(self, store: Store, releases: Releases, tickets: Tickets, lookup: Lookup, tell: Tell):
         self.store = store
         self.releases = releases
+        self.tickets = tickets  # a former member's places in the queue end, their waiting clients told
         self.lookup = lookup
         self.tell = tell
 
-    async def apply(self, old: Config, new: Config, now: float, leave_queue: LeaveQueue) -> None:
+    async def apply(self, old: Config, new: Config, now: float) -> None:
         """After a reload: expel former members, give idle grants their notice."""
         uids = {g.uid for g in self.store.grants()} | {q.waiter.uid for q in self.store.queue()}
         for uid in sorted(uids):
             try:
                 account = await self.lookup.by_uid(uid)
-                if not self.expel_if_gone(account, new, now, leave_queue):
+                if not self.expel_if_gone(account, new, now):
                     self._idle_notice(account, policy.quota_for(account.name, account.groups, old).idle_timeout,
                                       policy.quota_for(account.name, account.groups, new).idle_timeout, now)
             except UnknownUser:
@@ -52,12 +51,12 @@ class ReloadEffects:
             except Exception:  # one user's failure (a gate error) must not spare the others
                 event(logging.ERROR, "reload_effects_failed", exc_info=True, uid=uid)
 
-    def expel_if_gone(self, account: Account, config: Config, now: float, leave_queue: LeaveQueue) -> bool:
+    def expel_if_gone(self, account: Account, config: Config, now: float) -> bool:
         """Take the grants and the place in the queue of a user who is no longer a member (True)."""
         access = config.access
         if policy.eligibility(account.uid, account.name, account.groups, access) != policy.Eligibility.OUTSIDER:
             return False
-        left = leave_queue(account.uid)
+        left = self.tickets.leave_all(account.uid)
         removed = self.releases.take_back(account.uid, None, now, kind=EventKind.REVOKE, rule=Rule.MEMBERSHIP,
                                           message=f"no longer in group {access.group}")
         if not removed and not left:

@@ -4,10 +4,19 @@ WAL with synchronous=FULL and one transaction per change: a crash (even SIGKILL 
 middle of a write) loses no committed grant and leaves no half-written one (a replay's scratch
 store keeps only the one transaction per change: see Store). The gate map and device ACLs are
 derived from this and rebuilt from it at daemon start.
+
+The daemon is the one writer of its state.db: the CLI and the web view ask the daemon, `gpuguard
+backup` only reads, `restore` runs with the daemon stopped. So what the services read many times
+per change (the grants, the sessions, the queue, fair share, when GPUs were given back) is read
+once, when first asked for, and kept up to date by this connection's own writes. Each kept copy
+carries a version that moves at each of its changes: a caller that worked something out from a
+copy compares versions to know that nothing changed, and the queue's and the grants' copies keep
+a log of their changes, so that a caller following them pays for the changes, not the rows.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import sqlite3
 from collections import Counter
@@ -154,26 +163,20 @@ class Store:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per change.
         self._db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
         self._db.row_factory = sqlite3.Row
-        # The queue, when units were given back, and fair share, as last read, with the data_version
-        # they were read at: the queue, the watcher and the allocator read them many times per
-        # change. Another connection's commit moves data_version; this one's own writes update
-        # them (join_queue, leave_queue, remove_grants, set_fairshare).
-        self._copies: dict[str, tuple[int, Any]] = {}
-        # The grants likewise, but kept up to date by this connection's own writes (add, remove,
-        # mark_active) rather than dropped: the watcher, the queue, the allocator and the node
-        # ACLs read them after every change, and a copy read again costs a row per grant.
+        # The kept copies (see the module's text), each read when first asked for.
         self._grants = _Grants()
-        self._sessions = _Sessions()  # the sessions likewise: the queue, the watcher, logins and logouts ask
+        self._sessions = _Sessions()
+        self._queue = _Queue()
+        self._fairshare: dict[int, tuple[float, float]] | None = None
+        self._releases: tuple[dict[int, float], dict[int, dict[int, float]]] | None = None
         self._unpruned: dict[int | None, int] = {}  # uid -> its events added since its last prune (add_events)
-        self._alone = not durable  # no other connection ever writes (see below): the copies never go stale
         if durable:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
         else:
             # A scratch store (a replay's): nothing to keep across a crash, so no fsync and the undo
             # journal in memory (a transaction still rolls back); no other process opens it, so this
-            # connection keeps its locks. A transaction costs a third of one in WAL mode without
-            # fsync, and a data_version read a third (no shared-memory WAL index to consult).
+            # connection keeps its locks. A transaction costs a third of one in WAL mode without fsync.
             self._db.execute("PRAGMA journal_mode=MEMORY")
             self._db.execute("PRAGMA synchronous=OFF")
             self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
@@ -232,14 +235,6 @@ class Store:
                   g.memory) for g in added])
         self._grants.put(added)
 
-    def _copy(self, table: str, read: Callable[[sqlite3.Connection], _Read]) -> _Read:
-        """The table's rows as last read (see _copies), read again when another connection changed it."""
-        version = self._data_version()
-        copy = self._copies.get(table)
-        if copy is None or copy[0] != version:
-            copy = self._copies[table] = (version, read(self._db))
-        return copy[1]
-
     def grants(self, uid: int | None = None) -> list[Grant]:
         """The grants by uid and unit (of one user when uid is given)."""
         copy = self._grant_copy()
@@ -251,54 +246,42 @@ class Store:
         return sorted((g for gpu in set(gpus) for g in copy.on_gpu(gpu)), key=_grant_order)
 
     def grants_read(self) -> tuple[Grant, ...]:
-        """The grants as grants() lists them, as one object that stays the same object until they
-        change: a caller may compare it by identity to know that nothing changed."""
+        """The grants as grants() lists them, without a copy of the list (do not change it)."""
         return self._grant_copy().rows()
 
+    @property
+    def grants_version(self) -> int:
+        """Moves at every change of the grants (given, taken back, marked active)."""
+        return self._grant_copy().version
+
     def grant_changes(self) -> GrantChanges | None:
-        """The grants gone and come since the last call, by identity (a grant changed in place, as
-        a mark, is one of each; one that came and went since is in neither), at the cost of the
-        changes rather than of every grant: for a caller that follows each change, as a replay
-        does after each batch of events. None when that is not known: at the first call, and after
-        another connection's change (the table was read whole again)."""
+        """The grants gone and come since the last call (a grant changed in place, as a mark, is
+        neither: it is the same grant; one that came and went since is in neither either), at the
+        cost of the changes rather than of every grant: for a caller that follows each change, as a
+        replay does after each batch of events. None at the first call: nothing was followed yet."""
         return self._grant_copy().take_changes()
 
-    def _data_version(self) -> int:
-        """Moves when another connection commits, never for this one's own commits (SQLite's PRAGMA).
-        A scratch store holds its lock: no other connection commits, and nothing is asked."""
-        if self._alone:
-            return 0
-        version: int = self._db.execute("PRAGMA data_version").fetchone()[0]
-        return version
-
     def _grant_copy(self) -> _Grants:
-        self._follow(self._grants, "grants")
+        if not self._grants.read_once:
+            self._grants.read(self._db.execute("SELECT * FROM grants"))
         return self._grants
-
-    def _follow(self, kept: _Grants | _Sessions, table: str) -> None:
-        """Read a kept copy's table whole again if another connection changed it (or it was never
-        read); this connection's own writes change the copy in place."""
-        version = self._data_version()
-        if kept.version != version:
-            kept.read(version, self._db.execute(f"SELECT * FROM {table}"))  # table: a fixed name
 
     def remove_grants(self, uid: int, units: Iterable[int] | None, now: float) -> list[Grant]:
         """Remove a user's grants (all, or those units); returns what was removed."""
         with self.transaction() as db:
-            held = self._grant_copy().of_user(uid)  # exact here: no other connection writes until COMMIT
             wanted = set(units) if units is not None else None
-            removed = [g for g in held if wanted is None or g.unit in wanted]
+            removed = [g for g in self._grant_copy().of_user(uid) if wanted is None or g.unit in wanted]
             db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.unit) for g in removed])
             db.executemany("INSERT OR REPLACE INTO gpu_history (minor, last_released) VALUES (?, ?)",
                            [(g.unit, now) for g in removed])
             db.executemany("INSERT OR REPLACE INTO held_last (uid, minor, released_at) VALUES (?, ?, ?)",
                            [(g.uid, g.unit, now) for g in removed])
         self._grants.drop(removed)
-        if (copy := self._copies.get("releases")) is not None:  # written: the copy follows, as for _grants
-            released, held = copy[1]
+        if self._releases is not None:  # written: the copy follows
+            released, last_held = self._releases
             for grant in removed:
                 released[grant.unit] = float(now)
-                held.setdefault(grant.uid, {})[grant.unit] = float(now)
+                last_held.setdefault(grant.uid, {})[grant.unit] = float(now)
         return removed
 
     def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
@@ -313,21 +296,22 @@ class Store:
 
     def last_held(self, uid: int) -> dict[int, float]:
         """When this user last gave back each GPU they ever held (for sticky allocation)."""
-        return dict(self._releases()[1].get(uid, {}))
+        return dict(self._released()[1].get(uid, {}))
 
     def last_released(self) -> dict[int, float]:
         """When each GPU was last given back (for least-recently-used allocation)."""
-        return dict(self._releases()[0])
+        return dict(self._released()[0])
 
-    def _releases(self) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
-        """gpu_history and held_last (uid -> unit -> when), as last read (see _copies): the
-        allocator asks at every choice, and only remove_grants writes them."""
-        def read(db: sqlite3.Connection) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+    def _released(self) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+        """gpu_history and held_last (uid -> unit -> when), kept: the allocator asks at every
+        choice, and only remove_grants writes them."""
+        if self._releases is None:
             held: dict[int, dict[int, float]] = {}
-            for uid, minor, released_at in db.execute("SELECT uid, minor, released_at FROM held_last"):
+            for uid, minor, released_at in self._db.execute("SELECT uid, minor, released_at FROM held_last"):
                 held.setdefault(uid, {})[minor] = released_at
-            return ({row[0]: row[1] for row in db.execute("SELECT minor, last_released FROM gpu_history")}, held)
-        return self._copy("releases", read)
+            self._releases = ({row[0]: row[1] for row in self._db.execute("SELECT minor, last_released FROM gpu_history")},
+                              held)
+        return self._releases
 
     # --- sessions
 
@@ -382,7 +366,8 @@ class Store:
         return self._session_copy().caller_starts()
 
     def _session_copy(self) -> _Sessions:
-        self._follow(self._sessions, "sessions")
+        if not self._sessions.read_once:
+            self._sessions.read(self._db.execute("SELECT * FROM sessions"))
         return self._sessions
 
     # --- events
@@ -523,8 +508,7 @@ class Store:
                  pid_start, json.dumps(counted)))
         joined = Queued(Waiter(_row_id(cursor), uid, user, gpus, float(now), quota.priority, float(quota.share)),
                         quota, Origin(origin), pid, pid_start, counted)
-        if (copy := self._copies.get("queue")) is not None:  # written: the copy follows (ids only grow)
-            self._copies["queue"] = (copy[0], (*copy[1], joined))
+        self._queue.joined(joined)
         return joined
 
     def queue(self, uid: int | None = None) -> list[Queued]:
@@ -532,9 +516,23 @@ class Store:
         return list(rows) if uid is None else [q for q in rows if q.waiter.uid == uid]
 
     def queue_read(self) -> tuple[Queued, ...]:
-        """The queue by id, as kept: the same object until it changes, so that a caller may compare
-        it by identity to know that nothing changed."""
-        return self._copy("queue", lambda db: tuple(map(_queued, db.execute("SELECT * FROM queue ORDER BY id"))))
+        """The queue by id, without a copy of the rows (do not change them)."""
+        return self._queue_copy().rows
+
+    @property
+    def queue_version(self) -> int:
+        """Moves at every change of the queue (a row joined, left, or grew)."""
+        return self._queue_copy().version
+
+    def queue_changes(self, since: int) -> list[QueueChange] | None:
+        """The queue's changes after version `since`, oldest first; None when they are no longer
+        kept (a caller that far behind works the queue out afresh)."""
+        return self._queue_copy().changes(since)
+
+    def _queue_copy(self) -> _Queue:
+        if not self._queue.read_once:
+            self._queue.read(tuple(map(_queued, self._db.execute("SELECT * FROM queue ORDER BY id"))))
+        return self._queue
 
     def regrow_queued(self, queued: Queued, gpus: int, counted: tuple[int, ...]) -> None:
         """A queue row now waiting for `gpus`, counting on `counted` (its place and id kept: a
@@ -542,34 +540,27 @@ class Store:
         with self.transaction() as db:
             db.execute("UPDATE queue SET gpus = ?, counted = ? WHERE id = ?",
                        (gpus, json.dumps(counted), queued.waiter.id))
-        if (copy := self._copies.get("queue")) is not None:  # written: the copy follows
-            grown = replace(queued, waiter=replace(queued.waiter, gpus=gpus), counted=counted)
-            self._copies["queue"] = (copy[0], tuple(grown if q.waiter.id == grown.waiter.id else q for q in copy[1]))
+        self._queue.regrown(queued, replace(queued, waiter=replace(queued.waiter, gpus=gpus), counted=counted))
 
     def leave_queue(self, ids: Iterable[int]) -> int:
         """Remove these queue rows; how many were there."""
         ids = set(ids)
         with self.transaction() as db:
             removed: int = db.executemany("DELETE FROM queue WHERE id = ?", [(i,) for i in ids]).rowcount
-        if (copy := self._copies.get("queue")) is not None:  # written: the copy follows
-            rows = copy[1]
-            for gone in sorted(ids):  # found by id (the rows are by id) and cut out: no step per row kept
-                at = bisect.bisect_left(rows, gone, key=queued_id)
-                if at < len(rows) and rows[at].waiter.id == gone:
-                    rows = rows[:at] + rows[at + 1:]
-            self._copies["queue"] = (copy[0], rows)
+        self._queue.left(ids)
         return removed
 
     def fairshare(self) -> dict[int, tuple[float, float]]:
         """uid -> (GPU-seconds, the time they are counted at) charged for ended grants."""
-        return dict(self._copy("fairshare", lambda db: {
-            row[0]: (row[1], row[2]) for row in db.execute("SELECT uid, value, at FROM fairshare")}))
+        if self._fairshare is None:
+            self._fairshare = {row[0]: (row[1], row[2]) for row in self._db.execute("SELECT uid, value, at FROM fairshare")}
+        return dict(self._fairshare)
 
     def set_fairshare(self, uid: int, value: float, at: float) -> None:
         with self.transaction() as db:
             db.execute("INSERT OR REPLACE INTO fairshare (uid, value, at) VALUES (?, ?, ?)", (uid, value, at))
-        if (copy := self._copies.get("fairshare")) is not None:  # written: the copy follows (see _copies)
-            copy[1][uid] = (float(value), float(at))
+        if self._fairshare is not None:  # written: the copy follows
+            self._fairshare[uid] = (float(value), float(at))
 
 
 queued_id = attrgetter("waiter.id")  # a queue row's id: the rows are kept by it
@@ -632,21 +623,29 @@ def _marked_active(grant: Grant, now: float) -> Grant:
     return marked
 
 
+def grant_key(grant: Grant) -> tuple[int, int, float]:
+    """What makes a grant itself: its user, its unit and when it was given (a later grant of the
+    same unit to the same user is another; a mark, which moves only last_active, is the same)."""
+    return (grant.uid, grant.unit, grant.granted_at)
+
+
 class GrantChanges:
-    """Grants gone and come, by identity: one that comes after it went (or goes after it came)
+    """Grants gone and come, by grant_key: one that comes after it went (or goes after it came)
     cancels out, so these are the difference between two sets of grants."""
 
     def __init__(self) -> None:
-        self._gone: dict[int, Grant] = {}  # by id(): the dicts hold the objects, so no id is reused meanwhile
-        self._came: dict[int, Grant] = {}
+        self._gone: dict[tuple[int, int, float], Grant] = {}
+        self._came: dict[tuple[int, int, float], Grant] = {}
 
     def went(self, grant: Grant) -> None:
-        if self._came.pop(id(grant), None) is None:
-            self._gone[id(grant)] = grant
+        key = grant_key(grant)
+        if self._came.pop(key, None) is None:
+            self._gone[key] = grant
 
     def arrived(self, grant: Grant) -> None:
-        if self._gone.pop(id(grant), None) is None:
-            self._came[id(grant)] = grant
+        key = grant_key(grant)
+        if self._gone.pop(key, None) is None:
+            self._came[key] = grant
 
     def add(self, later: GrantChanges) -> None:
         """Then `later`'s changes too."""
@@ -668,41 +667,38 @@ class GrantChanges:
 
 
 class _Grants:
-    """The store's copy of the grants table: read whole when another connection changed it
-    (version: the data_version it was read at; None: not read), changed in place by this
-    connection's own writes, after they committed. The grants by slot, and the slots by user and
-    by GPU (a slice's grant on its parent's), so that a mark (only last_active changes) replaces
-    one entry; the rows in order are built when first asked for after a change, and stay the
-    same object until the next. Once take_changes is called, the changes since are kept for the
-    next call (a daemon never calls it, and keeps none)."""
+    """The store's copy of the grants table: read once, then changed in place by the store's own
+    writes, after they committed; `version` moves at each change. The grants by slot, and the slots
+    by user and by GPU (a slice's grant on its parent's), so that a mark (only last_active changes)
+    replaces one entry; the rows in order are built when first asked for after a change. Once
+    take_changes is called, the changes since are kept for the next call (a daemon never calls it,
+    and keeps none)."""
 
     def __init__(self) -> None:
-        self.version: int | None = None
+        self.read_once = False
+        self.version = 0
         self._by_slot: dict[tuple[int, int], Grant] = {}
         self._of_uid: dict[int, set[int]] = {}  # uid -> its units
         self._on_gpu: dict[int, set[tuple[int, int]]] = {}  # GPU -> the slots on it
         self._order: list[tuple[int, int]] | None = None  # the slots sorted (kept so); None: not since a read
         self._rows: tuple[Grant, ...] | None = None
         self._changes: GrantChanges | None = None  # since the last take_changes; None: not followed
-        self._changes_known = False  # no whole read since the last take_changes
 
-    def read(self, version: int, rows: Iterable[sqlite3.Row]) -> None:
-        self.version = version
-        self._by_slot, self._of_uid, self._on_gpu, self._order, self._rows = {}, {}, {}, None, None
-        self._changes_known = False
+    def read(self, rows: Iterable[sqlite3.Row]) -> None:
+        self.read_once = True
         self._put(map(_grant, rows))
 
     def take_changes(self) -> GrantChanges | None:
-        taken, known = self._changes, self._changes_known
-        self._changes, self._changes_known = GrantChanges(), True
-        return taken if known else None
+        taken = self._changes
+        self._changes = GrantChanges()
+        return taken
 
     def put(self, grants: Iterable[Grant]) -> None:
-        if self.version is not None:
+        if self.read_once:
             self._put(grants)
 
     def drop(self, grants: Iterable[Grant]) -> None:
-        if self.version is None:
+        if not self.read_once:
             return
         for grant in grants:
             slot = (grant.uid, grant.unit)
@@ -713,19 +709,16 @@ class _Grants:
                 _discard_in(self._on_gpu, unit_parent(grant.unit), slot)
                 if self._order is not None:
                     del self._order[bisect.bisect_left(self._order, slot)]
-        self._rows = None
+        self._changed()
 
     def mark_active(self, slots: Iterable[tuple[int, int]], now: float) -> None:
-        if self.version is None:
+        if not self.read_once:
             return
         by_slot = self._by_slot
         for slot in slots:
             if (grant := by_slot.get(slot)) is not None:
-                marked = by_slot[slot] = _marked_active(grant, now)
-                if self._changes is not None:
-                    self._changes.went(grant)
-                    self._changes.arrived(marked)
-        self._rows = None
+                by_slot[slot] = _marked_active(grant, now)  # the same grant (grant_key): no change to follow
+        self._changed()
 
     def _put(self, grants: Iterable[Grant]) -> None:
         for grant in grants:
@@ -741,6 +734,10 @@ class _Grants:
                     self._changes.went(held)
                 self._changes.arrived(grant)
             self._by_slot[slot] = grant
+        self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
         self._rows = None
 
     def rows(self) -> tuple[Grant, ...]:
@@ -757,6 +754,58 @@ class _Grants:
         return [self._by_slot[slot] for slot in self._on_gpu.get(gpu, ())]
 
 
+# A change of the queue, (before, after): a row joined (None, row), left (row, None), or changed
+# in place (old, new: grown by keep_total, its id and place kept).
+QueueChange = tuple["Queued | None", "Queued | None"]
+_QUEUE_LOG = 4096  # changes kept for queue_changes: a follower further behind works the queue out afresh
+
+
+class _Queue:
+    """The store's copy of the queue, kept as _Grants is: the rows by id (ids only grow, so a row
+    that joined is the last one), and a log of the last changes, each with the version it made."""
+
+    def __init__(self) -> None:
+        self.read_once = False
+        self.version = 0
+        self.rows: tuple[Queued, ...] = ()
+        self._log: collections.deque[tuple[int, QueueChange]] = collections.deque(maxlen=_QUEUE_LOG)
+
+    def read(self, rows: tuple[Queued, ...]) -> None:
+        self.read_once, self.rows = True, rows
+
+    def joined(self, queued: Queued) -> None:
+        if self.read_once:
+            self.rows = (*self.rows, queued)
+            self._logged((None, queued))
+
+    def left(self, ids: Iterable[int]) -> None:
+        if not self.read_once:
+            return
+        rows = self.rows
+        for gone in sorted(ids):  # found by id (the rows are by id) and cut out: no step per row kept
+            at = bisect.bisect_left(rows, gone, key=queued_id)
+            if at < len(rows) and rows[at].waiter.id == gone:
+                self._logged((rows[at], None))
+                rows = rows[:at] + rows[at + 1:]
+        self.rows = rows
+
+    def regrown(self, before: Queued, after: Queued) -> None:
+        if self.read_once:
+            self.rows = tuple(after if q.waiter.id == after.waiter.id else q for q in self.rows)
+            self._logged((before, after))
+
+    def _logged(self, change: QueueChange) -> None:
+        self.version += 1
+        self._log.append((self.version, change))
+
+    def changes(self, since: int) -> list[QueueChange] | None:
+        if since == self.version:
+            return []
+        if not self._log or self._log[0][0] > since + 1:
+            return None  # the log no longer reaches back that far
+        return [change for version, change in self._log if version > since]
+
+
 def _discard_in(index: dict[Any, set[Any]], key: object, member: object) -> None:
     """Take `member` out of index[key], and the key with its last member."""
     members = index[key]
@@ -771,27 +820,25 @@ def _session(row: sqlite3.Row) -> Session:
 
 
 class _Sessions:
-    """The store's copy of the sessions table, kept as _Grants is: read whole when another
-    connection changed it (version: the data_version it was read at; None: not read), changed by
-    this connection's own writes after they committed. Sessions by id, with their caller's start
-    time, and the ids by user; the rows in order are built when first asked for after a change."""
+    """The store's copy of the sessions table, kept as _Grants is: read once, changed by the
+    store's own writes after they committed. Sessions by id, with their caller's start time, and
+    the ids by user; the rows in order are built when first asked for after a change."""
 
     def __init__(self) -> None:
-        self.version: int | None = None
+        self.read_once = False
         self._by_id: dict[int, tuple[Session, int | None]] = {}  # id -> the session, its caller_start
         self._of_uid: dict[int, set[int]] = {}  # uid -> its session ids
         self._by_caller: dict[tuple[int, int], set[int]] = {}  # (uid, PAM caller pid) -> its session ids
         self._ttys: dict[int, Counter[str]] = {}  # uid -> its sessions' terminals, how many each
         self._rows: tuple[Session, ...] | None = None
 
-    def read(self, version: int, rows: Iterable[sqlite3.Row]) -> None:
-        self.version = version
-        self._by_id, self._of_uid, self._by_caller, self._ttys, self._rows = {}, {}, {}, {}, None
+    def read(self, rows: Iterable[sqlite3.Row]) -> None:
+        self.read_once = True
         for row in rows:
             self._put(_session(row), row["caller_start"])
 
     def put(self, session: Session, caller_start: int | None) -> None:
-        if self.version is not None:
+        if self.read_once:
             self._put(session, caller_start)
 
     def _put(self, session: Session, caller_start: int | None) -> None:
@@ -802,7 +849,7 @@ class _Sessions:
         self._rows = None
 
     def drop(self, ids: Iterable[int]) -> None:
-        if self.version is None:
+        if not self.read_once:
             return
         for id_ in ids:
             if (dropped := self._by_id.pop(id_, None)) is not None:

@@ -3,26 +3,25 @@
 The daemon, the unit tests (tests/unit/fakes.py) and a replay all call build: each service is
 made here and handed exactly the others it uses, so the three cannot wire them differently. The
 callers differ only in the edges they pass: the kernel and the hardware (daemon/main.py), fakes that
-record what was asked (the unit tests), or a virtual clock and a simulated sample (a replay).
+record what was asked (the unit tests), or a virtual clock and a simulated sample (a replay). The
+daemon's own front (the operations and the metrics) is built on top, by daemon.wiring.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from prometheus_client.registry import Collector
 
 from gpuguard import fleet
 from gpuguard.config import Config
 from gpuguard.core.allocator import Topology
 from gpuguard.core.model import Gpu, Rule
-from gpuguard.daemon.admission import Budget
-from gpuguard.daemon.api import HOLDS_FILE, Api, nowhere_else
-from gpuguard.daemon.metrics import Metrics
-from gpuguard.services import drains, state_files
+from gpuguard.services.asks import Asks
+from gpuguard.services.drains import FILE as DRAINS_FILE
+from gpuguard.services.drains import Drains
 from gpuguard.services.edges import (
     Clock,
     ExitWatch,
@@ -38,6 +37,9 @@ from gpuguard.services.edges import (
 )
 from gpuguard.services.exempt import Exempt
 from gpuguard.services.grants import Grants
+from gpuguard.services.holds import FILE as HOLDS_FILE
+from gpuguard.services.holds import QueueHolds
+from gpuguard.services.logins import Logins
 from gpuguard.services.logout import LogoutRelease
 from gpuguard.services.lookups import KnownAccounts, membership
 from gpuguard.services.openers import OpenerEnder
@@ -46,6 +48,7 @@ from gpuguard.services.release import Releases
 from gpuguard.services.reload_effects import ReloadEffects
 from gpuguard.services.scans import Scans
 from gpuguard.services.store import Store
+from gpuguard.services.tickets import Tickets
 from gpuguard.services.usage import UsageMeter
 from gpuguard.services.watcher import ACTIVE_WRITE_EVERY, Watcher
 
@@ -74,21 +77,14 @@ class Edges:
     topology: Topology | None = None
     caps_major: int | None = None    # of the MIG capability nodes (None: no MIG capabilities)
     clock: Clock = time.time
-    durable: bool = True             # False: a scratch store (a replay): no fsync, no idle clocks kept in it
-    reload: Callable[[], Config] | None = None  # the `reload` operation (None: the config stays)
-    sync_nodes: Callable[[], None] = field(default=lambda: None)  # the `sync_nodes` operation
+    # False: a scratch store (a replay): no fsync, no idle clocks kept in it, drains and holds in memory only
+    durable: bool = True
     # `status` entries of the GPUs Slurm or Kubernetes own (coexist.status_entries): shown, never handed out
     foreign: Sequence[dict[str, Any]] = ()
     # A fleet's PostgreSQL ([fleet]: fleet.database makes it); None on a single server
     fleet_db: FleetDatabase | None = None
     # each holder's CUDA_VISIBLE_DEVICES for the PAM module when no daemon answers (None: not kept)
     visible_devices: VisibleDevices | None = None
-    # webhook and e-mail notices by (channel, outcome): sent, failed, dropped (remote_notify)
-    notices: Callable[[], Mapping[tuple[str, str], int]] = dict
-    # the connection budget the metrics endpoint shares with the socket (server.Server's); None: one of its own
-    connections: Budget | None = None
-    # the edges' own metrics (the process index's), served beside the services'
-    collectors: Sequence[Collector] = ()
 
 
 @dataclass(frozen=True)
@@ -96,28 +92,42 @@ class Services:
     """Every service, wired. Close with close()."""
 
     store: Store
+    drains: Drains
     grants: Grants
     exempt: Exempt
     accounts: KnownAccounts
     usage: UsageMeter
     scans: Scans
     openers: OpenerEnder
+    holds: QueueHolds
     queue: Queue
+    asks: Asks
+    tickets: Tickets
     releases: Releases
     logout: LogoutRelease
     reload_effects: ReloadEffects
+    logins: Logins
     watcher: Watcher
-    api: Api
-    metrics: Metrics
     fleet: FleetServices | None  # several servers, one PostgreSQL (gpuguard.fleet); None on a single server
     edges: Edges
+
+    async def reload(self, old: Config, new: Config, now: float) -> None:
+        """What a reload of the config does to the services, all at once: the exempt users asked
+        again (NSS, bounded in time), the MIG layout read again (through the sampler: NVML is used
+        from one thread at a time), and what the new config does to grants already given (former
+        members' taken back, lowered idle limits warned first). The caller has put `new` in force."""
+        async def layout() -> None:
+            sample = await self.edges.sampler.take_or_log("MIG layout read at the next tick", max_age=0)
+            if sample is not None:
+                self.releases.follow_layout(sample.layout, self.edges.clock())
+
+        await asyncio.gather(self.exempt.refresh(), layout(), self.reload_effects.apply(old, new, now))
 
     def close(self) -> None:
         """Stop what runs in the background and write what is kept in memory; the edges that hold
         threads (NSS, terminals, the fleet's database) are closed too. The store is closed last."""
         if self.fleet is not None:
             self.fleet.close()
-        self.metrics.close()
         self.logout.close()
         self.openers.close()
         self.scans.close()
@@ -132,18 +142,20 @@ def _ends_nothing(uid: int, user: str, units: Iterable[int], why: Rule) -> None:
 
 
 def build(edges: Edges) -> Services:
-    """The one wiring of the services (see the README's architecture section)."""
+    """The one wiring of the services (see the architecture doc)."""
     config = edges.config
-    state_dir = edges.store_path.parent  # the admin's drains and queue holds are kept beside the store
+    # The admin's drains and queue holds are kept beside the store (a replay's: in memory only).
+    state_dir = edges.store_path.parent if edges.durable else None
     store = Store(edges.store_path, lambda: config().events, durable=edges.durable)
     # The fleet mirrors what Grants hands out now (its units change with the MIG layout): read
     # through a function, as the fleet's check is handed to Grants when it is made.
     fleet_services = None if edges.fleet_db is None else fleet.build(
         edges.fleet_db, config, store, lambda: grants.gpus, edges.foreign, edges.lookup)
+    node = fleet_services.node if fleet_services else None
+    drains = Drains(state_dir / DRAINS_FILE if state_dir else None)
     grants = Grants(store, edges.gate, edges.nodes, edges.driver_minors, gpus=edges.units,
                     topology=edges.topology, caps_major=edges.caps_major, visible_devices=edges.visible_devices,
-                    admit=fleet_services.node.admit if fleet_services else None)
-    grants.drained.update(drains.load(state_dir / drains.FILE))
+                    admit=node.admit if node else None, drains=drains)
 
     def apply_exempt(uids: frozenset[int]) -> None:
         if edges.gate is not None:
@@ -158,29 +170,25 @@ def build(edges: Edges) -> Services:
     openers = OpenerEnder(scans, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
                           edges.processes, edges.clock,
                           is_member=lambda uid: membership(edges.lookup, config().access, uid))
-    queue = Queue(config, store, grants, remote_usage=fleet_services.node.remote_usage if fleet_services else None)
-    queue.holds = state_files.read_ids(state_dir / HOLDS_FILE)
+    holds = QueueHolds(state_dir / HOLDS_FILE if state_dir else None, store)
+    queue = Queue(config, store, grants, holds, remote_usage=node.remote_usage if node else None)
+    asks = Asks(config, store, grants, queue)
+    tickets = Tickets(store, queue, grants, edges.terminals, edges.clock)
+    queue.listeners.append(tickets.served)
 
     def tell(uid: int, user: str, message: str) -> None:
         if uid not in exempt.uids:
             edges.terminals.tell(user, uid, message, store.ttys(uid))
 
-    # With no holder search (a replay: the sampled processes are all, and the rules end those),
+    # With no opener search (a replay: the sampled processes are all, and the rules end those),
     # nothing is left to end after a grant is taken back: no background task per release.
     end_openers = openers.schedule if edges.find_openers is not None else _ends_nothing
-    releases = Releases(grants, queue, end_openers, tell, fleet_ended=fleet_services.node.ended if fleet_services else None)
-    logout = LogoutRelease(store, releases, scans, edges.exits, edges.processes, edges.clock)
-    reload_effects = ReloadEffects(store, releases, edges.lookup, tell)
+    releases = Releases(grants, queue, end_openers, tell, fleet_ended=node.ended if node else None)
+    logout = LogoutRelease(store, releases, scans, edges.exits, edges.processes, edges.sampler, edges.clock)
+    reload_effects = ReloadEffects(store, releases, tickets, edges.lookup, tell)
+    logins = Logins(config, store, asks, queue, exempt, reload_effects, logout, edges.processes, edges.clock)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
                       usage, demand=queue.demand,
                       active_write_every=ACTIVE_WRITE_EVERY if edges.durable else None)
-    api = Api(config, store, grants, releases, exempt, edges.sampler, edges.lookup, logout, openers, edges.gate,
-              apply_reload=edges.reload or config, resync_nodes=edges.sync_nodes, accounts=accounts, usage=usage,
-              queue=queue, terminals=edges.terminals, processes=edges.processes, clock=edges.clock,
-              reload_effects=reload_effects, state_dir=state_dir, foreign=edges.foreign,
-              elsewhere=fleet_services.node.elsewhere if fleet_services else nowhere_else)
-    metrics = Metrics(config().metrics, store, grants.gpus, edges.sampler, edges.gate, accounts.of,
-                      notices=edges.notices, drained=lambda: grants.drained, budget=edges.connections,
-                      collectors=edges.collectors)
-    return Services(store, grants, exempt, accounts, usage, scans, openers, queue, releases, logout, reload_effects,
-                    watcher, api, metrics, fleet_services, edges)
+    return Services(store, drains, grants, exempt, accounts, usage, scans, openers, holds, queue, asks, tickets,
+                    releases, logout, reload_effects, logins, watcher, fleet_services, edges)

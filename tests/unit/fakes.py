@@ -29,7 +29,8 @@ from gpuguard.core.model import (
     slice_unit,
 )
 from gpuguard.core.sample import Opener, Sample
-from gpuguard.protocol import Peer
+from gpuguard.daemon import wiring as front
+from gpuguard.daemon.server import Peer
 from gpuguard.services import wiring
 
 GROUP = "gpugroup"
@@ -298,11 +299,13 @@ class World:
             config=lambda: self.config, store_path=self.tmp / "state.db", sampler=self.sampler,
             units={g.unit: g for g in self.gpus}, driver_minors=range(4), nodes=self.nodes, lookup=self.lookup,
             terminals=self.notifier, exits=self.exits, find_openers=self.find_openers, processes=self.processes,
-            gate=self.gate, caps_major=CAPS_MAJOR, reload=self._reload, foreign=self.foreign,
+            gate=self.gate, caps_major=CAPS_MAJOR, foreign=self.foreign,
             fleet_db=self.fleet_db, visible_devices=self.visible_devices))
+        self.front = front.build(self.services, reload=self._reload)
         s = self.services
         self.store, self.grants, self.exempt, self.queue = s.store, s.grants, s.exempt, s.queue
-        self.watcher, self.api, self.logout, self.opener_ender = s.watcher, s.api, s.logout, s.openers
+        self.drains, self.holds = s.drains, s.holds
+        self.watcher, self.api, self.logout, self.opener_ender = s.watcher, self.front.api, s.logout, s.openers
 
     def find_openers(self, units: Iterable[int], uids: Collection[int] | None,
                      devices_of: Callable[[int], Iterable[Device]]) -> list[Opener]:

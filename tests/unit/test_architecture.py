@@ -29,10 +29,10 @@ TOP = "top"  # the modules of gpuguard/ itself: the config, the wire format and 
 # functions are not counted: those load nothing at start). Its own room is always allowed.
 ALLOWED: dict[str, set[str]] = {
     "core": {"gpuguard.config"},
-    "services": {"core", TOP, "fleet", "daemon"},  # TEMPORARY: wiring builds the Api
+    "services": {"core", TOP, "fleet"},
     "daemon": {"core", TOP, "services", "backends", "fleet"},
     "backends": {"core", TOP},
-    "replay": {"core", TOP, "services", "daemon"},  # TEMPORARY: logins through the Api
+    "replay": {"core", TOP, "services"},
     "fleet": {"core", TOP, "services"},
     "web": {"core", TOP, "backends"},
     "cli": {"core", TOP, "services", "daemon", "backends", "replay", "fleet", "web"},
@@ -134,6 +134,12 @@ def test_each_module_imports_only_what_its_room_may(name):
     allowed = ALLOWED[mine] | {mine} | ENTRY.get(name, set())
     wrong = {i for i in graph()[name] if room(i) not in allowed and i not in allowed}
     assert wrong == set(), f"{name} ({mine}) imports {sorted(wrong)}"
+
+
+def test_nothing_but_the_command_line_imports_the_daemon():
+    importers = {name for name, imports in graph().items() if room(name) != "daemon"
+                 and any(room(i) == "daemon" for i in imports)}
+    assert importers <= {"gpuguard.cli.daemon_cmd"}, importers
 
 
 def test_the_core_does_no_io():

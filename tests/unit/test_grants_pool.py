@@ -10,7 +10,6 @@ from fakes import World, gpu, mig_slice
 
 from gpuguard.backends.nvml import MigLayout
 from gpuguard.core import allocator
-from gpuguard.services.drains import Drain
 
 
 def described(pool: allocator.Pool) -> tuple[object, ...]:
@@ -29,13 +28,13 @@ def test_the_pool_follows_drains_and_layout_changes(tmp_path: Path) -> None:
     assert set(grants.pool().whole.by_unit) == {0, 2}  # GPU 1 is in MIG mode: only its slices
     assert grants.pool() is grants.pool()  # nothing changed: the same one
 
-    grants.drained[2] = Drain("maintenance", 10.0)
+    world.drains.drain([2], "maintenance", 10.0)
     assert_fresh(world)
     assert 2 not in grants.pool().units
-    grants.drained[1] = Drain("maintenance", 11.0)  # a drained GPU's slices go too
+    world.drains.drain([1], "maintenance", 11.0)  # a drained GPU's slices go too
     assert_fresh(world)
     assert grants.pool().slices == ()
-    del grants.drained[1], grants.drained[2]
+    world.drains.resume([1, 2])
     assert_fresh(world)
     assert 2 in grants.pool().units
 

@@ -252,7 +252,9 @@ def _remove(world: World, uid: int, units: list[int] | None) -> None:
 
 
 def _restarted(world: World, tmp_path: Path, gpus: list[Gpu]) -> World:
-    """The same store (the same database file) under a daemon started again on `gpus` (the layout of now)."""
+    """The same store (the same database file) under a daemon started again on `gpus` (the layout of
+    now), once the first has stopped (the daemon is its store's one writer)."""
+    world.services.close()
     return World(tmp_path, gpus=gpus, gate=FakeGate())
 
 
@@ -265,7 +267,7 @@ def test_grants_on_slices_changed_while_no_daemon_ran_end_at_the_first_look(tmp_
     now = [gpu(0), gpu(1, mig_mode=True), mig_slice(1, 1, "3g.40gb", uuid="MIG-new")]
     again = _restarted(world, tmp_path, now)
     ended = _update(again, seen_layout(now[2:], frozenset({1})), 50.0)  # the same layout the daemon started with
-    assert sorted(g.uid for g in ended) == [1001, 1002] and world.store.grants() == []
+    assert sorted(g.uid for g in ended) == [1001, 1002] and again.store.grants() == []
 
 
 def test_a_gpu_that_left_mig_mode_while_no_daemon_ran_is_not_handed_out_over_its_old_slice(tmp_path: Path) -> None:

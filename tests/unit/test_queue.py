@@ -10,7 +10,7 @@ from fakes import GROUP, World
 
 from gpuguard.core import policy
 from gpuguard.core.model import Origin
-from gpuguard.protocol import Peer
+from gpuguard.daemon.server import Peer
 
 
 def fill(world: World) -> list:
@@ -161,13 +161,12 @@ def test_an_admins_revoke_does_not_grow_what_they_wait_for(world):
 
 
 def test_a_waiter_a_drain_made_too_big_holds_nothing_and_is_no_ones_reason_to_wait(world):
-    from gpuguard.services.drains import Drain
     holders = fill(world)
     world.quota(gpus=4)
     world.config = replace(world.config, scheduler=replace(world.config.scheduler, reserve_after=0.0))
     eve, fred = world.lookup.add("eve", 1005, GROUP), world.lookup.add("fred", 1006, GROUP)
     assert world.call("request", uid=eve.uid, wait=True)["queued"] is True  # for all 4
-    world.grants.drained[3] = Drain("ggt-test", 0.0)  # now 3 can be hers at most
+    world.drains.drain([3], "ggt-test", 0.0)  # now 3 can be hers at most
     world.call("release", uid=holders[0].uid)  # GPU 0 free: not held for eve, who cannot have 4
     assert world.call("request", uid=fred.uid, gpus=2, wait=True)["queued"] is True  # 1 free: fred waits
     why = {row["user"]: row["reason"] for row in world.call("status")["queue"]}
@@ -175,31 +174,29 @@ def test_a_waiter_a_drain_made_too_big_holds_nothing_and_is_no_ones_reason_to_wa
 
 
 def test_a_waiter_a_drain_made_too_big_is_no_ones_demand_so_nothing_is_reclaimed_or_stopped_for_it(world):
-    from gpuguard.services.drains import Drain
     holders = fill(world)
     world.quota(gpus=4, reclaim_after=60.0)
     eve = world.lookup.add("eve", 1005, GROUP)
     assert world.call("request", uid=eve.uid, wait=True)["queued"] is True  # for all 4
     assert world.queue.demand().short == 4
-    world.grants.drained[3] = Drain("ggt-test", 0.0)  # 3 at most could be hers now
+    world.drains.drain([3], "ggt-test", 0.0)  # 3 at most could be hers now
     assert world.queue.demand().short == 0
     world.sampler.set([(103, holders[3].uid, 3, 1 << 30)])  # GPUs 0-2 idle
     asyncio.run(world.watcher.check(world.sampler.last, time.time() + 120))
     assert all(world.held(h.uid) for h in holders)  # not taken back for a request nothing can serve
-    del world.grants.drained[3]
+    world.drains.resume([3])
     assert world.queue.demand().short == 4  # the pool back: her wait is demand again
     (row,) = world.store.queue()
     world.quota(gpus=1, reclaim_after=60.0)
     assert world.call("request", uid=world.lookup.add("fred", 1006, GROUP).uid, wait=True)["queued"] is True
-    world.queue.holds.add(row.waiter.id)  # an admin holds her place while the GPU is drained again
-    world.grants.drained[3] = Drain("ggt-test", 0.0)
+    world.holds.hold([row.waiter.id])  # an admin holds her place while the GPU is drained again
+    world.drains.drain([3], "ggt-test", 0.0)
     assert world.queue.demand().short == 1  # fred's
-    world.queue.holds.discard(row.waiter.id)  # released from the hold: still too big
+    world.holds.release([row.waiter.id])  # released from the hold: still too big
     assert world.queue.demand().short == 1
 
 
 def test_a_gpu_the_waiter_keeps_on_a_drained_gpu_does_not_make_her_request_look_too_big(world):
-    from gpuguard.services.drains import Drain
     holders = fill(world)
     world.quota(gpus=4)
     world.config = replace(world.config, scheduler=replace(world.config.scheduler, reserve_after=0.0,
@@ -207,7 +204,7 @@ def test_a_gpu_the_waiter_keeps_on_a_drained_gpu_does_not_make_her_request_look_
     alice, fred = holders[0], world.lookup.add("fred", 1006, GROUP)
     world.call("release", uid=holders[1].uid)
     assert world.call("request", uid=alice.uid, gpus=4, wait=True)["queued"] is True  # holds 0, 1; 2 more
-    world.grants.drained[1] = Drain("ggt-test", 0.0)  # alice keeps GPU 1: GPUs 2 and 3 would still do
+    world.drains.drain([1], "ggt-test", 0.0)  # alice keeps GPU 1: GPUs 2 and 3 would still do
     assert world.call("request", uid=fred.uid, gpus=1, wait=True)["queued"] is True
     world.call("release", uid=holders[2].uid)  # held for alice, first and waiting past reserve_after
     assert world.held(fred.uid) == [] and world.held(alice.uid) == [0, 1]
@@ -227,7 +224,7 @@ def test_whoami_expects_a_gpu_from_the_first_expiry_when_only_a_held_request_is_
     assert world.call("request", uid=fred.uid, gpus=4, wait=True)["queued"] is True
     assert world.call("request", uid=eve.uid, gpus=1, wait=True)["queued"] is True
     assert world.queue.standing(eve.uid, time.time()).estimate is None  # behind fred's 4: a 5th, of no known end
-    world.queue.holds.add(world.store.queue(fred.uid)[0].waiter.id)  # an admin holds fred's: he keeps nobody waiting
+    world.holds.hold([world.store.queue(fred.uid)[0].waiter.id])  # an admin holds fred's: he keeps nobody waiting
     assert world.queue.standing(eve.uid, time.time()).estimate == expiries[0]
     assert len(holders) == 4
 
@@ -245,7 +242,7 @@ def test_a_walk_that_leaves_nothing_free_stops_there(world):
     assert world.call("request", uid=eve.uid, gpus=4)["gpus"] == [0, 1, 2, 3]
     quota = policy.quota_for(eve.name, frozenset({GROUP}), world.config)
     for _ in range(50):
-        assert world.queue.join(eve.uid, eve.name, 1, quota, time.time(), Origin.REQUEST)[1] is True
+        assert world.queue.join(eve.uid, eve.name, 1, quota, time.time(), Origin.REQUEST)[1] is None  # waits
     looked: list[int] = []
     possible = world.queue._possible
     world.queue._possible = lambda queued: looked.append(queued.waiter.id) or possible(queued)
@@ -288,26 +285,26 @@ def test_demand_follows_the_queue_the_grants_holds_and_drains(world):
     """What reclaim may take (Queue.demand) is worked out again when any of what it comes from
     changes, not only when the queue does."""
     from gpuguard.core.rules import Demand
-    from gpuguard.services.drains import Drain
     holders = fill(world)
     world.login(world.lookup.add("eve", 1005, GROUP), pid=6000)
     (waiting,) = world.store.queue()
     assert world.queue.demand() == Demand(1)
-    world.queue.holds.add(waiting.waiter.id)  # an admin holds it: nobody to reclaim for
+    world.holds.hold([waiting.waiter.id])  # an admin holds it: nobody to reclaim for
     assert world.queue.demand() == Demand(0)
-    world.queue.holds.clear()
+    world.holds.release(world.holds.ids)
     assert world.queue.demand() == Demand(1)
     world.store.remove_grants(holders[0].uid, None, time.time())  # a GPU free (not yet served)
     assert world.queue.demand() == Demand(0)
-    world.grants.drained[0] = Drain("maintenance", time.time())  # the free one goes to nobody new
+    world.drains.drain([0], "maintenance", time.time())  # the free one goes to nobody new
     assert world.queue.demand() == Demand(1)
 
 
 def test_the_waiters_kept_between_changes_are_those_worked_out_afresh(world):
     """dispatch and demand take the waiters as kept from one change of the queue to the next
-    (Queue.waiting: a join adds its row, anything else works them out again): after every step of
-    random joins (some sharing, some at another priority or share, arrival times out of order),
-    leaves and holds they are what the queue's rows and the holds say."""
+    (Queue.waiting: moved on by the store's log of changes, worked out afresh when the holds
+    change): after every step of random joins (some sharing, some at another priority or share,
+    arrival times out of order), leaves of one or many rows, rows grown in place and holds, they
+    are what the queue's rows and the holds say."""
     import math
     import random
 
@@ -323,14 +320,17 @@ def test_the_waiters_kept_between_changes_are_those_worked_out_afresh(world):
             uid = rng.choice([1001, 1002, 1003])
             world.store.join_queue(uid, f"u{uid}", rng.randrange(1, 5), float(rng.randrange(1000)),
                                    rng.choice(quotas), Origin.REQUEST)
-        elif choice < 0.85:
+        elif choice < 0.8:
             world.store.leave_queue(q.waiter.id for q in rng.sample(rows, rng.randrange(1, len(rows) + 1)))
+        elif choice < 0.88:
+            grown = rng.choice(rows)
+            world.store.regrow_queued(grown, grown.waiter.gpus + 1, ())
         elif choice < 0.95:
-            world.queue.holds.add(rng.choice(rows).waiter.id)
+            world.holds.hold([rng.choice(rows).waiter.id])
         else:
-            world.queue.holds.clear()
+            world.holds.release(world.holds.ids)
         kept = world.queue.waiting()
-        waiting = [q for q in world.store.queue_read() if q.waiter.id not in world.queue.holds]
+        waiting = [q for q in world.store.queue_read() if q.waiter.id not in world.holds.ids]
         alone = [q.waiter.gpus for q in waiting if not q.quota.sharing]
         assert list(kept.by_id.values()) == waiting, step
         assert kept.runs == scheduler.runs(q.waiter for q in waiting), step
@@ -355,55 +355,29 @@ def test_dispatch_asks_for_no_usage_of_a_user_whose_requests_all_waited_past_the
     assert sorted(asked) == ["fred", "gil"]  # the two it ordered by usage; eve's was never needed
 
 
-def test_kept_waiters_are_worked_out_afresh_when_a_row_comes_that_is_not_the_last():
-    """Queue ids only grow, so the rows that came are the last ones; where that fails (a database
-    put back from a copy) the kept waiters are worked out afresh rather than counted twice."""
+def test_kept_waiters_follow_rows_grown_in_place_and_a_log_left_far_behind(world):
+    """A row grown in place (keep_total) is one change out and one in, its place kept; a follower
+    further behind than the store's log of changes works the waiters out afresh: either way they
+    equal Waiting.of the rows."""
     from gpuguard.core.model import Origin, Quota
-    from gpuguard.core.scheduler import Waiter
+    from gpuguard.services import store as store_module
     from gpuguard.services.queueing import Waiting
-    from gpuguard.services.store import Queued
-    row = {i: Queued(Waiter(i, 1001, "ada", 1, float(i)), Quota(), Origin.REQUEST, None, None) for i in (1, 2, 3)}
-    kept = Waiting.of((row[1], row[3]), frozenset()).following((row[1], row[2], row[3]), frozenset())
-    assert list(kept.by_id) == [1, 2, 3] and kept.gpus == 3
-    assert [w.id for w in kept.runs[(1001, 0, 1.0)]] == [1, 2, 3]
 
+    def fresh() -> Waiting:
+        return Waiting.of(world.store.queue_read(), world.store.queue_version, world.holds.ids)
 
-def test_kept_waiters_moved_on_by_joins_and_leaves_equal_waiters_worked_out_afresh():
-    """Random joins, leaves (one or several at once, held ones too), rows read again as new
-    objects and rows changed in place: each Waiting.following equals Waiting.of the rows."""
-    import random
-    from dataclasses import replace as replaced
+    def same(kept: Waiting, other: Waiting) -> bool:
+        return (kept.by_id == other.by_id and {k: [w.id for w in r] for k, r in kept.runs.items()}
+                == {k: [w.id for w in r] for k, r in other.runs.items()}
+                and (kept.gpus, kept.alone, kept.sharers) == (other.gpus, other.alone, other.sharers))
 
-    from gpuguard.core.model import Origin, Quota
-    from gpuguard.core.scheduler import Waiter
-    from gpuguard.services.queueing import Waiting
-    from gpuguard.services.store import Queued
-    rng = random.Random(33)
-    rows: tuple[Queued, ...] = ()
-    holds = frozenset[int]()
-    kept = Waiting.of(rows, holds)
-    next_id = 1
-    for _ in range(1500):
-        op = rng.random()
-        if op < 0.45 or not rows:
-            share = rng.random() < 0.2
-            rows += (Queued(Waiter(next_id, 1000 + rng.randrange(6), "u", rng.choice([1, 2, 4, 8]), float(next_id)),
-                            Quota(sharing=share, gpu_memory=1 << 30 if share else None), Origin.REQUEST, None, None),)
-            next_id += 1
-        elif op < 0.85:
-            gone = set(rng.sample([q.waiter.id for q in rows], min(len(rows), rng.choice([1, 1, 1, 2, 3, 20]))))
-            rows = tuple(q for q in rows if q.waiter.id not in gone)
-        elif op < 0.92:
-            rows = tuple(replaced(q) for q in rows)  # read again: equal rows, new objects
-        elif op < 0.97:
-            at = rng.randrange(len(rows))  # a row changed in place (keep_total): same id, another count
-            rows = rows[:at] + (replaced(rows[at], waiter=replaced(rows[at].waiter, gpus=rows[at].waiter.gpus + 1)),) \
-                + rows[at + 1:]
-        else:
-            holds = frozenset(rng.sample([q.waiter.id for q in rows], min(len(rows), 2)))
-        kept = kept.following(rows, holds)
-        fresh = Waiting.of(rows, holds)
-        assert kept.by_id == fresh.by_id
-        assert {k: [w.id for w in run] for k, run in kept.runs.items()} == \
-            {k: [w.id for w in run] for k, run in fresh.runs.items()}
-        assert (kept.gpus, kept.alone, kept.sharers) == (fresh.gpus, fresh.alone, fresh.sharers)
+    rows = [world.store.join_queue(1001 + i % 2, "u", 1, float(i), Quota(gpus=8), Origin.REQUEST) for i in range(5)]
+    world.queue.waiting()
+    world.store.regrow_queued(rows[1], 3, ())
+    kept = world.queue.waiting()
+    assert kept.by_id[rows[1].waiter.id].waiter.gpus == 3 and kept.gpus == 7 and same(kept, fresh())
+    for i in range(store_module._QUEUE_LOG + 5):  # more changes than the log keeps, unseen
+        world.store.leave_queue([world.store.join_queue(1003, "v", 2, 100.0 + i, Quota(gpus=8), Origin.REQUEST).waiter.id])
+    world.store.join_queue(1003, "v", 2, 1e6, Quota(gpus=8), Origin.REQUEST)
+    assert world.store.queue_changes(kept.version) is None
+    assert same(world.queue.waiting(), fresh())

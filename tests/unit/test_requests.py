@@ -10,6 +10,7 @@ from fakes import GROUP
 
 from gpuguard import fleet, protocol
 from gpuguard.core import reporting
+from gpuguard.core.errors import Refusal
 from gpuguard.daemon import requests as rq
 from gpuguard.daemon.api import Api
 
@@ -42,7 +43,7 @@ def parse(op: str, **fields: object) -> rq.Op:
 
 
 def refusal(op: str, **fields: object) -> tuple[str, int]:
-    with pytest.raises(rq.Refusal) as caught:
+    with pytest.raises(Refusal) as caught:
         parse(op, **fields)
     return str(caught.value), caught.value.code
 
@@ -198,7 +199,7 @@ def test_the_old_minors_key_is_still_read_and_units_wins_over_it():
 
 @pytest.mark.parametrize("op", [None, 3, ["status"], "fleet_status", "nonsense"])
 def test_an_operation_api_does_not_serve(op):
-    with pytest.raises(rq.Refusal) as caught:
+    with pytest.raises(Refusal) as caught:
         rq.parse({"v": 1, "op": op})
     assert caught.value.code == 2 and str(caught.value).startswith("unknown operation ")
 
@@ -206,7 +207,7 @@ def test_an_operation_api_does_not_serve(op):
 def test_the_period_ends_now_unless_until_is_given():
     assert rq.Report(None, 10.0, None).period(now=50.0) == (10.0, 50.0)
     assert rq.Events(None, 0.0, 20.0).period(now=50.0) == (0.0, 20.0)
-    with pytest.raises(rq.Refusal, match="since must be before until"):
+    with pytest.raises(Refusal, match="since must be before until"):
         rq.Report(None, 60.0, None).period(now=50.0)
 
 

@@ -31,8 +31,8 @@ def test_the_caller_start_time_column_is_added_to_an_existing_store(tmp_path):
 
 
 def test_a_caller_is_alive_while_a_process_with_its_pid_and_start_time_runs(world):
-    _caller_alive = LogoutRelease(world.store, world.services.releases, world.find_openers, world.exits,
-                                  HostProcesses()).caller_alive  # the host's processes, not the fakes
+    _caller_alive = LogoutRelease(world.store, world.services.releases, world.services.scans, world.exits,
+                                  HostProcesses(), world.sampler).caller_alive  # the host's processes, not the fakes
     caller = subprocess.Popen(["sleep", "infinity"])
     try:
         start = process_identity(caller.pid).start_time

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.config import EventsConfig
-from gpuguard.core.model import Event, Origin, Quota
+from gpuguard.core.model import Event
 from gpuguard.services.store import HOUR, MIGRATIONS, Store, StoreError
 
 
@@ -386,21 +386,3 @@ def test_a_database_of_the_latest_schema_opens_as_it_was_written(tmp_path):
             (1003, 1, "GPU-0001", True, 40 << 30)]
     finally:
         store.close()
-
-
-def test_the_copies_of_grants_and_queue_follow_another_connections_writes(tmp_path):
-    mine, other = Store(tmp_path / "state.db"), Store(tmp_path / "state.db")
-    try:
-        assert mine.grants() == [] and mine.queue() == []  # read, and kept
-        other.add_grants(1001, "alice", [0], now=10.0, expires_at=None)
-        other.join_queue(1002, "bob", 1, 20.0, Quota(), Origin.REQUEST)
-        assert [g.unit for g in mine.grants()] == [0] and [q.waiter.user for q in mine.queue()] == ["bob"]
-        mine.mark_active([(1001, 0)], now=30.0)  # its own write: the copy follows
-        assert [g.last_active for g in mine.grants(1001)] == [30.0]
-        assert [g.last_active for g in other.grants(1001)] == [30.0]
-        other.remove_grants(1001, None, now=40.0)
-        other.leave_queue([q.waiter.id for q in other.queue()])
-        assert mine.grants() == [] and mine.queue() == []
-    finally:
-        mine.close()
-        other.close()

@@ -1,12 +1,14 @@
-"""The store's copies of what it reads often (grants, when units were given back) follow its own
-writes without reading the table again, and always equal what a fresh read returns; the events a
-user keeps stay within the documented bound although a user's old ones are pruned in steps."""
+"""The store's copies of what it reads often (grants, sessions, the queue, fair share, when units
+were given back) are read once and follow its own writes (the daemon is its store's one writer),
+always equal to what a fresh read returns; their versions move at each change and the changes they
+log lead from a version to the next; the events a user keeps stay within the documented bound
+although a user's old ones are pruned in steps."""
 import random
 
 from gpuguard.config import EventsConfig
 from gpuguard.core.model import Event, Origin, Quota
 from gpuguard.core.unit_numbers import slice_unit, unit_parent
-from gpuguard.services.store import PRUNE_EVERY, Store
+from gpuguard.services.store import PRUNE_EVERY, Store, grant_key, queued_id
 
 UNITS = [0, 1, 2, slice_unit(3, 1, 0), slice_unit(3, 2, 0)]
 UIDS = [1001, 1002, 1003]
@@ -19,13 +21,14 @@ def _fresh(path) -> Store:
 def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_path):
     """Random adds (also over a held slot: INSERT OR REPLACE), removals and marks; after each,
     every view of the copy equals a new connection's read of the table, and the changes the store
-    gives (grant_changes), applied to the grants before, are the grants after, object for object."""
+    gives (grant_changes), applied to the grants before, are the grants after, grant for grant
+    (by grant_key: a mark moves only last_active, and is no change of the grant)."""
     rng = random.Random(20)
     store = Store(tmp_path / "state.db")
     try:
         store.grants()  # read: from here on the copy is changed in place
         assert store.grant_changes() is None  # the first call: from here on the changes are kept
-        followed = {id(g): g for g in store.grants_read()}
+        followed = {grant_key(g) for g in store.grants_read()}
         for step in range(200):
             now = 100.0 + step
             op = rng.choice(["add", "remove", "mark"])
@@ -43,10 +46,11 @@ def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_pa
             changes = store.grant_changes()
             assert changes is not None
             for grant in changes.gone:
-                assert followed.pop(id(grant)) is grant
+                followed.remove(grant_key(grant))
             for grant in changes.came:
-                assert followed.setdefault(id(grant), grant) is grant
-            assert followed == {id(g): g for g in store.grants_read()}
+                assert grant_key(grant) not in followed
+                followed.add(grant_key(grant))
+            assert followed == {grant_key(g) for g in store.grants_read()}
             other = _fresh(store.path)
             try:
                 assert store.grants() == other.grants()
@@ -64,27 +68,23 @@ def test_the_grants_copy_follows_its_own_writes_as_a_fresh_read_sees_them(tmp_pa
         store.close()
 
 
-def test_the_grants_read_is_one_object_until_a_change(tmp_path):
+def test_the_grants_version_moves_at_each_change_and_nothing_a_caller_holds_changes(tmp_path):
     store = Store(tmp_path / "state.db")
     try:
         store.add_grants(1001, "alice", [0], 10.0, None)
-        first = store.grants_read()
-        assert store.grants_read() is first  # nothing changed: the same object
+        first, version = store.grants_read(), store.grants_version
+        assert store.grants_version == version  # nothing changed
         store.mark_active([(1001, 0)], 50.0)
-        marked = store.grants_read()
-        assert marked is not first and [g.last_active for g in marked] == [50.0]
+        assert store.grants_version > version and [g.last_active for g in store.grants_read()] == [50.0]
         assert [g.last_active for g in first] == [10.0]  # what a caller holds is never changed under it
-        other = _fresh(store.path)
-        try:
-            other.remove_grants(1001, None, 60.0)  # another connection's write: read again
-        finally:
-            other.close()
-        assert store.grants_read() == ()
+        version = store.grants_version
+        store.remove_grants(1001, None, 60.0)
+        assert store.grants_version > version and store.grants_read() == ()
     finally:
         store.close()
 
 
-def test_grant_changes_net_out_and_are_unknown_after_another_connections_write(tmp_path):
+def test_grant_changes_net_out(tmp_path):
     store = Store(tmp_path / "state.db")
     try:
         assert store.grant_changes() is None  # the first call
@@ -92,20 +92,13 @@ def test_grant_changes_net_out_and_are_unknown_after_another_connections_write(t
         store.remove_grants(1001, [1], 20.0)  # came and went since the last call: in neither
         changes = store.grant_changes()
         assert changes is not None and changes.gone == [] and [g.unit for g in changes.came] == [0]
-        store.mark_active([(1001, 0)], 50.0)  # changed in place: one gone, one come, of the same slot
+        store.mark_active([(1001, 0)], 50.0)  # the same grant, marked: no change
+        assert not store.grant_changes()
+        store.remove_grants(1001, None, 60.0)
+        store.add_grants(1001, "alice", [0], 60.0, None)  # a new grant of the same GPU: one gone, one come
         changes = store.grant_changes()
-        assert changes is not None
-        assert [g.last_active for g in changes.gone] == [10.0] and [g.last_active for g in changes.came] == [50.0]
-        assert not store.grant_changes()  # nothing since
-        other = _fresh(store.path)
-        try:
-            other.remove_grants(1001, None, 60.0)  # another connection's write: the table is read whole again
-        finally:
-            other.close()
-        assert store.grant_changes() is None
-        store.add_grants(1002, "bob", [2], 70.0, None)
-        changes = store.grant_changes()
-        assert changes is not None and [g.uid for g in changes.came] == [1002]
+        assert changes is not None and [g.granted_at for g in changes.gone] == [10.0]
+        assert [g.granted_at for g in changes.came] == [60.0]
     finally:
         store.close()
 
@@ -157,19 +150,19 @@ def test_the_first_event_of_a_user_after_opening_prunes_what_an_earlier_run_left
         store.close()
 
 
-def test_fair_share_as_read_follows_its_own_writes_and_another_connections(tmp_path):
+def test_fair_share_as_read_follows_its_own_writes(tmp_path):
     store = Store(tmp_path / "state.db")
-    other = _fresh(store.path)
     try:
         assert store.fairshare() == {}
         store.set_fairshare(1001, 7200, 10)  # its own write: the copy follows, as the table holds it
-        assert store.fairshare() == other.fairshare() == {1001: (7200.0, 10.0)}
-        other.set_fairshare(1002, 60.0, 20.0)  # another connection's: read again
-        assert store.fairshare() == {1001: (7200.0, 10.0), 1002: (60.0, 20.0)}
+        other = _fresh(store.path)
+        try:
+            assert store.fairshare() == other.fairshare() == {1001: (7200.0, 10.0)}
+        finally:
+            other.close()
         store.fairshare()[1003] = (1.0, 1.0)  # what a caller gets is its own
         assert 1003 not in store.fairshare()
     finally:
-        other.close()
         store.close()
 
 
@@ -220,42 +213,33 @@ def _write(store: Store, rng: random.Random, now: float) -> None:
         store.set_fairshare(uid, rng.random() * 1000, now)
 
 
-def test_every_copy_equals_a_fresh_read_after_each_kind_of_write_by_this_or_another_connection(tmp_path):
-    """Random writes of every kind, by the store under test (its copies follow in place) or by
-    another connection (the CLI, the web page: its copies are read again); after each, every view
-    of the store equals what a new connection reads. Both stores' copies are read before the
-    writes start, so that each kind of write meets a kept copy."""
+def test_every_copy_equals_a_fresh_read_after_each_kind_of_write(tmp_path):
+    """Random writes of every kind; after each, every view of the store equals what a new
+    connection reads, and the queue's logged changes, applied to the rows before, are the rows
+    after. The copies are read before the writes start, so that each kind of write meets a kept copy."""
     rng = random.Random(2026)
-    store, other = Store(tmp_path / "state.db"), _fresh(tmp_path / "state.db")
+    store = Store(tmp_path / "state.db")
     try:
-        _views(store), _views(other)
+        _views(store)
+        rows, version = {q.waiter.id: q for q in store.queue_read()}, store.queue_version
         for step in range(400):
-            _write(rng.choice([store, store, other]), rng, 100.0 + step)
+            _write(store, rng, 100.0 + step)
             fresh = _fresh(store.path)
             try:
                 assert _views(store) == _views(fresh), f"step {step}"
             finally:
                 fresh.close()
+            changes = store.queue_changes(version)
+            assert changes is not None
+            for before, after in changes:
+                if before is not None:
+                    assert rows.pop(before.waiter.id) == before
+                if after is not None:
+                    rows[after.waiter.id] = after
+            assert sorted(rows.values(), key=queued_id) == list(store.queue_read()), f"step {step}"
+            assert store.queue_changes(store.queue_version) == []
+            version = store.queue_version
     finally:
-        other.close()
-        store.close()
-
-
-def test_a_write_reads_what_another_connection_committed_since_the_copy(tmp_path):
-    """remove_grants and close_session decide from the copy inside their transaction: what another
-    connection committed after the copy was read is seen there, not lost."""
-    store, other = Store(tmp_path / "state.db"), _fresh(tmp_path / "state.db")
-    try:
-        store.add_grants(1001, "alice", [0], 10.0, None)
-        first = store.open_session(1001, "alice", "sshd", "", "pts/1", 500, 10.0)
-        assert len(store.grants()) == len(store.sessions()) == 1  # read: kept from here on
-        other.add_grants(1001, "alice", [1], 20.0, None)
-        newer = other.open_session(1001, "alice", "sshd", "", "pts/2", 500, 20.0)
-        assert [g.unit for g in store.remove_grants(1001, None, 30.0)] == [0, 1]
-        assert store.close_session(1001, 500) == newer  # the newest of that caller: the other's
-        assert store.sessions() == [first] and other.grants() == [] and other.sessions() == [first]
-    finally:
-        other.close()
         store.close()
 
 

@@ -1,0 +1,134 @@
+"""Asking for GPUs: the one path that a login, `gpuguard request` and a replayed job all take.
+
+Asks.ask decides, in this order, each step here and nowhere else:
+
+1. who: only members of access.group get GPUs (exempt users need none, outsiders get none);
+2. how many: at most the quota's count; more than the server could ever serve whole beside what
+   the asker keeps (Grants.room_beside) is refused when a count was asked for, and the quota's
+   worth is cut to it when none was;
+3. one place: a login and a request keep one place in the queue per user (a second could bring
+   them more than their quota), and a user already waiting is told so; a replayed batch job is a
+   place of its own, as each job of a batch system is;
+4. now: while nobody waits, what is free is granted at once (part of it, unless the ask is whole);
+   with others waiting, the ask takes its turn like them;
+5. the rest waits in the queue (Queue.join, which serves the queue at once): when the ask waits
+   for it, or when the asker holds nothing at all; an ask that does not keep its place leaves the
+   queue again when its turn has not come.
+
+What a grant is (it ends with the user's sessions, or stays) is policy.grant_origin, for the
+grants made here and those the queue makes later alike.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpuguard.config import Config
+from gpuguard.core import policy
+from gpuguard.core.compat import StrEnum
+from gpuguard.core.model import Account, Origin, Quota
+from gpuguard.services.grants import Grants
+from gpuguard.services.queueing import Queue
+from gpuguard.services.store import Queued, Store
+
+
+class Waits(StrEnum):
+    """What an ask does with what it cannot have now."""
+
+    NEVER = "never"          # granted now or not at all (`gpuguard request`): a place only for an immediate turn
+    IF_NOTHING = "if_nothing"  # a login: waits only when it got nothing now, and keeps its place
+    YES = "yes"              # `gpuguard request --wait`, a replayed job: waits for the rest, keeps its place
+
+
+class Outcome(StrEnum):
+    GRANTED = "granted"      # the asker holds what they asked for (some of it: see Answer.granted)
+    WAITING = "waiting"      # in the queue for the rest (Answer.place)
+    REFUSED = "refused"      # see Answer.why
+
+
+class Why(StrEnum):
+    """Why an ask got nothing."""
+
+    EXEMPT = "exempt"            # every GPU is open to them already
+    OUTSIDER = "outsider"        # not in access.group
+    OVER_QUOTA = "over_quota"    # asked for more than their quota's count
+    TOO_BIG = "too_big"          # asked for more than this server could ever serve them whole
+    ALREADY_WAITING = "already_waiting"  # one place per user: theirs is in the queue already
+    NONE_FREE = "none_free"      # nothing free now, and the ask does not wait
+
+
+@dataclass(frozen=True)
+class Ask:
+    account: Account
+    gpus: int | None             # the total wanted, the kept units included (None: the quota's worth)
+    origin: Origin               # the queue row's: a login's (waits while its user has a session) or a request's
+    waits: Waits
+    message: str                 # what a grant made at once records ("granted at login (sshd)")
+    keeps: tuple[int, ...] = ()  # units the asker holds that count towards it (a request: all they hold)
+    whole: bool = False          # granted all of it at once or not at all (a job cannot start on part)
+    one_place: bool = True       # at most one place in the queue per user
+    pid: int | None = None       # the client (a request) or the PAM caller (a login): the place lives while it does
+    pid_start: int | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    outcome: Outcome
+    quota: Quota
+    wanted: int = 0                       # the total it asked for (the quota's worth, cut to what the server has)
+    granted: tuple[int, ...] = ()         # the units given for it now
+    place: Queued | None = None           # its place in the queue (WAITING; ALREADY_WAITING: the user's)
+    why: Why | None = None                # REFUSED only
+    capacity: int = field(default=0)      # TOO_BIG: what the server has of a kind the quota takes
+
+
+class Asks:
+    def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, queue: Queue):
+        self.config = config  # the config in force, which a reload replaces
+        self.store = store
+        self.grants = grants
+        self.queue = queue
+
+    def eligibility(self, account: Account) -> policy.Eligibility:
+        """Where an account stands (policy.eligibility, under the access rules in force)."""
+        return policy.eligibility(account.uid, account.name, account.groups, self.config().access)
+
+    def ask(self, ask: Ask, now: float) -> Answer:
+        account = ask.account
+        eligible = self.eligibility(account)
+        quota = policy.quota_for(account.name, account.groups, self.config())
+        if eligible != policy.Eligibility.MEMBER:
+            why = Why.EXEMPT if eligible == policy.Eligibility.EXEMPT else Why.OUTSIDER
+            return Answer(Outcome.REFUSED, quota, why=why)
+        wanted = quota.gpus if ask.gpus is None else ask.gpus
+        if wanted > quota.gpus:
+            return Answer(Outcome.REFUSED, quota, wanted, why=Why.OVER_QUOTA)
+        # More than this server has for the user could never be served whole, and a place in the
+        # queue for it would hold the free GPUs for ever once reserved.
+        more, room = wanted - len(ask.keeps), self.grants.room_beside(quota, ask.keeps)
+        if more > room:
+            if ask.gpus is not None:
+                return Answer(Outcome.REFUSED, quota, wanted, why=Why.TOO_BIG, capacity=self.grants.capacity(quota))
+            wanted, more = len(ask.keeps) + room, room
+        if more <= 0:
+            return Answer(Outcome.GRANTED, quota, wanted)
+        uid = account.uid
+        if ask.one_place and (mine := self.store.queue(uid)):
+            return Answer(Outcome.WAITING if ask.waits == Waits.YES else Outcome.REFUSED, quota, wanted,
+                          place=mine[0], why=None if ask.waits == Waits.YES else Why.ALREADY_WAITING)
+        granted: tuple[int, ...] = ()
+        if not ask.whole and not self.store.queue():  # with others waiting, it takes its turn like them
+            origin = policy.grant_origin(ask.origin, self.store.logged_in(uid))
+            granted = self.grants.allocate(uid, account.name, quota, more, now, origin, ask.message)
+            more -= len(granted)
+        if more > 0 and (ask.waits == Waits.YES or not self.store.grants(uid)):
+            place, served = self.queue.join(uid, account.name, more, quota, now, ask.origin, ask.pid, ask.pid_start,
+                                            counted=(*ask.keeps, *granted))
+            if served is not None:
+                return Answer(Outcome.GRANTED, quota, wanted, (*granted, *served))
+            if ask.waits != Waits.NEVER:
+                return Answer(Outcome.WAITING, quota, wanted, granted, place)
+            self.queue.leave([place.waiter.id])  # its turn has not come, and it does not wait for it
+            return Answer(Outcome.REFUSED, quota, wanted, why=Why.NONE_FREE)
+        # What was free now (maybe nothing, with others waiting): the asker keeps what they hold.
+        return Answer(Outcome.GRANTED, quota, wanted, granted)
