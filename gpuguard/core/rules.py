@@ -198,15 +198,16 @@ class View:
         ones without a memory quota) are decide's only through the stray rule, so decide and
         next_change pass them by."""
         memory = {uid for uid, q in self.quotas.items() if q.gpu_memory is not None}
-        idle_clock = {uid for uid, q in self.quotas.items() if _idle_clock_runs(q, self.demand)}
+        idle_clock = {uid for uid, q in self.quotas.items() if idle_clock_runs(q, self.demand)}
         idle = self.granted - self.on_slot.keys() if idle_clock else frozenset()
         return [g for g in self.grants
                 if g.expires_at is not None or g.uid in memory or (g.uid in idle_clock and _slot_of(g) in idle)]
 
     def reusing(self, earlier: View) -> View:
-        """This view, with what was built for `earlier` of the same processes and grants (the same
-        objects) kept: the watcher's next view mostly differs in one of them, or in the demand."""
-        same_procs, same_grants = self.procs is earlier.procs, self.grants is earlier.grants
+        """This view, with what was built for `earlier` of the same processes and grants kept: the
+        watcher's next view mostly differs in one of them, or in the demand. (Equal sequences of the
+        same objects compare at C speed, an identity per element.)"""
+        same_procs, same_grants = self.procs == earlier.procs, self.grants == earlier.grants
         for name, same in (("on_slot", same_procs), ("proc_keys", same_procs), ("granted", same_grants)):
             if same and name in earlier.__dict__:  # where cached_property keeps what it built
                 self.__dict__.setdefault(name, earlier.__dict__[name])
@@ -301,6 +302,53 @@ class Action:
         return self.kind.signal
 
 
+# --- when a rule acts: each rule's moments, from the thresholds decide judges by (decide acts once
+# `now` has reached one; next_change names the first one ahead; acts_on_arrival and the others
+# below say which events make one due at once).
+
+def time_moments(grant: Grant) -> tuple[float, ...]:
+    """When the time rule acts on a grant: each warning (TIME_WARNINGS before expires_at, largest
+    first), the last of them its expiry (revoke, or soft time's turn)."""
+    return () if grant.expires_at is None else tuple(grant.expires_at - before for before in TIME_WARNINGS)
+
+
+def idle_clock_runs(quota: Quota, demand: int) -> bool:
+    """Whether a grant on these terms has an idle clock that can run out: an idle timeout, or a
+    reclaim time while the queue wants GPUs (nobody waiting: nothing is reclaimed)."""
+    return quota.idle_timeout is not None or (demand > 0 and quota.reclaim_after is not None)
+
+
+class IdleMoments(NamedTuple):
+    """When the idle rules act on a grant no process of its user is on."""
+
+    since: float               # idle since: the later of last_active and the last tick a process was there
+    release: float | None      # idle: since + idle_timeout
+    reclaim: float | None      # reclaim: since + reclaim_after, only while the queue wants a unit it frees
+
+
+def idle_moments(grant: Grant, quota: Quota, view: View, state: State) -> IdleMoments | None:
+    """The idle rules' moments for an idle grant (None: no idle clock runs on these terms)."""
+    if not idle_clock_runs(quota, view.demand):
+        return None
+    since = max(grant.last_active, state.seen.get((grant.uid, grant.unit), grant.last_active))
+    return IdleMoments(since, None if quota.idle_timeout is None else since + quota.idle_timeout,
+                       since + quota.reclaim_after if view.demand and quota.reclaim_after is not None
+                       and view.helps(grant) else None)
+
+
+def _grace_over(since: float, timing: Timing) -> float:
+    """When a wait of grace after `since` (a memory warning, a stray report) is over."""
+    return since + timing.grace
+
+
+def _kill_moment(stop: Stopping, timing: Timing) -> float | None:
+    """When a process being stopped gets its next step: SIGKILL kill_wait after SIGTERM, then reported
+    unkillable kill_wait after SIGKILL; None once reported (nothing follows that)."""
+    if stop.kill_at is None:
+        return stop.term_at + timing.kill_wait
+    return None if stop.unkillable else stop.kill_at + timing.kill_wait
+
+
 def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]:
     view = view.readable()
     exempt = {ROOT_UID, *view.exempt}
@@ -321,11 +369,14 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         stop = state.stopping.get(proc.key)
         if stop is None or proc.key in signalled or proc.uid in exempt:
             continue
-        if stop.kill_at is None and now - stop.term_at >= timing.kill_wait:
+        due = _kill_moment(stop, timing)
+        if due is None or now < due:
+            continue
+        if stop.kill_at is None:
             signalled.add(proc.key)
             actions.append(Action(KILL, stop.rule, proc.uid, proc.unit, proc,
                                   {"term_at": stop.term_at, "kill_wait": timing.kill_wait}))
-        elif stop.kill_at is not None and not stop.unkillable and now - stop.kill_at >= timing.kill_wait:
+        else:
             signalled.add(proc.key)
             actions.append(Action(UNKILLABLE, stop.rule, proc.uid, proc.unit, proc,
                                   {"kill_at": stop.kill_at, "waited": now - stop.kill_at}))
@@ -345,7 +396,7 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         slot = (grant.uid, grant.unit)
         procs = on_slot.get(slot, [])
         quota = view.quotas.get(grant.uid)
-        if grant.expires_at is not None and now >= grant.expires_at:
+        if grant.expires_at is not None and now >= time_moments(grant)[-1]:
             if not timing.soft_max_time:
                 revoke(grant, procs)
                 continue
@@ -356,15 +407,15 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         if quota is None:
             continue
         if not procs:
-            if not _idle_clock_runs(quota, view.demand):
+            idle = idle_moments(grant, quota, view, state)
+            if idle is None:
                 continue
-            last = max(grant.last_active, state.seen.get(slot, grant.last_active))
-            if quota.idle_timeout is not None and now - last >= quota.idle_timeout:
+            last = idle.since
+            if idle.release is not None and quota.idle_timeout is not None and now >= idle.release:
                 actions.append(Action(RELEASE, IDLE, grant.uid, grant.unit, None, {
                     "idle": now - last, "idle_timeout": quota.idle_timeout, "last_active": last}))
-            elif (view.demand and quota.reclaim_after is not None and now - last >= quota.reclaim_after
-                  and view.helps(grant)):  # nobody waiting: nothing is reclaimed
-                reclaimable.append((last, grant, quota.reclaim_after))
+            elif idle.reclaim is not None and quota.reclaim_after is not None and now >= idle.reclaim:
+                reclaimable.append((last, grant, quota.reclaim_after))  # (nobody waiting: no reclaim moment)
             continue
         # (a slice's memory is bounded in hardware)
         if quota.gpu_memory is not None and grant.uid not in exempt and not is_slice(grant.unit):
@@ -398,12 +449,6 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
         if slot in strays:
             actions.extend(_stray(slot, _oldest_first(procs), state, now, timing, slot[0] in exempt, term))
     return actions
-
-
-def _idle_clock_runs(quota: Quota, demand: int) -> bool:
-    """Whether a grant on these terms has an idle clock that can run out: an idle timeout, or a
-    reclaim time while the queue wants GPUs (nobody waiting: nothing is reclaimed)."""
-    return quota.idle_timeout is not None or (demand > 0 and quota.reclaim_after is not None)
 
 
 def _by_slot(procs: Sequence[Proc]) -> dict[Slot, list[Proc]]:
@@ -443,7 +488,7 @@ def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: fl
     warned = state.over.get((grant.uid, grant.unit))
     if warned is None:
         return [Action(WARN, MEMORY, grant.uid, grant.unit, candidates[0] if candidates else None, numbers)]
-    if now - warned < timing.grace:
+    if now < _grace_over(warned, timing):
         return []
     # Being stopped counts as gone, unless it survived SIGKILL: its memory stays.
     staying = known_memory(p for p in procs if p.key not in state.stopping or state.stopping[p.key].unkillable)
@@ -469,7 +514,7 @@ def _stray(slot: Slot, procs: list[Proc], state: State, now: float, timing: Timi
     if episode is None:
         return [Action(WARN, STRAY, first.uid, first.unit, first,
                        {"used": first.used_memory, "grace": timing.grace, "processes": len(fresh)})]
-    if now - episode.reported_at >= timing.grace:
+    if now >= _grace_over(episode.reported_at, timing):
         for proc in fresh:
             term(proc, STRAY, used=proc.used_memory, reported_at=episode.reported_at)
     return []
@@ -478,7 +523,7 @@ def _stray(slot: Slot, procs: list[Proc], state: State, now: float, timing: Timi
 def _time_warning(grant: Grant, state: State, now: float) -> list[Action]:
     assert grant.expires_at is not None  # only grants with a time limit are warned
     left = grant.expires_at - now
-    crossed = [t for t in TIME_WARNINGS if left <= t]
+    crossed = [t for t, moment in zip(TIME_WARNINGS, time_moments(grant), strict=True) if now >= moment]
     if not crossed:
         return []
     threshold = min(crossed)
@@ -492,13 +537,8 @@ def _waits_ending(state: State, timing: Timing) -> list[float]:
     """When each wait in `state` ends: grace after a memory warning or a stray report, kill_wait
     after a signal (none after a process was found unkillable: nothing follows that)."""
     warned = (*state.over.values(), *(episode.reported_at for episode in state.stray.values()))
-    ends = [since + timing.grace for since in warned]
-    for stop in state.stopping.values():
-        if stop.kill_at is None:
-            ends.append(stop.term_at + timing.kill_wait)
-        elif not stop.unkillable:
-            ends.append(stop.kill_at + timing.kill_wait)
-    return ends
+    ends = [_grace_over(since, timing) for since in warned]
+    return ends + [end for stop in state.stopping.values() if (end := _kill_moment(stop, timing)) is not None]
 
 
 def next_deadline(state: State, timing: Timing, after: float) -> float | None:
@@ -579,37 +619,43 @@ def _kept(mapping: Mapping[_K, _V], keys: AbstractSet[_K]) -> dict[_K, _V]:
 
 def next_change(view: View, state: State, timing: Timing, now: float) -> float | None:
     """The earliest moment after `now` at which decide() on this same view could act differently
-    (None: never). A replay sleeps until then instead of ticking through moments when nothing can
-    happen; tests hold it against decide()."""
+    (None: never): the first of the rules' moments ahead (waits ending, time_moments, idle_moments).
+    A daemon ticks then too; a replay sleeps until then instead of ticking through moments when
+    nothing can happen; tests hold it against decide()."""
     view = view.readable()
     busy = view.on_slot
     times = _waits_ending(state, timing)
     for grant in view.ruled:
-        if grant.expires_at is not None:
-            times.extend(grant.expires_at - t for t in TIME_WARNINGS)
+        times.extend(time_moments(grant))
         quota = view.quotas.get(grant.uid)
-        if quota is None or not _idle_clock_runs(quota, view.demand):
-            continue
-        # Reclaim acts only while the queue wants a unit this grant frees; the demand moves
-        # only when the queue does, and the replay checks after that anyway.
-        reclaim_after = quota.reclaim_after if view.demand and view.helps(grant) else None
-        slot = (grant.uid, grant.unit)
-        if slot not in busy:
-            last = max(grant.last_active, state.seen.get(slot, grant.last_active))
-            if quota.idle_timeout is not None:
-                times.append(last + quota.idle_timeout)
-            if reclaim_after is not None:
-                times.append(last + reclaim_after)
-    later = [t for t in times if t > now]
-    return min(later, default=None)
+        if quota is not None and (grant.uid, grant.unit) not in busy and \
+                (idle := idle_moments(grant, quota, view, state)) is not None:
+            times.extend(moment for moment in (idle.release, idle.reclaim) if moment is not None)
+    return min((t for t in times if t > now), default=None)
 
 
 def acts_on_arrival(grant: Grant, quota: Quota, now: float) -> bool:
     """Whether a rule may act the moment a process appears on this grant's GPU: the memory rule
     under a memory quota, and time on a grant already past its time (a revoke ends every process
-    there; soft time's choice weighs their work). Otherwise rules act on clocks and the queue's
-    demand (a new process only stops an idle clock), stray on GPUs not held."""
-    return quota.gpu_memory is not None or (grant.expires_at is not None and now >= grant.expires_at)
+    there; soft time's choice weighs their work). Otherwise rules act on their moments and the
+    queue's demand (a new process only stops an idle clock), stray on GPUs not held."""
+    return quota.gpu_memory is not None or (grant.expires_at is not None and now >= time_moments(grant)[-1])
+
+
+def acts_on_grant_change(grant: Grant, busy: bool, came: bool) -> bool:
+    """Whether a rule may act at once, or has a moment nobody asked next_change for yet, because this
+    grant came or went (busy: a process of its user is on its GPU): one that went with that process
+    still there (it is a stray now), one that came with none there (its idle clock runs) or with a
+    time limit (its warnings are moments)."""
+    return (grant.expires_at is not None or not busy) if came else busy
+
+
+def acts_on_demand(before: Demand, after: Demand) -> bool:
+    """Whether reclaim and soft time may act at once because the queue's demand moved: it wants more
+    than it did, other units, or units it kept before (another waiter came). Less demand only makes
+    them act later or not at all."""
+    return after.short > before.short or (after.short > 0 and (after.useful != before.useful
+                                                               or not before.keep <= after.keep))
 
 
 def confirmed(first: Sequence[Action], second: Sequence[Action]) -> list[Action]:

@@ -267,9 +267,9 @@ class Daemon:
 
     async def _ticker(self) -> None:
         """A tick every interval, at a fixed rate (the time a tick takes does not add up), and
-        one more when a wait of the watcher's ends between two ticks (DEADLINE_MARGIN after it):
-        a kill then lands within interval + grace + kill_wait, not an interval later per wait
-        (next_wake says when).
+        one more when one of the watcher's moments comes between two ticks (DEADLINE_MARGIN after
+        it: a wait's end, a time limit, an idle clock; Watcher.next_moment): a kill then lands
+        within interval + grace + kill_wait, not an interval later per wait (next_wake says when).
         Enforcement is checked after the first tick CHECK_EVERY seconds after the last check."""
         loop = asyncio.get_running_loop()
         last = checked = loop.time()
@@ -277,7 +277,7 @@ class Daemon:
         while True:
             interval = self.config.watcher.interval
             at_deadline = None
-            if (deadline := self.services.watcher.next_deadline()) is not None:
+            if (deadline := self.services.watcher.next_moment()) is not None:
                 at_deadline = loop.time() + deadline - time.time() + DEADLINE_MARGIN
             wake = next_wake(last, regular, at_deadline, interval)
             await asyncio.sleep(max(0.0, wake - loop.time()))

@@ -73,6 +73,7 @@ from gpuguard.core.model import (
 )
 from gpuguard.core.sample import Sample
 from gpuguard.replay.trace import Job, Session
+from gpuguard.replay.watching import ReplayWatch
 from gpuguard.services import wiring
 from gpuguard.services.asks import Ask, Outcome, Waits
 from gpuguard.services.store import GrantChanges, Queued, Store
@@ -340,9 +341,10 @@ class Replay:
             config=lambda: services_config, store_path=scratch / "state.db", sampler=_ReplayGpus(self), units=inventory,
             driver_minors=range(gpus), nodes=nowhere, lookup=_ReplayAccounts(self), terminals=nowhere,
             exits=nowhere, find_openers=None, processes=_ReplayProcesses(self), clock=lambda: self.now,
-            durable=False))
+            virtual=True))
         self.store, self.grants, self.queue = self.services.store, self.services.grants, self.services.queue
-        self.logins, self.asks, self.watcher = self.services.logins, self.services.asks, self.services.watcher
+        self.logins, self.asks = self.services.logins, self.services.asks
+        self.watch = ReplayWatch(self.services)
         self.queue.listeners.append(self._served)
         self.result = Result()
         self.now = 0.0
@@ -382,7 +384,6 @@ class Replay:
                 self._open_at(following)
                 following = next(upcoming, None)
             when = self._events[0][0]
-            self.watcher.unchanged_until(when)  # the sample stood still since the last event
             self.now = when
             self._added, woken = False, False
             self._went_idle.clear()
@@ -390,14 +391,14 @@ class Replay:
                 _, _, kind, payload = heapq.heappop(self._events)
                 woken |= kind == "wake"
                 await getattr(self, f"_on_{kind}")(payload)
-            if woken or self._added or _grew(self._wanted, self.queue.demand()) or self._grants_need_check():
+            if woken or self._added or rules.acts_on_demand(self._wanted, self.queue.demand()) or self._grants_need_check():
                 await self._tick()
             else:
                 # Jobs ended, grants given back at logout, requests left with their sessions,
                 # requests served at once by GPUs their jobs now run on: no rule acts the moment
                 # something ends or a busy grant comes (every limit is at least a second), and the
                 # only new times at which one may act are the idle clocks of the GPUs jobs left.
-                self._wake_at(self.watcher.next_change_of(self._went_idle, self.now) if self._went_idle else None)
+                self._wake_at(self.watch.next_moment_of(self._went_idle, self.now) if self._went_idle else None)
             self._wanted = self.queue.demand()  # as the batch left it (and the tick's releases served)
             self._count_granted()
         self._finish()
@@ -489,8 +490,10 @@ class Replay:
         if not changes:
             return False
         nothing: Counter[int] = Counter()
-        return (any(self.busy_of.get(g.uid, nothing)[g.unit] for g in changes.gone)
-                or any(g.expires_at is not None or not self.busy_of.get(g.uid, nothing)[g.unit] for g in changes.came))
+        return (any(rules.acts_on_grant_change(g, self.busy_of.get(g.uid, nothing)[g.unit] > 0, came=False)
+                    for g in changes.gone)
+                or any(rules.acts_on_grant_change(g, self.busy_of.get(g.uid, nothing)[g.unit] > 0, came=True)
+                       for g in changes.came))
 
     async def _on_wake(self, _: object) -> None:
         self._next_wake = None  # the tick after this batch of events runs the rules
@@ -520,7 +523,7 @@ class Replay:
                                                     for g in self.store.grants(owner.uid) if g.unit in units)
         self.busy_of.setdefault(owner.uid, Counter()).update(units)
         self._sample = None
-        self.watcher.process_started((pid, identity.start_time), self.now)
+        self.watch.started((pid, identity.start_time), self.now)
         self._crowd(units, add=pid)
         self.result.most_sharers = max(self.result.most_sharers, *(len(self.on_gpu[m]) for m in units))
 
@@ -535,8 +538,8 @@ class Replay:
         self._crowd(running.units, remove=running.pid)
         self._went_idle.update((running.uid, unit) for unit in running.units)
         self._sample = None
-        self.watcher.process_ended((running.pid, running.identity.start_time),
-                                   [(running.uid, unit) for unit in running.units], self.now)
+        self.watch.ended((running.pid, running.identity.start_time), [(running.uid, unit) for unit in running.units],
+                         self.now)
 
     def _batch_gives_back(self, running: _Running) -> None:
         """A batch job (an open session) gives its GPUs back as it ends, as its script's last
@@ -618,13 +621,13 @@ class Replay:
 
     async def _tick(self) -> None:
         sample = self.sample()
-        for action in await self.watcher.check(sample, self.now):
+        for action in await self.watch.check(sample, self.now):
             if action.kind == rules.RELEASE and action.rule == rules.RECLAIM:
                 self.result.reclaims += 1
             elif action.kind == rules.REVOKE:
                 self.result.revokes += 1
         self._due = math.inf  # next_change over everything: what was due has been decided
-        self._wake_at(self.watcher.next_change(self.sample(), self.now))
+        self._wake_at(self.watch.next_moment(self.sample(), self.now))
 
     def _wake_at(self, wake: float | None) -> None:
         """Check at `wake` (unless a check comes earlier anyway)."""
@@ -687,14 +690,6 @@ class Replay:
 
     def _user_totals(self, user: str) -> list[float]:
         return self.result.per_user.setdefault(user, [0.0, 0.0])
-
-
-def _grew(before: rules.Demand, after: rules.Demand) -> bool:
-    """Whether the queue wants more than it did, other units, or units it kept before (another
-    waiter came): reclaim and soft time may act at once. (Less demand only makes them act later
-    or not at all: the wake already set checks then.)"""
-    return after.short > before.short or (after.short > 0 and (after.useful != before.useful
-                                                               or not before.keep <= after.keep))
 
 
 MAX_POOL = 100_000  # GPUs in a replayed pool; more is a typo

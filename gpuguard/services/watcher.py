@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from operator import attrgetter
 from typing import Any
@@ -57,7 +57,7 @@ class Watcher:
     def __init__(self, config: Callable[[], Config], store: Store, releases: Releases, exempt: Exempt,
                  sampler: GpuSampler, accounts: KnownAccounts, terminals: Terminals, processes: Processes,
                  usage: UsageMeter, demand: Callable[[], rules.Demand] = rules.Demand,
-                 active_write_every: float | None = ACTIVE_WRITE_EVERY) -> None:
+                 active_write_every: float | None = ACTIVE_WRITE_EVERY, gaps: bool = True) -> None:
         self.config = config  # the config in force, which a reload replaces
         self.store = store
         self.releases = releases
@@ -71,68 +71,38 @@ class Watcher:
         # How stale grants.last_active may get in the store; None: never written (a scratch store
         # nobody restarts from: the idle clocks are the watcher's memory, which is exact).
         self.active_write_every = active_write_every
+        # Whether checks can miss what happened between them (a daemon's failed or late ticks); a
+        # replay's cannot: its sample changes only with its events, which it tells the state of.
+        self.gaps = gaps
         self.state = rules.State()
         self._last_check: float | None = None
-        self._last_view: tuple[Sample, rules.View] | None = None  # the last view built, and from what sample
+        # the last view built, from what sample and at what version of the grants
+        self._last_view: tuple[Sample, rules.View, int] | None = None
         self._procs: dict[tuple[int, int, int, int, int | None], rules.Proc] = {}  # its processes, by their fields
 
     # --- the tick
 
-    def next_change(self, sample: Sample, now: float) -> float | None:
-        """The earliest moment after `now` at which a check of this same sample could act
-        (rules.next_change): a replay, which has no ticks of its own, checks then. Right after a
-        check of the same sample over the same grants and demand, that check's view is used (its
-        quotas as the check resolved them)."""
+    def next_moment(self, sample: Sample | None = None, after: float | None = None) -> float | None:
+        """The first moment after `after` (by default the last check's own time, so that a wait that
+        ended while it sampled and acted is still due) at which a check of `sample` (by default the
+        last one checked) could act, over the grants and the queue's demand now: rules.next_change
+        (waits ending, time limits, idle and reclaim clocks). The daemon ticks then too, besides its
+        regular ticks; a replay, which has no ticks of its own, checks then. Right after a check of
+        the same sample over the same grants, that check's view is used (its quotas as resolved)."""
+        if after is None:
+            after = self._last_check if self._last_check is not None else float("-inf")
+        if sample is None:
+            if self._last_view is None:
+                return None
+            sample = self._last_view[0]
         view = self._standing_view(sample)
         if view is None:
             view = self._view(sample)
         else:
             wanted = self.demand()
             if wanted != _demand_of(view):
-                view = replace(view, **_view_fields(wanted)).reusing(view)
-        return rules.next_change(view, self.state, timing_of(self.config()), now)
-
-    def next_change_of(self, slots: Collection[rules.Slot], now: float) -> float | None:
-        """The earliest moment after `now` at which a rule could act on these slots' grants, whose
-        processes have just gone (their idle clocks start). For a replay's batch of events that only
-        took things away (processes ended, grants given back, requests left): that moves no other
-        slot's moment earlier, so rules.next_change over just these grants is all that is new."""
-        held = [g for uid in {uid for uid, _ in slots} for g in self.store.grants(uid) if (g.uid, g.unit) in slots]
-        if not held:
-            return None
-        wanted = self.demand()
-        view = rules.View((), held, {g.uid: self.accounts.of(g.uid)[1] for g in held}, self.exempt.uids,
-                          **_view_fields(wanted))
-        return rules.next_change(view, self.state, timing_of(self.config()), now)
-
-    def unchanged_until(self, now: float) -> None:
-        """Nothing changed since the last check until `now`: a replay, which checks only when
-        something may change, has no gap in observation (which would restart the idle clocks)."""
-        if self._last_check is not None:
-            self._last_check = now
-
-    def process_started(self, key: rules.ProcKey, now: float) -> None:
-        """A replay's process appeared at `now`, between checks or during one (a job given a GPU an
-        action freed): the daemon's next tick would see it from here (soft time's work lost counts
-        from it)."""
-        self.state = replace(self.state, running_since={**self.state.running_since, key: now})
-
-    def process_ended(self, key: rules.ProcKey, slots: Iterable[rules.Slot], now: float) -> None:
-        """A replay's process on these (uid, unit) ended at `now`, between checks: the daemon's tick
-        just before saw it there, so the idle clocks start here; and when it started is forgotten,
-        as the next check would forget it (between a replay's rare checks thousands of jobs may
-        start and end)."""
-        running_since = dict(self.state.running_since)
-        running_since.pop(key, None)
-        self.state = replace(self.state, running_since=running_since,
-                             seen={**self.state.seen, **dict.fromkeys(slots, now)})
-
-    def next_deadline(self) -> float | None:
-        """When the first wait (grace, kill_wait) ends that the last check has not judged ended:
-        the daemon ticks then too. Counted from the last check's own time, not the clock's, so a
-        wait that ended between that check and now (while it sampled and acted) is still due."""
-        after = self._last_check if self._last_check is not None else float("-inf")
-        return rules.next_deadline(self.state, timing_of(self.config()), after)
+                view = replace(view, **demand_fields(wanted)).reusing(view)
+        return rules.next_change(view, self.state, timing_of(self.config()), after)
 
     async def check(self, sample: Sample, now: float) -> list[Action]:
         """Decide on `sample`, confirm with a fresh one if anything would change, act. Returns
@@ -155,7 +125,6 @@ class Watcher:
                 if view != first:
                     actions = rules.confirmed(actions, rules.decide(view, self.state, now, timing))
         done = []
-        before = self.state.running_since
         with self.releases.batch(now):  # decided on one view: the queue is served after all of it
             for action in actions:
                 try:
@@ -164,13 +133,7 @@ class Watcher:
                 except Exception:  # one failing action (a gate error, a full disk) must not stop the others
                     event(logging.ERROR, "action_failed", exc_info=True, action=action.kind, rule=action.rule,
                           uid=action.uid, gpu=unit_label(action.unit), pid=action.proc.pid if action.proc else None)
-        acted = self.state
-        self.state = rules.advance(view, acted, done, now)
-        if acted.running_since is not before:
-            # A replay's jobs given the GPUs the actions freed started meanwhile (process_started):
-            # not in this view, they would be forgotten, and counted from the next check instead.
-            began = {key: at for key, at in acted.running_since.items() if key not in before}
-            self.state = replace(self.state, running_since={**began, **self.state.running_since})
+        self.state = rules.advance(view, self.state, done, now)
         self._account(view, now)
         self._mark_active(view)
         self._last_check = now
@@ -183,7 +146,7 @@ class Watcher:
         """Ticks that failed (NVML errors) or were missed observed nothing: not being seen then is
         no evidence of idleness, so every grant's idle clock restarts after such a gap."""
         interval = self.config().watcher.interval
-        if self._last_check is not None and now - self._last_check > GAP_TICKS * interval:
+        if self.gaps and self._last_check is not None and now - self._last_check > GAP_TICKS * interval:
             slots = {(g.uid, g.unit) for g in self.store.grants()}
             self.state = replace(self.state, seen={**self.state.seen, **{slot: now for slot in slots}})
             event(logging.INFO, "watcher_gap", seconds=round(now - self._last_check, 1),
@@ -194,7 +157,7 @@ class Watcher:
         the same sample as the view before are that view's, and the grants are the store's copy (the
         same objects while nothing changed): comparing two such views costs little."""
         last = self._last_view
-        if last is not None and last[0] is sample:
+        if last is not None and last[0] == sample:
             procs = last[1].procs
         else:
             made, self._procs = self._procs, {}
@@ -206,16 +169,16 @@ class Watcher:
                 key = (process.pid, identity.uid, identity.start_time, process.unit, process.used_memory)
                 proc = self._procs[key] = made.get(key) or rules.Proc(*key)  # most processes were there before
                 procs.append(proc)
-        grants = self.store.grants_read()
+        grants, grants_version = self.store.grants_read(), self.store.grants_version
         quotas = {uid: self.accounts.of(uid)[1] for uid in set(map(_uid_of, grants))}
         # Not read: the GPUs that failed, and a granted one NVML could not reach at all (not in
         # the sample's units: Sample.ok).
         failed = frozenset(sample.failed).union(set(map(_unit_of, grants)).difference(sample.units))
         wanted = self.demand()
-        view = rules.View(procs, grants, quotas, self.exempt.uids, failed, **_view_fields(wanted))
+        view = rules.View(procs, grants, quotas, self.exempt.uids, failed, **demand_fields(wanted))
         if last is not None:
             view.reusing(last[1])
-        self._last_view = (sample, view)
+        self._last_view = (sample, view, grants_version)
         return view
 
     def _standing_view(self, sample: Sample) -> rules.View | None:
@@ -223,7 +186,7 @@ class Watcher:
         its events; the daemon's samples are new each time) and the grants now: only the demand may
         have moved since."""
         last = self._last_view
-        if last is not None and last[0] is sample and last[1].grants is self.store.grants_read():
+        if last is not None and last[2] == self.store.grants_version and last[0] == sample:
             return last[1]
         return None
 
@@ -284,7 +247,8 @@ class Watcher:
         """Seconds granted / busy / idle per user and GPU since the last check (usage.UsageMeter)."""
         if self._last_check is not None:
             # A long pause (a stalled loop, failed samples) was not observed: count at most a few ticks.
-            self.usage.add(view, min(now - self._last_check, GAP_TICKS * self.config().watcher.interval), now)
+            seconds = now - self._last_check
+            self.usage.add(view, min(seconds, GAP_TICKS * self.config().watcher.interval) if self.gaps else seconds, now)
 
     def _mark_active(self, view: rules.View) -> None:
         """grants.last_active follows the watcher's exact memory (state.seen) within active_write_every,
@@ -307,7 +271,7 @@ class Watcher:
 _uid_of, _unit_of = attrgetter("uid"), attrgetter("unit")
 
 
-def _view_fields(wanted: rules.Demand) -> dict[str, Any]:
+def demand_fields(wanted: rules.Demand) -> dict[str, Any]:
     """The queue's demand as a view's fields (rules.View keeps it field by field)."""
     return {"demand": wanted.short, "useful": wanted.useful, "keep": wanted.keep}
 

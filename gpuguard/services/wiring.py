@@ -77,8 +77,10 @@ class Edges:
     topology: Topology | None = None
     caps_major: int | None = None    # of the MIG capability nodes (None: no MIG capabilities)
     clock: Clock = time.time
-    # False: a scratch store (a replay): no fsync, no idle clocks kept in it, drains and holds in memory only
-    durable: bool = True
+    # A replay's virtual clock and sample: a scratch store (no fsync, no idle clocks kept in it),
+    # drains and holds in memory only, and no gaps in what the watcher observes (the sample changes
+    # only with the replay's events, which it tells the watcher of)
+    virtual: bool = False
     # `status` entries of the GPUs Slurm or Kubernetes own (coexist.status_entries): shown, never handed out
     foreign: Sequence[dict[str, Any]] = ()
     # A fleet's PostgreSQL ([fleet]: fleet.database makes it); None on a single server
@@ -145,8 +147,8 @@ def build(edges: Edges) -> Services:
     """The one wiring of the services (see the architecture doc)."""
     config = edges.config
     # The admin's drains and queue holds are kept beside the store (a replay's: in memory only).
-    state_dir = edges.store_path.parent if edges.durable else None
-    store = Store(edges.store_path, lambda: config().events, durable=edges.durable)
+    state_dir = None if edges.virtual else edges.store_path.parent
+    store = Store(edges.store_path, lambda: config().events, durable=not edges.virtual)
     # The fleet mirrors what Grants hands out now (its units change with the MIG layout): read
     # through a function, as the fleet's check is handed to Grants when it is made.
     fleet_services = None if edges.fleet_db is None else fleet.build(
@@ -189,6 +191,6 @@ def build(edges: Edges) -> Services:
     logins = Logins(config, store, asks, queue, exempt, reload_effects, logout, edges.processes, edges.clock)
     watcher = Watcher(config, store, releases, exempt, edges.sampler, accounts, edges.terminals, edges.processes,
                       usage, demand=queue.demand,
-                      active_write_every=ACTIVE_WRITE_EVERY if edges.durable else None)
+                      active_write_every=None if edges.virtual else ACTIVE_WRITE_EVERY, gaps=not edges.virtual)
     return Services(store, drains, grants, exempt, accounts, usage, scans, openers, holds, queue, asks, tickets,
                     releases, logout, reload_effects, logins, watcher, fleet_services, edges)

@@ -1,4 +1,4 @@
-"""When the daemon ticks: gpuguard.daemon.main.next_wake (pure), and the watcher's next deadline."""
+"""When the daemon ticks: gpuguard.daemon.main.next_wake (pure), and the watcher's next moment."""
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +28,18 @@ def test_a_waits_end_is_counted_from_the_last_check_not_from_the_clock(world):
     world.sampler.set([(321, 1001, 0, 1 << 30)])
     done = asyncio.run(world.watcher.check(world.sampler.last, 1000.0))
     assert [(a.kind, a.rule) for a in done] == [("warn", "stray")]
-    assert world.watcher.next_deadline() == 1000.0 + world.config.watcher.grace
+    assert world.watcher.next_moment() == 1000.0 + world.config.watcher.grace
     asyncio.run(world.watcher.check(world.sampler.last, 1000.0 + world.config.watcher.grace))  # judged: stopped
-    assert world.watcher.next_deadline() == 1000.0 + world.config.watcher.grace + world.config.watcher.kill_wait
+    assert world.watcher.next_moment() == 1000.0 + world.config.watcher.grace + world.config.watcher.kill_wait
+
+
+def test_the_next_moment_includes_an_idle_release_due_between_two_ticks(world):
+    """The daemon ticks at the idle clock's end too, not only at a wait's (one moment list for
+    both: rules.next_change), so an idle grant goes on time rather than up to an interval late."""
+    alice = world.lookup.add("alice", 1001, GROUP)
+    world.quota(idle_timeout=300.0)
+    world.call("request", uid=alice.uid)
+    (grant,) = world.store.grants(alice.uid)
+    world.sampler.set([])
+    asyncio.run(world.watcher.check(world.sampler.last, grant.granted_at + 10.0))
+    assert world.watcher.next_moment() == grant.granted_at + 300.0

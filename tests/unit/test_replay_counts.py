@@ -293,9 +293,10 @@ def without_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The replay checks every job's arrival and start, and asks next_change over everything after
     a batch of job ends (as before its shortcuts)."""
     from gpuguard.core import rules
-    from gpuguard.services.watcher import Watcher
+    from gpuguard.replay.watching import ReplayWatch
     monkeypatch.setattr(rules, "acts_on_arrival", lambda grant, quota, now: True)
-    monkeypatch.setattr(Watcher, "next_change_of", lambda self, slots, now: self.next_change(self.sampler.last, now))
+    monkeypatch.setattr(ReplayWatch, "next_moment_of",
+                        lambda self, slots, now: self.watcher.next_moment(self.watcher.sampler.last, now))
     arrive = engine.Replay._on_arrive
 
     async def checked_arrival(self: engine.Replay, payload: tuple) -> None:
@@ -337,15 +338,16 @@ def test_between_rare_checks_the_watcher_remembers_only_the_jobs_still_running(t
     """With nobody waiting and no idle release a replay checks almost never; the processes it tells
     the watcher about are forgotten when they end, as a check would forget them, so what the
     watcher remembers stays as small as what runs (not every job of the month)."""
-    from gpuguard.services.watcher import Watcher
+    from gpuguard.replay.watching import ReplayWatch
     sizes: list[int] = []
-    real_ended = Watcher.process_ended
+    real_ended = ReplayWatch.ended
 
     def ended(self, key, slots, now):
         real_ended(self, key, slots, now)
-        assert key not in self.state.running_since and all(self.state.seen[slot] == now for slot in slots)
-        sizes.append(len(self.state.running_since))
-    monkeypatch.setattr(Watcher, "process_ended", ended)
+        state = self.watcher.state
+        assert key not in state.running_since and all(state.seen[slot] == now for slot in slots)
+        sizes.append(len(state.running_since))
+    monkeypatch.setattr(ReplayWatch, "ended", ended)
     # 300 one-GPU jobs of 10 users, at most 3 running at once, on 8 GPUs: never a queue
     path = write(tmp_path, *(f"u{i % 10},{i * 50},,{i * 50},120,1,0" for i in range(300)))
     result = engine.replay(trace.read(path), policy(), 8)

@@ -195,7 +195,7 @@ def test_a_process_arriving_on_a_held_gpu_is_acted_on_at_once_only_under_a_memor
 def test_processes_leaving_move_no_time_earlier_but_their_own_gpus_idle_clocks():
     """Processes that end (their GPUs' idle clocks start now), grants given back and demand that
     shrinks: the next moment a rule may act is no earlier than the earlier of the one before and
-    next_change over just the grants the processes left (Watcher.next_change_of, a replay's batch
+    next_change over just the grants the processes left (ReplayWatch.next_moment_of, a replay's batch
     of ends)."""
     rng = random.Random(22)
     for _ in range(400):
