@@ -108,7 +108,7 @@ def run(config_path: str | None = None, socket: str | None = None, quiet: bool =
         _log(f"{_describe(request)} refused: {exc}")
     except _Deadline:
         _log(f"{_describe(request)}: no answer within {TIMEOUT:g}s; no GPUs for this session")
-    except Exception as exc:  # noqa: BLE001 - a login must never fail because of this hook
+    except Exception as exc:  # a login must never fail because of this hook
         _log(f"{_describe(request)}: {type(exc).__name__}: {exc}")
     if request is not None and request["op"] == "session_open" and not answered and not quiet:
         try:
@@ -128,7 +128,7 @@ def _log(message: str) -> None:
     try:
         syslog.openlog("gpuguard-pam-hook", syslog.LOG_PID, syslog.LOG_AUTHPRIV)
         syslog.syslog(syslog.LOG_WARNING, message)
-    except Exception:  # noqa: BLE001 - no syslog is no reason to fail a login
+    except Exception:  # no syslog is no reason to fail a login
         pass
 
 

@@ -227,14 +227,13 @@ class Api:
     async def _records_of(self, name: str | None, peer: Peer) -> int | None:
         """Whose records a request naming user `name` may read: the caller's own; root's, anyone's
         (None: everyone's). Root may name an account deleted since: its records keep the uid it had."""
-        if peer.uid != 0:
-            own = (await self._account_of(peer)).name
-            if own != self.config().web.user:  # the web view's account reads as root does
-                if name is not None and name != own:
-                    raise Refusal("only root may look at another user's records")
-                if wait := self._records.allow(peer.uid, time.monotonic()):
-                    raise Refusal(f"too many reports at once from your user; try again in {math.ceil(wait)}s")
-                return peer.uid
+        own = await self._reads_only(peer)
+        if own is not None:
+            if name is not None and name != own:
+                raise Refusal("only root may look at another user's records")
+            if wait := self._records.allow(peer.uid, time.monotonic()):
+                raise Refusal(f"too many reports at once from your user; try again in {math.ceil(wait)}s")
+            return peer.uid
         if name is None:
             return None
         try:
@@ -538,10 +537,18 @@ class Api:
         """The caller (name None), or (root only) the user named."""
         if name is None:
             return await self._account_of(peer)
-        own = await self._account_of(peer) if peer.uid != 0 else None
-        if own is not None and own.name not in (name, self.config().web.user):  # the web view reads all
+        own = await self._reads_only(peer)
+        if own is not None and own != name:
             raise Refusal("only root may look at another user's GPUs")
         return await self._account_named(name)
+
+    async def _reads_only(self, peer: Peer) -> str | None:
+        """Whose GPUs and records the caller may look at: their own (their name), or anyone's
+        (None): root, and the web view's account, which reads as root does. The one place that says so."""
+        if peer.uid == 0:
+            return None
+        own = (await self._account_of(peer)).name
+        return None if own == self.config().web.user else own
 
 
 def _readable(scan: Scan) -> Scan:

@@ -51,7 +51,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -76,33 +75,28 @@ from gpuguard.replay.trace import Job, Session
 from gpuguard.replay.watching import ReplayWatch
 from gpuguard.services import wiring
 from gpuguard.services.asks import Ask, Outcome, Waits
-from gpuguard.services.store import GrantChanges, Queued, Store
+from gpuguard.services.store import GrantChanges, Queued, Store, grant_key
 
 FIRST_UID = 100000
 
-_grant_key = attrgetter("uid", "unit", "granted_at")  # a grant, as opposed to a later one of the same GPU
 
 
 class _GrantsSeen:
     """The store's grants as last counted, and what came and went since: the store's changes
-    (Store.grant_changes), no step per grant that stayed; a whole difference by identity only
-    where the store cannot tell (the first time)."""
+    (Store.grant_changes), no step per grant that stayed; at the first look, every grant there is
+    came."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._counted: dict[int, Grant] = {}  # the grants as last counted, by id (held: no id reused)
+        self._counted: dict[tuple[int, int, float], Grant] = {}  # the grants as last counted, by grant_key
         self._since = GrantChanges()
 
     def since(self) -> GrantChanges:
         """What came and went since the grants were last counted."""
         changes = self.store.grant_changes()
-        if changes is None:
-            now = {id(grant): grant for grant in self.store.grants_read()}
-            self._since = GrantChanges()
-            for key in self._counted.keys() - now.keys():
-                self._since.went(self._counted[key])
-            for key in now.keys() - self._counted.keys():
-                self._since.arrived(now[key])
+        if changes is None:  # the first look: the store follows its changes from here on
+            for grant in self.store.grants_read():
+                self._since.arrived(grant)
         else:
             self._since.add(changes)
         return self._since
@@ -112,9 +106,9 @@ class _GrantsSeen:
         now counted."""
         changes = self.since()
         for grant in changes.gone:
-            del self._counted[id(grant)]
+            del self._counted[grant_key(grant)]
         for grant in changes.came:
-            self._counted[id(grant)] = grant
+            self._counted[grant_key(grant)] = grant
         if end:
             changes = GrantChanges()
             for grant in self._counted.values():
@@ -658,8 +652,8 @@ class Replay:
         changes = self._seen.count(end)
         if not changes:
             return  # no grant came or went since the last count
-        ended = {_grant_key(g): g.user for g in changes.gone}
-        for key in sorted(ended.keys() - set(map(_grant_key, changes.came))):  # one of the same key stands: it goes on
+        ended = {grant_key(g): g.user for g in changes.gone}
+        for key in sorted(ended.keys() - set(map(grant_key, changes.came))):  # one of the same key stands: it goes on
             self._taken_back += not end
             self.result.granted += self.now - key[2]
             self._user_totals(ended[key])[0] += self.now - key[2]

@@ -29,7 +29,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:  # http.server's name
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 receiver.posts.append((self.path, body))
                 receiver.arrived.set()
