@@ -171,12 +171,14 @@ def test_a_caller_is_judged_by_its_start_time_not_the_wall_clock(gg_daemon):
     alice, bob = d.add_member(), d.add_member()
     stepped = d.open_session(alice)
     reused = d.open_session(bob)
+    d.stop()  # the daemon is its store's one writer: the rows are changed while none runs
     with sqlite3.connect(d.config.paths.state_dir / "state.db") as db:
         # alice's session opened while the wall clock read 1970 (stepped back at boot): her caller
         # "started after it", which never mattered. bob's caller pid now names another process.
         db.execute("UPDATE sessions SET opened_at = 0 WHERE id = ?", (stepped["session"],))
         db.execute("UPDATE sessions SET caller_start = caller_start + 1 WHERE id = ?", (reused["session"],))
     db.close()
+    d.start()
     assert wait_for(lambda: not d.whoami(bob)["sessions"])  # a tick judged both sessions
     assert [s["id"] for s in d.whoami(alice)["sessions"]] == [stepped["session"]]
     assert d.granted_minors(alice) == stepped["gpus"]

@@ -68,6 +68,9 @@ def test_interrupting_a_wait_on_a_logins_place_says_the_place_stays(start_daemon
     d.open_session(bob)
     waiting = popen_as(bob, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
     try:
+        # Its place said (the `request` call is over), then its `wait` call connected: a ^C
+        # before that would interrupt the request itself, which is another test's case.
+        assert waiting.stderr is not None and "in the queue" in waiting.stderr.readline()
         assert wait_for(lambda: _waiting_on(d, waiting))
         waiting.send_signal(signal.SIGINT)
         _, err = waiting.communicate(timeout=30)
