@@ -109,7 +109,7 @@ gpu-smoke: venv
 
 # gpuguard_<version>_<arch>.deb in the current directory: dpkg-buildpackage -us -uc -b on debian/,
 # in a copy of the checkout (packaging/build-deb.sh; DEB_VERSION overrides the package version,
-# e.g. for a local rebuild). Then `lintian gpuguard_*.deb` (README: what it still says, and why).
+# e.g. for a local rebuild). Then `lintian gpuguard_*.deb` (docs/admin.md, Installing: what it still says, and why).
 deb: build-deps
 	packaging/build-deb.sh . $(DEB_VERSION)
 

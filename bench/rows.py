@@ -71,7 +71,7 @@ def format_row(r: Row) -> str:
 
 
 def table(rows: Sequence[Row]) -> str:
-    """The rows as a Markdown table, as the README shows it."""
+    """The rows as a Markdown table, as docs/performance.md shows it."""
     lines = ["| benchmark | gpuguard | baseline (same run) | ratio | target | |",
              "|---|---:|---|---:|---:|---|"]
     lines += [f"| {format_row(r)} |" for r in rows]

@@ -4,7 +4,7 @@ reservation on the same pool in the same run, and the replay's own speed and mem
     rows() -> [(name, value, target, ok)]   for the `make bench` runner; report(rows) prints them
                                             and returns how many missed
     python bench/scheduling.py              the rows alone, no root needed (exit 1 when one misses)
-    python bench/scheduling.py --table      the README's Scheduling tables (markdown) instead
+    python bench/scheduling.py --table      docs/scheduling.md's tables (markdown) instead
 
 Policies (bench/scheduling-{default,exclusive,shared,timed}.toml; the files say what they are).
 Traces: the Adobe notebook trace on 47 and 40 GPUs, and a generated heavy-tailed batch trace
@@ -180,7 +180,7 @@ def rows() -> list[Row]:
 
 
 def markdown(runs: list[tuple[str, str, int, dict, dict]]) -> str:
-    """The README's table: one line per pool for static reservation, then one per policy."""
+    """docs/scheduling.md's table: one line per pool for static reservation, then one per policy."""
     lines = ["| trace, pool | policy | p95 time to GPU (ran) | max wait | dropped | stopped | work lost | "
              "worst user's p95 | Jain slowdown | stretch p95 | shared GPU-h | pool busy |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -99,7 +99,7 @@ def _get(connection: http.client.HTTPConnection, path: str) -> tuple[float, byte
 
 
 def web_rows() -> None:
-    """The row, as served (rendered once per memo window); and, for the README, what a render for
+    """The row, as served (rendered once per memo window); and, for docs/admin.md (Web view), what a render for
     every request would cost (printed, not a row: the page is never served that way)."""
     from gpuguard.web.app import MEMO_AGE
 

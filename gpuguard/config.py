@@ -214,7 +214,8 @@ class QuotaOverrides:
 # process, an open notebook kernel included, is on it), so a finished or forgotten grant does not
 # hold the queue; everything else is Quota's own default (no idle release, no time limit). 10
 # rather than 30 minutes: on the Adobe notebook replay it drops 9 jobs instead of 23 (47 GPUs) and
-# 24 instead of 39 (40 GPUs) whose users logged out while waiting (README, Scheduling).
+# 24 instead of 39 (40 GPUs) whose users logged out while waiting (docs/scheduling.md, Why the
+# defaults are what they are).
 DEFAULT_QUOTA = Quota(reclaim_after=600.0)
 
 

@@ -17,7 +17,7 @@ never block a login. Failures go to syslog (authpriv, warning); GPU access then 
 stays closed, because the gate denies by default. It runs on every login and logout, so
 it imports only what it needs (no argparse: three options are read by hand; `gpuguard
 pam-hook` comes here before the CLI builds its parser): starting it costs about twice an
-empty `python3 -I -S` (README "Performance").
+empty `python3 -I -S` (docs/performance.md).
 """
 from __future__ import annotations
 

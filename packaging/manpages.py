@@ -313,7 +313,8 @@ def config_page() -> list[str]:
         *example("[access]", 'group = "gpugroup"', "", "[defaults]", "gpus = 1", 'gpu_memory = "20GiB"',
                  'max_time = "8h"', 'idle_timeout = "2h"'),
         ".SH FILES", *items([("/etc/gpuguard/gpuguard.toml", "this file"),
-                             ("/usr/share/doc/gpuguard/README.md.gz", "every feature, with its numbers")]),
+                             ("/usr/share/doc/gpuguard/README.md.gz", "what gpuguard is, a tour for users and admins, and where "
+                              "each part of the documentation is (docs/ in the source)")]),
         ".SH SEE ALSO", "\\fBgpuguard\\fR(1), \\fBgpuguard\\fR(8), \\fBpam_gpuguard\\fR(8)",
     ]
     return out

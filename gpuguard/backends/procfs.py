@@ -176,7 +176,7 @@ def openers_of(devices: Collection[tuple[int, int]],
     whose real and effective uids are two different non-root users, which nothing on a
     login path makes. The kernel keeps no index from a file to the processes holding it (lsof
     and fuser walk /proc the same way; /proc/<pid>/fdinfo names the inode, not the device),
-    so this walk is the cheapest answer outside the kernel (README "Performance"). real_uids:
+    so this walk is the cheapest answer outside the kernel (docs/performance.md). real_uids:
     remembered real uids of root-owned entries (RealUids), so that a root process seen before
     costs the lstat only. candidates: the owners' pids as an index knows them (proc_events): then
     only these are read, no walk at all, and the cost follows the owners' processes alone.

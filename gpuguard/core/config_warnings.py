@@ -62,7 +62,8 @@ def _fleet(fleet: FleetConfig | None) -> list[str]:
     remote = sorted({host for host in hosts if not _local(host)})
     if remote:
         found.append(f"fleet.database: {', '.join(remote)} is not this host, and the systemd unit lets the daemon "
-                     "reach only localhost (IPAddressAllow=localhost): open it with a drop-in (README, Several servers)")
+                     "reach only localhost (IPAddressAllow=localhost): open it with a drop-in "
+                     "(docs/several-servers.md, Setting it up)")
     return found
 
 
@@ -90,10 +91,10 @@ def _under_the_unit(metrics: MetricsConfig) -> list[str]:
         host, port = metrics.listen
         if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
             found.append(f"metrics.listen: {host}:{port} is not loopback, and the systemd unit lets only localhost "
-                         "connect (IPAddressAllow=localhost): open it with a drop-in (README, The systemd unit)")
+                         "connect (IPAddressAllow=localhost): open it with a drop-in (docs/admin.md, The systemd unit)")
     for key, directory in (("textfile", metrics.textfile and metrics.textfile.parent),
                            ("dcgm_job_mapping_dir", metrics.dcgm_job_mapping_dir)):
         if directory is not None and not any(directory.is_relative_to(top) for top in UNIT_WRITABLE):
             found.append(f"metrics.{key}: the systemd unit makes {directory} read-only (ProtectSystem=strict): "
-                         f"add ReadWritePaths={directory} with a drop-in (README, The systemd unit)")
+                         f"add ReadWritePaths={directory} with a drop-in (docs/admin.md, The systemd unit)")
     return found

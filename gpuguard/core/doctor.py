@@ -215,7 +215,8 @@ def check_daemon(f: Facts) -> Finding:
 
 
 def check_coexist(f: Facts) -> Finding:
-    decide = 'set [coexist] slurm = "auto" (gres.conf), "off", or Slurm\'s GPU minors (README: Beside Slurm and Kubernetes)'
+    decide = ('set [coexist] slurm = "auto" (gres.conf), "off", or Slurm\'s GPU minors '
+              '(docs/admin.md: Beside Slurm and Kubernetes)')
     if f.owners_error is not None:
         return Finding("coexist", FAIL, f"the daemon will not start: {f.owners_error}", decide)
     if f.foreign:

@@ -74,10 +74,10 @@ def test_metrics_the_systemd_unit_blocks_are_named_with_their_drop_in(tmp_path) 
                                          'textfile = "/var/lib/node_exporter/textfile_collector/gpuguard.prom"\n'))
     assert warnings(opened, lambda name: True, lambda name: True) == [
         "metrics.listen: 0.0.0.0:9447 is not loopback, and the systemd unit lets only localhost connect "
-        "(IPAddressAllow=localhost): open it with a drop-in (README, The systemd unit)",
+        "(IPAddressAllow=localhost): open it with a drop-in (docs/admin.md, The systemd unit)",
         "metrics.textfile: the systemd unit makes /var/lib/node_exporter/textfile_collector read-only "
         "(ProtectSystem=strict): add ReadWritePaths=/var/lib/node_exporter/textfile_collector with a drop-in "
-        "(README, The systemd unit)"]
+        "(docs/admin.md, The systemd unit)"]
 
 
 def test_the_writable_directories_and_the_address_allowed_are_the_units() -> None:

@@ -205,7 +205,7 @@ def check_module_loads_by_name() -> None:
 
 @pytest.mark.skipif(shutil.which("lintian") is None, reason="lintian is not installed (make build-deps)")
 def test_lintian_finds_no_error_and_no_warning(debs) -> None:
-    """What lintian still says (information tags only) is listed, with why, in the README."""
+    """What lintian still says (information tags only) is listed, with why, in docs/admin.md."""
     deb = next(iter(debs.values()))
     result = subprocess.run(["lintian", "--allow-root", "--fail-on", "error,warning", str(deb)],
                             capture_output=True, text=True, timeout=600)

@@ -63,7 +63,7 @@ def test_a_metrics_slowloris_takes_neither_descriptors_nor_threads(start_daemon,
         flood(attacker, "slowloris", port, 400)
     assert_guarding(d)
     threads, descriptors = daemon_tasks(d)
-    print(f"under the slowloris: {threads} threads, {descriptors} descriptors")  # for the README's table
+    print(f"under the slowloris: {threads} threads, {descriptors} descriptors")  # for docs/security.md's table
     assert threads < THREADS and descriptors < NOFILE * 3 // 4, (threads, descriptors)
     # Real scrapes get through, an idle connection that has lasted a second giving way to each, and
     # show the three grants once a tick has published them.

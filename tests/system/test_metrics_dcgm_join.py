@@ -1,7 +1,7 @@
-"""The README's join of gpuguard's metrics with dcgm-exporter's, on a real scrape: dcgm-exporter
+"""The join of gpuguard's metrics with dcgm-exporter's in docs/admin.md (Metrics), on a real scrape: dcgm-exporter
 labels a GPU `gpu="<NVML index>"` and `UUID`, gpuguard labels it `gpu="<minor>"` and `uuid`; the
 simulation numbers index and minor apart (minor 0 is index 2), so a join on `gpu` picks another
-GPU, and the join on the UUID the README gives picks the right one."""
+GPU, and the join on the UUID the docs give picks the right one."""
 from __future__ import annotations
 
 import re
@@ -30,8 +30,8 @@ def dcgm_exposition(config_path) -> str:
 
 
 def test_the_readme_join_on_uuid_finds_the_holders_gpu_where_a_join_on_gpu_would_not(start_daemon):
-    readme = open("README.md").read()
-    assert README_JOIN.search(readme), "the README's dcgm-exporter join changed: update this test with it"
+    readme = open("docs/admin.md").read()
+    assert README_JOIN.search(readme), "the dcgm-exporter join in docs/admin.md changed: update this test with it"
     port = free_port()
     d = start_daemon(defaults={"gpus": 1}, metrics={"listen": f"127.0.0.1:{port}"})
     alice = d.add_member()

@@ -1,12 +1,12 @@
-"""The README's `gpuguard whoami` example against a real run: the same lines in the same order,
-once names, numbers, times and UUIDs are set aside (issue 22: the README's examples match what
-the commands print)."""
+"""The `gpuguard whoami` example of docs/users.md (the README's, before issue 34 moved it) against a
+real run: the same lines in the same order, once names, numbers, times and UUIDs are set aside
+(issue 22: the documented examples match what the commands print)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "users.md"  # where the example lives
 
 
 def readme_example() -> list[str]:
@@ -21,7 +21,7 @@ def shape(line: str, user: str, group: str) -> str:
     line = re.sub(r" \(nvidia-smi \d+\)", "", line)  # shown only where NVML's index differs from the minor
     line = re.sub(r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", "<uuid>", line)
     # A time on another day carries its weekday or date (messages.clock): run after 16:00, an
-    # 8-hour grant ends tomorrow ("Wed 00:03"), and the README's example is of one day.
+    # 8-hour grant ends tomorrow ("Wed 00:03"), and the documented example is of one day.
     line = re.sub(r"\b(?:(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)|\d{4}-\d{2}-\d{2}) (?=\d{1,2}:\d{2}\b)", "", line)
     line = re.sub(r"\b\d{1,2}:\d{2}\b", "<time>", line)
     line = re.sub(r"\b\d+\b", "<n>", line)

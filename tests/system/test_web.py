@@ -3,7 +3,7 @@
 The web runs as an account of its own, as in production; logins go through a real PAM stack
 (pam_unix against /etc/shadow); grants are real daemon grants. Screenshots of failures land in
 build/test-artefacts/ (web_harness.browser); the grid's screenshot there (web-now.png) is the
-README's picture.
+picture in docs/admin.md (Web view).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_grid_shows_a_grant_live(start_daemon, web, browser, burns):
     assert cell(browser, "3").get_attribute("data-state") == "free"
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
     browser.set_window_size(1040, 480)
-    browser.save_screenshot(str(ARTEFACTS / "web-now.png"))  # the README's picture (docs/web.png)
+    browser.save_screenshot(str(ARTEFACTS / "web-now.png"))  # the picture in docs/admin.md (docs/web.png)
 
     daemon.call("revoke", user=alice.name)
     live(browser).until(lambda d: cell(d, "0").get_attribute("data-state") == "free")
