@@ -1,7 +1,7 @@
 """Every live process's real uid, kept up to date by the kernel's process events, so that a
 scan for one user's processes reads only theirs instead of walking all of /proc.
 
-A logout's holder scan used to lstat every /proc entry (and read the status of root's): 0.5 s
+A logout's opener scan used to lstat every /proc entry (and read the status of root's): 0.5 s
 at 10,000 processes. The netlink proc connector (NETLINK_CONNECTOR, group CN_IDX_PROC, after a
 PROC_CN_MCAST_LISTEN; linux/cn_proc.h and linux/connector.h) tells of each fork, uid change and
 exit as it happens, so the index below follows them: pid -> real uid and uid -> pids, live
@@ -215,7 +215,7 @@ class UidTable:
 class ProcessIndex:
     """The users' processes by real uid, from process events (a thread of its own reads them).
 
-    pids_of(uids) is the question the holder scans ask: those users' live pids, or None when the
+    pids_of(uids) is the question the opener scans ask: those users' live pids, or None when the
     index is not in sync (the caller then walks /proc; counted in `fallback_walks`)."""
 
     def __init__(self, receive_buffer: int = RECEIVE_BUFFER, events_per_second: int = EVENTS_PER_SECOND,
@@ -251,7 +251,7 @@ class ProcessIndex:
         except OSError as exc:
             self.reason = exc.strerror or str(exc)
             event(logging.WARNING, "process_index_unavailable", reason=self.reason,
-                  action="holder scans walk all of /proc")
+                  action="opener scans walk all of /proc")
             return False
         self.available = True
         self.buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
@@ -397,7 +397,7 @@ class ProcessIndex:
         self._table = None
         self._resync_at = now + self._delay
         event(logging.WARNING, "process_index_lost", reason=reason, resync_in=round(self._delay, 1),
-              action="holder scans walk all of /proc until then")
+              action="opener scans walk all of /proc until then")
         self._delay = min(RESYNC_MAX, self._delay * 2)
         self.reason = reason
         self.losses += 1
@@ -420,14 +420,14 @@ class ProcessIndex:
 
 
 class IndexCollector(Collector):
-    """The index's state for /metrics and the textfile: whether holder scans follow the users or walk /proc."""
+    """The index's state for /metrics and the textfile: whether opener scans follow the users or walk /proc."""
 
     def __init__(self, index: ProcessIndex) -> None:
         self.index = index
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         index = self.index
-        yield GaugeMetricFamily("gpuguard_process_index_in_sync", "1 while holder scans read only their users' "
+        yield GaugeMetricFamily("gpuguard_process_index_in_sync", "1 while opener scans read only their users' "
                                 "processes (netlink process events); 0: they walk all of /proc",
                                 value=int(index.in_sync))
         yield GaugeMetricFamily("gpuguard_process_index_processes", "Live processes the index holds", value=index.size())

@@ -1,6 +1,6 @@
 """`gpuguard config check [PATH]`: exactly the validation the daemon runs at start and reload,
-then warnings (exit 0) for what loads but likely is not meant (gpuguard/config_warnings.py), and who
-owns which GPU beside Slurm and Kubernetes (gpuguard/coexist.py; undecided on a Slurm node: exit 6)."""
+then warnings (exit 0) for what loads but likely is not meant (gpuguard/core/config_warnings.py), and who
+owns which GPU beside Slurm and Kubernetes (gpuguard/core/coexist.py; undecided on a Slurm node: exit 6)."""
 from __future__ import annotations
 
 import argparse

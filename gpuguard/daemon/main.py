@@ -104,7 +104,7 @@ class Daemon:
         first_layout = self.backend.layout()
         remote = RemoteNotifier(lambda: self.config.notify)  # webhook and e-mail, beside the terminals
         sampler = self.sampler = Sampler(self.backend)
-        # The users' pids for holder scans, from the kernel's process events; without it they walk /proc.
+        # The users' pids for opener scans, from the kernel's process events; without it they walk /proc.
         index = self.process_index = proc_events.ProcessIndex()
         index.start()
         services = self.services = wiring.build(wiring.Edges(

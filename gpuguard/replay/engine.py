@@ -1,40 +1,39 @@
 """`gpuguard replay`: replay a trace on a virtual clock through the daemon's own services.
 
-The services are the daemon's, built by the same wiring.build; only the edges differ: the clock
-is virtual, the GPU sample is the jobs running at that moment (_ReplayGpus), the trace's users
-are accounts in access.group (_ReplayAccounts), a signal to a job's process ends the job
-(_ReplayProcesses), the store is a scratch file without fsync, and there are no device nodes,
-gate, terminals or /proc holders (Edges.find_openers None: no holder scans). The replay decides
-nothing itself: logins and logouts are Api.session_open / session_close (and the logout release
-after it), a job's request is the queue's join (whose dispatch serves the waiters), and every
-release, revoke and stop is an action of Watcher.check, but for a batch job's own release as it
-ends (Releases.take_back, as `gpuguard release` ends).
+The services are the daemon's, built by the same services.wiring.build; only the edges differ:
+the clock is virtual, the GPU sample is the jobs running at that moment (_ReplayGpus), the
+trace's users are accounts in access.group (_ReplayAccounts), a signal to a job's process ends
+the job (_ReplayProcesses), the store is a scratch file without fsync (Edges.virtual), and there
+are no device nodes, gate, terminals or /proc openers (Edges.find_openers None: no opener
+scans). The replay decides nothing itself: logins and logouts are Logins.open / close (and the
+logout release after it), a job's request is Asks.ask, the one path a login and `gpuguard
+request` take (whose queue serves the waiters), and every release, revoke and stop is an action
+of Watcher.check, but for a batch job's own release as it ends (Releases.take_back, as
+`gpuguard release` ends).
 
 The replay: a session opens (a login with grant "never": jobs ask for their GPUs); each job asks
-the queue for the GPUs it needs beyond its user's idle granted ones that no other waiting job of
-theirs counts on, as `gpuguard request --wait` would (those it counts on are the row's `counted`:
-one a rule takes back while it waits is asked for again, Queue.keep_total), and runs on exactly
-its count once they are granted: the time between is its time to GPU. (Api.request is not
-used for this: it asks for a user's total and keeps one place in the queue per user, while a
-trace's user may have many jobs waiting at once; the queue's join is what it calls.) A job still
+for its GPUs, counting its user's idle granted ones that no other waiting job of theirs counts on,
+as `gpuguard request --wait` would, but whole (a job cannot start on part of its GPUs) and with a
+place of its own (each job of a batch waits for itself; those it counts on are the row's
+`counted`: one a rule takes back while it waits is asked for again, Queue.keep_total), and runs
+on exactly its count once they are granted: the time between is its time to GPU. A job still
 waiting when its session ends never runs (its waiter leaves the queue with the last session); an
 open session (no end in the trace: a batch job) ends once its last job has run, and gives its
-GPUs back as it ends, as a job script's last `gpuguard release` does and as Slurm frees a
-job's GPUs (its user may have other jobs running, so that logout is not their last). While a
-job runs its process is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n each while n
-jobs are on it (a job on several GPUs at the pace of its most crowded one): its end moves when
-another job joins or leaves. Watcher.check runs after every batch of simultaneous events that
-added something a rule may act on at once (the queue's demand grew; a grant came that no job runs
-on or that has a time limit; a grant went from under a running job; a job started where
-rules.acts_on_arrival says a rule may act on it at once; a job arrived or started while a rule's
-moment has come and its tick not yet) and at the next moment one of the rules can fire
-(Watcher.next_change), rounded up to the watcher's interval as the daemon's tick would see it. A
-batch that only took things away (job ends, logouts), or gave GPUs to jobs that run on them at
-once, just adds the idle clocks of the GPUs the jobs left (Watcher.next_change_of): every limit is
-at least a second, and nothing else moves earlier.
-Between events the sample stands still, so the watcher is told there was no gap
-(Watcher.unchanged_until). When a job ends, the watcher's memory of when it saw
-the job last is set to that moment, as the daemon's tick just before it would have left it.
+GPUs back as it ends, as a job script's last `gpuguard release` does and as Slurm frees a job's
+GPUs (its user may have other jobs running, so that logout is not their last). While a job runs
+its process is on its GPUs, so the watcher sees them busy. Jobs sharing a GPU progress at 1/n
+each while n jobs are on it (a job on several GPUs at the pace of its most crowded one): its end
+moves when another job joins or leaves.
+
+The watcher is driven as replay/watching.py says (ReplayWatch): a check after every batch of
+simultaneous events that made a rule due at once (rules.acts_on_demand, acts_on_grant_change,
+acts_on_arrival; or a job arrived or started once a rule's moment had come and its tick not yet),
+and at the next of the rules' moments (Watcher.next_moment), rounded up to the watcher's interval
+as the daemon's tick would see it. A batch that only took things away (job ends, logouts), or
+gave GPUs to jobs that run on them at once, just adds the moments of the grants the jobs left
+(ReplayWatch.next_moment_of): every limit is at least a second, and nothing else moves earlier.
+When a job ends, the watcher's memory of when it saw the job last is set to that moment, as the
+daemon's tick just before it would have left it.
 
 Beside it, in the same run, static reservation: each session holds the GPUs of its largest job
 from its start to its end (an open one to its last job's end), sessions served first come first

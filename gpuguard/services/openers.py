@@ -9,16 +9,16 @@ user's processes that /proc shows holding that node:
   are stray use, warned, then SIGTERM after grace and SIGKILL after kill_wait (rules.py);
 - the others, which NVML never shows and the watcher therefore never sees, get SIGTERM at once,
   SIGKILL `kill_wait` later if they still hold a node of those GPUs, and are reported
-  unkillable if they still do `kill_wait` after that. When NVML cannot be read, every holder
+  unkillable if they still do `kill_wait` after that. When NVML cannot be read, every opener
   counts as one of these: the GPU was taken away, so access fails closed.
 
 Each signal is re-checked against the process's identity (backends.signals, which also refuses
 root and exempt processes), logged, and stored as an event of the user (`gpuguard whoami`). A
-holder running as root (a setuid program that inherited the descriptor) is not signalled: that
+opener running as root (a setuid program that inherited the descriptor) is not signalled: that
 too goes to the user's events, so they know what still holds their GPU.
 
 A descriptor can be passed to any other process (SCM_RIGHTS over a unix socket), so after a GPU
-is taken (not at logout, whose cost must follow the user) the holders of every uid are looked
+is taken (not at logout, whose cost must follow the user) the openers of every uid are looked
 for as well: a non-member's are ended the same way, a member's are reported (the log and the
 user's events), and either is listed in a revoke's reply.
 """
@@ -58,7 +58,7 @@ class Scan:
 
 @dataclass(frozen=True)
 class Other:
-    """A holder of another uid than the grantee's (a descriptor passed on)."""
+    """An opener of another uid than the grantee's (a descriptor passed on)."""
 
     pid: int
     uid: int
@@ -84,7 +84,7 @@ class OpenerEnder:
                  kill_wait: Callable[[], float], processes: Processes, clock: Clock = time.time,
                  is_member: IsMember | None = None):
         self.scans = scans
-        self.is_member = is_member  # None: holders of other uids are not looked for
+        self.is_member = is_member  # None: openers of other uids are not looked for
         self.sampler = sampler
         self.exempt = exempt
         self.store = store
@@ -95,7 +95,7 @@ class OpenerEnder:
         # Being seen through to SIGKILL: a later release finds them still holding, and must not
         # signal, log and record them all again (a user may pass a node to thousands of subuids).
         self._ending: set[ProcessIdentity] = set()
-        # The log lines about one user's GPU's holders: a few a minute, then a count (the events
+        # The log lines about one user's GPU's openers: a few a minute, then a count (the events
         # stored keep every one, within the events' per-user bound).
         self.log = Throttle("grantee", burst=20)
         self._unsaved: list[Event] = []  # recorded, to be stored in one transaction (_save)
@@ -151,7 +151,7 @@ class OpenerEnder:
 
     async def _others(self, uid: int, user: str, units: frozenset[int], why: Rule,
                       termed: dict[ProcessIdentity, set[int]]) -> tuple[Other, ...]:
-        """Holders of other uids (root and exempt users pass the gate anyway): a non-member's get
+        """Openers of other uids (root and exempt users pass the gate anyway): a non-member's get
         SIGTERM (added to `termed`), a member's are reported."""
         if self.is_member is None or not units:
             return ()
@@ -160,14 +160,14 @@ class OpenerEnder:
         # per user at a time), so that releases cannot queue host-sized walks ahead of the tick's scans
         walk = (self.scans.for_user(uid, units, everyone=True) if why == Rule.USER
                 else self.scans.for_daemon(units, None))
-        for holder in await walk:
-            if holder.uid in (uid, 0) or holder.uid in self.exempt.uids:
+        for opener in await walk:
+            if opener.uid in (uid, 0) or opener.uid in self.exempt.uids:
                 continue
-            identity = self.processes.identity(holder.pid)
-            if identity is not None and identity.uid == holder.uid and identity not in self._ending:
-                holding.setdefault(identity, set()).add(holder.unit)
+            identity = self.processes.identity(opener.pid)
+            if identity is not None and identity.uid == opener.uid and identity not in self._ending:
+                holding.setdefault(identity, set()).add(opener.unit)
         others = []
-        members: dict[int, bool | None] = {}  # asked once per uid: thousands of holders may share one
+        members: dict[int, bool | None] = {}  # asked once per uid: thousands of openers may share one
         for count, (identity, held) in enumerate(sorted(holding.items()), start=1):
             await self._pause(count)
             if identity in self._ending:
@@ -180,7 +180,7 @@ class OpenerEnder:
                 self._ending.add(identity)
                 others.append(Other(identity.pid, identity.uid, frozenset(held), True))
             elif member is not False:
-                self._record(identity, held, user, Kind.REPORT, why, {"holder_uid": identity.uid},
+                self._record(identity, held, user, Kind.REPORT, why, {"opener_uid": identity.uid},
                              f"of uid {identity.uid} holds GPU {unit_list(held)}, which was yours ({why}): a "
                              f"descriptor passed on; it {'belongs to a member' if member else 'could not be looked up'}"
                              " and is reported, not ended", uid)
@@ -213,10 +213,10 @@ class OpenerEnder:
 
     def _signal(self, identity: ProcessIdentity, units: set[int], user: str, sig: signal.Signals,
                 why: Rule, uid: int) -> bool:
-        """Signal a holder; its events go to uid (the user whose GPU it was), named `user`."""
+        """Signal an opener; its events go to uid (the user whose GPU it was), named `user`."""
         result = self.processes.send(identity, sig, self.exempt.uids)
         if not result.sent:
-            self.log.event(uid, logging.INFO, "holder_signal_skipped", uid=identity.uid, pid=identity.pid,
+            self.log.event(uid, logging.INFO, "opener_signal_skipped", uid=identity.uid, pid=identity.pid,
                            signal=sig.name, outcome=result.outcome.value, detail=result.detail or None)
             if result.outcome is SignalOutcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
                 self._record(identity, units, user, Kind.REPORT, why, {"euid": 0},
@@ -235,9 +235,9 @@ class OpenerEnder:
 
     def _record(self, identity: ProcessIdentity, units: set[int], user: str, action: Kind, why: Rule,
                 numbers: dict[str, Any], what: str, uid: int) -> None:
-        """Log, and store as an event of uid (named `user`): the holder's own, or the grantee's."""
+        """Log, and store as an event of uid (named `user`): the opener's own, or the grantee's."""
         command = self.processes.command(identity.pid)
-        self.log.event(uid, logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"holder_{action}",
+        self.log.event(uid, logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"opener_{action}",
                        rule=why, user=user, uid=identity.uid, pid=identity.pid, command=command or None,
                        gpus=unit_list(units), **numbers)
         whose = "your process" if identity.uid == uid else "process"
@@ -248,14 +248,14 @@ class OpenerEnder:
 
     def _save(self) -> None:
         """Store the events recorded since the last save, in one transaction: one each was a
-        commit (an fsync) per holder, and a user may pass a node to thousands."""
+        commit (an fsync) per opener, and a user may pass a node to thousands."""
         if self._unsaved:
             recorded, self._unsaved = self._unsaved, []
             self.store.add_events(recorded)
 
     async def _pause(self, count: int, every: int = 32) -> None:
-        """Every `every` holders, store what was recorded and let the loop serve others (logins,
-        the tick): each holder is a signal, a log line and an event."""
+        """Every `every` openers, store what was recorded and let the loop serve others (logins,
+        the tick): each opener is a signal, a log line and an event."""
         if count % every == 0:
             self._save()
             await asyncio.sleep(0)
@@ -270,7 +270,7 @@ class OpenerEnder:
         try:
             await work
         except Exception:  # a failing end must not pass silently, nor stop the daemon
-            event(logging.ERROR, "holder_end_failed", exc_info=True)
+            event(logging.ERROR, "opener_end_failed", exc_info=True)
 
     def close(self) -> None:
         for task in self._tasks:

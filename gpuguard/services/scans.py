@@ -1,4 +1,4 @@
-"""Where /proc holder scans run, so that no user's requests can delay the watcher.
+"""Where /proc opener scans run, so that no user's requests can delay the watcher.
 
 A scan for the processes holding a GPU node reads every descriptor of every candidate process:
 a member keeping a node open in 5 processes of 19,900 descriptors each made each scan take
@@ -7,7 +7,7 @@ pool, which the NVML sample shared, that no tick ran for the whole flood. So:
 
 - scans a user's request causes (`for_user`) run in a small pool of their own, at most one per
   uid at a time; a request that finds the same scan of its uid running shares its result;
-- scans of the daemon's own work (the tick's logout release, holders ended after a revoke or an
+- scans of the daemon's own work (the tick's logout release, openers ended after a revoke or an
   expiry, root's revoke) run in another pool (`for_daemon`), which users cannot fill;
 - the NVML sample has its own thread (backends.sampler.Sampler).
 """

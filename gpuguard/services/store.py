@@ -5,8 +5,8 @@ middle of a write) loses no committed grant and leaves no half-written one (a re
 store keeps only the one transaction per change: see Store). The gate map and device ACLs are
 derived from this and rebuilt from it at daemon start.
 
-The daemon is the one writer of its state.db: the CLI and the web view ask the daemon, `gpuguard
-backup` only reads, `restore` runs with the daemon stopped. So what the services read many times
+The daemon is the one writer of its state.db: the CLI and the web view ask the daemon, and an
+admin who edits it stops the daemon first. So what the services read many times
 per change (the grants, the sessions, the queue, fair share, when GPUs were given back) is read
 once, when first asked for, and kept up to date by this connection's own writes. Each kept copy
 carries a version that moves at each of its changes: a caller that worked something out from a

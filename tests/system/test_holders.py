@@ -23,7 +23,7 @@ def assert_ended_with_sigkill(d, user, proc, why: str) -> None:
     assert "no longer yours" in term["message"] and "SIGTERM" in term["message"]
     assert term["numbers"]["signal"] == "SIGTERM" and kill["numbers"]["signal"] == "SIGKILL"
     assert kill["time"] - term["time"] >= KILL_WAIT
-    assert log_lines(d, event="holder_kill", rule=why, grantee=user.uid)  # a few a minute per user, then a count
+    assert log_lines(d, event="opener_kill", rule=why, grantee=user.uid)  # a few a minute per user, then a count
 
 
 def test_revoke_ends_a_holder_that_ignores_sigterm(start_daemon, hostile):
