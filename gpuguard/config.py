@@ -155,7 +155,7 @@ class WebConfig:
     show_users: bool = True                # false: other users' names are hidden from non-admins
     admin_group: str | None = None         # its members see every user's page and usage
     pam_service: str = "gpuguard-web"      # the PAM service of its login (/etc/pam.d/gpuguard-web)
-    key_file: Path = Path("/var/lib/gpuguard-web/session.key")  # signs the session cookies; made at start
+    key_file: Path = Path("/var/lib/gpuguard-web/session.key")  # signs the forms' CSRF tokens; made at start
     session_time: float = 8 * 3600.0       # a login lasts this long
     secure_cookies: bool = True            # cookies only over HTTPS (browsers allow http://localhost too)
 

@@ -97,7 +97,7 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("web", "show_users"): ("bool", "false: other users' names are hidden from everyone but admins"),
     ("web", "admin_group"): ("string", "members see every user's page and usage (unset: nobody)"),
     ("web", "pam_service"): ("string", "the PAM service of the web login (/etc/pam.d/gpuguard-web)"),
-    ("web", "key_file"): ("path", "the key that signs the session cookies; made at the first start, mode 0600"),
+    ("web", "key_file"): ("path", "the key that signs the forms' CSRF tokens; made at the first start, mode 0600"),
     ("web", "session_time"): ("duration", "how long a web login lasts"),
     ("web", "secure_cookies"): ("bool", "cookies only over HTTPS (browsers allow http://localhost too)"),
     ("coexist", "slurm"): ("string", "\"auto\": the GPUs gres.conf gives this node are Slurm's (AutoDetect=nvml: all); "

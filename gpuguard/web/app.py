@@ -10,10 +10,12 @@ client address (sessions.LoginLimit), and request bodies are small.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +23,10 @@ from aiohttp import web
 
 from gpuguard.client import DaemonUnreachable, Refused
 from gpuguard.config import WebConfig
+from gpuguard.logs import event
 from gpuguard.web import pages, views
 from gpuguard.web.assets import SCRIPT, STYLE
-from gpuguard.web.sessions import LoginLimit, Signer
+from gpuguard.web.sessions import Login, LoginLimit, Sessions, Signer
 from gpuguard.web.sources import Memo, Source
 from gpuguard.web.svg import usage_chart
 
@@ -31,6 +34,7 @@ LOGINS_AT_ONCE = 2          # PAM conversations in flight (each a thread; a fail
 MAX_BODY = 8 * 1024         # a login form is a few hundred bytes
 MAX_REASONS = 50            # queue places whose reasons are asked for, per server
 MEMO_AGE = 1.0             # seconds a daemon's answer (and the grid made of it) is kept for every browser
+SWEEP_EVERY = 15.0          # seconds between checks that each login's account may still log in
 MAX_PERIOD_DAYS = 366
 DEFAULT_PERIOD_DAYS = 30
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -40,6 +44,13 @@ HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", 
 
 Authenticate = Callable[[str, str], bool]   # PAM: user, password -> accepted (blocking)
 GroupsOf = Callable[[str], tuple[str, ...]]  # NSS: the user's groups (blocking)
+# users -> why each of those whose password login has ended (locked, expired, removed) can no
+# longer log in (blocking); the default judges nobody.
+Ended = Callable[[Sequence[str]], dict[str, str]]
+
+
+def _nobody_ended(users: Sequence[str]) -> dict[str, str]:
+    return {}
 
 
 @dataclass
@@ -49,9 +60,10 @@ class Web:
     signer: Signer
     authenticate: Authenticate
     groups_of: GroupsOf
+    ended: Ended = _nobody_ended
     clock: Callable[[], float] = time.time
     memo: Memo = field(default_factory=lambda: Memo(MEMO_AGE))
-    roles: Memo = field(default_factory=lambda: Memo(30.0))
+    sessions: Sessions = field(default_factory=Sessions)
     limit: LoginLimit = field(default_factory=LoginLimit)
     logins: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOGINS_AT_ONCE))
 
@@ -66,16 +78,12 @@ class Web:
 
     # --- who looks
 
+    def login_of(self, request: web.Request) -> Login | None:
+        return self.sessions.get(request.cookies.get(self.cookie), self.clock())
+
     async def viewer(self, request: web.Request) -> views.Viewer:
-        login = self.signer.login(request.cookies.get(self.cookie), self.clock())
-        if login is None:
-            return views.Viewer()
-        admin = False
-        if self.config.admin_group:
-            groups = await self.roles.get(("groups", login.user),
-                                          lambda: asyncio.to_thread(self.groups_of, login.user))
-            admin = self.config.admin_group in groups
-        return views.Viewer(login.user, admin)
+        login = self.login_of(request)
+        return views.Viewer() if login is None else views.Viewer(login.user, login.admin)
 
     async def signed_in(self, request: web.Request) -> tuple[views.Viewer, str]:
         """The viewer and their user name, for the pages only a signed-in user sees: anyone else
@@ -86,15 +94,20 @@ class Web:
         return viewer, viewer.user
 
     def logout_token(self, request: web.Request) -> str:
-        login = self.signer.login(request.cookies.get(self.cookie), self.clock())
-        return self.signer.csrf("logout:" + login.nonce) if login else ""
+        login = self.login_of(request)
+        return self.signer.csrf("logout:" + login.id) if login else ""
 
     def page(self, request: web.Request, viewer: views.Viewer, title: str, body: str, status: int = 200) -> web.Response:
         return web.Response(text=pages.layout(title, request.path, viewer, body, self.logout_token(request)),
                             content_type="text/html", status=status, headers={"Cache-Control": "no-store"})
 
     def cookie_options(self) -> dict[str, Any]:
+        """The attributes every cookie is set with, and deleted with: a browser deletes a cookie
+        only when the deletion matches them (a __Host- cookie only when Secure)."""
         return {"path": "/", "httponly": True, "samesite": "Strict", "secure": self.config.secure_cookies}
+
+    def forget(self, response: web.StreamResponse, name: str) -> None:
+        response.del_cookie(name, **self.cookie_options())
 
     # --- data, through the memo
 
@@ -183,6 +196,8 @@ class Web:
                      for server, who in replies.items()}
         body = pages.me_page(name, replies, viewer, self.config.show_users, own=name == viewer.user,
                              standings=standings)
+        if viewer.admin and name != viewer.user:
+            body += pages.end_logins_form(name, self.logout_token(request))
         return self.page(request, viewer, name, body)
 
     async def usage(self, request: web.Request) -> web.Response:
@@ -262,20 +277,92 @@ class Web:
         if not accepted:
             self.limit.failed(user, address, self.clock())
             return again("Wrong user name or password.", 401)
+        login = self.sessions.open(user, await self.is_admin(user), now + self.config.session_time)
         response = web.HTTPSeeOther("/me")
-        response.set_cookie(self.cookie, self.signer.session(user, now + self.config.session_time),
-                            max_age=int(self.config.session_time), **self.cookie_options())
-        response.del_cookie(self.pre_cookie, path="/")
+        response.set_cookie(self.cookie, login.id, max_age=int(self.config.session_time), **self.cookie_options())
+        self.forget(response, self.pre_cookie)
         raise response
 
     async def logout(self, request: web.Request) -> web.Response:
         form = await request.post()
-        login = self.signer.login(request.cookies.get(self.cookie), self.clock())
-        if login is None or not self.signer.csrf_ok(str(form.get("csrf", "")), "logout:" + login.nonce):
+        login = self.login_of(request)
+        if login is None or not self.signer.csrf_ok(str(form.get("csrf", "")), "logout:" + login.id):
             raise web.HTTPForbidden(text="logout refused: missing or wrong CSRF token")
+        self.sessions.end(login.id)
         response = web.HTTPSeeOther("/")
-        response.del_cookie(self.cookie, path="/")
+        self.forget(response, self.cookie)
         raise response
+
+    async def end_logins(self, request: web.Request) -> web.Response:
+        """An admin ends every login of a user (POST, with the admin's own logout token)."""
+        form = await request.post()
+        login = self.login_of(request)
+        if login is None or not self.signer.csrf_ok(str(form.get("csrf", "")), "logout:" + login.id):
+            raise web.HTTPForbidden(text="refused: missing or wrong CSRF token")
+        viewer = views.Viewer(login.user, login.admin)
+        if not login.admin:
+            return self.page(request, viewer, "Refused", pages.message_page(
+                "Refused", "Only admins end other users' logins."), status=403)
+        name = request.match_info["name"]
+        ended = self.sessions.end_user(name)
+        event(logging.WARNING, "web_logins_ended", user=name, why=f"ended by {login.user}", logins=ended)
+        return self.page(request, await self.viewer(request), "Logins ended",  # their own, if they ended it
+                         pages.message_page("Logins ended", f"Ended {views.plural(ended, 'login')} of {name}."))
+
+    async def session_state(self, request: web.Request) -> web.Response:
+        """For the script of an open page: whether it is still signed in (the header)."""
+        return _fragment("")
+
+    # --- whether a login may go on
+
+    async def is_admin(self, user: str) -> bool:
+        return bool(self.config.admin_group) and self.config.admin_group in await asyncio.to_thread(self.groups_of, user)
+
+    async def membership(self, user: str) -> bool | None:
+        """Whether the user is in the GPU group (or exempt) on some server; None when no server
+        can say (a daemon down does not end anyone's login)."""
+        try:
+            replies = await self.whoami(user)
+        except (DaemonUnreachable, Refused):
+            return None
+        return any(bool(r.get("member") or r.get("exempt")) for r in replies.values()) if replies else None
+
+    async def sweep(self) -> None:
+        """End the logins of accounts that may no longer log in: locked, expired or removed
+        (self.ended), out of the GPU group, or moved in or out of the admin group since."""
+        live = self.sessions.live()
+        users = sorted({login.user for login in live})
+        if not users:
+            return
+        reasons = await asyncio.to_thread(self.ended, users)
+        for user in users:
+            why = reasons.get(user)
+            if why is None and await self.membership(user) is False:
+                why = "not in the GPU group"
+            if why is not None:
+                event(logging.WARNING, "web_logins_ended", user=user, why=why, logins=self.sessions.end_user(user))
+                continue
+            admin = await self.is_admin(user)
+            for login in live:
+                if login.user == user and login.admin != admin:
+                    self.sessions.end(login.id)
+                    event(logging.WARNING, "web_logins_ended", user=user, logins=1,
+                          why="joined the admin group" if admin else "left the admin group")
+
+    async def sweeping(self, app: web.Application) -> AsyncIterator[None]:
+        """The sweep every SWEEP_EVERY seconds while the app runs (aiohttp's cleanup context)."""
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(SWEEP_EVERY)
+                try:
+                    await self.sweep()
+                except Exception as exc:  # one bad sweep must not stop the next
+                    event(logging.ERROR, "web_sweep_failed", error=str(exc))
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _fragment(text: str) -> web.Response:
@@ -325,15 +412,31 @@ def _asset(text: str, content_type: str) -> Callable[[web.Request], Awaitable[we
 
 
 def build(app_state: Web) -> web.Application:
-    app = web.Application(middlewares=[_headers], client_max_size=MAX_BODY)
     w = app_state
+
+    @web.middleware
+    async def signed_in(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) \
+            -> web.StreamResponse:
+        """Whether the request's login still holds, for an open page's script: a login ended on
+        the server (logout elsewhere, a locked account) sends that page to the login form."""
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:  # a redirect to the login form included
+            exc.headers["X-Gpuguard-Signed-In"] = "1" if w.login_of(request) else "0"
+            raise
+        response.headers["X-Gpuguard-Signed-In"] = "1" if w.login_of(request) else "0"
+        return response
+
+    app = web.Application(middlewares=[_headers, signed_in], client_max_size=MAX_BODY)
     app.add_routes([
         web.get("/", w.now), web.get("/fragment/now", w.now_fragment),
         web.get("/queue", w.queue_page), web.get("/fragment/queue", w.queue_fragment),
         web.get("/me", w.me), web.get("/users/{name}", w.user),
         web.get("/usage", w.usage), web.get("/usage.csv", w.usage_csv),
         web.get("/login", w.login_form), web.post("/login", w.login), web.post("/logout", w.logout),
+        web.post("/users/{name}/logout", w.end_logins), web.get("/fragment/session", w.session_state),
         web.get("/static/style.css", _asset(STYLE, "text/css")),
         web.get("/static/app.js", _asset(SCRIPT, "text/javascript")),
     ])
+    app.cleanup_ctx.append(w.sweeping)
     return app

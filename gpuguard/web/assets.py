@@ -25,15 +25,22 @@ svg.chart text{font-size:12px;fill:#1b1f24}svg.chart .granted{fill:#9ec5fe}svg.c
 """
 
 # Replaces each [data-refresh] element's content with its fragment every REFRESH ms; the page keeps
-# what it shows (marked stale) while the server does not answer.
+# what it shows (marked stale) while the server does not answer. A page shown signed in goes to the
+# login form once the server says its login has ended (X-Gpuguard-Signed-In: 0): pages without a
+# live part ask /fragment/session every SESSION_CHECK ms for that alone.
 SCRIPT = """\
 "use strict";
 const REFRESH = 2000;
-for (const box of document.querySelectorAll("[data-refresh]")) {
+const SESSION_CHECK = 10000;
+const signedIn = document.body.hasAttribute("data-signed-in");
+const ended = (reply) => signedIn && reply.headers.get("X-Gpuguard-Signed-In") === "0";
+const boxes = document.querySelectorAll("[data-refresh]");
+for (const box of boxes) {
   const url = box.dataset.refresh;
   const tick = async () => {
     try {
       const reply = await fetch(url, {credentials: "same-origin", cache: "no-store"});
+      if (ended(reply)) { location.assign("/login"); return; }
       if (!reply.ok) throw new Error(String(reply.status));
       box.innerHTML = await reply.text();
       box.classList.remove("stale");
@@ -43,5 +50,15 @@ for (const box of document.querySelectorAll("[data-refresh]")) {
     setTimeout(tick, REFRESH);
   };
   setTimeout(tick, REFRESH);
+}
+if (signedIn && boxes.length === 0) {
+  const check = async () => {
+    try {
+      const reply = await fetch("/fragment/session", {credentials: "same-origin", cache: "no-store"});
+      if (ended(reply)) { location.assign("/login"); return; }
+    } catch (error) { /* the server is away: the login is judged when it answers */ }
+    setTimeout(check, SESSION_CHECK);
+  };
+  setTimeout(check, SESSION_CHECK);
 }
 """

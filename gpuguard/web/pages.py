@@ -39,7 +39,8 @@ def layout(title: str, path: str, viewer: Viewer, body: str, csrf: str = "") -> 
     return ("<!doctype html><html lang=en><head><meta charset=utf-8>"
             '<meta name=viewport content="width=device-width, initial-scale=1">'
             f'<title>{h(title)} - gpuguard</title><link rel=stylesheet href="/static/style.css">'
-            '<script src="/static/app.js" defer></script></head><body>'
+            '<script src="/static/app.js" defer></script></head>'
+            f'<body{" data-signed-in" if viewer.user is not None else ""}>'
             f'<header><strong>gpuguard</strong><nav>{links}</nav>{account}</header><main>{body}</main></body></html>')
 
 
@@ -208,6 +209,12 @@ def login_page(csrf: str, message: str = "", user: str = "") -> str:
             f'<label>User <input name=user autocomplete=username required value="{h(user)}"></label>'
             '<label>Password <input type=password name=password autocomplete=current-password required></label>'
             "<button>Log in</button></form>")
+
+
+def end_logins_form(name: str, csrf: str) -> str:
+    """An admin's button that ends every login of `name` (their open pages go to the login form)."""
+    return (f'<form method=post action="/users/{h(name)}/logout" class="end-logins">'
+            f'<input type=hidden name=csrf value="{h(csrf)}"><button>End {h(name)}\'s logins</button></form>')
 
 
 def message_page(title: str, message: str) -> str:

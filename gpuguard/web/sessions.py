@@ -1,18 +1,16 @@
-"""Signed cookie sessions, CSRF tokens and the login rate limit.
+"""Server-side sessions, CSRF tokens and the login limit.
 
-A session is the user's name and its expiry, signed with HMAC-SHA256 under a key kept in a file
-only the web's account reads (made at the first start): a browser can read its cookie but not
-forge or extend one. Every signature has its own purpose in what is signed ("session", "csrf"),
-so one kind of token never passes for another. A form that changes anything (the login, the
-logout) carries a CSRF token bound to the browser: to a random cookie before login, to the
-session after it.
+A login is kept by the server (`Sessions`), the browser's cookie holds only its random id: the
+server ends a login by dropping it, whatever the browser kept. CSRF tokens are HMAC-SHA256 under
+a key kept in a file only the web's account reads (made at the first start). A form that changes
+anything (the login, the logout, an admin's ending of a user's logins) carries a token bound to
+the browser: to a random cookie before login, to the login's id after it.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
 import hmac
-import json
 import os
 import secrets
 from collections import deque
@@ -22,7 +20,6 @@ from pathlib import Path
 from gpuguard.core.errors import GpuguardError
 
 KEY_BYTES = 32
-MAX_COOKIE = 1024  # a session cookie is about 150 bytes; anything far longer is not ours
 
 
 class SessionKeyError(GpuguardError):
@@ -54,9 +51,52 @@ def load_key(path: Path) -> bytes:
 
 @dataclass(frozen=True)
 class Login:
+    """One login, kept by the server: the cookie holds only its id."""
+
+    id: str          # random; the logout form's CSRF token is bound to it
     user: str
+    admin: bool      # in the admin group when it logged in: a change ends the login (Web.sweep)
     expires: float
-    nonce: str  # random per login: the logout form's CSRF token is bound to it
+
+
+class Sessions:
+    """The logins, in memory: a cookie is a random id looked up here, so a login ends when it is
+    dropped (logout, an admin, or the account's lock, expiry or removal from the group) and a
+    restart of the web ends them all. At most `per_user` logins per user (a new one drops that
+    user's oldest): only a correct password makes one, so one user cannot grow it past that."""
+
+    def __init__(self, per_user: int = 16):
+        self.per_user = per_user
+        self._by_id: dict[str, Login] = {}
+
+    def open(self, user: str, admin: bool, expires: float) -> Login:
+        own = [login for login in self._by_id.values() if login.user == user]
+        for old in own[:max(0, len(own) - self.per_user + 1)]:  # insertion order: the oldest first
+            del self._by_id[old.id]
+        login = Login(secrets.token_urlsafe(32), user, admin, expires)
+        self._by_id[login.id] = login
+        return login
+
+    def get(self, cookie: str | None, now: float) -> Login | None:
+        """The login a cookie names, or None: absent, unknown, ended or expired."""
+        login = self._by_id.get(cookie) if cookie else None
+        if login is not None and now >= login.expires:
+            del self._by_id[login.id]
+            return None
+        return login
+
+    def end(self, login_id: str) -> None:
+        self._by_id.pop(login_id, None)
+
+    def end_user(self, user: str) -> int:
+        """End every login of `user`; how many there were."""
+        ended = [key for key, login in self._by_id.items() if login.user == user]
+        for key in ended:
+            del self._by_id[key]
+        return len(ended)
+
+    def live(self) -> list[Login]:
+        return list(self._by_id.values())
 
 
 class Signer:
@@ -65,29 +105,6 @@ class Signer:
 
     def _mac(self, purpose: str, data: bytes) -> bytes:
         return hmac.new(self._key, purpose.encode() + b"\0" + data, hashlib.sha256).digest()
-
-    def session(self, user: str, expires: float) -> str:
-        """The cookie value of a login of `user` until `expires` (epoch seconds)."""
-        body = json.dumps({"u": user, "e": expires, "n": secrets.token_urlsafe(12)}, separators=(",", ":")).encode()
-        return _b64(body) + "." + _b64(self._mac("session", body))
-
-    def login(self, cookie: str | None, now: float) -> Login | None:
-        """The login a cookie holds, or None: absent, malformed, forged or expired."""
-        if not cookie or len(cookie) > MAX_COOKIE or cookie.count(".") != 1:
-            return None
-        body_text, mac_text = cookie.split(".")
-        try:
-            body, mac = _unb64(body_text), _unb64(mac_text)
-        except ValueError:
-            return None
-        if not hmac.compare_digest(mac, self._mac("session", body)):
-            return None
-        try:
-            data = json.loads(body)
-            login = Login(str(data["u"]), float(data["e"]), str(data["n"]))
-        except (ValueError, KeyError, TypeError):
-            return None
-        return login if now < login.expires else None
 
     def csrf(self, bound_to: str) -> str:
         """The CSRF token of a form, bound to a cookie value of the browser's."""
@@ -99,13 +116,6 @@ class Signer:
 
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(str(exc)) from None
 
 
 class LoginLimit:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
-from gpuguard.backends import accounts
+from gpuguard.backends import accounts, shadow
 from gpuguard.config import Config
-from gpuguard.core.errors import UnknownUser
+from gpuguard.core.errors import NssFailure, UnknownUser
 from gpuguard.logs import event
 from gpuguard.web.app import Web, build
 from gpuguard.web.fleet import FleetSource
@@ -44,12 +44,32 @@ def groups_of(user: str) -> tuple[str, ...]:
         return ()
 
 
+def ended(users: Sequence[str]) -> dict[str, str]:
+    """Why each of `users` whose password login has ended can no longer log in: removed from
+    NSS, locked or expired in /etc/shadow (unreadable: logged, and nobody judged by it)."""
+    reasons = {}
+    for user in users:
+        try:
+            accounts.by_name(user)
+        except NssFailure:  # NSS cannot say: a failure ends nobody
+            continue
+        except UnknownUser:
+            reasons[user] = "removed"
+    try:
+        return {**shadow.ended(users), **reasons}
+    except OSError as exc:
+        event(logging.WARNING, "web_shadow_unreadable", path=str(shadow.SHADOW), error=exc.strerror or str(exc),
+              effect="locked and expired accounts keep their logins until these expire")
+        return reasons
+
+
 def run(config: Config, host: str, port: int) -> None:
     settings = config.web
     fleet = config.fleet  # several servers on one PostgreSQL, when configured
     source: Source = (FleetSource(fleet.database) if fleet is not None
                       else LocalDaemon(config.paths.socket, socket.gethostname()))
-    state = Web(settings, source, Signer(load_key(settings.key_file)), pam_authenticate(settings.pam_service), groups_of)
+    state = Web(settings, source, Signer(load_key(settings.key_file)), pam_authenticate(settings.pam_service), groups_of,
+                ended)
     me = accounts.by_uid(os.geteuid()).name
     if me != settings.user:
         event(logging.WARNING, "web_account", runs_as=me, configured=settings.user,

@@ -7,6 +7,8 @@ picture in docs/admin.md (Web view).
 """
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.common.by import By
@@ -171,3 +173,35 @@ def test_hidden_names_the_queue_usage_and_an_admin(start_daemon, web, browser, m
     lines = table.splitlines()
     assert lines[0] == "by,key,granted_hours,busy_hours,idle_hours,busy_share"
     assert any(line.startswith(f"user,{bob.name},") for line in lines)
+
+
+SWEEP_WAIT = 60.0  # the web checks each login's account every 15 s; the open page asks every 2 s
+
+
+def test_log_out_and_a_locked_account_end_the_login(start_daemon, web, browser):
+    daemon = start_daemon(web=web.prepare(secure_cookies=True))  # as shipped: __Host- cookies, Secure
+    alice = daemon.add_member()
+    set_password(alice, PASSWORD)
+    site = web.start(daemon)
+
+    log_in(browser, site.url, alice.name, PASSWORD)
+    assert browser.get_cookie("__Host-gpuguard")["secure"] is True
+    assert browser.get_cookie("__Host-gpuguard-login") is None  # the pre-login cookie went with the login
+    button = browser.find_element(By.CSS_SELECTOR, "header form.logout button")
+    button.click()
+    WebDriverWait(browser, LIVE_TIMEOUT).until(lambda _: gone(button))
+    assert browser.find_element(By.CSS_SELECTOR, "header a[href='/login']").text == "Log in"
+    assert browser.get_cookie("__Host-gpuguard") is None
+    browser.get(site.url + "/me")
+    assert browser.current_url == site.url + "/login"
+
+    # Logged in again, the Now page open; the account is locked: the page goes to the login form.
+    log_in(browser, site.url, alice.name, PASSWORD)
+    browser.get(site.url + "/")
+    assert alice.name in browser.find_element(By.CSS_SELECTOR, "header .who").text
+    subprocess.run(["usermod", "-L", alice.name], check=True)
+    WebDriverWait(browser, SWEEP_WAIT).until(lambda d: d.current_url == site.url + "/login")
+    assert not browser.find_elements(By.CSS_SELECTOR, "header .who")
+    assert f"user={alice.name}" in site.log() and "why=locked" in site.log()
+    browser.get(site.url + "/me")
+    assert browser.current_url == site.url + "/login"

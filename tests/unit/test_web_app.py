@@ -40,7 +40,8 @@ class Canned:
     async def whoami(self, user):
         self.calls.append(("whoami", user))
         return {"gpu1": {"user": user, "uid": 1001, "member": True, "group": "g", "exempt": False,
-                         "quota": {"gpus": 1, "gpu_memory": None, "max_time": None}, "grants": [], "sessions": [],
+                         "quota": {"gpus": 1, "gpu_memory": None, "max_time": None, "share": 1.0, "priority": 0},
+                         "grants": [], "sessions": [],
                          "events": [], "queue": {"position": 1, "waiting": 1, "gpus": 1, "since": 0.0,
                                                  "ahead": [], "estimate": None}}}
 
@@ -58,13 +59,19 @@ class Canned:
 
 
 def run(scenario, **config):
+    run_with_state(lambda client, source, state: scenario(client, source), **config)
+
+
+def run_with_state(scenario, groups_of=lambda user: ("labadmins",) if user == "root2" else (),
+                   ended=lambda users: {}, **config):
     source = Canned()
-    state = Web(WebConfig(secure_cookies=False, admin_group="labadmins", **config), source, Signer(b"k" * 32),
-                lambda user, password: password == "right", lambda user: ("labadmins",) if user == "root2" else ())
+    config = {"secure_cookies": False, **config}
+    state = Web(WebConfig(admin_group="labadmins", **config), source, Signer(b"k" * 32),
+                lambda user, password: password == "right", groups_of, ended)
 
     async def main():
         async with TestClient(TestServer(build(state))) as client:
-            await scenario(client, source)
+            await scenario(client, source, state)
     asyncio.run(main())
 
 
@@ -155,10 +162,91 @@ def test_logout_needs_its_token_and_big_bodies_are_refused():
         assert (await client.post("/logout", data={"csrf": "forged"})).status == 403
         assert "alice" in await (await client.get("/me")).text()
         page = await (await client.get("/me")).text()
-        token = re.search(r'action="/logout".*?name="csrf" value="([^"]+)"', page).group(1)
-        out = await client.post("/logout", data={"csrf": token}, allow_redirects=False)
+        out = await client.post("/logout", data={"csrf": logout_token(page)}, allow_redirects=False)
         assert out.status == 303
         assert (await client.get("/me", allow_redirects=False)).status == 303
         big = await client.post("/login", data={"user": "x" * (MAX_BODY * 2), "password": "p"})
         assert big.status == 413
+    run(scenario)
+
+
+def logout_token(page: str) -> str:
+    found = re.search(r'action="/logout".*?name="csrf" value="([^"]+)"', page)
+    assert found, "no logout form on the page"
+    return found.group(1)
+
+
+def test_a_logout_ends_the_login_on_the_server_and_deletes_the_cookie_as_it_was_set():
+    async def scenario(client, source):
+        # Over plain http the test client keeps Secure cookies to itself: sent here by hand, as a
+        # browser sends them over https or to 127.0.0.1.
+        form = await client.get("/login")
+        seed = form.cookies["__Host-gpuguard-login"]
+        assert seed["secure"] and seed["httponly"] and seed["path"] == "/"
+        token = re.search(r'name="?csrf"? value="([^"]+)"', await form.text()).group(1)
+        reply = await client.post("/login", data={"user": "alice", "password": "right", "csrf": token},
+                                  headers={"Cookie": f"__Host-gpuguard-login={seed.value}"}, allow_redirects=False)
+        cookie = reply.cookies["__Host-gpuguard"]
+        assert cookie["secure"] and cookie["httponly"] and cookie["samesite"] == "Strict" and cookie["path"] == "/"
+        deleted_pre = reply.cookies["__Host-gpuguard-login"]
+        assert deleted_pre["max-age"] == "0" and deleted_pre["secure"] and deleted_pre["path"] == "/"
+        sent = {"Cookie": f"__Host-gpuguard={cookie.value}"}  # as a browser over https (or loopback) sends it
+        page = await (await client.get("/me", headers=sent)).text()
+        assert "My GPUs" in page
+        out = await client.post("/logout", data={"csrf": logout_token(page)}, headers=sent, allow_redirects=False)
+        gone = out.cookies["__Host-gpuguard"]
+        assert out.status == 303 and gone.value == "" and gone["max-age"] == "0"
+        assert gone["secure"] and gone["httponly"] and gone["samesite"] == "Strict" and gone["path"] == "/"
+        # a browser that kept the cookie anyway (or a copy of it) has no login any more
+        kept = await client.get("/me", headers=sent, allow_redirects=False)
+        assert kept.status == 303 and kept.headers["Location"] == "/login"
+        assert kept.headers["X-Gpuguard-Signed-In"] == "0"
+    run(scenario, secure_cookies=True)
+
+
+def test_the_sweep_ends_logins_of_locked_removed_and_former_members_and_changed_admins():
+    ended_for = {"alice": "locked"}
+    admins = {"root2"}
+
+    async def scenario(client, source, state):
+        cookies = {}
+        for user in ("alice", "bob", "carol", "root2"):
+            cookies[user] = (await log_in(client, user)).cookies["gpuguard"].value
+            client.session.cookie_jar.clear()
+        whoami = source.whoami
+
+        async def carol_left(user):
+            replies = await whoami(user)
+            replies["gpu1"]["member"] = user != "carol"
+            return replies
+        source.whoami = carol_left
+        admins.clear()  # root2 left the admin group
+        state.memo = type(state.memo)(0.0)
+        await state.sweep()
+        left = {user for user in cookies
+                if (await client.get("/me", headers={"Cookie": f"gpuguard={cookies[user]}"},
+                                     allow_redirects=False)).status == 200}
+        assert left == {"bob"}
+    run_with_state(scenario, ended=lambda users: {u: ended_for[u] for u in users if u in ended_for},
+                   groups_of=lambda user: ("labadmins",) if user in admins else ())
+
+
+def test_an_admin_ends_a_users_logins_and_no_one_else_may():
+    async def scenario(client, source):
+        alice = (await log_in(client, "alice")).cookies["gpuguard"].value
+        page = await (await client.get("/me")).text()
+        assert "End " not in page
+        refused = await client.post("/users/bob/logout", data={"csrf": logout_token(page)})
+        assert refused.status == 403
+        client.session.cookie_jar.clear()
+        await log_in(client, "root2")
+        page = await (await client.get("/users/alice")).text()
+        assert 'action="/users/alice/logout"' in page
+        forged = await client.post("/users/alice/logout", data={"csrf": "forged"})
+        assert forged.status == 403
+        done = await client.post("/users/alice/logout", data={"csrf": logout_token(page)})
+        assert done.status == 200 and "Ended 1 login of alice." in await done.text()
+        client.session.cookie_jar.clear()
+        kept = await client.get("/me", headers={"Cookie": f"gpuguard={alice}"}, allow_redirects=False)
+        assert kept.status == 303
     run(scenario)
