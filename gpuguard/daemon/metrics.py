@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest, write_to_textfile
@@ -101,6 +102,7 @@ class Snapshot:
     queue_oldest: float | None = None          # when the longest-waiting one joined; None: nobody waits
     notices: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (channel, outcome) -> remote notices
     drained: frozenset[int] = frozenset()      # GPUs (minors) given to nobody new
+    endpoint_refused: int = 0                  # connections the metrics endpoint refused over its caps
 
 
 @dataclass
@@ -205,6 +207,8 @@ def families(s: Snapshot) -> Iterator[Metric]:
         if minor != "all":
             errors.add_metric([minor], count)
     yield errors
+    yield CounterMetricFamily("gpuguard_metrics_connections_refused", "Connections the metrics endpoint closed "
+                              "unread, over its cap or the daemon's connection budget", value=s.endpoint_refused)
     yield CounterMetricFamily("gpuguard_nvml_sample_failures", "Samples in which no GPU answered NVML",
                               value=s.nvml_errors.get("all", 0))
     cumulative, running = [], 0
@@ -273,37 +277,55 @@ def write_job_mapping(directory: Path, files: Mapping[str, str]) -> None:
             entry.unlink(missing_ok=True)  # the GPU was released
 
 
+class _Refusal(asyncio.Protocol):
+    """A connection refused before aiohttp makes a request handler for it: closed at once, nothing
+    read. (A handler whose connection is aborted in its own connection_made loses it before its
+    task starts, and the task's assertion was logged as loop_error, once per refusal.)"""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cast(asyncio.Transport, transport).abort()
+
+
 class _Endpoint(web.Server):
     """aiohttp's low-level server with every connection admitted by the budget and given a deadline.
     When the endpoint's own cap is full, a new connection takes the place of the oldest if that
     one has lasted EVICT_AFTER (a scrape is over in milliseconds: what lasts is idle or trickling),
-    and is refused otherwise."""
+    and is refused otherwise: counted in `refusals`, logged through `refused` (throttled)."""
 
     def __init__(self, handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], budget: admission.Budget,
                  refused: Callable[[str], None]) -> None:
         super().__init__(handler, keepalive_timeout=KEEPALIVE, access_log=None)
         self.budget = budget
         self.refused = refused
+        self.refusals = 0
         # handler -> (transport, its deadline, when admitted), in order of arrival
         self._admitted: dict[object, tuple[asyncio.Transport, asyncio.TimerHandle, float]] = {}
 
+    def __call__(self) -> web.RequestHandler | _Refusal:  # type: ignore[override]  # the loop takes any protocol
+        """The protocol of a connection just accepted (the loop calls connection_made next): a request
+        handler if it is admitted, its slot taken, else a refusal."""
+        if (refusal := self._admit()) is not None:
+            self.refusals += 1
+            self.refused(refusal)
+            return _Refusal()
+        return super().__call__()
+
+    def _admit(self) -> str | None:
+        """Make room for one connection (its slot in the budget taken), or say why there is none."""
+        if len(self._admitted) < self.budget.metrics:
+            return self.budget.take(admission.METRICS_KEY)
+        oldest, (dropped, deadline, since) = next(iter(self._admitted.items()))
+        if self._loop.time() - since < EVICT_AFTER:
+            return f"more than {self.budget.metrics} connections at once to the metrics endpoint"
+        del self._admitted[oldest]  # its slot in the budget passes to the new one
+        deadline.cancel()
+        dropped.abort()
+        return None
+
     def connection_made(self, handler: web.RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
-        now = self._loop.time()
-        if len(self._admitted) >= self.budget.metrics:
-            oldest, (dropped, deadline, since) = next(iter(self._admitted.items()))
-            if now - since < EVICT_AFTER:
-                self.refused(f"more than {self.budget.metrics} connections at once to the metrics endpoint")
-                transport.abort()
-                return
-            del self._admitted[oldest]  # its slot in the budget passes to this one
-            deadline.cancel()
-            dropped.abort()
-        elif (refusal := self.budget.take(admission.METRICS_KEY)) is not None:
-            self.refused(refusal)
-            transport.abort()  # connection_lost follows, with nothing to give back
-            return
-        self._admitted[handler] = (transport, self._loop.call_later(CONNECTION_LIFETIME, transport.abort), now)
+        self._admitted[handler] = (transport, self._loop.call_later(CONNECTION_LIFETIME, transport.abort),
+                                   self._loop.time())
 
     def connection_lost(self, handler: web.RequestHandler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
@@ -410,7 +432,7 @@ class Metrics:
             gate_exempt=len(gate.exempt() - {0}) if gate and attached else (0 if gate else None),
             queue_requests=len(waiting), queue_units=sum(w.gpus for w in waiting),
             queue_oldest=min((w.since for w in waiting), default=None), notices=self.notices(),
-            drained=frozenset(self.drained()))
+            drained=frozenset(self.drained()), endpoint_refused=self._endpoint.refusals if self._endpoint else 0)
         return self.snapshot
 
     async def after_tick(self, tick_seconds: float) -> None:
