@@ -48,6 +48,19 @@ def unit_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def gpu_count(text: str) -> int:
+    """argparse type of --gpus: a number of GPUs, 1 or more."""
+    import argparse
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GPUs: give 1 or more "
+                                         "(or leave --gpus out for the default)")
+    return count
+
+
 def require_root(what: str) -> None:
     if os.geteuid() != 0:
         raise CommandError(f"{what} needs root")
@@ -83,21 +96,24 @@ COMMANDS = {
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
     "replay": "replay_cmd", "simulate": "replay_cmd", "trace": "replay_cmd",
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
-    "fairshare": "user_cmd",
+    "fairshare": "user_cmd", "run": "run_cmd",
     "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
     "where": "fleet_cmd",
 }
 # Help lists the commands users run first (in this order), then the admins' and the tools, by module.
-USER_MODULES = ("user_cmd", "status_cmd", "report_cmd", "quota_cmd")
+USER_MODULES = ("run_cmd", "user_cmd", "status_cmd", "report_cmd", "quota_cmd")
 DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 
-for users:   whoami, status, request, release, cancel, env, fairshare, report, events, quota show
+for users:   run, whoami, status, request, release, cancel, env, fairshare, report, events, quota show
 for admins:  grant, revoke, drain, resume, hold, cancel --user, reload, quota set, config check, doctor, gate,
              acl, daemon, enable, disable, web
 tools:       replay, trace, sim, completion, gpus"""
 EPILOG = """examples:
+  gpuguard run --wait -- python train.py
+                                   run a job on a GPU taken for it, given back when it ends
   gpuguard whoami                  your GPUs, quota, place in the queue and why
-  gpuguard request --wait          get GPUs, waiting in the queue if none is free
+  eval "$(gpuguard request --wait)"
+                                   get GPUs for this shell, waiting in the queue if none is free
   eval "$(gpuguard env)"           set CUDA_VISIBLE_DEVICES in an older shell (tmux, screen)
   gpuguard COMMAND --help          what a command does, with an example
 

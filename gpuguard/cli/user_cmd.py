@@ -5,21 +5,18 @@ import os
 import sys
 import time
 
-from gpuguard import client
-from gpuguard.cli import CommandError, print_json, print_rows, unit_arg
-from gpuguard.cli.calls import ask, socket_of
+from gpuguard.cli import CommandError, gpu_count, print_json, print_rows, unit_arg
+from gpuguard.cli.calls import ask
+from gpuguard.cli.requesting import take, timeout_of
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.core.messages import clock, cuda_export, gpu_label, queue_message, queue_why, stale_devices
-from gpuguard.core.quantities import UnitError, format_duration, format_size, parse_duration
+from gpuguard.core.messages import clock, cuda_export, gpu_label, queue_why, stale_devices
+from gpuguard.core.quantities import format_duration, format_size
 from gpuguard.core.unit_numbers import unit_label
 
 TYPE_CHECKING = False  # not typing's: whoami starts within a few ms of Python itself
 if TYPE_CHECKING:
     import argparse
     from typing import Any
-
-RECONNECT = 1.0  # seconds between attempts to reach a restarting daemon while waiting
-
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     whoami = subparsers.add_parser("whoami", help="your GPUs, quota, sessions and recent events",
@@ -39,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                     description="Get GPUs now, up to your quota; with --wait, wait in the queue "
                                                 "until they are yours (^C leaves it). Examples: gpuguard request "
                                                 "--gpus 2; gpuguard request --wait --timeout 1h30m")
-    request.add_argument("--gpus", type=int, metavar="N", help="how many GPUs in all (default: your quota)")
+    request.add_argument("--gpus", type=gpu_count, metavar="N", help="how many GPUs in all (default: your quota)")
     request.add_argument("--wait", action="store_true",
                          help="when they are not free, wait in the queue until they are (exit 0 once granted)")
     request.add_argument("--timeout", metavar="DURATION",
@@ -180,58 +177,14 @@ def run_request(args: argparse.Namespace) -> int:
         if args.wait or args.gpus is not None or args.timeout is not None:
             raise CommandError("--cancel goes alone (it leaves the queue)", EXIT_USAGE)
         return run_cancel(args)
-    timeout = _timeout(args)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    reply = ask(args, "request", gpus=args.gpus, wait=args.wait or None)
-    if reply.get("queued"):
-        print(queue_message(reply["position"], reply["waiting"], reply["gpus"], reply["estimate"], then="waiting"),
-              file=sys.stderr, flush=True)
-        try:
-            reply = _wait(args, reply["ticket"], deadline)
-        except KeyboardInterrupt:
-            # The daemon takes the request out when this connection closes; a login's place stays.
-            print("\ngpuguard: interrupted: "
-                  + ("you stopped waiting; your login keeps its place in the queue (gpuguard cancel leaves it)"
-                     if reply.get("login_place") else "you left the queue"), file=sys.stderr)
-            return 130
+    reply = take(args, args.gpus, args.wait, timeout_of(args))
     if args.json:
         print_json(reply)
         return EXIT_OK
-    print(reply["message"])
+    # the human line on stderr, the export alone on stdout: eval "$(gpuguard request --wait)"
+    print(reply["message"], file=sys.stderr)
     print(cuda_export(filter(None, reply["cuda_visible_devices"].split(","))))
     return EXIT_OK
-
-
-def _timeout(args: argparse.Namespace) -> float | None:
-    if args.timeout is None:
-        return None
-    if not args.wait:
-        raise CommandError("--timeout goes with --wait", EXIT_USAGE)
-    try:
-        seconds = parse_duration(args.timeout)
-    except UnitError as exc:
-        raise CommandError(f"--timeout: {exc}", EXIT_USAGE) from None
-    if seconds is None:
-        raise CommandError("--timeout: expected a duration like 30m (leave it out to wait without limit)",
-                           EXIT_USAGE)
-    return seconds
-
-
-def _wait(args: argparse.Namespace, ticket: int, deadline: float | None) -> dict[str, Any]:
-    """Block on the daemon until the queued request is granted; across a daemon restart the
-    queue is kept, so the call is made again until the deadline."""
-    socket, _ = socket_of(args)
-    while True:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            # The socket's own timeout outlasts the daemon's answer to `timeout`.
-            reply = client.call(socket, "wait", timeout=None if left is None else left + 10, ticket=ticket,
-                                **({} if left is None else {"limit": left}))
-            return {key: value for key, value in reply.items() if key not in ("v", "ok")}
-        except client.DaemonUnreachable:
-            if left is not None and left <= 0:
-                raise
-            time.sleep(RECONNECT)  # a daemon restart: the queue survives it
 
 
 def run_release(args: argparse.Namespace) -> int:

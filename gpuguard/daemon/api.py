@@ -260,7 +260,7 @@ class Api:
             raise Refusal(self._refused(answer))
         if answer.outcome == Outcome.WAITING:
             assert answer.place is not None  # a place is what waiting is
-            return protocol.ok(queued=True, ticket=answer.place.waiter.id,
+            return protocol.ok(queued=True, ticket=answer.place.waiter.id, granted=list(answer.granted),
                                login_place=answer.place.origin == Origin.SESSION,
                                **(_standing_info(self.queue.standing(account.uid, now)) or {}))
         held = self.store.grants(account.uid)
