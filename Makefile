@@ -22,6 +22,7 @@ TEST_PACKAGES  = pamtester acl openssh-server openssh-client util-linux passwd l
 	kmod man-db chromium chromium-driver uidmap \
 	postgresql
 TEST_PACKAGES += fish  # the fish completion script is loaded by fish itself in the tests
+TEST_PACKAGES += zsh tmux  # tests/system/test_login_shells.py: the login snippets in zsh and a tmux pane
 
 # `make install` (other distributions): the application's venv in APPDIR (the unit and the udev rule
 # name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, the unit where systemd reads it, the
@@ -152,6 +153,10 @@ install: pam man
 	install -D -m 0644 build/pam_gpuguard.8 $(DESTDIR)$(MANDIR)/man8/pam_gpuguard.8
 	install -D -m 0644 build/gpuguard.toml.5 $(DESTDIR)$(MANDIR)/man5/gpuguard.toml.5
 	install -D -m 0644 build/gpuguard.bash $(DESTDIR)$(BASHCOMPDIR)/gpuguard
+	@# Login shells' CUDA_VISIBLE_DEVICES from the held-devices file (docs/users.md, Any shell).
+	install -D -m 0644 etc/profile.d/gpuguard.sh $(DESTDIR)$(SYSCONFDIR)/profile.d/gpuguard.sh
+	install -D -m 0644 etc/profile.d/gpuguard.zsh $(DESTDIR)$(SYSCONFDIR)/profile.d/gpuguard.zsh
+	install -D -m 0644 etc/fish/conf.d/gpuguard.fish $(DESTDIR)$(SYSCONFDIR)/fish/conf.d/gpuguard.fish
 	install -d -m 0755 $(DESTDIR)$(SYSCONFDIR)/gpuguard
 	@# The admin's configuration is never overwritten.
 	[ -e $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.toml ] || install -m 0644 etc/gpuguard.toml $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.toml
@@ -165,7 +170,8 @@ uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard-web.service \
 		$(DESTDIR)$(MANDIR)/man1/gpuguard.1 $(DESTDIR)$(MANDIR)/man8/gpuguard.8 \
 		$(DESTDIR)$(MANDIR)/man8/pam_gpuguard.8 $(DESTDIR)$(MANDIR)/man5/gpuguard.toml.5 \
-		$(DESTDIR)$(BASHCOMPDIR)/gpuguard
+		$(DESTDIR)$(BASHCOMPDIR)/gpuguard $(DESTDIR)$(SYSCONFDIR)/profile.d/gpuguard.sh \
+		$(DESTDIR)$(SYSCONFDIR)/profile.d/gpuguard.zsh $(DESTDIR)$(SYSCONFDIR)/fish/conf.d/gpuguard.fish
 	$(MAKE) -C pam uninstall DESTDIR=$(DESTDIR)
 
 clean:

@@ -1,0 +1,10 @@
+# gpuguard: the twin of /etc/profile.d/gpuguard.sh for fish login shells: CUDA_VISIBLE_DEVICES set
+# to the GPUs you hold, from the file the daemon keeps for you; nothing when you hold none.
+if status is-login
+    set -l held_dir /run/gpuguard/held
+    set -q GPUGUARD_HELD_DIR; and set held_dir $GPUGUARD_HELD_DIR
+    set -l held $held_dir/(id -u)
+    if test -r $held; and read -l devices <$held; and test -n "$devices"
+        set -gx CUDA_VISIBLE_DEVICES $devices
+    end
+end
