@@ -73,7 +73,7 @@ def _serve(static_dir: str, port_out, memo_age: float) -> None:
     from gpuguard.web.sources import Memo
 
     state = Web(WebConfig(secure_cookies=False), FakeFleetSource(fleet(time.time())), Signer(b"b" * 32),
-                lambda user, password: False, lambda user: (), memo=Memo(memo_age))
+                lambda user, password, client: False, lambda user: (), memo=Memo(memo_age))
     app = build(state)
     app.router.add_static("/bench", static_dir)
     sock = socket.socket()

@@ -158,6 +158,9 @@ class WebConfig:
     key_file: Path = Path("/var/lib/gpuguard-web/session.key")  # signs the forms' CSRF tokens; made at start
     session_time: float = 8 * 3600.0       # a login lasts this long
     secure_cookies: bool = True            # cookies only over HTTPS (browsers allow http://localhost too)
+    # Reverse proxies whose X-Forwarded-For names the client (the login delay's key, PAM_RHOST);
+    # from anyone else the header is ignored.
+    trusted_proxies: tuple[IpNetwork, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -362,6 +365,17 @@ def _listen(value: Any) -> tuple[str, int]:
 
 
 parse_listen = _listen  # `gpuguard web --listen` takes the same form
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _networks(value: Any) -> tuple[IpNetwork, ...]:
+    """A list of addresses or networks: `["127.0.0.1", "10.1.0.0/16", "::1"]`."""
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of addresses or networks, got {value!r}")
+    try:
+        return tuple(ipaddress.ip_network(_string(v)) for v in value)
+    except ValueError as exc:
+        raise ValueError(f"expected addresses or networks like 10.1.0.0/16: {exc}") from None
 
 
 def _choice(*options: str) -> Callable[[Any], str]:
@@ -498,7 +512,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
                "per_user_hour": _count(1, 3600)},
     "web": {"listen": _listen, "user": _string, "show_users": _bool, "admin_group": _string,
             "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
-            "secure_cookies": _bool},
+            "secure_cookies": _bool, "trusted_proxies": _networks},
     "coexist": {"slurm": _slurm, "gres_conf": _absolute_path, "slurm_node": _string, "k8s_gpus": _minors},
     "fleet": {"database": _string, "node": _string, "rack": _string, "ssh": _string,
                 "heartbeat": _positive_duration(1), "lease": _positive_duration(1), "grace": _positive_duration(0),

@@ -100,6 +100,8 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("web", "key_file"): ("path", "the key that signs the forms' CSRF tokens; made at the first start, mode 0600"),
     ("web", "session_time"): ("duration", "how long a web login lasts"),
     ("web", "secure_cookies"): ("bool", "cookies only over HTTPS (browsers allow http://localhost too)"),
+    ("web", "trusted_proxies"): ("names", "reverse proxies (addresses or networks) whose X-Forwarded-For names the "
+                                         "client for the login delay and PAM_RHOST; ignored from anyone else"),
     ("coexist", "slurm"): ("string", "\"auto\": the GPUs gres.conf gives this node are Slurm's (AutoDetect=nvml: all); "
                                      "\"off\": none are; or a list of Slurm's GPU minors. Unset on a Slurm node "
                                      "(slurmd running, gres.conf present): the daemon refuses to start (exit 6)"),

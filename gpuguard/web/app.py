@@ -4,15 +4,18 @@ Read-only: the only forms are the login and the logout, both POST with a CSRF to
 changes anything outside the browser's cookie. Every response carries a Content-Security-Policy
 that allows nothing from elsewhere and no inline script. What one client can make it cost is
 bounded: the daemon is asked at most once per second and key however many browsers poll (Memo),
-PAM runs at most LOGINS_AT_ONCE logins at a time, failed logins are limited per user name and per
-client address (sessions.LoginLimit), and request bodies are small.
+PAM runs at most LOGINS_AT_ONCE logins at a time, failed logins delay further tries of that name
+from that client (sessions.LoginDelay; the client behind `trusted_proxies` from X-Forwarded-For),
+and request bodies are small.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import datetime
+import ipaddress
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -22,11 +25,12 @@ from typing import Any
 from aiohttp import web
 
 from gpuguard.client import DaemonUnreachable, Refused
-from gpuguard.config import WebConfig
+from gpuguard.config import IpNetwork, WebConfig
 from gpuguard.logs import event
 from gpuguard.web import pages, views
 from gpuguard.web.assets import SCRIPT, STYLE
-from gpuguard.web.sessions import Login, LoginLimit, Sessions, Signer
+from gpuguard.web.counted import Counted
+from gpuguard.web.sessions import Login, LoginDelay, Sessions, Signer
 from gpuguard.web.sources import Memo, Source
 from gpuguard.web.svg import usage_chart
 
@@ -42,7 +46,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self';
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
            "Referrer-Policy": "no-referrer", "Cross-Origin-Opener-Policy": "same-origin"}
 
-Authenticate = Callable[[str, str], bool]   # PAM: user, password -> accepted (blocking)
+Authenticate = Callable[[str, str, str], bool]  # PAM: user, password, client address -> accepted (blocking)
 GroupsOf = Callable[[str], tuple[str, ...]]  # NSS: the user's groups (blocking)
 # users -> why each of those whose password login has ended (locked, expired, removed) can no
 # longer log in (blocking); the default judges nobody.
@@ -64,7 +68,9 @@ class Web:
     clock: Callable[[], float] = time.time
     memo: Memo = field(default_factory=lambda: Memo(MEMO_AGE))
     sessions: Sessions = field(default_factory=Sessions)
-    limit: LoginLimit = field(default_factory=LoginLimit)
+    delay: LoginDelay = field(default_factory=LoginDelay)
+    delayed: Counted = field(default_factory=lambda: Counted("web_login_delayed"))
+    implausible: Counted = field(default_factory=lambda: Counted("web_login_malformed"))
     logins: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOGINS_AT_ONCE))
 
     @property
@@ -261,22 +267,32 @@ class Web:
         if not self.signer.csrf_ok(str(form.get("csrf", "")), "login:" + seed if seed else None):
             return self.page(request, viewer, "Log in", pages.message_page(
                 "Log in", "The form expired or came from another site: load the login page again."), status=403)
-        address = request.remote or "?"
+        client = client_address(request.remote, request.headers.get("X-Forwarded-For"), self.config.trusted_proxies)
         now = self.clock()
 
         def again(message: str, status: int) -> web.Response:
             body = pages.login_page(self.signer.csrf("login:" + str(seed)), message, user)
             return self.page(request, viewer, "Log in", body, status=status)
 
-        if not self.limit.allowed(user, address, now):
-            return again("Too many failed logins: wait a few minutes.", 429)
+        if not _plausible(user, password):  # no PAM conversation, so nothing guessed and nothing kept
+            self.implausible.add(client=client)
+            return again("Wrong user name or password.", 401)
+        wait = self.delay.wait(user, client, now)
+        if wait > 0:
+            self.delayed.add(user=user, client=client, wait=math.ceil(wait))
+            refused = again(f"Too many failed logins as {user} from here: try again in {math.ceil(wait)} s.", 429)
+            refused.headers["Retry-After"] = str(math.ceil(wait))
+            return refused
         if self.logins.locked():
             return again("Too many logins at once: try again in a moment.", 503)
         async with self.logins:
-            accepted = _plausible(user, password) and await asyncio.to_thread(self.authenticate, user, password)
+            accepted = await asyncio.to_thread(self.authenticate, user, password, client)
         if not accepted:
-            self.limit.failed(user, address, self.clock())
+            failures = self.delay.failed(user, client, self.clock())
+            event(logging.WARNING, "web_login_failed", user=user, client=client, failures=failures.count,
+                  delay=math.ceil(failures.until - failures.last))
             return again("Wrong user name or password.", 401)
+        self.delay.succeeded(user, client)
         login = self.sessions.open(user, await self.is_admin(user), now + self.config.session_time)
         response = web.HTTPSeeOther("/me")
         response.set_cookie(self.cookie, login.id, max_age=int(self.config.session_time), **self.cookie_options())
@@ -367,6 +383,30 @@ class Web:
 
 def _fragment(text: str) -> web.Response:
     return web.Response(text=text, content_type="text/html", headers={"Cache-Control": "no-store"})
+
+
+def client_address(peer: str | None, forwarded: str | None, trusted: Sequence[IpNetwork]) -> str:
+    """Who sent a request: the peer, or when the peer is a trusted proxy, the last address in
+    X-Forwarded-For that is not one (proxies append the address they saw; what comes before it
+    is the client's to write). A header from anyone else, or an entry that is no address, is not
+    believed: the peer it is."""
+    def trusted_address(text: str) -> bool:
+        try:
+            address = ipaddress.ip_address(text)
+        except ValueError:
+            return False
+        return any(address in network for network in trusted)
+
+    if peer is None or not forwarded or not trusted_address(peer):
+        return peer or "?"
+    for entry in reversed(forwarded.split(",")[-16:]):  # a header of thousands of entries: the last 16 judged
+        entry = entry.strip()
+        if not trusted_address(entry):
+            try:
+                return str(ipaddress.ip_address(entry))
+            except ValueError:
+                return peer
+    return peer
 
 
 def _plausible(user: str, password: str) -> bool:

@@ -13,7 +13,6 @@ import hashlib
 import hmac
 import os
 import secrets
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,31 +117,88 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-class LoginLimit:
-    """At most `per_user` failed logins per user name and `per_address` per client address within
-    `window` seconds; memory bounded by `max_keys` (the oldest keys go first)."""
+OVERFLOW = ""  # the shared record of a user's (or a client's) clients (names) past its bound
 
-    def __init__(self, per_user: int = 5, per_address: int = 20, window: float = 300.0, max_keys: int = 10_000):
-        self.limits = {"user": per_user, "address": per_address}
-        self.window = window
-        self.max_keys = max_keys
-        self._failures: dict[tuple[str, str], deque[float]] = {}
 
-    def allowed(self, user: str, address: str, now: float) -> bool:
-        return all(len(self._recent((kind, key), now)) < self.limits[kind]
-                   for kind, key in (("user", user), ("address", address)))
+@dataclass
+class Failures:
+    count: int
+    last: float
+    until: float  # no PAM conversation for this (user, client) before
 
-    def failed(self, user: str, address: str, now: float) -> None:
-        for key in (("user", user), ("address", address)):
-            times = self._recent(key, now)
-            times.append(now)
-            self._failures.pop(key, None)
-            self._failures[key] = times  # newest last: the oldest keys are the first dropped
-        while len(self._failures) > self.max_keys:
-            self._failures.pop(next(iter(self._failures)))
 
-    def _recent(self, key: tuple[str, str], now: float) -> deque[float]:
-        times = self._failures.get(key, deque())
-        while times and now - times[0] >= self.window:
-            times.popleft()
-        return times
+class LoginDelay:
+    """Failed logins counted per (user name, client address): after `free` failures each further
+    one makes that pair wait `base` seconds, doubled at each failure up to `most`; forgotten
+    `forget` seconds after its last failure, and at a success. No lock anyone could trigger for
+    another: alice's failures from one client do not delay alice from another, nor bob from it.
+
+    State is bounded without evicting anyone: at most `per_user` clients per name and
+    `per_client` names per client, `total` pairs in all; a pair past a bound shares one record
+    with the others past it (the name's, the client's, or everyone's), so a flood of new names
+    or addresses delays itself, not a record already kept."""
+
+    def __init__(self, free: int = 3, base: float = 1.0, most: float = 300.0, forget: float = 900.0,
+                 per_user: int = 64, per_client: int = 64, total: int = 10_000):
+        self.free, self.base, self.most, self.forget = free, base, most, forget
+        self.per_user, self.per_client, self.total = per_user, per_client, total
+        self._kept: dict[tuple[str, str], Failures] = {}
+        self._users: dict[str, int] = {}
+        self._clients: dict[str, int] = {}
+        self._swept = float("-inf")
+
+    def wait(self, user: str, client: str, now: float) -> float:
+        """Seconds until this name may be tried from this client (0: now)."""
+        record = self._fresh(self._key(user, client, now), now)
+        return max(0.0, record.until - now) if record else 0.0
+
+    def failed(self, user: str, client: str, now: float) -> Failures:
+        key = self._key(user, client, now)
+        record = self._fresh(key, now)
+        if record is None:
+            record = self._kept[key] = Failures(0, now, now)
+            self._users[key[0]] = self._users.get(key[0], 0) + 1
+            self._clients[key[1]] = self._clients.get(key[1], 0) + 1
+        record.count += 1
+        record.last = now
+        over = record.count - self.free
+        record.until = now + (min(self.most, self.base * 2 ** (over - 1)) if over > 0 else 0.0)
+        return record
+
+    def succeeded(self, user: str, client: str) -> None:
+        if (user, client) in self._kept:
+            self._drop((user, client))
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def _key(self, user: str, client: str, now: float) -> tuple[str, str]:
+        if (user, client) in self._kept:
+            return user, client
+        if len(self._kept) >= self.total and now - self._swept >= self.forget / 10:
+            self._forget_old(now)  # a walk of the table, at most ten times per `forget` however many ask
+        if self._users.get(user, 0) >= self.per_user:
+            return user, OVERFLOW
+        if self._clients.get(client, 0) >= self.per_client:
+            return OVERFLOW, client
+        return (user, client) if len(self._kept) < self.total else (OVERFLOW, OVERFLOW)
+
+    def _fresh(self, key: tuple[str, str], now: float) -> Failures | None:
+        """The record of `key`, None (and forgotten) when its last failure is `forget` old."""
+        record = self._kept.get(key)
+        if record is not None and now - record.last >= self.forget:
+            self._drop(key)
+            return None
+        return record
+
+    def _forget_old(self, now: float) -> None:
+        self._swept = now
+        for key in [key for key, record in self._kept.items() if now - record.last >= self.forget]:
+            self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        del self._kept[key]
+        for counts, name in ((self._users, key[0]), (self._clients, key[1])):
+            counts[name] -= 1
+            if not counts[name]:
+                del counts[name]

@@ -10,10 +10,12 @@ unit gives through the shadow group.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -27,12 +29,20 @@ from gpuguard.web.sessions import Signer, load_key
 from gpuguard.web.sources import LocalDaemon, Source
 
 
-def pam_authenticate(service: str) -> Callable[[str, str], bool]:
-    """user, password -> whether the PAM service accepts them (authentication and account checks)."""
+def pam_authenticate(service: str) -> Callable[[str, str, str], bool]:
+    """user, password, client address -> whether the PAM service accepts them (authentication and
+    account checks), with the client as PAM_RHOST (pam_unix's failure line names it)."""
     import pam  # python-pam: ctypes over libpam; loaded by `gpuguard web` only
 
-    def authenticate(user: str, password: str) -> bool:
+    def authenticate(user: str, password: str, client: str) -> bool:
         authenticator = pam.PamAuthenticator()  # type: ignore[attr-defined]  # typeshed stubs PyPAM, another module named pam
+        start = authenticator.pam_authenticate
+
+        # python-pam sets no PAM_RHOST: set on the handle between its pam_start and pam_authenticate.
+        def with_rhost(handle: Any, flags: int) -> int:
+            authenticator.pam_set_item(handle, pam.PAM_RHOST, ctypes.c_char_p(client.encode()))  # type: ignore[attr-defined]
+            return int(start(handle, flags))
+        authenticator.pam_authenticate = with_rhost
         return bool(authenticator.authenticate(user, password, service=service, resetcreds=False))
     return authenticate
 

@@ -7,13 +7,15 @@ picture in docs/admin.md (Web view).
 """
 from __future__ import annotations
 
+import re
 import subprocess
+import time
 
 import pytest
 from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
-from web_harness import ARTEFACTS, set_password
+from web_harness import ARTEFACTS, FormClient, set_password
 
 pytestmark = pytest.mark.gate
 
@@ -205,3 +207,40 @@ def test_log_out_and_a_locked_account_end_the_login(start_daemon, web, browser):
     assert f"user={alice.name}" in site.log() and "why=locked" in site.log()
     browser.get(site.url + "/me")
     assert browser.current_url == site.url + "/login"
+
+
+def test_failed_logins_delay_that_client_not_the_user_elsewhere(start_daemon, web, browser):
+    daemon = start_daemon(web=web.prepare(pam_env_log=True))  # no trusted_proxies
+    alice = daemon.add_member()
+    set_password(alice, PASSWORD)
+    site = web.start(daemon)
+    guesser = FormClient(site.url, source="127.0.0.2")
+    forged = {"X-Forwarded-For": "10.9.9.9"}  # not believed: 127.0.0.2 is no trusted proxy
+
+    # The guesser fails until told to wait 4 s or more (failures 4, 5, 6 wait 1, 2, 4 s).
+    answers = []
+    while True:
+        reply = guesser.log_in(alice.name, "wrong guess", forged)
+        answers.append(reply.status)
+        assert reply.status in (401, 429), reply.text
+        if reply.status == 429:
+            wait = int(reply.getheader("Retry-After"))
+            if wait >= 4:
+                break
+            time.sleep(wait)
+    assert answers[:4] == [401] * 4 and answers.count(401) == 6
+    # Even the right password waits, from the guesser's address, whatever it forwards.
+    delayed = guesser.log_in(alice.name, PASSWORD, {"X-Forwarded-For": "10.9.9.10"})
+    assert delayed.status == 429 and "try again in" in delayed.text
+
+    # Alice herself, from another client (the browser, 127.0.0.1), logs in.
+    log_in(browser, site.url, alice.name, PASSWORD)
+    assert browser.current_url == site.url + "/me"
+
+    failed = [line for line in site.log().splitlines() if "event=web_login_failed" in line]
+    assert len(failed) == 6 and all(f"user={alice.name}" in line and "client=127.0.0.2" in line for line in failed)
+    assert "failures=6" in failed[-1] and "delay=4" in failed[-1] and "level=warn" in failed[-1]
+    assert "event=web_login_delayed" in site.log()
+    # PAM was told the client: PAM_RHOST (pam_unix's own failure line names it).
+    rhosts = re.findall(r"^PAM_RHOST=(.*)$", web.pam_env.read_text(), re.M)
+    assert rhosts[:6] == ["127.0.0.2"] * 6 and rhosts[-1] == "127.0.0.1"

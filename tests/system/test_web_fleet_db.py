@@ -57,7 +57,7 @@ def test_the_fleet_from_the_cluster_database(postgres):
     assert report["gpu1"]["rows"][0]["granted_seconds"] == pytest.approx(1800, abs=60)  # still held
 
     async def page() -> str:
-        state = Web(WebConfig(secure_cookies=False), source, Signer(b"k" * 32), lambda u, p: False, lambda u: ())
+        state = Web(WebConfig(secure_cookies=False), source, Signer(b"k" * 32), lambda u, p, c: False, lambda u: ())
         async with TestClient(TestServer(build(state))) as client:
             return await (await client.get("/")).text()
     html = asyncio.run(page())

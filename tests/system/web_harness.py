@@ -8,16 +8,21 @@
 - `browser`: headless Chromium through chromedriver (Debian's packages); on a failed test it saves
   a screenshot and the page's HTML in build/test-artefacts/.
 - `set_password(user, password)`: chpasswd.
+- `FormClient(url, source)`: the login form posted from another loopback address (any user can
+  bind 127.x.y.z), for the login delay's tests.
 """
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,13 +71,20 @@ class WebStarter:
         self.stacks = PamStacks()
         self.started: list[RunningWeb] = []
         self.account: TestUser | None = None
+        self.pam_env: Path | None = None
 
-    def prepare(self, **table) -> dict:
+    def prepare(self, pam_env_log: bool = False, **table) -> dict:
+        """pam_env_log: the PAM stack also writes its environment (PAM_RHOST, PAM_USER...) at
+        each authentication to self.pam_env, through pam_exec."""
         self.account = self.make_user(groups=["shadow"])
         key_dir = self.sandbox / "web"
         key_dir.mkdir(mode=0o700)
         os.chown(key_dir, self.account.uid, self.account.gid)
-        return {"user": self.account.name, "pam_service": self.stacks.make(base=WEB_PAM),
+        lines = []
+        if pam_env_log:
+            self.pam_env = key_dir / "pam-env.log"
+            lines.append(f"auth optional pam_exec.so quiet log={self.pam_env} /usr/bin/env")
+        return {"user": self.account.name, "pam_service": self.stacks.make(*lines, base=WEB_PAM),
                 "key_file": str(key_dir / "session.key"), **table}
 
     def start(self, daemon) -> RunningWeb:
@@ -102,6 +114,30 @@ class WebStarter:
                 running.proc.wait()
             print(f"--- gpuguard web log ---\n{running.log()}")
         self.stacks.remove_all()
+
+
+class FormClient:
+    """The login form, fetched and posted over HTTP from `source` (a loopback address)."""
+
+    def __init__(self, url: str, source: str) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port, self.source = parsed.hostname, parsed.port, source
+
+    def request(self, method: str, path: str, body: str = "", headers: dict | None = None) -> http.client.HTTPResponse:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=30, source_address=(self.source, 0))
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        response.text = response.read().decode(errors="replace")
+        connection.close()
+        return response
+
+    def log_in(self, user: str, password: str, headers: dict | None = None) -> http.client.HTTPResponse:
+        form = self.request("GET", "/login")
+        cookie = form.getheader("Set-Cookie").split(";")[0]  # the pre-login cookie the token is bound to
+        token = re.search(r'name=csrf value="([^"]+)"', form.text).group(1)
+        body = urllib.parse.urlencode({"user": user, "password": password, "csrf": token})
+        return self.request("POST", "/login", body, {"Cookie": cookie, **(headers or {}),
+                                                     "Content-Type": "application/x-www-form-urlencoded"})
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ check standing in for PAM (the real PAM stack, daemon and browser: tests/system/
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import re
 import time
 
@@ -10,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gpuguard.client import DaemonUnreachable
 from gpuguard.config import WebConfig
-from gpuguard.web.app import CSP, MAX_BODY, Web, build
+from gpuguard.web.app import CSP, MAX_BODY, Web, build, client_address
 from gpuguard.web.sessions import Signer
 from gpuguard.web.sources import ServerStatus
 
@@ -65,9 +66,11 @@ def run(scenario, **config):
 def run_with_state(scenario, groups_of=lambda user: ("labadmins",) if user == "root2" else (),
                    ended=lambda users: {}, **config):
     source = Canned()
+    now = time.time()
     config = {"secure_cookies": False, **config}
     state = Web(WebConfig(admin_group="labadmins", **config), source, Signer(b"k" * 32),
-                lambda user, password: password == "right", groups_of, ended)
+                lambda user, password, client: password == "right", groups_of, ended,
+                clock=lambda: now)  # still: a login delay does not pass while a test runs
 
     async def main():
         async with TestClient(TestServer(build(state))) as client:
@@ -75,11 +78,11 @@ def run_with_state(scenario, groups_of=lambda user: ("labadmins",) if user == "r
     asyncio.run(main())
 
 
-async def log_in(client, user, password="right"):
+async def log_in(client, user, password="right", headers=None):
     form = await (await client.get("/login")).text()
     token = re.search(r'name="?csrf"? value="([^"]+)"', form).group(1)
     return await client.post("/login", data={"user": user, "password": password, "csrf": token},
-                             allow_redirects=False)
+                             allow_redirects=False, headers=headers)
 
 
 def test_pages_carry_the_security_headers_and_load_nothing_from_elsewhere():
@@ -104,17 +107,46 @@ def test_show_users_false_hides_names_from_anonymous_viewers():
     run(scenario, show_users=False)
 
 
-def test_login_refusals_csrf_and_the_rate_limit():
+def test_login_refusals_csrf_and_the_delay(caplog):
     async def scenario(client, source):
         # no CSRF token (a form posted from another site): refused before PAM is asked
         reply = await client.post("/login", data={"user": "alice", "password": "right"})
         assert reply.status == 403
-        for _ in range(5):
+        for _ in range(4):
             assert (await log_in(client, "alice", "wrong")).status == 401
-        limited = await log_in(client, "alice", "right")
-        assert limited.status == 429 and "Too many failed logins" in await limited.text()
-        assert (await log_in(client, "bob")).status == 303  # another name still gets in
-    run(scenario)
+        delayed = await log_in(client, "alice", "right")
+        assert delayed.status == 429 and "try again in 1 s" in await delayed.text()
+        assert delayed.headers["Retry-After"] == "1"
+        assert (await log_in(client, "bob")).status == 303  # another name from the same client gets in
+    with caplog.at_level("WARNING", logger="gpuguard"):
+        run(scenario)
+    failed = [r.getMessage() for r in caplog.records if "web_login_failed" in r.getMessage()]
+    assert len(failed) == 4 and "user=alice" in failed[-1] and "client=127.0.0.1" in failed[-1]
+    assert "failures=4" in failed[-1] and "delay=1" in failed[-1]
+    assert any("event=web_login_delayed" in r.getMessage() and "user=alice" in r.getMessage() for r in caplog.records)
+
+
+def test_forwarded_for_names_the_client_only_from_a_trusted_proxy():
+    def flood_then_log_in(trusted, expected):
+        async def scenario(client, source):
+            for _ in range(6):
+                await log_in(client, "alice", "wrong", headers={"X-Forwarded-For": "10.0.0.66"})
+            other = await log_in(client, "alice", headers={"X-Forwarded-For": "10.0.0.7"})
+            assert other.status == expected
+        run(scenario, trusted_proxies=trusted)
+    flood_then_log_in((ipaddress.ip_network("127.0.0.0/8"),), 303)  # behind the proxy: two clients
+    flood_then_log_in((), 429)  # without trusted_proxies both are 127.0.0.1, whatever the header says
+
+
+def test_the_client_address_from_forwarded_for():
+    proxies = (ipaddress.ip_network("10.1.0.0/16"), ipaddress.ip_network("::1"))
+    assert client_address("10.1.0.5", "1.2.3.4", proxies) == "1.2.3.4"
+    assert client_address("10.1.0.5", "6.6.6.6, 1.2.3.4, 10.1.0.9", proxies) == "1.2.3.4"  # the client wrote 6.6.6.6
+    assert client_address("192.0.2.1", "1.2.3.4", proxies) == "192.0.2.1"  # not a proxy: the header is not believed
+    assert client_address("10.1.0.5", "junk", proxies) == "10.1.0.5"
+    assert client_address("::1", "2001:db8::1", proxies) == "2001:db8::1"
+    assert client_address("10.1.0.5", None, proxies) == "10.1.0.5"
+    assert client_address(None, "1.2.3.4", proxies) == "?"
 
 
 def test_me_another_users_page_and_the_admin():

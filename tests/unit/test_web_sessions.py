@@ -1,4 +1,4 @@
-"""Server-side sessions, CSRF tokens, the login limit and the key file (pure but for a temporary directory)."""
+"""Server-side sessions, CSRF tokens, the login delay and the key file (pure but for a temporary directory)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from gpuguard.web.sessions import LoginLimit, SessionKeyError, Sessions, Signer, load_key
+from gpuguard.web.sessions import LoginDelay, SessionKeyError, Sessions, Signer, load_key
 from gpuguard.web.sources import Memo
 
 KEY = b"k" * 32
@@ -44,24 +44,36 @@ def test_a_csrf_token_is_bound_to_its_key_and_value():
     assert not Signer(b"o" * 32).csrf_ok(token, "login:seed")
 
 
-def test_the_login_limit_per_user_and_per_address():
-    limit = LoginLimit(per_user=3, per_address=5, window=60.0)
+def test_failures_delay_that_name_from_that_client_only_growing_and_forgotten():
+    delay = LoginDelay(free=3, base=1.0, most=8.0, forget=600.0)
     for i in range(3):
-        assert limit.allowed("alice", "10.0.0.1", float(i))
-        limit.failed("alice", "10.0.0.1", float(i))
-    assert not limit.allowed("alice", "10.0.0.2", 3.0)  # the name, from anywhere
-    assert limit.allowed("bob", "10.0.0.1", 3.0)
-    limit.failed("bob", "10.0.0.1", 3.0)
-    limit.failed("carol", "10.0.0.1", 3.0)
-    assert not limit.allowed("dave", "10.0.0.1", 4.0)  # the address, for any name
-    assert limit.allowed("alice", "10.0.0.2", 61.0)    # the window passed
+        assert delay.wait("alice", "10.0.0.1", float(i)) == 0
+        assert delay.failed("alice", "10.0.0.1", float(i)).until == float(i)  # the first three are free
+    waits = [delay.failed("alice", "10.0.0.1", 10.0).until - 10.0 for _ in range(5)]
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0]  # doubled, up to `most`
+    assert delay.wait("alice", "10.0.0.1", 12.0) == 6.0
+    assert delay.wait("alice", "10.0.0.2", 12.0) == 0  # alice from elsewhere
+    assert delay.wait("bob", "10.0.0.1", 12.0) == 0    # another name from there
+    assert delay.wait("alice", "10.0.0.1", 610.0) == 0  # forgotten
+    assert delay.failed("alice", "10.0.0.1", 611.0).count == 1
+    delay.succeeded("alice", "10.0.0.1")
+    assert len(delay) == 0
 
 
-def test_the_login_limit_memory_is_bounded():
-    limit = LoginLimit(max_keys=100)
-    for i in range(1000):
-        limit.failed(f"user{i}", f"10.0.{i // 256}.{i % 256}", 0.0)
-    assert len(limit._failures) <= 100
+def test_a_flood_of_new_names_or_clients_evicts_no_record_and_delays_itself():
+    delay = LoginDelay(free=0, per_user=4, per_client=4, total=20)
+    for _ in range(5):
+        delay.failed("alice", "10.0.0.1", 0.0)  # the guesser's record (16 s to wait), to be kept
+    for i in range(500):  # new addresses for alice, new names from one address, new pairs
+        delay.failed("alice", f"127.0.{i // 256}.{i % 256}", 1.0)
+        delay.failed(f"junk{i}" * 20, "127.9.9.9", 1.0)
+        delay.failed(f"n{i}", f"10.1.{i // 256}.{i % 256}", 1.0)
+    assert len(delay) <= 20 + 3  # the bound, and the three shared records past it
+    assert delay.wait("alice", "10.0.0.1", 1.0) == 15.0
+    assert delay.wait("alice", "127.200.0.1", 1.0) > 0       # a new client for alice: alice's shared record
+    assert delay.wait("junkX", "127.9.9.9", 1.0) > 0          # a new name from that client: its shared record
+    assert delay.wait("bob", "10.0.0.1", 1.0) > 0             # the table is full: the everyone's record
+    assert delay.wait("bob", "10.0.0.1", 1.0 + 3600.0) == 0   # until the flood is forgotten
 
 
 def test_the_key_file_is_made_once_private_and_checked(tmp_path):
