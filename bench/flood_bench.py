@@ -6,6 +6,15 @@
   Ticks are counted on the daemon's own histogram (gpuguard_watcher_tick_seconds_count).
 - socket login (session_open + session_close, as the PAM module sends them) under a subuid flood
   from a real user namespace (20 uids x 40 connections reopened every 2 s), against no flood.
+- a connect flood of the users' socket (one non-member: 120 processes x 64 connections, each
+  opened again at once when refused), run in a CPU cgroup of the attacker's own as logind's
+  user-UID.slice would be: another member's `gpuguard whoami` (the users' socket) within 3x of
+  the same without the flood; a login through pam_gpuguard.so and through the pam_exec hook (both
+  come in through root's door) within 1.5x of the same under the same 120 processes burning CPU
+  without touching the socket (`spin`): what the flood costs beyond the CPU any user may burn.
+  Without any load besides, a login is also shown (a row against no flood, target 3x: on two
+  cores the attacker's processes take CPU from the login's own steps, and the NSS lookup each
+  login makes in a thread waits for a core). Baselines are taken before and after the flood.
 - logout (a section of its own): the time from the PAM module's close to the grant released (the
   reply comes first), at 10,000 host processes owned by root against the ~100 of an idle host,
   through the process index (a row whose scans walked /proc instead says so); and the watcher's
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import select
 import signal
 import statistics
@@ -25,6 +35,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 from env import REPO, Bench, busy_host, host_processes
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,8 +56,12 @@ NAMESPACE = ("unshare", "--user", "--map-auto", "--setuid", "0", "--setgid", "0"
 
 @contextmanager
 def flood(bench: Bench, user: str, kind: str, *args: object, before: tuple[str, ...] = (),
-          env: dict[str, str] | None = None) -> Iterator[None]:
+          env: dict[str, str] | None = None, sliced: bool = False) -> Iterator[None]:
+    """A devtools/floods.py flood as user, until the block ends; sliced: in a CPU cgroup of its own,
+    as systemd-logind puts a user's sessions in user-UID.slice apart from the daemon's system.slice."""
     account = pwd.getpwnam(user)
+    if sliced:
+        before = (*user_slice(bench, account.pw_uid), *before)
     proc = subprocess.Popen([*before, sys.executable, str(FLOODS), kind, *map(str, args)], user=account.pw_uid,
                             group=account.pw_gid, extra_groups=[], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd="/", start_new_session=True, env={**os.environ, **(env or {})})
@@ -60,6 +75,26 @@ def flood(bench: Bench, user: str, kind: str, *args: object, before: tuple[str, 
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+CPU_CGROUPS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup/cpu"))
+
+
+def user_slice(bench: Bench, uid: int) -> tuple[str, ...]:
+    """argv that moves itself into a CPU cgroup of uid's own (removed at the end of the bench) and
+    runs the rest: the cgroup v2 hierarchy where it has the cpu controller, else v1's cpu one."""
+    for root in CPU_CGROUPS:
+        controllers = root / "cgroup.controllers"
+        if root == CPU_CGROUPS[0] and not (controllers.exists() and "cpu" in controllers.read_text().split()):
+            continue
+        if not (root / "cgroup.procs").exists():
+            continue
+        group = root / f"ggt-user-{uid}-{bench.tag}-{secrets.token_hex(3)}"
+        group.mkdir()
+        bench.stack.callback(group.rmdir)
+        os.chown(group / "cgroup.procs", uid, -1)  # as logind delegates a user's slice: its own processes move in
+        return ("sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh")
+    raise SystemExit("bench: no CPU cgroup to put a user's flood in (cgroup v2 cpu controller or v1 cpu)")
 
 
 def ticks(port: int) -> float:
@@ -135,6 +170,57 @@ def flood_rows(bench: Bench) -> None:
             flooded = statistics.median(login_logout(sock, user, caller.pid) for _ in range(LOGINS))
         row("socket login+logout under a subuid flood (20 uids x 40 connections)", flooded, alone, 3.0,
             "no flood, same daemon")
+    connect_flood_rows(bench)
+
+
+CONNECT_FLOOD = (120, 64)
+FLOODED_LOGINS = 30
+FLOODED_WHOAMIS = 15
+
+
+def connect_flood_rows(bench: Bench) -> None:
+    import pam_bench  # its PAM loop times logins without a client's start-up
+
+    config = bench.write_config("connect-flood")
+    sock = str(configuration.load(config).paths.socket)
+    module = REPO / "pam" / "pam_gpuguard.so"
+    services = {
+        "module": bench.pam_service("flood-module", f"session optional {module} quiet socket={sock}"),
+        "hook": bench.pam_service("flood-hook", f"session optional pam_exec.so quiet {os.path.dirname(sys.executable)}"
+                                                f"/gpuguard pam-hook --config {config}"),
+    }
+    user, bystander = bench.members[3], bench.members[4]
+    account = pwd.getpwnam(bystander)
+
+    def whoami() -> float:
+        start = time.perf_counter()
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "gpuguard"), "--config", str(config), "whoami"],
+                       user=account.pw_uid, group=account.pw_gid, extra_groups=[], cwd="/", check=True,
+                       stdout=subprocess.DEVNULL)
+        return time.perf_counter() - start
+
+    def measure() -> dict[str, float]:
+        times = {kind: statistics.median(pam_bench.pairs(bench, service, user, FLOODED_LOGINS // 3))
+                 for kind, service in services.items()}
+        times["whoami"] = statistics.median(whoami() for _ in range(FLOODED_WHOAMIS))
+        return times
+
+    with bench.daemon(config):
+        before = measure()
+        with flood(bench, bench.outsider, "connects", sock, *CONNECT_FLOOD, sliced=True):
+            flooded = measure()
+        with flood(bench, bench.outsider, "spin", CONNECT_FLOOD[0], sliced=True):
+            spun = measure()
+        after = measure()
+    alone = {kind: (before[kind] + after[kind]) / 2 for kind in before}
+    procs, connections = CONNECT_FLOOD
+    what = f"under a connect flood ({procs} x {connections} connections)"
+    spinning = f"{procs} processes burning CPU, same cgroup"
+    row(f"pam module login+logout {what}", flooded["module"], spun["module"], 1.5, spinning)
+    row(f"pam_exec hook login+logout {what}", flooded["hook"], spun["hook"], 1.5, spinning)
+    row(f"pam module login+logout {what}, against no load", flooded["module"], alone["module"], 3.0,
+        "no flood, same daemon")
+    row(f"another member's `gpuguard whoami` {what}", flooded["whoami"], alone["whoami"], 3.0, "no flood, same daemon")
 
 
 def index_counts(port: int) -> dict[str, float]:

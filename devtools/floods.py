@@ -17,12 +17,20 @@ the runner starts it in a session of its own).
                             (one line per reply) as they come
     forks LOOPS             LOOPS processes forking children that exit at once, as fast as they
                             can: a flood of the kernel's process events (fork, exit)
+    connects SOCKET PROCS N PROCS processes, each keeping N connections to the socket open and
+                            connecting again at once when one is refused, closed or cannot
+                            get into the listen queue (a connect flood of the kernel's queue)
+    subconnects SOCKET PROCS N  the same, run as root of a user namespace: each process as
+                            another uid of the namespace (a subuid to the daemon)
+    spin PROCS              PROCS processes burning CPU and touching nothing else: what a
+                            flood's processes cost the machine, without the flood
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -126,6 +134,49 @@ def forks(loops: int) -> None:
     _forever(loops)
 
 
+def _keep_connecting(path: str, count: int) -> None:
+    """Hold `count` non-blocking connections to path, each opened again as soon as it is refused
+    (the daemon closed it or wrote its refusal) or the listen queue had no room for it."""
+    poller = select.poll()
+    held: dict[int, socket.socket] = {}
+
+    def connect() -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        if sock.connect_ex(path) == 0:
+            held[sock.fileno()] = sock
+            poller.register(sock, select.POLLIN)
+        else:  # EAGAIN (queue full) or ECONNREFUSED: again next round
+            sock.close()
+
+    while True:
+        for _ in range(count - len(held)):
+            connect()
+        for fd, _ in poller.poll(10 if len(held) < count else 1000):
+            poller.unregister(fd)
+            held.pop(fd).close()
+
+
+def connects(path: str, procs: int, count: int, as_subuids: bool = False) -> None:
+    for uid in range(1, procs + 1):
+        if os.fork() == 0:
+            if as_subuids:
+                os.setgid(uid)
+                os.setuid(uid)
+            _keep_connecting(path, count)
+    time.sleep(2)  # every child has opened its first connections
+    _ready()
+    _forever(procs)
+
+
+def spin(procs: int) -> None:
+    for _ in range(procs):
+        if os.fork() == 0:
+            while True:
+                pass
+    _ready()
+    _forever(procs)
+
+
 def main(argv: list[str]) -> int:
     kind, args = argv[0], argv[1:]
     if kind == "slowloris":
@@ -138,6 +189,10 @@ def main(argv: list[str]) -> int:
         release(args[0], int(args[1]))
     elif kind == "forks":
         forks(int(args[0]))
+    elif kind == "spin":
+        spin(int(args[0]))
+    elif kind in ("connects", "subconnects"):
+        connects(args[0], int(args[1]), int(args[2]), as_subuids=kind == "subconnects")
     else:
         print(f"unknown flood {kind}", file=sys.stderr)
         return 2

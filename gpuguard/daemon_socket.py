@@ -1,4 +1,10 @@
-"""Where the daemon's socket is, for its clients: the PAM hook and the users' commands.
+"""Where the daemon's sockets are, for its clients: the PAM hook and the users' commands.
+
+The daemon has two doors. The users' socket (`paths.socket`, 0666: identity comes from
+SO_PEERCRED) takes everyone's requests; root's door (`root_door`: the same name in a `root/`
+directory beside it, mode 0700) takes only root's, so logins (the PAM module and the hook) and
+admins' commands never queue behind another user's connections: a flood can fill the kernel's
+listen queue of the users' socket, never that of root's.
 
 Only `paths.socket` is read, not the config through gpuguard.config: full validation and the
 quotas file cost every command tens of milliseconds, and a user's command must not depend on
@@ -9,6 +15,7 @@ be read, or says nothing usable, means the default socket.
 """
 from __future__ import annotations
 
+import os
 import re
 
 TYPE_CHECKING = False  # not typing's: it costs every login (pam_hook) a few ms
@@ -18,6 +25,12 @@ if TYPE_CHECKING:
 # The same defaults as gpuguard.config (a test keeps them equal), without importing it.
 DEFAULT_CONFIG = "/etc/gpuguard/gpuguard.toml"
 DEFAULT_SOCKET = "/run/gpuguard/gpuguard.sock"
+ROOT_DIRECTORY = "root"  # pam_gpuguard.c names it too
+
+
+def root_door(socket: str) -> str:
+    """Root's socket for the users' socket path: /run/gpuguard/root/gpuguard.sock."""
+    return os.path.join(os.path.dirname(socket), ROOT_DIRECTORY, os.path.basename(socket))
 
 
 def find(config_path: str | None, environ: Mapping[str, str]) -> tuple[str, str | None]:

@@ -12,6 +12,10 @@
  * message is shown with pam_info unless `quiet` or PAM_SILENT. close_session sends
  * {"op":"session_close",...} so the daemon can release the grant.
  *
+ * The request goes to root's door, root/<name> in the socket's directory (which only root may
+ * enter, so no user's flood of the socket can delay a login), or to socket= itself when no
+ * daemon serves root's door (one from before it).
+ *
  * grant= says whether this stack's sessions may take GPUs: "auto" (the default) leaves it to
  * the daemon ([sessions] in gpuguard.toml: sessions with a terminal, or listed services),
  * "always" and "never" decide for every session of this stack. Sessions that take none still
@@ -192,44 +196,27 @@ static int wait_fd(int fd, short events, const struct timespec *deadline)
 }
 
 /*
- * Connect, send `request`, read one reply line into reply[cap] (NUL-terminated).
- * Everything shares one deadline. On failure returns -1 with errno set and *step
- * naming what failed.
+ * A connected socket to path, tried again while its listen queue is full (EAGAIN), until
+ * the deadline; -1 with errno set otherwise.
  */
-static int exchange(const char *path, const char *request, size_t len,
-                    char *reply, size_t cap, const char **step)
+static int connect_door(const char *path, const struct timespec *deadline)
 {
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    struct timespec deadline;
-    size_t done = 0;
     int fd, saved;
 
-    *step = "socket path";
     if (strlen(path) >= sizeof addr.sun_path) {
         errno = ENAMETOOLONG;
         return -1;
     }
     strcpy(addr.sun_path, path);
-
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += TIMEOUT_MS / 1000;
-    deadline.tv_nsec += (TIMEOUT_MS % 1000) * 1000000L;
-    if (deadline.tv_nsec >= 1000000000L) {
-        deadline.tv_sec++;
-        deadline.tv_nsec -= 1000000000L;
-    }
-
-    *step = "socket";
     fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
         return -1;
-
-    *step = "connect";
     while (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) {
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN) {          /* listen backlog full: try again shortly */
-            long left = ms_left(&deadline);
+            long left = ms_left(deadline);
             if (left <= 0) {
                 errno = ETIMEDOUT;
                 goto fail;
@@ -240,7 +227,7 @@ static int exchange(const char *path, const char *request, size_t len,
         if (errno == EINPROGRESS) {     /* not for AF_UNIX today, but cheap to handle */
             int err = 0;
             socklen_t size = sizeof err;
-            if (wait_fd(fd, POLLOUT, &deadline) < 0)
+            if (wait_fd(fd, POLLOUT, deadline) < 0)
                 goto fail;
             if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &size) < 0)
                 goto fail;
@@ -255,7 +242,6 @@ static int exchange(const char *path, const char *request, size_t len,
 
     /* Only root's daemon may answer: a reply sets the session's environment, and a socket
      * path can be taken by anyone while the daemon is down or the directory is wrong. */
-    *step = "peer check";
     struct ucred peer;
     socklen_t peer_size = sizeof peer;
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &peer_size) < 0)
@@ -264,6 +250,58 @@ static int exchange(const char *path, const char *request, size_t len,
         errno = EPERM;
         goto fail;
     }
+    return fd;
+
+fail:
+    saved = errno;
+    close(fd);
+    errno = saved;
+    return -1;
+}
+
+/*
+ * Root's door for the users' socket `path` (the daemon's root/ directory beside it, which
+ * only root may enter, so no user's flood of the users' socket can delay a login) into
+ * out[cap]; "" when it does not fit.
+ */
+static void root_door(const char *path, char *out, size_t cap)
+{
+    const char *slash = strrchr(path, '/');
+    int n = slash ? snprintf(out, cap, "%.*s/root/%s", (int)(slash - path), path, slash + 1)
+                  : snprintf(out, cap, "root/%s", path);
+    if (n < 0 || (size_t)n >= cap)
+        out[0] = '\0';
+}
+
+/*
+ * Connect (to root's door, or to the users' socket `path` when no daemon serves root's door:
+ * one from before it), send `request`, read one reply line into reply[cap] (NUL-terminated).
+ * Everything shares one deadline. On failure returns -1 with errno set and *step
+ * naming what failed.
+ */
+static int exchange(const char *path, const char *request, size_t len,
+                    char *reply, size_t cap, const char **step)
+{
+    char door[sizeof ((struct sockaddr_un *)0)->sun_path];
+    struct timespec deadline;
+    size_t done = 0;
+    int fd, saved;
+
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += TIMEOUT_MS / 1000;
+    deadline.tv_nsec += (TIMEOUT_MS % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) {
+        deadline.tv_sec++;
+        deadline.tv_nsec -= 1000000000L;
+    }
+
+    *step = "connect";
+    root_door(path, door, sizeof door);
+    fd = door[0] ? connect_door(door, &deadline) : -1;
+    if (fd < 0)
+        fd = connect_door(path, &deadline);
+    if (fd < 0)
+        return -1;
 
     *step = "send";
     while (done < len) {

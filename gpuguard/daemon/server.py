@@ -1,4 +1,9 @@
-"""The daemon's unix socket: one JSON request line per connection, one reply line, identity from SO_PEERCRED.
+"""The daemon's unix sockets: one JSON request line per connection, one reply line, identity from SO_PEERCRED.
+
+Two doors (daemon_socket.py): the users' socket, and root's door in a directory only root may
+enter, which the PAM module, the hook and admins' commands use. Both are accepted here, a batch
+at a time, and a connection over its cap is refused before any task is made for it, so the
+kernel's queue of the users' socket drains faster than one uid can fill it.
 
 Every connection is its own task with a read deadline, so a client that connects and
 sends nothing (or sends slowly) costs one file descriptor for a moment and never delays
@@ -19,7 +24,9 @@ one-line refusal at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import functools
 import logging
 import os
 import resource
@@ -31,22 +38,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuguard import protocol
+from gpuguard import daemon_socket, protocol
 from gpuguard.core.errors import GpuguardError
 from gpuguard.daemon import admission
-from gpuguard.logs import Throttle
+from gpuguard.logs import Throttle, event
 
 READ_TIMEOUT = 2.0    # a PAM request is one small line; a client this slow is broken or hostile
 WRITE_TIMEOUT = 10.0  # replies can be large (status of a busy server) and readers slow
 MAX_CONNECTIONS_PER_USER = admission.PER_UID
 READ_CHUNK = 64 * 1024
-# Connections the kernel queues before accept (it caps this at net.core.somaxconn). asyncio's
-# default of 100 filled up under one user's connect flood, and a login then got EAGAIN.
-LISTEN_BACKLOG = 4096
-# asyncio accepts up to its `backlog` connections in one go before any of them is admitted
-# (admission.py): 4096 at once would pass any descriptor limit. It is given this batch, and the
-# kernel's queue is set to LISTEN_BACKLOG afterwards (listen() again changes only the queue).
-ACCEPT_BATCH = 32
+# Connections the kernel queues before accept (it caps this at net.core.somaxconn). Root's door
+# takes a login storm's worth. The users' socket takes one uid's cap: a flood fills any queue, and
+# a caller who got in waits behind all of it (4,096 refusals were ~100 ms of the daemon's time; a
+# member's whoami under a connect flood took 115 ms with 256, 69 ms with 64), while one who did not
+# waits in a blocking connect (client.py) among the kernel's waiters, woken as the daemon accepts.
+ROOT_BACKLOG = 4096
+USERS_BACKLOG = admission.PER_UID
+# Connections accepted in one turn of the loop, refusals included. Small: a turn of the loop
+# costs little beside an accept, and every step of a login in flight waits for the turn to end.
+ACCEPT_BATCH = 8
+ACCEPT_PAUSE = 0.1  # seconds without accepting after the descriptors ran out
 
 
 class ServerError(GpuguardError):
@@ -78,27 +89,79 @@ class Server:
         # Connections held, shared with the metrics endpoint (admission.py); the daemon passes its own.
         self.budget = budget or admission.Budget.for_descriptors(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self.kinds = kinds or admission.AccountKinds()
-        self._server: asyncio.AbstractServer | None = None
+        self.root_path = Path(daemon_socket.root_door(str(self.path)))
+        self._listeners: list[socket.socket] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # the connections being served
         self.throttle = Throttle("uid")
         self.loop_errors = Throttle("what", burst=1)
         self._flusher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Serve on the path that claim() freed. Bound here rather than by asyncio, which would
-        silently replace a socket someone else created at the path meanwhile."""
+        """Serve on the path that claim() freed, and on root's door beside it. Bound here rather
+        than by asyncio, which would silently replace a socket someone else created at the path
+        meanwhile, and accepted by _accept, not by asyncio's accept loop (see there)."""
         _make_directory(self.path.parent)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listeners = [self._listen(self.path, 0o666, USERS_BACKLOG)]
+        if _make_root_directory(self.root_path.parent):
+            try:
+                _unlink_socket(self.root_path)  # claimed with the users' socket: only a dead daemon's is here
+                self._listeners.append(self._listen(self.root_path, 0o600, ROOT_BACKLOG))
+            except ServerError as exc:  # the users' socket still serves root, as before root's door
+                event(logging.ERROR, "root_door", error=str(exc))
+        loop = asyncio.get_running_loop()
+        for listener in self._listeners:
+            loop.add_reader(listener.fileno(), self._accept, listener)
+        loop.set_exception_handler(self._loop_error)
+        self._flusher = asyncio.create_task(self._flush_throttle())
+
+    def _listen(self, path: Path, mode: int, backlog: int) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         try:
-            sock.bind(str(self.path))
-            os.chmod(self.path, 0o666)  # before listen(): nobody can connect yet
-            self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=protocol.MAX_REQUEST,
-                                                           backlog=ACCEPT_BATCH)
-            sock.listen(LISTEN_BACKLOG)
+            sock.bind(str(path))
+            os.chmod(path, mode)  # before listen(): nobody can connect yet
+            sock.listen(backlog)
         except OSError as exc:
             sock.close()
-            raise ServerError(f"cannot serve on {self.path}: {exc.strerror}") from None
-        asyncio.get_running_loop().set_exception_handler(self._loop_error)
-        self._flusher = asyncio.create_task(self._flush_throttle())
+            raise ServerError(f"cannot serve on {path}: {exc.strerror}") from None
+        return sock
+
+    def _accept(self, listener: socket.socket) -> None:
+        """Take what waits in the kernel's queue, a batch a turn of the loop (so root's door and
+        the work in flight get their turns between batches of a flood), and refuse a connection
+        over its cap at once: its line is written without waiting and it is closed unread, no task
+        made for it. asyncio's own accept loop made a transport, a protocol and a task for every
+        connection before admission could refuse it, so a flood refused at the rate the loop
+        could make them, and the queue, which every caller shares, stayed full."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or buffers: pause, as asyncio does
+                self._pause(listener, exc)
+                return
+            self._arrived(conn)
+
+    def _pause(self, listener: socket.socket, exc: OSError) -> None:
+        self.loop_errors.event("accept failed", logging.ERROR, "loop_error", error=f"{type(exc).__name__}: {exc}")
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(listener.fileno())
+        loop.call_later(ACCEPT_PAUSE, self._resume, listener)
+
+    def _resume(self, listener: socket.socket) -> None:
+        if listener in self._listeners:  # not closed meanwhile
+            asyncio.get_running_loop().add_reader(listener.fileno(), self._accept, listener)
+
+    def _arrived(self, conn: socket.socket) -> None:
+        peer = _peer(conn)
+        key = self._admit_known(peer)
+        if isinstance(key, str):
+            _refuse_at_once(conn, key)
+            return
+        conn.setblocking(False)
+        task = asyncio.get_running_loop().create_task(self._serve(conn, peer, key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _flush_throttle(self) -> None:
         """The "suppressed N" lines of a flood that stopped come within a window, not at its next line."""
@@ -121,11 +184,13 @@ class Server:
             self._flusher = None
             self.throttle.flush()
             self.loop_errors.flush()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-            self.path.unlink(missing_ok=True)
+        loop = asyncio.get_running_loop()
+        for listener in self._listeners:
+            loop.remove_reader(listener.fileno())
+            path = listener.getsockname()
+            listener.close()
+            Path(path).unlink(missing_ok=True)
+        self._listeners = []
         self.kinds.close()
 
     def claim(self) -> None:
@@ -147,14 +212,20 @@ class Server:
                 raise ServerError(f"another gpuguard daemon is serving on {self.path}")
         self.path.unlink(missing_ok=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = _peer(writer.get_extra_info("socket"))
-        key = await self._admit(peer)
-        if isinstance(key, str):  # refused: a short line fits the socket's buffer, no waiting on the client
-            writer.write(protocol.encode(protocol.refused(key)))
-            writer.close()
-            return
-        reply: dict[str, Any] | None
+    async def _serve(self, conn: socket.socket, peer: Peer, key: admission.Key | None) -> None:
+        """One admitted connection (key None: its uid is being looked up) to its end."""
+        if key is None:
+            looked_up = await self._admit_looked_up(peer)
+            if isinstance(looked_up, str):
+                _refuse_at_once(conn, looked_up)
+                return
+            key = looked_up
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=conn, limit=protocol.MAX_REQUEST)
+        except BaseException:
+            self.budget.give_back(key)
+            conn.close()
+            raise
         try:
             reply = await self._reply(reader, peer, _log_key(key, peer))
             if reply is not None:
@@ -166,8 +237,9 @@ class Server:
             self.budget.give_back(key)
             writer.close()
 
-    async def _admit(self, peer: Peer) -> admission.Key | str:
-        """The kind of connection taken from the budget (give it back at the end), or why not."""
+    def _admit_known(self, peer: Peer) -> admission.Key | str | None:
+        """The kind of connection taken from the budget (give it back at the end), why not, or
+        None when NSS must say first whether the uid has an account (_admit_looked_up)."""
         if peer.uid == 0:
             key: admission.Key = admission.ROOT
         else:
@@ -176,11 +248,18 @@ class Server:
                 waiting = admission.pending_key(peer.uid)
                 if refusal := self.budget.take(waiting):
                     return self._refuse(peer, waiting, refusal)
-                try:
-                    has_account = await self.kinds.ask(peer.uid)
-                finally:
-                    self.budget.give_back(waiting)
+                return None
             key = admission.uid_key(peer.uid) if has_account else admission.NO_ACCOUNT_KEY
+        refusal = self.budget.take(key)
+        return key if refusal is None else self._refuse(peer, key, refusal)
+
+    async def _admit_looked_up(self, peer: Peer) -> admission.Key | str:
+        """_admit_known's answer for a uid whose pending slot it took, once NSS has answered."""
+        try:
+            has_account = await self.kinds.ask(peer.uid)
+        finally:
+            self.budget.give_back(admission.pending_key(peer.uid))
+        key = admission.uid_key(peer.uid) if has_account else admission.NO_ACCOUNT_KEY
         refusal = self.budget.take(key)
         return key if refusal is None else self._refuse(peer, key, refusal)
 
@@ -263,6 +342,46 @@ async def _unless_hung_up(call: Awaitable[dict[str, Any]], reader: asyncio.Strea
             handling.cancel()
             await asyncio.gather(handling, return_exceptions=True)
     return handling.result() if not handling.cancelled() else None
+
+
+@functools.lru_cache(maxsize=64)
+def _refusal_line(reason: str) -> bytes:
+    """A refusal's line, encoded once per reason: a flood is refused thousands of times a second."""
+    return protocol.encode(protocol.refused(reason))
+
+
+def _refuse_at_once(conn: socket.socket, reason: str) -> None:
+    """The refusal line, if the socket's buffer takes it now (a fresh one always does), then close."""
+    try:
+        conn.send(_refusal_line(reason), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+    except OSError:
+        pass  # the client is gone already
+    conn.close()
+
+
+def _unlink_socket(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            path.unlink()
+
+
+def _make_root_directory(directory: Path) -> bool:
+    """Root's door's directory, root's alone (0700). One that exists and is not root's, or is a
+    link, is left alone and logged: whoever owns it could reach, or replace, what is in it."""
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        event(logging.ERROR, "root_door", error=f"cannot make {directory}: {exc.strerror}")
+        return False
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0:
+        event(logging.ERROR, "root_door", error=f"{directory} is not a directory of root's; "
+              "root's door is not served, logins and admins share the users' socket")
+        return False
+    os.chmod(directory, 0o700)
+    return True
 
 
 def _make_directory(directory: Path) -> None:

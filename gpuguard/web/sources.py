@@ -9,13 +9,14 @@ the daemon is asked at most once per key and window.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from gpuguard import protocol
+from gpuguard import client, protocol
 from gpuguard.client import DaemonUnreachable, Refused
 
 T = TypeVar("T")
@@ -49,8 +50,7 @@ class Source(Protocol):
 async def ask(socket_path: Path | str, op: str, timeout: float = TIMEOUT, **fields: Any) -> dict[str, Any]:
     """One request to a daemon, without blocking the event loop; raises as client.call does."""
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(str(socket_path), limit=protocol.MAX_REPLY), timeout)
+        reader, writer = await asyncio.wait_for(_connect(str(socket_path)), timeout)
     except (OSError, asyncio.TimeoutError) as exc:
         raise DaemonUnreachable(f"gpuguard daemon not reachable at {socket_path}: "
                                 f"{getattr(exc, 'strerror', None) or exc or 'timed out'}") from None
@@ -65,6 +65,28 @@ async def ask(socket_path: Path | str, op: str, timeout: float = TIMEOUT, **fiel
     if not message.get("ok"):
         raise Refused(str(message.get("error", "refused")), int(message.get("code", 1)))
     return message
+
+
+async def _connect(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the users' socket, tried again (client.RETRIED, client.pauses) while its
+    listen queue is full or the daemon restarts: asyncio's own connect takes EAGAIN from a full
+    queue for a connect in progress and hands back a socket that is not connected."""
+    waits = client.pauses()
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            if exc.errno not in client.RETRIED:
+                raise
+            await asyncio.sleep(next(waits))  # the caller's wait_for bounds the tries
+            continue
+        try:
+            return await asyncio.open_unix_connection(sock=sock, limit=protocol.MAX_REPLY)
+        except BaseException:
+            sock.close()
+            raise
 
 
 class LocalDaemon:

@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, run_as
 
-from gpuguard import client, protocol
-from gpuguard.daemon.server import LISTEN_BACKLOG, MAX_CONNECTIONS_PER_USER, Server, ServerError
+from gpuguard import client, daemon_socket, protocol
+from gpuguard.daemon.server import (
+    MAX_CONNECTIONS_PER_USER,
+    ROOT_BACKLOG,
+    USERS_BACKLOG,
+    Server,
+    ServerError,
+)
 
 # A client run as a test user: open N silent connections, then make one call; print the reply.
 FLOOD = """
@@ -289,11 +295,68 @@ def test_something_else_at_the_socket_path_is_refused(sandbox):
     assert path.read_text() == "not a socket"
 
 
-def test_the_listen_queue_holds_a_connect_flood(serve):
-    # asyncio's default backlog of 100 filled under one user's connect flood: logins got EAGAIN.
-    server = serve()
-    listed = subprocess.run(["ss", "-xlnH", "src", str(server.path)], capture_output=True, text=True, check=True)
+def listen_backlog(path: Path) -> int:
+    listed = subprocess.run(["ss", "-xlnH", "src", str(path)], capture_output=True, text=True, check=True)
     [line] = listed.stdout.splitlines()
-    backlog = int(line.split()[3])  # Send-Q of a listening socket: its backlog
+    return int(line.split()[3])  # Send-Q of a listening socket: its backlog
+
+
+def test_root_has_a_door_of_its_own_with_a_login_storms_queue(serve):
+    # asyncio's default backlog of 100 filled under one user's connect flood: logins got EAGAIN.
+    # Logins and admins now come in through root's door, which no flood of the users' socket reaches.
+    server = serve()
+    door = Path(daemon_socket.root_door(str(server.path)))
     somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
-    assert backlog == min(LISTEN_BACKLOG, somaxconn) and backlog > 100
+    assert listen_backlog(door) == min(ROOT_BACKLOG, somaxconn) > 100
+    assert listen_backlog(server.path) == min(USERS_BACKLOG, somaxconn)
+    info = door.parent.lstat()
+    assert stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o700
+    # root's calls go through it (the peer a server sees is the same; the door is what differs)
+    assert client.doors(str(server.path), 0) == [str(door), str(server.path)]
+    assert client.call(str(server.path), "whoami")["uid"] == 0
+
+
+def test_no_user_but_root_can_knock_at_roots_door(serve, make_user):
+    server = serve()
+    door = daemon_socket.root_door(str(server.path))
+    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    print('denied')")
+    result = run_as(make_user(), [PYTHON, "-c", code, door])
+    assert result.stdout.strip() == "denied", result
+
+
+def test_a_daemon_without_roots_door_still_serves_root(serve, sandbox):
+    # A daemon from before root's door (or one that could not make its directory) serves root on
+    # the users' socket: a root client finds no door and goes on to that socket.
+    server = serve(name="old.sock")
+    door = Path(daemon_socket.root_door(str(server.path)))
+    door.unlink()
+    assert client.call(str(server.path), "whoami")["uid"] == 0
+
+
+def test_a_door_of_someone_elses_is_neither_served_nor_trusted(sandbox, make_user):
+    # In a world-writable directory another user can make the root/ directory first, and put a
+    # socket of their own in it: the daemon does not serve it and root's client does not talk to it.
+    mallory = make_user()
+    users = sandbox / "tmp" / "gg.sock"
+    (sandbox / "tmp").mkdir(mode=0o1777)
+    os.chmod(sandbox / "tmp", 0o1777)
+    door = Path(daemon_socket.root_door(str(users)))
+    squat = ("import os, socket, sys, time\nos.mkdir(os.path.dirname(sys.argv[1]), 0o777)\n"
+             "s = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\nos.chmod(sys.argv[1], 0o777)\n"
+             "s.listen(8)\nprint('ready', flush=True)\nc, _ = s.accept()\n"
+             "c.sendall(b'{\"v\": 1, \"ok\": true, \"forged\": true}\\n')\ntime.sleep(30)")
+    squatter = subprocess.Popen(["setpriv", f"--reuid={mallory.uid}", f"--regid={mallory.gid}", "--clear-groups",
+                                 PYTHON, "-c", squat, str(door)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline() == "ready\n"
+        server = Running(users, echo)
+        try:
+            reply = client.call(str(users), "whoami")
+            assert "forged" not in reply and reply["uid"] == 0
+            assert door.parent.lstat().st_uid == mallory.uid  # left alone: not the daemon's to remove
+        finally:
+            server.close()
+    finally:
+        squatter.kill()
+        squatter.wait()
