@@ -161,6 +161,7 @@ class WebConfig:
     # Reverse proxies whose X-Forwarded-For names the client (the login delay's key, PAM_RHOST);
     # from anyone else the header is ignored.
     trusted_proxies: tuple[IpNetwork, ...] = ()
+    contact: str | None = None              # whom a non-member should ask to join the GPU group
 
 
 @dataclass(frozen=True)
@@ -512,7 +513,8 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
                "per_user_hour": _count(1, 3600)},
     "web": {"listen": _listen, "user": _string, "show_users": _bool, "admin_group": _string,
             "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
-            "secure_cookies": _bool, "trusted_proxies": _networks},
+            "secure_cookies": _bool, "trusted_proxies": _networks,
+            "contact": _string},
     "coexist": {"slurm": _slurm, "gres_conf": _absolute_path, "slurm_node": _string, "k8s_gpus": _minors},
     "fleet": {"database": _string, "node": _string, "rack": _string, "ssh": _string,
                 "heartbeat": _positive_duration(1), "lease": _positive_duration(1), "grace": _positive_duration(0),

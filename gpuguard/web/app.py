@@ -293,7 +293,14 @@ class Web:
                   delay=math.ceil(failures.until - failures.last))
             return again("Wrong user name or password.", 401)
         self.delay.succeeded(user, client)
-        login = self.sessions.open(user, await self.is_admin(user), now + self.config.session_time)
+        admin = await self.is_admin(user)
+        if not admin and await self.membership(user) is False:  # None: no server can say now; the sweep judges later
+            event(logging.WARNING, "web_login_refused", user=user, client=client, why="not in the GPU group")
+            refused = self.page(request, viewer, "Not in the GPU group", pages.not_member_page(
+                user, await self.gpu_group(user), self.config.contact, self.config.admin_group), status=403)
+            self.forget(refused, self.pre_cookie)
+            return refused
+        login = self.sessions.open(user, admin, now + self.config.session_time)
         response = web.HTTPSeeOther("/me")
         response.set_cookie(self.cookie, login.id, max_age=int(self.config.session_time), **self.cookie_options())
         self.forget(response, self.pre_cookie)
@@ -334,6 +341,13 @@ class Web:
     async def is_admin(self, user: str) -> bool:
         return bool(self.config.admin_group) and self.config.admin_group in await asyncio.to_thread(self.groups_of, user)
 
+    async def gpu_group(self, user: str) -> str | None:
+        """The GPU group's name, as the daemon says it (None when it cannot be read)."""
+        try:
+            return next((str(r["group"]) for r in (await self.whoami(user)).values() if r.get("group")), None)
+        except (DaemonUnreachable, Refused):
+            return None
+
     async def membership(self, user: str) -> bool | None:
         """Whether the user is in the GPU group (or exempt) on some server; None when no server
         can say (a daemon down does not end anyone's login)."""
@@ -345,7 +359,8 @@ class Web:
 
     async def sweep(self) -> None:
         """End the logins of accounts that may no longer log in: locked, expired or removed
-        (self.ended), out of the GPU group, or moved in or out of the admin group since."""
+        (self.ended), out of the GPU group (admins need not be in it), or moved in or out of the
+        admin group since."""
         live = self.sessions.live()
         users = sorted({login.user for login in live})
         if not users:
@@ -353,12 +368,12 @@ class Web:
         reasons = await asyncio.to_thread(self.ended, users)
         for user in users:
             why = reasons.get(user)
-            if why is None and await self.membership(user) is False:
+            admin = await self.is_admin(user)
+            if why is None and not admin and await self.membership(user) is False:
                 why = "not in the GPU group"
             if why is not None:
                 event(logging.WARNING, "web_logins_ended", user=user, why=why, logins=self.sessions.end_user(user))
                 continue
-            admin = await self.is_admin(user)
             for login in live:
                 if login.user == user and login.admin != admin:
                     self.sessions.end(login.id)

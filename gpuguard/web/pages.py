@@ -217,5 +217,16 @@ def end_logins_form(name: str, csrf: str) -> str:
             f'<input type=hidden name=csrf value="{h(csrf)}"><button>End {h(name)}\'s logins</button></form>')
 
 
+def not_member_page(user: str, group: str | None, contact: str | None, admin_group: str | None) -> str:
+    """What a non-member gets for a right password: why, and whom to ask; no quota, no queue."""
+    whom = (h(contact) if contact else
+            f"the server's administrators (the members of the group <b>{h(admin_group)}</b>)" if admin_group
+            else "the server's administrators")
+    group_name = f"<b>{h(group)}</b>" if group else "the GPU group"
+    return (f'<h1>Not in the GPU group</h1><p class="notice">{h(user)} is not in {group_name}, so this '
+            f"server gives you no GPUs and this page shows you nothing more. To use the GPUs, ask "
+            f"{whom} to add you to it.</p>")
+
+
 def message_page(title: str, message: str) -> str:
     return f'<h1>{h(title)}</h1><p class="error">{h(message)}</p>'

@@ -244,3 +244,21 @@ def test_failed_logins_delay_that_client_not_the_user_elsewhere(start_daemon, we
     # PAM was told the client: PAM_RHOST (pam_unix's own failure line names it).
     rhosts = re.findall(r"^PAM_RHOST=(.*)$", web.pam_env.read_text(), re.M)
     assert rhosts[:6] == ["127.0.0.2"] * 6 and rhosts[-1] == "127.0.0.1"
+
+
+def test_a_non_member_is_told_whom_to_ask_and_nothing_else(start_daemon, web, browser, make_user):
+    daemon = start_daemon(web=web.prepare(contact="gpu-admins@lab.example"))
+    outsider = make_user()  # an account of the server, not in the GPU group
+    set_password(outsider, PASSWORD)
+    site = web.start(daemon)
+
+    log_in(browser, site.url, outsider.name, PASSWORD)
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Not in the GPU group"
+    main = browser.find_element(By.TAG_NAME, "main").text
+    assert f"{outsider.name} is not in {daemon.group}" in main and "ask gpu-admins@lab.example" in main
+    for offered in ("Quota", "gpuguard request", "fair", "rank", "Place"):
+        assert offered not in main
+    assert not browser.find_elements(By.CSS_SELECTOR, "header .who")
+    browser.get(site.url + "/me")
+    assert browser.current_url == site.url + "/login"
+    assert f"event=web_login_refused user={outsider.name}" in site.log()

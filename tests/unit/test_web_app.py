@@ -40,7 +40,7 @@ class Canned:
 
     async def whoami(self, user):
         self.calls.append(("whoami", user))
-        return {"gpu1": {"user": user, "uid": 1001, "member": True, "group": "g", "exempt": False,
+        return {"gpu1": {"user": user, "uid": 1001, "member": user != "dave", "group": "g", "exempt": False,
                          "quota": {"gpus": 1, "gpu_memory": None, "max_time": None, "share": 1.0, "priority": 0},
                          "grants": [], "sessions": [],
                          "events": [], "queue": {"position": 1, "waiting": 1, "gpus": 1, "since": 0.0,
@@ -282,3 +282,16 @@ def test_an_admin_ends_a_users_logins_and_no_one_else_may():
         kept = await client.get("/me", headers={"Cookie": f"gpuguard={alice}"}, allow_redirects=False)
         assert kept.status == 303
     run(scenario)
+
+
+def test_a_non_member_is_told_whom_to_ask_and_gets_no_login():
+    async def scenario(client, source):
+        reply = await log_in(client, "dave")
+        page = await reply.text()
+        assert reply.status == 403 and "<h1>Not in the GPU group</h1>" in page
+        assert "dave is not in <b>g</b>" in page and "ask room 3.14 to add you" in page
+        assert "gpuguard" not in reply.cookies and reply.cookies["gpuguard-login"]["max-age"] == "0"
+        main = page.split("<main>")[1]
+        assert "Quota" not in main and "request" not in main and "queue" not in main.lower()
+        assert (await client.get("/me", allow_redirects=False)).status == 303
+    run(scenario, contact="room 3.14")
