@@ -3,8 +3,8 @@
 Root's calls (logins through the hook, admins' commands) go through root's door
 (daemon_socket.root_door), which no other user can reach, and through the users' socket only
 when no daemon serves root's door (one from before it existed). A connect that finds the listen
-queue full (EAGAIN) or the daemon between two lives (ECONNREFUSED) is tried again, with a
-backoff, until the call's deadline: the connect is a blocking one (SO_SNDTIMEO bounds it), so a
+queue full (EAGAIN) or the daemon between two lives (ECONNREFUSED, for REFUSED_FOR at most) is
+tried again, with a backoff, until the call's deadline: the connect is a blocking one (SO_SNDTIMEO bounds it), so a
 full queue puts the caller among the kernel's waiters for it, each woken in turn as the daemon
 accepts, rather than losing a race with a flood at every try.
 
@@ -41,6 +41,9 @@ class Refused(GpuguardError):
 
 # Worth another try until the deadline: the queue is full, or the daemon is restarting.
 RETRIED = frozenset({errno.EAGAIN, errno.ECONNREFUSED})
+# A socket refused this long is a dead daemon's, not one restarting (the unit's RestartSec is 2 s):
+# say so then, not at a deadline of 30 s.
+REFUSED_FOR = 3.0
 FIRST_PAUSE, LONGEST_PAUSE = 0.002, 0.05  # seconds between tries, doubling
 
 
@@ -88,6 +91,7 @@ def connect(paths: list[str], deadline: float | None) -> _socket.socket:
     last one is a door only root's daemon may hold: one that does not exist, or is held by
     anyone else, is passed over for the next."""
     waits = pauses()
+    refused_since: float | None = None
     while True:
         failure: OSError | None = None
         for index, path in enumerate(paths):
@@ -95,18 +99,23 @@ def connect(paths: list[str], deadline: float | None) -> _socket.socket:
             try:
                 sock = _connect_once(path, deadline)
             except OSError as exc:
-                if exc.errno in RETRIED:
+                if exc.errno == errno.EAGAIN or (last and exc.errno in RETRIED):
                     failure = exc
-                    break  # this door exists and is served: wait for it, not for the next one
+                    break  # this door is served and full, or the last: wait for it
                 if last:
                     raise
-                continue  # not there (a daemon from before root's door): the next door
+                continue  # not there or not served (a daemon from before root's door): the next door
             if last or _peer_uid(sock) == 0:
                 return sock
             sock.close()
         left = _left(deadline)
         assert failure is not None  # the loop returns or raises otherwise
-        if left is not None and left <= 0:
+        if failure.errno != errno.ECONNREFUSED:
+            refused_since = None
+        elif refused_since is None:
+            refused_since = time.monotonic()
+        if (left is not None and left <= 0) or (refused_since is not None
+                                                and time.monotonic() - refused_since >= REFUSED_FOR):
             raise failure
         time.sleep(next(waits) if left is None else min(next(waits), left))
 
@@ -116,8 +125,7 @@ def _connect_once(path: str, deadline: float | None) -> _socket.socket:
     try:
         left = _left(deadline)
         if left is not None:  # a blocking connect waits this long at most for room in the queue
-            if left <= 0:
-                raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+            left = max(left, 1e-6)
             seconds = int(left)
             sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO,
                             struct.pack("@ll", seconds, int((left - seconds) * 1e6) + 1))  # a struct timeval

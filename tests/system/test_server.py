@@ -334,6 +334,16 @@ def test_a_daemon_without_roots_door_still_serves_root(serve, sandbox):
     assert client.call(str(server.path), "whoami")["uid"] == 0
 
 
+def test_a_dead_daemons_door_is_passed_over_for_a_live_users_socket(serve):
+    # A downgrade to a daemon from before root's door can leave the door's socket behind, refused.
+    server = serve(name="downgraded.sock")
+    door = Path(daemon_socket.root_door(str(server.path)))
+    door.unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+        stale.bind(str(door))
+    assert client.call(str(server.path), "whoami", timeout=30)["uid"] == 0
+
+
 def test_a_door_of_someone_elses_is_neither_served_nor_trusted(sandbox, make_user):
     # In a world-writable directory another user can make the root/ directory first, and put a
     # socket of their own in it: the daemon does not serve it and root's client does not talk to it.
