@@ -29,6 +29,7 @@ from gpuguard.config import IpNetwork, WebConfig
 from gpuguard.logs import event
 from gpuguard.web import pages, views
 from gpuguard.web.assets import SCRIPT, STYLE
+from gpuguard.web.connections import Guard, total_for
 from gpuguard.web.counted import Counted
 from gpuguard.web.sessions import Login, LoginDelay, Sessions, Signer
 from gpuguard.web.sources import Memo, Source
@@ -68,6 +69,7 @@ class Web:
     clock: Callable[[], float] = time.time
     memo: Memo = field(default_factory=lambda: Memo(MEMO_AGE))
     sessions: Sessions = field(default_factory=Sessions)
+    connections: Guard = field(default_factory=lambda: Guard(total_for(1024)))
     delay: LoginDelay = field(default_factory=LoginDelay)
     delayed: Counted = field(default_factory=lambda: Counted("web_login_delayed"))
     implausible: Counted = field(default_factory=lambda: Counted("web_login_malformed"))
@@ -405,23 +407,25 @@ def client_address(peer: str | None, forwarded: str | None, trusted: Sequence[Ip
     X-Forwarded-For that is not one (proxies append the address they saw; what comes before it
     is the client's to write). A header from anyone else, or an entry that is no address, is not
     believed: the peer it is."""
-    def trusted_address(text: str) -> bool:
-        try:
-            address = ipaddress.ip_address(text)
-        except ValueError:
-            return False
-        return any(address in network for network in trusted)
-
-    if peer is None or not forwarded or not trusted_address(peer):
+    if peer is None or not forwarded or not within(peer, trusted):
         return peer or "?"
     for entry in reversed(forwarded.split(",")[-16:]):  # a header of thousands of entries: the last 16 judged
         entry = entry.strip()
-        if not trusted_address(entry):
+        if not within(entry, trusted):
             try:
                 return str(ipaddress.ip_address(entry))
             except ValueError:
                 return peer
     return peer
+
+
+def within(text: str, networks: Sequence[IpNetwork]) -> bool:
+    """Whether `text` is an address in one of `networks`."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return any(address in network for network in networks)
 
 
 def _plausible(user: str, password: str) -> bool:
@@ -473,7 +477,9 @@ def build(app_state: Web) -> web.Application:
     async def signed_in(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) \
             -> web.StreamResponse:
         """Whether the request's login still holds, for an open page's script: a login ended on
-        the server (logout elsewhere, a locked account) sends that page to the login form."""
+        the server (logout elsewhere, a locked account) sends that page to the login form. The
+        connection's request is whole: the guard's time for a first request no longer runs."""
+        w.connections.served(request.transport)
         try:
             response = await handler(request)
         except web.HTTPException as exc:  # a redirect to the login form included

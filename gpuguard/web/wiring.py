@@ -10,9 +10,12 @@ unit gives through the shadow group.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
+import resource
+import signal
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +26,8 @@ from gpuguard.backends import accounts, shadow
 from gpuguard.config import Config
 from gpuguard.core.errors import NssFailure, UnknownUser
 from gpuguard.logs import event
-from gpuguard.web.app import Web, build
+from gpuguard.web.app import Web, build, within
+from gpuguard.web.connections import BACKLOG, Guard, Malformed, total_for
 from gpuguard.web.fleet import FleetSource
 from gpuguard.web.sessions import Signer, load_key
 from gpuguard.web.sources import LocalDaemon, Source
@@ -78,12 +82,38 @@ def run(config: Config, host: str, port: int) -> None:
     fleet = config.fleet  # several servers on one PostgreSQL, when configured
     source: Source = (FleetSource(fleet.database) if fleet is not None
                       else LocalDaemon(config.paths.socket, socket.gethostname()))
+    descriptors = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    trusted = settings.trusted_proxies
+    guard = Guard(total_for(descriptors), exempt=lambda peer: within(peer, trusted))
     state = Web(settings, source, Signer(load_key(settings.key_file)), pam_authenticate(settings.pam_service), groups_of,
-                ended)
+                ended, connections=guard)
     me = accounts.by_uid(os.geteuid()).name
     if me != settings.user:
         event(logging.WARNING, "web_account", runs_as=me, configured=settings.user,
               effect="the daemon shows this account only its own records")
-    event(logging.INFO, "web_started", listen=f"{host}:{port}", user=me, show_users=settings.show_users)
+    event(logging.INFO, "web_started", listen=f"{host}:{port}", user=me, show_users=settings.show_users,
+          connections=guard.total, descriptors=descriptors)
+    logging.getLogger("aiohttp.server").addFilter(Malformed())
+    asyncio.run(serve(build(state), host, port, guard))
+
+
+async def serve(app: web.Application, host: str, port: int, guard: Guard) -> None:
+    """aiohttp's server behind the connection guard, until SIGTERM or SIGINT."""
     # No access log: a line per request (the live refresh polls) would flood the journal.
-    web.run_app(build(state), host=host, port=port, print=None, access_log=None, handle_signals=True)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=guard.idle)
+    await runner.setup()
+    server = runner.server
+    assert server is not None  # made by setup()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(number, stop.set)
+    listener = await loop.create_server(guard.factory(server), host, port, backlog=BACKLOG, reuse_address=True)
+    checking = asyncio.create_task(guard.checking())
+    try:
+        await stop.wait()
+    finally:
+        checking.cancel()
+        listener.close()
+        await runner.cleanup()
+

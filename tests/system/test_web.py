@@ -7,12 +7,17 @@ picture in docs/admin.md (Web view).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import http.client
 import re
+import resource
+import socket
 import subprocess
 import time
 
 import pytest
-from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException, WebDriverException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from web_harness import ARTEFACTS, FormClient, set_password
@@ -262,3 +267,67 @@ def test_a_non_member_is_told_whom_to_ask_and_nothing_else(start_daemon, web, br
     browser.get(site.url + "/me")
     assert browser.current_url == site.url + "/login"
     assert f"event=web_login_refused user={outsider.name}" in site.log()
+
+
+IDLE_CONNECTIONS = 1100  # past the web's 1,024 descriptors of a default limit
+JUNK_LOGINS = 5000
+PAGE_LOADS = 10
+
+
+def test_idle_connections_and_junk_logins_do_not_starve_the_page(start_daemon, web, browser):
+    daemon = start_daemon(web=web.prepare())
+    alice = daemon.add_member()
+    set_password(alice, PASSWORD)
+    site = web.start(daemon, descriptors=1024)  # the default limit: 768 connections, 256 descriptors spare
+    guesser = FormClient(site.url, source="127.0.0.2")
+    assert [guesser.log_in(alice.name, "wrong guess").status for _ in range(3)] == [401] * 3  # its free tries
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, IDLE_CONNECTIONS + 1024), hard))
+    port = int(site.url.rsplit(":", 1)[1])
+    idle = []
+
+    def junk(worker: int) -> int:
+        """Failed logins with names of 100 characters, each address its own, as fast as they go."""
+        answered = 0
+        for n in range(JUNK_LOGINS // 5):
+            if n % 10 == 0:
+                client = FormClient(site.url, source=f"127.3.{worker}.{n // 10 + 1}")
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                answered += client.log_in(f"ggt-junk-{worker}-{n}".ljust(100, "x"), "guess").status in (401, 403)
+        return answered
+
+    try:
+        for i in range(IDLE_CONNECTIONS):  # from 1,100 loopback addresses: half a request each, then silence
+            idler = socket.socket()
+            idle.append(idler)
+            idler.bind((f"127.2.{i // 250}.{i % 250 + 1}", 0))
+            with contextlib.suppress(OSError):
+                idler.connect(("127.0.0.1", port))
+                idler.send(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        browser.set_page_load_timeout(10)
+        failed_loads = 0
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            flood = [pool.submit(junk, worker) for worker in range(5)]
+            for _ in range(PAGE_LOADS):
+                try:
+                    browser.get(site.url + "/")
+                    assert len(browser.find_elements(By.CSS_SELECTOR, ".cell")) == 4
+                except TimeoutException:
+                    failed_loads += 1
+            junk_answered = sum(f.result() for f in flood)
+    finally:
+        for idler in idle:
+            idler.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    print(f"page loads failed {failed_loads} of {PAGE_LOADS}; junk logins answered {junk_answered} of {JUNK_LOGINS}")
+    assert failed_loads == 0
+    malformed = FormClient(site.url, source="127.0.0.4")
+    for _ in range(50):  # aiohttp refuses a request of 200 headers: one counted line, not a traceback each
+        assert malformed.request("GET", "/", headers={f"X-Junk-{n}": "x" for n in range(200)}).status == 400
+    assert site.proc.poll() is None
+    assert "event=web_request_malformed count=1" in site.log()
+    assert "event=web_connection_closed" in site.log() and "why=pushed_out" in site.log()
+    assert "Traceback" not in site.log()
+    # The guesser's record outlived the flood: its 4th failure delays it, even with the right password.
+    assert guesser.log_in(alice.name, "wrong guess").status == 401
+    assert guesser.log_in(alice.name, PASSWORD).status == 429

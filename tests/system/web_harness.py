@@ -87,12 +87,14 @@ class WebStarter:
         return {"user": self.account.name, "pam_service": self.stacks.make(*lines, base=WEB_PAM),
                 "key_file": str(key_dir / "session.key"), **table}
 
-    def start(self, daemon) -> RunningWeb:
+    def start(self, daemon, descriptors: int | None = None) -> RunningWeb:
+        """descriptors: its RLIMIT_NOFILE (prlimit), as a unit's LimitNOFILE sets it."""
         assert self.account is not None, "prepare() first"
         port = free_port()
         log_path = self.sandbox / "web.log"
+        limit = ["prlimit", f"--nofile={descriptors}", "--"] if descriptors else []
         with open(log_path, "ab") as log:
-            proc = popen_as(self.account, [str(BIN / "gpuguard"), "--config", str(daemon.config_path), "web",
+            proc = popen_as(self.account, [*limit, str(BIN / "gpuguard"), "--config", str(daemon.config_path), "web",
                                            "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=log)
         running = RunningWeb(f"http://127.0.0.1:{port}", self.account, proc, log_path)
         self.started.append(running)
