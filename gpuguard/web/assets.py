@@ -21,31 +21,46 @@ table{border-collapse:collapse;background:#fff}td,th{border:1px solid #d0d7de;pa
 pre.lines{background:#1b1f24;color:#e6edf3;padding:.6em;border-radius:4px;overflow-x:auto}
 .uuid{font-family:monospace;font-size:.85em}
 form.login{display:grid;gap:.6em;max-width:20em}
+.stale-banner{background:#fff8c5;border:1px solid #bf8700;color:#1b1f24;padding:.4em .6em;border-radius:4px;
+font-weight:600}.stale-banner[hidden]{display:none}#live.stale{opacity:.6}
 svg.chart text{font-size:12px;fill:#1b1f24}svg.chart .granted{fill:#9ec5fe}svg.chart .busy{fill:#0a58ca}
 """
 
-# Replaces each [data-refresh] element's content with its fragment every REFRESH ms; the page keeps
-# what it shows (marked stale) while the server does not answer. A page shown signed in goes to the
+# Replaces each [data-refresh] element's content with its fragment every REFRESH ms; while the
+# server does not answer (or takes longer than WAIT ms) the page keeps what it shows, marked stale,
+# under a banner saying for how many seconds it has not been updated. A page shown signed in goes to the
 # login form once the server says its login has ended (X-Gpuguard-Signed-In: 0): pages without a
 # live part ask /fragment/session every SESSION_CHECK ms for that alone.
 SCRIPT = """\
 "use strict";
 const REFRESH = 2000;
+const WAIT = 5000;
 const SESSION_CHECK = 10000;
 const signedIn = document.body.hasAttribute("data-signed-in");
 const ended = (reply) => signedIn && reply.headers.get("X-Gpuguard-Signed-In") === "0";
 const boxes = document.querySelectorAll("[data-refresh]");
 for (const box of boxes) {
   const url = box.dataset.refresh;
+  const banner = document.createElement("p");
+  banner.className = "stale-banner";
+  banner.setAttribute("role", "status");
+  banner.hidden = true;
+  box.before(banner);
+  let updated = Date.now();
   const tick = async () => {
     try {
-      const reply = await fetch(url, {credentials: "same-origin", cache: "no-store"});
+      const reply = await fetch(url, {credentials: "same-origin", cache: "no-store", signal: AbortSignal.timeout(WAIT)});
       if (ended(reply)) { location.assign("/login"); return; }
       if (!reply.ok) throw new Error(String(reply.status));
       box.innerHTML = await reply.text();
       box.classList.remove("stale");
+      banner.hidden = true;
+      updated = Date.now();
     } catch (error) {
       box.classList.add("stale");
+      const age = Math.round((Date.now() - updated) / 1000);
+      banner.textContent = `Not updated for ${age} s: the web server does not answer. What is shown may have changed.`;
+      banner.hidden = false;
     }
     setTimeout(tick, REFRESH);
   };

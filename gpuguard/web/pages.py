@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from gpuguard.core.quantities import format_size
 from gpuguard.web.views import Cell, FairShare, Server, Viewer, Waiting, duration, ordinal, plural
 
 NAV = (("/", "Now"), ("/queue", "Queue"), ("/me", "Me"), ("/usage", "Usage"))
+STALE_AFTER = 30.0  # seconds: a sample this old is said to be old (the watcher samples every few seconds)
 
 
 _SPECIAL = re.compile("[&<>\"']")
@@ -46,6 +48,11 @@ def layout(title: str, path: str, viewer: Viewer, body: str, csrf: str = "") -> 
 
 # --- Now
 
+def stamp(moment: float) -> str:
+    """The time to the second (local): an age the reader can work out at a glance."""
+    return time.strftime("%H:%M:%S", time.localtime(moment))
+
+
 def now_page(grid_html: str) -> str:
     return f'<h1>GPUs now</h1><div id="live" data-refresh="/fragment/now">{grid_html}</div>'
 
@@ -54,7 +61,7 @@ def grid(servers: Sequence[Server], now: float) -> str:
     legend = "".join(f'<span class=key data-state="{state}">{word}</span>'
                      for state, word in (("free", "free"), ("held", "held"), ("idle", "held, idle"),
                                          ("over", "over quota"), ("drained", "drained"), ("other", "Slurm / other")))
-    parts = [f'<p class="legend">{legend} <span class="stamp">as of {h(clock(now))}</span></p>']
+    parts = [f'<p class="legend">{legend} <span class="stamp">as of {h(stamp(now))}</span></p>']
     for server in servers:
         counts = ", ".join(f"{n} {word}" for state, n in sorted(server.counts.items())
                            for word in [_state_word(state)])
@@ -63,6 +70,9 @@ def grid(servers: Sequence[Server], now: float) -> str:
                      f'<small>{h(counts)}; {h(models)}</small></h2>')
         if server.error is not None:
             parts.append(f'<p class="error">{h(server.error)}</p>')
+        if server.age is not None and server.age >= STALE_AFTER:
+            parts.append(f'<p class="stale-banner" role="status">The GPUs of {h(server.name)} were last read '
+                         f"{server.age:.0f} s ago: what is shown may have changed.</p>")
         parts.append('<div class="grid">' + "".join(_cell(c) for c in server.cells) + "</div></section>")
     return "".join(parts)
 
@@ -105,8 +115,8 @@ def queue_page(rows: Sequence[Waiting], errors: Sequence[str]) -> str:
 
 def queue_table(rows: Sequence[Waiting], errors: Sequence[str]) -> str:
     problems = "".join(f'<p class="error">{h(e)}</p>' for e in errors)
-    if not rows:
-        return problems + "<p>Nobody waits for a GPU.</p>"
+    if not rows:  # a server not read may have waiters: then its error is all there is to say
+        return problems or "<p>Nobody waits for a GPU.</p>"
     body = "".join(
         f"<tr><td>{h(r.server)}</td><td>{r.position}</td><td class=user>{h(r.user)}</td><td>{r.gpus}</td>"
         f"<td>{h(clock(r.since))}</td><td>{r.priority}</td><td>{h(r.why)}</td>"

@@ -21,6 +21,9 @@ from gpuguard.client import DaemonUnreachable, Refused
 
 T = TypeVar("T")
 TIMEOUT = 10.0  # seconds for one daemon call: status of a busy server is large
+# The local daemon's calls: a refused socket is a restarting daemon for client.REFUSED_FOR at most,
+# so a stopped one is said within this, not after TIMEOUT on every page (status of 64 GPUs takes ms).
+LOCAL_TIMEOUT = 3.0
 
 
 @dataclass(frozen=True)
@@ -98,19 +101,19 @@ class LocalDaemon:
 
     async def servers(self) -> list[ServerStatus]:
         try:
-            return [ServerStatus(self.name, await ask(self.socket_path, "status"))]
+            return [ServerStatus(self.name, await ask(self.socket_path, "status", LOCAL_TIMEOUT))]
         except (DaemonUnreachable, Refused) as exc:
             return [ServerStatus(self.name, None, str(exc))]
 
     async def whoami(self, user: str) -> dict[str, dict[str, Any]]:
-        return {self.name: await ask(self.socket_path, "whoami", user=user)}
+        return {self.name: await ask(self.socket_path, "whoami", LOCAL_TIMEOUT, user=user)}
 
     async def report(self, by: str, since: float, until: float, user: str | None) -> dict[str, dict[str, Any]]:
         fields: dict[str, Any] = {"by": by, "since": since, "until": until, **({"user": user} if user else {})}
         return {self.name: await ask(self.socket_path, "report", **fields)}
 
     async def fairshare(self) -> dict[str, dict[str, Any]]:
-        return {self.name: await ask(self.socket_path, "fairshare")}
+        return {self.name: await ask(self.socket_path, "fairshare", LOCAL_TIMEOUT)}
 
 
 class Memo:

@@ -89,6 +89,7 @@ class Server:
     cells: tuple[Cell, ...]
     error: str | None           # why it could not be read (then no cells), or why what it shows is stale
     counts: Mapping[str, int]   # state -> cells
+    age: float | None = None    # seconds since the daemon sampled the GPUs (None: not said)
 
 
 def server_view(name: str, status: Mapping[str, Any] | None, error: str | None, now: float,
@@ -99,7 +100,9 @@ def server_view(name: str, status: Mapping[str, Any] | None, error: str | None, 
     counts: dict[str, int] = {}
     for c in cells:
         counts[c.state] = counts.get(c.state, 0) + 1
-    return Server(name, cells, error, counts)  # an error beside a status: stale (a lost node's last word)
+    sampled = status.get("sampled_at")
+    age = max(0.0, now - float(sampled)) if isinstance(sampled, (int, float)) else None
+    return Server(name, cells, error, counts, age)  # an error beside a status: stale (a lost node's last word)
 
 
 def cell(server: str, gpu: Mapping[str, Any], now: float, viewer: Viewer, show_users: bool) -> Cell:

@@ -331,3 +331,30 @@ def test_idle_connections_and_junk_logins_do_not_starve_the_page(start_daemon, w
     # The guesser's record outlived the flood: its 4th failure delays it, even with the right password.
     assert guesser.log_in(alice.name, "wrong guess").status == 401
     assert guesser.log_in(alice.name, PASSWORD).status == 429
+
+
+def test_a_stopped_daemon_is_said_whole_and_a_stale_page_says_how_old(start_daemon, web, browser):
+    daemon = start_daemon(web=web.prepare())
+    site = web.start(daemon)
+    browser.get(site.url + "/queue")
+    assert "Nobody waits for a GPU." in browser.find_element(By.ID, "live").text
+
+    daemon.stop()
+    live(browser).until(lambda d: "not reachable" in d.find_element(By.ID, "live").text)  # its next refresh
+    browser.get(site.url + "/queue")
+    live_text = browser.find_element(By.ID, "live").text
+    assert f"not read: gpuguard daemon not reachable at {daemon.socket}" in live_text
+    assert "Nobody waits" not in live_text  # nothing said of a queue that was not read
+    browser.get(site.url + "/")
+    assert "not read: gpuguard daemon not reachable" in browser.find_element(By.CSS_SELECTOR, "section.server").text
+    assert re.search(r"as of \d\d:\d\d:\d\d", browser.find_element(By.CSS_SELECTOR, ".stamp").text)
+
+    site.proc.terminate()  # the web itself gone: the open page keeps what it shows, and says since when
+    site.proc.wait(15)
+    banner = WebDriverWait(browser, LIVE_TIMEOUT).until(
+        lambda d: d.find_element(By.CSS_SELECTOR, ".stale-banner").is_displayed()
+        and d.find_element(By.CSS_SELECTOR, ".stale-banner"))
+    assert re.fullmatch(r"Not updated for \d+ s: the web server does not answer\. What is shown may have changed\.",
+                        banner.text)
+    assert "stale" in browser.find_element(By.ID, "live").get_attribute("class")
+    assert banner.value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"  # styled, not bare text

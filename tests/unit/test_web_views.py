@@ -6,7 +6,7 @@ import csv
 import io
 
 from gpuguard.web import views
-from gpuguard.web.pages import grid, h, me_page
+from gpuguard.web.pages import grid, h, me_page, queue_table
 from gpuguard.web.svg import usage_chart
 
 NOW = 1_800_000_000.0
@@ -186,3 +186,18 @@ def test_ordinals():
 
 def test_durations():
     assert [views.duration(s) for s in (5, 600, 3 * 3600 + 420, 2 * 86400 + 3 * 3600)] == ["5s", "10m", "3h07m", "2d03h"]
+
+
+def test_an_old_sample_is_said_with_its_age_and_a_fresh_one_is_not():
+    viewer = views.Viewer()
+    old = views.server_view("gpu1", {"gpus": [gpu()], "sampled_at": NOW - 45.4}, None, NOW, viewer, True)
+    fresh = views.server_view("gpu1", {"gpus": [gpu()], "sampled_at": NOW - 2}, None, NOW, viewer, True)
+    assert round(old.age, 3) == 45.4
+    assert "The GPUs of gpu1 were last read 45 s ago" in grid([old], NOW)
+    assert "stale-banner" not in grid([fresh], NOW)
+
+
+def test_a_queue_not_read_is_not_said_to_be_empty():
+    assert queue_table([], ["gpu1: not read: gpuguard daemon not reachable"]) == \
+        '<p class="error">gpu1: not read: gpuguard daemon not reachable</p>'
+    assert "Nobody waits" in queue_table([], [])
