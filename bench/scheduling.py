@@ -15,6 +15,8 @@ keeps 58 %, 68 % and 85 % busy. Targets, each against static reservation in the 
   than static's, max wait at most 1.5 times static's, no more jobs dropped, no work lost;
 - shared: at most max_sharers (2) jobs on a GPU (the memory rule), stretch reported;
 - every policy: work lost, dropped jobs, per-user fairness (Jain over slowdown), stretch reported;
+- baselines, in the same runs (reported): a Slurm-like multifactor priority with EASY backfill and a
+  clairvoyant shortest-job-first (gpuguard/replay/baselines.py says what each is);
 - replay speed: the generated 31,000-job month on 372 GPUs in < 20 s; its peak memory at most 1.5
   times that of a 3,000-job trace (flat: the trace is streamed, never held).
 The Adobe rows need ../shared/data (or $GPUGUARD_DATA); without it they are left out, said so.
@@ -44,11 +46,13 @@ SPEED_GPUS = 372
 Row = tuple[str, str, str, bool]
 
 
-def run_replay(path: Path, gpus: int, policy: Path) -> tuple[dict, float, int]:
-    """`gpuguard replay --json` in a child: its report, wall seconds and peak resident KiB."""
+def run_replay(path: Path, gpus: int, policy: Path, baselines: bool = False) -> tuple[dict, float, int]:
+    """`gpuguard replay --json` in a child: its report, wall seconds and peak resident KiB
+    (baselines: with the Slurm-like and the shortest-first baselines in the report too)."""
     started = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "gpuguard", "replay", str(path), "--gpus", str(gpus),
-                              "--config", str(policy), "--json"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+                              "--config", str(policy), "--json", *(["--baselines"] if baselines else [])],
+                             cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     out = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
@@ -123,13 +127,19 @@ def policy_rows(label: str, name: str, ours: dict, static: dict) -> list[Row]:
     return rows
 
 
+BASELINES = {"slurm": "Slurm-like (baseline)", "shortest_first": "shortest first, clairvoyant (baseline)"}
+
+
 def replays(path: Path, pools: dict[str, int]) -> list[tuple[str, str, int, dict, dict]]:
-    """(label, policy, gpus, ours, static) for each pool and policy."""
+    """(label, policy, gpus, ours, static) for each pool and policy, then each baseline (computed
+    with the first policy's run: they do not depend on the policy)."""
     done = []
     for label, gpus in pools.items():
-        for name, policy in POLICIES.items():
-            report, _, _ = run_replay(path, gpus, policy)
+        for index, (name, policy) in enumerate(POLICIES.items()):
+            report, _, _ = run_replay(path, gpus, policy, baselines=index == 0)
             done.append((label, name, gpus, report["policy"], report["static"]))
+            done += [(label, title, gpus, report[key], report["static"]) for key, title in BASELINES.items()
+                     if key in report]
     return done
 
 
@@ -181,14 +191,16 @@ def rows() -> list[Row]:
 
 def markdown(runs: list[tuple[str, str, int, dict, dict]]) -> str:
     """docs/scheduling.md's table: one line per pool for static reservation, then one per policy."""
-    lines = ["| trace, pool | policy | p95 time to GPU (ran) | max wait | dropped | stopped | work lost | "
-             "worst user's p95 | Jain slowdown | stretch p95 | shared GPU-h | pool busy |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| trace, pool | policy | p95 time to GPU (ran) | max wait | mean / p95 completion | dropped | stopped | "
+             "work lost | worst user's p95 | Jain slowdown | worst user's slowdown | stretch p95 | shared GPU-h | "
+             "pool busy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def line(label: str, name: str, r: dict) -> str:
         lost = f"{r['gpu_seconds_lost'] / 3600:,.0f} GPU-h ({100 * (r['lost_of_demanded'] or 0):.1f}%)"
         return (f"| {label} | {name} | {hours(r['wait_p95'])} ({hours(r['ran_wait_p95'])}) | {hours(r['wait_max'])} | "
-                f"{r['jobs_never_ran']} | {r['kills']:,} | {lost} | {hours(r['user_wait_p95_worst'])} | {r['jain_slowdown']} | "
+                f"{hours(r['jct_mean'])} / {hours(r['jct_p95'])} | {r['jobs_never_ran']} | {r['kills']:,} | {lost} | "
+                f"{hours(r['user_wait_p95_worst'])} | {r['jain_slowdown']} | {r['slowdown_worst_user']} | "
                 f"{r['stretch_p95']} | {r['gpu_seconds_shared'] / 3600:,.0f} | {100 * (r['pool_busy'] or 0):.1f}% |")
     seen = set()
     for label, name, _, ours, static in runs:

@@ -12,7 +12,7 @@ from gpuguard import config as configuration
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.core.quantities import format_duration
-from gpuguard.replay import engine, trace
+from gpuguard.replay import baselines, engine, trace
 
 TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="the policy to replay (default: as for the daemon; gpuguard's defaults if none)")
     parser.add_argument("--json", action="store_true", help="print JSON (durations in seconds)")
+    parser.add_argument("--baselines", action="store_true",
+                        help="also a Slurm-like multifactor priority with backfill and a clairvoyant "
+                             "shortest-job-first on the same pool (docs/scheduling.md)")
     parser.set_defaults(func=run_replay)
 
     tracing = subparsers.add_parser("trace", help="make trace files for gpuguard replay")
@@ -73,6 +76,9 @@ def run_replay(args: argparse.Namespace) -> int:
         raise CommandError(f"--gpus must be between 1 and {engine.MAX_POOL}, got {gpus}", EXIT_USAGE)
     notes: Counter[str] = Counter()
     report = engine.compare(lambda: trace.read(args.trace, notes), config, gpus)
+    if args.baselines:
+        report["slurm"] = baselines.multifactor(trace.read(args.trace), gpus).summary(gpus)
+        report["shortest_first"] = baselines.shortest_first(trace.read(args.trace), gpus).summary(gpus)
     report["trace_notes"] = dict(notes)
     _say_notes(notes)
     if args.json:
@@ -93,6 +99,8 @@ ROWS = [
     ("time to GPU p95, every job", "wait_p95", "duration"),
     ("time to GPU max, every job", "wait_max", "duration"),
     ("time to GPU p95, jobs that ran", "ran_wait_p95", "duration"),
+    ("job completion time, mean", "jct_mean", "duration"),
+    ("job completion time, p95", "jct_p95", "duration"),
     ("censored wait p95, jobs never run", "censored_wait_p95", "duration"),
     ("per-user p95: median user", "user_wait_p95_median", "duration"),
     ("per-user p95: worst user", "user_wait_p95_worst", "duration"),
@@ -128,9 +136,12 @@ def _cell(value: float | int | None, unit: str) -> str:
 def print_report(report: dict[str, Any]) -> None:
     print(f"{report['trace']['sessions']} sessions, {report['trace']['jobs']} jobs, "
           f"{report['trace']['hours']:.1f} hours, on {report['gpus']} GPUs; replayed in {report['seconds']:.1f}s")
-    rows = [["", "gpuguard (configured)", "static reservation"]]
+    columns = {"policy": "gpuguard (configured)", "static": "static reservation", "slurm": "Slurm-like",
+               "shortest_first": "shortest first (clairvoyant)"}
+    shown = [key for key in columns if key in report]
+    rows = [["", *(columns[key] for key in shown)]]
     for label, key, unit in ROWS:
-        rows.append([label, _cell(report["policy"][key], unit), _cell(report["static"][key], unit)])
+        rows.append([label, *(_cell(report[column][key], unit) for column in shown)])
     print_rows(rows)
 
 

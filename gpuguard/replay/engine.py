@@ -130,6 +130,7 @@ class Result:
     work_lost: float = 0.0           # GPU-seconds of work thrown away: jobs stopped by a rule, from their start
     span: float = 0.0                # seconds from the first login to the last event
     waits: list[float] = field(default_factory=list)     # time to GPU of each job that ran
+    completions: list[float] = field(default_factory=list)  # wait + run of each job that ran
     censored: list[float] = field(default_factory=list)  # time waited by each job that never ran
     stretch: list[float] = field(default_factory=list)   # run time / trace duration of each job that ended by itself
     never_ran: int = 0
@@ -151,6 +152,7 @@ class Result:
             self.censored.append(wait)
         else:
             self.waits.append(wait)
+            self.completions.append(wait + ran)
         self.user_waits.setdefault(user, []).append(wait)
         slowdown = self.user_slowdown.setdefault(user, [0.0, 0])
         slowdown[0] += (wait + (duration if ran is None else ran)) / duration
@@ -161,6 +163,7 @@ class Result:
         every = sorted(self.waits + self.censored)
         censored = sorted(self.censored)
         stretch = sorted(self.stretch)
+        completions = sorted(self.completions)
         shares = [g / d for g, d in self.per_user.values() if d > 0]
         slowdowns = [total / jobs for total, jobs in self.user_slowdown.values() if jobs]
         user_p95 = sorted(percentile(sorted(w), 0.95) or 0.0 for w in self.user_waits.values())
@@ -175,6 +178,8 @@ class Result:
             "wait_p50": percentile(every, 0.50),
             "wait_p95": percentile(every, 0.95),
             "wait_max": every[-1] if every else None,
+            "jct_mean": round(sum(completions) / len(completions), 1) if completions else None,
+            "jct_p95": percentile(completions, 0.95),
             "ran_wait_p95": percentile(waits, 0.95),
             "ran_wait_max": waits[-1] if waits else None,
             "censored_wait_p95": percentile(censored, 0.95),
