@@ -39,6 +39,9 @@ LOGINS_AT_ONCE = 2          # PAM conversations in flight (each a thread; a fail
 MAX_BODY = 8 * 1024         # a login form is a few hundred bytes
 MAX_REASONS = 50            # queue places whose reasons are asked for, per server
 MEMO_AGE = 1.0             # seconds a daemon's answer (and the grid made of it) is kept for every browser
+# seconds a usage report is kept: the daemon writes usage once a minute, and charges each report
+# the web asks for a user to that user's budget (as their own `gpuguard report`)
+REPORT_AGE = 30.0
 SWEEP_EVERY = 15.0          # seconds between checks that each login's account may still log in
 MAX_PERIOD_DAYS = 366
 DEFAULT_PERIOD_DAYS = 30
@@ -68,6 +71,7 @@ class Web:
     ended: Ended = _nobody_ended
     clock: Callable[[], float] = time.time
     memo: Memo = field(default_factory=lambda: Memo(MEMO_AGE))
+    reports: Memo = field(default_factory=lambda: Memo(REPORT_AGE))
     sessions: Sessions = field(default_factory=Sessions)
     connections: Guard = field(default_factory=lambda: Guard(total_for(1024)))
     delay: LoginDelay = field(default_factory=LoginDelay)
@@ -250,7 +254,7 @@ class Web:
         return tables
 
     async def _report(self, by: str, since: float, until: float, user: str | None) -> dict[str, dict[str, Any]]:
-        return await self.memo.get(("report", by, since, until, user), lambda: self.source.report(by, since, until, user))
+        return await self.reports.get((by, since, until, user), lambda: self.source.report(by, since, until, user))
 
     # --- login
 

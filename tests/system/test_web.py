@@ -358,3 +358,25 @@ def test_a_stopped_daemon_is_said_whole_and_a_stale_page_says_how_old(start_daem
                         banner.text)
     assert "stale" in browser.find_element(By.ID, "live").get_attribute("class")
     assert banner.value_of_css_property("background-color") != "rgba(0, 0, 0, 0)"  # styled, not bare text
+
+
+def test_the_usage_page_spends_the_users_own_report_budget(start_daemon, web, browser):
+    daemon = start_daemon(web=web.prepare())
+    alice = daemon.add_member()
+    set_password(alice, PASSWORD)
+    site = web.start(daemon)
+    log_in(browser, site.url, alice.name, PASSWORD)
+    statuses = browser.execute_async_script("""
+        const done = arguments[0];
+        const days = [...Array(12).keys()].map(n => `2026-0${1 + n % 9}-1${n % 10}`);
+        (async () => {
+          const statuses = [];
+          for (const day of days) statuses.push((await fetch(`/usage?since=${day}`)).status);
+          done(statuses);
+        })();""")
+    assert statuses[0] == 200 and 503 in statuses  # 12 pages of 3 reports, one after another: past a burst of 5
+    # the same budget as alice's own reports: hers from the socket is refused too, right after
+    refused = daemon.cli_as(alice, "report")
+    assert refused.returncode != 0 and "too many reports at once" in refused.stderr
+    browser.get(site.url + "/usage?since=2026-01-10")  # asked before: from the web's 30 s cache, not refused
+    assert browser.find_element(By.TAG_NAME, "h1").text == "GPU usage"
