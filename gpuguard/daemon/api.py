@@ -237,12 +237,16 @@ class Api:
         if name is None:
             return None
         try:
-            return (await self.lookup.by_name(name)).uid
+            uid = (await self.lookup.by_name(name)).uid
         except UnknownUser:
             recorded = self.store.known_uid(name)
             if recorded is None:
                 raise Refusal(f"no such user: {name}", 2) from None
-            return recorded
+            uid = recorded
+        # The web view asks on a user's behalf: charged to that user, as if they asked themselves.
+        if peer.uid != 0 and (wait := self._records.allow(uid, time.monotonic())):
+            raise Refusal(f"too many reports at once from {name}; try again in {math.ceil(wait)}s")
+        return uid
 
     # --- a user's own GPUs
 
