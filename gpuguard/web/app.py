@@ -28,7 +28,7 @@ from gpuguard.client import DaemonUnreachable, Refused
 from gpuguard.config import IpNetwork, WebConfig
 from gpuguard.logs import event
 from gpuguard.web import pages, views
-from gpuguard.web.assets import SCRIPT, STYLE
+from gpuguard.web.assets import ICON, SCRIPT, STYLE
 from gpuguard.web.connections import Guard, total_for
 from gpuguard.web.counted import Counted
 from gpuguard.web.sessions import Login, LoginDelay, Sessions, Signer
@@ -486,6 +486,9 @@ def build(app_state: Web) -> web.Application:
         w.connections.served(request.transport)
         try:
             response = await handler(request)
+        except web.HTTPNotFound:  # a page of the site's own, not aiohttp's bare "404: Not Found"
+            response = w.page(request, await w.viewer(request), "Not found", pages.message_page(
+                "Not found", f"There is no page {request.path} here."), status=404)
         except web.HTTPException as exc:  # a redirect to the login form included
             exc.headers["X-Gpuguard-Signed-In"] = "1" if w.login_of(request) else "0"
             raise
@@ -502,6 +505,7 @@ def build(app_state: Web) -> web.Application:
         web.post("/users/{name}/logout", w.end_logins), web.get("/fragment/session", w.session_state),
         web.get("/static/style.css", _asset(STYLE, "text/css")),
         web.get("/static/app.js", _asset(SCRIPT, "text/javascript")),
+        web.get("/static/icon.svg", _asset(ICON, "image/svg+xml")), web.get("/favicon.ico", _asset(ICON, "image/svg+xml")),
     ])
     app.cleanup_ctx.append(w.sweeping)
     return app

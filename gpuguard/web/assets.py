@@ -2,12 +2,13 @@
 the pages load nothing from elsewhere (the Content-Security-Policy forbids it anyway)."""
 
 STYLE = """\
+html{color-scheme:light dark}
 body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1b1f24;background:#f6f7f9}
-header{display:flex;gap:1.5em;align-items:center;padding:.6em 1em;background:#1b1f24;color:#fff}
+header{display:flex;flex-wrap:wrap;gap:.4em 1.5em;align-items:center;padding:.6em 1em;background:#1b1f24;color:#fff}
 header a{color:#cfd6de}header nav a{color:#cfd6de;margin-right:1em;text-decoration:none}
 header nav a[aria-current]{color:#fff;font-weight:600}
 header .logout{margin-left:auto}header .who{margin-right:.6em}
-main{padding:0 1em 2em}h2 small{font-weight:400;color:#57606a;font-size:.7em}
+main{padding:0 1em 2em}a{color:#0550ae}.cell,p{overflow-wrap:anywhere}h2 small{font-weight:400;color:#57606a;font-size:.7em}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(210px,1fr));gap:.5em}
 .cell{border:1px solid #d0d7de;border-left:6px solid #999;border-radius:4px;background:#fff;padding:.4em .6em;
 color:#57606a;font-size:.9em}.cell b{color:#1b1f24}.cell i{float:right;font-style:normal}.cell p{margin:.2em 0}
@@ -17,13 +18,24 @@ color:#57606a;font-size:.9em}.cell b{color:#1b1f24}.cell i{float:right;font-styl
 [data-state=drained]{border-left-color:#6e7781;background:#eaeef2}[data-state=other]{border-left-color:#8250df;background:#f5f0ff}
 .user{font-weight:600;color:#1b1f24}meter{width:100%}
 .cmd{font-family:monospace}.error,.warn{color:#cf222e}.stamp{color:#57606a}
-table{border-collapse:collapse;background:#fff}td,th{border:1px solid #d0d7de;padding:.25em .5em;text-align:left}
+table{border-collapse:collapse;background:#fff;display:block;max-width:100%;overflow-x:auto}
+td,th{border:1px solid #d0d7de;padding:.25em .5em;text-align:left}
 pre.lines{background:#1b1f24;color:#e6edf3;padding:.6em;border-radius:4px;overflow-x:auto}
 .uuid{font-family:monospace;font-size:.85em}
 form.login{display:grid;gap:.6em;max-width:20em}
 .stale-banner{background:#fff8c5;border:1px solid #bf8700;color:#1b1f24;padding:.4em .6em;border-radius:4px;
 font-weight:600}.stale-banner[hidden]{display:none}#live.stale{opacity:.6}
-svg.chart text{font-size:12px;fill:#1b1f24}svg.chart .granted{fill:#9ec5fe}svg.chart .busy{fill:#0a58ca}
+svg.chart{width:100%;max-width:720px;height:auto}svg.chart text{font-size:12px;fill:#1b1f24}
+svg.chart .granted{fill:#9ec5fe;stroke:#0a58ca}svg.chart .busy{fill:#0a58ca}
+details.numbers{margin:.3em 0 1em}
+@media (prefers-color-scheme:dark){
+body{color:#e6edf3;background:#0d1117}a{color:#79b8ff}h2 small,.stamp{color:#9da7b3}
+.cell{background:#161b22;border-color:#30363d;color:#9da7b3}.cell b,.user{color:#e6edf3}
+[data-state=idle]{background:#2b2106}[data-state=over]{background:#3a1418}[data-state=drained]{background:#21262d}
+[data-state=other]{background:#241a3a}.error,.warn{color:#ff7b72}
+table{background:#161b22}td,th{border-color:#30363d}pre.lines{background:#010409}
+.stale-banner{background:#3d2e00;color:#f8e3a1;border-color:#bf8700}
+svg.chart text{fill:#e6edf3}svg.chart .granted{fill:#2f5ea8;stroke:#a5cdff}svg.chart .busy{fill:#a5cdff}}
 """
 
 # Replaces each [data-refresh] element's content with its fragment every REFRESH ms; while the
@@ -76,4 +88,11 @@ if (signedIn && boxes.length === 0) {
   };
   setTimeout(check, SESSION_CHECK);
 }
+"""
+
+# The tab's icon (a GPU board), also answered at /favicon.ico so no page asks for a 404.
+ICON = """\
+<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32"><rect x="2" y="7" width="28" height="18" rx="3" \
+fill="#1b1f24"/><rect x="6" y="11" width="12" height="10" rx="1" fill="#2da44e"/><circle cx="24" cy="16" r="3" \
+fill="#cfd6de"/><rect x="6" y="25" width="14" height="3" fill="#bf8700"/></svg>
 """

@@ -41,6 +41,7 @@ def layout(title: str, path: str, viewer: Viewer, body: str, csrf: str = "") -> 
     return ("<!doctype html><html lang=en><head><meta charset=utf-8>"
             '<meta name=viewport content="width=device-width, initial-scale=1">'
             f'<title>{h(title)} - gpuguard</title><link rel=stylesheet href="/static/style.css">'
+            '<link rel=icon href="/static/icon.svg" type="image/svg+xml">'
             '<script src="/static/app.js" defer></script></head>'
             f'<body{" data-signed-in" if viewer.user is not None else ""}>'
             f'<header><strong>gpuguard</strong><nav>{links}</nav>{account}</header><main>{body}</main></body></html>')

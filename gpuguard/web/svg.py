@@ -24,8 +24,10 @@ def usage_chart(title: str, rows: Sequence[Usage]) -> str:
     top = max(max(r.granted_hours for r in rows), 1e-9)
     plot = WIDTH - LABEL_WIDTH - 70
     height = ROW * len(rows) + 30
-    parts = [f'<svg class="chart" role="img" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}">',
-             f"<title>{h(title)}</title>"]
+    # Scaled to the page's width by the stylesheet (a phone's 390 px too); the numbers are also a
+    # table below it, for screen readers and for anyone who wants them exact.
+    parts = [f'<svg class="chart" role="img" aria-label="{h(title)}; the numbers are in the table below" '
+             f'viewBox="0 0 {WIDTH} {height}" preserveAspectRatio="xMinYMin meet">', f"<title>{h(title)}</title>"]
     for i, r in enumerate(rows):
         y = 20 + i * ROW
         granted = plot * r.granted_hours / top
@@ -38,9 +40,22 @@ def usage_chart(title: str, rows: Sequence[Usage]) -> str:
             f'<text x="{LABEL_WIDTH - 6}" y="{y + 14}" text-anchor="end">{h(_short(r.label))}</text>'
             f'<rect class="granted" x="{LABEL_WIDTH}" y="{y + 2}" width="{granted:.1f}" height="{ROW - 6}"/>{bar}'
             f'<text x="{LABEL_WIDTH + granted + 4:.1f}" y="{y + 14}">{r.granted_hours:.1f} h</text></g>')
-    parts.append(f'<text x="{LABEL_WIDTH}" y="12" class="legend">granted (light) / busy (dark), GPU-hours</text>')
+    parts.append(f'<text x="{LABEL_WIDTH}" y="12" class="legend">'
+                 "GPU-hours: granted (the outlined bar), busy (the bar inside it)</text>")
     parts.append("</svg>")
-    return "".join(parts)
+    return "".join(parts) + numbers(title, rows)
+
+
+def numbers(title: str, rows: Sequence[Usage]) -> str:
+    """The chart's values as a table (in a <details>, closed at first)."""
+    body = "".join(
+        f"<tr><th scope=row>{h(r.label)}</th><td>{r.granted_hours:.2f}</td>"
+        f"<td>{'unknown' if r.busy_hours is None else f'{r.busy_hours:.2f}'}</td>"
+        f"<td>{'unknown' if r.busy_share is None else f'{r.busy_share:.0%}'}</td></tr>" for r in rows)
+    return (f'<details class="numbers"><summary>{h(title)}: the numbers</summary><table><caption>{h(title)}</caption>'
+            "<thead><tr><th scope=col>who or what</th><th scope=col>GPU-hours granted</th>"
+            f"<th scope=col>GPU-hours busy</th><th scope=col>busy share</th></tr></thead><tbody>{body}</tbody></table>"
+            "</details>")
 
 
 def _short(label: str, limit: int = 28) -> str:

@@ -22,6 +22,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from web_harness import ARTEFACTS, FormClient, set_password
 
+from gpuguard.services.store import Store, hour_of
+
 pytestmark = pytest.mark.gate
 
 LIVE_TIMEOUT = 20.0  # seconds for the page to show a change: the script polls every 2 s
@@ -380,3 +382,80 @@ def test_the_usage_page_spends_the_users_own_report_budget(start_daemon, web, br
     assert refused.returncode != 0 and "too many reports at once" in refused.stderr
     browser.get(site.url + "/usage?since=2026-01-10")  # asked before: from the web's 30 s cache, not refused
     assert browser.find_element(By.TAG_NAME, "h1").text == "GPU usage"
+
+
+PAGES = {"now": "/", "queue": "/queue", "me": "/me", "usage": "/usage"}
+PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True}
+
+
+def seed_usage(daemon, users) -> None:
+    """A fortnight of GPU-hours for each user, written while the daemon is stopped."""
+    daemon.stop()
+    store = Store(daemon.config.paths.state_dir / "state.db")
+    try:
+        now = time.time()
+        for day in range(14):
+            for n, user in enumerate(users):
+                hour = hour_of(now - day * 86400 - 3 * 3600)
+                store.add_usage(user.uid, user.name, n % 2, hour, granted=3600.0 * (n + 1) / 2,
+                                busy=1800.0 * (n + 1) / 2 * (day % 3 + 1) / 3)
+    finally:
+        store.close()
+    daemon.start()
+
+
+def test_every_page_fits_a_phone_has_dark_mode_a_404_and_an_icon(start_daemon, web, browser, burns, make_group):
+    """Also makes the pictures of docs/ from this seeded lab: build/test-artefacts/web-PAGE-desktop.png,
+    -phone.png and -dark.png for each page (copied to docs/ as they are when the pages change)."""
+    admins = make_group()
+    daemon = start_daemon(count=2, web=web.prepare(admin_group=admins), defaults={"gpu_memory": "4GiB"})
+    alice = daemon.add_member(groups=[admins])
+    bob, carol = daemon.add_member(), daemon.add_member()
+    set_password(alice, PASSWORD)
+    seed_usage(daemon, [alice, bob, carol])
+    assert daemon.open_session(alice)["gpus"] == [0]
+    assert daemon.open_session(bob)["gpus"] == [1]
+    burns(daemon.config_path, 1, "2GiB", user=bob)
+    assert "queue" in daemon.open_session(carol)
+    site = web.start(daemon)
+    log_in(browser, site.url, alice.name, PASSWORD)
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+
+    def visit(path: str, picture: str) -> None:
+        browser.get(site.url + path)
+        WebDriverWait(browser, LIVE_TIMEOUT).until(lambda d: d.execute_script("return document.readyState") == "complete")
+        wide, shown = browser.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
+        assert wide <= shown, f"{path} is {wide} px wide on a {shown} px screen"
+        browser.save_screenshot(str(ARTEFACTS / f"web-{picture}.png"))
+
+    for name, path in PAGES.items():
+        visit(path, f"{name}-desktop")
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", PHONE)
+    for name, path in PAGES.items():
+        visit(path, f"{name}-phone")
+    assert browser.find_element(By.CSS_SELECTOR, "header form.logout button").is_displayed()
+    browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+    for name, path in PAGES.items():
+        visit(path, f"{name}-dark")
+        background = browser.execute_script("return getComputedStyle(document.body).backgroundColor")
+        red, green, blue = (int(v) for v in re.findall(r"\d+", background)[:3])
+        assert max(red, green, blue) < 60, f"{path} background {background} under prefers-color-scheme: dark"
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+
+    # The charts' numbers are a table a screen reader reaches.
+    browser.get(site.url + "/usage")
+    chart = browser.find_element(By.CSS_SELECTOR, "svg.chart")
+    assert "the numbers are in the table below" in chart.get_attribute("aria-label")
+    rows = browser.find_elements(By.CSS_SELECTOR, "details.numbers table tbody tr")
+    assert any(bob.name in row.get_attribute("textContent") for row in rows)
+
+    # An unknown path: the site's own page, 404; the icon is there.
+    browser.get(site.url + "/no/such/page")
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Not found"
+    assert browser.find_element(By.CSS_SELECTOR, "header nav")
+    answers = browser.execute_async_script("""
+        const done = arguments[0];
+        Promise.all(["/no/such/page", "/favicon.ico"].map(p => fetch(p).then(r => [r.status, r.headers.get("Content-Type")])))
+            .then(done);""")
+    assert answers[0][0] == 404 and answers[1][0] == 200 and answers[1][1].startswith("image/svg+xml")
