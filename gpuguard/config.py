@@ -162,6 +162,8 @@ class WebConfig:
     # from anyone else the header is ignored.
     trusted_proxies: tuple[IpNetwork, ...] = ()
     contact: str | None = None              # whom a non-member should ask to join the GPU group
+    tls_cert: Path | None = None            # HTTPS with this certificate chain (PEM) and tls_key; both or neither
+    tls_key: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -514,7 +516,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "web": {"listen": _listen, "user": _string, "show_users": _bool, "admin_group": _string,
             "pam_service": _string, "key_file": _absolute_path, "session_time": _positive_duration(60),
             "secure_cookies": _bool, "trusted_proxies": _networks,
-            "contact": _string},
+            "contact": _string, "tls_cert": _absolute_path, "tls_key": _absolute_path},
     "coexist": {"slurm": _slurm, "gres_conf": _absolute_path, "slurm_node": _string, "k8s_gpus": _minors},
     "fleet": {"database": _string, "node": _string, "rack": _string, "ssh": _string,
                 "heartbeat": _positive_duration(1), "lease": _positive_duration(1), "grace": _positive_duration(0),

@@ -102,6 +102,9 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("web", "secure_cookies"): ("bool", "cookies only over HTTPS (browsers allow http://localhost too)"),
     ("web", "trusted_proxies"): ("names", "reverse proxies (addresses or networks) whose X-Forwarded-For names the "
                                          "client for the login delay and PAM_RHOST; ignored from anyone else"),
+    ("web", "tls_cert"): ("path", "serve HTTPS with this certificate chain (PEM, readable by the web's account); "
+                                  "with tls_key, both or neither"),
+    ("web", "tls_key"): ("path", "the private key of tls_cert (PEM)"),
     ("web", "contact"): ("string", "whom the page tells a user outside the GPU group to ask (an address, a room); "
                                    "unset: the server's administrators, the members of admin_group if set"),
     ("coexist", "slurm"): ("string", "\"auto\": the GPUs gres.conf gives this node are Slurm's (AutoDetect=nvml: all); "

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gpuguard.config import DRIVER_ACCOUNTS, Config, FleetConfig, MetricsConfig
+from gpuguard.config import DRIVER_ACCOUNTS, Config, FleetConfig, MetricsConfig, WebConfig
 
 # Where etc/gpuguard.service (ProtectSystem=strict) lets the daemon write files: its
 # RuntimeDirectory= and StateDirectory=.
@@ -41,7 +41,21 @@ def warnings(config: Config, user_exists: Callable[[str], bool], group_exists: C
         found += [f"{config.paths.quotas}: {kind}.{name}.sharing: has no effect without a gpu_memory limit"
                   for name, table in tables.items()
                   if table.get("sharing") and table.get("gpu_memory", memory) is None]
-    return [*config.renamed, *found, *_under_the_unit(config.metrics), *_fleet(config.fleet)]
+    return [*config.renamed, *found, *_under_the_unit(config.metrics), *_fleet(config.fleet), *_web(config.web)]
+
+
+def _web(web: WebConfig) -> list[str]:
+    """A web view others reach over plain HTTP: no login works (browsers keep no Secure cookie
+    there), or, without secure cookies, passwords cross the network in the clear."""
+    if (web.tls_cert is None) != (web.tls_key is None):
+        return ["web.tls_cert, web.tls_key: set both or neither (gpuguard web will not start with one)"]
+    if web.listen is None or web.tls_cert is not None or _local(web.listen[0]):
+        return []
+    where = f"web.listen: {web.listen[0]} is reachable from other hosts over plain HTTP (no tls_cert)"
+    if web.secure_cookies:
+        return [f"{where}: browsers keep no Secure cookie there, so nobody can log in from another host; set "
+                "tls_cert and tls_key, or listen on 127.0.0.1 behind an SSH tunnel or a TLS proxy (trusted_proxies)"]
+    return [f"{where} and secure_cookies = false: passwords and logins cross the network in the clear"]
 
 
 def _fleet(fleet: FleetConfig | None) -> list[str]:

@@ -258,8 +258,26 @@ class Web:
 
     # --- login
 
+    def plain_http_elsewhere(self, request: web.Request) -> bool:
+        """Secure cookies over plain HTTP to a name browsers do not treat as secure (not localhost
+        or loopback): the browser keeps none of them, so no login can work there."""
+        if not self.config.secure_cookies or request.secure:
+            return False
+        if within(request.remote or "", self.config.trusted_proxies) and \
+                request.headers.get("X-Forwarded-Proto", "").lower() == "https":
+            return False
+        host = request.url.host or ""
+        return not (host == "localhost" or host.endswith(".localhost") or _loopback(host))
+
+    def needs_https(self, request: web.Request, viewer: views.Viewer) -> web.Response:
+        return self.page(request, viewer, "Log in needs HTTPS", pages.needs_https_page(
+            request.url.host or "this host", request.url.port or 80),
+                         status=403)
+
     async def login_form(self, request: web.Request) -> web.Response:
         viewer = await self.viewer(request)
+        if self.plain_http_elsewhere(request):
+            return self.needs_https(request, viewer)
         seed = request.cookies.get(self.pre_cookie) or secrets.token_urlsafe(16)
         response = self.page(request, viewer, "Log in", pages.login_page(self.signer.csrf("login:" + seed)))
         response.set_cookie(self.pre_cookie, seed, max_age=3600, **self.cookie_options())
@@ -271,6 +289,8 @@ class Web:
         user, password = str(form.get("user", "")), str(form.get("password", ""))
         viewer = views.Viewer()
         if not self.signer.csrf_ok(str(form.get("csrf", "")), "login:" + seed if seed else None):
+            if seed is None and self.plain_http_elsewhere(request):  # the cookie was never kept: say why
+                return self.needs_https(request, viewer)
             return self.page(request, viewer, "Log in", pages.message_page(
                 "Log in", "The form expired or came from another site: load the login page again."), status=403)
         client = client_address(request.remote, request.headers.get("X-Forwarded-For"), self.config.trusted_proxies)
@@ -421,6 +441,13 @@ def client_address(peer: str | None, forwarded: str | None, trusted: Sequence[Ip
             except ValueError:
                 return peer
     return peer
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def within(text: str, networks: Sequence[IpNetwork]) -> bool:

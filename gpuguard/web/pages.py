@@ -222,6 +222,18 @@ def login_page(csrf: str, message: str = "", user: str = "") -> str:
             "<button>Log in</button></form>")
 
 
+def needs_https_page(host: str, port: int) -> str:
+    """Why a login over plain HTTP to another host's name cannot work, and what works instead."""
+    return ("<h1>Log in needs HTTPS</h1>"
+            f'<p class="notice">This page came over plain HTTP to {h(host)}. The login is kept in a cookie '
+            "that browsers keep only over HTTPS (or on this machine's own localhost), so a login here "
+            "cannot work, and your password would cross the network in the clear.</p>"
+            "<p>Open the page over <b>https://</b> if the server has it, or through an SSH tunnel: "
+            f"<span class=cmd>ssh -L 9448:localhost:{port} you@{h(host)}</span>, then "
+            "<span class=cmd>http://localhost:9448/</span>. The administrators can set <span class=cmd>[web] "
+            "tls_cert</span> and <span class=cmd>tls_key</span>, or put the page behind a TLS proxy.</p>")
+
+
 def end_logins_form(name: str, csrf: str) -> str:
     """An admin's button that ends every login of `name` (their open pages go to the login form)."""
     return (f'<form method=post action="/users/{h(name)}/logout" class="end-logins">'

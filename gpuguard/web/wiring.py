@@ -17,13 +17,14 @@ import os
 import resource
 import signal
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 
 from gpuguard.backends import accounts, shadow
-from gpuguard.config import Config
+from gpuguard.config import Config, WebConfig
 from gpuguard.core.errors import NssFailure, UnknownUser
 from gpuguard.logs import event
 from gpuguard.web.app import Web, build, within
@@ -82,6 +83,7 @@ def run(config: Config, host: str, port: int) -> None:
     fleet = config.fleet  # several servers on one PostgreSQL, when configured
     source: Source = (FleetSource(fleet.database) if fleet is not None
                       else LocalDaemon(config.paths.socket, socket.gethostname()))
+    tls = tls_context(settings)  # before anything else: a bad certificate stops the start with its reason
     descriptors = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     trusted = settings.trusted_proxies
     guard = Guard(total_for(descriptors), exempt=lambda peer: within(peer, trusted))
@@ -92,13 +94,28 @@ def run(config: Config, host: str, port: int) -> None:
         event(logging.WARNING, "web_account", runs_as=me, configured=settings.user,
               effect="the daemon shows this account only its own records")
     event(logging.INFO, "web_started", listen=f"{host}:{port}", user=me, show_users=settings.show_users,
-          connections=guard.total, descriptors=descriptors)
+          connections=guard.total, descriptors=descriptors, https=tls is not None)
     logging.getLogger("aiohttp.server").addFilter(Malformed())
-    asyncio.run(serve(build(state), host, port, guard))
+    asyncio.run(serve(build(state), host, port, guard, tls))
 
 
-async def serve(app: web.Application, host: str, port: int, guard: Guard) -> None:
-    """aiohttp's server behind the connection guard, until SIGTERM or SIGINT."""
+def tls_context(settings: WebConfig) -> ssl.SSLContext | None:
+    """HTTPS from [web] tls_cert and tls_key, or None for plain HTTP; OSError naming the key."""
+    if settings.tls_cert is None and settings.tls_key is None:
+        return None
+    if settings.tls_cert is None or settings.tls_key is None:
+        raise OSError("[web] tls_cert and tls_key go together: set both or neither")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise OSError(f"[web] tls_cert {settings.tls_cert} / tls_key {settings.tls_key}: "
+                      f"{getattr(exc, 'strerror', None) or exc}") from None
+    return context
+
+
+async def serve(app: web.Application, host: str, port: int, guard: Guard, tls: ssl.SSLContext | None = None) -> None:
+    """aiohttp's server behind the connection guard (HTTPS with `tls`), until SIGTERM or SIGINT."""
     # No access log: a line per request (the live refresh polls) would flood the journal.
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=guard.idle)
     await runner.setup()
@@ -108,7 +125,8 @@ async def serve(app: web.Application, host: str, port: int, guard: Guard) -> Non
     stop = asyncio.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(number, stop.set)
-    listener = await loop.create_server(guard.factory(server), host, port, backlog=BACKLOG, reuse_address=True)
+    listener = await loop.create_server(guard.factory(server), host, port, backlog=BACKLOG, reuse_address=True,
+                                        ssl=tls)
     checking = asyncio.create_task(guard.checking())
     try:
         await stop.wait()

@@ -10,9 +10,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import http.client
+import os
 import re
 import resource
 import socket
+import ssl
 import subprocess
 import time
 
@@ -459,3 +461,48 @@ def test_every_page_fits_a_phone_has_dark_mode_a_404_and_an_icon(start_daemon, w
         Promise.all(["/no/such/page", "/favicon.ico"].map(p => fetch(p).then(r => [r.status, r.headers.get("Content-Type")])))
             .then(done);""")
     assert answers[0][0] == 404 and answers[1][0] == 200 and answers[1][1].startswith("image/svg+xml")
+
+
+def own_address() -> str | None:
+    """An address of this host that is not loopback (the route to a documentation network's)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_plain_http_by_another_name_says_why_and_tls_serves_the_login(start_daemon, web, browser, sandbox):
+    address = own_address()
+    if address is None:
+        pytest.skip("this host has no address but loopback")
+    cert, key = sandbox / "web" / "web.crt", sandbox / "web" / "web.key"
+    table = web.prepare()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=ggt-web",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    for path in (cert, key):
+        os.chown(path, web.account.uid, web.account.gid)
+    daemon = start_daemon(web=table)
+    plain = web.start(daemon, host=address)
+    browser.get(plain.url + "/login")
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Log in needs HTTPS"
+    assert f"ssh -L 9448:localhost:{plain.url.rsplit(':', 1)[1]}" in browser.find_element(By.TAG_NAME, "main").text
+    assert not browser.find_elements(By.NAME, "password")
+    plain.proc.terminate()
+    plain.proc.wait(15)
+
+    text = daemon.config_path.read_text()  # the web reads it at its start; the daemon has no use for these keys
+    assert "[web]\n" in text
+    daemon.config_path.write_text(text.replace("[web]\n", f'[web]\ntls_cert = "{cert}"\ntls_key = "{key}"\n', 1))
+    secure = web.start(daemon, host=address, scheme="https")
+    host, port = address, int(secure.url.rsplit(":", 1)[1])
+    connection = http.client.HTTPSConnection(host, port, timeout=30, context=ssl._create_unverified_context())
+    connection.request("GET", "/login")
+    reply = connection.getresponse()
+    assert reply.status == 200 and 'type=password name=password' in reply.read().decode()
+    cookie = reply.getheader("Set-Cookie")
+    assert cookie.startswith("__Host-gpuguard-login=") and "Secure" in cookie
+    connection.close()
+    assert "https=True" in secure.log()

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -87,21 +88,23 @@ class WebStarter:
         return {"user": self.account.name, "pam_service": self.stacks.make(*lines, base=WEB_PAM),
                 "key_file": str(key_dir / "session.key"), **table}
 
-    def start(self, daemon, descriptors: int | None = None) -> RunningWeb:
-        """descriptors: its RLIMIT_NOFILE (prlimit), as a unit's LimitNOFILE sets it."""
+    def start(self, daemon, descriptors: int | None = None, host: str = "127.0.0.1", scheme: str = "http") -> RunningWeb:
+        """descriptors: its RLIMIT_NOFILE (prlimit), as a unit's LimitNOFILE sets it; host: where
+        it listens (the url names it too); scheme https when [web] tls_cert is set."""
         assert self.account is not None, "prepare() first"
         port = free_port()
         log_path = self.sandbox / "web.log"
         limit = ["prlimit", f"--nofile={descriptors}", "--"] if descriptors else []
         with open(log_path, "ab") as log:
             proc = popen_as(self.account, [*limit, str(BIN / "gpuguard"), "--config", str(daemon.config_path), "web",
-                                           "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=log)
-        running = RunningWeb(f"http://127.0.0.1:{port}", self.account, proc, log_path)
+                                           "--listen", f"{host}:{port}"], stdout=log, stderr=log)
+        running = RunningWeb(f"{scheme}://{host}:{port}", self.account, proc, log_path)
         self.started.append(running)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline and proc.poll() is None:
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(running.url + "/static/style.css", timeout=2).close()
+                urllib.request.urlopen(running.url + "/static/style.css", timeout=2,
+                                       context=ssl._create_unverified_context()).close()  # a test's own certificate
                 return running
             time.sleep(0.2)
         raise AssertionError(f"gpuguard web did not start (status {proc.poll()}):\n{running.log()}")
