@@ -242,7 +242,10 @@ class Web:
         """The period the page or the CSV asks for (its form fields) and the usage tables of it;
         ValueError for a bad period, DaemonUnreachable or Refused when the source fails."""
         since, until, form = _period(request.query, self.clock())
-        return form, await self._usage_tables(viewer, since, until)
+        tables = await self._usage_tables(viewer, since, until)
+        first, last = (datetime.date.fromisoformat(form[key]) for key in ("since", "until"))
+        return form, [(by, views.by_period(rows, first, last) if by == "day" else views.largest_first(rows))
+                      for by, rows in tables]
 
     async def _usage_tables(self, viewer: views.Viewer, since: float, until: float) -> list[tuple[str, list[views.Usage]]]:
         user = None if viewer.admin else viewer.user  # as `gpuguard report`: one's own, admins everyone's

@@ -14,15 +14,17 @@ from gpuguard.web.views import Usage
 WIDTH = 720
 LABEL_WIDTH = 180
 ROW = 22
-MAX_BARS = 200  # a period of many days or users still makes a page under its size budget
+MAX_BARS = 200  # many users still make a page under its size budget (days come in weeks past 62)
 
 
-def usage_chart(title: str, rows: Sequence[Usage]) -> str:
-    rows = list(rows)[:MAX_BARS]
-    if not rows:
+def usage_chart(title: str, all_rows: Sequence[Usage]) -> str:
+    """The rows in their order (the callers put the largest first), the first MAX_BARS drawn
+    with a line saying how many more the table below and the CSV hold."""
+    rows = list(all_rows)[:MAX_BARS]
+    if not any(r.granted_hours for r in rows):
         return f'<p class="empty">{h(title)}: no usage in this period.</p>'
     top = max(max(r.granted_hours for r in rows), 1e-9)
-    plot = WIDTH - LABEL_WIDTH - 70
+    plot = WIDTH - LABEL_WIDTH - 130  # room for "21.0 h, 32% busy" after the longest bar
     height = ROW * len(rows) + 30
     # Scaled to the page's width by the stylesheet (a phone's 390 px too); the numbers are also a
     # table below it, for screen readers and for anyone who wants them exact.
@@ -39,11 +41,14 @@ def usage_chart(title: str, rows: Sequence[Usage]) -> str:
             f'<g><title>{h(r.label)}: {r.granted_hours:.2f} h granted, {busy}{share}</title>'
             f'<text x="{LABEL_WIDTH - 6}" y="{y + 14}" text-anchor="end">{h(_short(r.label))}</text>'
             f'<rect class="granted" x="{LABEL_WIDTH}" y="{y + 2}" width="{granted:.1f}" height="{ROW - 6}"/>{bar}'
-            f'<text x="{LABEL_WIDTH + granted + 4:.1f}" y="{y + 14}">{r.granted_hours:.1f} h</text></g>')
+            f'<text x="{LABEL_WIDTH + granted + 4:.1f}" y="{y + 14}">{r.granted_hours:.1f} h'
+            f'{"" if r.busy_share is None else f", {r.busy_share:.0%} busy"}</text></g>')
     parts.append(f'<text x="{LABEL_WIDTH}" y="12" class="legend">'
                  "GPU-hours: granted (the outlined bar), busy (the bar inside it)</text>")
     parts.append("</svg>")
-    return "".join(parts) + numbers(title, rows)
+    more = len(all_rows) - len(rows)
+    note = f'<p class="more">The {len(rows)} largest of {len(all_rows)}; all are in the numbers below and the CSV.</p>'
+    return "".join(parts) + (note if more else "") + numbers(title, all_rows)
 
 
 def numbers(title: str, rows: Sequence[Usage]) -> str:

@@ -9,6 +9,7 @@ anything is drawn, so no page or fragment can leak them.
 from __future__ import annotations
 
 import csv
+import datetime
 import io
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -220,6 +221,8 @@ def _fair_key(u: Mapping[str, Any]) -> tuple[int, float, str]:
 
 # --- usage
 
+MAX_DAY_BARS = 62  # a by-day chart of a longer period is drawn in weeks
+
 @dataclass(frozen=True)
 class Usage:
     label: str
@@ -244,6 +247,31 @@ def usage_rows(by: str, reports: Mapping[str, Mapping[str, Any]], viewer: Viewer
             for i, key in enumerate(("granted_seconds", "busy_seconds", "idle_seconds")):
                 value, known = row[key], total[i]
                 total[i] = None if value is None or known is None else known + value / 3600
+    return [Usage(label, values[0] or 0.0, values[1], values[2]) for label, values in sums.items()]
+
+
+def largest_first(rows: Iterable[Usage]) -> list[Usage]:
+    """Most GPU-hours granted first (then by label): a chart cut at its bar limit keeps the largest."""
+    return sorted(rows, key=lambda r: (-r.granted_hours, r.label))
+
+
+def by_period(days: Iterable[Usage], first: datetime.date, last: datetime.date) -> list[Usage]:
+    """The by-day rows as one bar for every day from `first` to `last` (a day without usage at
+    zero), so the chart always ends at the period's end; a period longer than MAX_DAY_BARS days
+    in weeks (from Monday, labelled "week of" it), 53 bars for the longest."""
+    known = {r.label: r for r in days}
+    weekly = (last - first).days + 1 > MAX_DAY_BARS
+    sums: dict[str, list[float | None]] = {}
+    day = first
+    while day <= last:
+        label = f"week of {day - datetime.timedelta(day.weekday())}" if weekly else day.isoformat()
+        total = sums.setdefault(label, [0.0, 0.0, 0.0])
+        row = known.get(day.isoformat())
+        if row is not None:
+            for i, value in enumerate((row.granted_hours, row.busy_hours, row.idle_hours)):
+                so_far = total[i]
+                total[i] = None if value is None or so_far is None else so_far + value
+        day += datetime.timedelta(1)
     return [Usage(label, values[0] or 0.0, values[1], values[2]) for label, values in sums.items()]
 
 

@@ -3,6 +3,7 @@ SVG's escaping (pure: status replies in, views out; no browser, no daemon)."""
 from __future__ import annotations
 
 import csv
+import datetime
 import io
 
 from gpuguard.web import views
@@ -201,3 +202,23 @@ def test_a_queue_not_read_is_not_said_to_be_empty():
     assert queue_table([], ["gpu1: not read: gpuguard daemon not reachable"]) == \
         '<p class="error">gpu1: not read: gpuguard daemon not reachable</p>'
     assert "Nobody waits" in queue_table([], [])
+
+
+def test_the_by_day_chart_ends_at_the_periods_end_in_weeks_past_its_limit():
+    days = [views.Usage("2025-12-08", 2.0, 1.0, 1.0), views.Usage("2026-12-05", 4.0, 1.0, 3.0)]
+    short = views.by_period(days, datetime.date(2026, 11, 6), datetime.date(2026, 12, 6))
+    assert len(short) == 31 and short[-1] == views.Usage("2026-12-06", 0.0, 0.0, 0.0)
+    assert short[-2].granted_hours == 4.0
+    year = views.by_period(days, datetime.date(2025, 12, 7), datetime.date(2026, 12, 6))
+    assert len(year) == 53 and year[0].label == "week of 2025-12-01" and year[-1].label == "week of 2026-11-30"
+    assert year[1].granted_hours == 2.0 and year[-1].granted_hours == 4.0  # the most recent week kept
+    chart = usage_chart("by day", year)
+    assert "week of 2026-11-30" in chart and "4.0 h, 25% busy" in chart
+
+
+def test_a_chart_past_its_bar_limit_keeps_the_largest_and_says_so():
+    users = views.largest_first(views.Usage(f"user{i:03}", float(i), None, None) for i in range(250))
+    chart = usage_chart("by user", users)
+    assert users[0].label == "user249" and ">user249<" in chart.split("<details")[0]
+    assert ">user000<" not in chart.split("<details")[0] and "The 200 largest of 250" in chart
+    assert "user000" in chart.split("<details")[1]  # in the numbers
