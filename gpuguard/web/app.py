@@ -208,9 +208,23 @@ class Web:
                      for server, who in replies.items()}
         body = pages.me_page(name, replies, viewer, self.config.show_users, own=name == viewer.user,
                              standings=standings)
+        body += pages.processes_section(name, name == viewer.user, await self._processes(name))
         if viewer.admin and name != viewer.user:
             body += pages.end_logins_form(name, self.logout_token(request))
         return self.page(request, viewer, name, body)
+
+    async def processes_fragment(self, request: web.Request) -> web.Response:
+        viewer, _ = await self.signed_in(request)
+        name = request.match_info["name"]
+        if name != viewer.user and not viewer.admin:
+            raise web.HTTPForbidden(text="only admins see other users' processes")
+        return _fragment(await self._processes(name))
+
+    async def _processes(self, name: str) -> str:
+        """The user's processes on the GPUs, from the status every page shares (once a second)."""
+        fetched = await self.memo.get("servers", self.source.servers)
+        errors = [f"{s.name}: not read: {s.error}" for s in fetched if s.status is None]
+        return pages.processes_table(views.processes_of(name, [(s.name, s.status) for s in fetched]), errors)
 
     async def usage(self, request: web.Request) -> web.Response:
         viewer, _ = await self.signed_in(request)
@@ -529,7 +543,7 @@ def build(app_state: Web) -> web.Application:
     app.add_routes([
         web.get("/", w.now), web.get("/fragment/now", w.now_fragment),
         web.get("/queue", w.queue_page), web.get("/fragment/queue", w.queue_fragment),
-        web.get("/me", w.me), web.get("/users/{name}", w.user),
+        web.get("/me", w.me), web.get("/users/{name}", w.user), web.get("/fragment/processes/{name}", w.processes_fragment),
         web.get("/usage", w.usage), web.get("/usage.csv", w.usage_csv),
         web.get("/login", w.login_form), web.post("/login", w.login), web.post("/logout", w.logout),
         web.post("/users/{name}/logout", w.end_logins), web.get("/fragment/session", w.session_state),

@@ -13,7 +13,7 @@ from typing import Any
 from gpuguard.core.messages import clock, cuda_export
 from gpuguard.core.model import unit_label
 from gpuguard.core.quantities import format_size
-from gpuguard.web.views import Cell, FairShare, Server, Viewer, Waiting, duration, ordinal, plural
+from gpuguard.web.views import Cell, FairShare, OwnProcess, Server, Viewer, Waiting, duration, ordinal, plural
 
 NAV = (("/", "Now"), ("/queue", "Queue"), ("/me", "Me"), ("/usage", "Usage"))
 STALE_AFTER = 30.0  # seconds: a sample this old is said to be old (the watcher samples every few seconds)
@@ -232,6 +232,22 @@ def needs_https_page(host: str, port: int) -> str:
             f"<span class=cmd>ssh -L 9448:localhost:{port} you@{h(host)}</span>, then "
             "<span class=cmd>http://localhost:9448/</span>. The administrators can set <span class=cmd>[web] "
             "tls_cert</span> and <span class=cmd>tls_key</span>, or put the page behind a TLS proxy.</p>")
+
+
+def processes_section(name: str, own: bool, table: str) -> str:
+    whose = "My processes" if own else f"{name}'s processes"
+    return (f'<section class="procs"><h2>{h(whose)} on GPUs</h2>'
+            f'<div id="live" data-refresh="/fragment/processes/{h(name)}">{table}</div></section>')
+
+
+def processes_table(rows: Sequence[OwnProcess], errors: Sequence[str]) -> str:
+    problems = "".join(f'<p class="error">{h(e)}</p>' for e in errors)
+    if not rows:
+        return problems or "<p>No process on a GPU now.</p>"
+    body = "".join(f"<tr><td>{h(r.server)}</td><td>{h(r.gpu)}</td><td>{r.pid}</td><td class=cmd>{h(r.command)}</td>"
+                   f"<td>{'?' if r.memory is None else h(format_size(r.memory))}</td></tr>" for r in rows)
+    return (problems + "<table><thead><tr><th>server</th><th>GPU</th><th>pid</th><th>command</th><th>memory</th>"
+            f"</tr></thead><tbody>{body}</tbody></table>")
 
 
 def end_logins_form(name: str, csrf: str) -> str:

@@ -250,6 +250,25 @@ def usage_rows(by: str, reports: Mapping[str, Mapping[str, Any]], viewer: Viewer
     return [Usage(label, values[0] or 0.0, values[1], values[2]) for label, values in sums.items()]
 
 
+@dataclass(frozen=True)
+class OwnProcess:
+    """One of a user's processes on a GPU, for their page."""
+
+    server: str
+    gpu: str
+    pid: int
+    command: str
+    memory: int | None
+
+
+def processes_of(user: str, servers: Iterable[tuple[str, Mapping[str, Any] | None]]) -> list[OwnProcess]:
+    """The user's processes on each server's GPUs, from its `status` (None: not read)."""
+    return [OwnProcess(server, str(gpu.get("label", gpu.get("minor"))), int(p["pid"]), str(p.get("command") or ""),
+                    p.get("memory"))
+            for server, status in servers if status is not None
+            for gpu in status.get("gpus", ()) for p in gpu.get("process_list") or () if p.get("user") == user]
+
+
 def largest_first(rows: Iterable[Usage]) -> list[Usage]:
     """Most GPU-hours granted first (then by label): a chart cut at its bar limit keeps the largest."""
     return sorted(rows, key=lambda r: (-r.granted_hours, r.label))

@@ -506,3 +506,26 @@ def test_plain_http_by_another_name_says_why_and_tls_serves_the_login(start_daem
     assert cookie.startswith("__Host-gpuguard-login=") and "Secure" in cookie
     connection.close()
     assert "https=True" in secure.log()
+
+
+def test_my_processes_on_the_me_page_follow_live(start_daemon, web, browser, burns):
+    daemon = start_daemon(count=2, web=web.prepare())
+    alice, bob = daemon.add_member(), daemon.add_member()
+    set_password(alice, PASSWORD)
+    daemon.call("grant", user=alice.name, units=[0])
+    daemon.call("grant", user=bob.name, units=[1])
+    burns(daemon.config_path, 0, "2GiB", user=alice)
+    burns(daemon.config_path, 1, "1GiB", user=bob)
+    site = web.start(daemon)
+    log_in(browser, site.url, alice.name, PASSWORD)
+
+    def rows(d):
+        return d.find_elements(By.CSS_SELECTOR, "section.procs tbody tr")
+    live(browser).until(lambda d: len(rows(d)) == 1)
+    browser.execute_script("window.ggtSamePage = true")
+    cells = rows(browser)[0].find_elements(By.TAG_NAME, "td")
+    assert [cells[1].text, cells[4].text] == ["0", "2GiB"]  # hers, not bob's on GPU 1
+    burns(daemon.config_path, 0, "1GiB", user=alice)
+    live(browser).until(lambda d: len(rows(d)) == 2)
+    assert browser.execute_script("return window.ggtSamePage") is True  # refreshed in place
+    assert bob.name not in browser.find_element(By.CSS_SELECTOR, "section.procs").text

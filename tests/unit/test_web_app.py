@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gpuguard.client import DaemonUnreachable
 from gpuguard.config import WebConfig
+from gpuguard.web import views
 from gpuguard.web.app import CSP, MAX_BODY, Web, build, client_address
 from gpuguard.web.sessions import Signer
 from gpuguard.web.sources import ServerStatus
@@ -295,3 +296,23 @@ def test_a_non_member_is_told_whom_to_ask_and_gets_no_login():
         assert "Quota" not in main and "request" not in main and "queue" not in main.lower()
         assert (await client.get("/me", allow_redirects=False)).status == 303
     run(scenario, contact="room 3.14")
+
+
+def test_my_processes_fragment_is_mine_or_an_admins():
+    async def scenario(client, source):
+        assert (await client.get("/fragment/processes/alice", allow_redirects=False)).status == 303
+        await log_in(client, "alice")
+        mine = await client.get("/fragment/processes/alice")
+        assert mine.status == 200 and "No process on a GPU now." in await mine.text()
+        assert (await client.get("/fragment/processes/bob")).status == 403
+        assert 'data-refresh="/fragment/processes/alice"' in await (await client.get("/me")).text()
+    run(scenario)
+
+
+def test_processes_of_a_user_across_servers():
+    status = {"gpus": [{"minor": 0, "label": "0", "process_list": [
+        {"pid": 7, "uid": 1001, "user": "alice", "memory": 1 << 30, "command": "python"},
+        {"pid": 8, "uid": 1002, "user": "bob", "memory": 0, "command": "x"}]},
+        {"minor": 1, "label": "1", "process_list": None}]}
+    found = views.processes_of("alice", [("gpu1", status), ("gpu2", None)])
+    assert found == [views.OwnProcess("gpu1", "0", 7, "python", 1 << 30)]
