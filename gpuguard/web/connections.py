@@ -29,7 +29,7 @@ CHECK_EVERY = 1.0
 # asyncio accepts up to the listen backlog at once, before any reaches the guard: the descriptors
 # beyond `total` must hold such a batch, and the daemon's socket, PAM, NSS and the journal besides.
 BACKLOG = 128
-HEADROOM = 2 * BACKLOG
+HEADROOM = 3 * BACKLOG  # a batch accepted, the last batch's refusals not closed yet, and the rest
 
 
 def total_for(descriptors: int) -> int:

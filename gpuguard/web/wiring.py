@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import logging
 import os
 import resource
@@ -29,6 +30,7 @@ from gpuguard.core.errors import NssFailure, UnknownUser
 from gpuguard.logs import event
 from gpuguard.web.app import Web, build, within
 from gpuguard.web.connections import BACKLOG, Guard, Malformed, total_for
+from gpuguard.web.counted import Counted
 from gpuguard.web.fleet import FleetSource
 from gpuguard.web.sessions import Signer, load_key
 from gpuguard.web.sources import LocalDaemon, Source
@@ -99,6 +101,22 @@ def run(config: Config, host: str, port: int) -> None:
     asyncio.run(serve(build(state), host, port, guard, tls))
 
 
+class _DescriptorsOut:
+    """asyncio's report that its accept ran out of descriptors (it stops accepting for a second,
+    and reports each time with a traceback) as one counted line; anything else as asyncio would."""
+
+    def __init__(self, otherwise: Callable[[dict[str, Any]], None]):
+        self.otherwise = otherwise
+        self.counted = Counted("web_descriptors_out")
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            self.counted.add(error=exc.strerror)
+        else:
+            self.otherwise(context)
+
+
 def tls_context(settings: WebConfig) -> ssl.SSLContext | None:
     """HTTPS from [web] tls_cert and tls_key, or None for plain HTTP; OSError naming the key."""
     if settings.tls_cert is None and settings.tls_key is None:
@@ -122,6 +140,7 @@ async def serve(app: web.Application, host: str, port: int, guard: Guard, tls: s
     server = runner.server
     assert server is not None  # made by setup()
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(_DescriptorsOut(loop.default_exception_handler))
     stop = asyncio.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(number, stop.set)
