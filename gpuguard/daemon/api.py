@@ -424,9 +424,9 @@ class Api:
             note += (f"; process {number_list(ending.termed)} held the node open (no CUDA context): sent SIGTERM, "
                      f"SIGKILL in {wait} if it still holds it")
         if ended := [o.pid for o in ending.others if o.ended]:
-            note += f"; process {number_list(ended)} of other users (not members) held it too: sent SIGTERM"
+            note += f"; process {number_list(ended)} of other users held it too, with no grant of it: sent SIGTERM"
         if reported := [o.pid for o in ending.others if not o.ended]:
-            note += f"; process {number_list(reported)} of other members hold it too (passed on): reported"
+            note += f"; process {number_list(reported)} of users NSS could not look up hold it too: reported"
         holders = sorted(scan.listed | scan.unlisted)
         return protocol.ok(user=name, revoked=sorted(revoked),
                            holders=[{"pid": pid, "minor": unit} for pid, unit in holders],

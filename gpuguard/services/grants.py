@@ -143,6 +143,13 @@ class Grants:
         devices = self.devices_of(unit)
         return devices[1:] if is_slice(unit) else devices
 
+    def reaches(self, uid: int, units: Iterable[int]) -> frozenset[int]:
+        """Those of `units` whose holders' nodes uid's own grants let it open: the same GPU
+        shared, or a slice in the same GPU instance as one of uid's. A process of uid's holding
+        one of those may be doing its own work; one holding any other is using a GPU not uid's."""
+        mine = {device for grant in self.store.grants(uid) for device in self.devices_of(grant.unit)}
+        return frozenset(unit for unit in units if mine.intersection(self.opener_devices(unit)))
+
     def _entries(self, grants: Iterable[Grant]) -> set[Entry]:
         return {(grant.uid, device) for grant in grants for device in self.devices_of(grant.unit)}
 

@@ -18,16 +18,19 @@ opener running as root (a setuid program that inherited the descriptor) is not s
 too goes to the user's events, so they know what still holds their GPU.
 
 A descriptor can be passed to any other process (SCM_RIGHTS over a unix socket), so after a GPU
-is taken (not at logout, whose cost must follow the user) the openers of every uid are looked
-for as well: a non-member's are ended the same way, a member's are reported (the log and the
-user's events), and either is listed in a revoke's reply.
+is taken (a logout included) the openers of every uid are looked for as well, and ended the same
+way unless their own user holds a grant that opens that node (a shared GPU, a slice of the same
+GPU instance: `Grants.reaches`). A member's opener ended so is recorded in both users' events
+(`gpuguard whoami`); a non-member's in the grantee's only (a user namespace has 65,536 uids). An
+opener whose user NSS cannot look up is reported, not ended. Each is listed in a revoke's reply.
+After a user's own release or a logout, the walk of /proc runs in the users' pool (scans.py): its
+cost follows the user.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-import time
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,7 @@ from gpuguard.core.sample import MAX_AGE
 from gpuguard.logs import Throttle, event
 from gpuguard.services.edges import Clock, GpuSampler, Processes
 from gpuguard.services.exempt import Exempt
+from gpuguard.services.lookups import KnownAccounts
 from gpuguard.services.scans import Scans
 from gpuguard.services.store import Store
 
@@ -63,7 +67,15 @@ class Other:
     pid: int
     uid: int
     units: frozenset[int]
-    ended: bool  # sent SIGTERM (a non-member's); False: reported (a member's, or NSS could not say)
+    ended: bool  # sent SIGTERM; False: reported (NSS could not say whose it is)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What an opener being ended holds, and whose events its signals go to besides the grantee's."""
+
+    units: frozenset[int]
+    member: str | None = None  # the opener's user, a member other than the grantee: told too
 
 
 @dataclass(frozen=True)
@@ -77,14 +89,18 @@ class Ending:
 
 # uid -> whether it is a member (True), not one (False), or NSS could not say (None)
 IsMember = Callable[[int], Awaitable[bool | None]]
+# (uid, units) -> those of the units whose nodes uid's own grants open (Grants.reaches)
+Reaches = Callable[[int, Iterable[int]], frozenset[int]]
 
 
 class OpenerEnder:
     def __init__(self, scans: Scans, sampler: GpuSampler, exempt: Exempt, store: Store,
-                 kill_wait: Callable[[], float], processes: Processes, clock: Clock = time.time,
-                 is_member: IsMember | None = None):
+                 kill_wait: Callable[[], float], processes: Processes, clock: Clock, *,
+                 is_member: IsMember | None, reaches: Reaches, accounts: KnownAccounts):
         self.scans = scans
         self.is_member = is_member  # None: openers of other uids are not looked for
+        self.reaches = reaches
+        self.accounts = accounts  # the names of members whose openers are ended
         self.sampler = sampler
         self.exempt = exempt
         self.store = store
@@ -132,17 +148,17 @@ class OpenerEnder:
         holding: dict[int, set[int]] = {}
         for pid, unit in scan.unlisted:
             holding.setdefault(pid, set()).add(unit)
-        termed: dict[ProcessIdentity, set[int]] = {}
+        termed: dict[ProcessIdentity, _Held] = {}
         for count, (pid, held) in enumerate(sorted(holding.items()), start=1):
             identity = self.processes.identity(pid)
             if identity is None or identity.uid != uid or identity in self._ending:
                 continue  # exited since the scan, or being ended already
-            if self._signal(identity, held, user, signal.SIGTERM, why, uid):
-                termed[identity] = held
+            if self._signal(identity, mine := _Held(frozenset(held)), user, signal.SIGTERM, why, uid):
+                termed[identity] = mine
                 self._ending.add(identity)
             await self._pause(count)
         try:
-            others = await self._others(uid, user, frozenset(units), why, termed) if why != Rule.LOGOUT else ()
+            others = await self._others(uid, user, frozenset(units), why, termed)
         finally:  # those signalled are seen through (and leave _ending) whatever the walk did
             self._save()
             if termed:
@@ -150,15 +166,16 @@ class OpenerEnder:
         return Ending(scan, tuple(identity.pid for identity in termed if identity.uid == uid), others)
 
     async def _others(self, uid: int, user: str, units: frozenset[int], why: Rule,
-                      termed: dict[ProcessIdentity, set[int]]) -> tuple[Other, ...]:
-        """Openers of other uids (root and exempt users pass the gate anyway): a non-member's get
-        SIGTERM (added to `termed`), a member's are reported."""
+                      termed: dict[ProcessIdentity, _Held]) -> tuple[Other, ...]:
+        """Openers of other uids (root and exempt users pass the gate anyway) on a node their own
+        user holds no grant for get SIGTERM (added to `termed`); those NSS cannot say are reported."""
         if self.is_member is None or not units:
             return ()
         holding: dict[ProcessIdentity, set[int]] = {}
-        # every process: a walk of all of /proc; after a user's own release, in the users' pool (one
-        # per user at a time), so that releases cannot queue host-sized walks ahead of the tick's scans
-        walk = (self.scans.for_user(uid, units, everyone=True) if why == Rule.USER
+        # every process: a walk of all of /proc; after a user's own release or logout, in the users'
+        # pool (one per user at a time), so that releases and logins cannot queue host-sized walks
+        # ahead of the tick's scans
+        walk = (self.scans.for_user(uid, units, everyone=True) if why in (Rule.USER, Rule.LOGOUT)
                 else self.scans.for_daemon(units, None))
         for opener in await walk:
             if opener.uid in (uid, 0) or opener.uid in self.exempt.uids:
@@ -167,27 +184,36 @@ class OpenerEnder:
             if identity is not None and identity.uid == opener.uid and identity not in self._ending:
                 holding.setdefault(identity, set()).add(opener.unit)
         others = []
-        members: dict[int, bool | None] = {}  # asked once per uid: thousands of openers may share one
-        for count, (identity, held) in enumerate(sorted(holding.items()), start=1):
+        members: dict[int, str | bool | None] = {}  # asked once per uid: thousands of openers may share one
+        for count, (identity, units_held) in enumerate(sorted(holding.items()), start=1):
             await self._pause(count)
-            if identity in self._ending:
-                continue  # ended meanwhile, by another take-back
+            if identity in self._ending or not units_held - self.reaches(identity.uid, units_held):
+                continue  # ended meanwhile, by another take-back; or on nodes its own user holds
             if identity.uid not in members:
-                members[identity.uid] = await self.is_member(identity.uid)
+                members[identity.uid] = await self._member(identity.uid)
             member = members[identity.uid]
-            if member is False and self._signal(identity, held, user, signal.SIGTERM, why, uid):
+            held = _Held(frozenset(units_held), member if isinstance(member, str) else None)
+            if member is not None and self._signal(identity, held, user, signal.SIGTERM, why, uid):
                 termed[identity] = held
                 self._ending.add(identity)
-                others.append(Other(identity.pid, identity.uid, frozenset(held), True))
-            elif member is not False:
+                others.append(Other(identity.pid, identity.uid, held.units, True))
+            elif member is None:
                 self._record(identity, held, user, Kind.REPORT, why, {"opener_uid": identity.uid},
-                             f"of uid {identity.uid} holds GPU {unit_list(held)}, which was yours ({why}): a "
-                             f"descriptor passed on; it {'belongs to a member' if member else 'could not be looked up'}"
-                             " and is reported, not ended", uid)
-                others.append(Other(identity.pid, identity.uid, frozenset(held), False))
+                             f"of uid {identity.uid} holds GPU {unit_list(held.units)}, which was yours ({why}): a "
+                             "descriptor passed on; its user could not be looked up, so it is reported, not ended", uid)
+                others.append(Other(identity.pid, identity.uid, held.units, False))
         return tuple(others)
 
-    async def _escalate(self, user: str, termed: dict[ProcessIdentity, set[int]], why: Rule, uid: int) -> None:
+    async def _member(self, uid: int) -> str | bool | None:
+        """A member's name, False for a non-member, None when NSS cannot say."""
+        assert self.is_member is not None  # _others looks for nobody without it
+        member = await self.is_member(uid)
+        if member is not True:
+            return member
+        await self.accounts.resolve([uid])
+        return self.accounts.name_of(uid)
+
+    async def _escalate(self, user: str, termed: dict[ProcessIdentity, _Held], why: Rule, uid: int) -> None:
         try:
             await asyncio.sleep(self.kill_wait())
             for count, identity in enumerate(await self._still_holding(termed), start=1):
@@ -196,55 +222,63 @@ class OpenerEnder:
             self._save()
             await asyncio.sleep(self.kill_wait())
             for identity in await self._still_holding(termed):
+                stuck = "survives SIGKILL (stuck in the kernel); an administrator must look at it"
                 self._record(identity, termed[identity], user, Kind.UNKILLABLE, why, {
-                    "state": self.processes.state(identity) or "unknown"},
-                    "survives SIGKILL (stuck in the kernel); an administrator must look at it", uid)
+                    "state": self.processes.state(identity) or "unknown"}, stuck, uid, theirs=f"it {stuck}")
         finally:
             self._save()
             self._ending.difference_update(termed)
 
-    async def _still_holding(self, termed: dict[ProcessIdentity, set[int]]) -> list[ProcessIdentity]:
+    async def _still_holding(self, termed: dict[ProcessIdentity, _Held]) -> list[ProcessIdentity]:
         """Those of `termed` that are the same process as before and still hold one of their nodes."""
-        found = await self.scans.for_daemon(set().union(*termed.values()), {identity.uid for identity in termed})
+        found = await self.scans.for_daemon(set().union(*(held.units for held in termed.values())),
+                                            {identity.uid for identity in termed})
         holding = {(h.pid, h.unit) for h in found}
-        return [identity for identity, units in termed.items()
-                if any((identity.pid, m) in holding for m in units)
+        return [identity for identity, held in termed.items()
+                if any((identity.pid, m) in holding for m in held.units)
                 and self.processes.identity(identity.pid) == identity]
 
-    def _signal(self, identity: ProcessIdentity, units: set[int], user: str, sig: signal.Signals,
+    def _signal(self, identity: ProcessIdentity, held: _Held, user: str, sig: signal.Signals,
                 why: Rule, uid: int) -> bool:
-        """Signal an opener; its events go to uid (the user whose GPU it was), named `user`."""
+        """Signal an opener; its events go to uid (the user whose GPU it was), named `user`, and
+        to the opener's user when a member."""
         result = self.processes.send(identity, sig, self.exempt.uids)
+        units = unit_list(held.units)
         if not result.sent:
             self.log.event(uid, logging.INFO, "opener_signal_skipped", uid=identity.uid, pid=identity.pid,
                            signal=sig.name, outcome=result.outcome.value, detail=result.detail or None)
             if result.outcome is SignalOutcome.REFUSED and sig == signal.SIGTERM:  # runs as root: setuid
-                self._record(identity, units, user, Kind.REPORT, why, {"euid": 0},
-                             f"runs as root and holds GPU {unit_list(units)}, which is no longer yours ({why}); "
+                self._record(identity, held, user, Kind.REPORT, why, {"euid": 0},
+                             f"runs as root and holds GPU {units}, which is no longer yours ({why}); "
                              "gpuguard does not signal root's processes: end it yourself, or ask your admin", uid)
             return False
         wait = format_duration(round(self.kill_wait()))
         what = (f"stopping it with SIGTERM; it will be killed if it still holds the GPU in {wait}"
                 if sig == signal.SIGTERM else f"killed it with SIGKILL: it still held the GPU {wait} after SIGTERM")
-        held = (f"holds GPU {unit_list(units)}, which is no longer yours" if identity.uid == uid else
-                f"of uid {identity.uid} holds GPU {unit_list(units)}, which was yours (a descriptor passed on)")
+        whose = (f"holds GPU {units}, which is no longer yours" if identity.uid == uid else
+                 f"of uid {identity.uid} holds GPU {units}, which was yours (a descriptor passed on)")
         action = Kind.TERM if sig == signal.SIGTERM else Kind.KILL
-        self._record(identity, units, user, action, why, {"signal": sig.name, "kill_wait": self.kill_wait()},
-                     f"{held} ({why}); {what}", uid)
+        self._record(identity, held, user, action, why, {"signal": sig.name, "kill_wait": self.kill_wait()},
+                     f"{whose} ({why}); {what}", uid, theirs=what)
         return True
 
-    def _record(self, identity: ProcessIdentity, units: set[int], user: str, action: Kind, why: Rule,
-                numbers: dict[str, Any], what: str, uid: int) -> None:
-        """Log, and store as an event of uid (named `user`): the opener's own, or the grantee's."""
+    def _record(self, identity: ProcessIdentity, held: _Held, user: str, action: Kind, why: Rule,
+                numbers: dict[str, Any], what: str, uid: int, theirs: str | None = None) -> None:
+        """Log, and store as an event of uid (named `user`): the opener's own, or the grantee's.
+        theirs: what the opener's user is told, when a member (held.member), after why it holds."""
         command = self.processes.command(identity.pid)
         self.log.event(uid, logging.ERROR if action == Kind.UNKILLABLE else logging.WARNING, f"opener_{action}",
                        rule=why, user=user, uid=identity.uid, pid=identity.pid, command=command or None,
-                       gpus=unit_list(units), **numbers)
-        whose = "your process" if identity.uid == uid else "process"
-        message = f"gpuguard: {whose} {identity.pid}" + (f" ({command})" if command else "") + f" {what}"
-        self._unsaved += [Event(self.clock(), uid, user, action.event, message, unit=unit, pid=identity.pid,
+                       gpus=unit_list(held.units), **numbers)
+        process = f"{identity.pid}" + (f" ({command})" if command else "")
+        told = [(uid, user, f"gpuguard: {'your process' if identity.uid == uid else 'process'} {process} {what}")]
+        if held.member is not None and theirs is not None:
+            told.append((identity.uid, held.member,
+                         f"gpuguard: your process {process} holds GPU {unit_list(held.units)} through a descriptor "
+                         f"passed on from {user}, whose grant ended ({why}), and you hold no grant for it; {theirs}"))
+        self._unsaved += [Event(self.clock(), to, name, action.event, message, unit=unit, pid=identity.pid,
                                 command=command, rule=why, action=action, numbers=dict(numbers))
-                          for unit in sorted(units)]
+                          for to, name, message in told for unit in sorted(held.units)]
 
     def _save(self) -> None:
         """Store the events recorded since the last save, in one transaction: one each was a

@@ -171,7 +171,8 @@ def build(edges: Edges) -> Services:
     scans = Scans(edges.find_openers, grants.opener_devices)
     openers = OpenerEnder(scans, edges.sampler, exempt, store, lambda: config().watcher.kill_wait,
                           edges.processes, edges.clock,
-                          is_member=lambda uid: membership(edges.lookup, config().access, uid))
+                          is_member=lambda uid: membership(edges.lookup, config().access, uid),
+                          reaches=grants.reaches, accounts=accounts)
     holds = QueueHolds(state_dir / HOLDS_FILE if state_dir else None, store)
     queue = Queue(config, store, grants, holds, remote_usage=node.remote_usage if node else None)
     asks = Asks(config, store, grants, queue)

@@ -1,6 +1,8 @@
 """Holders outside the user: a granted user passes an open node descriptor (SCM_RIGHTS) to other
-users' processes, and a setuid-root program inherits one. After a revoke, a non-member's holder
-is ended, a member's reported, and the setuid-root one recorded in the user's whoami."""
+users' processes, and a setuid-root program inherits one. After a revoke, a release or a logout,
+a holder whose user holds no grant of that GPU is ended, member or not (a member's in both users'
+whoami), one whose user shares the GPU by a grant of their own is left alone, and the setuid-root
+one is recorded in the user's whoami."""
 from __future__ import annotations
 
 import os
@@ -60,32 +62,95 @@ def receiver(user, path, stubborn: bool = False) -> subprocess.Popen:
     return proc
 
 
-def test_holders_passed_a_descriptor_are_found_after_a_revoke(start_daemon, make_user, sandbox):
+def meeting_place(sandbox):
+    """Where users may bind their sockets, as in /tmp."""
+    meeting = sandbox / "meet"
+    meeting.mkdir()
+    meeting.chmod(0o1777)
+    return meeting
+
+
+def pass_node(d, grantee, minor: int, *receivers: subprocess.Popen) -> None:
+    """The grantee opens the node and passes it to each receiver (their socket is argv[-1])."""
+    sent = run_as(grantee, [PYTHON, "-c", SEND, str(d.node(minor)), *(proc.args[-1] for proc in receivers)])
+    assert sent.returncode == 0, sent.stderr
+    for proc in receivers:
+        assert proc.stdout.readline() == "holding 1\n"
+
+
+def assert_ended_for_both(d, grantee, member, proc, rule: str) -> None:
+    """A member's process holding the grantee's node got SIGTERM, recorded in both users' whoami."""
+    assert proc.wait(timeout=MARGIN) == -signal.SIGTERM
+    theirs = wait_for(lambda: events(d, grantee, pid=proc.pid), timeout=MARGIN)
+    assert [(e["kind"], e["action"], e["rule"]) for e in theirs] == [("kill", "term", rule)], theirs
+    assert "passed on" in theirs[0]["message"] and "SIGTERM" in theirs[0]["message"]
+    own = events(d, member, pid=proc.pid)
+    assert [(e["kind"], e["action"], e["rule"]) for e in own] == [("kill", "term", rule)], own
+    assert f"your process {proc.pid}" in own[0]["message"] and f"passed on from {grantee.name}" in own[0]["message"]
+    assert "no grant" in own[0]["message"], own
+
+
+def test_holders_passed_a_descriptor_are_ended_after_a_revoke_a_members_too(start_daemon, make_user, sandbox):
     d = start_daemon(defaults={"gpus": 1}, watcher=WATCHER)
     alice, bob = d.add_member(), d.add_member()
     mallory = make_user()  # not a member
     minor = session_gpu(d, alice)
-    meeting = sandbox / "meet"  # where users may bind their sockets, as in /tmp
-    meeting.mkdir()
-    meeting.chmod(0o1777)
+    meeting = meeting_place(sandbox)
     taker, member = receiver(mallory, meeting / "mallory.sock"), receiver(bob, meeting / "bob.sock")
     try:
-        sent = run_as(alice, [PYTHON, "-c", SEND, str(d.node(minor)), str(meeting / "mallory.sock"),
-                              str(meeting / "bob.sock")])
-        assert sent.returncode == 0, sent.stderr
-        assert taker.stdout.readline() == member.stdout.readline() == "holding 1\n"
+        pass_node(d, alice, minor, taker, member)
         reply = d.call("revoke", user=alice.name)
         others = {o["pid"]: o for o in reply["other_holders"]}
         assert others[taker.pid] == {"pid": taker.pid, "uid": mallory.uid, "units": [minor], "ended": True}
-        assert others[member.pid] == {"pid": member.pid, "uid": bob.uid, "units": [minor], "ended": False}
+        assert others[member.pid] == {"pid": member.pid, "uid": bob.uid, "units": [minor], "ended": True}
         assert reply["holders"] == []  # none of alice's own
         assert taker.wait(timeout=MARGIN) == -signal.SIGTERM
-        assert member.poll() is None  # a member's is reported, not ended
-        mine = events(d, alice, pid=member.pid)
-        assert [(e["kind"], e["action"]) for e in mine] == [("warning", "report")] and "passed on" in mine[0]["message"], mine
         assert [e["kind"] for e in events(d, alice, pid=taker.pid)] == ["kill"]
+        assert_ended_for_both(d, alice, bob, member, "admin")
     finally:
         for proc in (taker, member):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def test_a_logout_ends_the_holders_of_a_passed_descriptor(start_daemon, make_user, sandbox):
+    d = start_daemon(defaults={"gpus": 1}, watcher=WATCHER)
+    alice, bob, mallory = d.add_member(), d.add_member(), make_user()
+    opened = d.open_session(alice)
+    (minor,) = opened["gpus"]
+    meeting = meeting_place(sandbox)
+    taker, member = receiver(mallory, meeting / "mallory.sock"), receiver(bob, meeting / "bob.sock")
+    try:
+        pass_node(d, alice, minor, taker, member)
+        d.close_session(alice, opened["pid"])  # alice's last session: none of her processes holds the node
+        assert wait_for(lambda: d.grants(alice) == [], timeout=MARGIN)
+        assert taker.wait(timeout=MARGIN) == -signal.SIGTERM
+        assert [e["rule"] for e in wait_for(lambda: events(d, alice, pid=taker.pid), timeout=MARGIN)] == ["logout"]
+        assert_ended_for_both(d, alice, bob, member, "logout")
+    finally:
+        for proc in (taker, member):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def test_a_members_holder_on_a_gpu_they_share_by_grant_is_left_alone(start_daemon, sandbox):
+    d = start_daemon(count=1, defaults={"gpus": 1, "sharing": True, "gpu_memory": "4GiB"}, watcher=WATCHER)
+    alice, bob, carol = d.add_member(), d.add_member(), d.add_member()
+    minor = session_gpu(d, alice)
+    assert session_gpu(d, bob) == minor  # shared: bob holds a grant of the same GPU
+    meeting = meeting_place(sandbox)
+    sharer, member = receiver(bob, meeting / "bob.sock"), receiver(carol, meeting / "carol.sock")
+    try:
+        pass_node(d, alice, minor, sharer, member)
+        reply = d.call("revoke", user=alice.name)
+        assert [(o["pid"], o["ended"]) for o in reply["other_holders"]] == [(member.pid, True)], reply
+        assert_ended_for_both(d, alice, carol, member, "admin")  # carol holds no grant of it
+        assert sharer.poll() is None  # bob's may be his own work on the GPU he holds
+        assert events(d, alice, pid=sharer.pid) == events(d, bob, pid=sharer.pid) == []
+    finally:
+        for proc in (sharer, member):
             proc.kill()
             proc.wait()
             proc.stdout.close()

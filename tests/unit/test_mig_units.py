@@ -167,6 +167,24 @@ def test_two_users_on_two_slices_of_one_gpu(mig_world: World) -> None:
     assert [(g["minor"], g["uuid"]) for g in whoami["grants"]] == [(a.unit, a.uuid)]
 
 
+def test_a_slice_reaches_another_users_slice_only_through_a_shared_gpu_instance(tmp_path: Path) -> None:
+    """Grants.reaches: whether a process of a user found on another's slice may be on its own
+    (openers.OpenerEnder ends it otherwise): two compute instances of one GPU instance share its
+    capability node; the parent GPU's node, which every slice holder opens, counts for none."""
+    shared = [mig_slice(1, 1, ci=0), mig_slice(1, 1, ci=1)]
+    world = World(tmp_path, gpus=[gpu(0), gpu(1, mig_mode=True), *shared, mig_slice(1, 2)])
+    for uid, name in ((1001, "alice"), (1002, "bob"), (1003, "carol")):
+        world.lookup.add(name, uid, GROUP)
+    world.quota(whole_gpus=False)
+    grant = {uid: world.call("grant", user=name, units=[unit])["gpus"]
+             for uid, name, unit in ((1001, "alice", shared[0].unit), (1002, "bob", shared[1].unit),
+                                     (1003, "carol", mig_slice(1, 2).unit))}
+    assert grant == {1001: [shared[0].unit], 1002: [shared[1].unit], 1003: [mig_slice(1, 2).unit]}
+    assert world.grants.reaches(1002, [shared[0].unit, 0]) == {shared[0].unit}  # the same GI
+    assert world.grants.reaches(1003, [shared[0].unit]) == frozenset()  # another GI: only the parent in common
+    assert world.grants.reaches(1004, [shared[0].unit, 0]) == frozenset()  # no grant at all
+
+
 def test_a_layout_change_revokes_the_changed_slices_and_keeps_the_others(mig_world: World) -> None:
     alice, bob = mig_world.lookup.accounts["alice"], mig_world.lookup.accounts["bob"]
     mig_world.login(alice)
