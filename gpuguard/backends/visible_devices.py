@@ -8,6 +8,8 @@ root's, mode 0400 plus a POSIX ACL entry giving read to that uid only (root's on
 without ACLs: the PAM module runs as root); it is rewritten
 atomically (a temporary file renamed over it) after every grant change and removed when the
 user holds nothing. A failure to write is logged and changes no grant: the file is a courtesy.
+Its other readers: the login shells' snippets (etc/profile.d/gpuguard.sh and its twins), and
+`gpuguard env` and `whoami` while no daemon answers (`held`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,16 @@ READ = 0o4
 def directory_for(socket: Path) -> Path:
     """Where the files live: beside the daemon's socket (the PAM module derives it the same way)."""
     return socket.parent / DIRECTORY
+
+
+def held(directory: Path, uid: int) -> list[str] | None:
+    """The UUIDs `uid`'s file names, read as that user; None when there is no file to read (the
+    user holds nothing, or no daemon ever wrote one)."""
+    try:
+        text = (directory / str(uid)).read_text()
+    except OSError:
+        return None
+    return [uuid for uuid in text.strip().split(",") if uuid]
 
 
 class VisibleDevicesFiles:
