@@ -241,17 +241,14 @@ class Server:
         """The kind of connection taken from the budget (give it back at the end), why not, or
         None when NSS must say first whether the uid has an account (_admit_looked_up)."""
         if peer.uid == 0:
-            key: admission.Key = admission.ROOT
-        else:
-            has_account = self.kinds.remembered(peer.uid)
-            if has_account is None:
-                waiting = admission.pending_key(peer.uid)
-                if refusal := self.budget.take(waiting):
-                    return self._refuse(peer, waiting, refusal)
-                return None
-            key = admission.uid_key(peer.uid) if has_account else admission.NO_ACCOUNT_KEY
-        refusal = self.budget.take(key)
-        return key if refusal is None else self._refuse(peer, key, refusal)
+            return self._take(peer, admission.ROOT)
+        has_account = self.kinds.remembered(peer.uid)
+        if has_account is not None:
+            return self._take(peer, _account_key(peer.uid, has_account))
+        waiting = admission.pending_key(peer.uid)
+        if refusal := self.budget.take(waiting):
+            return self._refuse(peer, waiting, refusal)
+        return None
 
     async def _admit_looked_up(self, peer: Peer) -> admission.Key | str:
         """_admit_known's answer for a uid whose pending slot it took, once NSS has answered."""
@@ -259,7 +256,10 @@ class Server:
             has_account = await self.kinds.ask(peer.uid)
         finally:
             self.budget.give_back(admission.pending_key(peer.uid))
-        key = admission.uid_key(peer.uid) if has_account else admission.NO_ACCOUNT_KEY
+        return self._take(peer, _account_key(peer.uid, bool(has_account)))
+
+    def _take(self, peer: Peer, key: admission.Key) -> admission.Key | str:
+        """key, taken from the budget; or why it was not, said once in the log (throttled)."""
         refusal = self.budget.take(key)
         return key if refusal is None else self._refuse(peer, key, refusal)
 
@@ -393,6 +393,11 @@ def _make_directory(directory: Path) -> None:
     except FileExistsError:
         return
     os.chmod(directory, 0o755)  # mkdir applied the umask
+
+
+def _account_key(uid: int, has_account: bool) -> admission.Key:
+    """A uid's own key, or the one all uids without an account share (NSS failing counts as none)."""
+    return admission.uid_key(uid) if has_account else admission.NO_ACCOUNT_KEY
 
 
 def _log_key(key: admission.Key, peer: Peer) -> object:
