@@ -6,13 +6,13 @@ rules run in unit tests and in simulation exactly as in the daemon.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import fields, replace
 from typing import Any
 
 from gpuguard.config import AccessConfig, Config, SessionsConfig
 from gpuguard.core.compat import StrEnum
-from gpuguard.core.model import Origin, Quota
+from gpuguard.core.model import Gpu, Origin, Quota
 
 ROOT_UID = 0
 
@@ -102,3 +102,35 @@ def grant_origin(asked: Origin, logged_in: bool) -> Origin:
     made while its user has a session (a request from a login shell), ends with the user's
     sessions; one asked with no session open (cron, systemd-run) stays until released."""
     return Origin.SESSION if asked == Origin.SESSION or logged_in else Origin.REQUEST
+
+
+# --- limits that hold across a release and a new grant
+
+def idle_since(quota: Quota, now: float, held: Iterable[float], ended: tuple[float, float] | None) -> float:
+    """Where a new grant's idle clock starts: at the last use of any GPU its user held within the
+    last idle_timeout, else now. held: the last use of each GPU they hold; ended: of the grants
+    that ended since an idle release, the last use and when the latest ended. So `release` then
+    `request` does not restart the clock, however often: a grant whose user has not used a GPU for
+    idle_timeout is released at the next tick. An idle release itself is a fresh start (the store
+    forgets `ended` then): the GPU went back, and a user may ask again as anyone may."""
+    if quota.idle_timeout is None:
+        return now
+    uses = list(held)
+    if ended is not None and now - ended[1] < quota.idle_timeout:
+        uses.append(ended[0])
+    return min(now, max(uses, default=now))
+
+
+def unit_kind(gpu: Gpu) -> str:
+    """What a cool-down is about: the GPU's model, and for a MIG slice its profile too."""
+    return gpu.name if gpu.slice is None else f"{gpu.name} {gpu.slice.profile}"
+
+
+def cool_downs(quota: Quota, now: float, time_limited: Mapping[str, float]) -> dict[str, float]:
+    """After a time limit took a unit of a kind from a user (`time_limited`: kind -> when), they are
+    given no unit of that kind again for reclaim_after, so max_time bounds a turn instead of
+    restarting at once: kind -> when its cool-down ends, for those not over (none without reclaim_after)."""
+    if quota.reclaim_after is None:
+        return {}
+    ends = {kind: at + quota.reclaim_after for kind, at in time_limited.items()}
+    return {kind: end for kind, end in ends.items() if now < end}

@@ -286,6 +286,12 @@ class Api:
             most = answer.capacity
             return (f"this server has {most} GPU{'s' if most != 1 else ''} of a kind your quota takes; "
                     f"you asked for {answer.wanted} (gpuguard status shows them)")
+        if why == Why.COOLING_DOWN:
+            assert answer.until is not None and quota.reclaim_after is not None  # what a cool-down is
+            left = max(1, math.ceil(answer.until - self.clock()))
+            return (f"your time limit ended your last turn on this kind of GPU; the next starts after a cool-down of "
+                    f"{format_duration(quota.reclaim_after)}, in {format_duration(left)}"
+                    f" (gpuguard request --wait queues for it)")
         if why == Why.ALREADY_WAITING:
             return ("no GPU is free right now; you are in the queue already (gpuguard whoami shows your place); "
                     "gpuguard request --wait waits for your turn")

@@ -10,7 +10,9 @@ Asks.ask decides, in this order, each step here and nowhere else:
    them more than their quota), and a user already waiting is told so; a replayed batch job is a
    place of its own, as each job of a batch system is;
 4. now: while nobody waits, what is free is granted at once (part of it, unless the ask is whole);
-   with others waiting, the ask takes its turn like them;
+   with others waiting, the ask takes its turn like them; a user whose GPU a time limit just took
+   gets none of its kind, now or from the queue, until their cool-down ends (Grants.allocate:
+   policy.cool_downs), so `request` right after the revoke is no fresh max_time;
 5. the rest waits in the queue (Queue.join, which serves the queue at once): when the ask waits
    for it, or when the asker holds nothing at all; an ask that does not keep its place leaves the
    queue again when its turn has not come.
@@ -55,6 +57,7 @@ class Why(StrEnum):
     TOO_BIG = "too_big"          # asked for more than this server could ever serve them whole
     ALREADY_WAITING = "already_waiting"  # one place per user: theirs is in the queue already
     NONE_FREE = "none_free"      # nothing free now, and the ask does not wait
+    COOLING_DOWN = "cooling_down"  # a time limit just took their GPU: none of its kind for reclaim_after
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Answer:
     place: Queued | None = None           # its place in the queue (WAITING; ALREADY_WAITING: the user's)
     why: Why | None = None                # REFUSED only
     capacity: int = field(default=0)      # TOO_BIG: what the server has of a kind the quota takes
+    until: float | None = None            # COOLING_DOWN: when the first of the user's cool-downs ends
 
 
 class Asks:
@@ -129,6 +133,8 @@ class Asks:
             if ask.waits != Waits.NEVER:
                 return Answer(Outcome.WAITING, quota, wanted, granted, place)
             self.queue.leave([place.waiter.id])  # its turn has not come, and it does not wait for it
+            if cooling := self.grants.cooling(uid, quota, now):
+                return Answer(Outcome.REFUSED, quota, wanted, why=Why.COOLING_DOWN, until=min(cooling.values()))
             return Answer(Outcome.REFUSED, quota, wanted, why=Why.NONE_FREE)
         # What was free now (maybe nothing, with others waiting): the asker keeps what they hold.
         return Answer(Outcome.GRANTED, quota, wanted, granted)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -61,16 +61,22 @@ class Admit(Protocol):
                  expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]: ...
 
 
+# (uid, unit) -> when a process of that user was last seen on it (the watcher's memory), None: not lately
+LastSeen = Callable[[int, int], "float | None"]
+
+
 class Grants:
     def __init__(self, store: Store, gate: GateMap | None, nodes: Nodes, minors: Collection[int],
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
                  topology: Topology | None = None, caps_major: int | None = None, admit: Admit | None = None,
-                 visible_devices: VisibleDevices | None = None, drains: Drains | None = None):
+                 visible_devices: VisibleDevices | None = None, drains: Drains | None = None,
+                 last_seen: LastSeen | None = None):
         """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
         nvidia-caps character major (None: no MIG capability nodes on this machine); admit: a
         fleet's grant-time check (gpuguard.fleet), None on a single server; drains: the GPUs given
         to nobody new (None: none, ever); visible_devices: each user's
-        CUDA_VISIBLE_DEVICES for logins while the daemon is down (None: not kept)."""
+        CUDA_VISIBLE_DEVICES for logins while the daemon is down (None: not kept); last_seen: when
+        the watcher last saw a process of a user on a unit (fresher than the store's last_active)."""
         self.store = store
         self.visible_devices = visible_devices
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
@@ -98,6 +104,7 @@ class Grants:
         # The part of the chosen units a fleet quota allows, recorded in the fleet database: it
         # may only make a grant smaller.
         self.admit = admit
+        self.last_seen = last_seen
 
     def write_visible_devices(self, uid: int) -> None:
         """The user's held-devices file as the store now says (after every grant given or taken
@@ -208,23 +215,50 @@ class Grants:
         """Up to `count` more units for the user on the terms of their quota (none when none is free).
         chosen: what choose() just answered for this request, with no grant changed since."""
         chosen = self.choose(uid, count, quota) if chosen is None else chosen
+        if chosen and self.cooling(uid, quota, now).keys() & set(map(self.kind_of, chosen)):
+            return ()  # all or nothing, as the queue serves its rows: the cool-down ends first
         expires_at, shared = policy.expires_at(quota, now), policy.may_share(quota)
         if chosen and self.admit is not None:
             chosen = self.admit(uid, user, quota, chosen, now, expires_at, shared, origin)
+        if not chosen:
+            return ()
         self.add(uid, user, chosen, now, expires_at=expires_at, shared=shared, origin=origin, message=message,
-                 memory=quota.gpu_memory)
+                 memory=quota.gpu_memory, last_active=policy.idle_since(
+                     quota, now, map(self._used_at, self.store.grants(uid)), self.store.last_use(uid)))
         return chosen
 
+    def cooling(self, uid: int, quota: Quota, now: float) -> dict[str, float]:
+        """The kinds of unit (policy.unit_kind) the user is given none of now, after a time limit
+        took one (policy.cool_downs): kind -> when that ends."""
+        return policy.cool_downs(quota, now, self.store.time_limited(uid))
+
+    def kind_of(self, unit: int) -> str:
+        """policy.unit_kind of a unit this server has ('' for one it no longer has)."""
+        gpu = self.gpus.get(unit, self.physical.get(unit))
+        return "" if gpu is None else policy.unit_kind(gpu)
+
+    def note_time_limit(self, uid: int, taken: Iterable[Grant], now: float) -> None:
+        """A time limit took these grants: the user's cool-down for their kinds starts now."""
+        self.store.note_time_limited(uid, {self.kind_of(grant.unit) for grant in taken}, now)
+
+    def _used_at(self, grant: Grant) -> float:
+        """When a process of its user was last on a grant's unit, as the freshest memory says."""
+        seen = None if self.last_seen is None else self.last_seen(grant.uid, grant.unit)
+        return grant.last_active if seen is None else max(grant.last_active, seen)
+
     def add(self, uid: int, user: str, units: Iterable[int], now: float, *, expires_at: float | None,
-            shared: bool, origin: Origin, message: str, memory: int | None = None) -> None:
+            shared: bool, origin: Origin, message: str, memory: int | None = None,
+            last_active: float | None = None) -> None:
         """memory: a shared grant's memory quota per GPU, what the allocator counts against the
-        GPU's memory when others share it too (None: unknown, so nobody joins)."""
+        GPU's memory when others share it too (None: unknown, so nobody joins); last_active: where
+        its idle clock starts (now when not given: an admin's grant)."""
         units = sorted(units)
         if not units:
             return
         before = self._entries(self.store.grants(uid)) if self.gate else set()  # what the gate had opened
         self.store.add_grants(uid, user, units, now, expires_at, shared=shared, origin=origin,
-                              uuids={m: self.gpus[m].uuid for m in units if m in self.gpus}, memory=memory)
+                              uuids={m: self.gpus[m].uuid for m in units if m in self.gpus}, memory=memory,
+                              last_active=last_active)
         try:
             if self.gate:
                 for _, device in sorted(self._entries(self.store.grants(uid)) - before):
@@ -258,7 +292,9 @@ class Grants:
                 for _, device in sorted(self._entries(held) - self._entries(kept)):
                     self.gate.revoke(uid, device)
                     closed.append(device)
-            self.store.remove_grants(uid, [g.unit for g in held], now)
+            # An idle release starts its user afresh (policy.idle_since); any other end is carried over.
+            carried = None if rule in (Rule.IDLE, Rule.RECLAIM) else max(map(self._used_at, held))
+            self.store.remove_grants(uid, [g.unit for g in held], now, last_use=carried)
         except Exception:
             # The store still has these grants: reopen the gate for them, so both agree again.
             for device in closed:

@@ -34,6 +34,7 @@ PRIORITY = "Priority"     # behind a request of higher priority, or one past max
 FAIRSHARE = "FairShare"   # behind a user with less recent usage
 RESERVED = "Reserved"     # GPUs are free, but held for a request that has waited reserve_after
 HELD = "Held"             # an admin holds the request (`gpuguard hold`): it keeps its place, is not served
+COOLING = "CoolDown"      # a time limit just took its user's GPU: none of that kind for them until reclaim_after
 
 
 def reason(ahead: Sequence[scheduler.Waiter], mine: scheduler.Waiter, usage: Mapping[int, float], free: int,
@@ -130,6 +131,7 @@ class Queue:
         scheduling = self.config().scheduler
         held = self.holds.ids
         return [(queued, HELD if queued.waiter.id in held else
+                 COOLING if self.grants.cooling(queued.waiter.uid, queued.quota, now) else
                  reason([w for w, block in zip(waiters[:i], blocks[:i], strict=True) if block], queued.waiter, usage, free, now,
                         scheduling.reserve_after, scheduling.max_wait_boost))
                 for i, queued in enumerate(ordered)]

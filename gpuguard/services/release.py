@@ -9,6 +9,7 @@ reclaim rules, a logout, a MIG layout change) calls take_back, which, in this or
    unless the caller ends them itself to report on them (an admin's revoke);
 3. charges the ended grants to their users' fair share (Queue.charge), and, where a rule took
    them (KEEPS_TOTAL), lets the user's place in the queue wait for as many more (Queue.keep_total);
+   a time limit's starts the user's cool-down for that kind of GPU (Grants.note_time_limit);
 4. on a fleet's node, tells the fleet (gpuguard.fleet: gone from its database before any later
    grant-time check, so the queue served next may have the same GPU; their usage to its ledger);
 5. serves the queue (Queue.dispatch): at once, or, inside `batch()`, once when the batch ends.
@@ -71,6 +72,8 @@ class Releases:
         self.queue.charge(removed, now)
         if rule in KEEPS_TOTAL:
             self.queue.keep_total(uid, [g.unit for g in removed])
+        if rule == Rule.TIME:
+            self.grants.note_time_limit(uid, removed, now)
         if self.fleet_ended is not None:
             self.fleet_ended(removed, now)
         if self._freed_in_batch is None:

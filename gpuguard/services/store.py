@@ -130,6 +130,15 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX usage_hours_by_uid ON usage_hours (uid, hour);
     CREATE INDEX kills_hours_by_uid ON kills_hours (uid, hour);
     """,
+    # What a user's next grant carries over from those that ended (Grants.allocate): the last use
+    # among them and when the latest ended (idle_timeout counts from that use, so release and
+    # request does not restart it: policy.idle_since), and when a time limit last took a unit of
+    # each kind from them (policy.cool_downs).
+    """
+    CREATE TABLE last_use (uid INTEGER PRIMARY KEY, at REAL NOT NULL, ended_at REAL NOT NULL);
+    CREATE TABLE time_limited (
+        uid INTEGER NOT NULL, kind TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (uid, kind));
+    """,
 )
 HOUR = 3600
 _Read = TypeVar("_Read")
@@ -169,6 +178,7 @@ class Store:
         self._queue = _Queue()
         self._fairshare: dict[int, tuple[float, float]] | None = None
         self._releases: tuple[dict[int, float], dict[int, dict[int, float]]] | None = None
+        self._time_limited: dict[int, dict[str, float]] | None = None
         self._unpruned: dict[int | None, int] = {}  # uid -> its events added since its last prune (add_events)
         if durable:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -220,11 +230,14 @@ class Store:
 
     def add_grants(self, uid: int, user: str, units: Iterable[int], now: float,
                    expires_at: float | None, shared: bool = False, origin: Origin = Origin.SESSION,
-                   uuids: Mapping[int, str] | None = None, memory: int | None = None) -> None:
+                   uuids: Mapping[int, str] | None = None, memory: int | None = None,
+                   last_active: float | None = None) -> None:
         """uuids: unit -> its UUID now (Grant.uuid); a unit missing there is recorded with ''.
-        memory: a shared grant's memory quota per GPU (Grant.memory)."""
+        memory: a shared grant's memory quota per GPU (Grant.memory). last_active: where its idle
+        clock starts (policy.idle_since), now when not given."""
         uuids = uuids or {}
-        added = [Grant(uid, user, unit, float(now), None if expires_at is None else float(expires_at), float(now),
+        active = float(now if last_active is None else last_active)
+        added = [Grant(uid, user, unit, float(now), None if expires_at is None else float(expires_at), active,
                        bool(shared), Origin(origin), uuids.get(unit, ""), memory if shared else None)
                  for unit in units]
         with self.transaction() as db:
@@ -266,11 +279,19 @@ class Store:
             self._grants.read(self._db.execute("SELECT * FROM grants"))
         return self._grants
 
-    def remove_grants(self, uid: int, units: Iterable[int] | None, now: float) -> list[Grant]:
-        """Remove a user's grants (all, or those units); returns what was removed."""
+    def remove_grants(self, uid: int, units: Iterable[int] | None, now: float,
+                      last_use: float | None = None) -> list[Grant]:
+        """Remove a user's grants (all, or those units); returns what was removed. last_use: when
+        a process of theirs was last on one of them, kept for their next grant (last_use()); None:
+        nothing is carried over, and what was is forgotten (an idle release: they start afresh)."""
         with self.transaction() as db:
             wanted = set(units) if units is not None else None
             removed = [g for g in self._grant_copy().of_user(uid) if wanted is None or g.unit in wanted]
+            if removed and last_use is None:
+                db.execute("DELETE FROM last_use WHERE uid = ?", (uid,))
+            elif removed:
+                db.execute("INSERT INTO last_use (uid, at, ended_at) VALUES (?, ?, ?) ON CONFLICT (uid)"
+                           " DO UPDATE SET at = max(at, excluded.at), ended_at = excluded.ended_at", (uid, last_use, now))
             db.executemany("DELETE FROM grants WHERE uid = ? AND minor = ?", [(g.uid, g.unit) for g in removed])
             db.executemany("INSERT OR REPLACE INTO gpu_history (minor, last_released) VALUES (?, ?)",
                            [(g.unit, now) for g in removed])
@@ -293,6 +314,32 @@ class Store:
             db.executemany("UPDATE grants SET last_active = ? WHERE uid = ? AND minor = ?",
                            [(now, uid, unit) for uid, unit in slots])
         self._grants.mark_active(slots, float(now))
+
+    def last_use(self, uid: int) -> tuple[float, float] | None:
+        """Of the user's grants that ended (remove_grants): when a process of theirs was last on one,
+        and when the latest ended; None when nothing is carried over."""
+        row = self._db.execute("SELECT at, ended_at FROM last_use WHERE uid = ?", (uid,)).fetchone()
+        return None if row is None else (float(row[0]), float(row[1]))
+
+    def note_time_limited(self, uid: int, kinds: Iterable[str], now: float) -> None:
+        """A time limit took units of these kinds (policy.unit_kind) from this user now."""
+        kinds = set(kinds)
+        with self.transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO time_limited (uid, kind, at) VALUES (?, ?, ?)",
+                           [(uid, kind, now) for kind in kinds])
+        self._time_limits().setdefault(uid, {}).update(dict.fromkeys(kinds, float(now)))
+
+    def time_limited(self, uid: int) -> dict[str, float]:
+        """kind -> when a time limit last took a unit of that kind from this user."""
+        return dict(self._time_limits().get(uid, {}))
+
+    def _time_limits(self) -> dict[int, dict[str, float]]:
+        """time_limited, kept: every grant and every queue row's reason asks."""
+        if self._time_limited is None:
+            self._time_limited = {}
+            for uid, kind, at in self._db.execute("SELECT uid, kind, at FROM time_limited"):
+                self._time_limited.setdefault(uid, {})[kind] = at
+        return self._time_limited
 
     def last_held(self, uid: int) -> dict[int, float]:
         """When this user last gave back each GPU they ever held (for sticky allocation)."""

@@ -250,6 +250,11 @@ class Watcher:
             seconds = now - self._last_check
             self.usage.add(view, min(seconds, GAP_TICKS * self.config().watcher.interval) if self.gaps else seconds, now)
 
+    def last_seen(self, uid: int, unit: int) -> float | None:
+        """The last tick a process of this user was seen on this unit, while they hold it (exact:
+        the store's last_active is up to active_write_every older)."""
+        return self.state.seen.get((uid, unit))
+
     def _mark_active(self, view: rules.View) -> None:
         """grants.last_active follows the watcher's exact memory (state.seen) within active_write_every,
         as the time a process was last seen there: a tick writes its own time for the GPUs busy now, and a

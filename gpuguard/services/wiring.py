@@ -157,7 +157,8 @@ def build(edges: Edges) -> Services:
     drains = Drains(state_dir / DRAINS_FILE if state_dir else None)
     grants = Grants(store, edges.gate, edges.nodes, edges.driver_minors, gpus=edges.units,
                     topology=edges.topology, caps_major=edges.caps_major, visible_devices=edges.visible_devices,
-                    admit=node.admit if node else None, drains=drains)
+                    admit=node.admit if node else None, drains=drains,
+                    last_seen=lambda uid, unit: watcher.last_seen(uid, unit))  # the watcher comes later
 
     def apply_exempt(uids: frozenset[int]) -> None:
         if edges.gate is not None:
