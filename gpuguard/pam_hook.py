@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
 TIMEOUT = 2.0  # seconds, for everything: config, connect, send, reply
 OPERATIONS = {"open_session": "session_open", "close_session": "session_close"}
-# What a login is told when no daemon answers (the same line as pam_gpuguard.so's)
-UNAVAILABLE = "gpuguard: GPU service unavailable; your GPUs stay as they were; tell your admin"
+# What a login is told when no daemon answers (the same line as pam_gpuguard.so's): the daemon
+# stopped, or never started (enable --force on a host without a driver); doctor names the cause.
+UNAVAILABLE = ("gpuguard: GPU service not answering: no new GPUs now, held ones stay yours; "
+               "tell your admin (`sudo gpuguard doctor` says why)")
 
 
 class HookError(GpuguardError):

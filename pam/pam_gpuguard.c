@@ -61,7 +61,7 @@
 #define TIMEOUT_MS 2000
 #define MAX_REQUEST 8192        /* user, service, rhost and tty: far less in practice */
 #define MAX_REPLY (64 * 1024)   /* a session reply is a few hundred bytes */
-#define UNAVAILABLE "gpuguard: GPU service unavailable; your GPUs stay as they were; tell your admin"
+#define UNAVAILABLE "gpuguard: GPU service not answering: no new GPUs now, held ones stay yours; tell your admin (`sudo gpuguard doctor` says why)"
 
 struct options {
     const char *socket;

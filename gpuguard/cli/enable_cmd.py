@@ -1,7 +1,10 @@
 """`gpuguard enable` and `gpuguard disable`: make an installed gpuguard take effect, or undo it.
 
-enable: the modprobe.d option and the udev rule linked into /etc (gpuguard.activation), udev
-reloaded, the PAM profile on (pam-auth-update), the daemon enabled and started (systemctl).
+enable: first whether the daemon can start here at all (core/readiness.py: NVML loads and the
+GPUs answer, cgroup v2, bpf(), bpffs, Slurm decided); where it cannot, nothing is changed and the
+reason is said in one line (exit 5) unless --force. Then the modprobe.d option and the udev
+rule linked into /etc (gpuguard.activation), udev reloaded, the PAM profile on (pam-auth-update),
+the daemon enabled and started (systemctl).
 disable: all of it undone, the daemon stopped first (it would close the nodes again), the gate
 detached, and the GPU nodes opened as the driver makes them. Each tool is used where it exists
 (a container has no systemd, Fedora no pam-auth-update): what is left to do by hand is printed.
@@ -20,6 +23,8 @@ from pathlib import Path
 from gpuguard import activation
 from gpuguard import config as configuration
 from gpuguard.cli import CommandError, load_config, require_root
+from gpuguard.core import readiness
+from gpuguard.core.doctor import Finding
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK
 
 PAM_PROFILE = Path("/usr/share/pam-configs/gpuguard")
@@ -32,7 +37,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "enable", help="make gpuguard take effect: modprobe.d option, udev rule, PAM profile, daemon (root)",
         description="Make an installed gpuguard take effect, once /etc/gpuguard is configured: the modprobe.d "
                     "option and the udev rule linked into /etc, the PAM profile on, the daemon enabled and started. "
+                    "First it checks that the daemon can start here (NVML loads and the GPUs answer, cgroup v2, "
+                    "bpf and bpffs, Slurm decided); where it cannot, it changes nothing and exits 5 with the reason. "
                     "Example: sudo gpuguard enable")
+    enable.add_argument("--force", action="store_true",
+                        help="enable even where the daemon cannot start yet (e.g. the NVIDIA driver is not installed): "
+                             "logins go on without GPUs until it starts")
     enable.set_defaults(func=enable_command)
     disable = subparsers.add_parser(
         "disable", help="undo enable: daemon stopped, gate detached, GPU nodes open as the driver makes them (root)",
@@ -76,9 +86,27 @@ class Steps:
             print(f"gpuguard: {' '.join(argv)}: {detail}", file=sys.stderr)
 
 
+def _cannot_start(config: configuration.Config) -> list[Finding]:
+    """What stops the daemon from starting here, from the facts doctor gathers (the same backends
+    the daemon opens: NVML or the simulated GPUs, the cgroup root, bpf())."""
+    from gpuguard.backends.mounts import bpffs_mounted
+    from gpuguard.cli.doctor_cmd import gather
+    with open("/proc/filesystems") as filesystems:
+        supported = any(line.split()[-1:] == ["bpf"] for line in filesystems)
+    return readiness.blockers(gather(config, "sshd", Path("/")),
+                              readiness.check_bpffs(config.access.mode, bpffs_mounted(), supported))
+
+
 def enable_command(args: argparse.Namespace) -> int:
     require_root("enable")
     loaded = load_config(args)  # a broken configuration stops here, before anything changes
+    if blockers := _cannot_start(loaded):
+        if not args.force:
+            raise CommandError(f"enable: the daemon cannot start here, so nothing was changed: "
+                               f"{readiness.reasons(blockers)}; --force enables anyway",
+                               readiness.EXIT_CANNOT_START)
+        print(f"gpuguard: warning: enabled anyway (--force), but the daemon cannot start until this is fixed, "
+              f"and logins get no GPUs: {readiness.reasons(blockers)}", file=sys.stderr)
     steps = Steps(print)
     for line in activation.make_links(activation.links()):
         print(line)
