@@ -336,7 +336,8 @@ def pam_page() -> list[str]:
             "Nothing here can block a login: the module always returns PAM_SUCCESS. If the daemon is down, slow (2 "
             "seconds at most) or refuses, the session opens as usual, one line goes to syslog, and GPU access stays "
             "as the gate holds it (it denies by default and keeps the grants it had). With no usable answer the user "
-            "is told \"gpuguard: GPU service unavailable; your GPUs stay as they were; tell your admin\", and a user "
+            "is told \"gpuguard: GPU service not answering: no new GPUs now, held ones stay yours; tell your admin "
+            "(sudo gpuguard doctor says why)\", and a user "
             "who still holds GPUs gets CUDA_VISIBLE_DEVICES from the daemon's file /run/gpuguard/held/UID (used only "
             "when it is a root-owned regular file nobody else may write). It trusts only a daemon running as root: "
             "it checks the socket's peer (SO_PEERCRED) and otherwise sends and sets nothing."),
