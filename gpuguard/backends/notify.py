@@ -1,9 +1,12 @@
 """Telling a user something on their terminals, the way `write` does, without ever hanging.
 
 The terminals are the user's utmp entries (psutil.users(): who is logged in where) plus the
-ttys of their gpuguard sessions. A terminal is written to only if, checked on the open
-descriptor (no race with a swapped path), it is a character device that is a tty and is
-owned by that uid. Opens and writes are non-blocking (a terminal stopped with ^S or whose
+ttys of their gpuguard sessions, written to only if, checked on the open descriptor (no race
+with a swapped path), each is a character device that is a tty and is owned by that uid; and
+the controlling terminals of the user's processes (procfs.controlling_ttys), whoever owns them:
+sshd without utmp records, tmux panes, an editor's terminals, and `su - bob` on an admin's
+terminal, where bob's notices belong. A process only gets a controlling terminal it has open,
+so those are terminals the user can write to already. Opens and writes are non-blocking (a terminal stopped with ^S or whose
 reader is gone gets EAGAIN, and its line is dropped), and all of it happens on one
 background thread fed by a bounded queue, so a strange device can at worst stall that
 thread, never the watcher. The log line and the stored event are the record; the
@@ -16,16 +19,21 @@ import os
 import queue
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 import psutil
 
+from gpuguard.backends import procfs
 from gpuguard.logs import event
 
 DEV = Path("/dev")
 QUEUE_SIZE = 1000  # lines waiting for terminals; more than this and new ones are dropped (and logged)
+SCAN_EVERY = 2.0   # seconds a walk of /proc for controlling terminals serves (a tick may tell many users)
+PTY_MAJORS = range(136, 144)  # UNIX98 pty slaves: /dev/pts/N, N = (major - 136) * 256 + minor
+VT_MAJOR = 4                  # virtual consoles /dev/tty1 .. /dev/tty63
 T = TypeVar("T")
 
 
@@ -54,15 +62,26 @@ def terminals(user: str, extra: Iterable[str] = ()) -> list[Path]:
     return paths
 
 
-def write_tty(path: Path, uid: int, text: str) -> bool:
-    """Write text to one terminal of uid; False (and nothing written) when it is not theirs or not ready."""
+def tty_path(rdev: int) -> Path | None:
+    """The /dev path of a terminal's device number: a pty slave or a virtual console (None: neither)."""
+    major, minor = os.major(rdev), os.minor(rdev)
+    if major in PTY_MAJORS:
+        return DEV / "pts" / str((major - PTY_MAJORS.start) * 256 + minor)
+    return DEV / f"tty{minor}" if major == VT_MAJOR and 0 < minor < 64 else None
+
+
+def write_tty(path: Path, uid: int, text: str, rdev: int | None = None) -> bool:
+    """Write text to one terminal of uid; False (and nothing written) when it is not theirs or not
+    ready. rdev: a controlling terminal of uid's processes, by device number: it must be that
+    device, whoever owns it."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return False
     try:
         st = os.fstat(fd)
-        if not stat.S_ISCHR(st.st_mode) or st.st_uid != uid or not os.isatty(fd):
+        theirs = st.st_uid == uid if rdev is None else st.st_rdev == rdev
+        if not stat.S_ISCHR(st.st_mode) or not theirs or not os.isatty(fd):
             return False
         data = text.encode(errors="replace")
         os.write(fd, data)  # a partial write (full buffer) is acceptable: the event is the record
@@ -119,6 +138,7 @@ class Notifier:
 
     def __init__(self, remote: RemoteChannel | None = None) -> None:
         self.remote = remote
+        self._scanned: tuple[float, dict[int, set[int]]] | None = None  # (when, controlling_ttys()) on the thread
         self._worker: Worker[tuple[str, int, tuple[str, ...], str]] = Worker("gpuguard-notify", self._deliver)
 
     def tell(self, user: str, uid: int, message: str, ttys: Iterable[str] = ()) -> None:
@@ -136,7 +156,19 @@ class Notifier:
     def _deliver(self, item: tuple[str, int, tuple[str, ...], str]) -> None:
         user, uid, ttys, message = item
         try:
-            written = [str(path) for path in terminals(user, ttys) if write_tty(path, uid, format_line(message))]
-            event(logging.DEBUG, "notified", user=user, ttys=written or "none")
+            line = format_line(message)
+            written = [path for path in terminals(user, ttys) if write_tty(path, uid, line)]
+            for rdev in sorted(self._controlling_ttys().get(uid, ())):
+                path = tty_path(rdev)
+                if path is not None and path not in written and write_tty(path, uid, line, rdev):
+                    written.append(path)
+            event(logging.DEBUG, "notified", user=user, ttys=[str(path) for path in written] or "none")
         except Exception:
             event(logging.ERROR, "notify_failed", exc_info=True, user=user)
+
+    def _controlling_ttys(self) -> dict[int, set[int]]:
+        """procfs.controlling_ttys, walked at most every SCAN_EVERY seconds."""
+        now = time.monotonic()
+        if self._scanned is None or now - self._scanned[0] >= SCAN_EVERY:
+            self._scanned = (now, procfs.controlling_ttys())
+        return self._scanned[1]

@@ -127,6 +127,29 @@ def user_of(pid: int) -> int | None:
     return identity.uid if identity else None
 
 
+def controlling_ttys() -> dict[int, set[int]]:
+    """uid -> the device numbers of its processes' controlling terminals, in one walk of /proc.
+    The uid is the owner of /proc/<pid> (the effective one): the user a shell under `su - bob`
+    or `sudo -u bob` runs as, on the terminal of whoever ran su."""
+    found: dict[int, set[int]] = {}
+    for pid in _walk(None, None):
+        try:
+            dirfd = os.open(f"{PROC}/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        try:
+            owner = os.fstat(dirfd).st_uid
+            tty_nr = int(_read(dirfd, "stat").rpartition(")")[2].split()[7 - 3])  # field 7, after comm
+        except (OSError, ValueError, IndexError):
+            continue
+        finally:
+            os.close(dirfd)
+        if tty_nr:  # the kernel's encoding: major in bits 8-19, minor in 0-7 and 20-31
+            major, minor = (tty_nr >> 8) & 0xFFF, (tty_nr & 0xFF) | ((tty_nr >> 12) & 0xFFF00)
+            found.setdefault(owner, set()).add(os.makedev(major, minor))
+    return found
+
+
 def holders(dev: tuple[int, int], owners: Collection[int] | None = None) -> list[int]:
     """Pids that hold the character device `dev` open, through a descriptor or a mapping.
 

@@ -105,8 +105,7 @@ def layout_message(whys: Iterable[str]) -> str:
             "gpuguard request gets you another - gpuguard whoami for details")
 
 
-def queue_message(position: int, waiting: int, gpus: int, estimate: float | None,
-                  then: str = "you will be told here when it is yours") -> str:
+def queue_message(position: int, waiting: int, gpus: int, estimate: float | None, then: str) -> str:
     """`gpuguard: no GPU is free right now; you are number 2 of 3 in the queue for 1 GPU ...`
     (`then`: what happens next; a client that blocks until its turn says "waiting")."""
     when = f" (expected by {clock(estimate)})" if estimate is not None else ""

@@ -33,7 +33,12 @@ def login_takes_gpus(service: str, tty: str, asked: str, sessions: SessionsConfi
     rsync, `ssh host cmd`, VS Code's server) still gets the GPUs the user holds already."""
     if asked != "auto":
         return asked == "always"
-    return sessions.grant == "all" or service in sessions.services or bool(_TERMINAL.fullmatch(tty))
+    return sessions.grant == "all" or service in sessions.services or is_terminal(tty)
+
+
+def is_terminal(tty: str) -> bool:
+    """Whether a session's PAM_TTY names a terminal (where its login line is read)."""
+    return bool(_TERMINAL.fullmatch(tty))
 
 
 def is_member(groups: Collection[str], access: AccessConfig) -> bool:

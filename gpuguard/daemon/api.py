@@ -115,9 +115,12 @@ class Api:
             standing = self.queue.standing(account.uid, self.clock())
             event(logging.INFO, "queued", user=account.name, wanted=answer.wanted,
                   position=standing.position if standing else None)
+            # A session without a terminal (a spawner's, `ssh host cmd`) reads no line: the user's terminals are told.
+            then = ("you will be told here when it is yours" if policy.is_terminal(login.session.tty) else
+                    "your terminals will be told when it is yours")
             return {**reply, "queue": _standing_info(standing),
-                    "message": (queue_message(standing.position, standing.waiting, standing.gpus, standing.estimate)
-                                if standing else NO_GPU_FREE) + self.elsewhere(account.name, answer.quota)}
+                    "message": (queue_message(standing.position, standing.waiting, standing.gpus, standing.estimate,
+                                              then) if standing else NO_GPU_FREE) + self.elsewhere(account.name, answer.quota)}
         held = self.store.grants(account.uid)
         if not held:
             return {**reply, "message": NO_GPU_FREE}

@@ -229,3 +229,59 @@ def test_tell_never_waits_for_delivery(ptys, alice):
         logger.removeHandler(parking)
         logger.setLevel(level)
     assert b"gpuguard: second" in read_until(master, b"gpuguard: second")  # delivered once unstuck
+
+
+# --- terminals found from the user's processes: no utmp entry, no session tty
+
+HOLD_TERMINAL = ("import fcntl, termios, time\n"
+                 "fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # stdin becomes its controlling terminal, as a login shell's\n"
+                 "print('ready', flush=True)\n"
+                 "time.sleep(300)\n")
+
+
+@pytest.fixture
+def on_terminal():
+    """Factory: a process of `user` in a session of its own whose controlling terminal is `path`,
+    which it was handed open (as sshd, tmux or su hand a shell its terminal)."""
+    started: list[subprocess.Popen] = []
+
+    def start(user, path: Path) -> subprocess.Popen:
+        fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
+        try:
+            proc = subprocess.Popen([PYTHON, "-c", HOLD_TERMINAL], stdin=fd, stdout=subprocess.PIPE,
+                                    user=user.uid, group=user.gid, extra_groups=[], start_new_session=True)
+        finally:
+            os.close(fd)
+        started.append(proc)
+        assert proc.stdout.readline() == b"ready\n"
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def tell(user, message: str) -> None:
+    """What the daemon does: tell the user, with no session ttys; returns once it is delivered."""
+    notifier = notify.Notifier()
+    notifier.tell(user.name, user.uid, message)
+    notifier.close(ANSWER)
+
+
+def test_the_terminal_of_a_users_process_is_told_without_utmp(ptys, alice, bob, on_terminal):
+    mine, my_path = ptys(alice)
+    theirs, their_path = ptys(bob)
+    on_terminal(alice, my_path)
+    on_terminal(bob, their_path)
+    tell(alice, "gpuguard: your job was stopped")
+    assert b"gpuguard: your job was stopped" in read_until(mine, b"gpuguard: your job was stopped")
+    assert arrived(theirs, their_path) == b""  # bob's terminal, with bob's process on it: not alice's
+
+
+def test_a_su_shell_is_told_on_the_terminal_it_runs_on(ptys, alice, bob, on_terminal):
+    admins, admins_path = ptys(alice)  # alice's terminal, where she ran `su - bob`
+    on_terminal(bob, admins_path)
+    tell(bob, "gpuguard: GPU 2 is yours now")
+    assert b"gpuguard: GPU 2 is yours now" in read_until(admins, b"gpuguard: GPU 2 is yours now")
