@@ -9,11 +9,13 @@ private mount namespace of the test's sshd (copies of the host's directories plu
 host's own login shells never see them."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import PYTHON
 from ssh_harness import PERMIT, Sshd
 
 from devtools.harness import wait_for
@@ -51,8 +53,15 @@ def shells_sshd(sandbox, start_daemon):
         sshd.authorize(user.home, user.uid, user.gid)
     held = Path(d.socket).parent / "held"  # where this daemon keeps the files, not /run/gpuguard's
     with sshd.config.open("a") as config:
-        config.write(f"SetEnv GPUGUARD_HELD_DIR={held}\n")
+        config.write(f"SetEnv GPUGUARD_HELD_DIR={held} GPUGUARD_CONFIG={d.config_path}\n"
+                     "Subsystem sftp /usr/lib/openssh/sftp-server\n")
+    # `gpuguard` on the PATH that /etc/profile sets, as a package puts it there
+    command = sandbox / "bin" / "gpuguard"
+    command.parent.mkdir()
+    command.write_text(f'#!/bin/sh\nexec {PYTHON} -m gpuguard "$@"\n')
+    command.chmod(0o755)
     overlays = {
+        Path("/usr/local/bin"): _overlay(sandbox, "local-bin", Path("/usr/local/bin"), {"gpuguard": command}, {}),
         Path("/etc/profile.d"): _overlay(sandbox, "profile.d", Path("/etc/profile.d"), {
             "gpuguard.sh": REPO / "etc/profile.d/gpuguard.sh", "gpuguard.zsh": REPO / "etc/profile.d/gpuguard.zsh"}, {}),
         Path("/etc/fish/conf.d"): _overlay(sandbox, "fish-conf.d", Path("/etc/fish/conf.d"),
@@ -116,3 +125,45 @@ def test_a_tmux_pane_started_after_the_grant_sees_it(shells_sshd):
         assert pane.read_text() == f"cvd={d.uuid(minor)}\n"
     finally:
         sshd.ssh(alice.name, "tmux -L ggt kill-server")
+
+
+# VS Code Remote-SSH starts its server from an SSH session without a terminal and reads its
+# environment from a login shell; `ssh -T host` with a script on stdin is such a session: a
+# login shell without a terminal, whose background process (the "server") starts a shell later.
+SERVER_LIKE = f"(sleep 0.2; bash -c '{SHOW}') > server.out 2>&1 &\nwait\ncat server.out\n"
+
+
+def _server_cvd(sshd: Sshd, user) -> str:
+    result = subprocess.run(sshd._ssh_argv("-T", f"{user.name}@127.0.0.1"), input=SERVER_LIKE,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result
+    return _cvd(result)
+
+
+def test_a_session_without_a_terminal_takes_gpus_only_when_its_user_asked(shells_sshd):
+    d, sshd, (alice, bob) = shells_sshd
+    assert _server_cvd(sshd, alice) == "<unset>" and d.granted_minors(alice) == []  # by default: none
+    for user in (alice, bob):
+        switched = sshd.ssh(user.name, "gpuguard prefs set request-without-terminal on")
+        assert switched.returncode == 0 and "request-without-terminal = on" in switched.stdout, switched
+    shown = sshd.ssh(alice.name, "gpuguard prefs")
+    assert "request-without-terminal = on" in shown.stdout, shown
+    # scp (both protocols), sftp and `ssh host cmd` run no login shell: still nothing for bob.
+    source = bob.home / "ggt-file"
+    source.write_text("data\n")
+    os.chown(source, bob.uid, bob.gid)
+    key, port = str(sshd.client_key), str(sshd.port)
+    common = ["-F", "/dev/null", "-i", key, "-P", port, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+              "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+    for argv in (["scp", *common, f"{bob.name}@127.0.0.1:ggt-file", str(bob.home / "ggt-copy")],
+                 ["scp", "-O", *common, f"{bob.name}@127.0.0.1:ggt-file", str(bob.home / "ggt-copy-legacy")],
+                 ["sftp", *common, "-b", "-", f"{bob.name}@127.0.0.1"]):
+        copied = subprocess.run(argv, input="get ggt-file ggt-sftp\n", capture_output=True, text=True, timeout=60)
+        assert copied.returncode == 0, (argv[0], copied)
+    assert sshd.ssh(bob.name, SHOW).returncode == 0
+    assert d.granted_minors(bob) == [] and [e for e in d.whoami(bob)["events"] if e["kind"] == "grant"] == []
+    # alice's session without a terminal asks once, and the server's shell sees her GPU.
+    uuid = _server_cvd(sshd, alice)
+    [minor] = d.granted_minors(alice)
+    assert uuid == d.uuid(minor)
+    assert _server_cvd(sshd, alice) == uuid and d.granted_minors(alice) == [minor]  # held: not asked again
