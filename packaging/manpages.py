@@ -26,8 +26,8 @@ DATE = "2026-12-01"
 SOURCE = f"gpuguard {__version__}"
 # Which page documents which command: the users' page holds what anyone runs (a few with
 # root-only options), the admins' page what only root runs. Every command is in exactly one.
-USER_COMMANDS = ("run", "whoami", "env", "status", "request", "release", "cancel", "fairshare", "gpus", "where", "report",
-                 "events", "quota", "config", "completion", "replay", "trace", "sim",
+USER_COMMANDS = ("run", "jupyter", "whoami", "env", "status", "request", "release", "cancel", "fairshare", "gpus", "where",
+                 "report", "events", "quota", "config", "completion", "replay", "trace", "sim",
                  "prefs")
 ADMIN_COMMANDS = ("enable", "disable", "daemon", "web", "doctor", "grant", "revoke", "drain", "resume", "hold", "reload",
                   "gate", "acl", PAM_HOOK)

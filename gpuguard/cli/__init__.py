@@ -96,15 +96,15 @@ COMMANDS = {
     "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
     "replay": "replay_cmd", "simulate": "replay_cmd", "trace": "replay_cmd",
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
-    "fairshare": "user_cmd", "run": "run_cmd",
+    "fairshare": "user_cmd", "run": "run_cmd", "jupyter": "jupyter_cmd",
     "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
     "where": "fleet_cmd", "prefs": "prefs_cmd",
 }
 # Help lists the commands users run first (in this order), then the admins' and the tools, by module.
-USER_MODULES = ("run_cmd", "user_cmd", "status_cmd", "report_cmd", "quota_cmd", "prefs_cmd")
+USER_MODULES = ("run_cmd", "jupyter_cmd", "user_cmd", "status_cmd", "report_cmd", "quota_cmd", "prefs_cmd")
 DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 
-for users:   run, whoami, status, request, release, cancel, env, fairshare, report, events, quota show,
+for users:   run, jupyter, whoami, status, request, release, cancel, env, fairshare, report, events, quota show,
              prefs
 for admins:  grant, revoke, drain, resume, hold, cancel --user, reload, quota set, config check, doctor, gate,
              acl, daemon, enable, disable, web
@@ -112,6 +112,7 @@ tools:       replay, trace, sim, completion, gpus"""
 EPILOG = """examples:
   gpuguard run --wait -- python train.py
                                    run a job on a GPU taken for it, given back when it ends
+  gpuguard jupyter install-kernel  a notebook kernel that starts with your GPUs
   gpuguard whoami                  your GPUs, quota, place in the queue and why
   eval "$(gpuguard request --wait)"
                                    get GPUs for this shell, waiting in the queue if none is free

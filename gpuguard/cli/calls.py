@@ -12,6 +12,7 @@ from gpuguard import client, daemon_socket
 TYPE_CHECKING = False  # not typing's: whoami and status start in a few ms more than python itself
 if TYPE_CHECKING:
     import argparse
+    from pathlib import Path
     from typing import Any
 
 TIMEOUT = 30.0  # revoke and release scan /proc for holders; status of a busy server is large
@@ -32,3 +33,18 @@ def ask(args: argparse.Namespace, op: str, **fields: Any) -> dict[str, Any]:
             raise client.DaemonUnreachable(f"{exc} (the default socket: {problem})") from None
         raise
     return {key: value for key, value in reply.items() if key not in ("v", "ok")}
+
+
+def held_path(args: argparse.Namespace) -> Path:
+    """The caller's held-devices file (backends.visible_devices), beside the configured socket."""
+    from pathlib import Path  # only once no daemon answered: whoami and env start without it
+
+    from gpuguard.backends.visible_devices import directory_for
+    return directory_for(Path(socket_of(args)[0])) / str(os.getuid())
+
+
+def held_devices(args: argparse.Namespace) -> list[str] | None:
+    """What the held-devices file says the caller holds (None: no file), read without the daemon."""
+    from gpuguard.backends.visible_devices import held
+    path = held_path(args)
+    return held(path.parent, int(path.name))

@@ -39,9 +39,11 @@ class Blocked:
             pass
         signal.pthread_sigmask(signal.SIG_SETMASK, self._before)
 
-    def run(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
+    def run(self, argv: Sequence[str], env: Mapping[str, str], forward: bool = True) -> int:
         """Start argv (found on PATH) and wait for it, passing signals on (see the module's
         docstring): its exit code, 128 + N for a child ended by signal N (as a shell says it).
+        forward=False passes none on: for a caller whose signals all come to its process group
+        (Jupyter signals a kernel's), which the child shares, so that it gets each one once.
         Raises FileNotFoundError or PermissionError when it cannot be started."""
         import shutil
         # found as a shell finds it: a directory of PATH this user may not search is passed over
@@ -57,7 +59,7 @@ class Blocked:
                 if done:
                     exit_code = os.waitstatus_to_exitcode(status)
                     return 128 - exit_code if exit_code < 0 else exit_code
-            elif info.si_code != SI_KERNEL:
+            elif forward and info.si_code != SI_KERNEL:
                 try:
                     os.kill(pid, info.si_signo)
                 except ProcessLookupError:

@@ -45,24 +45,39 @@ def run_command(args: argparse.Namespace) -> int:
         raise CommandError("run: name the command to run, e.g. gpuguard run -- python train.py", EXIT_USAGE)
     timeout = timeout_of(args)
     env = dict(os.environ)
-    granted: list[int] = []
+    granted = take_into(args, env, DEFAULT_GPUS if args.gpus is None else args.gpus, args.wait, timeout,
+                        give_back=True)
+    return run_then_give_back(args, argv, env, granted, "run")
+
+
+def take_into(args: argparse.Namespace, env: dict[str, str], gpus: int, wait: bool, timeout: float | None,
+              give_back: bool) -> list[int]:
+    """Take GPUs (`gpus` in all) and set env's CUDA_VISIBLE_DEVICES to every GPU the user then
+    holds (an exempt user's left unset: every GPU is open to them, as `gpuguard env` says); the
+    units this call took, which are all that may be given back (requesting.take's give_back)."""
     if ask(args, "whoami")["exempt"]:
-        env.pop("CUDA_VISIBLE_DEVICES", None)  # every GPU is open to an exempt user, as `gpuguard env` says
-    else:
-        reply = take(args, DEFAULT_GPUS if args.gpus is None else args.gpus, args.wait, timeout, give_back=True)
-        granted = list(reply["granted"])
-        env["CUDA_VISIBLE_DEVICES"] = reply["cuda_visible_devices"]
-        if reply["message"]:
-            print(reply["message"], file=sys.stderr, flush=True)
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        return []
+    reply = take(args, gpus, wait, timeout, give_back=give_back)
+    env["CUDA_VISIBLE_DEVICES"] = reply["cuda_visible_devices"]
+    if reply["message"]:
+        print(reply["message"], file=sys.stderr, flush=True)
+    return list(reply["granted"])
+
+
+def run_then_give_back(args: argparse.Namespace, argv: list[str], env: dict[str, str], granted: list[int],
+                       what: str, forward: bool = True) -> int:
+    """Run argv as a child (child.Blocked.run, `forward` passed on), then give back `granted`:
+    the child's exit code, or a shell's 127 or 126 when it cannot start (said on stderr, as `what`)."""
     with Blocked() as signals:  # from here to the release, a signal is the command's, not ours
         try:
-            code = signals.run(argv, env)
+            code = signals.run(argv, env, forward)
         except FileNotFoundError:
             code = EXIT_NOT_FOUND
-            print(f"gpuguard: run: {argv[0]}: command not found", file=sys.stderr)
+            print(f"gpuguard: {what}: {argv[0]}: command not found", file=sys.stderr)
         except PermissionError:
             code = EXIT_NOT_EXECUTABLE
-            print(f"gpuguard: run: {argv[0]}: permission denied", file=sys.stderr)
+            print(f"gpuguard: {what}: {argv[0]}: permission denied", file=sys.stderr)
         if granted:
             give_back(args, granted)
     return code

@@ -6,7 +6,7 @@ import sys
 import time
 
 from gpuguard.cli import CommandError, gpu_count, print_json, print_rows, unit_arg
-from gpuguard.cli.calls import ask, socket_of
+from gpuguard.cli.calls import ask, held_devices, held_path
 from gpuguard.cli.requesting import take, timeout_of
 from gpuguard.client import DaemonUnreachable
 from gpuguard.core.errors import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
@@ -17,7 +17,6 @@ from gpuguard.core.unit_numbers import unit_label
 TYPE_CHECKING = False  # not typing's: whoami starts within a few ms of Python itself
 if TYPE_CHECKING:
     import argparse
-    from pathlib import Path
     from typing import Any
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -78,12 +77,12 @@ def show_whoami(args: argparse.Namespace) -> int:
     try:
         reply = ask(args, "whoami", user=args.user)
     except DaemonUnreachable as exc:
-        if args.user is not None or (uuids := _held(args)) is None:
+        if args.user is not None or (uuids := held_devices(args)) is None:
             raise
         if args.json:
             print_json({"daemon": "unreachable", "error": exc.line(), "held": uuids})
         else:
-            print(f"GPUs (from {_held_path(args)}): {', '.join(uuids)}")
+            print(f"GPUs (from {held_path(args)}): {', '.join(uuids)}")
             print(cuda_export(uuids))
         print(f"gpuguard: the gpuguard service is down ({exc.line()}); what you hold comes from the file "
               "the PAM module reads, the rest (quota, queue, events) once it is back", file=sys.stderr)
@@ -146,30 +145,16 @@ def show_env(args: argparse.Namespace) -> int:
     try:
         reply = ask(args, "whoami")
     except DaemonUnreachable as exc:
-        if (uuids := _held(args)) is None:
+        if (uuids := held_devices(args)) is None:
             raise
         # the grants outlive the daemon (the gate keeps them): the file the PAM module reads says which
-        print(f"gpuguard: the gpuguard service is down ({exc.line()}); your GPUs from {_held_path(args)}",
+        print(f"gpuguard: the gpuguard service is down ({exc.line()}); your GPUs from {held_path(args)}",
               file=sys.stderr)
         print(cuda_export(uuids))
         return EXIT_OK
     # Exempt users see every GPU: no variable to narrow them down.
     print("unset CUDA_VISIBLE_DEVICES" if reply["exempt"] else cuda_export(_uuids(reply)))
     return EXIT_OK
-
-
-def _held_path(args: argparse.Namespace) -> Path:
-    from pathlib import Path  # only once no daemon answered: whoami and env start without it
-
-    from gpuguard.backends.visible_devices import directory_for
-    return directory_for(Path(socket_of(args)[0])) / str(os.getuid())
-
-
-def _held(args: argparse.Namespace) -> list[str] | None:
-    """What the held-devices file says the caller holds (None: no file), for when no daemon answers."""
-    from gpuguard.backends.visible_devices import held
-    path = _held_path(args)
-    return held(path.parent, int(path.name))
 
 
 def _mig_terms(quota: dict[str, Any]) -> str:
