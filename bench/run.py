@@ -12,7 +12,8 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
 - watcher_bench.py: the daemon's CPU per tick at 500 and 5,000 processes, its own part of a
   tick, the metrics snapshot per tick, kill latency;
 - gate_bench.py: open(2) with and without the gate (bench/openloop.c);
-- cli_bench.py: `gpuguard whoami` and `status` start-up against an empty `python3 -I -S`;
+- cli_bench.py: the start-up of each command a user runs (`--help`, `whoami`, `status`, `events`, `gpus`, ...)
+  against an empty `python3 -I -S`;
 - flood_bench.py: the tick and logins under release, metrics-slowloris and subuid floods, and a
   logout's release among 10,000 root-owned processes, each against the same daemon without;
 - fleet_bench.py: several servers on one PostgreSQL: logins with the database up and down,

@@ -302,11 +302,18 @@ def _gpu_memory(value: Any) -> int | None:
 def _limit(what: str) -> Callable[[Any], float | None]:
     """A quota's time limit: a duration or none, never zero (it would act at once on every grant)."""
     def parse(value: Any) -> float | None:
-        seconds = parse_duration(value)
-        if seconds == 0:
+        # a bare 0 too: "did you mean 0h?" would only lead to this refusal
+        if _bare_zero(value) or (seconds := parse_duration(value)) == 0:
             raise ValueError(f"{value!r} would {what} at once; write none for no limit")
         return seconds
     return parse
+
+
+def _bare_zero(value: Any) -> bool:
+    try:
+        return parse_duration(value, bare_unit="s") == 0
+    except UnitError:
+        return False
 
 
 def _check_floors(where: str, fields: dict[str, Any]) -> None:

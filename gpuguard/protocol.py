@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # a login request is a few hundred bytes; anything larger is hostile
 MAX_REPLY = 16 * 1024 * 1024  # status of a busy server, with its event history
+MAX_EVENTS = 5000  # one events reply; a longer history is read with --since windows
 MAX_NAME = 256  # a user name (Linux's LOGIN_NAME_MAX; useradd allows 32)
 
 OPERATIONS = frozenset({

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-from gpuguard.core.errors import GpuguardError  # no imports of its own: cheap
+from gpuguard.core.errors import EXIT_OK, EXIT_USAGE, GpuguardError  # no imports of its own: cheap
 
 TYPE_CHECKING = False  # not typing's: `gpuguard pam-hook` runs at every login (see above)
 if TYPE_CHECKING:
@@ -59,6 +59,13 @@ def gpu_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GPUs: give 1 or more "
                                          "(or leave --gpus out for the default)")
     return count
+
+
+def no_such_user(name: str, *spellings: str) -> CommandError:
+    """The refusal of a user name no account has, naming the option as it was typed (`-u` or `--user`)."""
+    typed = next((option for word in sys.argv[1:] for option in spellings
+                  if word == option or word.startswith(option + "=")), spellings[-1])
+    return CommandError(f"{typed} {name}: no user named {name} on this host; check the spelling", EXIT_USAGE)
 
 
 def require_root(what: str) -> None:
@@ -152,15 +159,56 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def _parser_class() -> type[argparse.ArgumentParser]:
     import argparse
+    import re
+
+    from gpuguard.cli.argv import meant, no_command, no_option
 
     class Parser(argparse.ArgumentParser):
-        """argparse with one-line errors, as every other gpuguard error (its usage block is --help's)."""
+        """argparse with one-line errors, as every other gpuguard error (its usage block is --help's),
+        that say what an unknown command or option most likely meant."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # `--timeout -5m` is a value (refused as negative by the command), not an unknown option
+            # with --timeout left without one: no gpuguard option starts with a digit.
+            self._negative_number_matcher = re.compile(r"^-\d")
 
         def error(self, message: str) -> typing.NoReturn:
             from gpuguard.core.escape import printable
             self.exit(2, f"gpuguard: {printable(message)} (see {self.prog} --help)\n")
 
+        def _check_value(self, action: argparse.Action, value: Any) -> None:
+            if action.choices is None or value in action.choices:
+                return
+            if isinstance(action, argparse._SubParsersAction):
+                raise argparse.ArgumentError(None, no_command(f"{self.prog.removeprefix('gpuguard ')} {value}",
+                                                              action.choices))
+            guess = meant(str(value), map(str, action.choices))
+            name = "/".join(action.option_strings) or action.metavar or action.dest
+            raise argparse.ArgumentError(None, f"{name} {value}: choose from {', '.join(map(str, action.choices))}"
+                                               + (f"; did you mean {guess!r}?" if guess else ""))
+
+        def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+            parsed, extras = self.parse_known_args(args, namespace)
+            if extras:
+                chosen = _chosen(self, parsed)
+                unknown = next((word for word in extras if word.startswith("-")), None)
+                if unknown is None:
+                    chosen.error(f"unexpected {' '.join(extras)!r}")
+                chosen.error(no_option(unknown, chosen.prog, chosen._option_string_actions))
+            return parsed
+
     return Parser
+
+
+def _chosen(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command's parser that `parsed` went down to: the one whose options a typo meant."""
+    import argparse
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(getattr(parsed, action.dest, None) or "")
+            return parser if sub is None else _chosen(sub, parsed)
+    return parser
 
 
 def _every_command_module() -> list[str]:
@@ -187,11 +235,12 @@ def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
 # (tests/system/test_cli_startup.py) checks reads every argv accepted here the same way.
 QUICK: dict[str, tuple[str, dict[str, str], dict[str, str], dict[str, object]]] = {
     "whoami": ("show_whoami", {"--json": "json"}, {"--user": "user"}, {"json": False, "user": None}),
-    "env": ("show_env", {}, {}, {}),
+    "env": ("show_env", {"--json": "json"}, {}, {"json": False}),
     "status": ("show_status", {"--json": "json", "--csv": "csv", "--no-header": "no_header", "--fleet": "fleet",
                                "--cluster": "old_fleet"},
                {"--user": "user", "-u": "user"},
-               {"json": False, "csv": False, "no_header": False, "fleet": False, "old_fleet": False, "user": None}),
+               {"json": False, "csv": False, "no_header": False, "fleet": False, "old_fleet": False, "user": None,
+                "watch": None}),
 }
 
 
@@ -220,26 +269,41 @@ def quick_arguments(config_path: str | None, command: str | None, rest: list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    config_path, command, rest = split_command(argv)
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # `gpuguard status | head -1`: the reader has what it wanted. Python's "Note on SIGPIPE":
+        # stdout to /dev/null, so that the flush at exit raises no second error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _main(argv: list[str]) -> int:
+    from gpuguard.cli.argv import arrange, no_command
+    arranged = arrange(argv)
+    if arranged is None:  # --version, before or after the command
+        from gpuguard import __version__
+        print(f"gpuguard {__version__}")
+        return EXIT_OK
+    config_path, command, rest = split_command(arranged)
     if command == PAM_HOOK:
         from gpuguard import pam_hook
         return pam_hook.main(rest, config_path)
-    args = quick_arguments(config_path, command, rest) or build_parser(command).parse_args(argv)
+    if command is not None and command not in COMMANDS:  # one line, not argparse's list of every command
+        return _fail(no_command(command, COMMANDS, "gpuguard --help"), EXIT_USAGE)
+    args = quick_arguments(config_path, command, rest) or build_parser(command).parse_args(arranged)
     from gpuguard.cli.output import PrintableOutput  # not before: pam-hook needs none of it
     sys.stdout = PrintableOutput(sys.stdout)
     # each command's set_defaults(func=...): it reads attributes only, so the quick parse's namespace serves too
     run: Callable[[argparse.Namespace | SimpleNamespace], int] = args.func
     try:
-        return run(args)
+        code = run(args)
+        sys.stdout.flush()  # a closed pipe is told here, not at exit
+        return code
     except GpuguardError as exc:
         return _fail(exc.line(), exc.code)  # a verifier log or a multi-line cause goes to the daemon's log
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # `gpuguard status | head`: the reader left; say nothing more, like other tools.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
 
 
 def _fail(message: str, code: int) -> int:

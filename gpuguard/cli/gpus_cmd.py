@@ -9,22 +9,26 @@ slices, listed under it by unit ("2/gi7/ci0").
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections import Counter
-from collections.abc import Callable
-from typing import Any
 
 from gpuguard.cli import load_config, print_json, print_rows
 from gpuguard.cli.calls import ask
-from gpuguard.config import Config
-from gpuguard.core import inventory
 from gpuguard.core.errors import EXIT_OK
 from gpuguard.core.quantities import format_size
 
+TYPE_CHECKING = False  # not typing's: a user's `gpus` asks the daemon, and needs no config, NVML or model
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+    from typing import Any
+
+    from gpuguard.config import Config
+
 # nvidia-smi topo -m's abbreviations, which admins already know
 _SHORT = {"NVLINK": "NV", "PCIE_SWITCH": "PIX", "NUMA_NODE": "NODE", "SYSTEM": "SYS", "X": "X"}
+CSV_COLUMNS = ("gpu", "index", "name", "mig", "memory_used_bytes", "memory_total_bytes", "utilization_percent",
+               "numa_node", "processes", "pci_bus_id", "uuid", "owner")
 _LEGEND = "NV = NVLink, PIX = same PCIe switch, NODE = same NUMA node, SYS = across CPU sockets"
 
 
@@ -32,8 +36,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser("gpus", help="list GPUs, their use and topology",
                                    description="Every GPU (and MIG slice): its minor and NVML index, model, memory, "
                                                "who holds it and how it is linked to the others. "
-                                               "Examples: gpuguard gpus; gpuguard gpus --json")
-    parser.add_argument("--json", action="store_true", help="print JSON")
+                                               "Examples: gpuguard gpus; gpuguard gpus --csv",
+                                   epilog=f"--csv columns: {','.join(CSV_COLUMNS)} (a MIG slice's row: its unit as "
+                                          "gpu, its profile as mig; a GPU's mig: mode, unread or empty)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print JSON")
+    output.add_argument("--csv", action="store_true", help="print CSV, one line per GPU and MIG slice, after a header")
     parser.set_defaults(func=show_gpus)
 
 
@@ -41,13 +49,35 @@ def show_gpus(args: argparse.Namespace) -> int:
     found = _from_nvml(args) if os.geteuid() == 0 else ask(args, "gpus")
     if args.json:
         print_json(found)
+    elif args.csv:
+        import csv
+        csv.writer(sys.stdout, lineterminator="\n").writerows([CSV_COLUMNS, *csv_rows(found["gpus"])])
     else:
         _print_table(found["gpus"], found["topology"])
     return EXIT_OK
 
 
+def csv_rows(gpus: list[dict[str, Any]]) -> list[list[Any]]:
+    """A row per GPU and one per MIG slice after it, numbers in bytes and percent, empty where unknown."""
+    rows = []
+    for gpu in gpus:
+        mig = "unread" if gpu["mig_unread"] else "mode" if gpu["mig_mode"] else ""
+        rows.append([gpu["minor"], gpu["index"], gpu["name"], mig, *_blanks(gpu, "memory_used", "memory_total",
+                     "utilization", "numa_node", "processes", "pci_bus_id", "uuid", "owner")])
+        rows += [[each["label"], "", gpu["name"], each["profile"], *_blanks(each, "memory_used", "memory_total",
+                  "utilization"), "", each["processes"], "", each["uuid"], gpu["owner"]] for each in gpu["slices"]]
+    return rows
+
+
+def _blanks(record: dict[str, Any], *keys: str) -> list[Any]:
+    return ["" if record[key] is None else record[key] for key in keys]
+
+
 def _from_nvml(args: argparse.Namespace) -> dict[str, Any]:
+    from collections import Counter
+
     from gpuguard.backends import open_gpu_backend  # loads pynvml: only for commands that need it
+    from gpuguard.core import inventory
 
     config = load_config(args)
     owners = _owners(config)

@@ -16,7 +16,7 @@ from typing import Any
 
 from gpuguard import config, quota_file
 from gpuguard.backends import accounts
-from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root
+from gpuguard.cli import CommandError, load_config, no_such_user, print_json, print_rows, require_root
 from gpuguard.cli.calls import ask
 from gpuguard.client import DaemonUnreachable, Refused
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UnknownUser
@@ -173,6 +173,9 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def _show_user(args: argparse.Namespace, loaded: config.Config) -> None:
+    if args.user not in loaded.quotas.users and not accounts.user_exists(args.user):
+        # no account and no entry set ahead of one: most likely a typo, not a quota to show
+        raise no_such_user(args.user, "--user")
     groups = _groups_of(args.user, warn=True)
     quota = quota_for(args.user, groups, loaded)
     origin = quota_sources(args.user, groups, loaded)

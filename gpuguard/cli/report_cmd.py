@@ -7,19 +7,20 @@ Times are read as the machine's local time: `2026-11-01`, `2026-11-01T09:00`, `2
 from __future__ import annotations
 
 import argparse
-import csv
 import re
 import sys
 import time
 from datetime import datetime, timedelta
-from typing import Any
 
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.core.model import unit_label
 from gpuguard.core.quantities import UnitError, parse_duration
-from gpuguard.core.rules import WATCHER_RULES
+from gpuguard.core.unit_numbers import unit_label
+
+TYPE_CHECKING = False  # not typing's, nor the rules' or the model's: events and report start light
+if TYPE_CHECKING:
+    from typing import Any
 
 HOUR = 3600.0
 _FORMATS = ("%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m")
@@ -45,9 +46,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                                "sudo gpuguard events --user alice --rule memory")
     _period_options(events, since_default="the oldest kept")
     events.add_argument("--rule", metavar="RULE", help="only this rule (memory, time, idle, stray, admin, user, ...)")
-    events.add_argument("--limit", type=int, default=200, metavar="N", help="at most the newest N (default 200)")
+    events.add_argument("--limit", type=event_limit, default=200, metavar="N", help="at most the newest N (default 200)")
     events.add_argument("--json", action="store_true", help="print JSON")
     events.set_defaults(func=show_events)
+
+
+def event_limit(text: str) -> int:
+    """argparse type of events --limit: 1 to the most one reply holds."""
+    from gpuguard.protocol import MAX_EVENTS  # loaded already: the client's
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_EVENTS:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of events: give 1 to {MAX_EVENTS} (default 200; "
+                                         "--since and --until for older ones)")
+    return count
 
 
 def _period_options(parser: argparse.ArgumentParser, since_default: str) -> None:
@@ -100,10 +114,12 @@ def show_report(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
+    from gpuguard.core.rules import WATCHER_RULES  # only here: the rules bring the model and the config
     # Every watcher rule's column always, whatever the data (scripts read columns by position too)
     found = {rule for row in [*reply["rows"], reply["total"]] for rule in row["kills"]}
     rules = [*WATCHER_RULES, *sorted(found - set(WATCHER_RULES))]
     if args.csv:
+        import csv
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow([args.by, "gpu_hours_granted", "gpu_hours_busy", "gpu_hours_idle", "busy_share",
                          *(f"kills_{rule}" for rule in rules)])

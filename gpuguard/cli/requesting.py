@@ -29,6 +29,9 @@ def timeout_of(args: argparse.Namespace, option: str = "--timeout") -> float | N
         return None
     if not args.wait:
         raise CommandError(f"{option} goes with --wait (add --wait, or leave {option} out)", EXIT_USAGE)
+    if args.timeout.strip().startswith("-"):
+        raise CommandError(f"{option} {args.timeout}: must be positive: how long to wait, e.g. 30m (or leave "
+                           f"{option} out to wait without limit)", EXIT_USAGE)
     try:
         seconds = parse_duration(args.timeout)
     except UnitError as exc:

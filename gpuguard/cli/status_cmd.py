@@ -12,9 +12,9 @@ import os
 import sys
 from collections import namedtuple
 
-from gpuguard.cli import CommandError, print_json, print_rows
+from gpuguard.cli import CommandError, no_such_user, print_json, print_rows
 from gpuguard.cli.calls import ask
-from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
+from gpuguard.core.errors import EXIT_OK, EXIT_USAGE, GpuguardError
 from gpuguard.core.messages import clock, gpu_label, number_list
 from gpuguard.core.quantities import format_size
 
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 BAR_WIDTH = 20
 CSV_COLUMNS = ("gpu", "name", "uuid", "utilization_percent", "memory_used_bytes", "memory_total_bytes",
                "holders", "processes", "time_left_seconds", "owner")
+WATCH_DEFAULT = 2.0  # seconds, as watch(1)'s
+WATCH_MIN = 1.0
+CLEAR = "\033[H\033[2J"  # cursor home, erase the screen: a redraw in place, as watch(1) does
 _COLOURS = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
 
 
@@ -47,7 +50,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     output.add_argument("--json", action="store_true", help="print JSON")
     output.add_argument("--csv", action="store_true", help="print CSV, one line per GPU, after a header line")
     status.add_argument("--no-header", action="store_true", help="with --csv: leave out the header line")
+    status.add_argument("--watch", nargs="?", type=watch_interval, const=WATCH_DEFAULT, metavar="SECONDS",
+                        help=f"redraw every SECONDS (default {WATCH_DEFAULT:g}, at least {WATCH_MIN:g}) until ^C")
     status.set_defaults(func=show_status)
+
+
+def watch_interval(text: str) -> float:
+    """argparse type of --watch: seconds between redraws, a second or more (each asks the daemon)."""
+    import argparse
+    import math
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < WATCH_MIN:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds: give {WATCH_MIN:g} or more, "
+                                         f"e.g. --watch 5 (or --watch alone: every {WATCH_DEFAULT:g}s)")
+    return seconds
 
 
 class Style(namedtuple("Style", "colour unicode")):  # colour: bool, unicode: bool
@@ -87,6 +106,40 @@ def _user_exists(name: str) -> bool:
 
 
 def show_status(args: argparse.Namespace) -> int:
+    if args.watch is None:
+        return show_once(args)
+    if args.json or args.csv:
+        raise CommandError("--watch redraws the table: leave out --json and --csv", EXIT_USAGE)
+    return watch(args)
+
+
+def watch(args: argparse.Namespace) -> int:
+    """status every args.watch seconds, redrawn in place on a terminal, until ^C (exit 0). After the
+    first, a failed draw (a daemon restarting) is said and the next one tried."""
+    import time
+    raw = getattr(sys.stdout, "stream", sys.stdout)  # under the escaping stdout: CLEAR is ours, not a user's
+    tty = sys.stdout.isatty()
+    first = True
+    try:
+        while True:
+            sys.stdout.flush()
+            raw.write(CLEAR if tty else "" if first else "\n")
+            print(f"every {args.watch:g}s: gpuguard status (^C ends)  {clock(time.time())}\n")
+            try:
+                show_once(args)
+            except GpuguardError as exc:
+                if first:
+                    raise
+                print(f"gpuguard: {exc.line()}")
+            first = False
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        print()
+        return EXIT_OK
+
+
+def show_once(args: argparse.Namespace) -> int:
     if args.old_fleet:
         print("gpuguard: status --cluster is now status --fleet (the old name works until the next release)",
               file=sys.stderr)
@@ -96,7 +149,7 @@ def show_status(args: argparse.Namespace) -> int:
     if args.no_header and not args.csv:
         raise CommandError("--no-header goes with --csv", EXIT_USAGE)
     if args.user is not None and not _user_exists(args.user):
-        raise CommandError(f"-u: no such user: {args.user}", EXIT_USAGE)
+        raise no_such_user(args.user, "-u", "--user")
     reply = ask(args, "status")
     gpus = [gpu for gpu in reply["gpus"] if args.user is None or involves(gpu, args.user)]
     if args.json:

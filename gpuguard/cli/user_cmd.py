@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     env = subparsers.add_parser("env", help="the export CUDA_VISIBLE_DEVICES=... line for your GPUs now",
                                 description='The line that sets CUDA_VISIBLE_DEVICES to your GPUs now, for a shell '
                                             'older than your grant (tmux, screen). Example: eval "$(gpuguard env)"')
+    env.add_argument("--json", action="store_true",
+                     help='print JSON: {"cuda_visible_devices": "GPU-...,GPU-..." (null: leave it unset), "uuids", '
+                          '"exempt", "daemon": "up" or "down"}')
     env.set_defaults(func=show_env)
 
     request = subparsers.add_parser("request", help="get GPUs now, up to your quota (--wait: queue for them)",
@@ -95,13 +98,16 @@ def show_whoami(args: argparse.Namespace) -> int:
                 f"not in {reply['group']}: no GPUs (ask your admin)")
     print(f"{reply['user']} (uid {reply['uid']}): {standing}")
     quota = reply["quota"]
-    print(f"quota: {quota['gpus']} GPU{'s' if quota['gpus'] != 1 else ''}, memory {format_size(quota['gpu_memory'])}"
-          f" per GPU, time {format_duration(quota['max_time'])}, idle release {format_duration(quota['idle_timeout'])}"
-          f", sharing {'yes' if quota['sharing'] else 'no'}{_mig_terms(quota)}")
+    if reply["member"] or reply["exempt"]:  # a quota a non-member never gets would only mislead
+        print(f"quota: {quota['gpus']} GPU{'s' if quota['gpus'] != 1 else ''}, memory {format_size(quota['gpu_memory'])}"
+              f" per GPU, time {format_duration(quota['max_time'])}, idle release "
+              f"{format_duration(quota['idle_timeout'])}, sharing {'yes' if quota['sharing'] else 'no'}"
+              f"{_mig_terms(quota)}")
     if reply["grants"]:
         print("GPUs:")
-        print_rows([["  GPU", "NAME", "UUID", "SINCE", "UNTIL", "HOW"]] + [
-            [f"  {gpu_label(g['minor'], g.get('index'))}", g["name"] or "?", g["uuid"] or "?", clock(g["granted_at"]),
+        print_rows([["  GPU", "NAME", "UUID", "MEMORY", "SINCE", "UNTIL", "HOW"]] + [
+            [f"  {gpu_label(g['minor'], g.get('index'))}", g["name"] or "?", g["uuid"] or "?",
+             memory_against(g.get("memory_used"), quota["gpu_memory"]), clock(g["granted_at"]),
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(cuda_export(_uuids(reply)))
@@ -150,11 +156,26 @@ def show_env(args: argparse.Namespace) -> int:
         # the grants outlive the daemon (the gate keeps them): the file the PAM module reads says which
         print(f"gpuguard: the gpuguard service is down ({exc.line()}); your GPUs from {held_path(args)}",
               file=sys.stderr)
-        print(cuda_export(uuids))
-        return EXIT_OK
-    # Exempt users see every GPU: no variable to narrow them down.
-    print("unset CUDA_VISIBLE_DEVICES" if reply["exempt"] else cuda_export(_uuids(reply)))
+        return _print_env(args, uuids, exempt=False, daemon="down")
+    return _print_env(args, _uuids(reply), reply["exempt"], daemon="up")
+
+
+def _print_env(args: argparse.Namespace, uuids: list[str], exempt: bool, daemon: str) -> int:
+    if args.json:
+        print_json({"cuda_visible_devices": None if exempt else ",".join(uuids), "uuids": uuids, "exempt": exempt,
+                    "daemon": daemon})
+    else:  # exempt users see every GPU: no variable to narrow them down
+        print("unset CUDA_VISIBLE_DEVICES" if exempt else cuda_export(uuids))
     return EXIT_OK
+
+
+def memory_against(used: int | None, quota: int | None) -> str:
+    """`12GiB of 20GiB`, `30GiB of 20GiB: OVER` (the watcher warns, then stops), `?` when not read."""
+    if used is None:
+        return "?"
+    if quota is None:
+        return format_size(used)
+    return f"{format_size(used)} of {format_size(quota)}" + (": OVER" if used > quota else "")
 
 
 def _mig_terms(quota: dict[str, Any]) -> str:

@@ -99,6 +99,15 @@ def unit_list(units: Iterable[int]) -> str:
     return ",".join(unit_label(unit) for unit in sorted(units))
 
 
+def in_use_message(units: Collection[int], pids: Collection[int]) -> str:
+    """Why release keeps a GPU and what to do: `still in use by your process 11606: end it (kill
+    11606) or let it finish, then gpuguard release --gpu 1` (after "GPU 1 is" or "GPU 1 stays,")."""
+    them = "them" if len(set(pids)) > 1 else "it"
+    return (f"still in use by your process{'es' if them == 'them' else ''} {number_list(pids)}: end {them} "
+            f"(kill {' '.join(str(pid) for pid in sorted(set(pids)))}) or let {them} finish, then gpuguard release "
+            + " ".join(f"--gpu {unit_label(unit)}" for unit in sorted(units)))
+
+
 def layout_message(whys: Iterable[str]) -> str:
     """What a user whose grant a MIG layout change ended is told."""
     return (f"gpuguard: {'; '.join(whys)}: your grant of it ended and its processes are stopped; "

@@ -63,7 +63,10 @@ def size_guess(number: float) -> str:
 
 
 def duration_guess(number: float) -> str:
-    """What a duration written without a unit most likely meant: `8` -> 8h, `3600` -> 1h."""
+    """What a duration written without a unit most likely meant: `8` -> 8h, `3600` -> 1h, and
+    `0` -> no limit (`0h` is no time at all, which every time limit refuses)."""
+    if number == 0:
+        return "none (no limit) or 0s"
     if number >= 60:  # seconds, as plain numbers meant before units were required
         return f"{_number_text(number)}s ({format_duration(number)})"
     return f"{_number_text(number)}h"

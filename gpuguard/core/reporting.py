@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # the type only: sampling reads /proc, and this module stays 
 GROUPINGS = ("user", "gpu", "day")
 # The rules events are recorded under: the watcher's, a grant's origin, and the other ways a grant ends.
 EVENT_RULES = tuple(rule.value for rule in Rule)
-MAX_EVENTS = 5000  # one events reply; a longer history is read with --since windows
 
 
 def report(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from gpuguard import protocol
 from gpuguard.config import Config
 from gpuguard.core import allocator, inventory, policy, reporting
 from gpuguard.core.errors import GpuguardError, Refusal, UnknownUser
-from gpuguard.core.messages import WHOAMI_HINT, grant_reply, number_list, queue_message, unit_list
+from gpuguard.core.messages import WHOAMI_HINT, grant_reply, in_use_message, number_list, queue_message, unit_list
 from gpuguard.core.model import Account, Event, EventKind, Grant, Origin, Quota, Rule, is_slice, unit_label, unit_parent
 from gpuguard.core.quantities import format_duration
 from gpuguard.daemon import admission
@@ -330,17 +330,16 @@ class Api:
         targets = set(units) if units is not None else held
         scan = _readable(await self.openers.scan(account.uid, targets, for_user=True))
         busy = scan.listed | scan.unlisted
-        in_use = f"still in use by your process{'es' if len({p for p, _ in busy}) > 1 else ''} " \
-                 f"{number_list({pid for pid, _ in busy})}"
         kept = {unit for _, unit in busy}
+        in_use = in_use_message(kept, {pid for pid, _ in busy})
         if kept and (units is not None or kept == targets):
-            raise Refusal(f"GPU {unit_list(kept)} {in_use}: stop them, then release")
+            raise Refusal(f"GPU {unit_list(kept)} {'are' if len(kept) > 1 else 'is'} {in_use}")
         removed = self.releases.take_back(account.uid, targets - kept, self.clock(), kind=EventKind.RELEASE,
                                           rule=Rule.USER, message="released with gpuguard release")
         released = [g.unit for g in removed]
         parts = [f"released GPU {unit_list(released)}"]
         if kept:
-            parts.append(f"GPU {unit_list(kept)} stays: {in_use} (stop them, then release)")
+            parts.append(f"GPU {unit_list(kept)} stays, {in_use}")
         if still := held - set(released) - kept:
             parts.append(f"you still hold GPU {unit_list(still)}")
         if left:
@@ -525,7 +524,17 @@ class Api:
         gpu = self.grants.gpus.get(grant.unit)
         return {**protocol.record(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
                 "index": gpu.index if gpu else None,
-                "drained": asdict(drain) if (drain := self.drains.get(unit_parent(grant.unit))) else None}
+                "drained": asdict(drain) if (drain := self.drains.get(unit_parent(grant.unit))) else None,
+                "memory_used": self._memory_used(grant)}
+
+    def _memory_used(self, grant: Grant) -> int | None:
+        """What the grant's user's processes use of its unit at the last sample (None: not read),
+        which whoami sets against the quota."""
+        sample = self.sampler.last
+        if sample is None or not sample.ok(grant.unit):
+            return None
+        return sum(p.used_memory for p in sample.processes
+                   if p.unit == grant.unit and p.used_memory is not None and sample.uid_of(p.pid) == grant.uid)
 
     def _grant_reply(self, held: list[Grant], wanted: int | None = None, ending: str = WHOAMI_HINT,
                      new: Collection[int] | None = None) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from gpuguard.core import policy, reporting
 from gpuguard.core.errors import EXIT_USAGE, Refusal
 from gpuguard.core.quantities import UnitError, parse_duration
-from gpuguard.protocol import MAX_NAME, shown
+from gpuguard.protocol import MAX_EVENTS, MAX_NAME, shown
 
 
 def _bad(message: str) -> Refusal:
@@ -245,8 +245,8 @@ class Events(Records):
         user, since, until = fields.name(default=None), fields.epoch("since", 0.0), fields.epoch("until")
         assert since is not None  # it has a default
         limit = fields.integer("limit", 200)
-        if not 1 <= limit <= reporting.MAX_EVENTS:
-            raise _bad(f"field 'limit': between 1 and {reporting.MAX_EVENTS}, got {limit}")
+        if not 1 <= limit <= MAX_EVENTS:
+            raise _bad(f"field 'limit': between 1 and {MAX_EVENTS}, got {limit}")
         rule = fields.text("rule", None)
         if rule is not None and rule not in reporting.EVENT_RULES:
             raise _bad(f"--rule: no rule {shown(rule)} (rules: {', '.join(reporting.EVENT_RULES)})")

@@ -45,6 +45,12 @@ def test_a_command_loads_only_its_own_module() -> None:
     assert {m for m in loaded if m.endswith("_cmd")} == {"gpuguard.cli.user_cmd"}
 
 
+def test_a_typo_loads_no_command_module_nor_argparse() -> None:
+    """`gpuguard stauts` is one line from the table of commands, not the full parser's every module."""
+    loaded = loaded_by("stauts")
+    assert not loaded & {"argparse", "typing"} and not any(m.endswith("_cmd") for m in loaded), loaded
+
+
 def commands_of(parser) -> set[str]:
     return set(next(a for a in parser._actions if a.dest == "command").choices)
 
@@ -69,7 +75,7 @@ def test_split_command(argv, expected) -> None:
 
 QUICK_ARGV = [["whoami"], ["whoami", "--json"], ["whoami", "--user", "bob"], ["whoami", "--user=bob", "--json"],
               ["--config", "/x.toml", "status", "-u", "bob", "--csv"], ["status", "--json", "--user", "a"], ["env"],
-              ["--config=/y.toml", "env"], ["whoami", "--user", "a", "--user", "b"], ["status", "--fleet"],
+              ["--config=/y.toml", "env"], ["env", "--json"], ["whoami", "--user", "a", "--user", "b"], ["status", "--fleet"],
               ["status", "--cluster"], ["status", "--csv", "--no-header"], ["status", "--cluster", "--json"]]
 
 
@@ -84,6 +90,7 @@ def test_the_quick_path_reads_argv_as_the_full_parser_does(argv) -> None:
 
 @pytest.mark.parametrize("argv", [["whoami", "--help"], ["whoami", "--jsn"], ["status", "--json", "--csv"],
                                   ["whoami", "--user"], ["whoami", "--user", "--json"], ["status", "-ubob"],
-                                  ["whoami", "--json", "--json"], ["request"], ["env", "x"]])
+                                  ["whoami", "--json", "--json"], ["request"], ["env", "x"], ["status", "--watch"],
+                                  ["status", "--watch", "5"]])
 def test_anything_else_goes_to_the_full_parser(argv) -> None:
     assert quick_arguments(*split_command(argv)) is None

@@ -316,7 +316,8 @@ def test_request_and_release_by_the_user(start_daemon, make_user):
     try:
         busy = d.cli_as(alice, "release", "--gpu", str(first), "--gpu", str(second))  # named: all or nothing
         assert busy.returncode == 1
-        assert f"GPU {first} still in use by your process {burn.pid}: stop them, then release" in busy.stderr
+        assert (f"GPU {first} is still in use by your process {burn.pid}: end it (kill {burn.pid}) or let it "
+                f"finish, then gpuguard release --gpu {first}") in busy.stderr
         assert d.granted_minors(alice) == [first, second]  # nothing released, nothing killed
         assert burn.poll() is None
         partial = d.cli_as(alice, "release", "--gpu", str(second))

@@ -102,12 +102,14 @@ def test_release_gives_back_the_idle_gpus_and_names_the_busy_one(start_daemon):
     try:
         released = d.cli_as(alice, "release")
         assert released.returncode == 0, released.stderr
-        assert released.stdout == (f"gpuguard: released GPU {second}; GPU {first} stays: still in use by your "
-                                   f"process {burn.pid} (stop them, then release)\n")
+        assert released.stdout == (f"gpuguard: released GPU {second}; GPU {first} stays, still in use by your "
+                                   f"process {burn.pid}: end it (kill {burn.pid}) or let it finish, then gpuguard "
+                                   f"release --gpu {first}\n")
         assert d.granted_minors(alice) == [first] and burn.poll() is None
         all_busy = d.cli_as(alice, "release")
         assert all_busy.returncode == 1
-        assert f"GPU {first} still in use by your process {burn.pid}: stop them, then release" in all_busy.stderr
+        assert (f"GPU {first} is still in use by your process {burn.pid}: end it (kill {burn.pid}) or let it "
+                f"finish, then gpuguard release --gpu {first}") in all_busy.stderr
     finally:
         stop_burn(burn)
 

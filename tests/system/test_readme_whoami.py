@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from devtools.harness import wait_for
+
 README = Path(__file__).resolve().parents[2] / "docs" / "users.md"  # where the example lives
 
 
@@ -32,6 +34,7 @@ def test_the_readme_whoami_example_has_the_shape_of_a_real_run(start_daemon):
     d = start_daemon(defaults={"gpus": 1, "gpu_memory": "20GiB", "max_time": "8h"})
     alice = d.add_member()
     d.call("session_open", user=alice.name, service="sshd", rhost="10.0.0.7", tty="/dev/pts/3", pid=d.caller().pid)
+    wait_for(lambda: d.grants(alice)[0]["memory_used"] is not None)  # the first sample of the GPU: its MEMORY
 
     real = d.cli_as(alice, "whoami")
 

@@ -117,7 +117,8 @@ def test_report_and_events_root_sees_everyone_a_user_only_themself(start_daemon)
     assert (unknown_rule.returncode, unknown_rule.stderr.count("\n")) == (2, 1)
     assert unknown_rule.stderr.startswith("gpuguard: --rule: no rule 'memroy' (rules: memory, time,")
     nobody = d.cli("status", "-u", "ggt-nosuchuser")
-    assert (nobody.returncode, nobody.stderr) == (2, "gpuguard: -u: no such user: ggt-nosuchuser\n")
+    assert (nobody.returncode, nobody.stderr) == (
+        2, "gpuguard: -u ggt-nosuchuser: no user named ggt-nosuchuser on this host; check the spelling\n")
     assert d.cli("events", "--user", "ggt-nosuchuser").returncode == 2
     # report --csv: a column for every rule, whether or not anything was stopped
     header = d.cli("report", "--since", "1d", "--csv").stdout.splitlines()[0]

@@ -49,7 +49,7 @@ def test_bad_durations(text):
 
 @pytest.mark.parametrize("value, guess", [
     ("8", "did you mean 8h?"), (3600, "did you mean 3600s (1h)?"), ("45", "did you mean 45h?"),
-    (5400.0, "did you mean 5400s (1h30m)?"),
+    (5400.0, "did you mean 5400s (1h30m)?"), ("0", "did you mean none (no limit) or 0s?"),
 ])
 def test_a_duration_without_a_unit_is_refused_with_a_guess(value, guess):
     with pytest.raises(UnitError, match="has no unit") as refused:
