@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
 def gather(config: Config, pam_service: str, root: Path) -> doctor.Facts:
     status, daemon_error = _daemon(config)
+    fleet, fleet_error = ((None, None) if config.fleet is None else
+                          _daemon(config, "fleet_status") if status else (None, "the daemon does not answer"))
     gate_name = (status or {}).get("gate") or "gpuguard"
     driver = sorted(driver_minors(config))
     try:
@@ -87,16 +89,16 @@ def gather(config: Config, pam_service: str, root: Path) -> doctor.Facts:
         slurm=next((what for what in ("slurmd", "slurmctld") if shutil.which(what)), None)
         or ("/etc/slurm" if (root / "etc/slurm").is_dir() else None),
         slurm_setting=_setting(config.coexist.slurm), owners=ownership.summary(), owners_error=owners_error,
-        foreign=frozenset(ownership.foreign))
+        foreign=frozenset(ownership.foreign), fleet=fleet, fleet_error=fleet_error)
 
 
 def _setting(slurm: str | tuple[int, ...] | None) -> str | None:
     return ",".join(map(str, slurm)) if isinstance(slurm, tuple) else slurm
 
 
-def _daemon(config: Config) -> tuple[dict[str, Any] | None, str | None]:
+def _daemon(config: Config, op: str = "status") -> tuple[dict[str, Any] | None, str | None]:
     try:
-        return client.call(str(config.paths.socket), "status", timeout=5), None
+        return client.call(str(config.paths.socket), op, timeout=5), None
     except (client.DaemonUnreachable, client.Refused) as exc:
         return None, str(exc)
 

@@ -77,7 +77,8 @@ def show_fleet(args: argparse.Namespace) -> int:
 
 def staleness(reply: dict[str, Any]) -> str:
     if reply["stale_since"] is not None:
-        return f"database unreachable, stale since {clock(reply['stale_since'])}"
+        why = reply.get("offline_reason") or "unreachable"  # a daemon of a release before sends none
+        return f"database not used ({why}), stale since {clock(reply['stale_since'])}"
     if reply["view_stale"]:
         return "the fleet view could not be refreshed; showing the last one"
     return "up to date"

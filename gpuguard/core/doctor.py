@@ -67,6 +67,8 @@ class Facts:
     owners: str = ""                                 # who owns which GPU (coexist.Ownership.summary())
     owners_error: str | None = None                  # why that cannot be decided (the daemon refuses to start)
     foreign: frozenset[int] = frozenset()            # GPUs Slurm or Kubernetes own: their nodes are theirs
+    fleet: Mapping[str, Any] | None = None           # the daemon's fleet_status reply; None: no [fleet], or unasked
+    fleet_error: str | None = None                   # why it could not be asked
 
 
 def check_cgroup(f: Facts) -> Finding:
@@ -229,9 +231,27 @@ def check_coexist(f: Facts) -> Finding:
                                   "no Kubernetes GPUs)")
 
 
+def check_fleet(f: Facts) -> Finding:
+    """A fleet's node: online, or why not. A fenced database (fleet.fencing) is a FAIL: the node
+    will not write there until an admin acts; one merely unreachable is a warning (logins go on
+    under the offline policy, and the node comes back by itself)."""
+    if f.fleet is None:
+        if f.fleet_error is not None:
+            return Finding("fleet", WARN, f"not asked: {f.fleet_error}", "journalctl -u gpuguard")
+        return Finding("fleet", OK, "a single server (no [fleet])")
+    if f.fleet.get("online"):
+        return Finding("fleet", OK, f"node {f.fleet.get('node')} is online")
+    why = str(f.fleet.get("offline_reason") or "the database has not answered yet")
+    if why.startswith("fenced"):
+        return Finding("fleet", FAIL, f"node {f.fleet.get('node')} offline: {why}",
+                       "docs/several-servers.md: Failover and fencing")
+    return Finding("fleet", WARN, f"node {f.fleet.get('node')} offline: {why}",
+                   "check [fleet] database and that the database answers (psql with the same string)")
+
+
 CHECKS: Sequence[Callable[[Facts], Finding]] = (
     check_cgroup, check_bpf, check_gate, check_nvml, check_minors, check_nodes, check_modprobe,
-    check_pam, check_udev, check_persistenced, check_daemon, check_coexist)
+    check_pam, check_udev, check_persistenced, check_daemon, check_coexist, check_fleet)
 
 
 def run(facts: Facts) -> list[Finding]:

@@ -24,11 +24,13 @@ from gpuguard import protocol
 if TYPE_CHECKING:
     from gpuguard.config import Config
     from gpuguard.core.model import Gpu
+    from gpuguard.fleet.fencing import LineageMemory
     from gpuguard.fleet.wiring import FleetServices
     from gpuguard.services.edges import FleetDatabase, Lookup
     from gpuguard.services.store import Store
 
 OPERATIONS = frozenset({"fleet_status", "where"})  # the socket operations of gpuguard.fleet.ops
+LINEAGE_FILE = "fleet-lineage.json"  # in the state directory: the database this node writes to (fencing.py)
 
 
 def database(config: Config) -> FleetDatabase | None:
@@ -37,7 +39,14 @@ def database(config: Config) -> FleetDatabase | None:
     if config.fleet is None:
         return None
     from gpuguard.fleet.fleetdb import FleetDb
-    return FleetDb(config.fleet.database, config.fleet.node)
+    return FleetDb(config.fleet.database, config.fleet.node, lineage_memory(config))
+
+
+def lineage_memory(config: Config) -> LineageMemory:
+    """The node's memory of the database it writes to (fencing.py), kept in its state directory."""
+    from gpuguard.fleet.fencing import LineageMemory
+    assert config.fleet is not None  # only a fleet's node has one
+    return LineageMemory(config.paths.state_dir / LINEAGE_FILE, config.fleet.database)
 
 
 def build(db: FleetDatabase, config: Callable[[], Config], store: Store, units: Callable[[], Mapping[int, Gpu]],

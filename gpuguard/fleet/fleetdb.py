@@ -12,6 +12,9 @@ a heartbeat, which carries the node's whole truth, brings it back online. The he
 the default: once it commits, the node deletes the ledger rows it carried.
 Waits are bounded on both sides: libpq's connect_timeout and tcp_user_timeout on the
 client, statement_timeout and lock_timeout on the server.
+Each new connection is fenced before anything is written (fencing.py): a standby, another
+database or an old leader is refused. A schema dropped under a running node is made again by
+its next connection.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from gpuguard.fleet.fencing import Fenced, Lineage, LineageMemory, refusal, timeline_of
 from gpuguard.fleet.schema import CURRENT, LOCK_KEY, MIGRATIONS, NAMESPACE, FleetError
 
 STATEMENT_TIMEOUT_MS = 5000  # the heartbeat of a node with thousands of ledger rows to replay included
@@ -41,6 +45,43 @@ def connection_options(node: str) -> dict[str, Any]:
 
 def connect(conninfo: str, node: str) -> psycopg.Connection:
     return psycopg.connect(conninfo, autocommit=True, **connection_options(node))
+
+
+# The database a connection reached: a standby (True), its system identifier and, on a leader,
+# its WAL file, whose name starts with the current timeline.
+LINEAGE = ("SELECT pg_is_in_recovery(), (SELECT system_identifier FROM pg_control_system())::text,"
+           " CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_walfile_name(pg_current_wal_lsn()) END")
+# What a schema dropped under a running node raises: its next connection migrates again.
+SCHEMA_GONE = (psycopg.errors.InvalidSchemaName, psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedTable)
+
+
+def lineage_of(conn: psycopg.Connection) -> Lineage:
+    """Which database, and which leader of it, `conn` reached; Fenced for a standby."""
+    row = conn.execute(LINEAGE).fetchone()
+    assert row is not None
+    standby, system, wal_file = row
+    if standby:
+        raise Fenced("fenced: the fleet database reached is a standby (read-only): nothing written there; "
+                     "list the leader first, or add target_session_attrs=read-write to [fleet] database")
+    return Lineage(system, timeline_of(wal_file))
+
+
+def check_fence(conn: psycopg.Connection, memory: LineageMemory) -> None:
+    """Fenced unless this node may write to the database `conn` reached (a reader's check: it
+    remembers nothing)."""
+    if why := refusal(memory.remembered(), lineage_of(conn)):
+        raise Fenced(why)
+
+
+def fence(conn: psycopg.Connection, memory: LineageMemory) -> Lineage:
+    """The lineage of the database `conn` reached, once this node may write there (Fenced
+    otherwise); a later leader (or the first database) is remembered from now on."""
+    seen, remembered = lineage_of(conn), memory.remembered()
+    if why := refusal(remembered, seen):
+        raise Fenced(why)
+    if seen != remembered:
+        memory.remember(seen)
+    return seen
 
 
 def migrate(conn: psycopg.Connection, node: str) -> int:
@@ -70,19 +111,34 @@ class FleetDb:
     and migrated on first use, dropped after any error and opened again by the next call, so a
     promoted standby (a multi-host connection string) is found without a restart."""
 
-    def __init__(self, conninfo: str, node: str):
+    def __init__(self, conninfo: str, node: str, memory: LineageMemory | None = None):
+        """memory: the database this node has written to (fencing); None: not fenced (a tool's)."""
         self.conninfo = conninfo
         self.node = node
+        self.memory = memory
+        self.lineage: Lineage | None = None  # of the database the current connection reached
         self._conn: psycopg.Connection | None = None
         self._migrated = False
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = connect(self.conninfo, self.node)
-            if not self._migrated:
-                migrate(self._conn, self.node)
-                self._migrated = True
+            conn = connect(self.conninfo, self.node)
+            try:
+                self.lineage = fence(conn, self.memory) if self.memory is not None else None
+                if not self._migrated:
+                    migrate(conn, self.node)
+                    self._migrated = True
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
         return self._conn
+
+    def _failed(self, exc: psycopg.Error) -> None:
+        """After any error the connection is dropped; a schema gone is made again by the next."""
+        if isinstance(exc, SCHEMA_GONE):
+            self._migrated = False
+        self.close()
 
     def call(self, function: str, doc: dict[str, Any], flushed: bool = True) -> dict[str, Any]:
         """SELECT gpuguard.<function>(doc): one round trip; raises psycopg.Error (the connection is
@@ -90,8 +146,8 @@ class FleetDb:
         query = f"SELECT {NAMESPACE}.{function}(%s)" if flushed else f"SELECT {UNFLUSHED}, {NAMESPACE}.{function}(%s)"
         try:
             row = self._connection().execute(query, (Jsonb(doc),)).fetchone()
-        except psycopg.Error:
-            self.close()
+        except psycopg.Error as exc:
+            self._failed(exc)
             raise
         assert row is not None
         answer: dict[str, Any] = row[-1]  # the function returns jsonb, which psycopg loads as a dict
@@ -110,8 +166,8 @@ class FleetDb:
                 f"WITH gone AS (DELETE FROM {NAMESPACE}.grants WHERE node = %s AND (minor, username) IN"
                 f" (SELECT * FROM unnest(%s::integer[], %s::text[])) RETURNING 1) SELECT {UNFLUSHED}",
                 (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
-        except psycopg.Error:
-            self.close()
+        except psycopg.Error as exc:
+            self._failed(exc)
             raise
 
     def close(self) -> None:

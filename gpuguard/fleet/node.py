@@ -50,6 +50,7 @@ class FleetNode:
         self.online = False  # until the first heartbeat: checks are local meanwhile
         self.stale_since: float | None = time.time()  # the fleet's view as this node has it is old since then
         self.last_beat: float | None = None
+        self.offline_reason: str | None = None  # why the last call failed, while offline (a fenced database too)
         self.usage: dict[str, float] = {}   # recent usage elsewhere (fair share) of the users waiting here
         self.held: dict[str, int] = {}      # grants elsewhere of the users here, as last seen
         self.free: list[dict[str, Any]] = []  # where GPUs are free elsewhere, when this node is full
@@ -134,14 +135,19 @@ class FleetNode:
         except (psycopg.Error, FleetError) as exc:
             self._offline(_first_line(exc))
             return False
+        timeline = self.db.lineage.timeline if self.db.lineage is not None else None
         if doc["ledger"]:
-            self.outbox.confirm(doc["ledger"][-1]["seq"])
+            self.outbox.confirm(doc["ledger"][-1]["seq"], timeline, time.time())
+        if timeline is not None and (again := self.outbox.follow(timeline)):
+            # a later leader: what the one before confirmed may not have reached it (outbox.py)
+            event(logging.WARNING, "fleet_ledger_resent", node=self.config.node, rows=again, timeline=timeline)
+            self._kick.set()
         self.usage, self.held, self.free = result["usage"], result["held"], result["free"]
         self.last_beat = time.time()
         if not self.online:
             event(logging.INFO, "fleet_online", node=self.config.node,
                   offline_for=round(time.time() - self.stale_since, 1) if self.stale_since else None)
-        self.online, self.stale_since = True, None
+        self.online, self.stale_since, self.offline_reason = True, None, None
         return True
 
     async def run(self) -> None:
@@ -177,6 +183,7 @@ class FleetNode:
             event(logging.WARNING, "fleet_release_failed", error=_first_line(exc), action="sent with the next heartbeat")
 
     def _offline(self, why: str) -> None:
+        self.offline_reason = why
         if self.online or self.stale_since is None:
             event(logging.WARNING, "fleet_offline", node=self.config.node, error=why,
                   policy=str(self.config.offline_policy))

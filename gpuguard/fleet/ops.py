@@ -20,8 +20,8 @@ from gpuguard import protocol
 from gpuguard.config import Config
 from gpuguard.core import policy
 from gpuguard.core.errors import UnknownUser
-from gpuguard.fleet import ranking
-from gpuguard.fleet.fleetdb import connection_options, view
+from gpuguard.fleet import lineage_memory, ranking
+from gpuguard.fleet.fleetdb import check_fence, connection_options, view
 from gpuguard.fleet.node import FleetNode
 from gpuguard.services.edges import Lookup
 
@@ -48,9 +48,13 @@ class FleetOps:
         settings = node.config
         # No connection kept while nobody looks (a fleet of thousands of nodes holds one each, the
         # worker's, not three); one opened for a look stays IDLE_FOR seconds for the next.
+        # The view is read only from a database the node may write to (fencing.py): a stale old
+        # leader's view would look live.
+        memory = lineage_memory(config())
         self.pool = psycopg_pool.ConnectionPool(settings.database, min_size=0, max_size=POOL_SIZE, open=False,
                                                 timeout=READ_TIMEOUT, max_idle=IDLE_FOR,
-                                                kwargs={"autocommit": True, **connection_options(settings.node)})
+                                                kwargs={"autocommit": True, **connection_options(settings.node)},
+                                                configure=lambda conn: check_fence(conn, memory))
         self.pool.open(wait=False)
         self._rows: list[dict[str, Any]] = []
         self._read_at: float | None = None   # when the cached rows were read
@@ -75,6 +79,7 @@ class FleetOps:
     def _freshness(self) -> dict[str, Any]:
         node = self.node
         return {"node": node.config.node, "online": node.online, "stale_since": node.stale_since,
+                "offline_reason": None if node.online else node.offline_reason,
                 "view_stale": self._failed_at is not None, "now": time.time()}
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:

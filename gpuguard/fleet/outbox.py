@@ -1,9 +1,13 @@
-"""The node's outbox: the ended grants (the usage ledger) the fleet database has not confirmed yet.
+"""The node's outbox: the ended grants (the usage ledger), kept until the fleet database has them.
 
 A SQLite file of its own next to the state database (fleet.db), so a node keeps its ledger
-across a database outage and a restart. Rows go out with the next heartbeat and are deleted
-once it succeeded; the database keys them by (node, incarnation, seq) and ignores a row it has,
-so a heartbeat lost after it committed replays nothing twice. `seq` is AUTOINCREMENT (never
+across a database outage and a restart. Rows go out with the next heartbeat and are marked
+confirmed, with the leader's timeline, once it succeeded; the database keys them by (node,
+incarnation, seq) and ignores a row it has, so a heartbeat lost after it committed replays
+nothing twice. A confirmed row is kept for KEEP_CONFIRMED: a commit the leader had not yet
+replicated is lost when a standby is promoted, so once a heartbeat reaches a higher timeline
+(follow), the rows confirmed on a lower one are sent again, and the new leader takes those it
+lacks (a failover, or a switchover done in the wrong order, loses no ledger row). `seq` is AUTOINCREMENT (never
 reused, even after deletes) and `incarnation` is drawn when the file is made, so a state
 directory made again does not collide with the rows of the one before.
 """
@@ -18,6 +22,7 @@ from typing import Any
 from gpuguard.core.model import Grant
 
 BATCH = 1000  # ledger rows per heartbeat: a long outage is replayed over several
+KEEP_CONFIRMED = 86400.0  # seconds a confirmed row is kept, to be sent again to a later leader (follow)
 
 
 class Outbox:
@@ -30,6 +35,10 @@ class Outbox:
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS ledger (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
                          " username TEXT NOT NULL, minor INTEGER NOT NULL, started REAL NOT NULL, ended REAL NOT NULL)")
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(ledger)")}
+        if "confirmed_at" not in columns:  # an outbox of a release before: every row still pending
+            self._db.execute("ALTER TABLE ledger ADD COLUMN confirmed_at REAL")
+            self._db.execute("ALTER TABLE ledger ADD COLUMN confirmed_on INTEGER")
         self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('incarnation', ?)", (secrets.token_hex(8),))
         self.incarnation: str = self._db.execute("SELECT value FROM meta WHERE key = 'incarnation'").fetchone()[0]
 
@@ -41,15 +50,37 @@ class Outbox:
                                  [(g.user, g.unit, g.granted_at, now) for g in ended])
 
     def pending(self, limit: int = BATCH) -> list[dict[str, Any]]:
-        rows = self._db.execute("SELECT seq, username, minor, started, ended FROM ledger ORDER BY seq LIMIT ?", (limit,))
+        rows = self._db.execute("SELECT seq, username, minor, started, ended FROM ledger WHERE confirmed_at IS NULL"
+                                " ORDER BY seq LIMIT ?", (limit,))
         return [dict(row) for row in rows]
 
-    def confirm(self, upto: int) -> None:
-        """The database has every row up to seq `upto`."""
-        self._db.execute("DELETE FROM ledger WHERE seq <= ?", (upto,))
+    def confirm(self, upto: int, timeline: int | None, now: float) -> None:
+        """The database, a leader on `timeline` (None: unknown), has every row up to seq `upto`;
+        rows confirmed more than KEEP_CONFIRMED ago go."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("UPDATE ledger SET confirmed_at = ?, confirmed_on = ? WHERE seq <= ? AND confirmed_at IS NULL",
+                             (now, timeline, upto))
+            self._db.execute("DELETE FROM ledger WHERE confirmed_at < ?", (now - KEEP_CONFIRMED,))
+
+    def follow(self, timeline: int) -> int:
+        """A heartbeat reached a leader on `timeline`: when that is higher than before, the rows
+        confirmed on a lower one are pending again (the new leader may lack them); how many."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'timeline'").fetchone()
+            if row is not None and int(row[0]) >= timeline:
+                return 0
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('timeline', ?)", (str(timeline),))
+            if row is None:
+                return 0  # the first leader this outbox has seen: what it confirmed is there
+            again: int = self._db.execute("UPDATE ledger SET confirmed_at = NULL, confirmed_on = NULL"
+                                          " WHERE confirmed_on < ?", (timeline,)).rowcount
+            return again
 
     def count(self) -> int:
-        count: int = self._db.execute("SELECT count(*) FROM ledger").fetchone()[0]
+        """Rows the database has not confirmed yet."""
+        count: int = self._db.execute("SELECT count(*) FROM ledger WHERE confirmed_at IS NULL").fetchone()[0]
         return count
 
     def close(self) -> None:

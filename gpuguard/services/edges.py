@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from gpuguard.config import AccessConfig
     from gpuguard.core.model import Account, Device, ProcessIdentity, SignalResult
     from gpuguard.core.sample import Opener, Sample
+    from gpuguard.fleet.fencing import Lineage
 
 Clock = Callable[[], float]  # wall-clock seconds: time.time, or a replay's virtual clock
 Cancel = Callable[[], None]
@@ -116,7 +117,10 @@ class Processes(Protocol):
 
 class FleetDatabase(Protocol):
     """The fleet's PostgreSQL as a node calls it (gpuguard.fleet.fleetdb.FleetDb), from one
-    thread at a time; each call one round trip, raising psycopg.Error when it fails."""
+    thread at a time; each call one round trip, raising psycopg.Error when it fails (or
+    fencing.Fenced, for a database this node must not write to)."""
+
+    lineage: Lineage | None  # the database the last connection reached (None: not known, or not fenced)
 
     def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]: ...
 

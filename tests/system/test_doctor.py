@@ -48,7 +48,7 @@ def test_all_green_with_a_running_daemon(gg_daemon, files_root) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     found = lines(result)
     assert set(found) == {"cgroup", "bpf", "gate", "nvml", "minors", "nodes", "modprobe", "pam", "udev",
-                          "persistenced", "daemon", "coexist"}, result.stdout
+                          "persistenced", "daemon", "coexist", "fleet"}, result.stdout
     assert all(line.startswith("ok ") for line in found.values()), result.stdout
     assert f"gate {d.gate_name}: attached" in found["gate"] and "1 grants" in found["gate"]
     assert "4 GPUs (NVIDIA H100 80GB HBM3), simulated" in found["nvml"]

@@ -284,3 +284,90 @@ def test_a_database_link_that_swallows_packets_costs_a_login_the_timeout_at_most
     fleet.wait_online("gpu3")
     assert wait_for(lambda: fleet.held_in_database() == [])
     assert wait_for(lambda: fleet.ledger() == [("gpu3", alice.name), ("gpu3", alice.name)])
+
+
+def _failover_fleet(fleet: DaemonFleet, **start) -> tuple[object, str]:
+    """The fleet's nodes on a primary and its streaming standby (the primary listed first, as an
+    admin would write it): (the standby, the connection string)."""
+    standby = fleet.postgres.standby()
+    both = (f"host={fleet.postgres.root},{standby.root} port={fleet.postgres.port},{standby.port} user=postgres"
+            " dbname=postgres target_session_attrs=read-write")
+    fleet.start(quotas={}, database=both, **start)
+    return standby, both
+
+
+def test_a_restarted_node_never_writes_to_the_old_leader_started_again(fleet):
+    alice = member(fleet)
+    standby, both = _failover_fleet(fleet)
+    fleet.postgres.kill()
+    standby.promote()
+    fleet.wait_online()  # every node has written on the promoted standby's timeline now
+    fleet.postgres.start()  # the old primary comes back read-write, first in the string, as a rebooted host does
+    old = fleet.postgres.conninfo
+    before = rows_of(old, "SELECT name, last_seen FROM gpuguard.nodes ORDER BY name")
+    gpu2 = fleet.nodes["gpu2"]
+    gpu2.restart()
+    reason = wait_for(lambda: (s := gpu2.call("fleet_status")) and not s["online"] and s["offline_reason"], 30)
+    assert reason and "old leader" in reason and "timeline 1" in reason, gpu2.call("fleet_status")
+    assert fleet.login("gpu2", alice)["gpus"], "a login must still get its GPU (offline policy: local)"
+    shown = gpu2.cli("status", "--fleet")
+    assert "fenced: the fleet database is an old leader" in shown.stdout, shown
+    doctor = gpu2.cli("doctor")
+    assert any(line.startswith("FAIL") and "fleet" in line and "old leader" in line
+               for line in doctor.stdout.splitlines()), doctor.stdout
+    time.sleep(3)  # a few heartbeats of gpu2 (1 s apart): none of them may reach the old primary
+    assert rows_of(old, "SELECT name, last_seen FROM gpuguard.nodes ORDER BY name") == before
+    assert rows_of(old, "SELECT count(*) FROM gpuguard.grants WHERE node = 'gpu2'") == [(0,)]
+
+
+def test_a_switchover_done_in_the_wrong_order_loses_no_ledger_row(fleet):
+    alice = member(fleet)
+    standby, both = _failover_fleet(fleet)
+    released = 0
+
+    def use_and_give_back(rounds: int) -> None:
+        nonlocal released
+        for _ in range(rounds):
+            for name in fleet.nodes:
+                assert fleet.nodes[name].call_as(alice, "request", gpus=1)["granted"]
+                assert fleet.nodes[name].call_as(alice, "release")["released"]
+                released += 1
+
+    use_and_give_back(2)
+    # Wrong order: the standby is promoted while the primary still runs and the nodes still write
+    # to it; what they send it from now on never reaches the new leader.
+    assert wait_for(lambda: len(rows_of(both, "SELECT 1 FROM gpuguard.ledger")) == released, 30)
+    standby.promote()
+    use_and_give_back(2)
+    assert wait_for(lambda: len(rows_of(fleet.postgres.conninfo, "SELECT 1 FROM gpuguard.ledger")) == released, 30)
+    fleet.postgres.stop()  # only now the old primary goes: the nodes move to the new leader
+    new = standby.conninfo
+    assert wait_for(lambda: len(rows_of(new, "SELECT 1 FROM gpuguard.ledger")) == released, 30), (
+        released, rows_of(new, "SELECT node, username FROM gpuguard.ledger"))
+    assert rows_of(new, "SELECT count(*) FROM (SELECT DISTINCT node, incarnation, seq FROM gpuguard.ledger) d") == [
+        (released,)]  # nothing doubled either
+
+
+def rows_of(conninfo: str, query: str) -> list[tuple]:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return conn.execute(query).fetchall()
+
+
+def test_nodes_make_the_schema_again_when_it_is_dropped_under_them(fleet):
+    alice = member(fleet)
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 1}}})
+    with psycopg.connect(fleet.postgres.conninfo, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA gpuguard CASCADE")  # an admin's mistake, or a restore of an older dump
+    names = sorted(fleet.nodes)
+
+    def back() -> bool:
+        try:
+            return [name for (name,) in rows_of(fleet.postgres.conninfo, "SELECT name FROM gpuguard.nodes"
+                                                                         " ORDER BY name")] == names
+        except psycopg.Error:
+            return False  # not made again yet
+
+    assert wait_for(back, 30), "the nodes did not make the schema again"
+    fleet.wait_online()
+    assert len(fleet.login("gpu1", alice)["gpus"]) == 1
+    assert fleet.login("gpu2", alice)["gpus"] == []  # the fleet quota is kept again

@@ -158,7 +158,8 @@ def test_a_session_without_a_terminal_takes_gpus_only_when_its_user_asked(shells
     for argv in (["scp", *common, f"{bob.name}@127.0.0.1:ggt-file", str(bob.home / "ggt-copy")],
                  ["scp", "-O", *common, f"{bob.name}@127.0.0.1:ggt-file", str(bob.home / "ggt-copy-legacy")],
                  ["sftp", *common, "-b", "-", f"{bob.name}@127.0.0.1"]):
-        copied = subprocess.run(argv, input="get ggt-file ggt-sftp\n", capture_output=True, text=True, timeout=60)
+        copied = subprocess.run(argv, input=f"get ggt-file {bob.home / 'ggt-sftp'}\n", capture_output=True, text=True,
+                                timeout=60)
         assert copied.returncode == 0, (argv[0], copied)
     assert sshd.ssh(bob.name, SHOW).returncode == 0
     assert d.granted_minors(bob) == [] and [e for e in d.whoami(bob)["events"] if e["kind"] == "grant"] == []

@@ -31,6 +31,7 @@ from gpuguard.core.model import (
 from gpuguard.core.sample import Opener, Sample
 from gpuguard.daemon import wiring as front
 from gpuguard.daemon.server import Peer
+from gpuguard.fleet.fencing import Lineage
 from gpuguard.services import wiring
 
 GROUP = "gpugroup"
@@ -255,6 +256,7 @@ class FakeFleetDb:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.allow: dict[str, int] = {}
+        self.lineage: Lineage | None = None  # not fenced
 
     def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("heartbeat", doc))

@@ -101,3 +101,16 @@ def test_slurms_gpus_are_judged_by_their_owner_not_by_gpuguards_rules() -> None:
     assert findings["coexist"].detail == "Slurm: GPUs 0 (/etc/slurm/gres.conf, node gpu1); gpuguard manages the other GPUs"
     assert verdicts(replace(beside, foreign=frozenset()))["nodes"] == FAIL  # the same node on a GPU of gpuguard's
     assert verdicts(replace(healthy(), slurm="slurmd", slurm_setting="off"))["coexist"] == OK
+
+
+def test_a_fenced_fleet_database_fails_and_one_merely_unreachable_warns():
+    base = replace(healthy(), fleet={"node": "gpu1", "online": True})
+    assert doctor.check_fleet(base).status == OK
+    fenced = replace(base, fleet={"node": "gpu1", "online": False,
+                                  "offline_reason": "fenced: the fleet database is an old leader (timeline 1; ...)"})
+    finding = doctor.check_fleet(fenced)
+    assert finding.status == FAIL and "old leader" in finding.detail and finding.fix
+    unreachable = replace(base, fleet={"node": "gpu1", "online": False, "offline_reason": "connection refused"})
+    assert doctor.check_fleet(unreachable).status == WARN
+    assert doctor.check_fleet(replace(base, fleet=None, fleet_error="the daemon does not answer")).status == WARN
+    assert doctor.check_fleet(replace(base, fleet=None)).detail == "a single server (no [fleet])"
