@@ -39,11 +39,12 @@ def cpu_of(argv: list[str], user: str | None = None) -> float:
 def cli_rows(bench: Bench) -> None:
     config = bench.write_config("cli")
     empty = [sys.executable, "-I", "-S", "-c", "pass"]
-    member = bench.members[0]
     with bench.daemon(config):
         for command in COMMANDS:
             ours, baseline = [], []
-            for _ in range(RUNS):  # in turn, so that a drift in the machine's load hits both
+            for run in range(RUNS):  # in turn, so that a drift in the machine's load hits both
+                # each run another member's: the daemon limits each user's reports and events a second
+                member = bench.members[run % len(bench.members)]
                 ours.append(cpu_of([str(CLI), "--config", str(config), *command], member))
                 baseline.append(cpu_of(empty, member))
             row(f"`gpuguard {' '.join(command)}` start to exit, CPU", statistics.median(ours),

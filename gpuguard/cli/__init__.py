@@ -241,6 +241,14 @@ QUICK: dict[str, tuple[str, dict[str, str], dict[str, str], dict[str, object]]] 
                {"--user": "user", "-u": "user"},
                {"json": False, "csv": False, "no_header": False, "fleet": False, "old_fleet": False, "user": None,
                 "watch": None}),
+    "fairshare": ("show_fairshare", {"--json": "json"}, {}, {"json": False}),
+    "events": ("show_events", {"--json": "json"}, {"--since": "since", "--until": "until", "--user": "user",
+                                                 "--rule": "rule"},
+               {"json": False, "since": None, "until": None, "user": None, "rule": None, "limit": 200}),
+    "report": ("show_report", {"--json": "json", "--csv": "csv"}, {"--since": "since", "--until": "until",
+                                                                 "--user": "user"},
+               {"json": False, "csv": False, "since": None, "until": None, "user": None, "by": "user"}),
+    "gpus": ("show_gpus", {"--json": "json", "--csv": "csv"}, {}, {"json": False, "csv": False}),
 }
 
 

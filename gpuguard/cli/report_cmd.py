@@ -6,7 +6,6 @@ Times are read as the machine's local time: `2026-11-01`, `2026-11-01T09:00`, `2
 """
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import time
@@ -18,8 +17,9 @@ from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.core.quantities import UnitError, parse_duration
 from gpuguard.core.unit_numbers import unit_label
 
-TYPE_CHECKING = False  # not typing's, nor the rules' or the model's: events and report start light
+TYPE_CHECKING = False  # not typing's, nor the model's: events and report start light
 if TYPE_CHECKING:
+    import argparse
     from typing import Any
 
 HOUR = 3600.0
@@ -53,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def event_limit(text: str) -> int:
     """argparse type of events --limit: 1 to the most one reply holds."""
+    import argparse  # the full parser's: a plain `events` skips it (cli.QUICK)
+
     from gpuguard.protocol import MAX_EVENTS  # loaded already: the client's
     try:
         count = int(text)
@@ -114,10 +116,7 @@ def show_report(args: argparse.Namespace) -> int:
     if args.json:
         print_json(reply)
         return EXIT_OK
-    from gpuguard.core.rules import WATCHER_RULES  # only here: the rules bring the model and the config
-    # Every watcher rule's column always, whatever the data (scripts read columns by position too)
-    found = {rule for row in [*reply["rows"], reply["total"]] for rule in row["kills"]}
-    rules = [*WATCHER_RULES, *sorted(found - set(WATCHER_RULES))]
+    rules = reply["rules"]  # the kills_RULE columns (reporting.report)
     if args.csv:
         import csv
         writer = csv.writer(sys.stdout, lineterminator="\n")

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.model import Gpu, Grant, Quota, Rule, unit_label
+from gpuguard.core.rules import WATCHER_RULES
 
 if TYPE_CHECKING:  # the type only: sampling reads /proc, and this module stays pure
     from gpuguard.core.sample import Sample
@@ -21,13 +22,16 @@ EVENT_RULES = tuple(rule.value for rule in Rule)
 
 
 def report(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Rows with their busy share and kill total, and the total over all rows."""
+    """Rows with their busy share and kill total, the total over all rows, and the rules that are a
+    report's kills_RULE columns: every watcher rule's whatever the data (scripts read columns by
+    position too), then any other found."""
     rows = [_with_shares(row) for row in rows]
     kills: Counter[str] = Counter()
     for row in rows:
         kills.update(row["kills"])
     total = {key: sum(row[key] for row in rows) for key in ("granted_seconds", "busy_seconds", "idle_seconds")}
-    return {"rows": rows, "total": _with_shares({"key": "total", **total, "kills": dict(kills)})}
+    return {"rows": rows, "total": _with_shares({"key": "total", **total, "kills": dict(kills)}),
+            "rules": [*WATCHER_RULES, *sorted(set(kills) - set(WATCHER_RULES))]}
 
 
 def _with_shares(row: Mapping[str, Any]) -> dict[str, Any]:

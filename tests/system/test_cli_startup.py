@@ -76,7 +76,10 @@ def test_split_command(argv, expected) -> None:
 QUICK_ARGV = [["whoami"], ["whoami", "--json"], ["whoami", "--user", "bob"], ["whoami", "--user=bob", "--json"],
               ["--config", "/x.toml", "status", "-u", "bob", "--csv"], ["status", "--json", "--user", "a"], ["env"],
               ["--config=/y.toml", "env"], ["env", "--json"], ["whoami", "--user", "a", "--user", "b"], ["status", "--fleet"],
-              ["status", "--cluster"], ["status", "--csv", "--no-header"], ["status", "--cluster", "--json"]]
+              ["status", "--cluster"], ["status", "--csv", "--no-header"], ["status", "--cluster", "--json"],
+              ["fairshare"], ["fairshare", "--json"], ["events"], ["events", "--since", "today", "--json"],
+              ["events", "--user", "bob", "--rule=memory", "--until", "7d"], ["report"],
+              ["report", "--csv", "--since", "2026-11"], ["report", "--user=bob", "--json"], ["gpus"], ["gpus", "--csv"]]
 
 
 @pytest.mark.parametrize("argv", QUICK_ARGV)
@@ -91,6 +94,7 @@ def test_the_quick_path_reads_argv_as_the_full_parser_does(argv) -> None:
 @pytest.mark.parametrize("argv", [["whoami", "--help"], ["whoami", "--jsn"], ["status", "--json", "--csv"],
                                   ["whoami", "--user"], ["whoami", "--user", "--json"], ["status", "-ubob"],
                                   ["whoami", "--json", "--json"], ["request"], ["env", "x"], ["status", "--watch"],
-                                  ["status", "--watch", "5"]])
+                                  ["status", "--watch", "5"], ["events", "--limit", "5"], ["report", "--by", "gpu"],
+                                  ["gpus", "--json", "--csv"], ["report", "--csv", "--json"]])
 def test_anything_else_goes_to_the_full_parser(argv) -> None:
     assert quick_arguments(*split_command(argv)) is None

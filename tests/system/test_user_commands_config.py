@@ -48,8 +48,8 @@ def test_an_unreadable_config_means_the_default_socket_and_says_so(start_daemon)
     assert result.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv", [["whoami"], ["status"]])
-def test_whoami_and_status_load_neither_the_config_nor_the_model(start_daemon, argv):
+@pytest.mark.parametrize("argv", [["whoami"], ["status"], ["env"], ["fairshare"], ["events"], ["report"]])
+def test_the_users_commands_load_neither_the_config_nor_the_model(start_daemon, argv):
     d = start_daemon()
     result = subprocess.run([PYTHON, "-c", LOADED, "--config", str(d.config_path), *argv], capture_output=True,
                             text=True, timeout=60)
