@@ -83,6 +83,9 @@ test-unit: venv
 # ruff (pyflakes, pycodestyle, import order, pyupgrade, bugbear) and mypy, as configured in pyproject.toml
 # (gpuguard/ under every flag of --strict, the tests under the project's settings).
 lint: venv
+	@# pytest imports test modules by basename (tests/ has no packages): two of one name stop collection.
+	@dups=$$(ls tests/unit tests/system | grep '^test_.*\.py$$' | sort | uniq -d); \
+	  [ -z "$$dups" ] || { echo "test modules share a basename: $$dups" >&2; exit 1; }
 	$(VENV)/bin/ruff check gpuguard devtools bench tests packaging
 	$(VENV)/bin/mypy
 
