@@ -25,6 +25,8 @@ TEST_PACKAGES += fish  # the fish completion script is loaded by fish itself in 
 TEST_PACKAGES += zsh tmux  # tests/system/test_login_shells.py: the login snippets in zsh and a tmux pane
 # tests/system/test_jupyter.py: a real kernel start, by Debian's Python (the venv does not see these)
 TEST_PACKAGES += python3-jupyter-client python3-ipykernel
+# tests/system/test_fleet_patroni.py: the fleet's PostgreSQL under Patroni, with etcd as its store
+TEST_PACKAGES += patroni etcd-server
 
 # `make install` (other distributions): the application's venv in APPDIR (the unit and the udev rule
 # name $(APPDIR)/bin/gpuguard), the command in $(PREFIX)/bin, the unit where systemd reads it, the

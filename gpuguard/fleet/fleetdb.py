@@ -9,7 +9,9 @@ the database server. Others see them at once all the same; what a crash of the d
 server can lose of them (its last fraction of a second) the nodes send again before they
 check anything there, since a crash drops every connection, puts each node offline, and only
 a heartbeat, which carries the node's whole truth, brings it back online. The heartbeat keeps
-the default: once it commits, the node deletes the ledger rows it carried.
+the default, and the first heartbeat on each new connection asks which of the node's kept
+ledger rows the database has (outbox.py: a promoted replica may lack what the lost leader
+confirmed).
 Waits are bounded on both sides: libpq's connect_timeout and tcp_user_timeout on the
 client, statement_timeout and lock_timeout on the server.
 Each new connection is fenced before anything is written (fencing.py): a standby, another
@@ -119,6 +121,7 @@ class FleetDb:
         self.lineage: Lineage | None = None  # of the database the current connection reached
         self._conn: psycopg.Connection | None = None
         self._migrated = False
+        self._ledger_checked = False  # on this connection: the heartbeat asked which ledger rows it has
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
@@ -131,7 +134,7 @@ class FleetDb:
             except BaseException:
                 conn.close()
                 raise
-            self._conn = conn
+            self._conn, self._ledger_checked = conn, False
         return self._conn
 
     def _failed(self, exc: psycopg.Error) -> None:
@@ -153,8 +156,25 @@ class FleetDb:
         answer: dict[str, Any] = row[-1]  # the function returns jsonb, which psycopg loads as a dict
         return answer
 
-    def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return self.call("heartbeat_v2", doc)
+    def heartbeat(self, doc: dict[str, Any], kept_from: int | None = None) -> dict[str, Any]:
+        """The heartbeat's answer; the first on a connection adds `ledger_present`, the seqs from
+        `kept_from` on of this node's outbox (doc's incarnation) that the database has (none kept: not asked)."""
+        answer = self.call("heartbeat_v2", doc)
+        if not self._ledger_checked:
+            if kept_from is not None:
+                answer["ledger_present"] = self._ledger_seqs(doc["incarnation"], kept_from)
+            self._ledger_checked = True
+        return answer
+
+    def _ledger_seqs(self, incarnation: str, kept_from: int) -> list[int]:
+        try:
+            rows = self._connection().execute(
+                f"SELECT seq FROM {NAMESPACE}.ledger WHERE node = %s AND incarnation = %s AND seq >= %s",
+                (self.node, incarnation, kept_from)).fetchall()
+        except psycopg.Error as exc:
+            self._failed(exc)
+            raise
+        return [seq for (seq,) in rows]
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
         return self.call("reserve_v1", doc, flushed=False)

@@ -130,17 +130,17 @@ class FleetNode:
     async def beat(self) -> bool:
         """One heartbeat; True when the database took it."""
         doc = self.snapshot(time.time())
+        kept_from = self.outbox.kept_from()
         try:
-            result = await asyncio.wrap_future(self._worker.submit(self.db.heartbeat, doc))
+            result = await asyncio.wrap_future(self._worker.submit(self.db.heartbeat, doc, kept_from))
         except (psycopg.Error, FleetError) as exc:
             self._offline(_first_line(exc))
             return False
-        timeline = self.db.lineage.timeline if self.db.lineage is not None else None
         if doc["ledger"]:
-            self.outbox.confirm(doc["ledger"][-1]["seq"], timeline, time.time())
-        if timeline is not None and (again := self.outbox.follow(timeline)):
-            # a later leader: what the one before confirmed may not have reached it (outbox.py)
-            event(logging.WARNING, "fleet_ledger_resent", node=self.config.node, rows=again, timeline=timeline)
+            self.outbox.confirm(doc["ledger"][-1]["seq"], time.time())
+        if "ledger_present" in result and (again := self.outbox.resend_absent(result["ledger_present"])):
+            # a database reached anew lacks rows another one confirmed (a failover: outbox.py)
+            event(logging.WARNING, "fleet_ledger_resent", node=self.config.node, rows=again)
             self._kick.set()
         self.usage, self.held, self.free = result["usage"], result["held"], result["free"]
         self.last_beat = time.time()

@@ -2,14 +2,15 @@
 
 A SQLite file of its own next to the state database (fleet.db), so a node keeps its ledger
 across a database outage and a restart. Rows go out with the next heartbeat and are marked
-confirmed, with the leader's timeline, once it succeeded; the database keys them by (node,
-incarnation, seq) and ignores a row it has, so a heartbeat lost after it committed replays
-nothing twice. A confirmed row is kept for KEEP_CONFIRMED: a commit the leader had not yet
-replicated is lost when a standby is promoted, so once a heartbeat reaches a higher timeline
-(follow), the rows confirmed on a lower one are sent again, and the new leader takes those it
-lacks (a failover, or a switchover done in the wrong order, loses no ledger row). `seq` is AUTOINCREMENT (never
-reused, even after deletes) and `incarnation` is drawn when the file is made, so a state
-directory made again does not collide with the rows of the one before.
+confirmed once it succeeded; the database keys them by (node, incarnation, seq) and ignores a
+row it has, so a heartbeat lost after it committed replays nothing twice. A confirmed row is
+kept for KEEP_CONFIRMED, because a commit the leader had not yet replicated is lost when a
+replica is promoted: on each new connection the node asks the database which of the kept rows
+it has (fleetdb.FleetDb.heartbeat), and the others are pending again (resend_absent). A
+failover, a switchover done in the wrong order or a promoted replica that lagged (its timeline
+may even carry the same number as the lost leader's) loses no ledger row. `seq` is
+AUTOINCREMENT (never reused, even after deletes) and `incarnation` is drawn when the file is
+made, so a state directory made again does not collide with the rows of the one before.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any
 from gpuguard.core.model import Grant
 
 BATCH = 1000  # ledger rows per heartbeat: a long outage is replayed over several
-KEEP_CONFIRMED = 86400.0  # seconds a confirmed row is kept, to be sent again to a later leader (follow)
+KEEP_CONFIRMED = 86400.0  # seconds a confirmed row is kept, to be sent again to a database that lacks it
 
 
 class Outbox:
@@ -38,7 +39,6 @@ class Outbox:
         columns = {row["name"] for row in self._db.execute("PRAGMA table_info(ledger)")}
         if "confirmed_at" not in columns:  # an outbox of a release before: every row still pending
             self._db.execute("ALTER TABLE ledger ADD COLUMN confirmed_at REAL")
-            self._db.execute("ALTER TABLE ledger ADD COLUMN confirmed_on INTEGER")
         self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('incarnation', ?)", (secrets.token_hex(8),))
         self.incarnation: str = self._db.execute("SELECT value FROM meta WHERE key = 'incarnation'").fetchone()[0]
 
@@ -54,29 +54,30 @@ class Outbox:
                                 " ORDER BY seq LIMIT ?", (limit,))
         return [dict(row) for row in rows]
 
-    def confirm(self, upto: int, timeline: int | None, now: float) -> None:
-        """The database, a leader on `timeline` (None: unknown), has every row up to seq `upto`;
-        rows confirmed more than KEEP_CONFIRMED ago go."""
+    def confirm(self, upto: int, now: float) -> None:
+        """The database has every row up to seq `upto`; rows confirmed more than KEEP_CONFIRMED ago go."""
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("UPDATE ledger SET confirmed_at = ?, confirmed_on = ? WHERE seq <= ? AND confirmed_at IS NULL",
-                             (now, timeline, upto))
+            self._db.execute("UPDATE ledger SET confirmed_at = ? WHERE seq <= ? AND confirmed_at IS NULL", (now, upto))
             self._db.execute("DELETE FROM ledger WHERE confirmed_at < ?", (now - KEEP_CONFIRMED,))
 
-    def follow(self, timeline: int) -> int:
-        """A heartbeat reached a leader on `timeline`: when that is higher than before, the rows
-        confirmed on a lower one are pending again (the new leader may lack them); how many."""
+    def kept_from(self) -> int | None:
+        """The first row kept (None: none): a new connection asks the database about the rows from
+        there on. Pending rows too: a heartbeat carrying a row sent again, older than every row still
+        confirmed, must find it in the answer, or it would be sent again at every connection."""
+        first: int | None = self._db.execute("SELECT min(seq) FROM ledger").fetchone()[0]
+        return first
+
+    def resend_absent(self, present: Iterable[int]) -> int:
+        """The database has the rows `present` of those from kept_from() on: the confirmed rows it
+        lacks are pending again; how many."""
+        have = set(present)
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
-            row = self._db.execute("SELECT value FROM meta WHERE key = 'timeline'").fetchone()
-            if row is not None and int(row[0]) >= timeline:
-                return 0
-            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('timeline', ?)", (str(timeline),))
-            if row is None:
-                return 0  # the first leader this outbox has seen: what it confirmed is there
-            again: int = self._db.execute("UPDATE ledger SET confirmed_at = NULL, confirmed_on = NULL"
-                                          " WHERE confirmed_on < ?", (timeline,)).rowcount
-            return again
+            absent = [(row[0],) for row in self._db.execute("SELECT seq FROM ledger WHERE confirmed_at IS NOT NULL")
+                      if row[0] not in have]
+            self._db.executemany("UPDATE ledger SET confirmed_at = NULL WHERE seq = ?", absent)
+        return len(absent)
 
     def count(self) -> int:
         """Rows the database has not confirmed yet."""

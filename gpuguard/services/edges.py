@@ -122,7 +122,8 @@ class FleetDatabase(Protocol):
 
     lineage: Lineage | None  # the database the last connection reached (None: not known, or not fenced)
 
-    def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]: ...
+    def heartbeat(self, doc: dict[str, Any], kept_from: int | None = None) -> dict[str, Any]:
+        """The first on each connection adds `ledger_present`: the outbox's seqs from kept_from on it has."""
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]: ...
 

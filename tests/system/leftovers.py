@@ -34,7 +34,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from devtools import postgres
+from devtools import patroni, postgres
 from devtools.harness import gate_test_lock, kill_processes_of, wait_for
 from gpuguard.backends import bpf
 from gpuguard.backends.gate import PIN_ROOT, Gate
@@ -139,6 +139,7 @@ def sweep_accounts_and_files() -> list[str]:
             removed.append(f"(left {path} alone: something is mounted in it)")
             continue
         if path.is_dir() and not path.is_symlink():
+            removed += [f"Patroni or etcd process {pid}" for pid in patroni.stop_all_under(path)]
             removed += [f"PostgreSQL in {data}" for data in postgres.stop_all_under(path)]
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -11,6 +11,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -87,14 +88,21 @@ class DaemonFleet:
             shutil.rmtree(sandbox, ignore_errors=True)
 
 
-@pytest.fixture
-def fleet(postgres, make_group, make_user) -> Iterator[DaemonFleet]:
+@contextmanager
+def daemon_fleet(postgres, group: str, make_user) -> Iterator[DaemonFleet]:
+    """Three daemons (not started yet) under the gate lock, closed after (their logs printed)."""
     with gate_test_lock():  # gpu1's gate is machine-wide
-        fleet = DaemonFleet(postgres, make_group(), make_user)
+        fleet = DaemonFleet(postgres, group, make_user)
         try:
             yield fleet
         finally:
             fleet.close()
+
+
+@pytest.fixture
+def fleet(postgres, make_group, make_user) -> Iterator[DaemonFleet]:
+    with daemon_fleet(postgres, make_group(), make_user) as nodes:
+        yield nodes
 
 
 def member(fleet: DaemonFleet):

@@ -237,6 +237,21 @@ def test_heartbeat_mirrors_the_nodes_truth_and_replays_the_ledger_once(postgres)
     assert db.heartbeat(heartbeat_doc("node0", usage_for=["u1"]))["usage"]["u1"] == 0
 
 
+def test_the_first_heartbeat_on_each_connection_says_which_kept_ledger_rows_the_database_has(postgres):
+    db = FleetDb(postgres.conninfo, "node0")
+    t0 = time.time()
+    ledger = [{"seq": seq, "username": "u1", "minor": 1, "started": t0 - 100, "ended": t0 - 50} for seq in (4, 5, 6)]
+    first = db.heartbeat(heartbeat_doc("node0", ledger=ledger), kept_from=2)
+    assert first["ledger_present"] == [4, 5, 6]  # what it has from seq 2 on, this heartbeat's rows included
+    assert "ledger_present" not in db.heartbeat(heartbeat_doc("node0"), kept_from=2)  # the same connection
+    with psycopg.connect(postgres.conninfo, autocommit=True) as conn:  # as a promoted replica that lacks it
+        conn.execute("DELETE FROM gpuguard.ledger WHERE seq = 5")
+    db.close()  # the next call connects anew: asks again, for this node's outbox only
+    FleetDb(postgres.conninfo, "node1").heartbeat(heartbeat_doc("node1", ledger=ledger[:1]))  # another node's seq 4
+    assert sorted(db.heartbeat(heartbeat_doc("node0"), kept_from=4)["ledger_present"]) == [4, 6]
+    assert "ledger_present" not in FleetDb(postgres.conninfo, "node2").heartbeat(heartbeat_doc("node2"))  # none kept
+
+
 def test_the_grant_check_and_the_release_do_not_wait_for_the_wal_flush_and_the_heartbeat_does(postgres):
     db = FleetDb(postgres.conninfo, "node0")
     db.heartbeat(heartbeat_doc("node0"))

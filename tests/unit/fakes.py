@@ -258,7 +258,7 @@ class FakeFleetDb:
         self.allow: dict[str, int] = {}
         self.lineage: Lineage | None = None  # not fenced
 
-    def heartbeat(self, doc: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(self, doc: dict[str, Any], kept_from: int | None = None) -> dict[str, Any]:
         self.calls.append(("heartbeat", doc))
         return {"usage": {}, "held": {}, "free": []}
 

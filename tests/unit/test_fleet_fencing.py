@@ -1,4 +1,4 @@
-"""Fencing (gpuguard.fleet.fencing) and the outbox's rows sent again to a later leader: the pure
+"""Fencing (gpuguard.fleet.fencing) and the outbox's rows sent again to a database that lacks them: the pure
 decision, the memory file and the outbox's SQLite, no database server."""
 from __future__ import annotations
 
@@ -41,27 +41,26 @@ def grant(user: str) -> Grant:
     return Grant(1001, user, 3, granted_at=100.0, expires_at=None, last_active=100.0, origin=Origin.SESSION)
 
 
-def test_rows_confirmed_by_an_earlier_leader_are_sent_again_to_a_later_one(tmp_path):
+def test_confirmed_rows_a_database_lacks_are_sent_again(tmp_path):
     outbox = Outbox(tmp_path / "fleet.db")
-    outbox.add([grant("alice")], now=160.0)
-    assert outbox.follow(1) == 0  # the first leader seen
+    assert outbox.kept_from() is None  # nothing kept: a new connection asks nothing
+    outbox.add([grant("alice"), grant("bob")], now=160.0)
     first = outbox.pending()
-    outbox.confirm(first[-1]["seq"], 1, 200.0)
-    assert outbox.pending() == [] and outbox.count() == 0
-    outbox.add([grant("bob")], now=260.0)
-    outbox.confirm(outbox.pending()[-1]["seq"], 1, 270.0)
-    assert outbox.follow(1) == 0  # the same leader again: nothing to resend
-    assert outbox.follow(2) == 2  # promoted: both rows may be missing there
-    assert [r["username"] for r in outbox.pending()] == ["alice", "bob"]
-    outbox.confirm(outbox.pending()[-1]["seq"], 2, 300.0)
-    assert outbox.follow(2) == 0 and outbox.follow(1) == 0  # a lower timeline never resends (fencing refuses it)
+    assert outbox.kept_from() == first[0]["seq"]  # pending rows count: a heartbeat may carry them
+    outbox.confirm(first[-1]["seq"], 200.0)
+    assert outbox.pending() == [] and outbox.count() == 0 and outbox.kept_from() == first[0]["seq"]
+    outbox.add([grant("carol")], now=260.0)  # not sent yet: stays pending whatever the database has
+    assert outbox.resend_absent([r["seq"] for r in first]) == 0  # a database with both: nothing to send
+    assert outbox.resend_absent([first[1]["seq"]]) == 1  # a promoted replica that lacks alice's row
+    assert [r["username"] for r in outbox.pending()] == ["alice", "carol"]
+    outbox.confirm(outbox.pending()[-1]["seq"], 300.0)
+    assert outbox.resend_absent([]) == 3 and outbox.count() == 3  # a database with none of them
 
 
 def test_confirmed_rows_are_kept_for_a_day_only(tmp_path):
     outbox = Outbox(tmp_path / "fleet.db")
     outbox.add([grant("alice")], now=160.0)
-    outbox.confirm(outbox.pending()[-1]["seq"], 1, 200.0)
+    outbox.confirm(outbox.pending()[-1]["seq"], 200.0)
     outbox.add([grant("bob")], now=200.0 + KEEP_CONFIRMED)
-    outbox.confirm(outbox.pending()[-1]["seq"], 1, 201.0 + KEEP_CONFIRMED)  # alice's row, a day old, goes
-    outbox.follow(1)
-    assert outbox.follow(2) == 1 and [r["username"] for r in outbox.pending()] == ["bob"]
+    outbox.confirm(outbox.pending()[-1]["seq"], 201.0 + KEEP_CONFIRMED)  # alice's row, a day old, goes
+    assert outbox.resend_absent([]) == 1 and [r["username"] for r in outbox.pending()] == ["bob"]
