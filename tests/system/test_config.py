@@ -118,7 +118,7 @@ def test_environment_variable_names_the_file(tmp_path, monkeypatch):
                                          "did you mean 20GiB?"),
     ('[defaults]\nmax_time = "0s"', "defaults.max_time: '0s' would end every grant at once; write none"),
     ('[defaults]\nmax_time = 3600', "defaults.max_time: 3600 has no unit; did you mean 3600s (1h)?"),
-    ('[defaults]\nidle_timeout = 0', "defaults.idle_timeout: 0 has no unit"),
+    ('[defaults]\nidle_timeout = 0', "defaults.idle_timeout: 0 would release every grant at once; write none"),
     ('[defaults]\nidle_timeout = "0m"', "defaults.idle_timeout: '0m' would release every grant at once"),
     ('[defaults]\nreclaim_after = "0s"', "defaults.reclaim_after: '0s' would take back every grant"),
     ('[defaults]\nmax_time = "30s"', "defaults.max_time: 30s is under a minute; did you mean 30m?"),
