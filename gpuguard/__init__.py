@@ -1,3 +1,3 @@
 """gpuguard: fair, kernel-enforced GPU sharing for multi-user Linux servers."""
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"

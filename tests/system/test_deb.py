@@ -18,6 +18,7 @@ the RUN commands of the rules that match the nvidia module's "add" event run.
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import shlex
@@ -51,6 +52,8 @@ WATCHED = ["/opt", "/usr/bin", "/usr/lib/gpuguard", f"{DIST_PACKAGES}/gpuguard",
            "/usr/share/bash-completion/completions", "/usr/share/python3/runtime.d",
            "/etc/pam.d", "/etc/gpuguard", "/etc/systemd/system", "/etc/modprobe.d", "/etc/udev/rules.d",
            "/var/lib/gpuguard", "/var/lib/dpkg/info", "/var/lib/pam", "/run/gpuguard"]
+# `gpuguard enable` here: --force, as the NVIDIA driver is simulated (enable refuses where NVML cannot load).
+ENABLE = ["/usr/bin/gpuguard", "enable", "--force"]
 # What `gpuguard enable` links, to what.
 LINKS = {Path("/etc/modprobe.d/gpuguard.conf"): "/usr/lib/gpuguard/modprobe.d/gpuguard.conf",
          Path("/etc/udev/rules.d/70-gpuguard.rules"): "/usr/lib/gpuguard/udev/70-gpuguard.rules"}
@@ -75,21 +78,51 @@ def installed_version() -> str | None:
     return version if result.returncode == 0 and status == "installed" else None
 
 
-def build(outdir: Path, version: str) -> Path:
-    result = subprocess.run([str(REPO / "packaging/build-deb.sh"), str(outdir), version],
-                            capture_output=True, text=True, timeout=900)
+# The version debian/changelog gives this checkout's package.
+VERSION = subprocess.run(["dpkg-parsechangelog", "-l", str(REPO / "debian/changelog"), "-S", "Version"],
+                         capture_output=True, text=True).stdout.strip()
+# Packages released before, built again from the commits that made them, each with its own
+# build-deb.sh: the first layout (dpkg-deb, a venv in /opt/gpuguard, the modprobe.d option and the udev
+# rule in effect where kmod and udev read them; PAM profile Default: yes), and the native 0.1.0
+# (debhelper, inert until `gpuguard enable`).
+EARLIER = {"0.1.0-1": ("02bccf2667ea530ac9e580da0081327f9bc7ee79", ["/usr/bin/python3"]),
+           "0.1.0": ("8fd6c1936e0a55ce5e75f71d016d3fc8949d5b50", [])}
+FIRST_LAYOUT = {Path("/usr/lib/modprobe.d/gpuguard.conf"), Path("/usr/lib/udev/rules.d/70-gpuguard.rules")}
+# The profiles pam-auth-update has seen: a `Default: yes` one it has not seen it turns on by itself.
+PAM_SEEN = Path("/var/lib/pam/seen")
+
+
+def build(outdir: Path, version: str | None, repo: Path = REPO, args: tuple[str, ...] = ()) -> Path:
+    """The package of `repo` (this checkout, or an older commit's), built by its own build-deb.sh with
+    `args` first; `version` is the one this checkout's script is told to give it (None: debian/changelog's),
+    or the one an older commit's script gives by itself."""
+    argv = [str(repo / "packaging/build-deb.sh"), *args, str(outdir), *([version] if version and repo == REPO else [])]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     deb = Path(result.stdout.strip().splitlines()[-1])
     arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True).stdout.strip()
-    assert deb.name == f"gpuguard_{version}_{arch}.deb" and deb.is_file()
+    assert deb.name == f"gpuguard_{version or VERSION}_{arch}.deb" and deb.is_file()
     return deb
 
 
 @pytest.fixture(scope="module")
 def debs(tmp_path_factory) -> dict[str, Path]:
-    """Two versions of the package, built from this checkout: one to install, one to upgrade to."""
+    """Two versions of the package, built from this checkout: its own version, and a rebuild to upgrade to."""
     outdir = tmp_path_factory.mktemp("deb")
-    return {version: build(outdir, version) for version in ("0.0.1~ggt1", "0.0.1~ggt2")}
+    return {VERSION: build(outdir, None), f"{VERSION}+ggt1": build(outdir, f"{VERSION}+ggt1")}
+
+
+@pytest.fixture(scope="module")
+def earlier_debs(tmp_path_factory) -> dict[str, Path]:
+    """The packages of EARLIER, each built in a clone of this repository at its commit."""
+    outdir = tmp_path_factory.mktemp("deb-earlier")
+    built = {}
+    for version, (commit, args) in EARLIER.items():
+        clone = tmp_path_factory.mktemp(f"src-{version}") / "gpuguard"
+        subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(REPO), str(clone)], check=True)
+        subprocess.run(["git", "-C", str(clone), "checkout", "-q", commit], check=True)
+        built[version] = build(outdir, version, clone, tuple(args))
+    return built
 
 
 def package_entries(deb: Path) -> dict[str, str]:
@@ -129,6 +162,10 @@ def clean_machine() -> Iterator[None]:
 
 def pam_lines() -> int:
     return len(PAM_LINE.findall(Path("/etc/pam.d/common-session").read_text()))
+
+
+def pam_seen() -> bool:
+    return "gpuguard" in PAM_SEEN.read_text().split()
 
 
 def check_installed(deb: Path, version: str) -> None:
@@ -232,7 +269,7 @@ def test_install_upgrade_purge_leaves_nothing(debs, sandbox, clean_machine) -> N
     state.parent.mkdir(mode=0o700, exist_ok=True)
     state.write_text("grants\n")
     with gate_test_lock():
-        enabled = subprocess.run(["/usr/bin/gpuguard", "enable"], capture_output=True, text=True, timeout=120)
+        enabled = subprocess.run(ENABLE, capture_output=True, text=True, timeout=120)
         attached = subprocess.run(["/usr/bin/gpuguard", "gate", "attach"], capture_output=True, text=True)
         try:
             assert enabled.returncode == 0, enabled.stderr
@@ -336,7 +373,7 @@ def test_install_is_inert_until_enable_and_disable_opens_the_gpus_again(
     assert pam_lines() == 0
     assert not Path("/etc/systemd/system/multi-user.target.wants/gpuguard.service").exists()
 
-    enabled = subprocess.run(["/usr/bin/gpuguard", "enable"], capture_output=True, text=True, timeout=120)
+    enabled = subprocess.run(ENABLE, capture_output=True, text=True, timeout=120)
     assert enabled.returncode == 0, enabled.stderr
     assert {link: os.readlink(link) for link in LINKS} == {link: str(t) for link, t in LINKS.items()}
     assert nvidia_options()["NVreg_ModifyDeviceFiles"] == "0"
@@ -344,7 +381,7 @@ def test_install_is_inert_until_enable_and_disable_opens_the_gpus_again(
     session = Path("/etc/pam.d/common-session").read_text()
     assert session.index("pam_systemd.so") < session.index("pam_gpuguard.so")
     assert "pam_gpuguard" not in Path("/etc/pam.d/common-session-noninteractive").read_text()
-    again = subprocess.run(["/usr/bin/gpuguard", "enable"], capture_output=True, text=True, timeout=120)
+    again = subprocess.run(ENABLE, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and pam_lines() == 1, again.stderr  # idempotent
 
     # Enabled: the daemon runs (here without systemd, started as the unit would: the test's own
@@ -412,3 +449,104 @@ def test_the_package_follows_the_distributions_python(debs, clean_machine) -> No
                                  capture_output=True, text=True, cwd="/", timeout=60)
         assert version.stdout.strip() == __version__, (python, version.stderr)
     dpkg("--purge", "gpuguard")
+
+
+# --- upgrades from the packages released before
+
+def apt_install(deb: Path, *options: str) -> subprocess.CompletedProcess:
+    """What an admin runs (apt-get install ./gpuguard_*.deb; its Depends are here already, so no
+    network), keeping an edited conffile as answering the prompt with N would, and waiting for
+    another apt on this machine to finish."""
+    return subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=600",
+                           "-o", "Dpkg::Options::=--force-confold", *options, str(deb)],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+def doctor_status() -> dict[str, str]:
+    """The installed `gpuguard doctor`'s verdict per check (it exits 1 here: no NVIDIA driver)."""
+    shown = subprocess.run(["/usr/bin/gpuguard", "doctor", "--json"], capture_output=True, text=True, timeout=120)
+    assert shown.stdout, shown.stderr
+    return {finding["check"]: finding["status"] for finding in json.loads(shown.stdout)}
+
+
+def check_guarded(version: str, quotas: Path) -> None:
+    """The host is as an enabled gpuguard leaves it, and as the admin left it: the driver's next
+    load (kmod's and udev's real configuration) closes the GPUs, doctor agrees, the PAM line is
+    there once, the gate attached, the edited conffile kept."""
+    assert installed_version() == version
+    first_layout = version == "0.1.0-1"
+    program = "/opt/gpuguard/bin/gpuguard" if first_layout else "/usr/bin/gpuguard"
+    assert nvidia_options().get("NVreg_ModifyDeviceFiles") == "0", version
+    assert udev_runs_when_the_driver_loads() == [f"{program} acl apply"], version
+    if first_layout:
+        assert all(path.is_file() for path in FIRST_LAYOUT) and not [link for link in LINKS if os.path.lexists(link)]
+    else:
+        assert {link: os.readlink(link) for link in LINKS if os.path.lexists(link)} == {
+            link: str(target) for link, target in LINKS.items()}, version
+        assert not [path for path in FIRST_LAYOUT if os.path.lexists(path)]
+    verdicts = doctor_status()
+    assert (verdicts["udev"].lower(), verdicts["modprobe"].lower()) == ("ok", "warn"), verdicts  # warn: no nvidia here
+    assert pam_lines() == 1, version
+    assert Gate("gpuguard").find(), f"{version}: the gate is not attached"
+    assert "ggt-admin-edit" in quotas.read_text(), version
+
+
+@pytest.mark.parametrize("earlier", list(EARLIER))
+def test_upgrade_from_an_earlier_package_keeps_gpuguard_in_effect(earlier, debs, earlier_debs, clean_machine) -> None:
+    """apt-get install of this package over one released before, back again (a downgrade dpkg
+    allows with --allow-downgrades) and up again: after each, everything `enable` turned on is in
+    effect where kmod and udev read it, and the admin's edit and the gate are still there."""
+    before = snapshot()
+    common_session = Path("/etc/pam.d/common-session").read_text()
+    old, new = earlier_debs[earlier], debs[VERSION]
+    quotas = Path("/etc/gpuguard/quotas.toml")
+    with gate_test_lock():
+        try:
+            if earlier == "0.1.0-1" and pam_seen():
+                # A host that never had gpuguard: the remove of packages before 0.1.1 left the
+                # profile seen (prerm's order); a run with the profile gone forgets it.
+                forgot = subprocess.run(["pam-auth-update", "--package"], capture_output=True, text=True,
+                                        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+                assert forgot.returncode == 0 and not pam_seen(), forgot.stderr
+            installed = apt_install(old)
+            assert installed.returncode == 0, installed.stdout + installed.stderr
+            if earlier == "0.1.0-1":
+                # The first layout was in effect once installed: its postinst's `pam-auth-update
+                # --package` turned the profile (Default: yes, not seen before) on, and the
+                # modprobe.d option and the udev rule lay where kmod and udev read them.
+                assert pam_lines() == 1, installed.stdout + installed.stderr
+            else:
+                # 0.1.0's enable checks nothing (it has no --force): it enables on a host without a driver.
+                enabled = subprocess.run(["/usr/bin/gpuguard", "enable"], capture_output=True, text=True, timeout=120)
+                assert enabled.returncode == 0, enabled.stderr
+            attached = subprocess.run(["/usr/bin/gpuguard", "gate", "attach"], capture_output=True, text=True)
+            assert attached.returncode == 0, attached.stderr
+            quotas.write_text(quotas.read_text() + "\n[users.ggt-admin-edit]\ngpus = 2\n")
+            check_guarded(earlier, quotas)
+
+            upgraded = apt_install(new)
+            assert upgraded.returncode == 0, upgraded.stdout + upgraded.stderr
+            assert "downgrade" not in upgraded.stdout.lower(), upgraded.stdout
+            check_installed(new, VERSION)
+            check_guarded(VERSION, quotas)
+
+            downgraded = apt_install(old, "--allow-downgrades")
+            assert downgraded.returncode == 0, downgraded.stdout + downgraded.stderr
+            check_guarded(earlier, quotas)
+
+            again = apt_install(new)
+            assert again.returncode == 0, again.stdout + again.stderr
+            check_guarded(VERSION, quotas)
+
+            removed = dpkg("--remove", "gpuguard")
+            assert removed.returncode == 0, removed.stderr
+            assert not Gate("gpuguard").find() and pam_lines() == 0
+        finally:
+            if Gate("gpuguard").find():
+                Gate("gpuguard").detach()
+    purged = dpkg("--purge", "gpuguard")
+    assert purged.returncode == 0, purged.stderr
+    assert Path("/etc/pam.d/common-session").read_text() == common_session
+    assert not pam_seen(), "the remove left the profile seen: a later install would not turn it on"
+    assert snapshot() ^ before == set()
