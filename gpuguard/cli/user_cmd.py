@@ -11,7 +11,7 @@ from gpuguard.cli.requesting import take, timeout_of
 from gpuguard.client import DaemonUnreachable
 from gpuguard.core.errors import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from gpuguard.core.messages import clock, cuda_export, gpu_label, queue_why, stale_devices
-from gpuguard.core.quantities import format_duration, format_size
+from gpuguard.core.quantities import format_duration, format_gpu_hours, format_size
 from gpuguard.core.unit_numbers import unit_label
 
 TYPE_CHECKING = False  # not typing's: whoami starts within a few ms of Python itself
@@ -102,7 +102,7 @@ def show_whoami(args: argparse.Namespace) -> int:
         print(f"quota: {quota['gpus']} GPU{'s' if quota['gpus'] != 1 else ''}, memory {format_size(quota['gpu_memory'])}"
               f" per GPU, time {format_duration(quota['max_time'])}, idle release "
               f"{format_duration(quota['idle_timeout'])}, sharing {'yes' if quota['sharing'] else 'no'}"
-              f"{_mig_terms(quota)}")
+              f"{_mig_terms(quota)}{_fleet_terms(quota)}")
     if reply["grants"]:
         print("GPUs:")
         print_rows([["  GPU", "NAME", "UUID", "MEMORY", "SINCE", "UNTIL", "HOW"]] + [
@@ -125,8 +125,9 @@ def show_whoami(args: argparse.Namespace) -> int:
         print(f"queue: number {q['position']} of {q['waiting']}, for {q['gpus']} GPU{'s' if q['gpus'] != 1 else ''}, "
               f"since {clock(q['since'])}{when}")
         boost = f"; ahead of all younger requests from {clock(q['boost_at'])}" if q.get("boost_at") else ""
-        print(f"  your place comes from: priority {q.get('priority', 0)}, recent usage "
-              f"{q.get('usage', 0.0) / 3600:.1f} GPU-hours (after your share), waiting since {clock(q['since'])}{boost}")
+        (usage,) = format_gpu_hours(q.get("usage", 0.0))
+        print(f"  your place comes from: priority {q.get('priority', 0)}, recent usage {usage} GPU-hours "
+              f"(after your share), waiting since {clock(q['since'])}{boost}")
         for ahead in q["ahead"]:
             print(f"  ahead of you: {ahead['user']}: {ahead['why']}")
         for line in queue_why(q, time.time()):
@@ -188,6 +189,12 @@ def _mig_terms(quota: dict[str, Any]) -> str:
     if quota.get("slice_profiles"):
         terms.append(f"slice profiles {', '.join(quota['slice_profiles'])}")
     return "".join(f", {term}" for term in terms)
+
+
+def _fleet_terms(quota: dict[str, Any]) -> str:
+    """A fleet quota, which counts the GPUs held on every server of the fleet together."""
+    fleet = quota.get("fleet_gpus")
+    return "" if fleet is None else f", fleet quota {fleet} GPU{'s' if fleet != 1 else ''} on all servers together"
 
 
 def _uuids(whoami: dict[str, Any]) -> list[str]:

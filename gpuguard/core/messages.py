@@ -122,6 +122,14 @@ def queue_message(position: int, waiting: int, gpus: int, estimate: float | None
             f"{gpus} GPU{'s' if gpus != 1 else ''}{when}; {then} - gpuguard whoami shows the queue")
 
 
+def fleet_quota_message(fleet_quota: int, elsewhere: int, position: int, waiting: int, then: str) -> str:
+    """`gpuguard: you hold your fleet quota of 2 GPUs (2 on other servers); ...`: a login that
+    queues although GPUs may be free here, because the user's GPUs elsewhere use up their fleet quota."""
+    return (f"gpuguard: you hold your fleet quota of {fleet_quota} GPU{'s' if fleet_quota != 1 else ''} "
+            f"({elsewhere} on other servers); you are number {position} of {waiting} in the queue here, served once "
+            f"you release one there; {then} - gpuguard whoami shows the queue")
+
+
 IDLE_SHOWN = 120.0  # idle shorter than this is "in use": the store's last-active time is up to a minute old
 
 
@@ -131,7 +139,11 @@ def queue_why(queue: dict[str, Any], now: float) -> list[str]:
     holders = queue.get("holders") or []
     lines = ["root holds your request: it keeps its place but is not served until released - ask your admin"] \
         if queue.get("held") else []
-    if queue.get("free"):
+    if queue.get("fleet_quota") is not None:
+        lines.append(f"you hold all of your fleet quota ({queue['fleet_quota']} GPUs on all servers together, "
+                     f"{queue['fleet_elsewhere']} of them on other servers): you are served here once you release "
+                     "one there")
+    elif queue.get("free"):
         lines.append(f"{queue['free']} GPU{'s are' if queue['free'] != 1 else ' is'} free but held for requests "
                      "ahead of yours")
     busy = [h for h in holders if h["idle"] < IDLE_SHOWN]

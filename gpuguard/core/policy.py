@@ -139,3 +139,9 @@ def cool_downs(quota: Quota, now: float, time_limited: Mapping[str, float]) -> d
         return {}
     ends = {kind: at + quota.reclaim_after for kind, at in time_limited.items()}
     return {kind: end for kind, end in ends.items() if now < end}
+
+
+def fleet_quota_held(quota: Quota, elsewhere: int | None, here: int) -> bool:
+    """Whether the user holds all of their fleet quota (GPUs on every server of a fleet together):
+    `elsewhere` on the other servers as last seen (None: not known, or no fleet), `here` on this one."""
+    return quota.fleet_gpus is not None and elsewhere is not None and elsewhere + here >= quota.fleet_gpus

@@ -158,3 +158,14 @@ def format_duration(seconds: float | None) -> str:
         if parts and not left:
             break
     return "".join(parts)
+
+
+def format_gpu_hours(*seconds: float) -> tuple[str, ...]:
+    """GPU-seconds as GPU-hours, with the fewest decimals (one at least, six at most) at which
+    values that differ read differently: `(0.0, 0.0)` for a fair-share comparison says nothing."""
+    hours = [value / 3600 for value in seconds]
+    for digits in range(1, 7):
+        shown = tuple(f"{value:.{digits}f}" for value in hours)
+        if len(set(shown)) == len(set(hours)):
+            return shown
+    return shown

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from gpuguard.core.model import Grant
-from gpuguard.core.quantities import format_duration
+from gpuguard.core.quantities import format_duration, format_gpu_hours
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,8 @@ def why_ahead(first: Waiter, second: Waiter, usage: Mapping[int, float], now: fl
         return "asked earlier (both waited longer than max_wait_boost)"
     mine, theirs = (usage.get(w.uid, 0.0) / w.share for w in (first, second))
     if mine != theirs:
-        return (f"less recent GPU usage ({mine / 3600:.1f} < {theirs / 3600:.1f} GPU-hours"
+        shown_mine, shown_theirs = format_gpu_hours(mine, theirs)
+        return (f"less recent GPU usage ({shown_mine} < {shown_theirs} GPU-hours"
                 f"{', after share weights' if first.share != 1 or second.share != 1 else ''})")
     return "asked earlier"
 

@@ -20,7 +20,15 @@ from gpuguard import protocol
 from gpuguard.config import Config
 from gpuguard.core import allocator, inventory, policy, reporting
 from gpuguard.core.errors import GpuguardError, Refusal, UnknownUser
-from gpuguard.core.messages import WHOAMI_HINT, grant_reply, in_use_message, number_list, queue_message, unit_list
+from gpuguard.core.messages import (
+    WHOAMI_HINT,
+    fleet_quota_message,
+    grant_reply,
+    in_use_message,
+    number_list,
+    queue_message,
+    unit_list,
+)
 from gpuguard.core.model import Account, Event, EventKind, Grant, Origin, Quota, Rule, is_slice, unit_label, unit_parent
 from gpuguard.core.quantities import format_duration
 from gpuguard.daemon import admission
@@ -118,9 +126,14 @@ class Api:
             # A session without a terminal (a spawner's, `ssh host cmd`) reads no line: the user's terminals are told.
             then = ("you will be told here when it is yours" if policy.is_terminal(login.session.tty) else
                     "your terminals will be told when it is yours")
-            return {**reply, "queue": _standing_info(standing),
-                    "message": (queue_message(standing.position, standing.waiting, standing.gpus, standing.estimate,
-                                              then) if standing else NO_GPU_FREE) + self.elsewhere(account.name, answer.quota)}
+            if standing is None:
+                message = NO_GPU_FREE
+            elif standing.fleet_quota is not None:
+                message = fleet_quota_message(standing.fleet_quota, standing.fleet_elsewhere, standing.position,
+                                              standing.waiting, then)
+            else:
+                message = queue_message(standing.position, standing.waiting, standing.gpus, standing.estimate, then)
+            return {**reply, "queue": _standing_info(standing), "message": message + self.elsewhere(account.name, answer.quota)}
         held = self.store.grants(account.uid)
         if not held:
             return {**reply, "message": NO_GPU_FREE}

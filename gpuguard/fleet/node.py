@@ -197,6 +197,11 @@ class FleetNode:
         """Recent usage (decayed GPU-seconds) of `user` on the other servers, as of the last heartbeat."""
         return float(self.usage.get(user, 0.0))
 
+    def held_elsewhere(self, user: str) -> int | None:
+        """The GPUs `user` holds on the other servers, as last seen (a grant-time check or a
+        heartbeat: the users waiting here are asked about at each); None: not known."""
+        return self.held.get(user)
+
     def elsewhere(self, user: str, quota: Quota) -> str:
         """For a login that queues here, holding nothing here: where GPUs are free for this user now
         ('' when nowhere, or not known)."""

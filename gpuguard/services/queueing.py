@@ -35,6 +35,7 @@ FAIRSHARE = "FairShare"   # behind a user with less recent usage
 RESERVED = "Reserved"     # GPUs are free, but held for a request that has waited reserve_after
 HELD = "Held"             # an admin holds the request (`gpuguard hold`): it keeps its place, is not served
 COOLING = "CoolDown"      # a time limit just took its user's GPU: none of that kind for them until reclaim_after
+FLEET = "FleetQuota"      # its user holds their whole fleet quota on this and other servers: served once one is released
 
 
 def reason(ahead: Sequence[scheduler.Waiter], mine: scheduler.Waiter, usage: Mapping[int, float], free: int,
@@ -67,14 +68,19 @@ class Standing:
     priority: int = 0                # the factors of this request's place: its priority,
     usage: float = 0.0               # its user's recent usage (decayed GPU-seconds) over their share,
     boost_at: float | None = None    # and when it goes ahead of younger requests whatever their usage
+    fleet_quota: int | None = None   # the user's fleet quota when they hold all of it (served once they release one)
+    fleet_elsewhere: int = 0         # then: how many of those GPUs are on other servers
 
 
 class Queue:
     def __init__(self, config: Callable[[], Config], store: Store, grants: Grants, holds: QueueHolds,
-                 remote_usage: Callable[[str], float] | None = None):
+                 remote_usage: Callable[[str], float] | None = None,
+                 held_elsewhere: Callable[[str], int | None] | None = None):
         self.config = config
-        # A fleet's (gpuguard.fleet): a user's recent usage on the other servers, added to theirs here.
+        # A fleet's (gpuguard.fleet): a user's recent usage on the other servers, added to theirs
+        # here, and the GPUs they hold there as last seen (None: not known), against a fleet quota.
         self.remote_usage = remote_usage
+        self.held_elsewhere = held_elsewhere
         self.store = store
         self.grants = grants
         self.holds = holds  # the rows an admin holds: kept in place, never served (`gpuguard hold`)
@@ -132,6 +138,7 @@ class Queue:
         held = self.holds.ids
         return [(queued, HELD if queued.waiter.id in held else
                  COOLING if self.grants.cooling(queued.waiter.uid, queued.quota, now) else
+                 FLEET if self._fleet_held(queued.waiter.uid, queued.waiter.user, queued.quota) is not None else
                  reason([w for w, block in zip(waiters[:i], blocks[:i], strict=True) if block], queued.waiter, usage, free, now,
                         scheduling.reserve_after, scheduling.max_wait_boost))
                 for i, queued in enumerate(ordered)]
@@ -147,9 +154,19 @@ class Queue:
         ahead = [(w.user, scheduler.why_ahead(w, mine, usage, now, boost)) for w in reversed(waiters[:place - 1])]
         need = sum(q.waiter.gpus for q in ordered[:place - 1] if self._blocks(q)) + mine.gpus - self.free()
         expiries = [g.expires_at for g in self.store.grants() if g.expires_at is not None]
+        elsewhere = self._fleet_held(uid, mine.user, ordered[place - 1].quota)
         return Standing(place, len(waiters), mine.gpus, mine.since, ahead, scheduler.estimate(need, expiries, now),
                         mine.priority, usage.get(mine.uid, 0.0) / mine.share,
-                        mine.since + boost if boost < float("inf") else None)
+                        mine.since + boost if boost < float("inf") else None,
+                        ordered[place - 1].quota.fleet_gpus if elsewhere is not None else None, elsewhere or 0)
+
+    def _fleet_held(self, uid: int, user: str, quota: Quota) -> int | None:
+        """How many GPUs of the user's fleet quota are on other servers, when they hold all of it
+        (policy.fleet_quota_held); None when they do not, or on a single server."""
+        if self.held_elsewhere is None:
+            return None
+        elsewhere = self.held_elsewhere(user)
+        return elsewhere if policy.fleet_quota_held(quota, elsewhere, len(self.store.grants(uid))) else None
 
     def _blocks(self, queued: Queued) -> bool:
         """Whether this waiter keeps those behind it waiting: not one an admin holds, nor one the

@@ -175,7 +175,8 @@ def build(edges: Edges) -> Services:
                           is_member=lambda uid: membership(edges.lookup, config().access, uid),
                           reaches=grants.reaches, accounts=accounts)
     holds = QueueHolds(state_dir / HOLDS_FILE if state_dir else None, store)
-    queue = Queue(config, store, grants, holds, remote_usage=node.remote_usage if node else None)
+    queue = Queue(config, store, grants, holds, remote_usage=node.remote_usage if node else None,
+                  held_elsewhere=node.held_elsewhere if node else None)
     asks = Asks(config, store, grants, queue)
     tickets = Tickets(store, queue, grants, edges.terminals, edges.clock)
     queue.listeners.append(tickets.served)

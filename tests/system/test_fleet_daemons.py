@@ -132,6 +132,28 @@ def test_a_fleet_quota_holds_across_servers_and_the_queue_follows_a_release_else
     assert wait_for(lambda: fleet.ledger() == expected), fleet.ledger()  # the usage of both ended grants
 
 
+def test_a_user_at_their_fleet_quota_is_told_so_at_login_in_whoami_and_status(fleet):
+    alice = member(fleet)
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 2}}})
+    assert len(fleet.login("gpu1", alice)["gpus"]) == 2
+    gpu2 = fleet.nodes["gpu2"]
+    # gpu2 has both its GPUs free: what keeps her waiting is her GPUs on gpu1, not this server
+    queued = fleet.login("gpu2", alice)
+    assert queued["gpus"] == [] and queued["message"].startswith(
+        "gpuguard: you hold your fleet quota of 2 GPUs (2 on other servers); you are number 1 of 1 in the queue "
+        "here, served once you release one there"), queued["message"]
+    assert "no GPU is free" not in queued["message"]
+    whoami = gpu2.cli_as(alice, "whoami")
+    assert whoami.returncode == 0, whoami.stderr
+    assert ", fleet quota 2 GPUs on all servers together" in whoami.stdout
+    assert ("you hold all of your fleet quota (2 GPUs on all servers together, 2 of them on other servers): "
+            "you are served here once you release one there") in whoami.stdout, whoami.stdout
+    assert "free but held for requests ahead" not in whoami.stdout
+    assert [q["reason"] for q in gpu2.call("status")["queue"]] == ["FleetQuota"]
+    status = gpu2.cli("status")
+    assert "FleetQuota" in status.stdout and "Resources" not in status.stdout, status.stdout
+
+
 def test_fair_share_counts_usage_on_the_other_servers(fleet):
     heavy, light, holder, other = member(fleet), member(fleet), member(fleet), member(fleet)
     fleet.start(quotas={"users": {name: {"gpus": 1} for name in (heavy.name, light.name, holder.name)}},

@@ -127,9 +127,9 @@ def test_outbox_keeps_rows_until_confirmed_and_never_reuses_a_seq(tmp_path):
     pending = outbox.pending()
     assert [(r["username"], r["minor"], r["started"], r["ended"]) for r in pending] == [
         ("alice", 3, 100.0, 160.0), ("alice", 3, 100.0, 260.0)]
-    outbox.confirm(pending[0]["seq"], 1, 300.0)
+    outbox.confirm(pending[0]["seq"], 300.0)
     assert [r["seq"] for r in outbox.pending()] == [pending[1]["seq"]]
-    outbox.confirm(pending[1]["seq"], 1, 300.0)
+    outbox.confirm(pending[1]["seq"], 300.0)
     outbox.add([grant], now=300.0)
     assert outbox.pending()[0]["seq"] > pending[1]["seq"]  # a replayed row is never mistaken for a new one
     incarnation = outbox.incarnation

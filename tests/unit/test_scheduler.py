@@ -9,6 +9,7 @@ import pytest
 
 from gpuguard.core import scheduler
 from gpuguard.core.model import Grant
+from gpuguard.core.quantities import format_gpu_hours
 from gpuguard.core.scheduler import Waiter
 
 DAY = 86400.0
@@ -53,6 +54,14 @@ def test_order_is_priority_then_fair_share_then_arrival():
     assert scheduler.why_ahead(important, light, usage) == "higher priority (5 > 0)"
     assert scheduler.why_ahead(light, first_come, usage).startswith("less recent GPU usage (1.0 < 10.0")
     assert scheduler.why_ahead(light, light_later, usage) == "asked earlier"
+
+
+def test_a_fair_share_reason_shows_the_two_usages_apart_however_small():
+    usage = {1: 0.4, 2: 7.0, 3: 3600.0, 4: 3600.4}  # GPU-seconds: 0.00011 and 0.0019 GPU-hours
+    assert scheduler.why_ahead(waiter(1, 1), waiter(2, 2), usage) == \
+        "less recent GPU usage (0.000 < 0.002 GPU-hours)"
+    assert scheduler.why_ahead(waiter(3, 3), waiter(4, 4), usage).startswith("less recent GPU usage (1.0000 < 1.0001")
+    assert format_gpu_hours(5400.0) == ("1.5",) and format_gpu_hours(0.0, 0.0) == ("0.0", "0.0")
 
 
 def test_a_request_older_than_max_wait_boost_goes_ahead_of_younger_ones_whatever_the_usage():
