@@ -86,9 +86,14 @@ def print_json(data: Any) -> None:
 
 
 def print_rows(rows: list[list[str]]) -> None:
-    """A plain aligned table, first row the header, like ps and nvidia-smi print."""
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    for row in rows:
+    """A plain aligned table, first row the header, like ps and nvidia-smi print. A cell is one
+    line whatever it holds (a name from a database or a process): a newline in it is written as
+    `\\n`, so it cannot start a forged row; only colour sequences pass (the status table's own)."""
+    from gpuguard.core.escape import printable_keeping_colour
+
+    cells = [[printable_keeping_colour(cell) for cell in row] for row in rows]
+    widths = [max(len(row[column]) for row in cells) for column in range(len(cells[0]))]
+    for row in cells:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
 
 
