@@ -105,7 +105,7 @@ class FleetOps:
             return protocol.refused(f"{data} is not under any path of [fleet.data] "
                                     f"({', '.join(p for p, _ in self.node.config.data) or 'none configured'})", 2)
         fleet = await self._fleet()
-        choices = ranking.rank(fleet, account.name, quota.fleet_gpus, wanted, holders)
+        choices = ranking.rank(fleet, account.name, quota.fleet_gpus, wanted, holders, per_node=quota.gpus)
         return protocol.ok(user=account.name, fleet_gpus=quota.fleet_gpus, held=ranking.held_by(fleet, account.name),
                            wanted=wanted, data=data, data_holders=list(holders or ()),
                            choices=[{"node": c.node.name, "rack": c.node.rack, "ssh": c.ssh, "free": c.node.free,

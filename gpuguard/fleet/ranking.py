@@ -41,11 +41,17 @@ class NodeView:
     def free(self) -> int:
         return sum(1 for gpu in self.gpus if gpu.owner == "gpuguard" and not gpu.holders)
 
+    @property
+    def open(self) -> int:
+        """Free GPUs a newcomer could be given now: those the node's queue waits for go to it first."""
+        return max(0, self.free - self.queued_gpus)
+
 
 @dataclass(frozen=True)
 class Choice:
     node: NodeView
-    may_take: int              # GPUs the user may take there now: free ones, within their fleet quota
+    may_take: int              # GPUs the user may take there now: free ones the queue does not wait for,
+                               # within their quota on one server and their fleet quota
     locality: int | None       # index into LOCALITY, None when no data path was given
 
     @property
@@ -90,13 +96,24 @@ def locality(node: NodeView, holders: Sequence[str], racks: Mapping[str, str]) -
 
 
 def rank(fleet: Sequence[NodeView], user: str, fleet_gpus: int | None, wanted: int,
-         holders: Sequence[str] | None) -> list[Choice]:
+         holders: Sequence[str] | None, per_node: int | None = None) -> list[Choice]:
     """The servers for `user`, best first: first those where they may take `wanted` GPUs now,
-    then by data locality (when holders is given), then the shorter queue, then more free GPUs."""
+    then by data locality (when holders is given), then the shorter queue, then more GPUs to
+    take. What they may take on a node: its free GPUs less those its queue waits for, at most
+    `per_node` (their quota on one server: the nodes share one quotas file) less what they hold
+    there, within what is left of their fleet quota."""
     room = None if fleet_gpus is None else max(0, fleet_gpus - held_by(fleet, user))
     racks = {node.name: node.rack for node in fleet}
-    choices = [Choice(node, node.free if room is None else min(node.free, room),
-                      None if holders is None else locality(node, holders, racks))
+
+    def may_take(node: NodeView) -> int:
+        caps = [node.open]
+        if room is not None:
+            caps.append(room)
+        if per_node is not None:
+            caps.append(per_node - sum(1 for gpu in node.gpus if user in gpu.holders))
+        return max(0, min(caps))
+
+    choices = [Choice(node, may_take(node), None if holders is None else locality(node, holders, racks))
                for node in fleet if not node.lost]
     return sorted(choices, key=lambda c: (c.may_take < wanted, c.locality or 0, c.node.queued, -c.may_take,
                                           c.node.name))

@@ -114,6 +114,16 @@ def test_where_counts_the_fleet_quota():
     assert all(c.may_take == 0 for c in ranking.rank(FLEET, "alice", fleet_gpus=1, wanted=1, holders=None))
 
 
+def test_where_counts_the_gpus_a_queue_waits_for_and_the_quota_on_one_server():
+    # the issue's case: gpu1's one free GPU is the queue head's; gpu2 and gpu3 have 4 free each
+    fleet = ranking.nodes([row("gpu1", "r1", 0, queued=1), row("gpu1", "r1", 1, ("bob",)),
+                           *(row("gpu2", "r1", m) for m in range(4)), *(row("gpu3", "r2", m) for m in range(4))])
+    ranked = ranking.rank(fleet, "alice", fleet_gpus=None, wanted=1, holders=None, per_node=2)
+    assert [(c.node.name, c.may_take) for c in ranked] == [("gpu2", 2), ("gpu3", 2), ("gpu1", 0)]
+    held = ranking.nodes([row("gpu2", "r1", 0, ("alice",)), *(row("gpu2", "r1", m) for m in range(1, 4))])
+    assert ranking.rank(held, "alice", None, 1, None, per_node=2)[0].may_take == 1  # she holds one of her 2 there
+
+
 def test_a_path_under_no_data_entry_is_not_mapped():
     assert ranking.data_holders("/scratch/x", [("/data", ("r2",))]) is None
     assert ranking.data_holders("/datasets", [("/data", ("r2",))]) is None  # a prefix of the name is not a parent
