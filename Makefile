@@ -45,7 +45,7 @@ DESTDIR    ?=
 # The pure level (tests/unit): no root, users, PAM, gate or daemon; any user runs it in seconds.
 UNIT_TESTS = tests/unit
 
-.PHONY: all build-deps deps venv pam lint test test-unit test-py310 demo demo-mig bench gpu-smoke man deb lock install uninstall clean
+.PHONY: all build-deps deps venv pam lint test test-unit test-py310 demo demo-mig bench gpu-smoke man deb deb-source lock install uninstall clean
 
 all: venv pam
 
@@ -120,6 +120,12 @@ gpu-smoke: venv
 # e.g. for a local rebuild). Then `lintian gpuguard_*.deb` (docs/admin.md, Installing: what it still says, and why).
 deb: build-deps
 	packaging/build-deb.sh . $(DEB_VERSION)
+
+# The source package in the current directory (gpuguard_<version>.dsc, .tar.xz, _source.changes):
+# it builds offline on any Debian with its Build-Depends (sbuild, pbuilder, a PPA), since the one
+# module Debian lacks (nvidia-ml-py's pynvml.py) is in debian/vendor/ (packaging/vendor-nvml.sh).
+deb-source: build-deps
+	packaging/build-deb.sh --source . $(DEB_VERSION)
 
 # The man pages (gpuguard.1, gpuguard.8, gpuguard.toml.5, pam_gpuguard.8) and the bash completion
 # in build/, generated from the argparse definitions and the config loader's table
