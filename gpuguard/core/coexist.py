@@ -44,6 +44,7 @@ class SlurmFacts:
     gres: NodeGpus | None = None          # what gres.conf says about this node; None: absent or unreadable
     gres_error: str | None = None         # why gres.conf could not be read (one line)
     scontrol_gpus: int | None = None      # GPUs `scontrol show node` gives this node; None: not asked, no answer
+    gres_conf: str = ""                   # the gres.conf slurmd reads (a configless one's cache); "": coexist.gres_conf
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,11 @@ def _slurm_gpus(config: CoexistConfig, facts: SlurmFacts | None,
     if config.slurm == "off":
         return set(), frozenset(), []
     assert facts is not None, "slurm auto or unset needs the facts"
+    gres_conf = facts.gres_conf or str(config.gres_conf)
     if config.slurm is None:
         if facts.slurmd_running and facts.gres_conf_present:
             raise CoexistError(
-                f"this is a Slurm node (slurmd runs, {config.gres_conf} exists) and [coexist] slurm is not set: "
+                f"this is a Slurm node (slurmd runs, {gres_conf} exists) and [coexist] slurm is not set: "
                 'set slurm = "auto" to leave the GPUs of gres.conf to Slurm, or "off" to manage them all; '
                 "not starting rather than lock Slurm's jobs out")
         return set(), frozenset(), []
@@ -101,7 +103,7 @@ def _slurm_gpus(config: CoexistConfig, facts: SlurmFacts | None,
     if facts.gres_error is not None:
         raise CoexistError(f"coexist.slurm = auto: {facts.gres_error}")
     gres = facts.gres or NodeGpus(autodetect=False)
-    where = f"{config.gres_conf}, node {facts.node}"
+    where = f"{gres_conf}, node {facts.node}"
     if gres.autodetect:
         return set(present), gres.caps, [f"Slurm: every GPU ({number_list(sorted(present))}: AutoDetect in {where})"]
     if gres.counted:
@@ -110,7 +112,7 @@ def _slurm_gpus(config: CoexistConfig, facts: SlurmFacts | None,
     if facts.scontrol_gpus is not None and facts.scontrol_gpus > len(gres.minors):
         named = f"names only {number_list(sorted(gres.minors))}" if gres.minors else "names none"
         raise CoexistError(f"scontrol show node {facts.node} gives it {facts.scontrol_gpus} GPUs but "
-                           f"{config.gres_conf} {named}: name them all with File= or list them in coexist.slurm")
+                           f"{gres_conf} {named}: name them all with File= or list them in coexist.slurm")
     if not gres.minors:
         return set(), gres.caps, [f"Slurm: no GPU ({where} names none)"]
     return set(gres.minors), gres.caps, [f"Slurm: GPUs {number_list(sorted(gres.minors))} ({where})"]

@@ -139,19 +139,42 @@ def check_nodes(f: Facts) -> Finding:
     if f.daemon is not None:
         for gpu in f.daemon.get("gpus", []):
             holders[gpu["minor"]] = {h["uid"] for h in gpu["holders"]}
-    wrong = []
+    wrong, foreign_wrong = [], []
     for minor, node in sorted(f.nodes.items()):
-        if not node.exists or minor in f.foreign:  # Slurm's or Kubernetes': as their owner keeps them
+        if not node.exists:
+            continue
+        if minor in f.foreign:  # Slurm's or Kubernetes': as the driver makes them, their cgroups decide
+            if (problem := _foreign_node_problem(node)) is not None:
+                foreign_wrong.append(problem)
             continue
         if not node.is_char or node.mode != 0o660 or (node.uid, node.gid) != (0, 0):
             wrong.append(f"{node.path} is {oct(node.mode)} {node.uid}:{node.gid} (want 0660 root:root)")
         elif f.daemon is not None and node.acl_users != (holders.get(minor, set()) | f.exempt_uids) - {0}:
             wrong.append(f"{node.path} ACL users {sorted(node.acl_users)}, "
                          f"want {sorted((holders.get(minor, set()) | f.exempt_uids) - {0})}")
+    if foreign_wrong:
+        return Finding("nodes", FAIL, "; ".join(foreign_wrong + wrong),
+                       "systemctl restart gpuguard (it gives their nodes back: 0666, no ACL), "
+                       "or setfacl -b NODE && chmod 0666 NODE")
     if wrong:
         return Finding("nodes", FAIL, "; ".join(wrong), "gpuguard acl apply (with the daemon running)")
     checked = "modes and ACLs" if f.daemon is not None else "modes (ACLs need the daemon)"
-    return Finding("nodes", OK, f"{len(f.nodes)} GPU nodes: {checked} right")
+    others = f", {len(f.foreign)} of another system's (coexist) as its jobs need" if f.foreign else ""
+    return Finding("nodes", OK, f"{len(f.nodes)} GPU nodes: {checked} right{others}")
+
+
+def _foreign_node_problem(node: Node) -> str | None:
+    """What keeps the jobs of the GPU's owner (Slurm, Kubernetes) out of a node of theirs, or a user gpuguard
+    once let in: their jobs open it as the driver makes it, readable and writable by all with no ACL."""
+    if not node.is_char:
+        return f"{node.path} is not a character device"
+    if node.acl_users:
+        return (f"{node.path} is another system's (coexist) but keeps ACL users {sorted(node.acl_users)} "
+                "of gpuguard's (want none)")
+    if node.mode & 0o006 != 0o006:
+        return (f"{node.path} is {oct(node.mode)} {node.uid}:{node.gid}: another system's (coexist), whose jobs "
+                "get EACCES (want 0666, as the driver makes it)")
+    return None
 
 
 def check_modprobe(f: Facts) -> Finding:

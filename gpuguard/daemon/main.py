@@ -32,6 +32,7 @@ from gpuguard import fleet
 from gpuguard.backends import (
     GateError,
     caps_major,
+    coexist_nodes,
     devnodes,
     driver_minors,
     notify,
@@ -152,6 +153,9 @@ class Daemon:
                 gpu = unit_parent(grant.unit)
                 self.services.releases.take_back(grant.uid, [grant.unit], time.time(), kind=EventKind.REVOKE,
                                                  rule=Rule.COEXIST, message=f"GPU {gpu} belongs to {owner} now (coexist)")
+        # Their nodes as their owner expects them (0666, no ACL), not as gpuguard left them: Slurm's jobs open them
+        for node in coexist_nodes.hand_over(self.config, self.ownership):
+            event(logging.WARNING, "coexist_node", repaired=node, owners=self.ownership.summary())
 
     async def _handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         if request["op"] in fleet.OPERATIONS:
