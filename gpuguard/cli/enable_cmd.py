@@ -1,12 +1,13 @@
 """`gpuguard enable` and `gpuguard disable`: make an installed gpuguard take effect, or undo it.
 
 enable: first whether the daemon can start here at all (core/readiness.py: NVML loads and the
-GPUs answer, cgroup v2, bpf(), bpffs, Slurm decided); where it cannot, nothing is changed and the
-reason is said in one line (exit 5) unless --force. Then the modprobe.d option and the udev
-rule linked into /etc (gpuguard.activation), udev reloaded, the PAM profile on (pam-auth-update),
-the daemon enabled and started (systemctl).
-disable: all of it undone, the daemon stopped first (it would close the nodes again), the gate
-detached, and the GPU nodes opened as the driver makes them. Each tool is used where it exists
+GPUs answer, cgroup v2, bpf(), bpffs, Slurm decided, psycopg where [fleet] is set); where it
+cannot, nothing is changed and the reason is said in one line (exit 5) unless --force. Then the
+modprobe.d option and the udev rule linked into /etc (gpuguard.activation), udev reloaded, the PAM
+profile on (pam-auth-update), the daemon enabled and started (systemctl), and the web view's unit
+too where [web] listen is set.
+disable: all of it undone, the web view and the daemon stopped first (the daemon would close the
+nodes again), the gate detached, and the GPU nodes opened as the driver makes them. Each tool is used where it exists
 (a container has no systemd, Fedora no pam-auth-update): what is left to do by hand is printed.
 """
 from __future__ import annotations
@@ -24,11 +25,14 @@ from gpuguard import activation
 from gpuguard import config as configuration
 from gpuguard.cli import CommandError, load_config, require_root
 from gpuguard.core import readiness
-from gpuguard.core.doctor import Finding
+from gpuguard.core.doctor import FAIL, Finding
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK
 
 PAM_PROFILE = Path("/usr/share/pam-configs/gpuguard")
 UNIT = "gpuguard.service"
+WEB_UNIT = "gpuguard-web.service"
+# Where a unit file of the web view may be (the package's, `make install`'s, an admin's own).
+UNIT_DIRS = (Path("/etc/systemd/system"), Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
 MODULE_LINE = "session optional pam_gpuguard.so"
 
 
@@ -36,9 +40,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     enable = subparsers.add_parser(
         "enable", help="make gpuguard take effect: modprobe.d option, udev rule, PAM profile, daemon (root)",
         description="Make an installed gpuguard take effect, once /etc/gpuguard is configured: the modprobe.d "
-                    "option and the udev rule linked into /etc, the PAM profile on, the daemon enabled and started. "
+                    "option and the udev rule linked into /etc, the PAM profile on, the daemon enabled and started "
+                    "(and the web view's unit, where [web] listen is set). "
                     "First it checks that the daemon can start here (NVML loads and the GPUs answer, cgroup v2, "
-                    "bpf and bpffs, Slurm decided); where it cannot, it changes nothing and exits 5 with the reason. "
+                    "bpf and bpffs, Slurm decided, psycopg where [fleet] is set); where it cannot, it changes "
+                    "nothing and exits 5 with the reason. "
                     "Example: sudo gpuguard enable")
     enable.add_argument("--force", action="store_true",
                         help="enable even where the daemon cannot start yet (e.g. the NVIDIA driver is not installed): "
@@ -46,8 +52,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     enable.set_defaults(func=enable_command)
     disable = subparsers.add_parser(
         "disable", help="undo enable: daemon stopped, gate detached, GPU nodes open as the driver makes them (root)",
-        description="Undo enable: the daemon stopped, the gate detached, the links and the PAM profile removed, "
-                    "the GPU nodes open as the driver makes them. Example: sudo gpuguard disable")
+        description="Undo enable: the web view and the daemon stopped and disabled, the gate detached, the links "
+                    "and the PAM profile removed, the GPU nodes open as the driver makes them. Example: sudo gpuguard disable")
     disable.add_argument("--quiet", action="store_true", help="print failures only (the package's prerm)")
     disable.add_argument("--gate-name", default="gpuguard", help=argparse.SUPPRESS)  # tests run gates of their own
     disable.set_defaults(func=disable_command)
@@ -93,8 +99,28 @@ def _cannot_start(config: configuration.Config) -> list[Finding]:
     from gpuguard.cli.doctor_cmd import gather
     with open("/proc/filesystems") as filesystems:
         supported = any(line.split()[-1:] == ["bpf"] for line in filesystems)
-    return readiness.blockers(gather(config, "sshd", Path("/")),
-                              readiness.check_bpffs(config.access.mode, bpffs_mounted(), supported))
+    found = readiness.blockers(gather(config, "sshd", Path("/")),
+                               readiness.check_bpffs(config.access.mode, bpffs_mounted(), supported))
+    return [*found, *_fleet_blockers(config)]
+
+
+def _fleet_blockers(config: configuration.Config) -> list[Finding]:
+    """A fleet node's daemon needs psycopg, which the package only suggests (a single server never
+    loads it): without it the daemon cannot start."""
+    if config.fleet is None:
+        return []
+    try:
+        import psycopg  # noqa: F401  # only whether it imports, as the daemon's fleet code will
+        import psycopg_pool  # noqa: F401
+    except ImportError as exc:
+        return [Finding("fleet", FAIL, f"[fleet] is set but {exc.name or 'psycopg'} cannot be imported: "
+                        "the daemon cannot reach the fleet database",
+                        "apt install python3-psycopg python3-psycopg-pool (or remove [fleet])")]
+    return []
+
+
+def _web_unit_installed() -> bool:
+    return any((directory / WEB_UNIT).exists() for directory in UNIT_DIRS)
 
 
 def enable_command(args: argparse.Namespace) -> int:
@@ -118,6 +144,8 @@ def enable_command(args: argparse.Namespace) -> int:
         print(f"PAM: add `{MODULE_LINE}` to the session stacks that hand out GPUs (pam_gpuguard(8))")
     if _systemd():
         steps.run(["systemctl", "enable", "--now", UNIT], f"systemd: {UNIT} enabled and started")
+        if loaded.web.listen is not None and _web_unit_installed():
+            steps.run(["systemctl", "enable", "--now", WEB_UNIT], f"systemd: {WEB_UNIT} enabled and started")
     else:
         print(f"no systemd here: start `gpuguard --config {loaded.source} daemon` as root yourself")
     print("the modprobe.d option takes effect the next time the nvidia module loads (reboot)")
@@ -130,6 +158,9 @@ def disable_command(args: argparse.Namespace) -> int:
     if _pam_auth_update():
         steps.run(["pam-auth-update", "--disable", "gpuguard"], "PAM: pam_gpuguard.so out of common-session")
     if _systemd():
+        # The web view first: it asks the daemon, and `enable` (or the admin) may have started it.
+        if _web_unit_installed():
+            steps.run(["systemctl", "disable", "--now", WEB_UNIT], f"systemd: {WEB_UNIT} stopped and disabled")
         steps.run(["systemctl", "disable", "--now", UNIT], f"systemd: {UNIT} stopped and disabled")
     from gpuguard.backends.gate import Gate  # ctypes and the assembler: only here
     gate = Gate(args.gate_name)

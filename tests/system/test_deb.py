@@ -37,6 +37,7 @@ from test_shipped_files import udev_matches, udev_rules
 from devtools.harness import gate_test_lock
 from gpuguard import __version__, config
 from gpuguard.backends.gate import PIN_ROOT, Gate
+from gpuguard.core.readiness import EXIT_CANNOT_START
 
 # useradd and groupadd of other test runs hold /etc/passwd.PID, /etc/group.lock and the like for a moment.
 SHADOW_LOCK = re.compile(r"\.(\d+|lock)$")
@@ -51,7 +52,8 @@ WATCHED = ["/opt", "/usr/bin", "/usr/lib/gpuguard", f"{DIST_PACKAGES}/gpuguard",
            "/usr/share/doc/gpuguard", "/usr/share/man/man1", "/usr/share/man/man5", "/usr/share/man/man8",
            "/usr/share/bash-completion/completions", "/usr/share/python3/runtime.d",
            "/etc/pam.d", "/etc/gpuguard", "/etc/systemd/system", "/etc/modprobe.d", "/etc/udev/rules.d",
-           "/var/lib/gpuguard", "/var/lib/dpkg/info", "/var/lib/pam", "/run/gpuguard"]
+           "/var/lib/gpuguard", "/var/lib/gpuguard-web", "/var/lib/private", "/var/lib/dpkg/info", "/var/lib/pam",
+           "/run/gpuguard"]
 # `gpuguard enable` here: --force, as the NVIDIA driver is simulated (enable refuses where NVML cannot load).
 ENABLE = ["/usr/bin/gpuguard", "enable", "--force"]
 # What `gpuguard enable` links, to what.
@@ -59,6 +61,11 @@ LINKS = {Path("/etc/modprobe.d/gpuguard.conf"): "/usr/lib/gpuguard/modprobe.d/gp
          Path("/etc/udev/rules.d/70-gpuguard.rules"): "/usr/lib/gpuguard/udev/70-gpuguard.rules"}
 UDEV_DIRS = ["/etc/udev/rules.d", "/run/udev/rules.d", "/usr/lib/udev/rules.d", "/lib/udev/rules.d"]
 GPUS = 4
+# What `systemctl enable gpuguard-web` and the web view's first start (DynamicUser=, StateDirectory=)
+# make: the wants link, the state directory in /var/lib/private and its link, the session key.
+WEB_WANTS = Path("/etc/systemd/system/multi-user.target.wants/gpuguard-web.service")
+WEB_STATE = Path("/var/lib/gpuguard-web")
+WEB_PRIVATE = Path("/var/lib/private")
 
 pytestmark = [
     pytest.mark.gate,
@@ -215,6 +222,11 @@ def check_installed(deb: Path, version: str) -> None:
     conffiles = subprocess.run(["dpkg-query", "-W", "-f=${Conffiles}", "gpuguard"], capture_output=True,
                                text=True, check=True).stdout.split()
     assert {"/etc/gpuguard/gpuguard.toml", "/etc/gpuguard/quotas.toml"} <= set(conffiles)
+    # A single server never loads psycopg: only a fleet's node needs it, so it is only suggested.
+    fields = {field: subprocess.run(["dpkg-deb", "-f", str(deb), field], capture_output=True, text=True,
+                                    check=True).stdout for field in ("Depends", "Recommends", "Suggests")}
+    assert "psycopg" not in fields["Depends"] + fields["Recommends"], fields
+    assert "python3-psycopg " in fields["Suggests"] and "python3-psycopg-pool" in fields["Suggests"], fields
 
     version_line = subprocess.run(["/usr/bin/gpuguard", "--version"], capture_output=True, text=True)
     assert version_line.stdout.strip() == f"gpuguard {__version__}", version_line
@@ -250,6 +262,20 @@ def test_lintian_finds_no_error_and_no_warning(debs) -> None:
     assert not re.search(r"^[EW]: ", result.stdout, re.MULTILINE), result.stdout
 
 
+def web_view_ran() -> bool:
+    """Make what enabling and running gpuguard-web.service leaves (no systemd as PID 1 here to do it);
+    True where /var/lib/private was made for it."""
+    WEB_WANTS.parent.mkdir(parents=True, exist_ok=True)
+    WEB_WANTS.symlink_to("/usr/lib/systemd/system/gpuguard-web.service")
+    made_private = not WEB_PRIVATE.exists()
+    (WEB_PRIVATE / WEB_STATE.name).mkdir(mode=0o700, parents=True)
+    if made_private:
+        WEB_PRIVATE.chmod(0o700)
+    (WEB_PRIVATE / WEB_STATE.name / "session.key").write_bytes(os.urandom(32))
+    WEB_STATE.symlink_to(f"private/{WEB_STATE.name}")
+    return made_private
+
+
 def test_install_upgrade_purge_leaves_nothing(debs, sandbox, clean_machine) -> None:
     common_session = Path("/etc/pam.d/common-session").read_text()
     before = snapshot()
@@ -260,6 +286,7 @@ def test_install_upgrade_purge_leaves_nothing(debs, sandbox, clean_machine) -> N
     check_installed(deb, first)
     check_module_loads_by_name()
     assert pam_lines() == 0  # inert: the profile is registered, not on
+    made_private = web_view_ran()
 
     # State the upgrade must keep: an admin's edit of a conffile, the store, the pinned gate, the
     # PAM profile turned on.
@@ -297,10 +324,17 @@ def test_install_upgrade_purge_leaves_nothing(debs, sandbox, clean_machine) -> N
     assert not [link for link in LINKS if os.path.lexists(link)]  # prerm ran `gpuguard disable`
     assert quotas.exists() and state.exists()  # remove keeps the configuration and the state
 
+    assert (WEB_PRIVATE / WEB_STATE.name / "session.key").exists()  # remove keeps the web view's key
+
     purged = dpkg("--purge", "gpuguard")
     assert purged.returncode == 0, purged.stderr
     assert dpkg("-s", "gpuguard").returncode != 0
     assert Path("/etc/pam.d/common-session").read_text() == common_session
+    # The web view's wants link, state and key are gone; /var/lib/private, systemd's for every
+    # DynamicUser= service, stays (emptied, it is removed here where this test made it).
+    assert not [path for path in (WEB_WANTS, WEB_STATE, WEB_PRIVATE / WEB_STATE.name) if os.path.lexists(path)]
+    if made_private:
+        WEB_PRIVATE.rmdir()
     assert snapshot() ^ before == set()
 
 
@@ -372,6 +406,16 @@ def test_install_is_inert_until_enable_and_disable_opens_the_gpus_again(
     assert node_results(everyone, device_dir) == dict.fromkeys(range(GPUS), ALLOWED)
     assert pam_lines() == 0
     assert not Path("/etc/systemd/system/multi-user.target.wants/gpuguard.service").exists()
+
+    # A fleet's node on Debian's python3 without the suggested psycopg: enable refuses, saying so.
+    fleet = sandbox / "fleet.toml"
+    fleet.write_text('[fleet]\ndatabase = "host=/nonexistent"\nnode = "ggt-node"\n')
+    refused = subprocess.run(["/usr/bin/gpuguard", "--config", str(fleet), "enable"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == EXIT_CANNOT_START, refused
+    assert "fleet: [fleet] is set but psycopg cannot be imported" in refused.stderr, refused.stderr
+    assert "apt install python3-psycopg python3-psycopg-pool" in refused.stderr, refused.stderr
+    assert pam_lines() == 0 and not [link for link in LINKS if os.path.lexists(link)]
 
     enabled = subprocess.run(ENABLE, capture_output=True, text=True, timeout=120)
     assert enabled.returncode == 0, enabled.stderr
