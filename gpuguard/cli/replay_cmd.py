@@ -12,7 +12,6 @@ from gpuguard import config as configuration
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.core.quantities import format_duration
-from gpuguard.replay import baselines, engine, trace
 
 TYPE_CHECKING = False  # not typing's: importing it costs every command a few ms
 if TYPE_CHECKING:
@@ -70,6 +69,8 @@ def policy_config(path: str | None) -> configuration.Config:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    from gpuguard.replay import baselines, engine, trace  # here: the full parser (--help) loads this module
+
     config = policy_config(getattr(args, "config", None))
     gpus = args.gpus if args.gpus is not None else config.gpu.simulated.count
     if not 1 <= gpus <= engine.MAX_POOL:
@@ -146,6 +147,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from gpuguard.replay import trace
+
     notes: Counter[str] = Counter()
     jobs = trace.write_csv(trace.read(args.trace, notes), sys.stdout)
     print(f"gpuguard: {jobs} jobs written", file=sys.stderr)
@@ -161,6 +164,8 @@ def _say_notes(notes: Counter[str]) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from gpuguard.replay import trace
+
     if args.jobs < 1 or args.users < 1:
         raise CommandError("--jobs and --users must be at least 1", EXIT_USAGE)
     if not 0 < args.days < math.inf:
