@@ -160,6 +160,10 @@ install: pam man
 	chmod 0644 $(DESTDIR)$(UNITDIR)/gpuguard.service $(DESTDIR)$(LIBDIR)/udev/70-gpuguard.rules
 	sed 's|/usr/bin/gpuguard|$(APPDIR)/bin/gpuguard|g' etc/gpuguard-web.service > $(DESTDIR)$(UNITDIR)/gpuguard-web.service
 	chmod 0644 $(DESTDIR)$(UNITDIR)/gpuguard-web.service
+	@# The web view's password check, as root (etc/gpuguard-web-login.socket says why): this install's Python.
+	install -m 0644 etc/gpuguard-web-login.socket $(DESTDIR)$(UNITDIR)/gpuguard-web-login.socket
+	sed 's|/usr/bin/python3 |$(APPDIR)/bin/python |' 'etc/gpuguard-web-login@.service' > '$(DESTDIR)$(UNITDIR)/gpuguard-web-login@.service'
+	chmod 0644 '$(DESTDIR)$(UNITDIR)/gpuguard-web-login@.service'
 	[ -e $(DESTDIR)$(SYSCONFDIR)/pam.d/gpuguard-web ] || install -D -m 0644 etc/pam.d/gpuguard-web $(DESTDIR)$(SYSCONFDIR)/pam.d/gpuguard-web
 	install -D -m 0644 build/gpuguard.1 $(DESTDIR)$(MANDIR)/man1/gpuguard.1
 	install -D -m 0644 build/gpuguard.8 $(DESTDIR)$(MANDIR)/man8/gpuguard.8
@@ -181,6 +185,7 @@ install: pam man
 uninstall:
 	rm -rf $(DESTDIR)$(APPDIR) $(DESTDIR)$(LIBDIR)
 	rm -f $(DESTDIR)$(PREFIX)/bin/gpuguard $(DESTDIR)$(UNITDIR)/gpuguard.service $(DESTDIR)$(UNITDIR)/gpuguard-web.service \
+		$(DESTDIR)$(UNITDIR)/gpuguard-web-login.socket '$(DESTDIR)$(UNITDIR)/gpuguard-web-login@.service' \
 		$(DESTDIR)$(MANDIR)/man1/gpuguard.1 $(DESTDIR)$(MANDIR)/man8/gpuguard.8 \
 		$(DESTDIR)$(MANDIR)/man8/pam_gpuguard.8 $(DESTDIR)$(MANDIR)/man5/gpuguard.toml.5 \
 		$(DESTDIR)$(BASHCOMPDIR)/gpuguard $(DESTDIR)$(SYSCONFDIR)/profile.d/gpuguard.sh \

@@ -5,8 +5,9 @@ this server's daemon over its socket.
 
 It runs as its own account (`[web] user`, gpuguard-web in the package's unit), never as root: it
 parses what the network sends, and needs no privilege for it. The daemon lets that account read
-every user's records and change nothing; PAM (pam_unix) needs it to read /etc/shadow, which the
-unit gives through the shadow group.
+every user's records and change nothing. PAM (pam_unix) and the sweep read /etc/shadow in this
+process where it may; the package's unit gives it no shadow group, and a root helper answers
+them instead (login_helper.py says why).
 """
 from __future__ import annotations
 
@@ -38,7 +39,17 @@ from gpuguard.web.sources import LocalDaemon, Source
 
 def pam_authenticate(service: str) -> Callable[[str, str, str], bool]:
     """user, password, client address -> whether the PAM service accepts them (authentication and
-    account checks), with the client as PAM_RHOST (pam_unix's failure line names it)."""
+    account checks), with the client as PAM_RHOST (pam_unix's failure line names it). In this
+    process where it may read /etc/shadow; otherwise (the package's unit: no shadow group) by the
+    root helper of gpuguard-web-login.socket (login_helper.py says why)."""
+    if os.access("/etc/shadow", os.R_OK):
+        return in_process_authenticate(service)
+    from gpuguard.web.login_helper import ask
+    return ask
+
+
+def in_process_authenticate(service: str) -> Callable[[str, str, str], bool]:
+    """pam_authenticate in this process (the login helper's own, as root)."""
     import pam  # python-pam: ctypes over libpam; loaded by `gpuguard web` only
 
     def authenticate(user: str, password: str, client: str) -> bool:
@@ -73,7 +84,10 @@ def ended(users: Sequence[str]) -> dict[str, str]:
         except UnknownUser:
             reasons[user] = "removed"
     try:
-        return {**shadow.ended(users), **reasons}
+        if os.access(shadow.SHADOW, os.R_OK):
+            return {**shadow.ended(users), **reasons}
+        from gpuguard.web import login_helper  # the package's unit: no shadow group (login_helper.py)
+        return {**login_helper.ended(users), **reasons}
     except OSError as exc:
         event(logging.WARNING, "web_shadow_unreadable", path=str(shadow.SHADOW), error=exc.strerror or str(exc),
               effect="locked and expired accounts keep their logins until these expire")

@@ -194,7 +194,9 @@ def check_installed(deb: Path, version: str) -> None:
         "/usr/lib/gpuguard/vendor/pynvml.py", *LINKS.values()}
     assert f"{DIST_PACKAGES}/gpuguard/cli/__init__.py" in files
     assert Path("/usr/bin/gpuguard").read_text().startswith("#!/usr/bin/python3\n")
-    for path in ["/usr/lib/systemd/system/gpuguard.service", "/usr/share/pam-configs/gpuguard",
+    for path in ["/usr/lib/systemd/system/gpuguard.service", "/usr/lib/systemd/system/gpuguard-web.service",
+                 "/usr/lib/systemd/system/gpuguard-web-login.socket", "/usr/lib/systemd/system/gpuguard-web-login@.service",
+                 "/usr/share/pam-configs/gpuguard",
                  f"/usr/lib/{MULTIARCH}/security/pam_gpuguard.so", "/usr/share/doc/gpuguard/copyright",
                  "/usr/share/doc/gpuguard/changelog.gz"]:
         assert Path(path).is_file(), path
@@ -236,6 +238,10 @@ def check_installed(deb: Path, version: str) -> None:
     pynvml = subprocess.run(["/usr/bin/python3", "-c", "import gpuguard.backends.nvml, pynvml; print(pynvml.__file__)"],
                             capture_output=True, text=True, cwd="/")
     assert pynvml.stdout.strip() == "/usr/lib/gpuguard/vendor/pynvml.py", pynvml
+    # The web view's login helper (gpuguard-web-login@.service's ExecStart) imports on Debian's python3.
+    helper = subprocess.run(["/usr/bin/python3", "-I", "-c", "import gpuguard.web.login_helper"], capture_output=True,
+                            text=True, cwd="/")
+    assert helper.returncode == 0, helper.stderr
 
 
 def check_module_loads_by_name() -> None:
