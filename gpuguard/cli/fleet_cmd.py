@@ -6,6 +6,7 @@ A node silent past its lease shows as lost; a view the daemon could not refresh 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any
 
@@ -62,7 +63,9 @@ def show_fleet(args: argparse.Namespace) -> int:
     print(f"fleet seen from {reply['node']}: {staleness(reply)}")
     rows = [["NODE", "RACK", "SEEN", "QUEUE", "GPU", "NAME", "OWNER", "HOLDERS"]]
     for node in reply["nodes"]:
-        seen = f"lost {format_duration(round(node['silent_for']))} ago" if node["lost"] else "ok"
+        silent = node["silent_for"]
+        seen = ("ok" if not node["lost"] else f"lost {format_duration(round(silent))} ago" if math.isfinite(silent) else
+                "lost (its last heartbeat's time is not a time)")
         head = [node["name"], node["rack"] or "-", seen,
                 f"{node['queued']} ({node['queued_gpus']} GPUs)" if node["queued"] else "0"]
         for i, gpu in enumerate(node["gpus"] or [None]):

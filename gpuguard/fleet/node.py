@@ -22,6 +22,7 @@ import psycopg
 
 from gpuguard import __version__
 from gpuguard.config import FleetConfig, OfflinePolicy
+from gpuguard.core.escape import printable
 from gpuguard.core.model import Gpu, Grant, Origin, Quota
 from gpuguard.fleet.outbox import Outbox
 from gpuguard.fleet.schema import CURRENT, FleetError
@@ -208,11 +209,12 @@ class FleetNode:
         room = None if quota.fleet_gpus is None else quota.fleet_gpus - self.held.get(user, 0)
         if not self.online or (room is not None and room <= 0):
             return ""
-        places = [f"{place['node']} ({min(place['free'], room) if room is not None else place['free']})"
+        # Names from the database, printed on the user's terminal: printable only (ranking.nodes says why).
+        places = [f"{printable(place['node'])} ({min(place['free'], room) if room is not None else place['free']})"
                   for place in self.free if place["free"] > 0]
         if not places:
             return ""
-        return f"; GPUs free now on {', '.join(places)}: ssh {self.free[0]['ssh'] or self.free[0]['node']}"
+        return f"; GPUs free now on {', '.join(places)}: ssh {printable(self.free[0]['ssh'] or self.free[0]['node'])}"
 
     def close(self) -> None:
         self._worker.submit(self.db.close)  # on its own thread, after what it is doing

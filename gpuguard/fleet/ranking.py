@@ -8,9 +8,12 @@ there (1), or elsewhere (2).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from gpuguard.core.escape import printable
 
 LOCALITY = ("same node", "same rack", "another rack")
 
@@ -30,7 +33,7 @@ class NodeView:
     rack: str
     ssh: str
     version: str
-    silent_for: float        # seconds since its last heartbeat (database clock)
+    silent_for: float        # seconds since its last heartbeat (database clock); inf: its time is not a number
     lost: bool               # silent longer than its lease
     counted: bool            # its grants still count against fleet quotas (lost for less than grace)
     queued: int
@@ -60,18 +63,24 @@ class Choice:
 
 
 def nodes(rows: Iterable[Mapping[str, Any]]) -> list[NodeView]:
-    """fleetdb.VIEW rows grouped by node."""
+    """fleetdb.VIEW rows grouped by node. What a database holds is data, never trusted to be
+    sane: every text is made printable (no newline to forge a table's line, no escape sequence
+    to recolour or move a terminal), and a node whose times are not numbers (NaN, an infinity:
+    written before the schema's CHECKs, or by hand) is lost and its grants do not count."""
     found: dict[str, tuple[Mapping[str, Any], list[GpuView]]] = {}
     for row in rows:
         _, gpus = found.setdefault(row["node"], (row, []))
         if row["minor"] is not None:
-            gpus.append(GpuView(row["minor"], row["uuid"], row["gpu_name"], row["owner"], tuple(row["holders"])))
+            gpus.append(GpuView(row["minor"], printable(row["uuid"]), printable(row["gpu_name"]),
+                                printable(row["owner"]), tuple(map(printable, row["holders"]))))
     views = []
     for name, (row, gpus) in found.items():
-        silent = max(0.0, float(row["now"]) - row["last_seen"])
-        views.append(NodeView(name, row["rack"], row["ssh"], row["version"], silent, silent > row["lease"],
-                              silent <= row["lease"] + row["grace"], int(row["queued"]), int(row["queued_gpus"]),
-                              tuple(gpus)))
+        silent, lease, grace = float(row["now"]) - row["last_seen"], float(row["lease"]), float(row["grace"])
+        sane = all(map(math.isfinite, (silent, lease, grace)))  # before max(): max(0.0, nan) is 0.0
+        silent = max(0.0, silent)
+        views.append(NodeView(printable(name), printable(row["rack"]), printable(row["ssh"]), printable(row["version"]),
+                              silent if sane else math.inf, not sane or silent > lease, sane and silent <= lease + grace,
+                              int(row["queued"]), int(row["queued_gpus"]), tuple(gpus)))
     return views
 
 

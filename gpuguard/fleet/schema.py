@@ -10,6 +10,7 @@ lock, so nodes starting together apply each exactly once.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuguard.core.errors import GpuguardError
@@ -29,65 +30,39 @@ class Migration:
     sql: str
 
 
-# Times are epoch seconds (double precision): last_seen and first_seen by the database's clock,
-# so that nodes with skewed clocks agree on who is lost; grant and ledger times by the node's.
-MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, 1, """
-    CREATE TABLE gpuguard.nodes (
-        name text PRIMARY KEY, rack text NOT NULL DEFAULT '', ssh text NOT NULL DEFAULT '',
-        version text NOT NULL DEFAULT '', schema_version integer NOT NULL DEFAULT 0,
-        incarnation text NOT NULL DEFAULT '',
-        heartbeat double precision NOT NULL, lease double precision NOT NULL, grace double precision NOT NULL,
-        first_seen double precision NOT NULL, last_seen double precision NOT NULL);
-    -- owner: which system hands the GPU out (gpuguard, slurm, k8s)
-    CREATE TABLE gpuguard.gpus (
-        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, minor integer NOT NULL,
-        uuid text NOT NULL, name text NOT NULL, memory_total bigint NOT NULL,
-        owner text NOT NULL DEFAULT 'gpuguard',
-        PRIMARY KEY (node, minor));
-    CREATE TABLE gpuguard.grants (
-        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, minor integer NOT NULL,
-        username text NOT NULL, uid integer NOT NULL, granted_at double precision NOT NULL,
-        expires_at double precision, shared boolean NOT NULL DEFAULT false, origin text NOT NULL,
-        PRIMARY KEY (node, minor, username));
-    -- no GPU is granted twice, whatever a node (or two nodes misconfigured with one name) sends
-    CREATE UNIQUE INDEX grants_one_holder ON gpuguard.grants (node, minor) WHERE NOT shared;
-    CREATE INDEX grants_by_user ON gpuguard.grants (username);
-    -- one row per user: a grant-time check locks it, so a user's checks on all nodes run one at a time
-    CREATE TABLE gpuguard.fleet_quotas (
-        username text PRIMARY KEY, cluster_gpus integer, updated_at double precision NOT NULL);
-    CREATE TABLE gpuguard.queue (
-        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, ticket integer NOT NULL,
-        username text NOT NULL, gpus integer NOT NULL, since double precision NOT NULL,
-        priority integer NOT NULL,
-        PRIMARY KEY (node, ticket));
-    -- the usage ledger: one row per ended grant, from each node's outbox (seq: the outbox's id;
-    -- incarnation: a fresh state directory starts a new one), replayed without duplicates
-    CREATE TABLE gpuguard.ledger (
-        node text NOT NULL, incarnation text NOT NULL, seq bigint NOT NULL,
-        username text NOT NULL, minor integer NOT NULL,
-        started double precision NOT NULL, ended double precision NOT NULL,
-        PRIMARY KEY (node, incarnation, seq));
-    CREATE INDEX ledger_by_user ON gpuguard.ledger (username, ended);
+TIME_MAX = 1e11  # seconds: the largest epoch time (the year 5138) or duration a row may hold
 
-    -- A node's grants count against fleet quotas while it is seen, and for `grace` after its lease.
-    -- Asked as a scalar subquery per grant row: an index probe each (an EXISTS or a join is
-    -- planned as a hash over every node, which made a heartbeat cost grow with the fleet).
-    CREATE FUNCTION gpuguard.counts(n gpuguard.nodes, at double precision) RETURNS boolean
-        LANGUAGE sql IMMUTABLE AS $$ SELECT n.last_seen >= at - n.lease - n.grace $$;
 
-    -- One heartbeat, one round trip: the node's truth replaces its mirror, the ledger rows of
+def _times(*columns: str) -> str:
+    """SQL: every column a number from 0 to TIME_MAX (BETWEEN is false for NaN and the infinities)."""
+    return " AND ".join(f"{column} BETWEEN 0 AND {TIME_MAX:.0f}" for column in columns)
+
+
+def _heartbeat_v1(create: str, decay: Callable[[str], str]) -> str:
+    """heartbeat_v1 as a migration creates it: `decay(elapsed)` is the SQL of 0.5 ** (elapsed /
+    half), the weight of usage `elapsed` seconds ago. Migration 1 made it with power(), which
+    raises an underflow past about 1,074 half-lives (a grant started while a node's clock said
+    1970); migration 3 makes it again with gpuguard.decay, which cannot."""
+    return _HEARTBEAT_V1.format(create=create, ended=decay("at - l.ended"), started=decay("at - l.started"),
+                                granted=decay("at - g.granted_at"))
+
+
+def _decay_as_released(elapsed: str) -> str:
+    return f"power(0.5, greatest(0, {elapsed}) / half)"
+
+
+_HEARTBEAT_V1 = """    -- One heartbeat, one round trip: the node's truth replaces its mirror, the ledger rows of
     -- its outbox are added (a replay adds nothing twice), and it gets back what it caches:
     -- the recent usage elsewhere of the users it asks about (fair share), their grants
     -- elsewhere (offline budget), and when it is full, where GPUs are free.
-    CREATE FUNCTION gpuguard.heartbeat_v1(doc jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+    {create} gpuguard.heartbeat_v1(doc jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
     DECLARE
         me text := doc->>'node';
         at double precision := extract(epoch FROM clock_timestamp());
         taken double precision := (doc->>'taken_at')::double precision;
         half double precision := (doc->>'half_life')::double precision;
-        usage jsonb := '{}';
-        held jsonb := '{}';
+        usage jsonb := '{{}}';
+        held jsonb := '{{}}';
         free jsonb := '[]';
     BEGIN
         INSERT INTO gpuguard.nodes AS n (name, rack, ssh, version, schema_version, incarnation,
@@ -138,14 +113,14 @@ MIGRATIONS: tuple[Migration, ...] = (
         ON CONFLICT DO NOTHING;
 
         IF jsonb_array_length(doc->'usage_for') > 0 THEN
-            SELECT coalesce(jsonb_object_agg(u.name, u.value), '{}') INTO usage FROM (
+            SELECT coalesce(jsonb_object_agg(u.name, u.value), '{{}}') INTO usage FROM (
                 SELECT w.name, coalesce((
-                    SELECT sum(half / ln(2) * (power(0.5, greatest(0, at - l.ended) / half)
-                                               - power(0.5, greatest(0, at - l.started) / half)))
+                    SELECT sum(half / ln(2) * ({ended}
+                                               - {started}))
                     FROM gpuguard.ledger l  -- 30 half-lives back: what is older counts less than 1e-9
                     WHERE l.username = w.name AND l.ended >= at - 30 * half AND l.node <> me), 0)
                   + coalesce((
-                    SELECT sum(half / ln(2) * (1 - power(0.5, greatest(0, at - g.granted_at) / half)))
+                    SELECT sum(half / ln(2) * (1 - {granted}))
                     FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
                         SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node)), 0) AS value
                 FROM jsonb_array_elements_text(doc->'usage_for') AS w(name)) u;
@@ -153,7 +128,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         IF jsonb_array_length(doc->'users') > 0 THEN
             SELECT coalesce(jsonb_object_agg(w.name, (
                 SELECT count(*) FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
-                    SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node))), '{}') INTO held
+                    SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node))), '{{}}') INTO held
             FROM jsonb_array_elements_text(doc->'users') AS w(name);
         END IF;
         IF (doc->>'want_free')::boolean THEN
@@ -166,7 +141,57 @@ MIGRATIONS: tuple[Migration, ...] = (
         END IF;
         RETURN jsonb_build_object('at', at, 'usage', usage, 'held', held, 'free', free);
     END $$;
+"""
 
+
+# Times are epoch seconds (double precision): last_seen and first_seen by the database's clock,
+# so that nodes with skewed clocks agree on who is lost; grant and ledger times by the node's.
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, 1, """
+    CREATE TABLE gpuguard.nodes (
+        name text PRIMARY KEY, rack text NOT NULL DEFAULT '', ssh text NOT NULL DEFAULT '',
+        version text NOT NULL DEFAULT '', schema_version integer NOT NULL DEFAULT 0,
+        incarnation text NOT NULL DEFAULT '',
+        heartbeat double precision NOT NULL, lease double precision NOT NULL, grace double precision NOT NULL,
+        first_seen double precision NOT NULL, last_seen double precision NOT NULL);
+    -- owner: which system hands the GPU out (gpuguard, slurm, k8s)
+    CREATE TABLE gpuguard.gpus (
+        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, minor integer NOT NULL,
+        uuid text NOT NULL, name text NOT NULL, memory_total bigint NOT NULL,
+        owner text NOT NULL DEFAULT 'gpuguard',
+        PRIMARY KEY (node, minor));
+    CREATE TABLE gpuguard.grants (
+        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, minor integer NOT NULL,
+        username text NOT NULL, uid integer NOT NULL, granted_at double precision NOT NULL,
+        expires_at double precision, shared boolean NOT NULL DEFAULT false, origin text NOT NULL,
+        PRIMARY KEY (node, minor, username));
+    -- no GPU is granted twice, whatever a node (or two nodes misconfigured with one name) sends
+    CREATE UNIQUE INDEX grants_one_holder ON gpuguard.grants (node, minor) WHERE NOT shared;
+    CREATE INDEX grants_by_user ON gpuguard.grants (username);
+    -- one row per user: a grant-time check locks it, so a user's checks on all nodes run one at a time
+    CREATE TABLE gpuguard.fleet_quotas (
+        username text PRIMARY KEY, cluster_gpus integer, updated_at double precision NOT NULL);
+    CREATE TABLE gpuguard.queue (
+        node text NOT NULL REFERENCES gpuguard.nodes ON DELETE CASCADE, ticket integer NOT NULL,
+        username text NOT NULL, gpus integer NOT NULL, since double precision NOT NULL,
+        priority integer NOT NULL,
+        PRIMARY KEY (node, ticket));
+    -- the usage ledger: one row per ended grant, from each node's outbox (seq: the outbox's id;
+    -- incarnation: a fresh state directory starts a new one), replayed without duplicates
+    CREATE TABLE gpuguard.ledger (
+        node text NOT NULL, incarnation text NOT NULL, seq bigint NOT NULL,
+        username text NOT NULL, minor integer NOT NULL,
+        started double precision NOT NULL, ended double precision NOT NULL,
+        PRIMARY KEY (node, incarnation, seq));
+    CREATE INDEX ledger_by_user ON gpuguard.ledger (username, ended);
+
+    -- A node's grants count against fleet quotas while it is seen, and for `grace` after its lease.
+    -- Asked as a scalar subquery per grant row: an index probe each (an EXISTS or a join is
+    -- planned as a hash over every node, which made a heartbeat cost grow with the fleet).
+    CREATE FUNCTION gpuguard.counts(n gpuguard.nodes, at double precision) RETURNS boolean
+        LANGUAGE sql IMMUTABLE AS $$ SELECT n.last_seen >= at - n.lease - n.grace $$;
+
+""" + _heartbeat_v1("CREATE FUNCTION", _decay_as_released) + """
     -- The grant-time check, one transaction: lock the user's quota row (taken by the upsert),
     -- count their grants on every node that counts, insert what fits. Concurrent checks for
     -- one user, from any node, wait on that row; the unique index refuses a GPU granted twice.
@@ -205,6 +230,30 @@ MIGRATIONS: tuple[Migration, ...] = (
             WHERE q.node = doc->>'node' AND q.ticket = x.ticket AND q.gpus <> x.gpus;
         RETURN answer;
     END $$;
+    """),
+    # Bad rows are data, never a crash. heartbeat_v1 again, its decay computed by gpuguard.decay,
+    # which stops at 1,000 half-lives (power() raised an underflow past about 1,074: one ledger
+    # row from a node whose clock said 1970 made every heartbeat of the node where its user waits
+    # fail). Every time and duration must then be a number between 0 and TIME_MAX (no NaN, no
+    # infinity): rows that are not are taken out first (a node's own come back with its next
+    # heartbeat, a node row included; a bad ledger row would only count wrongly), then the CHECKs
+    # refuse such rows for good.
+    Migration(3, 1, """
+    CREATE FUNCTION gpuguard.decay(elapsed double precision, half double precision) RETURNS double precision
+        LANGUAGE sql IMMUTABLE AS $$ SELECT power(0.5, least(1000, greatest(0, elapsed) / half)) $$;
+    """ + _heartbeat_v1("CREATE OR REPLACE FUNCTION", lambda elapsed: f"gpuguard.decay({elapsed}, half)") + f"""
+    DELETE FROM gpuguard.nodes WHERE NOT ({_times("first_seen", "last_seen", "heartbeat", "lease", "grace")});
+    DELETE FROM gpuguard.grants WHERE NOT ({_times("granted_at")} AND coalesce(expires_at BETWEEN 0 AND {TIME_MAX:.0f}, true));
+    DELETE FROM gpuguard.queue WHERE NOT ({_times("since")});
+    DELETE FROM gpuguard.ledger WHERE NOT ({_times("started", "ended")});
+    DELETE FROM gpuguard.fleet_quotas WHERE NOT ({_times("updated_at")});
+    ALTER TABLE gpuguard.nodes ADD CONSTRAINT nodes_times
+        CHECK ({_times("first_seen", "last_seen", "heartbeat", "lease", "grace")});
+    ALTER TABLE gpuguard.grants ADD CONSTRAINT grants_times
+        CHECK ({_times("granted_at")} AND (expires_at IS NULL OR expires_at BETWEEN 0 AND {TIME_MAX:.0f}));
+    ALTER TABLE gpuguard.queue ADD CONSTRAINT queue_times CHECK ({_times("since")});
+    ALTER TABLE gpuguard.ledger ADD CONSTRAINT ledger_times CHECK ({_times("started", "ended")});
+    ALTER TABLE gpuguard.fleet_quotas ADD CONSTRAINT fleet_quotas_times CHECK ({_times("updated_at")});
     """),
 )
 CURRENT = MIGRATIONS[-1].version

@@ -2,6 +2,7 @@
 data locality, and the outbox a heartbeat replays (no database here: tests/system has it)."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from gpuguard import config
 from gpuguard.config import OfflinePolicy
 from gpuguard.core import config_warnings
 from gpuguard.core.model import Grant, Origin
-from gpuguard.fleet import ranking
+from gpuguard.fleet import ranking, schema
 from gpuguard.fleet.outbox import Outbox
 
 
@@ -162,3 +163,17 @@ def test_config_check_warns_of_a_password_and_of_hosts_the_unit_blocks(tmp_path,
     found = [line for line in config_warnings.warnings(loaded, lambda name: True, lambda name: True, lambda path: True)
              if line.startswith("fleet.")]
     assert len(found) == len(expected) and all(part in line for part, line in zip(expected, found, strict=True)), found
+
+
+# What each released migration ran on the databases that applied it: a migration once released is
+# never edited (schema.py's docstring), since those databases never run it again; change the
+# schema with a new one. Add a new migration's hash here when it is released.
+RELEASED = {1: "732edad6267a2444be99e0fe901fe494d811e62a02a93cb7ae41ba0ff65eb575",
+            2: "78354ef790523c08290c9f709293b6a7a239a7897b480867b7972b9fb9c7fc4e",
+            3: "0c75624256e5b104072c93a81b7e6a05cc5116f4ffd08dddd69741c7720bcf50"}
+
+
+def test_released_migrations_are_never_edited():
+    ran = {m.version: hashlib.sha256(m.sql.encode()).hexdigest() for m in schema.MIGRATIONS}
+    assert {version: ran[version] for version in RELEASED} == RELEASED
+    assert [m.version for m in schema.MIGRATIONS] == list(range(1, len(schema.MIGRATIONS) + 1))
