@@ -38,7 +38,12 @@ def database(config: Config) -> FleetDatabase | None:
     single server (no [fleet]). Nothing connects before the first heartbeat."""
     if config.fleet is None:
         return None
-    from gpuguard.fleet.fleetdb import FleetDb
+    try:
+        from gpuguard.fleet.fleetdb import FleetDb
+    except ImportError as exc:  # the package only suggests psycopg: a single server needs none
+        from gpuguard.fleet.schema import FleetError
+        raise FleetError(f"[fleet] is set, but {exc.name or 'psycopg'} cannot be loaded: install python3-psycopg and "
+                         "python3-psycopg-pool (pip: psycopg psycopg-pool), or remove [fleet]") from None
     return FleetDb(config.fleet.database, config.fleet.node, lineage_memory(config))
 
 

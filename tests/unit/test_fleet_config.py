@@ -3,16 +3,18 @@ data locality, and the outbox a heartbeat replays (no database here: tests/syste
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import pytest
 
-from gpuguard import config
+from gpuguard import config, fleet
 from gpuguard.config import OfflinePolicy
 from gpuguard.core import config_warnings
 from gpuguard.core.model import Grant, Origin
 from gpuguard.fleet import ranking, schema
 from gpuguard.fleet.outbox import Outbox
+from gpuguard.fleet.schema import FleetError
 
 
 def load(tmp_path: Path, text: str, quotas: str = "") -> config.Config:
@@ -177,3 +179,11 @@ def test_released_migrations_are_never_edited():
     ran = {m.version: hashlib.sha256(m.sql.encode()).hexdigest() for m in schema.MIGRATIONS}
     assert {version: ran[version] for version in RELEASED} == RELEASED
     assert [m.version for m in schema.MIGRATIONS] == list(range(1, len(schema.MIGRATIONS) + 1))
+
+
+def test_a_fleet_without_psycopg_says_what_to_install(tmp_path, monkeypatch):
+    loaded = load(tmp_path, '[fleet]\ndatabase = "host=db1"\nnode = "gpu1"\n')
+    monkeypatch.delitem(sys.modules, "gpuguard.fleet.fleetdb", raising=False)
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as on a host where the package was not installed
+    with pytest.raises(FleetError, match=r"\[fleet\] is set, but psycopg cannot be loaded: install python3-psycopg"):
+        fleet.database(loaded)
