@@ -30,6 +30,7 @@ OPERATIONS = frozenset({
     "grant", "revoke", "reload", "sync_nodes", "report", "events", "wait", "gpus",
     "fleet_status", "where",  # a fleet's (gpuguard.fleet.ops)
     "cancel", "fairshare", "drain", "resume", "hold",  # steering the queue
+    "use_history",  # utilisation and memory over time
 })
 
 

@@ -70,7 +70,7 @@ class Api:
         self.store, self.grants, self.drains = services.store, services.grants, services.drains
         self.queue, self.holds, self.asks, self.tickets = services.queue, services.holds, services.asks, services.tickets
         self.logins, self.releases, self.openers = services.logins, services.releases, services.openers
-        self.exempt, self.usage = services.exempt, services.usage
+        self.exempt, self.usage, self.history = services.exempt, services.usage, services.use_history
         self.accounts = services.accounts  # names and quotas as the watcher last resolved them: no NSS wait
         self.sampler, self.lookup, self.gate = edges.sampler, edges.lookup, edges.gate
         self.terminals, self.processes, self.clock = edges.terminals, edges.processes, edges.clock
@@ -233,6 +233,20 @@ class Api:
         self.usage.flush()  # a report made now includes the last tick
         rows = self.store.usage_by(by, since, until, uid)
         return protocol.ok(by=by, since=since, until=until, **reporting.report(rows))
+
+    async def use_history(self, request: rq.UseHistory, peer: Peer) -> dict[str, Any]:
+        """Utilisation and memory over the last hour, day or week (services.use_history): every
+        GPU's, as `status` shows them to anyone; users' as records are read: the caller's own (from
+        their budget for reports), root's and the web's account everyone's."""
+        own = await self._reads_only(peer)
+        uids = None
+        if own is not None:
+            if wait := self._records.allow(peer.uid, time.monotonic()):
+                raise Refusal(f"too many reports at once from your user; try again in {math.ceil(wait)}s")
+            uids = {peer.uid}
+        trace = self.history.read(request.span, uids, self.clock())
+        await self.accounts.resolve(trace.uids)  # names (NSS off the loop); a user deleted since keeps their uid
+        return protocol.ok(span=request.span, **trace.reply(self.grants.gpus, self.accounts.name_of))
 
     async def events(self, request: rq.Events, peer: Peer) -> dict[str, Any]:
         uid = await self._records_of(request.user, peer)

@@ -318,6 +318,7 @@ class Daemon:
                 await asyncio.wait({self._reloading})
             await self.services.watcher.check(sample, time.time())
             self.services.queue.dispatch(time.time())  # a waiter past reserve_after may now hold what is free
+            self.services.use_history.add(sample, {g.uid for g in self.services.store.grants_read()})
         await self.front.metrics.after_tick(time.monotonic() - started)
 
 def next_wake(last: float, regular: float, deadline: float | None, interval: float) -> float:

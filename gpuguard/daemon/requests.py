@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gpuguard.core import policy, reporting
+from gpuguard.core import policy, reporting, use_history
 from gpuguard.core.errors import EXIT_USAGE, Refusal
 from gpuguard.core.quantities import UnitError, parse_duration
 from gpuguard.protocol import MAX_EVENTS, MAX_NAME, shown
@@ -253,6 +253,17 @@ class Events(Records):
         return cls(user, since, until, limit, rule)
 
 
+@dataclass(frozen=True)
+class UseHistory(Op):
+    """Utilisation and memory over the last hour, day or week."""
+
+    span: str = "hour"
+
+    @classmethod
+    def read(cls, fields: Fields) -> UseHistory:
+        return cls(fields.choice("span", use_history.SPANS, "hour"))
+
+
 def _at_least_one(gpus: int | None) -> int | None:
     if gpus is not None and gpus < 1:
         raise _bad("gpus must be at least 1")
@@ -383,7 +394,7 @@ KINDS: dict[str, type[Op]] = {
     "session_open": SessionOpen, "session_close": SessionClose, "whoami": Whoami, "status": Status,
     "fairshare": Fairshare, "gpus": Gpus, "report": Report, "events": Events, "request": Request, "wait": Wait,
     "release": Release, "cancel": Cancel, "grant": Grant, "revoke": Revoke, "hold": Hold, "drain": Drain,
-    "resume": Resume, "sync_nodes": SyncNodes, "reload": Reload,
+    "resume": Resume, "sync_nodes": SyncNodes, "reload": Reload, "use_history": UseHistory,
 }
 
 

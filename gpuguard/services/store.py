@@ -139,6 +139,17 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE time_limited (
         uid INTEGER NOT NULL, kind TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (uid, kind));
     """,
+    # Utilisation and memory over time (core.use_history): per GPU, per user and the samples
+    # taken, in rings of fixed size, one per `step` (60, 600, 3600 s): a bucket replaces the one in
+    # its `slot` a ring's span before, so each series keeps at most 372 rows. Sums and counts, so
+    # that coarser buckets are sums of finer ones; `start`: epoch seconds, a multiple of `step`.
+    """
+    CREATE TABLE use_buckets (
+        step INTEGER NOT NULL, kind TEXT NOT NULL, key INTEGER NOT NULL, slot INTEGER NOT NULL,
+        start INTEGER NOT NULL, n INTEGER NOT NULL, util_n INTEGER NOT NULL, util_sum REAL NOT NULL,
+        util_peak REAL, mem_sum REAL NOT NULL, mem_peak REAL NOT NULL, total REAL NOT NULL,
+        PRIMARY KEY (step, kind, key, slot));
+    """,
 )
 HOUR = 3600
 _Read = TypeVar("_Read")
@@ -541,6 +552,44 @@ class Store:
         query, params = _rows_of("usage", uid)
         return [dict(row) for row in self._db.execute(query + " ORDER BY uid, minor", params)]
 
+    # --- utilisation and memory over time (services.use_history)
+
+    def add_use_buckets(self, rows: Iterable[tuple[Any, ...]], sums: Iterable[tuple[int, int, int, int, int]] = (),
+                        prune: Iterable[tuple[int, int]] = ()) -> None:
+        """In one transaction: buckets written (step, kind, key, slot, start, n, util_n, util_sum,
+        util_peak, mem_sum, mem_peak, total), each replacing its slot's; then, in order, coarser
+        buckets summed from finer ones, (step, length, finer step, since, until): every bucket of
+        `step` starting in [since, until) from the finer buckets in it; then rows of a step older than a
+        moment dropped, (step, before): series that no longer appear (a user gone, a slice destroyed)."""
+        with self.transaction() as db:
+            db.executemany(f"INSERT OR REPLACE INTO use_buckets ({_BUCKET_COLUMNS}) VALUES ({', '.join('?' * 12)})",
+                           rows)
+            for step, length, finer, since, until in sums:
+                db.execute(
+                    f"INSERT OR REPLACE INTO use_buckets ({_BUCKET_COLUMNS}) SELECT :step, kind, key,"
+                    " (start / :step) % :length, (start / :step) * :step, sum(n), sum(util_n), sum(util_sum),"
+                    " max(util_peak), sum(mem_sum), max(mem_peak), max(total) FROM use_buckets"
+                    " WHERE step = :finer AND start >= :since AND start < :until GROUP BY kind, key, start / :step",
+                    {"step": step, "length": length, "finer": finer, "since": since, "until": until})
+            db.executemany("DELETE FROM use_buckets WHERE step = ? AND start < ?", prune)
+
+    def use_buckets(self, step: int, since: int, until: int, uids: Iterable[int] | None = None) -> list[tuple[Any, ...]]:
+        """The buckets of `step` starting in [since, until): (kind, key, start, n, util_n, util_sum,
+        util_peak, mem_sum, mem_peak, total), the users' only of `uids` (None: everyone's)."""
+        query = ("SELECT kind, key, start, n, util_n, util_sum, util_peak, mem_sum, mem_peak, total FROM use_buckets"
+                 " WHERE step = ? AND start >= ? AND start < ?")
+        params: list[Any] = [step, since, until]
+        if uids is not None:
+            wanted = sorted(set(uids))
+            query += f" AND (kind != 'user' OR key IN ({', '.join('?' * len(wanted))}))" if wanted else " AND kind != 'user'"
+            params += wanted
+        return [tuple(row) for row in self._db.execute(query, params)]
+
+    def use_bucket_range(self, step: int) -> tuple[int, int] | None:
+        """The starts of the oldest and the newest bucket of `step` kept, None when there is none."""
+        row = self._db.execute("SELECT min(start), max(start) FROM use_buckets WHERE step = ?", (step,)).fetchone()
+        return None if row[0] is None else (int(row[0]), int(row[1]))
+
     # --- the queue
 
     def join_queue(self, uid: int, user: str, gpus: int, now: float, quota: Quota, origin: Origin,
@@ -937,6 +986,7 @@ class _Sessions:
         return {id_: caller_start for id_, (_, caller_start) in self._by_id.items()}
 
 
+_BUCKET_COLUMNS = "step, kind, key, slot, start, n, util_n, util_sum, util_peak, mem_sum, mem_peak, total"
 # usage_by's groupings: fixed SQL, never built from input. A user is keyed by name (the name
 # written with the rows), so a report still shows accounts deleted since.
 _GROUP_KEYS = {"user": "user", "gpu": "minor", "day": "date(hour, 'unixepoch', 'localtime')"}

@@ -50,6 +50,7 @@ from gpuguard.services.scans import Scans
 from gpuguard.services.store import Store
 from gpuguard.services.tickets import Tickets
 from gpuguard.services.usage import UsageMeter
+from gpuguard.services.use_history import UseHistory
 from gpuguard.services.watcher import ACTIVE_WRITE_EVERY, Watcher
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class Services:
     reload_effects: ReloadEffects
     logins: Logins
     watcher: Watcher
+    use_history: UseHistory  # utilisation and memory over time, from the ticks' samples
     fleet: FleetServices | None  # several servers, one PostgreSQL (gpuguard.fleet); None on a single server
     edges: Edges
 
@@ -134,6 +136,7 @@ class Services:
         self.openers.close()
         self.scans.close()
         self.usage.flush()
+        self.use_history.close()
         self.edges.terminals.close()
         self.edges.lookup.close()
         self.store.close()
@@ -196,4 +199,4 @@ def build(edges: Edges) -> Services:
                       usage, demand=queue.demand,
                       active_write_every=None if edges.virtual else ACTIVE_WRITE_EVERY, gaps=not edges.virtual)
     return Services(store, drains, grants, exempt, accounts, usage, scans, openers, holds, queue, asks, tickets,
-                    releases, logout, reload_effects, logins, watcher, fleet_services, edges)
+                    releases, logout, reload_effects, logins, watcher, UseHistory(store), fleet_services, edges)

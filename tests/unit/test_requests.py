@@ -35,6 +35,7 @@ MINIMAL: dict[str, tuple[dict, rq.Op]] = {
     "resume": ({"units": [0]}, rq.Resume((0,))),
     "sync_nodes": ({}, rq.SyncNodes()),
     "reload": ({}, rq.Reload()),
+    "use_history": ({}, rq.UseHistory()),
 }
 
 
