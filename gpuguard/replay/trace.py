@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import heapq
 import json
 import math
 import os
@@ -51,6 +52,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from operator import attrgetter
 from pathlib import Path
 from typing import TextIO
 
@@ -369,3 +371,39 @@ def generate_batch(jobs: int, users: int = 60, seed: int = 1, days: float = 30.0
         gpus = rng.choices((1, 4, 8), (75, 15, 10))[0]
         start = float(round(clock))
         yield Session(f"u{who:03d}", start, None, (Job(start, duration, gpus, rng.randrange(1, 80) * GB),))
+
+
+def generate_mixed(jobs: int, users: int = 60, seed: int = 1, days: float = 30.0, assign: str = "zipf",
+                   interactive: float = 0.3) -> Iterator[Session]:
+    """A cluster where notebook users and batch jobs meet: `interactive` of the jobs are bursts of
+    1, 2 or 4 GPUs (60/30/10 %; exponential, mean 20 minutes, with up to half an hour of thinking
+    between two) in logged-in sessions of their own users (i000..., a third as many as `users`,
+    assigned as `assign` says), each session ending up to half an hour after its last burst (a
+    burst still waiting then never runs); the rest is generate_batch's month with the same
+    arguments. Sessions in order of start; the same arguments always give the same trace."""
+    bursts = round(jobs * interactive)
+    batch = generate_batch(jobs - bursts, users, seed, days, assign)
+    return heapq.merge(batch, _notebooks(bursts, max(1, users // 3), seed + 1, days, assign), key=attrgetter("start"))
+
+
+def _notebooks(jobs: int, users: int, seed: int, days: float, assign: str) -> Iterator[Session]:
+    """generate_mixed's interactive sessions: `jobs` bursts in sessions arriving as a Poisson stream."""
+    rng = random.Random(seed)
+    weights = [1 / k for k in range(1, users + 1)]
+    per_session = 6  # bursts, on average
+    rate = max(1, jobs) / per_session / (days * 86400.0)
+    clock, made, number = 0.0, 0, 0
+    while made < jobs:
+        clock += rng.expovariate(rate)
+        who = number % users if assign == "round-robin" else rng.choices(range(users), weights)[0]
+        number += 1
+        start = float(round(clock))
+        t = start + rng.randrange(60, 900)
+        batch: list[Job] = []
+        for _ in range(min(jobs - made, rng.randrange(1, 2 * per_session))):
+            duration = float(round(rng.expovariate(1 / 1200.0)) + 30)
+            gpus = rng.choices((1, 2, 4), (60, 30, 10))[0]
+            batch.append(Job(t, duration, gpus, rng.randrange(1, 40) * GB))
+            t += duration + rng.randrange(60, 1800)
+        made += len(batch)
+        yield Session(f"i{who:03d}", start, float(t + rng.randrange(60, 1800)), tuple(batch))
