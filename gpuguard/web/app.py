@@ -27,13 +27,13 @@ from aiohttp import web
 from gpuguard.client import DaemonUnreachable, Refused
 from gpuguard.config import IpNetwork, WebConfig
 from gpuguard.logs import event
-from gpuguard.web import pages, views
+from gpuguard.web import pages, trends, views
 from gpuguard.web.assets import ICON, SCRIPT, STYLE
 from gpuguard.web.connections import Guard, total_for
 from gpuguard.web.counted import Counted
 from gpuguard.web.sessions import Login, LoginDelay, Sessions, Signer
 from gpuguard.web.sources import Memo, Source
-from gpuguard.web.svg import usage_chart
+from gpuguard.web.svg import Sorting, usage_chart
 
 LOGINS_AT_ONCE = 2          # PAM conversations in flight (each a thread; a failure sleeps ~2 s in pam_faildelay)
 MAX_BODY = 8 * 1024         # a login form is a few hundred bytes
@@ -42,7 +42,12 @@ MEMO_AGE = 1.0             # seconds a daemon's answer (and the grid made of it)
 # seconds a usage report is kept: the daemon writes usage once a minute, and charges each report
 # the web asks for a user to that user's budget (as their own `gpuguard report`)
 REPORT_AGE = 30.0
+# seconds a span's utilisation and memory (every user's, read once for all viewers) is kept: the
+# hour's last point changes with each tick, the rest once a minute
+HISTORY_AGE = 10.0
+HISTORY_PAGE_AGE = 5.0  # seconds a History page is kept for all who see the same (its 164 lines take ms to draw)
 SWEEP_EVERY = 15.0          # seconds between checks that each login's account may still log in
+SORTED_USAGE = ("user", "gpu")  # the usage charts a reader may order (days stay in order, servers few)
 MAX_PERIOD_DAYS = 366
 DEFAULT_PERIOD_DAYS = 30
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -72,6 +77,8 @@ class Web:
     clock: Callable[[], float] = time.time
     memo: Memo = field(default_factory=lambda: Memo(MEMO_AGE))
     reports: Memo = field(default_factory=lambda: Memo(REPORT_AGE))
+    histories: Memo = field(default_factory=lambda: Memo(HISTORY_AGE))
+    history_pages: Memo = field(default_factory=lambda: Memo(HISTORY_PAGE_AGE))
     sessions: Sessions = field(default_factory=Sessions)
     connections: Guard = field(default_factory=lambda: Guard(total_for(1024)))
     delay: LoginDelay = field(default_factory=LoginDelay)
@@ -230,11 +237,14 @@ class Web:
         viewer, _ = await self.signed_in(request)
         try:
             form, tables = await self._asked_usage(request, viewer)
+            sort = _usage_sort(request.query)
         except ValueError as exc:
-            return self.page(request, viewer, "Bad period", pages.message_page("Bad period", str(exc)), status=400)
+            return self.page(request, viewer, "Bad request", pages.message_page("Bad request", str(exc)), status=400)
         except (DaemonUnreachable, Refused) as exc:
             return self.page(request, viewer, "Unavailable", pages.message_page("Unavailable", str(exc)), status=503)
-        charts = [(f"GPU-hours by {by}", usage_chart(f"GPU-hours by {by}", rows)) for by, rows in tables]
+        charts = [(f"GPU-hours by {by}", usage_chart(f"GPU-hours by {by}", rows, Sorting(
+            sort, f"/usage?since={form['since']}&until={form['until']}", "sort" in request.query, f"by-{by}")
+            if by in SORTED_USAGE else None)) for by, rows in tables]
         scope = "Everyone's usage (admin)." if viewer.admin else "Your own usage (admins see everyone's)."
         csv_href = f"/usage.csv?since={form['since']}&until={form['until']}"
         return self.page(request, viewer, "Usage", pages.usage_page(form, charts, csv_href, scope))
@@ -253,12 +263,15 @@ class Web:
 
     async def _asked_usage(self, request: web.Request, viewer: views.Viewer) \
             -> tuple[dict[str, str], list[tuple[str, list[views.Usage]]]]:
-        """The period the page or the CSV asks for (its form fields) and the usage tables of it;
-        ValueError for a bad period, DaemonUnreachable or Refused when the source fails."""
+        """The period the page or the CSV asks for (its form fields) and the usage tables of it,
+        the users' and GPUs' in the order asked for (`sort`, most GPU-hours granted first by default);
+        ValueError for a bad period or order, DaemonUnreachable or Refused when the source fails."""
         since, until, form = _period(request.query, self.clock())
+        sort = _usage_sort(request.query)
         tables = await self._usage_tables(viewer, since, until)
         first, last = (datetime.date.fromisoformat(form[key]) for key in ("since", "until"))
-        return form, [(by, views.by_period(rows, first, last) if by == "day" else views.largest_first(rows))
+        return form, [(by, views.by_period(rows, first, last) if by == "day" else
+                       views.sorted_usage(rows, sort) if by in SORTED_USAGE else views.largest_first(rows))
                       for by, rows in tables]
 
     async def _usage_tables(self, viewer: views.Viewer, since: float, until: float) -> list[tuple[str, list[views.Usage]]]:
@@ -272,6 +285,44 @@ class Web:
 
     async def _report(self, by: str, since: float, until: float, user: str | None) -> dict[str, dict[str, Any]]:
         return await self.reports.get((by, since, until, user), lambda: self.source.report(by, since, until, user))
+
+    async def history(self, request: web.Request) -> web.Response:
+        """Utilisation and memory over the last hour, day or week: every GPU's; the viewer's own,
+        or an admin's everyone's; one series alone with `server` and `gpu` or `user`."""
+        viewer, _ = await self.signed_in(request)
+        query = request.query
+        span = query.get("span") or "day"
+        sort, user_sort = query.get("sort") or "name", query.get("usort") or "util"
+        if span not in views.SPANS or sort not in views.TREND_SORTS or user_sort not in views.TREND_SORTS:
+            return self.page(request, viewer, "Bad request", pages.message_page(
+                "Bad request", f"span is one of {', '.join(views.SPANS)}; sort and usort one of "
+                f"{', '.join(views.TREND_SORTS)}"), status=400)
+        server, gpu, user = query.get("server"), query.get("gpu"), query.get("user")
+        one = None if server is None or (gpu is None and user is None) else \
+            (server, "gpu", gpu) if gpu is not None else (server, "user", user)
+        # Drawn once per HISTORY_PAGE_AGE for all who see the same: admins alike, anyone else their own.
+        seen = ("history", span, sort, user_sort, one, viewer.admin, None if viewer.admin else viewer.user)
+        try:
+            title, body, status = await self.history_pages.get(
+                seen, lambda: self._history_page(viewer, span, sort, user_sort, one))
+        except (DaemonUnreachable, Refused) as exc:
+            return self.page(request, viewer, "Unavailable", pages.message_page("Unavailable", str(exc)), status=503)
+        return self.page(request, viewer, title, body, status=status)
+
+    async def _history_page(self, viewer: views.Viewer, span: str, sort: str, user_sort: str,
+                            one: tuple[str, str, str | None] | None) -> tuple[str, str, int]:
+        """The History page's title, body and status: every series, or `one` (server, kind, key) alone."""
+        replies = await self.histories.get(("use_history", span), lambda: self.source.use_history(span))
+        gpus, users = views.trends(replies, viewer)
+        if one is None:
+            return "History", trends.history_page(span, gpus, users, sort, user_sort, viewer.admin,
+                                                  known=bool(replies)), 200
+        server, kind, key = one
+        found = next((t for t in (gpus if kind == "gpu" else users) if t.server == server and t.key == key), None)
+        if found is None:
+            return "Not found", pages.message_page("Not found", f"No {'GPU' if kind == 'gpu' else 'user'} {key} on "
+                                                   f"{server} that you may see in the last {span}."), 404
+        return found.title, trends.detail_page(found, span), 200
 
     # --- login
 
@@ -483,6 +534,14 @@ def _plausible(user: str, password: str) -> bool:
             and "\0" not in password)
 
 
+def _usage_sort(query: Any) -> str:
+    """The usage tables' order asked for (ValueError: none of views.USAGE_SORTS)."""
+    sort = query.get("sort") or "granted"
+    if sort not in views.USAGE_SORTS:
+        raise ValueError(f"sort is one of {', '.join(views.USAGE_SORTS)}")
+    return str(sort)
+
+
 def _period(query: Any, now: float) -> tuple[float, float, dict[str, str]]:
     """since and until (epoch seconds) from the form's local dates, until included; default the
     last DEFAULT_PERIOD_DAYS days. Raises ValueError with the reason."""
@@ -544,7 +603,7 @@ def build(app_state: Web) -> web.Application:
         web.get("/", w.now), web.get("/fragment/now", w.now_fragment),
         web.get("/queue", w.queue_page), web.get("/fragment/queue", w.queue_fragment),
         web.get("/me", w.me), web.get("/users/{name}", w.user), web.get("/fragment/processes/{name}", w.processes_fragment),
-        web.get("/usage", w.usage), web.get("/usage.csv", w.usage_csv),
+        web.get("/usage", w.usage), web.get("/usage.csv", w.usage_csv), web.get("/history", w.history),
         web.get("/login", w.login_form), web.post("/login", w.login), web.post("/logout", w.logout),
         web.post("/users/{name}/logout", w.end_logins), web.get("/fragment/session", w.session_state),
         web.get("/static/style.css", _asset(STYLE, "text/css")),

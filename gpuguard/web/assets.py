@@ -27,7 +27,16 @@ form.login{display:grid;gap:.6em;max-width:20em}
 font-weight:600}.stale-banner[hidden]{display:none}#live.stale{opacity:.6}
 svg.chart{width:100%;max-width:720px;height:auto}svg.chart text{font-size:12px;fill:#1b1f24}
 svg.chart .granted{fill:#9ec5fe;stroke:#0a58ca}svg.chart .busy{fill:#0a58ca}
-details.numbers{margin:.3em 0 1em}
+details.numbers{margin:.3em 0 1em}th a{color:inherit}th[aria-sort] a{font-weight:700}.order{margin:.2em 0}
+.trends{display:grid;grid-template-columns:repeat(auto-fill,minmax(260px,1fr));gap:.6em;margin-bottom:.8em}
+figure.trend{margin:0;background:#fff;border:1px solid #d0d7de;border-radius:4px;padding:.4em .6em;min-width:0}
+figure.trend figcaption{font-size:.9em;overflow-wrap:anywhere}figure.trend small,.axis{color:#57606a}
+svg.trend{display:block;width:100%;height:80px;margin:.3em 0}figure.big{max-width:720px}figure.big svg.trend{height:200px}
+svg.trend path{fill:none;vector-effect:non-scaling-stroke;stroke-linecap:round;stroke-linejoin:round;stroke-width:2}
+svg.trend .rule{stroke:#d0d7de;stroke-width:1}svg.trend .util{stroke:#0a58ca}
+svg.trend .mem{stroke:#b35900;stroke-dasharray:5 3}
+.key-util{border-bottom:2px solid #0a58ca}.key-mem{border-bottom:2px dashed #b35900}
+.axis{display:flex;justify-content:space-between;gap:.5em;margin:0;font-size:.8em}
 @media (prefers-color-scheme:dark){
 body{color:#e6edf3;background:#0d1117}a{color:#79b8ff}h2 small,.stamp{color:#9da7b3}
 .cell{background:#161b22;border-color:#30363d;color:#9da7b3}.cell b,.user{color:#e6edf3}
@@ -35,7 +44,10 @@ body{color:#e6edf3;background:#0d1117}a{color:#79b8ff}h2 small,.stamp{color:#9da
 [data-state=other]{background:#241a3a}.error,.warn{color:#ff7b72}
 table{background:#161b22}td,th{border-color:#30363d}pre.lines{background:#010409}
 .stale-banner{background:#3d2e00;color:#f8e3a1;border-color:#bf8700}
-svg.chart text{fill:#e6edf3}svg.chart .granted{fill:#2f5ea8;stroke:#a5cdff}svg.chart .busy{fill:#a5cdff}}
+svg.chart text{fill:#e6edf3}svg.chart .granted{fill:#2f5ea8;stroke:#a5cdff}svg.chart .busy{fill:#a5cdff}
+figure.trend{background:#161b22;border-color:#30363d}figure.trend small,.axis{color:#9da7b3}
+svg.trend .rule{stroke:#30363d}svg.trend .util{stroke:#79b8ff}svg.trend .mem{stroke:#ffa657}
+.key-util{border-bottom-color:#79b8ff}.key-mem{border-bottom-color:#ffa657}}
 """
 
 # Replaces each [data-refresh] element's content with its fragment every REFRESH ms; while the

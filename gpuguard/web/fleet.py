@@ -85,6 +85,10 @@ class FleetSource:
         database does not hold (the Me page says the standing is not available)."""
         return {}
 
+    async def use_history(self, span: str) -> dict[str, dict[str, Any]]:
+        """None known: utilisation and memory stay on each node (the History page says so)."""
+        return {}
+
 
 # --- pure: rows in, the daemon's reply shapes out (views.py reads both sources alike)
 

@@ -15,7 +15,7 @@ from gpuguard.core.model import unit_label
 from gpuguard.core.quantities import format_size
 from gpuguard.web.views import Cell, FairShare, OwnProcess, Server, Viewer, Waiting, duration, ordinal, plural
 
-NAV = (("/", "Now"), ("/queue", "Queue"), ("/me", "Me"), ("/usage", "Usage"))
+NAV = (("/", "Now"), ("/queue", "Queue"), ("/me", "Me"), ("/usage", "Usage"), ("/history", "History"))
 STALE_AFTER = 30.0  # seconds: a sample this old is said to be old (the watcher samples every few seconds)
 
 
@@ -206,7 +206,7 @@ def _events(events: Sequence[Mapping[str, Any]]) -> str:
 def usage_page(form: Mapping[str, str], charts: Iterable[tuple[str, str]], csv_href: str, scope: str) -> str:
     fields = (f'<label>from <input type=date name=since value="{h(form["since"])}"></label> '
               f'<label>to <input type=date name=until value="{h(form["until"])}"></label> <button>Show</button>')
-    body = "".join(f"<h2>{h(title)}</h2>{chart}" for title, chart in charts)
+    body = "".join(f'<h2 id="by-{h(title.rsplit(" ", 1)[-1])}">{h(title)}</h2>{chart}' for title, chart in charts)
     return (f'<h1>GPU usage</h1><p>{h(scope)}</p><form method="get" action="/usage" class="period">{fields}</form>'
             f'<p><a href="{h(csv_href)}" download>Download CSV</a></p>{body}')
 

@@ -49,6 +49,10 @@ class Source(Protocol):
         """Server name -> its `fairshare` reply (every user's decayed usage, share and priority);
         a server missing: the source does not know its fair share."""
 
+    async def use_history(self, span: str) -> dict[str, dict[str, Any]]:
+        """Server name -> its `use_history` of the span (hour, day, week): every GPU's and every
+        user's utilisation and memory; a server missing: the source does not know it."""
+
 
 async def ask(socket_path: Path | str, op: str, timeout: float = TIMEOUT, **fields: Any) -> dict[str, Any]:
     """One request to a daemon, without blocking the event loop; raises as client.call does."""
@@ -114,6 +118,9 @@ class LocalDaemon:
 
     async def fairshare(self) -> dict[str, dict[str, Any]]:
         return {self.name: await ask(self.socket_path, "fairshare", LOCAL_TIMEOUT)}
+
+    async def use_history(self, span: str) -> dict[str, dict[str, Any]]:
+        return {self.name: await ask(self.socket_path, "use_history", LOCAL_TIMEOUT, span=span)}
 
 
 class Memo:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import csv
 import datetime
 import io
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from gpuguard.core.model import unit_label
@@ -271,7 +273,21 @@ def processes_of(user: str, servers: Iterable[tuple[str, Mapping[str, Any] | Non
 
 def largest_first(rows: Iterable[Usage]) -> list[Usage]:
     """Most GPU-hours granted first (then by label): a chart cut at its bar limit keeps the largest."""
-    return sorted(rows, key=lambda r: (-r.granted_hours, r.label))
+    return sorted_usage(rows, "granted")
+
+
+USAGE_SORTS = ("name", "granted", "busy", "share")
+
+
+def sorted_usage(rows: Iterable[Usage], by: str) -> list[Usage]:
+    """By label (`name`), or largest first by GPU-hours granted, busy, or busy share (unknown last)."""
+    if by == "name":
+        return sorted(rows, key=lambda r: natural(r.label))
+    if by in ("busy", "share"):
+        def value(r: Usage) -> float | None:
+            return r.busy_hours if by == "busy" else r.busy_share
+        return sorted(rows, key=lambda r: (value(r) is None, -(value(r) or 0.0), natural(r.label)))
+    return sorted(rows, key=lambda r: (-r.granted_hours, natural(r.label)))
 
 
 def by_period(days: Iterable[Usage], first: datetime.date, last: datetime.date) -> list[Usage]:
@@ -323,6 +339,114 @@ def _hours(value: float | None) -> str:
 def _csv_safe(text: str) -> str:
     """A cell a spreadsheet would run as a formula (=, +, -, @ first) is quoted with a leading '."""
     return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+# --- utilisation and memory over time
+
+SPANS = ("hour", "day", "week")
+# one bucket of a series: utilisation's mean and peak (percent; None: not known, as for a MIG
+# slice), memory's mean and peak (bytes)
+TrendPoint = tuple[float | None, float | None, float, float]
+TREND_SORTS = ("name", "util", "util_peak", "memory", "memory_peak")
+
+
+@dataclass(frozen=True)
+class Trend:
+    """One GPU's or one user's utilisation and memory over a span, one point a bucket (None:
+    not known then): (utilisation mean, its peak, memory mean, its peak), percent and bytes. Its
+    span's numbers are worked out once (a page reads each several times)."""
+
+    server: str
+    kind: str                   # "gpu" or "user"
+    key: str                    # the GPU's label, the user's name
+    title: str                  # "GPU 3", "alice", "gpu2 GPU 3" in a fleet
+    model: str | None           # the GPU's name (NVIDIA H100 ...), None for a user
+    memory_total: int | None    # the GPU's memory, None for a user (or a GPU gone since)
+    start: float                # the first bucket's start, epoch seconds
+    step: int                   # seconds a bucket
+    points: tuple[TrendPoint | None, ...]
+    ticks: tuple[int, ...]      # samples in each bucket: the weights of the span's means
+
+    def _column(self, field: int) -> list[float | None]:
+        return [None if p is None else p[field] for p in self.points]
+
+    def _mean(self, values: Sequence[float | None]) -> float | None:
+        weighed = [(v, w) for v, w in zip(values, self.ticks, strict=True) if v is not None and w]
+        total = sum(w for _, w in weighed)
+        return sum(v * w for v, w in weighed) / total if total else None
+
+    @staticmethod
+    def _peak(values: Sequence[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    @cached_property
+    def util(self) -> float | None:
+        return self._mean(self._column(0))
+
+    @cached_property
+    def util_peak(self) -> float | None:
+        return self._peak(self._column(1))
+
+    @cached_property
+    def memory(self) -> float | None:
+        return self._mean(self._column(2))
+
+    @cached_property
+    def memory_peak(self) -> float | None:
+        return self._peak(self._column(3))
+
+    @cached_property
+    def latest(self) -> tuple[float | None, float | None] | None:
+        """The newest bucket's utilisation and memory (None: nothing known in the span)."""
+        last = next((p for p in reversed(self.points) if p is not None), None)
+        return None if last is None else (last[0], last[2])
+
+    @property
+    def href_query(self) -> str:
+        return f"server={self.server}&{self.kind}={self.key}"
+
+    def sort_key(self, by: str) -> tuple[Any, ...]:
+        """Largest first for the numbers (unknown last), by title for `name`."""
+        if by == "name":
+            return natural(self.title)
+        value = getattr(self, by)
+        return (value is None, -(value or 0.0), natural(self.title))
+
+
+def trends(replies: Mapping[str, Mapping[str, Any]], viewer: Viewer) -> tuple[list[Trend], list[Trend]]:
+    """Every server's GPUs, and the users the viewer may see (admins: everyone; anyone else: only
+    themselves, as with usage), from each server's `use_history` reply."""
+    gpus, users = [], []
+    fleet = len(replies) > 1
+    for server, reply in sorted(replies.items()):
+        ticks = tuple(int(t) for t in reply["ticks"])
+        start, step = float(reply["start"]), int(reply["step"])
+        for g in reply.get("gpus", ()):
+            label = str(g["label"])
+            gpus.append(Trend(server, "gpu", label, f"{server} GPU {label}" if fleet else f"GPU {label}", g.get("name"),
+                              g.get("memory_total"), start, step, _points(g), ticks))
+        for u in reply.get("users", ()):
+            name = str(u["user"])
+            if viewer.admin or name == viewer.user:
+                users.append(Trend(server, "user", name, f"{server} {name}" if fleet else name, None, None, start,
+                                   step, _points(u), ticks))
+    return gpus, users
+
+
+def _points(entry: Mapping[str, Any]) -> tuple[TrendPoint | None, ...]:
+    columns = zip(entry["util"], entry["util_peak"], entry["memory"], entry["memory_peak"], strict=True)
+    return tuple(None if memory is None else (util, peak, float(memory), float(memory_peak or memory))
+                 for util, peak, memory, memory_peak in columns)
+
+
+def sorted_trends(rows: Iterable[Trend], by: str) -> list[Trend]:
+    return sorted(rows, key=lambda t: t.sort_key(by if by in TREND_SORTS else "name"))
+
+
+def natural(text: str) -> tuple[tuple[int, str], ...]:
+    """GPU 2 before GPU 10: digits compare as numbers."""
+    return tuple((int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"(\d+)", text) if part)
 
 
 # --- words

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import http.client
+import math
 import os
 import re
 import resource
@@ -24,10 +25,12 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from web_harness import ARTEFACTS, FormClient, set_password
 
+from gpuguard.core.use_history import GPU, LEVELS, TICKS, USER
 from gpuguard.services.store import Store, hour_of
 
 pytestmark = pytest.mark.gate
 
+GiB = 1 << 30
 LIVE_TIMEOUT = 20.0  # seconds for the page to show a change: the script polls every 2 s
 PASSWORD = "ggt correct horse 7"
 
@@ -386,7 +389,7 @@ def test_the_usage_page_spends_the_users_own_report_budget(start_daemon, web, br
     assert browser.find_element(By.TAG_NAME, "h1").text == "GPU usage"
 
 
-PAGES = {"now": "/", "queue": "/queue", "me": "/me", "usage": "/usage"}
+PAGES = {"now": "/", "queue": "/queue", "me": "/me", "usage": "/usage", "history": "/history"}
 PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True}
 
 
@@ -406,6 +409,33 @@ def seed_usage(daemon, users) -> None:
     daemon.start()
 
 
+def seed_history(daemon, users) -> None:
+    """A day of utilisation and memory in ten minutes (GPU 0 and users[0] swinging, GPU 1 and
+    users[1] busy for the last twelve hours), written while the daemon is stopped."""
+    ten = LEVELS[1]
+    daemon.stop()
+    store = Store(daemon.config.paths.state_dir / "state.db")
+    try:
+        rows = []
+        last = ten.start_of(time.time()) - ten.step
+        for i in range(ten.length - 1):
+            start = last - ten.step * (ten.length - 2 - i)
+            swing = 50 + 40 * math.sin(i / 9)
+            late = i >= ten.length // 2
+            for kind, key, util, memory, total in (
+                    (GPU, 0, swing, (20 + 10 * math.sin(i / 14)) * GiB, 80 * GiB),
+                    (GPU, 1, 80.0 if late else 0.0, 30 * GiB if late else 0, 80 * GiB),
+                    (USER, users[0].uid, swing, (20 + 10 * math.sin(i / 14)) * GiB, 0),
+                    (USER, users[1].uid, 80.0 if late else 0.0, 30 * GiB if late else 0, 0)):
+                rows.append((ten.step, kind, key, ten.slot(start), start, 60, 60, 60 * util, min(100.0, util + 8),
+                             60 * memory, memory, total))
+            rows.append((ten.step, TICKS, 0, ten.slot(start), start, 60, 0, 0.0, None, 0.0, 0.0, 0.0))
+        store.add_use_buckets(rows)
+    finally:
+        store.close()
+    daemon.start()
+
+
 def test_every_page_fits_a_phone_has_dark_mode_a_404_and_an_icon(start_daemon, web, browser, burns, make_group):
     """Also makes the pictures of docs/ from this seeded lab: build/test-artefacts/web-PAGE-desktop.png,
     -phone.png and -dark.png for each page (copied to docs/ as they are when the pages change)."""
@@ -415,6 +445,7 @@ def test_every_page_fits_a_phone_has_dark_mode_a_404_and_an_icon(start_daemon, w
     bob, carol = daemon.add_member(), daemon.add_member()
     set_password(alice, PASSWORD)
     seed_usage(daemon, [alice, bob, carol])
+    seed_history(daemon, [alice, bob])
     assert daemon.open_session(alice)["gpus"] == [0]
     assert daemon.open_session(bob)["gpus"] == [1]
     burns(daemon.config_path, 1, "2GiB", user=bob)
