@@ -18,7 +18,8 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
   logout's release among 10,000 root-owned processes, each against the same daemon without;
 - fleet_bench.py: several servers on one PostgreSQL: logins with the database up and down,
   status --fleet, heartbeat load for 50 to 2,000 nodes.
-- web_bench.py: the web view's grid for 50 servers x 8 GPUs against a static file of its size.
+- web_bench.py: the web view's grid for 50 servers x 8 GPUs and every page at 64 GPUs and 100 users,
+  each against a static file of its size; the daemon's CPU while an admin keeps the Queue page open.
 
 Small C helpers (bench/*.c) are built by the run with gcc. `--only SECTION` runs one section.
 """
@@ -101,7 +102,7 @@ def main() -> int:
             fleet_bench.run(bench)  # its daemons hold the gate lock one at a time (start_daemon)
         if "web" in sections:
             import web_bench
-            web_bench.web_rows()
+            web_bench.web_rows(bench)
     print(f"\n{table(ROWS)}\n\nbench: {len(ROWS)} rows in {time.monotonic() - started:.0f} s on {host}")
     missed = [r for r in ROWS if r.missed]
     for r in missed:
