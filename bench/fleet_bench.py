@@ -30,6 +30,7 @@ from gpuguard import config as configuration
 from gpuguard.core.model import Device, Gpu, Origin
 from gpuguard.fleet import ranking
 from gpuguard.fleet.fleetdb import FleetDb, connect, migrate, view
+from gpuguard.fleet.identity import Identity
 from gpuguard.fleet.node import FleetNode
 from gpuguard.fleet.outbox import Outbox
 from gpuguard.services.grants import Grants
@@ -177,7 +178,7 @@ def _snapshot(bench: Bench) -> dict:
         store.add_grants(2000 + m, f"user{m}", [m], time.time() - 60, None, origin=Origin.SESSION)
     settings = configuration.FleetConfig(database="", node="template", heartbeat=HEARTBEAT)
     cluster = FleetNode(settings, lambda: 7 * 86400.0, store, lambda: grants.gpus, (), Outbox(home / "cluster.db"),
-                      FleetDb("", "template"))
+                      FleetDb("", "template"), Identity("bench", "", "bench"))
     doc = cluster.snapshot(time.time())
     cluster.close()
     store.close()

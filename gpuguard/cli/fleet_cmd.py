@@ -61,6 +61,8 @@ def show_fleet(args: argparse.Namespace) -> int:
         print_json(reply)
         return EXIT_OK
     print(f"fleet seen from {reply['node']}: {staleness(reply)}")
+    if reply.get("name_clash"):  # another server was refused under this one's name (a daemon before: none)
+        print(f"warning: {reply['name_clash']}")
     rows = [["NODE", "RACK", "SEEN", "QUEUE", "GPU", "NAME", "OWNER", "HOLDERS"]]
     for node in reply["nodes"]:
         silent = node["silent_for"]

@@ -255,20 +255,31 @@ def check_coexist(f: Facts) -> Finding:
 
 
 def check_fleet(f: Facts) -> Finding:
-    """A fleet's node: online, or why not. A fenced database (fleet.fencing) is a FAIL: the node
-    will not write there until an admin acts; one merely unreachable is a warning (logins go on
-    under the offline policy, and the node comes back by itself)."""
+    """A fleet's node: online, or why not. A fenced database (fleet.fencing) and a node name
+    another server holds (fleet.identity) are a FAIL: the node will not write there until an
+    admin acts; a database merely unreachable is a warning (logins go on under the offline
+    policy, and the node comes back by itself), and so is another server refused under this
+    node's name (this one goes on, the other needs a name of its own)."""
     if f.fleet is None:
         if f.fleet_error is not None:
             return Finding("fleet", WARN, f"not asked: {f.fleet_error}", "journalctl -u gpuguard")
         return Finding("fleet", OK, "a single server (no [fleet])")
+    node = f.fleet.get("node")
     if f.fleet.get("online"):
-        return Finding("fleet", OK, f"node {f.fleet.get('node')} is online")
+        if clash := f.fleet.get("name_clash"):
+            return Finding("fleet", WARN, f"node {node} is online; {clash}",
+                           "set [fleet] node on the other server (docs/several-servers.md: Node names)")
+        held_as = f" as {f.fleet['identity']}" if f.fleet.get("identity") else ""
+        return Finding("fleet", OK, f"node {node} is online{held_as}")
     why = str(f.fleet.get("offline_reason") or "the database has not answered yet")
     if why.startswith("fenced"):
-        return Finding("fleet", FAIL, f"node {f.fleet.get('node')} offline: {why}",
+        return Finding("fleet", FAIL, f"node {node} offline: {why}",
                        "docs/several-servers.md: Failover and fencing")
-    return Finding("fleet", WARN, f"node {f.fleet.get('node')} offline: {why}",
+    if why.startswith("name taken"):
+        return Finding("fleet", FAIL, f"node {node} offline: {why}",
+                       "set [fleet] node in gpuguard.toml to a name no other server uses, then restart gpuguard "
+                       "(docs/several-servers.md: Node names)")
+    return Finding("fleet", WARN, f"node {node} offline: {why}",
                    "check [fleet] database and that the database answers (psql with the same string)")
 
 

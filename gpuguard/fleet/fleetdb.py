@@ -159,7 +159,7 @@ class FleetDb:
     def heartbeat(self, doc: dict[str, Any], kept_from: int | None = None) -> dict[str, Any]:
         """The heartbeat's answer; the first on a connection adds `ledger_present`, the seqs from
         `kept_from` on of this node's outbox (doc's incarnation) that the database has (none kept: not asked)."""
-        answer = self.call("heartbeat_v2", doc)
+        answer = self.call("heartbeat_v3", doc)
         if not self._ledger_checked:
             if kept_from is not None:
                 answer["ledger_present"] = self._ledger_seqs(doc["incarnation"], kept_from)
@@ -177,7 +177,7 @@ class FleetDb:
         return [seq for (seq,) in rows]
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return self.call("reserve_v1", doc, flushed=False)
+        return self.call("reserve_v2", doc, flushed=False)
 
     def release(self, pairs: list[tuple[int, str]]) -> None:
         """Grants of this node taken back: (minor, user) each; raises psycopg.Error."""

@@ -6,6 +6,9 @@ loop waits for a grant-time check at most `timeout` (a login never waits longer 
 network); a check that times out or fails puts the node offline, and from then on checks are
 decided locally at once, under `offline_policy`, until a heartbeat succeeds again. The gate and
 the local store are never touched by any of this: the fleet can only make a grant smaller.
+A heartbeat or a check the database refuses because another install holds this node's name
+(identity.py) puts the node offline the same way, and it keeps trying: it takes the name over
+once the holder has been silent past lease + grace. The holder hears of the clash too.
 
 Called from the event-loop thread only, like the store, except the worker's own calls.
 """
@@ -24,6 +27,8 @@ from gpuguard import __version__
 from gpuguard.config import FleetConfig, OfflinePolicy
 from gpuguard.core.escape import printable
 from gpuguard.core.model import Gpu, Grant, Origin, Quota
+from gpuguard.core.quantities import format_duration
+from gpuguard.fleet.identity import Identity, describe
 from gpuguard.fleet.outbox import Outbox
 from gpuguard.fleet.schema import CURRENT, FleetError
 from gpuguard.fleet.worker import OrderedWorker
@@ -37,9 +42,10 @@ MIN_GAP = 0.5  # seconds between two heartbeats that grants taken back ask for: 
 class FleetNode:
     def __init__(self, config: FleetConfig, half_life: Callable[[], float], store: Store,
                  units: Callable[[], Mapping[int, Gpu]], foreign: Sequence[dict[str, Any]], outbox: Outbox,
-                 db: FleetDatabase):
+                 db: FleetDatabase, identity: Identity):
         """units: what this node hands out now (Grants.gpus); foreign: the status entries of the GPUs
-        Slurm or Kubernetes own here (coexist.status_entries), each with its `owner`."""
+        Slurm or Kubernetes own here (coexist.status_entries), each with its `owner`; identity: this
+        install's, sent with every call (another install under this node's name is refused)."""
         self.config = config
         self.half_life = half_life
         self.store = store
@@ -47,6 +53,7 @@ class FleetNode:
         self.foreign = list(foreign)
         self.outbox = outbox
         self.db = db
+        self.identity = identity
         self._worker = OrderedWorker("gpuguard-fleet")
         self.online = False  # until the first heartbeat: checks are local meanwhile
         self.stale_since: float | None = time.time()  # the fleet's view as this node has it is old since then
@@ -55,6 +62,8 @@ class FleetNode:
         self.usage: dict[str, float] = {}   # recent usage elsewhere (fair share) of the users waiting here
         self.held: dict[str, int] = {}      # grants elsewhere of the users here, as last seen
         self.free: list[dict[str, Any]] = []  # where GPUs are free elsewhere, when this node is full
+        self.name_clash: str | None = None  # another install tried to use this node's name lately (the line)
+        self._refused_by: str | None = None  # the install holding this node's name, while it refuses this one
         self._kick = asyncio.Event()
 
     # --- the grant-time check
@@ -64,7 +73,8 @@ class FleetNode:
         """The part of `chosen` the fleet quota allows (all of it without one), recorded in the
         database in the same transaction. Waits `timeout` at most; offline: offline_policy."""
         if self.online:
-            doc = {"node": self.config.node, "user": user, "uid": uid,
+            doc = {"node": self.config.node, "install": self.identity.install, "incarnation": self.outbox.incarnation,
+                   "user": user, "uid": uid,
                    # the key the released schema's reserve() reads (schema.py: never edited)
                    "cluster_gpus": quota.fleet_gpus,
                    "minors": list(chosen), "granted_at": now, "expires_at": expires_at, "shared": shared,
@@ -83,8 +93,10 @@ class FleetNode:
             except (psycopg.Error, FleetError) as exc:
                 self._offline(_first_line(exc))
             else:
-                self.held[user] = result["held"] - len(self.store.grants(uid))
-                return tuple(result["granted"])
+                if "refused" not in result:
+                    self.held[user] = result["held"] - len(self.store.grants(uid))
+                    return tuple(result["granted"])
+                self._refused(result["refused"])
         return self._offline_admit(uid, user, quota, chosen)
 
     def _offline_admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...]) -> tuple[int, ...]:
@@ -108,7 +120,8 @@ class FleetNode:
         units = self.units()
         free = len(set(units) - {g.unit for g in grants})
         return {
-            "node": self.config.node, "rack": self.config.rack, "ssh": self.config.ssh or self.config.node,
+            "node": self.config.node, "host": self.identity.host, "install": self.identity.install,
+            "rack": self.config.rack, "ssh": self.config.ssh or self.config.node,
             "version": __version__, "schema": CURRENT, "incarnation": self.outbox.incarnation,
             "heartbeat": self.config.heartbeat, "lease": self.config.lease, "grace": self.config.grace,
             "taken_at": now, "half_life": self.half_life(),
@@ -137,6 +150,10 @@ class FleetNode:
         except (psycopg.Error, FleetError) as exc:
             self._offline(_first_line(exc))
             return False
+        if "refused" in result:
+            self._refused(result["refused"])
+            return False
+        self._names(result)
         if doc["ledger"]:
             self.outbox.confirm(doc["ledger"][-1]["seq"], time.time())
         if "ledger_present" in result and (again := self.outbox.resend_absent(result["ledger_present"])):
@@ -183,6 +200,40 @@ class FleetNode:
         except psycopg.Error as exc:
             event(logging.WARNING, "fleet_release_failed", error=_first_line(exc), action="sent with the next heartbeat")
 
+    # --- the node's name (identity.py)
+
+    def _refused(self, holder: dict[str, Any]) -> None:
+        """Another install holds this node's name: offline, with one line naming both hosts
+        (logged when the holder is new)."""
+        line = (f"name taken: fleet node {self.config.node} is held by {describe(holder['host'], holder['install'])}, "
+                f"seen {_ago(holder['silent_for'])} ago; refused here on {self.identity}: give each server its own "
+                "[fleet] node name")
+        if holder["install"] != self._refused_by:
+            event(logging.ERROR, "fleet_name_taken", node=self.config.node, error=line,
+                  policy=str(self.config.offline_policy),
+                  action="offline: nothing written to the fleet database; taken over once the holder is silent "
+                         "past lease + grace")
+            self._refused_by = holder["install"]
+        self._offline(line)
+
+    def _names(self, result: Mapping[str, Any]) -> None:
+        """What a heartbeat this install may make says of its name: taken over from a lost holder,
+        or tried by another install lately (the clash line kept while it lasts, logged once)."""
+        self._refused_by = None
+        if lost := result.get("took_over"):
+            event(logging.WARNING, "fleet_name_taken_over", node=self.config.node,
+                  before=describe(lost["host"], lost["install"]), silent_for=round(lost["silent_for"], 1),
+                  why="the node that held this name was silent past lease + grace (a reinstalled host?); if "
+                      "another server still runs under it, give each its own [fleet] node name")
+        clash = result.get("clash")
+        line = None if clash is None else (
+            f"name clash: {describe(clash['host'], clash['install'])} tried to join the fleet as node "
+            f"{self.config.node}, which this host, {self.identity}, holds; it was refused: give each server its "
+            "own [fleet] node name")
+        if line is not None and line != self.name_clash:
+            event(logging.WARNING, "fleet_name_clash", node=self.config.node, error=line)
+        self.name_clash = line
+
     def _offline(self, why: str) -> None:
         self.offline_reason = why
         if self.online or self.stale_since is None:
@@ -220,6 +271,10 @@ class FleetNode:
         self._worker.submit(self.db.close)  # on its own thread, after what it is doing
         self._worker.stop()
         self.outbox.close()
+
+
+def _ago(seconds: float) -> str:
+    return format_duration(round(max(0.0, seconds))) if seconds < 1e9 else "never"
 
 
 def _first_line(exc: BaseException) -> str:

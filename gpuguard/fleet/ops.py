@@ -80,6 +80,7 @@ class FleetOps:
         node = self.node
         return {"node": node.config.node, "online": node.online, "stale_since": node.stale_since,
                 "offline_reason": None if node.online else node.offline_reason,
+                "identity": str(node.identity), "name_clash": node.name_clash,
                 "view_stale": self._failed_at is not None, "now": time.time()}
 
     async def handle(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:

@@ -255,6 +255,84 @@ MIGRATIONS: tuple[Migration, ...] = (
     ALTER TABLE gpuguard.ledger ADD CONSTRAINT ledger_times CHECK ({_times("started", "ended")});
     ALTER TABLE gpuguard.fleet_quotas ADD CONSTRAINT fleet_quotas_times CHECK ({_times("updated_at")});
     """),
+    # Node names are unique (gpuguard.fleet.identity). Each node row records who wrote it: the
+    # host name and the install (a hash of the machine-id and a key of the state directory). A
+    # heartbeat or a grant-time check under a name that a live install of another holds is
+    # refused, with nothing written but `clash` on the holder's row (so that it learns of it);
+    # a holder silent past lease + grace (gpuguard.counts) is taken over. A row last written
+    # by a node of schema 3 or older has no install: its outbox's incarnation says whose it is,
+    # so an upgraded node keeps its own row and a node of an older release is still told apart.
+    # Nodes of schema 3 go on calling heartbeat_v2 and reserve_v1, unchecked.
+    Migration(4, 1, """
+    ALTER TABLE gpuguard.nodes ADD COLUMN host text NOT NULL DEFAULT '',
+        ADD COLUMN identity text NOT NULL DEFAULT '', ADD COLUMN clash jsonb;
+
+    CREATE FUNCTION gpuguard.holds(n gpuguard.nodes, install text, incarnation text) RETURNS boolean
+        LANGUAGE sql IMMUTABLE AS $$
+        SELECT CASE WHEN n.schema_version >= 4 THEN n.identity = install ELSE n.incarnation = incarnation END $$;
+
+    -- who holds the row, as a refusal names it (a node of an older release: its outbox only)
+    CREATE FUNCTION gpuguard.holder(n gpuguard.nodes, at double precision) RETURNS jsonb
+        LANGUAGE sql IMMUTABLE AS $$
+        SELECT jsonb_build_object('host', CASE WHEN n.schema_version >= 4 THEN n.host ELSE '' END,
+                                  'install', CASE WHEN n.schema_version >= 4 THEN n.identity ELSE n.incarnation END,
+                                  'silent_for', at - n.last_seen) $$;
+
+    CREATE FUNCTION gpuguard.heartbeat_v3(doc jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE
+        me text := doc->>'node';
+        my_host text := coalesce(doc->>'host', '');
+        my_install text := coalesce(doc->>'install', '');  -- none: ''
+        at double precision := extract(epoch FROM clock_timestamp());
+        n gpuguard.nodes;
+        lost jsonb;
+        answer jsonb;
+    BEGIN
+        -- the row locked first, so that two installs starting under one new name are told apart too
+        SELECT * INTO n FROM gpuguard.nodes WHERE name = me FOR UPDATE;
+        IF NOT FOUND THEN
+            INSERT INTO gpuguard.nodes (name, host, identity, schema_version, incarnation, heartbeat, lease, grace,
+                                        first_seen, last_seen)
+            VALUES (me, my_host, my_install, (doc->>'schema')::integer, doc->>'incarnation',
+                    (doc->>'heartbeat')::double precision, (doc->>'lease')::double precision,
+                    (doc->>'grace')::double precision, at, at)
+            ON CONFLICT (name) DO NOTHING;
+            SELECT * INTO n FROM gpuguard.nodes WHERE name = me FOR UPDATE;
+        END IF;
+        IF NOT gpuguard.holds(n, my_install, coalesce(doc->>'incarnation', '')) THEN
+            IF gpuguard.counts(n, at) THEN
+                UPDATE gpuguard.nodes SET clash = jsonb_build_object('host', my_host, 'install', my_install, 'at', at)
+                    WHERE name = me;
+                RETURN jsonb_build_object('at', at, 'refused', gpuguard.holder(n, at));
+            END IF;
+            lost := gpuguard.holder(n, at);  -- silent past lease + grace: the name is this install's now
+        END IF;
+        answer := gpuguard.heartbeat_v2(doc);
+        IF lost IS NOT NULL OR (n.host, n.identity) IS DISTINCT FROM (my_host, my_install) THEN
+            UPDATE gpuguard.nodes SET host = my_host, identity = my_install,
+                                      clash = CASE WHEN lost IS NULL THEN clash END
+                WHERE name = me;
+        END IF;
+        IF lost IS NOT NULL THEN
+            RETURN answer || jsonb_build_object('took_over', lost);
+        END IF;
+        IF n.clash IS NOT NULL AND at - (n.clash->>'at')::double precision <= n.lease + n.grace THEN
+            RETURN answer || jsonb_build_object('clash', n.clash);  -- another install tried this name lately
+        END IF;
+        RETURN answer;
+    END $$;
+
+    CREATE FUNCTION gpuguard.reserve_v2(doc jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+    DECLARE
+        n gpuguard.nodes;
+    BEGIN
+        SELECT * INTO n FROM gpuguard.nodes WHERE name = doc->>'node';
+        IF FOUND AND NOT gpuguard.holds(n, coalesce(doc->>'install', ''), coalesce(doc->>'incarnation', '')) THEN
+            RETURN jsonb_build_object('refused', gpuguard.holder(n, extract(epoch FROM clock_timestamp())));
+        END IF;
+        RETURN gpuguard.reserve_v1(doc);
+    END $$;
+    """),
 )
 CURRENT = MIGRATIONS[-1].version
 

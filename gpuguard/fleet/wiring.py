@@ -8,6 +8,7 @@ from typing import Any
 
 from gpuguard.config import Config
 from gpuguard.core.model import Gpu
+from gpuguard.fleet import identity
 from gpuguard.fleet.node import FleetNode
 from gpuguard.fleet.ops import FleetOps
 from gpuguard.fleet.outbox import Outbox
@@ -36,7 +37,8 @@ def build(db: FleetDatabase, config: Callable[[], Config], store: Store, units: 
     if settings is None:
         raise ValueError("a fleet database without [fleet] in the config")
     outbox = Outbox(_outbox_path(start.paths.state_dir))
-    node = FleetNode(settings, lambda: config().scheduler.half_life, store, units, foreign, outbox, db)
+    node = FleetNode(settings, lambda: config().scheduler.half_life, store, units, foreign, outbox, db,
+                     identity.load(start.paths.state_dir))
     return FleetServices(node, FleetOps(config, node, lookup))
 
 

@@ -48,7 +48,7 @@ def test_a_1970_ledger_row_and_times_that_are_not_numbers_break_no_heartbeat(pos
     with monkeypatch.context() as patch:  # what a node of that release meets: every heartbeat asking for u1 fails
         patch.setattr(fleetdb, "MIGRATIONS", schema.MIGRATIONS[:2])
         with pytest.raises(psycopg.errors.NumericValueOutOfRange):
-            FleetDb(postgres.conninfo, "node0").heartbeat(heartbeat_doc("node0", usage_for=["u1"]))
+            FleetDb(postgres.conninfo, "node0").call("heartbeat_v2", heartbeat_doc("node0", usage_for=["u1"]))
 
     answer = FleetDb(postgres.conninfo, "node0").heartbeat(heartbeat_doc("node0", usage_for=["u1"], users=["u1"]))
     assert math.isfinite(answer["usage"]["u1"]) and answer["usage"]["u1"] > 0  # it counts, it crashes nothing
@@ -73,7 +73,8 @@ def test_a_view_with_times_that_are_not_numbers_shows_those_nodes_lost():
     assert node.lost and not node.counted
 
 
-TEXTS = ("<b>x</b>", "\n", "\x1b[31m", "\x1b[2J", "\r", "'; DROP SCHEMA gpuguard CASCADE; --", "é", "\u202e", "%s", "{}", "x" * 300)
+TEXTS = ("<b>x</b>", "\n", "\x1b[31m", "\x1b[2J", "\r", "'; DROP SCHEMA gpuguard CASCADE; --", "é", "\u202e", "%s", "{}",
+         "x" * 300)
 # The fuzz writes the rows of nodes other than the three daemons': a node's own rows are its
 # truth, which only it sends (one login role per node is issue 36's item 4).
 OTHERS = "name NOT IN ('gpu1', 'gpu2', 'gpu3')"
