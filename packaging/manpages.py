@@ -30,7 +30,7 @@ USER_COMMANDS = ("run", "jupyter", "whoami", "env", "status", "request", "releas
                  "report", "events", "quota", "config", "completion", "replay", "trace", "sim",
                  "prefs")
 ADMIN_COMMANDS = ("enable", "disable", "daemon", "web", "doctor", "grant", "revoke", "drain", "resume", "hold", "reload",
-                  "gate", "acl", "backup", "restore", PAM_HOOK)
+                  "gate", "acl", "backup", "restore", "fleet", PAM_HOOK)
 
 
 def roff(text: str) -> str:

@@ -110,7 +110,7 @@ COMMANDS = {
     "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
     "fairshare": "user_cmd", "run": "run_cmd", "jupyter": "jupyter_cmd",
     "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
-    "where": "fleet_cmd", "prefs": "prefs_cmd", "backup": "backup_cmd", "restore": "backup_cmd",
+    "where": "fleet_cmd", "fleet": "fleet_cmd", "prefs": "prefs_cmd", "backup": "backup_cmd", "restore": "backup_cmd",
 }
 # Help lists the commands users run first (in this order), then the admins' and the tools, by module.
 USER_MODULES = ("run_cmd", "jupyter_cmd", "user_cmd", "status_cmd", "report_cmd", "quota_cmd", "prefs_cmd")
@@ -119,7 +119,7 @@ DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 for users:   run, jupyter, whoami, status, request, release, cancel, env, fairshare, report, events, quota show,
              prefs
 for admins:  grant, revoke, drain, resume, hold, cancel --user, reload, quota set, config check, doctor, gate,
-             acl, daemon, enable, disable, web, backup, restore
+             acl, daemon, enable, disable, web, backup, restore, fleet remove
 tools:       replay, trace, sim, completion, gpus"""
 EPILOG = """examples:
   gpuguard run --wait -- python train.py

@@ -1,7 +1,10 @@
-"""`gpuguard where` and `gpuguard status --fleet`: the fleet of servers sharing one PostgreSQL.
+"""`gpuguard where`, `gpuguard status --fleet` and `gpuguard fleet remove`: the fleet of servers
+sharing one PostgreSQL.
 
-Both ask the local daemon, which reads the fleet database (users hold no database password).
-A node silent past its lease shows as lost; a view the daemon could not refresh says since when.
+`where` and `status --fleet` ask the local daemon, which reads the fleet database (users hold no
+database password). A node silent past its lease shows as lost; a view the daemon could not
+refresh says since when. `fleet remove` (root) writes to the database itself, with this node's
+connection string: the daemon need not run.
 """
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ import math
 import os
 from typing import Any
 
-from gpuguard.cli import print_json, print_rows
+from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root
 from gpuguard.cli.calls import ask
-from gpuguard.core.errors import EXIT_OK
+from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gpuguard.core.messages import clock
 from gpuguard.core.quantities import format_duration
 
@@ -27,6 +30,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--data", metavar="PATH", help="your data's path, as [fleet.data] names storage")
     where.add_argument("--json", action="store_true", help="print JSON")
     where.set_defaults(func=show_where)
+
+    fleet = subparsers.add_parser("fleet", help="the fleet database: take a decommissioned server out of it (root)")
+    actions = fleet.add_subparsers(dest="action", metavar="ACTION", required=True)
+    remove = actions.add_parser(
+        "remove", help="take a decommissioned node out of the fleet database",
+        description="Delete NODE's rows from the fleet database, in one transaction: the node, its GPUs, grants and "
+                    "queue (what status --fleet shows of it); its name is then free for another install at once. Its "
+                    "usage ledger stays: fair share keeps counting its users' past usage until it decays. Refused, "
+                    "changing nothing, while the node's grants still count (seen within its lease + grace), since a "
+                    "running node registers again at its next heartbeat: stop gpuguard there first, or pass --force. "
+                    "Uses this server's [fleet] database. Example: sudo gpuguard fleet remove gpu7")
+    remove.add_argument("node", metavar="NODE", help="the node's name, as status --fleet shows it")
+    remove.add_argument("--force", action="store_true",
+                        help="remove it even though it was seen within lease + grace (a running node comes back)")
+    remove.set_defaults(func=remove_node)
 
 
 def show_where(args: argparse.Namespace) -> int:
@@ -87,3 +105,48 @@ def staleness(reply: dict[str, Any]) -> str:
     if reply["view_stale"]:
         return "the fleet view could not be refreshed; showing the last one"
     return "up to date"
+
+
+def remove_node(args: argparse.Namespace) -> int:
+    """`gpuguard fleet remove NODE [--force]`: the node's rows out of the fleet database (fleetdb.remove_node)."""
+    require_root("fleet remove")
+    config = load_config(args)
+    if config.fleet is None:
+        raise CommandError("this server is not part of a fleet (no [fleet] in its gpuguard.toml)", EXIT_USAGE)
+    import psycopg
+
+    from gpuguard.fleet import fleetdb, lineage_memory
+    from gpuguard.fleet.schema import FleetError
+    try:
+        with fleetdb.connect(config.fleet.database, f"{config.fleet.node} fleet remove") as conn:
+            fleetdb.check_fence(conn, lineage_memory(config))  # not on a standby, an old leader or another database
+            found = fleetdb.remove_node(conn, args.node, args.force)
+    except psycopg.errors.UndefinedTable:
+        raise CommandError("the fleet database has no gpuguard schema yet: no node has joined", EXIT_FAILED) from None
+    except (psycopg.Error, FleetError) as exc:
+        raise CommandError(f"fleet database: {_first_line(exc)}", EXIT_FAILED) from None
+    if found is None:
+        raise CommandError(f"no node named {args.node} in the fleet database (status --fleet lists them)", EXIT_FAILED)
+    seen = (f"seen {format_duration(round(found['silent_for']))} ago" if math.isfinite(found["silent_for"]) else
+            "its last heartbeat's time is not a time")
+    on = f" on {found['host']}" if found["host"] else ""
+    if not found["removed"]:
+        window = format_duration(round(found["lease"] + found["grace"]))
+        raise CommandError(f"node {args.node} is live ({seen}{on}; its grants count until it is silent for {window}, "
+                           "lease + grace): a running node registers again at its next heartbeat; stop gpuguard "
+                           "there first and wait, or use --force", EXIT_FAILED)
+    print(f"gpuguard: removed node {args.node} from the fleet ({seen}{on}): {_count(found['gpus'], 'GPU')}, "
+          f"{_count(found['grants'], 'grant')} and {_count(found['queued'], 'queued request')} gone; its usage "
+          f"ledger ({_count(found['ledger'], 'row')}) stays for fair share")
+    if found["live"]:
+        print(f"gpuguard: node {args.node} was live: if gpuguard still runs there, it registers again at its next "
+              "heartbeat")
+    return EXIT_OK
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -214,6 +214,37 @@ ORDER BY n.name, g.minor
 """
 
 
+def remove_node(conn: psycopg.Connection, name: str, force: bool = False) -> dict[str, Any] | None:
+    """Take node `name` out of the fleet database, in one transaction: its row and with it (ON
+    DELETE CASCADE) its GPUs, grants and queue; None when there is none of that name. While its
+    grants still count (seen within lease + grace: a running node, or one cut off for a moment,
+    would only register again) nothing is changed (`removed` false) unless `force`.
+    Its ledger rows stay: they are its users' usage, which fair share counts on every server
+    until it decays (dropping them would put whoever worked there first in every queue); a name
+    used again is a new install, whose rows its outbox's incarnation keys apart. The row is read
+    whole (to_jsonb), so a database of any schema version does."""
+    with conn.transaction(), conn.cursor(row_factory=dict_row) as cursor:
+        row = cursor.execute(
+            f"SELECT to_jsonb(n) AS node, extract(epoch FROM clock_timestamp()) AS now,"
+            f" (SELECT count(*) FROM {NAMESPACE}.gpus g WHERE g.node = n.name) AS gpus,"
+            f" (SELECT count(*) FROM {NAMESPACE}.grants g WHERE g.node = n.name) AS grants,"
+            f" (SELECT count(*) FROM {NAMESPACE}.queue q WHERE q.node = n.name) AS queued,"
+            f" (SELECT count(*) FROM {NAMESPACE}.ledger l WHERE l.node = n.name) AS ledger"
+            f" FROM {NAMESPACE}.nodes n WHERE n.name = %s FOR UPDATE", (name,)).fetchone()
+        if row is None:
+            return None
+        node = row["node"]
+        silent = float(row["now"]) - float(node["last_seen"])
+        live = not silent > float(node["lease"]) + float(node["grace"])  # NaN (a row before schema 3): live
+        found = {"node": name, "removed": force or not live, "live": live, "host": node.get("host", ""),
+                 "install": node.get("identity", ""), "silent_for": silent, "lease": float(node["lease"]),
+                 "grace": float(node["grace"]), "gpus": row["gpus"], "grants": row["grants"],
+                 "queued": row["queued"], "ledger": row["ledger"]}
+        if found["removed"]:
+            cursor.execute(f"DELETE FROM {NAMESPACE}.nodes WHERE name = %s", (name,))
+    return found
+
+
 def view(conn: psycopg.Connection) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cursor:
         return cursor.execute(VIEW).fetchall()

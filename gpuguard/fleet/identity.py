@@ -21,7 +21,7 @@ Who it is: the host name (for people), the machine and an install key.
   definition was copied with its UUID) is indistinguishable: nothing on it differs.
 
 A new key (a reinstalled or moved state directory) is a new install: it takes the name over
-once the old holder has been silent past lease + grace.
+once the old holder has been silent past lease + grace, or at once after `gpuguard fleet remove`.
 """
 from __future__ import annotations
 
