@@ -141,7 +141,15 @@ def cool_downs(quota: Quota, now: float, time_limited: Mapping[str, float]) -> d
     return {kind: end for kind, end in ends.items() if now < end}
 
 
+def fleet_room(quota: Quota, elsewhere: int, here: int) -> int | None:
+    """GPUs left of the user's fleet quota (GPUs on every server of a fleet together), holding
+    `elsewhere` on the other servers and `here` on this one: 0 or less when all are held; None
+    without a fleet quota."""
+    return None if quota.fleet_gpus is None else quota.fleet_gpus - elsewhere - here
+
+
 def fleet_quota_held(quota: Quota, elsewhere: int | None, here: int) -> bool:
-    """Whether the user holds all of their fleet quota (GPUs on every server of a fleet together):
-    `elsewhere` on the other servers as last seen (None: not known, or no fleet), `here` on this one."""
-    return quota.fleet_gpus is not None and elsewhere is not None and elsewhere + here >= quota.fleet_gpus
+    """Whether the user holds all of their fleet quota: `elsewhere` as last seen (None: not known,
+    or no fleet)."""
+    room = None if elsewhere is None else fleet_room(quota, elsewhere, here)
+    return room is not None and room <= 0

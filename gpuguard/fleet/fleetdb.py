@@ -143,15 +143,19 @@ class FleetDb:
             self._migrated = False
         self.close()
 
+    def _execute(self, query: str, params: tuple[Any, ...]) -> psycopg.Cursor[Any]:
+        """One statement on the node's connection; raises psycopg.Error, the connection dropped."""
+        try:
+            return self._connection().execute(query, params)
+        except psycopg.Error as exc:
+            self._failed(exc)
+            raise
+
     def call(self, function: str, doc: dict[str, Any], flushed: bool = True) -> dict[str, Any]:
         """SELECT gpuguard.<function>(doc): one round trip; raises psycopg.Error (the connection is
         dropped). flushed=False: the commit does not wait for the WAL flush (the module's docstring)."""
         query = f"SELECT {NAMESPACE}.{function}(%s)" if flushed else f"SELECT {UNFLUSHED}, {NAMESPACE}.{function}(%s)"
-        try:
-            row = self._connection().execute(query, (Jsonb(doc),)).fetchone()
-        except psycopg.Error as exc:
-            self._failed(exc)
-            raise
+        row = self._execute(query, (Jsonb(doc),)).fetchone()
         assert row is not None
         answer: dict[str, Any] = row[-1]  # the function returns jsonb, which psycopg loads as a dict
         return answer
@@ -167,13 +171,8 @@ class FleetDb:
         return answer
 
     def _ledger_seqs(self, incarnation: str, kept_from: int) -> list[int]:
-        try:
-            rows = self._connection().execute(
-                f"SELECT seq FROM {NAMESPACE}.ledger WHERE node = %s AND incarnation = %s AND seq >= %s",
-                (self.node, incarnation, kept_from)).fetchall()
-        except psycopg.Error as exc:
-            self._failed(exc)
-            raise
+        rows = self._execute(f"SELECT seq FROM {NAMESPACE}.ledger WHERE node = %s AND incarnation = %s AND seq >= %s",
+                             (self.node, incarnation, kept_from)).fetchall()
         return [seq for (seq,) in rows]
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
@@ -181,14 +180,9 @@ class FleetDb:
 
     def release(self, pairs: list[tuple[int, str]]) -> None:
         """Grants of this node taken back: (minor, user) each; raises psycopg.Error."""
-        try:
-            self._connection().execute(
-                f"WITH gone AS (DELETE FROM {NAMESPACE}.grants WHERE node = %s AND (minor, username) IN"
-                f" (SELECT * FROM unnest(%s::integer[], %s::text[])) RETURNING 1) SELECT {UNFLUSHED}",
-                (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
-        except psycopg.Error as exc:
-            self._failed(exc)
-            raise
+        self._execute(f"WITH gone AS (DELETE FROM {NAMESPACE}.grants WHERE node = %s AND (minor, username) IN"
+                      f" (SELECT * FROM unnest(%s::integer[], %s::text[])) RETURNING 1) SELECT {UNFLUSHED}",
+                      (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
 
     def close(self) -> None:
         if self._conn is not None:

@@ -25,6 +25,7 @@ import psycopg
 
 from gpuguard import __version__
 from gpuguard.config import FleetConfig, OfflinePolicy
+from gpuguard.core import policy
 from gpuguard.core.escape import printable
 from gpuguard.core.model import Gpu, Grant, Origin, Quota
 from gpuguard.core.quantities import format_duration
@@ -100,10 +101,10 @@ class FleetNode:
         return self._offline_admit(uid, user, quota, chosen)
 
     def _offline_admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...]) -> tuple[int, ...]:
-        if self.config.offline_policy == OfflinePolicy.LOCAL or quota.fleet_gpus is None:
+        if self.config.offline_policy == OfflinePolicy.LOCAL:
             return chosen
-        room = quota.fleet_gpus - self.held.get(user, 0) - len(self.store.grants(uid))
-        return chosen[:max(0, room)]
+        room = policy.fleet_room(quota, self.held.get(user, 0), len(self.store.grants(uid)))
+        return chosen if room is None else chosen[:max(0, room)]
 
     # --- the heartbeat
 
@@ -257,7 +258,7 @@ class FleetNode:
     def elsewhere(self, user: str, quota: Quota) -> str:
         """For a login that queues here, holding nothing here: where GPUs are free for this user now
         ('' when nowhere, or not known)."""
-        room = None if quota.fleet_gpus is None else quota.fleet_gpus - self.held.get(user, 0)
+        room = policy.fleet_room(quota, self.held.get(user, 0), 0)  # a login that queues holds nothing here
         if not self.online or (room is not None and room <= 0):
             return ""
         # Names from the database, printed on the user's terminal: printable only (ranking.nodes says why).
