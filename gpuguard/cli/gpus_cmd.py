@@ -5,7 +5,8 @@ may not open). Root's is read from NVML directly: root may open every GPU, also 
 Kubernetes own ([coexist]), whose MIG slices the daemon never reads. GPUs are listed and named by
 minor number ("GPU 2" is /dev/nvidia2), the number every other gpuguard message uses; the NVML
 index is shown only so it can be compared with nvidia-smi. A GPU in MIG mode is handed out as its
-slices, listed under it by unit ("2/gi7/ci0").
+slices, listed under it by unit ("2/gi7/ci0"). A shared GPU's fractions (the memory promised to
+each sharer) and the memory left to promise come from the daemon, also for root.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 _SHORT = {"NVLINK": "NV", "PCIE_SWITCH": "PIX", "NUMA_NODE": "NODE", "SYSTEM": "SYS", "X": "X"}
 CSV_COLUMNS = ("gpu", "index", "name", "mig", "memory_used_bytes", "memory_total_bytes", "utilization_percent",
                "numa_node", "processes", "pci_bus_id", "uuid", "owner")
+FRACTIONS_WAIT = 5.0  # seconds root's `gpus` waits for the daemon's fractions: NVML's view needs no daemon
 _LEGEND = "NV = NVLink, PIX = same PCIe switch, NODE = same NUMA node, SYS = across CPU sockets"
 
 
@@ -46,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def show_gpus(args: argparse.Namespace) -> int:
-    found = _from_nvml(args) if os.geteuid() == 0 else ask(args, "gpus")
+    found = _with_fractions(args, _from_nvml(args)) if os.geteuid() == 0 else ask(args, "gpus")
     if args.json:
         print_json(found)
     elif args.csv:
@@ -89,6 +91,23 @@ def _from_nvml(args: argparse.Namespace) -> dict[str, Any]:
     return inventory.view(gpus, layout.slices, layout.unread, links, processes, owner=owners)
 
 
+def _with_fractions(args: argparse.Namespace, found: dict[str, Any]) -> dict[str, Any]:
+    """NVML's view with each GPU's fractions and memory left, as the daemon's own `gpus` says them
+    (NVML knows nothing of promises); unknown (None) while no daemon answers within FRACTIONS_WAIT."""
+    from gpuguard import client
+    from gpuguard.cli.calls import socket_of
+    from gpuguard.core.errors import GpuguardError
+    try:
+        said = {gpu["minor"]: gpu for gpu in client.call(socket_of(args)[0], "gpus", timeout=FRACTIONS_WAIT)["gpus"]}
+    except GpuguardError:
+        said = {}
+    for gpu in found["gpus"]:
+        known = said.get(gpu["minor"], {})
+        gpu.update(fractions=known.get("fractions", []), memory_promised=known.get("memory_promised"),
+                   memory_left=known.get("memory_left"))
+    return found
+
+
 def _owners(config: Config) -> Callable[[int], str]:
     """Who owns each GPU (gpuguard.core.coexist, from gres.conf without asking scontrol: a listing must
     not wait on slurmctld); "?" for all, with a warning, where that cannot be told."""
@@ -106,17 +125,21 @@ def _print_table(gpus: list[dict[str, Any]], topology: dict[str, dict[str, str]]
     if not gpus:
         print("no GPUs")
         return
-    rows = [["GPU", "INDEX", "NAME", "MEMORY USED", "TOTAL", "UTIL", "NUMA", "PROCS", "PCI BUS ID", "UUID", "OWNER"]]
+    from gpuguard.cli.status_cmd import fraction_words
+
+    # LEFT: memory left to promise to sharers; SHARED: the fractions, each holder's promised memory
+    rows = [["GPU", "INDEX", "NAME", "MEMORY USED", "TOTAL", "LEFT", "UTIL", "NUMA", "PROCS", "PCI BUS ID", "UUID",
+             "OWNER", "SHARED"]]
     for gpu in gpus:
         mode = " (MIG: slices unreadable)" if gpu["mig_unread"] else " (MIG mode)" if gpu["mig_mode"] else ""
         rows.append([str(gpu["minor"]), str(gpu["index"]), gpu["name"] + mode, _size(gpu["memory_used"]),
-                     _size(gpu["memory_total"]), _percent(gpu["utilization"]),
+                     _size(gpu["memory_total"]), _size(gpu.get("memory_left")), _percent(gpu["utilization"]),
                      _text(gpu["numa_node"]), _text(gpu["processes"]), _text(gpu["pci_bus_id"]), gpu["uuid"],
-                     gpu["owner"]])
+                     gpu["owner"], fraction_words(gpu.get("fractions") or []) or "-"])
         for each in gpu["slices"]:  # indented under their GPU, by unit
             rows.append([f"  {each['label']}", "", f"  MIG {each['profile']}", _size(each["memory_used"]),
-                         _size(each["memory_total"]), _percent(each["utilization"]), "", str(each["processes"]),
-                         "", each["uuid"], ""])
+                         _size(each["memory_total"]), "", _percent(each["utilization"]), "", str(each["processes"]),
+                         "", each["uuid"], "", ""])
     print_rows(rows)
     if len(topology) > 1:
         print()

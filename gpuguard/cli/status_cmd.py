@@ -1,8 +1,10 @@
 """`gpuguard status`: who holds which GPU, how much of it they use, and what runs there.
 
 One block per GPU, after gpustat's one-line-per-GPU summary and nvitop's memory bars and
-process table: the GPU line (utilisation, memory bar, holders), one line per holder (a bar of
-their memory against their quota, time left), one line per process (pid, user, memory, name).
+process table: the GPU line (utilisation, memory bar, holders), a line of its fractions (the
+memory promised to its sharers, and what is left) when it is shared, one line per holder (a bar
+of their memory against their quota or fraction, time left), one line per process (pid, user,
+memory, name).
 Colour and Unicode bars on a terminal (NO_COLOR or TERM=dumb turn colour off), plain ASCII when
 piped; --json for everything the daemon says, --csv (a header, or --no-header) one line per GPU.
 """
@@ -198,10 +200,13 @@ def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
                                       "bold", "yellow")
     lines = [f"{title}  {gpu['name']}  {util}%  "
              f"{style.bar(used, gpu['memory_total'])} {memory:<17}  {holders}"]
+    if line := fractions_line(gpu):
+        lines.append(f"    {line}")
     for h in gpu["holders"]:
-        quota = h["gpu_memory"]
+        fraction = h.get("memory") if h["shared"] else None  # a sharer's promise bounds it, not the quota
+        quota = fraction or h["gpu_memory"]
         mine = "?" if h["memory_used"] is None else format_size(h["memory_used"])
-        against = (f"{mine} of {format_size(quota)} quota" if quota else
+        against = (f"{mine} of {format_size(quota)} {'fraction' if fraction else 'quota'}" if quota else
                    f"{mine}, MIG slice (bounded in hardware)" if gpu["profile"] else f"{mine}, no memory quota")
         if quota and h["memory_used"] is not None and h["memory_used"] > quota:
             against += " " + style.paint("OVER", "bold", "red")
@@ -217,6 +222,21 @@ def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
         memory = "?" if p["memory"] is None else format_size(p["memory"])
         lines.append(style.paint(f"      {p['pid']:>7}  {p['user'] or '?':<12} {memory:>9}  {p['command']}", "dim"))
     return lines
+
+
+def fractions_line(gpu: dict[str, Any]) -> str:
+    """`shared: alice 30GiB, bob 40GiB; 70GiB of 80GiB promised, 10GiB left` ("" when not shared)."""
+    shares = gpu.get("fractions")  # absent: a daemon from before fractions, or another system's GPU
+    if not shares:
+        return ""
+    left = gpu.get("memory_left")
+    return (f"shared: {fraction_words(shares)}; {format_size(gpu['memory_promised'])} of "
+            f"{format_size(gpu['memory_total'])} promised, {'?' if left is None else format_size(left)} left")
+
+
+def fraction_words(shares: list[dict[str, Any]]) -> str:
+    """`alice 30GiB, bob 40GiB`: each fraction's holder and the memory promised ("?": unknown)."""
+    return ", ".join(f"{f['user']} {'?' if f['memory'] is None else format_size(f['memory'])}" for f in shares)
 
 
 def csv_row(gpu: dict[str, Any], now: float) -> list[Any]:

@@ -107,11 +107,13 @@ def show_whoami(args: argparse.Namespace) -> int:
         print("GPUs:")
         print_rows([["  GPU", "NAME", "UUID", "MEMORY", "SINCE", "UNTIL", "HOW"]] + [
             [f"  {gpu_label(g['minor'], g.get('index'))}", g["name"] or "?", g["uuid"] or "?",
-             memory_against(g.get("memory_used"), quota["gpu_memory"]), clock(g["granted_at"]),
+             memory_against(g.get("memory_used"), _limit(g, quota)), clock(g["granted_at"]),
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(cuda_export(_uuids(reply)))
         for g in reply["grants"]:
+            if line := fraction_line(g):
+                print(line)
             if g.get("drained"):
                 reason = f" ({g['drained']['reason']})" if g["drained"]["reason"] else ""
                 print(f"GPU {unit_label(g['minor'])} is drained{reason}: yours until you release it, then given to "
@@ -168,6 +170,25 @@ def _print_env(args: argparse.Namespace, uuids: list[str], exempt: bool, daemon:
     else:  # exempt users see every GPU: no variable to narrow them down
         print("unset CUDA_VISIBLE_DEVICES" if exempt else cuda_export(uuids))
     return EXIT_OK
+
+
+def _limit(grant: dict[str, Any], quota: dict[str, Any]) -> int | None:
+    """What bounds a grant's memory: a fraction's promise (a shared grant's memory), else the quota."""
+    limit: int | None = (grant.get("memory") if grant["shared"] else None) or quota["gpu_memory"]
+    return limit
+
+
+def fraction_line(grant: dict[str, Any]) -> str:
+    """`GPU 3: 20GiB of 80GiB, shared with bob (40GiB); 20GiB left` for a shared grant ("" otherwise)."""
+    if not grant["shared"] or grant.get("memory_total") is None:
+        return ""
+    mine = "?" if grant.get("memory") is None else format_size(grant["memory"])
+    others = ", ".join(f"{f['user']} ({'?' if f['memory'] is None else format_size(f['memory'])})"
+                       for f in grant.get("shared_with") or ())
+    left = grant.get("memory_left")
+    return (f"GPU {gpu_label(grant['minor'], grant.get('index'))}: {mine} of {format_size(grant['memory_total'])}, "
+            f"{'shared with ' + others if others else 'shared, nobody else on it yet'}; "
+            f"{'?' if left is None else format_size(left)} left")
 
 
 def memory_against(used: int | None, quota: int | None) -> str:

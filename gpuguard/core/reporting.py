@@ -2,7 +2,9 @@
 
 A report sums the hourly usage rows (store.usage_by) into GPU-hours granted, busy and idle,
 the busy share, and processes stopped by each rule, per user, GPU or day, with a total.
-The status view lists each GPU with its numbers, its holders and their quota, and its processes.
+The status view lists each GPU with its numbers, its holders and their quota, its fractions and
+its processes; `fractions` says what of a GPU's memory is promised to its shared grants, for every
+view that shows it (status, gpus, whoami, the web's grid, the metrics).
 """
 from __future__ import annotations
 
@@ -39,6 +41,23 @@ def _with_shares(row: Mapping[str, Any]) -> dict[str, Any]:
     return {**row, "busy_share": busy / granted if granted else None, "kills_total": sum(row["kills"].values())}
 
 
+def fractions(gpu: Gpu, grants: Iterable[Grant]) -> dict[str, Any]:
+    """A GPU's fractions: its shared grants, each with its holder and the memory promised to it
+    (Grant.memory), the memory promised in all, and the memory left to promise: the GPU's memory
+    less the promises; 0 while a whole (unshared) grant holds it, None while a sharer's promise is
+    unknown (then nobody joins, allocator.room_to_share). A free GPU has all its memory left."""
+    on = [g for g in grants if g.unit == gpu.unit]
+    shared = sorted((g for g in on if g.shared), key=lambda g: (g.granted_at, g.user))
+    promised = sum(g.memory or 0 for g in shared)
+    left: int | None = max(0, gpu.memory_total - promised)
+    if len(shared) < len(on):
+        left = 0
+    elif any(g.memory is None for g in shared):
+        left = None
+    return {"fractions": [{"user": g.user, "uid": g.uid, "memory": g.memory} for g in shared],
+            "memory_promised": promised, "memory_left": left}
+
+
 def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample | None,
                 account_of: Callable[[int], tuple[str, Quota]], commands: Mapping[int, str]) -> list[dict[str, Any]]:
     """Per GPU: inventory, memory and utilisation, holders (with their memory quota and what their
@@ -59,7 +78,7 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
         for g in grants:
             if g.unit == unit:
                 used: list[int] = [p["memory"] for p in processes if p["uid"] == g.uid and p["memory"] is not None]
-                holders.append({"user": g.user, "uid": g.uid, "shared": g.shared, "origin": g.origin,
+                holders.append({"user": g.user, "uid": g.uid, "shared": g.shared, "memory": g.memory, "origin": g.origin,
                                 "granted_at": g.granted_at, "expires_at": g.expires_at, "last_active": g.last_active,
                                 # a slice's memory is bounded by the hardware, not by the quota
                                 "gpu_memory": None if gpu.slice else account_of(g.uid)[1].gpu_memory,
@@ -68,7 +87,7 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
             "minor": unit, "label": unit_label(unit), "profile": gpu.slice.profile if gpu.slice else None,
             "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
             "memory_total": gpu.memory_total, "memory_used": use.memory_used if use else None,
-            "utilization": use.utilization if use else None, "holders": holders,
+            "utilization": use.utilization if use else None, "holders": holders, **fractions(gpu, grants),
             "processes": len(processes) if read else None,  # None: unknown (not sampled, or failed)
             "process_list": processes if read else None,
             "owner": "gpuguard",

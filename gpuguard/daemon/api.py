@@ -221,6 +221,10 @@ class Api:
             grants.physical.values(), [unit for unit in grants.gpus.values() if unit.slice is not None],
             sample.layout.unread if sample and sample.layout else (), grants.topology,
             Counter(p.unit for p in sample.processes) if sample else Counter(), sample.use if sample else None)
+        held = self.store.grants()
+        for gpu in found["gpus"]:
+            gpu.update(reporting.fractions(grants.gpus[gpu["minor"]], held) if gpu["minor"] in grants.gpus else
+                       {"fractions": [], "memory_promised": 0, "memory_left": None})  # a GPU in MIG mode: its slices
         found["gpus"] = sorted([*found["gpus"], *inventory.foreign(self.foreign)], key=lambda gpu: gpu["minor"])
         return protocol.ok(**found)
 
@@ -549,10 +553,14 @@ class Api:
 
     def _grant_info(self, grant: Grant) -> dict[str, Any]:
         gpu = self.grants.gpus.get(grant.unit)
+        # a shared grant is a fraction of its GPU: the GPU's memory, the others' fractions, what is left to promise
+        shares = reporting.fractions(gpu, self.store.grants()) if gpu and grant.shared else None
         return {**protocol.record(grant), "uuid": gpu.uuid if gpu else grant.uuid or None, "name": gpu.name if gpu else None,
                 "index": gpu.index if gpu else None,
                 "drained": asdict(drain) if (drain := self.drains.get(unit_parent(grant.unit))) else None,
-                "memory_used": self._memory_used(grant)}
+                "memory_used": self._memory_used(grant), "memory_total": gpu.memory_total if gpu else None,
+                "shared_with": [f for f in shares["fractions"] if f["uid"] != grant.uid] if shares else [],
+                "memory_left": shares["memory_left"] if shares else None}
 
     def _memory_used(self, grant: Grant) -> int | None:
         """What the grant's user's processes use of its unit at the last sample (None: not read),

@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from gpuguard.config import MetricsConfig
+from gpuguard.core import reporting
 from gpuguard.core.model import EventKind, Gpu, GpuUse, Grant, Origin, Quota, Rule, unit_label, unit_parent
 from gpuguard.core.rules import Kind
 from gpuguard.core.sample import Sample
@@ -82,6 +83,9 @@ class GpuState:
     use: GpuUse | None           # None: NVML did not answer for it
     holders: tuple[Holding, ...]
     user_memory: tuple[tuple[str, int], ...]  # (user, bytes NVML knows their processes use here)
+    fractions: tuple[tuple[str, int | None], ...] = ()  # (user, bytes promised) of each shared grant here
+    memory_promised: int = 0     # to those fractions in all
+    memory_left: int | None = None  # to promise to more sharers (reporting.fractions); None: unknown
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ class _Ticks:
 
 def gpu_states(gpus: Iterable[Gpu], sample: Sample | None, grants: Iterable[Grant],
                name_of: Callable[[int], str]) -> tuple[GpuState, ...]:
-    """Per GPU: its numbers from the sample, its holders, each user's known memory there."""
+    """Per GPU: its numbers from the sample, its holders, each user's known memory there, its fractions."""
     grants = list(grants)
     states = []
     for gpu in sorted(gpus, key=lambda g: g.unit):
@@ -131,8 +135,11 @@ def gpu_states(gpus: Iterable[Gpu], sample: Sample | None, grants: Iterable[Gran
                 uid = sample.uid_of(process.pid)
                 if process.unit == gpu.unit and uid is not None and process.used_memory is not None:
                     memory[names.get(uid) or name_of(uid)] += process.used_memory
+        shares = reporting.fractions(gpu, grants)
         states.append(GpuState(gpu, sample is not None and sample.ok(gpu.unit),
-                               sample.use.get(gpu.unit) if sample else None, holders, tuple(sorted(memory.items()))))
+                               sample.use.get(gpu.unit) if sample else None, holders, tuple(sorted(memory.items())),
+                               tuple((f["user"], f["memory"]) for f in shares["fractions"]), shares["memory_promised"],
+                               shares["memory_left"]))
     return tuple(states)
 
 
@@ -167,6 +174,12 @@ def families(s: Snapshot) -> Iterator[Metric]:
     user_memory = per_gpu("gpuguard_user_gpu_memory_used_bytes",
                           "GPU memory NVML reports for the user's processes on the GPU", ["user"])
     drained = per_gpu("gpuguard_gpu_drained", "1 while the GPU is drained (given to nobody new), else 0")
+    fractions = per_gpu("gpuguard_gpu_fractions", "Shared grants on the GPU (fractions of it), 0 when none")
+    promised = per_gpu("gpuguard_gpu_memory_promised_bytes", "GPU memory promised to its fractions in all")
+    unpromised = per_gpu("gpuguard_gpu_memory_left_bytes", "GPU memory left to promise to more sharers "
+                         "(0 while held whole; absent while a sharer's promise is unknown)")
+    fraction = per_gpu("gpuguard_grant_memory_promised_bytes", "GPU memory promised to the user's fraction of the GPU",
+                       ["user"])
     for state in s.gpus:
         gpu = state.gpu
         key = [unit_label(gpu.unit), gpu.uuid]
@@ -185,7 +198,15 @@ def families(s: Snapshot) -> Iterator[Metric]:
                 left.add_metric(key + [h.user], max(0.0, h.expires_at - s.time))
         for user, memory in state.user_memory:
             user_memory.add_metric(key + [user], memory)
-    yield from (info, up, used, total, util, holder, age, left, user_memory, drained)
+        fractions.add_metric(key, len(state.fractions))
+        promised.add_metric(key, state.memory_promised)
+        if state.memory_left is not None:
+            unpromised.add_metric(key, state.memory_left)
+        for user, share in state.fractions:
+            if share is not None:
+                fraction.add_metric(key + [user], share)
+    yield from (info, up, used, total, util, holder, age, left, user_memory, drained, fractions, promised, unpromised,
+                fraction)
 
     yield GaugeMetricFamily("gpuguard_grants", "GPU grants in force (one per user and GPU)", value=s.grants)
     yield GaugeMetricFamily("gpuguard_sessions", "Open PAM sessions the daemon knows of", value=s.sessions)

@@ -92,9 +92,13 @@ def _cell(c: Cell) -> str:
     parts = [f'<div class=cell data-unit="{h(c.label)}" data-state="{h(c.state)}"><b>GPU {h(c.label)}{profile}</b>'
              f"<i>{h(c.words)}</i><br>{used} / {format_size(c.memory_total)}, util {util}, {procs}"
              f"{_meter(c.memory_used, c.memory_total)}"]
+    if c.fractions:  # a shared GPU: what its sharers are promised, and what more sharers could be
+        left = "?" if c.memory_left is None else format_size(c.memory_left)
+        parts.append(f"<p class=shares>{plural(c.fractions, 'fraction')}: {format_size(c.memory_promised)} "
+                     f"promised, {left} left</p>")
     for holder in c.holders:
         mine = "?" if holder.memory_used is None else format_size(holder.memory_used)
-        quota = f" of {format_size(holder.quota)}" if holder.quota else ""
+        quota = f" of {format_size(holder.quota)}{' fraction' if holder.fraction else ''}" if holder.quota else ""
         left = "no time limit" if holder.time_left is None else f"{duration(holder.time_left)} left"
         idle = "" if holder.idle_for is None else f", idle {duration(holder.idle_for)}"
         parts.append(f'<p><span class=user>{h(holder.user)}</span> {mine}{quota}{" OVER" if holder.over else ""}; '

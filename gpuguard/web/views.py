@@ -46,10 +46,11 @@ class Viewer:
 class Opener:
     user: str
     memory_used: int | None
-    quota: int | None           # gpu_memory, None: no limit (or a MIG slice)
+    quota: int | None           # gpu_memory, None: no limit (or a MIG slice); a fraction's: its promise
     time_left: float | None     # seconds, None: no time limit
     idle_for: float | None      # seconds since a process of theirs was last seen there, None: busy now
     over: bool
+    fraction: bool = False      # a shared grant: quota is the memory promised to it on this GPU
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,12 @@ class Cell:
     memory_total: int
     utilization: int | None
     processes: tuple[Process, ...] | None  # None: NVML could not read them
+    memory_promised: int = 0    # to its fractions (shared grants), reporting.fractions
+    memory_left: int | None = None  # to promise to more sharers; None: unknown, or not said (the fleet's)
+
+    @property
+    def fractions(self) -> int:
+        return sum(1 for holder in self.holders if holder.fraction)
 
     @property
     def words(self) -> str:
@@ -129,19 +136,20 @@ def cell(server: str, gpu: Mapping[str, Any], now: float, viewer: Viewer, show_u
         state = "held"
     return Cell(server, gpu.get("label") or unit_label(gpu["minor"]), gpu["name"], gpu.get("profile"), state,
                 owner if state == "other" else None, holders, gpu.get("memory_used"), gpu["memory_total"],
-                gpu.get("utilization"), processes)
+                gpu.get("utilization"), processes, gpu.get("memory_promised") or 0, gpu.get("memory_left"))
 
 
 def _holder(h: Mapping[str, Any], busy_uids: set[int], read: bool, now: float, viewer: Viewer,
             show_users: bool) -> Opener:
-    used, quota = h.get("memory_used"), h.get("gpu_memory")
+    fraction = bool(h.get("shared") and h.get("memory"))  # its promise bounds it, not the quota
+    used, quota = h.get("memory_used"), h.get("memory") if fraction else h.get("gpu_memory")
     idle = None
     if read and h["uid"] not in busy_uids:  # idle only when NVML said so: an unread GPU is not idle
         idle = max(0.0, now - (h.get("last_active") or h["granted_at"]))
     expires = h.get("expires_at")
     return Opener(viewer.name(h["user"], show_users), used, quota,
                   None if expires is None else max(0.0, expires - now), idle,
-                  bool(quota and used is not None and used > quota))
+                  bool(quota and used is not None and used > quota), fraction)
 
 
 # --- the queue
