@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from gpuguard.core import mig_profiles
 from gpuguard.core.compat import StrEnum, tomllib
 from gpuguard.core.errors import UsageError
-from gpuguard.core.model import MIG_PROFILE, Quota
+from gpuguard.core.model import MIG_PROFILE, Placement, Quota
 from gpuguard.core.quantities import UnitError, format_duration, format_size, parse_duration, parse_size
 
 DEFAULT_PATH = Path("/etc/gpuguard/gpuguard.toml")
@@ -87,6 +87,7 @@ class SchedulerConfig:
     reserve_after: float = 300.0    # a waiter this long in the queue has free GPUs held for it (no backfill past it)
     soft_max_time: bool = False     # true: a grant past max_time is taken only when someone waits
     max_wait_boost: float = 86400.0  # a waiter this long in the queue goes ahead of younger ones, whatever its usage
+    fraction_placement: Placement = Placement.FGD  # how a fraction's GPU is chosen (allocator.place_fraction)
 
 
 @dataclass(frozen=True)
@@ -474,8 +475,8 @@ def _slurm(value: Any) -> str | tuple[int, ...]:
     return _choice("auto", "off")(value)
 
 
-def _slice_limit(value: Any) -> int | None:
-    """How many of a user's units may be MIG slices: a count, or "any" (no limit of its own)."""
+def _count_or_any(value: Any) -> int | None:
+    """How many of a user's units may be MIG slices, or fractions: a count, or "any" (no limit of its own)."""
     if value == "any":
         return None
     return _count(0, MAX_GPUS)(value)
@@ -499,9 +500,13 @@ QUOTA_KEYS: dict[str, Callable[[Any], Any]] = {
     "reclaim_after": _limit("take back every grant someone waits for"),
     "fleet_gpus": _fleet_limit,
     "max_sharers": _count(1, MAX_GPUS),
-    "slices": _slice_limit,
+    "slices": _count_or_any,
     "whole_gpus": _bool,
     "slice_profiles": _profiles,
+    "fraction_memory": _gpu_memory,
+    "max_fractions": _count_or_any,
+    "min_fraction_memory": _gpu_memory,
+    "max_fraction_memory": _gpu_memory,
 }
 
 SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
@@ -514,7 +519,8 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
     "events": {"max_age": parse_duration, "per_user": _count(1, MAX_EVENTS_PER_USER)},
 
     "scheduler": {"half_life": _positive_duration(1), "reserve_after": _positive_duration(0),
-                  "soft_max_time": _bool, "max_wait_boost": _positive_duration(0)},
+                  "soft_max_time": _bool, "max_wait_boost": _positive_duration(0),
+                  "fraction_placement": _member(Placement)},
     "paths": {"state_dir": _path, "socket": _path, "device_dir": _path, "quotas": _path},
     "gpu": {"backend": _member(GpuBackend), "simulated": dict},
     "metrics": {"listen": _listen, "textfile": _textfile, "dcgm_job_mapping_dir": _absolute_path},

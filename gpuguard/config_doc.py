@@ -62,6 +62,12 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
                                               "or \"none\" (unset: no fleet limit)"),
     ("defaults", "max_sharers"): ("integer", "sharing: at most this many users on one GPU (and never more memory "
                                              "quotas promised than it has)"),
+    ("defaults", "fraction_memory"): ("size", "a login, a plain request, run and a notebook ask for a fraction of "
+                                              "one GPU of this much memory (unset: whole GPUs)"),
+    ("defaults", "max_fractions"): ("count", "fractions a user may hold at once, or \"any\" (as many as gpus); 0: none"),
+    ("defaults", "min_fraction_memory"): ("size", "the smallest fraction a user may ask for"),
+    ("defaults", "max_fraction_memory"): ("size", "the largest fraction a user may ask for (unset: a whole GPU's "
+                                                  "memory)"),
     ("watcher", "interval"): ("duration", "how often GPUs are sampled (at least 1s with the nvml backend)"),
     ("watcher", "grace"): ("duration", "over quota this long before the first SIGTERM"),
     ("watcher", "kill_wait"): ("duration", "SIGTERM this long before SIGKILL"),
@@ -72,6 +78,8 @@ KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("scheduler", "soft_max_time"): ("bool", "past max_time, a grant is taken only when someone waits"),
     ("scheduler", "max_wait_boost"): ("duration", "a request this long in the queue goes ahead of every younger one "
                                                   "of its priority, whatever its user's recent usage"),
+    ("scheduler", "fraction_placement"): ("choice", "how a fraction's GPU is chosen: fgd (keeps whole GPUs free for "
+                                                    "the asks seen lately), best-fit or first-fit"),
     ("paths", "state_dir"): ("path", "the store (SQLite) and the daemon's state"),
     ("paths", "socket"): ("path", "the daemon's socket (the PAM module's socket= option must match)"),
     ("paths", "device_dir"): ("path", "where the GPU nodes are"),

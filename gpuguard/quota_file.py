@@ -28,10 +28,18 @@ from gpuguard.core.quantities import format_duration, format_size
 DEFAULTS = ("defaults",)  # the [defaults] table of gpuguard.toml; ("users"|"groups", NAME) in quotas.toml
 NEW_FILE_MODE = 0o644      # quota files are world-readable: anyone may run `gpuguard quota show`
 
+def _size_shown(value: int | None) -> str:
+    return format_size(value) + ("" if value is None else f" ({value} bytes)")
+
+
 # How each quota field reads back to a person (and to `quota set`: the same syntax; a size also in bytes).
 _SHOWN: dict[str, Callable[[Any], str]] = {
     "gpus": str,
-    "gpu_memory": lambda value: format_size(value) + ("" if value is None else f" ({value} bytes)"),
+    "gpu_memory": _size_shown,
+    "fraction_memory": _size_shown,
+    "min_fraction_memory": _size_shown,
+    "max_fraction_memory": _size_shown,
+    "max_fractions": lambda value: "any" if value is None else str(value),
     "max_time": format_duration,
     "idle_timeout": format_duration,
     "sharing": lambda value: "true" if value else "false",

@@ -48,6 +48,20 @@ def unit_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def fraction_size(text: str) -> int:
+    """argparse type of --memory: a fraction of one GPU's memory, a size such as 20GiB."""
+    import argparse
+
+    from gpuguard.core.quantities import UnitError, parse_size
+    try:
+        size = parse_size(text)
+    except UnitError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not size:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a part of a GPU: give a size such as 20GiB")
+    return size
+
+
 def gpu_count(text: str) -> int:
     """argparse type of --gpus: a number of GPUs, 1 or more."""
     import argparse

@@ -25,7 +25,7 @@ import sys
 from gpuguard.cli import CommandError, gpu_count
 from gpuguard.cli.calls import held_devices, held_path
 from gpuguard.cli.child import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, RESTORED
-from gpuguard.cli.run_cmd import run_then_give_back, take_into
+from gpuguard.cli.run_cmd import DEFAULT_GPUS, run_then_give_back, take_into
 from gpuguard.client import DaemonUnreachable
 from gpuguard.core.errors import EXIT_USAGE, GpuguardError
 
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     import argparse
     from typing import Any
 
-DEFAULT_GPUS = 1
 DEFAULT_SOURCE = "python3"
 NAME = re.compile(r"^[a-z0-9._-]+$", re.IGNORECASE)  # what jupyter_client accepts as a kernel name
 WHAT = "jupyter kernel"  # how the wrapper names itself on stderr
@@ -185,20 +184,21 @@ def run_kernel(args: argparse.Namespace) -> int:
         raise CommandError(f"{WHAT}: name the kernel's command, e.g. gpuguard jupyter kernel -- python3 -m "
                            "ipykernel_launcher -f FILE", EXIT_USAGE)
     env = dict(os.environ)
-    granted = gpus_into(args, env, args.gpus or DEFAULT_GPUS)
+    granted = gpus_into(args, env, args.gpus)
     if granted and args.release_on_exit:
         # Jupyter signals the kernel's process group, which the kernel shares with this parent: none passed on
         return run_then_give_back(args, argv, env, granted, WHAT, forward=False)
     return _exec(argv, env)
 
 
-def gpus_into(args: argparse.Namespace, env: dict[str, str], wanted: int) -> list[int]:
-    """Set env's CUDA_VISIBLE_DEVICES to the user's GPUs (the file's when it names `wanted`,
-    the daemon's after taking them otherwise); what was taken. A failure is said on stderr,
+def gpus_into(args: argparse.Namespace, env: dict[str, str], wanted: int | None) -> list[int]:
+    """Set env's CUDA_VISIBLE_DEVICES to the user's GPUs (the file's when it names `wanted`, or
+    any when wanted is None, the daemon's after taking them otherwise: `wanted`, or the quota's
+    fraction_memory, else DEFAULT_GPUS); what was taken. A failure is said on stderr,
     and the kernel gets the GPUs the file names (none: an empty CUDA_VISIBLE_DEVICES, which CUDA
     reads as no GPU, rather than a stale value inherited from the shell that started Jupyter)."""
     held = held_devices(args)
-    if held is not None and len(held) >= wanted:
+    if held is not None and len(held) >= (wanted or DEFAULT_GPUS):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(held)
         return []
     try:

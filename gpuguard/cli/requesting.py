@@ -43,13 +43,14 @@ def timeout_of(args: argparse.Namespace, option: str = "--timeout") -> float | N
 
 
 def take(args: argparse.Namespace, gpus: int | None, wait: bool, timeout: float | None,
-         give_back: bool = False) -> dict[str, Any]:
-    """The daemon's grant reply for `gpus` in all; with `wait`, after waiting in the queue. Its
+         give_back: bool = False, memory: int | None = None) -> dict[str, Any]:
+    """The daemon's grant reply for `gpus` in all, or for one fraction of `memory` bytes; with
+    `wait`, after waiting in the queue. Its
     `granted` is every unit this call got, the part granted at once included. give_back: when
     the wait ends without the rest (^C, the timeout, the queue left), that part is given back
     too (`request` leaves it held, as a plain request would have)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    reply = ask(args, "request", gpus=gpus, wait=wait or None)
+    reply = ask(args, "request", gpus=gpus, wait=wait or None, memory=memory)
     if not reply.get("queued"):
         return reply
     first = list(reply.get("granted", []))

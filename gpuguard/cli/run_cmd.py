@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from gpuguard.cli import CommandError, gpu_count
+from gpuguard.cli import CommandError, fraction_size, gpu_count
 from gpuguard.cli.calls import ask
 from gpuguard.cli.child import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, Blocked
 from gpuguard.cli.requesting import give_back, take, timeout_of
@@ -30,8 +30,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "when it ends give back what was taken for it (GPUs you held before stay yours). The exit "
                     "code is the command's (128 + N when signal N ended it). Examples: gpuguard run -- python "
                     "train.py; gpuguard run --gpus 2 --wait --timeout 1h -- ./job.sh")
-    run.add_argument("--gpus", type=gpu_count, metavar="N",
-                     help=f"how many GPUs in all, the ones you hold included (default: {DEFAULT_GPUS})")
+    amount = run.add_mutually_exclusive_group()
+    amount.add_argument("--gpus", type=gpu_count, metavar="N",
+                        help=f"how many GPUs in all, the ones you hold included (default: {DEFAULT_GPUS}, or your "
+                             "quota's fraction_memory)")
+    amount.add_argument("--memory", type=fraction_size, metavar="SIZE",
+                        help="a fraction of one GPU instead: this much of its memory, e.g. 20GiB")
     run.add_argument("--wait", action="store_true", help="when they are not free, wait in the queue until they are")
     run.add_argument("--timeout", metavar="DURATION",
                      help="with --wait: give up after this long, e.g. 30m (exit 1, the command not run)")
@@ -45,20 +49,24 @@ def run_command(args: argparse.Namespace) -> int:
         raise CommandError("run: name the command to run, e.g. gpuguard run -- python train.py", EXIT_USAGE)
     timeout = timeout_of(args)
     env = dict(os.environ)
-    granted = take_into(args, env, DEFAULT_GPUS if args.gpus is None else args.gpus, args.wait, timeout,
-                        give_back=True)
+    granted = take_into(args, env, args.gpus, args.wait, timeout, give_back=True, memory=args.memory)
     return run_then_give_back(args, argv, env, granted, "run")
 
 
-def take_into(args: argparse.Namespace, env: dict[str, str], gpus: int, wait: bool, timeout: float | None,
-              give_back: bool) -> list[int]:
-    """Take GPUs (`gpus` in all) and set env's CUDA_VISIBLE_DEVICES to every GPU the user then
-    holds (an exempt user's left unset: every GPU is open to them, as `gpuguard env` says); the
-    units this call took, which are all that may be given back (requesting.take's give_back)."""
-    if ask(args, "whoami")["exempt"]:
+def take_into(args: argparse.Namespace, env: dict[str, str], gpus: int | None, wait: bool, timeout: float | None,
+              give_back: bool, memory: int | None = None) -> list[int]:
+    """Take GPUs (`gpus` in all, or one fraction of `memory` bytes; neither: the quota's
+    fraction_memory, else DEFAULT_GPUS) and set env's CUDA_VISIBLE_DEVICES to every GPU the user
+    then holds (an exempt user's left unset: every GPU is open to them, as `gpuguard env` says);
+    the units this call took, which are all that may be given back (requesting.take's give_back)."""
+    me = ask(args, "whoami")
+    if me["exempt"]:
         env.pop("CUDA_VISIBLE_DEVICES", None)
         return []
-    reply = take(args, gpus, wait, timeout, give_back=give_back)
+    if gpus is None and memory is None:
+        memory = me["quota"].get("fraction_memory")
+        gpus = DEFAULT_GPUS if memory is None else None
+    reply = take(args, gpus, wait, timeout, give_back=give_back, memory=memory)
     env["CUDA_VISIBLE_DEVICES"] = reply["cuda_visible_devices"]
     if reply["message"]:
         print(reply["message"], file=sys.stderr, flush=True)

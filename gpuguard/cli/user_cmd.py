@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from gpuguard.cli import CommandError, gpu_count, print_json, print_rows, unit_arg
+from gpuguard.cli import CommandError, fraction_size, gpu_count, print_json, print_rows, unit_arg
 from gpuguard.cli.calls import ask, held_devices, held_path
 from gpuguard.cli.requesting import take, timeout_of
 from gpuguard.client import DaemonUnreachable
@@ -40,7 +40,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                     description="Get GPUs now, up to your quota; with --wait, wait in the queue "
                                                 "until they are yours (^C leaves it). Examples: gpuguard request "
                                                 "--gpus 2; gpuguard request --wait --timeout 1h30m")
-    request.add_argument("--gpus", type=gpu_count, metavar="N", help="how many GPUs in all (default: your quota)")
+    amount = request.add_mutually_exclusive_group()
+    amount.add_argument("--gpus", type=gpu_count, metavar="N", help="how many GPUs in all (default: your quota)")
+    amount.add_argument("--memory", type=fraction_size, metavar="SIZE",
+                        help="a fraction of one GPU instead: this much of its memory, shared with other "
+                             "fractions, e.g. 20GiB (default: your quota's fraction_memory, if any)")
     request.add_argument("--wait", action="store_true",
                          help="when they are not free, wait in the queue until they are (exit 0 once granted)")
     request.add_argument("--timeout", metavar="DURATION",
@@ -245,10 +249,10 @@ def show_fairshare(args: argparse.Namespace) -> int:
 
 def run_request(args: argparse.Namespace) -> int:
     if args.cancel:
-        if args.wait or args.gpus is not None or args.timeout is not None:
+        if args.wait or args.gpus is not None or args.memory is not None or args.timeout is not None:
             raise CommandError("--cancel goes alone (it leaves the queue)", EXIT_USAGE)
         return run_cancel(args)
-    reply = take(args, args.gpus, args.wait, timeout_of(args))
+    reply = take(args, args.gpus, args.wait, timeout_of(args), memory=args.memory)
     if args.json:
         print_json(reply)
         return EXIT_OK

@@ -22,6 +22,9 @@ Order of preference among whole GPUs, most important first:
 4. fewest NUMA nodes;
 5. least recently released (spreads wear; a just-released GPU may still be draining);
 6. lowest units, so the answer is deterministic.
+
+A fraction (quota.fraction: part of one GPU's memory, policy.fraction_terms) goes where
+place_fraction says, on a GPU of its own or beside other fractions; see its docstring.
 """
 from __future__ import annotations
 
@@ -33,17 +36,30 @@ from math import comb
 from operator import attrgetter, neg
 from typing import Any
 
-from gpuguard.core.model import Gpu, Grant, Link, Quota, is_slice, unit_parent
+from gpuguard.core.model import Gpu, Grant, Link, Placement, Quota, is_slice, unit_parent
 
 # Beyond this many candidate sets (e.g. 8 of 64 GPUs) a greedy search replaces the exhaustive one.
 EXHAUSTIVE_LIMIT = 5000
 
 Topology = Mapping[tuple[int, int], Link]
+# The asks seen lately, by size: bytes of a fraction (None: a whole GPU) -> how many (Grants.demand)
+Demand = Mapping["int | None", float]
 
 
 def link(topology: Topology, a: int, b: int) -> Link:
     """The link between two GPUs; an undeclared pair counts as the worst, never the best."""
     return topology.get((a, b), topology.get((b, a), Link.SYSTEM))
+
+
+def promised(others: Iterable[Grant]) -> int | None:
+    """The memory promised to these grants on one GPU together; None when one of them is not a
+    fraction (Grant.fraction: a grant of the GPU alone, or a promise unknown), so nobody joins."""
+    total = 0
+    for grant in others:
+        if grant.fraction is None:
+            return None
+        total += grant.fraction
+    return total
 
 
 def room_to_share(gpu: Gpu, others: Sequence[Grant], quota: Quota) -> bool:
@@ -53,12 +69,9 @@ def room_to_share(gpu: Gpu, others: Sequence[Grant], quota: Quota) -> bool:
     the GPU's memory."""
     if quota.gpu_memory is None or gpu.slice is not None or gpu.memory_total <= 0:
         return False
-    promised = 0
-    for grant in others:
-        if not grant.shared or grant.memory is None:
-            return False
-        promised += grant.memory
-    return len({g.uid for g in others}) < quota.max_sharers and promised + quota.gpu_memory <= gpu.memory_total
+    taken = promised(others)
+    return (taken is not None and len({g.uid for g in others}) < quota.max_sharers
+            and taken + quota.gpu_memory <= gpu.memory_total)
 
 
 def blocking(grants: Iterable[Grant], uid: int, units: Collection[int], share: bool,
@@ -100,10 +113,12 @@ _unit = attrgetter("unit")
 
 def choose(gpus: Pool | Sequence[Gpu], topology: Topology, grants: Iterable[Grant],
            last_released: Mapping[int, float], uid: int, count: int, share: bool = False,
-           held_last: Mapping[int, float] | None = None, quota: Quota | None = None) -> tuple[int, ...]:
+           held_last: Mapping[int, float] | None = None, quota: Quota | None = None,
+           placement: Placement = Placement.FGD, demand: Demand | None = None) -> tuple[int, ...]:
     """Up to `count` more units for `uid` (fewer when fewer are available; () when none), on the
     terms of `quota` (which units; None: the defaults). held_last: when `uid` last gave back each
-    unit it held (Store.last_held)."""
+    unit it held (Store.last_held). A fraction (quota.fraction) is one unit, placed by
+    `placement` for the asks of `demand` (place_fraction)."""
     quota = quota or Quota()
     held_last = held_last or {}
     grants = list(grants)
@@ -114,6 +129,8 @@ def choose(gpus: Pool | Sequence[Gpu], topology: Topology, grants: Iterable[Gran
     if sliced:  # a GPU with a slice held is not free whole (its node is the slice holder's too)
         cut = {unit_parent(g.unit) for g in sliced}
         whole = Whole(gpu for unit, gpu in whole.by_unit.items() if unit not in cut)
+    if quota.fraction is not None:
+        return place_fraction(whole.by_unit.values(), grants, uid, quota, placement, demand)
     chosen = _choose_whole(whole, topology, grants, last_released, uid, count, share, held_last, quota)
     if not pool.slices:  # no MIG here: the common case stops here
         return chosen
@@ -219,3 +236,65 @@ def _grow(start: int, candidates: list[int], want: int,
     while len(chosen) < want:
         chosen = min(((*chosen, c) for c in candidates if c not in chosen), key=key)
     return chosen
+
+
+def place_fraction(gpus: Iterable[Gpu], grants: Iterable[Grant], uid: int, quota: Quota,
+                   placement: Placement, demand: Demand | None) -> tuple[int, ...]:
+    """The whole GPU for one fraction of quota.fraction bytes, as (unit,), or () when none has room.
+
+    A GPU has room when nobody holds it, or when everyone on it holds a fraction and the memory
+    promised to them all, this one included, fits it (room_to_share); never one `uid` holds.
+
+    Where it goes decides what stays usable. Each GPU's memory not yet promised is fragmented for
+    an ask when that ask could not use it: a whole-GPU ask can use a GPU only while nobody is on
+    it; a fraction, only where at least its size is left. Fragmentation-aware placement (FGD,
+    after Weng et al., "Beware of Fragmentation", USENIX ATC 2023) weighs that over the asks seen
+    lately (`demand`, by how often each size was asked: fragmentation()) and puts the fraction
+    where the expected fragmented memory grows least: among the GPUs with fractions on them, the
+    one whose leftover the coming asks could least use anyway. It breaks into a free GPU only
+    when none of those has room, whatever the mix: a free GPU serves every ask, a whole-GPU one
+    included, and the mix of a quiet hour (fractions only, say) is no reason to spend one. Ties
+    go to the best fit (least memory left), then the lowest unit.
+    Baselines, for the replay to compare: best-fit (the least memory left after it, a free GPU
+    counting as the most) and first-fit (the lowest unit with room)."""
+    memory = quota.fraction
+    assert memory is not None  # a fraction's terms (policy.fraction_terms)
+    by_unit = {gpu.unit: gpu for gpu in gpus}
+    others: dict[int, list[Grant]] = {}
+    mine: set[int] = set()
+    for grant in grants:
+        if grant.uid == uid:
+            mine.add(grant.unit)
+        elif grant.unit in by_unit:
+            others.setdefault(grant.unit, []).append(grant)
+    # unit -> memory promised on it before this fraction
+    room = {unit: promised(others.get(unit, ())) or 0 for unit, gpu in by_unit.items()
+            if unit not in mine and room_to_share(gpu, others.get(unit, []), quota)}
+    if not room:
+        return ()
+    if placement == Placement.FIRST_FIT:
+        return (min(room),)
+
+    def left(unit: int) -> int:
+        return by_unit[unit].memory_total - room[unit] - memory
+
+    if placement == Placement.BEST_FIT:
+        return (min(room, key=lambda unit: (left(unit), unit)),)
+    sizes = demand or {None: 1.0}
+
+    def growth(unit: int) -> float:
+        total = by_unit[unit].memory_total
+        return (fragmentation(left(unit) / total, total, sizes)
+                - fragmentation((total - room[unit]) / total, total, sizes))
+
+    return (min(room, key=lambda unit: (room[unit] == 0, growth(unit), left(unit), unit)),)
+
+
+def fragmentation(free: float, total: int, demand: Demand) -> float:
+    """The part of a GPU (of `total` bytes, `free` of it not promised) that the next ask could
+    not use, expected over `demand`: all of the free part for an ask it cannot serve (a whole-GPU
+    ask where anything is promised, a fraction larger than what is free), none for one it can."""
+    asks = sum(demand.values())
+    unusable = sum(count for size, count in demand.items()
+                   if (free < 1.0 if size is None else free * total < size))
+    return free * unusable / asks if asks else 0.0

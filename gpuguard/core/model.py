@@ -81,6 +81,14 @@ class Link(IntEnum):
     SYSTEM = 3        # across sockets
 
 
+class Placement(StrEnum):
+    """How a fraction's GPU is chosen (allocator.place_fraction; [scheduler] fraction_placement)."""
+
+    FGD = "fgd"              # the least expected fragmentation for the asks seen lately
+    BEST_FIT = "best-fit"    # the GPU left with the least memory to promise
+    FIRST_FIT = "first-fit"  # the lowest GPU with room
+
+
 class Origin(StrEnum):
     """Where a grant (or a place in the queue) came from, which decides when it ends."""
 
@@ -139,6 +147,17 @@ class Quota:
     slices: int | None = None
     whole_gpus: bool = True
     slice_profiles: tuple[str, ...] = ()
+    # Fractions: part of one whole GPU's memory, shared with other fractions on it (gpuguard
+    # request --memory). Each counts as one of `gpus`. fraction_memory: what a login, a plain
+    # request, `gpuguard run` and a notebook ask for (None: whole GPUs); at most max_fractions
+    # held at once (None: as many as `gpus`), each of min_fraction_memory..max_fraction_memory.
+    fraction_memory: int | None = None
+    max_fractions: int | None = None
+    min_fraction_memory: int | None = None
+    max_fraction_memory: int | None = None
+    # Set only in the terms one ask for a fraction is served on (policy.fraction_terms), never in
+    # quotas.toml: the bytes asked for, which the grant promises and the watcher holds it to.
+    fraction: int | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +217,12 @@ class Grant:
     origin: Origin = Origin.SESSION
     uuid: str = ""           # the unit's UUID when granted: a slice re-created under the same ids has another
     memory: int | None = None  # a shared grant: the memory quota (bytes) promised to it on that GPU
+
+    @property
+    def fraction(self) -> int | None:
+        """The memory promised to a shared grant, a fraction of its GPU that other fractions count
+        on (None: the GPU is its holder's alone, or the promise is unknown)."""
+        return self.memory if self.shared else None
 
 
 @dataclass(frozen=True)

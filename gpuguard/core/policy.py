@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
-from gpuguard.config import AccessConfig, Config, SessionsConfig
+from gpuguard.config import MIN_GPU_MEMORY, QUOTA_KEYS, AccessConfig, Config, SessionsConfig
 from gpuguard.core.compat import StrEnum
 from gpuguard.core.model import Gpu, Origin, Quota
 
@@ -82,9 +82,10 @@ def _chosen(user: str, groups: Collection[str], config: Config) -> dict[str, tup
 
 
 def quota_sources(user: str, groups: Collection[str], config: Config) -> dict[str, str]:
-    """For each quota field, where the user's value comes from: "user NAME", "group NAME" or "defaults"."""
+    """For each quota key an admin sets (QUOTA_KEYS), where the user's value comes from: "user NAME",
+    "group NAME" or "defaults"."""
     chosen = _chosen(user, groups, config)
-    return {f.name: chosen[f.name][0] if f.name in chosen else "defaults" for f in fields(Quota)}
+    return {key: chosen[key][0] if key in chosen else "defaults" for key in QUOTA_KEYS}
 
 
 def quota_for(user: str, groups: Collection[str], config: Config) -> Quota:
@@ -96,6 +97,35 @@ def quota_for(user: str, groups: Collection[str], config: Config) -> Quota:
 def may_share(quota: Quota) -> bool:
     """Sharing a GPU is only safe when a memory quota bounds what each sharer can take."""
     return quota.sharing and quota.gpu_memory is not None
+
+
+# --- fractions: part of one GPU's memory (gpuguard request --memory)
+
+# CUDA's MPS serves at most 48 clients on one GPU (Volta and later): more fractions than that on a
+# GPU could not all run at once, whatever their memory. Memory is what bounds them below that.
+FRACTIONS_PER_GPU = 48
+
+
+def fraction_terms(quota: Quota, memory: int) -> Quota:
+    """The terms one ask for a fraction of `memory` bytes is served on (and waits on, in its queue
+    row): one unit, a whole GPU shared with other fractions while the memory promised to them all
+    fits it (allocator.room_to_share), promised `memory` (Grant.memory), which the watcher holds
+    its processes to. Never a MIG slice: the hardware cuts those, not a promise."""
+    return replace(quota, sharing=True, gpu_memory=memory, fraction=memory, slices=0,
+                   max_sharers=FRACTIONS_PER_GPU)
+
+
+def fraction_bounds(quota: Quota, largest_gpu: int) -> tuple[int, int]:
+    """The smallest and largest fraction a user on `quota` may ask for on a server whose largest
+    whole GPU has `largest_gpu` bytes: from min_fraction_memory (else the least a CUDA context
+    needs) to the least of max_fraction_memory, their gpu_memory quota and that GPU's memory."""
+    most = min(m for m in (quota.max_fraction_memory, quota.gpu_memory, largest_gpu) if m is not None)
+    return quota.min_fraction_memory or MIN_GPU_MEMORY, most
+
+
+def fraction_limit(quota: Quota) -> int:
+    """How many fractions a user on `quota` may hold at once: max_fractions, never more than gpus."""
+    return quota.gpus if quota.max_fractions is None else min(quota.max_fractions, quota.gpus)
 
 
 def expires_at(quota: Quota, now: float) -> float | None:

@@ -9,8 +9,9 @@ and lets every boundary below be unit-tested without a process or a clock.
 
 The rules, with their boundaries:
 
-- Memory (rule "memory"). For each user and whole GPU with a `gpu_memory` quota (not on a MIG
-  slice: the hardware bounds its memory), `known` is the
+- Memory (rule "memory"). For each user and whole GPU with a `gpu_memory` quota or a fraction's
+  promise, the smaller of the two (memory_limit; not on a MIG slice: the hardware bounds its
+  memory), `known` is the
   sum of the memory NVML reports for that user's processes there. Over means known > quota:
   exactly at the quota is fine. Memory NVML reports as unknown (None) counts neither as 0
   nor as over: it is left out of the sum, and a process whose memory is unknown (or 0) is
@@ -197,11 +198,20 @@ class View:
         queue wants GPUs. The others (all of them under a lab's defaults while nobody waits, the busy
         ones without a memory quota) are decide's only through the stray rule, so decide and
         next_change pass them by."""
-        memory = {uid for uid, q in self.quotas.items() if q.gpu_memory is not None}
         idle_clock = {uid for uid, q in self.quotas.items() if idle_clock_runs(q, self.demand)}
         idle = self.granted - self.on_slot.keys() if idle_clock else frozenset()
+        limited = self.memory_limits
         return [g for g in self.grants
-                if g.expires_at is not None or g.uid in memory or (g.uid in idle_clock and _slot_of(g) in idle)]
+                if g.expires_at is not None or (g.uid, g.unit) in limited or (g.uid in idle_clock and _slot_of(g) in idle)]
+
+    @cached_property
+    def memory_limits(self) -> dict[Slot, int]:
+        """What the memory rule holds each user's processes on a GPU to (memory_limit), where anything."""
+        limits = {}
+        for grant in self.grants:
+            if (limit := memory_limit(grant, self.quotas.get(grant.uid))) is not None:
+                limits[(grant.uid, grant.unit)] = limit
+        return limits
 
     def reusing(self, earlier: View) -> View:
         """This view, with what was built for `earlier` of the same processes and grants kept: the
@@ -418,8 +428,8 @@ def decide(view: View, state: State, now: float, timing: Timing) -> list[Action]
                 reclaimable.append((last, grant, quota.reclaim_after))  # (nobody waiting: no reclaim moment)
             continue
         # (a slice's memory is bounded in hardware)
-        if quota.gpu_memory is not None and grant.uid not in exempt and not is_slice(grant.unit):
-            actions.extend(_memory(grant, quota, procs, state, now, timing, term))
+        if (limit := view.memory_limits.get(slot)) is not None and grant.uid not in exempt:
+            actions.extend(_memory(grant, limit, procs, state, now, timing, term))
 
     wanted = view.demand
     reclaimed = set()
@@ -473,11 +483,18 @@ def known_memory(procs: Iterable[Proc]) -> int:
     return sum(p.used_memory for p in procs if p.used_memory is not None)
 
 
-def _memory(grant: Grant, quota: Quota, procs: list[Proc], state: State, now: float, timing: Timing,
+def memory_limit(grant: Grant, quota: Quota | None) -> int | None:
+    """What the memory rule holds a user's processes on a grant's GPU to (None: nothing): their
+    gpu_memory quota, and on a fraction the memory promised to it, which the GPU's other holders
+    count on; the smaller of the two. Never on a MIG slice: the hardware bounds its memory."""
+    if is_slice(grant.unit):
+        return None
+    limits = [m for m in (quota.gpu_memory if quota else None, grant.fraction) if m is not None]
+    return min(limits, default=None)
+
+
+def _memory(grant: Grant, limit: int, procs: list[Proc], state: State, now: float, timing: Timing,
             term: Callable[..., None]) -> list[Action]:
-    limit = quota.gpu_memory
-    if limit is None:
-        return []
     used = known_memory(procs)
     if used <= limit:
         return []
@@ -594,8 +611,7 @@ def advance(view: View, state: State, done: Iterable[Action], now: float) -> Sta
         return slot[1] in failed or (slot not in granted and now - episode.last_seen < STRAY_QUIET)
 
     def still_over(slot: Slot) -> bool:
-        quota = view.quotas.get(slot[0])
-        limit = quota.gpu_memory if quota else None
+        limit = view.memory_limits.get(slot)
         return slot in granted and limit is not None and known_memory(on_slot.get(slot, [])) > limit
 
     return State(
@@ -639,7 +655,7 @@ def acts_on_arrival(grant: Grant, quota: Quota, now: float) -> bool:
     under a memory quota, and time on a grant already past its time (a revoke ends every process
     there; soft time's choice weighs their work). Otherwise rules act on their moments and the
     queue's demand (a new process only stops an idle clock), stray on GPUs not held."""
-    return quota.gpu_memory is not None or (grant.expires_at is not None and now >= time_moments(grant)[-1])
+    return memory_limit(grant, quota) is not None or (grant.expires_at is not None and now >= time_moments(grant)[-1])
 
 
 def acts_on_grant_change(grant: Grant, busy: bool, came: bool) -> bool:

@@ -30,7 +30,7 @@ from gpuguard.core.messages import (
     unit_list,
 )
 from gpuguard.core.model import Account, Event, EventKind, Grant, Origin, Quota, Rule, is_slice, unit_label, unit_parent
-from gpuguard.core.quantities import format_duration
+from gpuguard.core.quantities import format_duration, format_size
 from gpuguard.daemon import admission
 from gpuguard.daemon import requests as rq
 from gpuguard.daemon.server import Peer
@@ -293,7 +293,8 @@ class Api:
         answer = self.asks.ask(Ask(account, request.gpus, Origin.REQUEST, Waits.YES if request.wait else Waits.NEVER,
                                    "requested with gpuguard request",
                                    keeps=tuple(g.unit for g in self.store.grants(account.uid)),
-                                   pid=peer.pid, pid_start=caller.start_time if caller else None), now)
+                                   pid=peer.pid, pid_start=caller.start_time if caller else None,
+                                   memory=request.memory), now)
         if answer.outcome == Outcome.REFUSED:
             raise Refusal(self._refused(answer))
         if answer.outcome == Outcome.WAITING:
@@ -326,6 +327,14 @@ class Api:
             return (f"your time limit ended your last turn on this kind of GPU; the next starts after a cool-down of "
                     f"{format_duration(quota.reclaim_after)}, in {format_duration(left)}"
                     f" (gpuguard request --wait queues for it)")
+        if why == Why.FRACTION_SIZE:
+            low, high = answer.bounds
+            return (f"a fraction here is {format_size(low)} to {format_size(high)} of one GPU's memory "
+                    f"(your quota and the largest GPU; gpuguard whoami)")
+        if why == Why.MAX_FRACTIONS:
+            most = policy.fraction_limit(quota)
+            return (f"you hold {most} fraction{'s' if most != 1 else ''} of a GPU already, your most "
+                    f"(gpuguard release gives one back)")
         if why == Why.ALREADY_WAITING:
             return ("no GPU is free right now; you are in the queue already (gpuguard whoami shows your place); "
                     "gpuguard request --wait waits for your turn")

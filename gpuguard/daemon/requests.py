@@ -272,14 +272,19 @@ def _at_least_one(gpus: int | None) -> int | None:
 
 @dataclass(frozen=True)
 class Request(Op):
-    """`gpuguard request`: gpus (None: the quota's number); wait: queue if none is free."""
+    """`gpuguard request`: gpus (None: the quota's number) or memory (bytes: a fraction of one GPU;
+    None: whole GPUs, or the quota's fraction when gpus is None too); wait: queue if none is free."""
 
     gpus: int | None = None
     wait: bool = False
+    memory: int | None = None
 
     @classmethod
     def read(cls, fields: Fields) -> Request:
-        return cls(_at_least_one(fields.integer("gpus", None)), fields.flag("wait"))
+        gpus, memory = _at_least_one(fields.integer("gpus", None)), fields.integer("memory", None)
+        if memory is not None and (gpus is not None or memory < 1):
+            raise _bad("memory is a fraction of one GPU: a positive number of bytes, without gpus")
+        return cls(gpus, fields.flag("wait"), memory)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Asks.ask decides, in this order, each step here and nowhere else:
 
 1. who: only members of access.group get GPUs (exempt users need none, outsiders get none);
-2. how many: at most the quota's count; more than the server could ever serve whole beside what
+2. how many: at most the quota's count (a fraction, part of one GPU's memory, is one unit, of a
+   size within policy.fraction_bounds, at most policy.fraction_limit of them held; it is then
+   served on policy.fraction_terms, here and in the queue alike); more than the server could ever serve whole beside what
    the asker keeps (Grants.room_beside) is refused when a count was asked for, and the quota's
    worth is cut to it when none was;
 3. one place: a login and a request keep one place in the queue per user (a second could bring
@@ -58,6 +60,8 @@ class Why(StrEnum):
     ALREADY_WAITING = "already_waiting"  # one place per user: theirs is in the queue already
     NONE_FREE = "none_free"      # nothing free now, and the ask does not wait
     COOLING_DOWN = "cooling_down"  # a time limit just took their GPU: none of its kind for reclaim_after
+    FRACTION_SIZE = "fraction_size"  # a fraction outside policy.fraction_bounds (Answer.bounds)
+    MAX_FRACTIONS = "max_fractions"  # they hold policy.fraction_limit fractions already
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class Ask:
     one_place: bool = True       # at most one place in the queue per user
     pid: int | None = None       # the client (a request) or the PAM caller (a login): the place lives while it does
     pid_start: int | None = None
+    # A fraction: this many bytes of one GPU's memory, shared (None: whole GPUs, or the quota's
+    # fraction_memory when no count is asked either)
+    memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class Answer:
     why: Why | None = None                # REFUSED only
     capacity: int = field(default=0)      # TOO_BIG: what the server has of a kind the quota takes
     until: float | None = None            # COOLING_DOWN: when the first of the user's cool-downs ends
+    bounds: tuple[int, int] = (0, 0)      # FRACTION_SIZE: the smallest and largest fraction allowed
 
 
 class Asks:
@@ -104,7 +112,19 @@ class Asks:
         if eligible != policy.Eligibility.MEMBER:
             why = Why.EXEMPT if eligible == policy.Eligibility.EXEMPT else Why.OUTSIDER
             return Answer(Outcome.REFUSED, quota, why=why)
+        uid = account.uid
         wanted = quota.gpus if ask.gpus is None else ask.gpus
+        memory = ask.memory if ask.memory is not None or ask.gpus is not None else quota.fraction_memory
+        if memory is not None:
+            low, high = policy.fraction_bounds(quota, self.grants.largest_whole())
+            if not low <= memory <= high:
+                return Answer(Outcome.REFUSED, quota, 1, why=Why.FRACTION_SIZE, bounds=(low, high))
+            # One more fraction; a plain ask (the quota's fraction) tops up to one, as it tops up to the quota
+            wanted = len(ask.keeps) + 1 if ask.memory is not None else max(1, len(ask.keeps))
+            held = sum(g.fraction is not None for g in self.store.grants(uid))
+            if wanted > len(ask.keeps) and held >= policy.fraction_limit(quota):
+                return Answer(Outcome.REFUSED, quota, wanted, why=Why.MAX_FRACTIONS)
+            quota = policy.fraction_terms(quota, memory)
         if wanted > quota.gpus:
             return Answer(Outcome.REFUSED, quota, wanted, why=Why.OVER_QUOTA)
         # More than this server has for the user could never be served whole, and a place in the
@@ -116,10 +136,10 @@ class Asks:
             wanted, more = len(ask.keeps) + room, room
         if more <= 0:
             return Answer(Outcome.GRANTED, quota, wanted)
-        uid = account.uid
         if ask.one_place and (mine := self.store.queue(uid)):
             return Answer(Outcome.WAITING if ask.waits == Waits.YES else Outcome.REFUSED, quota, wanted,
                           place=mine[0], why=None if ask.waits == Waits.YES else Why.ALREADY_WAITING)
+        self.grants.note_asked(memory)  # the mix of sizes that fractions are placed for (allocator.place_fraction)
         granted: tuple[int, ...] = ()
         if not ask.whole and not self.store.queue():  # with others waiting, it takes its turn like them
             origin = policy.grant_origin(ask.origin, self.store.logged_in(uid))

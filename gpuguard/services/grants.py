@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +37,7 @@ from gpuguard.core.model import (
     Gpu,
     Grant,
     Origin,
+    Placement,
     Quota,
     Rule,
     is_slice,
@@ -61,6 +63,9 @@ class Admit(Protocol):
                  expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]: ...
 
 
+ASKS_KEPT = 512  # the asks whose sizes fractions are placed for: the lab's mix of late, not of all time
+GIB = 1 << 30
+
 # (uid, unit) -> when a process of that user was last seen on it (the watcher's memory), None: not lately
 LastSeen = Callable[[int, int], "float | None"]
 
@@ -70,13 +75,14 @@ class Grants:
                  exempt: Collection[int] = (), gpus: Mapping[int, Gpu] | None = None,
                  topology: Topology | None = None, caps_major: int | None = None, admit: Admit | None = None,
                  visible_devices: VisibleDevices | None = None, drains: Drains | None = None,
-                 last_seen: LastSeen | None = None):
+                 last_seen: LastSeen | None = None, placement: Callable[[], Placement] = lambda: Placement.FGD):
         """gpus: what NVML reads, GPUs and MIG slices (model.Gpu) by unit; caps_major: the
         nvidia-caps character major (None: no MIG capability nodes on this machine); admit: a
         fleet's grant-time check (gpuguard.fleet), None on a single server; drains: the GPUs given
         to nobody new (None: none, ever); visible_devices: each user's
         CUDA_VISIBLE_DEVICES for logins while the daemon is down (None: not kept); last_seen: when
-        the watcher last saw a process of a user on a unit (fresher than the store's last_active)."""
+        the watcher last saw a process of a user on a unit (fresher than the store's last_active);
+        placement: how a fraction's GPU is chosen, as the config in force says."""
         self.store = store
         self.visible_devices = visible_devices
         self.gate = gate  # None in access.mode = "acl": the ACLs are the only enforcement
@@ -105,6 +111,9 @@ class Grants:
         # may only make a grant smaller.
         self.admit = admit
         self.last_seen = last_seen
+        self.placement = placement
+        # The sizes of the last ASKS_KEPT asks (note_asked): the mix fractions are placed for
+        self._asked: deque[int | None] = deque(maxlen=ASKS_KEPT)
 
     def write_visible_devices(self, uid: int) -> None:
         """The user's held-devices file as the store now says (after every grant given or taken
@@ -164,7 +173,17 @@ class Grants:
         """Up to `count` more units for uid on the terms of `quota` (allocator.choose over the current grants)."""
         return allocator.choose(self.pool(), self.topology, self.store.grants_read(),
                                 self.store.last_released(), uid, count, policy.may_share(quota),
-                                self.store.last_held(uid), quota)
+                                self.store.last_held(uid), quota, self.placement(),
+                                Counter(self._asked) if quota.fraction is not None else None)
+
+    def note_asked(self, memory: int | None) -> None:
+        """One more ask seen, of a fraction of `memory` bytes (None: whole GPUs): what fractions
+        are placed for (allocator.place_fraction). Sizes are kept to the GiB, so the mix has few."""
+        self._asked.append(None if memory is None else -(-memory // GIB) * GIB)
+
+    def largest_whole(self) -> int:
+        """The memory of the largest whole GPU that may be handed out (0: none)."""
+        return max((gpu.memory_total for gpu in self.pool().whole.by_unit.values()), default=0)
 
     def open_units(self) -> list[Gpu]:
         """The units that may be given to someone new: all but those on a drained GPU."""

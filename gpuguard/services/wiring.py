@@ -161,7 +161,8 @@ def build(edges: Edges) -> Services:
     grants = Grants(store, edges.gate, edges.nodes, edges.driver_minors, gpus=edges.units,
                     topology=edges.topology, caps_major=edges.caps_major, visible_devices=edges.visible_devices,
                     admit=node.admit if node else None, drains=drains,
-                    last_seen=lambda uid, unit: watcher.last_seen(uid, unit))  # the watcher comes later
+                    last_seen=lambda uid, unit: watcher.last_seen(uid, unit),  # the watcher comes later
+                    placement=lambda: config().scheduler.fraction_placement)
 
     def apply_exempt(uids: frozenset[int]) -> None:
         if edges.gate is not None:

@@ -70,7 +70,8 @@ def test_setting_a_key_changes_only_its_value(sandbox):
     assert config_path.read_bytes() == main_before
     assert result.stdout == (f"ggt-alice: gpus=3 gpu_memory=unlimited max_time=none idle_timeout=none sharing=false "
                              "priority=0 share=1 reclaim_after=10m fleet_gpus=none max_sharers=2 slices=any "
-                             "whole_gpus=true slice_profiles=[] "
+                             "whole_gpus=true slice_profiles=[] fraction_memory=unlimited max_fractions=any "
+                             "min_fraction_memory=unlimited max_fraction_memory=unlimited "
                              f"(written to {quotas}; "
                              "the daemon is not running, it takes effect when it starts)\n")
     # Not an account here: a warning, and the quota is written all the same.
@@ -127,7 +128,9 @@ def test_defaults_edit_the_main_config(sandbox):
     assert quotas.read_bytes() == quotas_before
     assert result.stdout.startswith("defaults: gpus=2 gpu_memory=unlimited max_time=none idle_timeout=none "
                                     "sharing=true priority=0 share=1 reclaim_after=10m fleet_gpus=none max_sharers=2 "
-                                    "slices=any whole_gpus=true slice_profiles=[] (written to ")
+                                    "slices=any whole_gpus=true slice_profiles=[] fraction_memory=unlimited "
+                                    "max_fractions=any min_fraction_memory=unlimited "
+                                    "max_fraction_memory=unlimited (written to ")
 
 
 def test_mode_owner_and_symlink_are_kept(sandbox, make_user):
@@ -244,7 +247,8 @@ def test_show_lists_defaults_users_and_groups_in_file_order(sandbox, make_user):
     assert result.stdout == (
         f"defaults ({config_path}): gpus=1 gpu_memory=unlimited max_time=none idle_timeout=none sharing=false "
         "priority=0 share=1 reclaim_after=10m fleet_gpus=none max_sharers=2 slices=any whole_gpus=true "
-        "slice_profiles=[]\n"
+        "slice_profiles=[] fraction_memory=unlimited max_fractions=any min_fraction_memory=unlimited "
+        "max_fraction_memory=unlimited\n"
         f"users ({sandbox / 'quotas.toml'}):\n"
         "  ggt-alice: gpus=2\n"
         "groups (for a key set by several of a user's groups, the first listed wins):\n"
@@ -271,13 +275,15 @@ def test_show_user_gives_the_effective_quota_and_where_each_key_comes_from(sandb
     assert shown["quota"] == {"gpus": 2, "gpu_memory": 20 << 30, "max_time": 28800.0, "idle_timeout": None,
                               "sharing": False, "priority": 0, "share": 1.0, "reclaim_after": 600.0,
                               "fleet_gpus": None, "max_sharers": 2, "slices": None, "whole_gpus": True,
-                              "slice_profiles": []}
+                              "slice_profiles": [], "fraction_memory": None, "max_fractions": None,
+                              "min_fraction_memory": None, "max_fraction_memory": None, "fraction": None}
     assert shown["source"] == {"gpus": f"user {user.name}", "gpu_memory": f"group {first}",
                                "max_time": f"group {second}", "idle_timeout": "defaults", "sharing": "defaults",
                                "priority": "defaults", "share": "defaults", "reclaim_after": "defaults",
                                "fleet_gpus": "defaults", "max_sharers": "defaults", "slices": "defaults",
-                               "whole_gpus": "defaults",
-                               "slice_profiles": "defaults"}
+                               "whole_gpus": "defaults", "slice_profiles": "defaults",
+                               "fraction_memory": "defaults", "max_fractions": "defaults",
+                               "min_fraction_memory": "defaults", "max_fraction_memory": "defaults"}
     assert {first, second} <= set(shown["groups"])
 
     lines = cli(config_path, "quota", "show", "--user", user.name).stdout.splitlines()
