@@ -106,7 +106,7 @@ def show_whoami(args: argparse.Namespace) -> int:
         print(f"quota: {quota['gpus']} GPU{'s' if quota['gpus'] != 1 else ''}, memory {format_size(quota['gpu_memory'])}"
               f" per GPU, time {format_duration(quota['max_time'])}, idle release "
               f"{format_duration(quota['idle_timeout'])}, sharing {'yes' if quota['sharing'] else 'no'}"
-              f"{_mig_terms(quota)}{_fleet_terms(quota)}")
+              f"{_mig_terms(quota)}{_fraction_terms(quota)}{_fleet_terms(quota)}")
     if reply["grants"]:
         print("GPUs:")
         print_rows([["  GPU", "NAME", "UUID", "MEMORY", "SINCE", "UNTIL", "HOW"]] + [
@@ -214,6 +214,19 @@ def _mig_terms(quota: dict[str, Any]) -> str:
     if quota.get("slice_profiles"):
         terms.append(f"slice profiles {', '.join(quota['slice_profiles'])}")
     return "".join(f", {term}" for term in terms)
+
+
+def _fraction_terms(quota: dict[str, Any]) -> str:
+    """A quota's terms for fractions (request --memory), where the admin set any."""
+    default, most = quota.get("fraction_memory"), quota.get("max_fractions")
+    low, high = quota.get("min_fraction_memory"), quota.get("max_fraction_memory")
+    if default is None and most is None and low is None and high is None:
+        return ""
+    terms = [f"{format_size(default)} by default" if default is not None else "",
+             f"at most {most} at once" if most is not None else "",
+             f"at least {format_size(low)}" if low is not None else "",
+             f"at most {format_size(high)} each" if high is not None else ""]
+    return ", fractions " + ", ".join(t for t in terms if t)
 
 
 def _fleet_terms(quota: dict[str, Any]) -> str:

@@ -100,6 +100,8 @@ def test_bad_fractions_get_one_line_and_nothing_changes(start_daemon):
     unitless = request(d, alice, "--memory", "20")
     assert unitless.returncode == 2 and "did you mean 20GiB?" in unitless.stderr
     assert len(d.grants(alice)) == 1  # what she held stays, and nothing more
+    whoami = d.cli_as(alice, "whoami")
+    assert ", fractions at most 1 at once, at most 40GiB each" in whoami.stdout
 
 
 def test_a_quota_fraction_is_what_a_login_and_gpuguard_run_ask_for(start_daemon):
