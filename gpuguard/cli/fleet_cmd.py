@@ -15,7 +15,7 @@ from typing import Any
 
 from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root
 from gpuguard.cli.calls import ask
-from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from gpuguard.core.messages import clock
 from gpuguard.core.quantities import format_duration
 
@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--json", action="store_true", help="print JSON")
     where.set_defaults(func=show_where)
 
-    fleet = subparsers.add_parser("fleet", help="the fleet database: take a decommissioned server out of it (root)")
+    fleet = subparsers.add_parser("fleet", help="the fleet database: its roles, and taking a decommissioned server out "
+                                                "(root)")
     actions = fleet.add_subparsers(dest="action", metavar="ACTION", required=True)
     remove = actions.add_parser(
         "remove", help="take a decommissioned node out of the fleet database",
@@ -44,7 +45,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     remove.add_argument("node", metavar="NODE", help="the node's name, as status --fleet shows it")
     remove.add_argument("--force", action="store_true",
                         help="remove it even though it was seen within lease + grace (a running node comes back)")
+    remove.add_argument("--database", metavar="CONNINFO",
+                        help="connect with this connection string (default: [fleet] database, as the admin role when "
+                             "fleet init wrote /etc/gpuguard/fleet-admin.pgpass)")
     remove.set_defaults(func=remove_node)
+
+    init = actions.add_parser(
+        "init", help="make the fleet database's roles: one per node, an admin's and the web's",
+        description="Migrate the fleet database and make its roles, least privilege: for each NODE a login role "
+                    "gpuguard_node_NODE that writes only that node's rows, gpuguard_admin (fleet remove, fleet quota "
+                    "rows) and gpuguard_web (reads what the web view shows). Connects as the role that owns the "
+                    "fleet's schema (CREATEROLE, not a superuser). Each new role's password goes to a passfile in "
+                    "DIR, mode 0600: root's for the nodes and the admin, the web account's for the web. Run again "
+                    "after an upgrade: it migrates and grants again; existing roles keep their passwords unless "
+                    "--new-passwords. Example: sudo gpuguard fleet init --database 'host=db1 dbname=gpuguard "
+                    "user=gpuguard passfile=/root/owner.pgpass' --node gpu1 --node gpu2")
+    init.add_argument("--database", metavar="CONNINFO",
+                      help="the schema owner's connection string (default: [fleet] database)")
+    init.add_argument("--node", dest="nodes", action="append", metavar="NODE",
+                      help="a node to make a role for; repeat it (default: this server's [fleet] node)")
+    init.add_argument("--credentials", metavar="DIR", help="where the passfiles go (default: /etc/gpuguard)")
+    init.add_argument("--web-account", metavar="USER",
+                      help="the account gpuguard web runs as, the only one that may read its passfile "
+                           "(default: [web] user)")
+    init.add_argument("--new-passwords", action="store_true",
+                      help="draw new passwords for the named roles that exist already (their old passfiles stop working)")
+    init.set_defaults(func=init_roles)
 
 
 def show_where(args: argparse.Namespace) -> int:
@@ -63,12 +89,14 @@ def show_where(args: argparse.Namespace) -> int:
     rows += [[c["node"], c["rack"] or "-", str(c["free"]), str(c["may_take"]), str(c["queued"]),
               *([c["locality"]] if data else [])] for c in choices]
     print_rows(rows)
+    # A node's ssh line is what that node sent (only its own role may set it): shown as its, never
+    # as gpuguard's instruction.
     best = choices[0]
     if best["may_take"] >= reply["wanted"]:
-        print(f"\n{best['ssh']}")
+        print(f"\n{best['node']}, as its own ssh line says (set by that node):\n{best['ssh']}")
         return EXIT_OK
     print(f"\nno server has {reply['wanted']} GPU{'s' if reply['wanted'] != 1 else ''} for you now; the shortest queue: "
-          f"{best['ssh']}")
+          f"{best['node']}, whose own ssh line says: {best['ssh']}")
     return 1
 
 
@@ -115,14 +143,18 @@ def remove_node(args: argparse.Namespace) -> int:
         raise CommandError("this server is not part of a fleet (no [fleet] in its gpuguard.toml)", EXIT_USAGE)
     import psycopg
 
-    from gpuguard.fleet import fleetdb, lineage_memory
+    from gpuguard.fleet import fleetdb, lineage_memory, roles
     from gpuguard.fleet.schema import FleetError
+    conninfo = args.database or roles.derived(config.fleet.database, roles.ADMIN) or config.fleet.database
     try:
-        with fleetdb.connect(config.fleet.database, f"{config.fleet.node} fleet remove") as conn:
+        with fleetdb.connect(conninfo, f"{config.fleet.node} fleet remove") as conn:
             fleetdb.check_fence(conn, lineage_memory(config))  # not on a standby, an old leader or another database
             found = fleetdb.remove_node(conn, args.node, args.force)
     except psycopg.errors.UndefinedTable:
         raise CommandError("the fleet database has no gpuguard schema yet: no node has joined", EXIT_FAILED) from None
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise CommandError(f"fleet database: {_first_line(exc)}: removing a node takes the admin's role "
+                           f"({roles.ADMIN}, made by gpuguard fleet init), not a node's", EXIT_FAILED) from None
     except (psycopg.Error, FleetError) as exc:
         raise CommandError(f"fleet database: {_first_line(exc)}", EXIT_FAILED) from None
     if found is None:
@@ -141,6 +173,62 @@ def remove_node(args: argparse.Namespace) -> int:
     if found["live"]:
         print(f"gpuguard: node {args.node} was live: if gpuguard still runs there, it registers again at its next "
               "heartbeat")
+    return EXIT_OK
+
+
+def init_roles(args: argparse.Namespace) -> int:
+    """`gpuguard fleet init`: migrate, make the roles and write their passfiles (gpuguard.fleet.roles)."""
+    require_root("fleet init")
+    config = load_config(args)
+    conninfo = args.database or (config.fleet.database if config.fleet is not None else None)
+    nodes = args.nodes or ([config.fleet.node] if config.fleet is not None else [])
+    if conninfo is None or not nodes:
+        raise CommandError("fleet init: no [fleet] in gpuguard.toml: give --database and --node", EXIT_USAGE)
+    import pwd
+    from pathlib import Path
+
+    import psycopg
+
+    from gpuguard.fleet import fleetdb, roles
+    from gpuguard.fleet.schema import FleetError
+    try:
+        for node in nodes:
+            roles.node_role(node)
+    except roles.RoleError as exc:
+        raise CommandError(f"fleet init: {exc}", EXIT_USAGE) from None
+    reader = args.web_account or config.web.user
+    try:
+        pwd.getpwnam(reader)
+    except KeyError:
+        raise CommandError(f"fleet init: no account {reader} (the web's, [web] user): make it, or name another with "
+                           "--web-account", EXIT_USAGE) from None
+    directory = Path(args.credentials) if args.credentials else roles.CREDENTIALS
+    try:
+        conn = fleetdb.connect(conninfo, "fleet init")
+    except psycopg.OperationalError as exc:
+        raise CommandError(f"fleet database unreachable: {_first_line(exc)}", EXIT_UNREACHABLE) from None
+    try:
+        with conn:
+            owner = roles.check_owner(conn)
+            version = fleetdb.migrate(conn, "fleet init")
+            made = roles.setup(conn, nodes, keep=lambda role: not args.new_passwords)
+    except (psycopg.Error, FleetError) as exc:
+        raise CommandError(f"fleet init: {_first_line(exc)}", EXIT_FAILED) from None
+    print(f"gpuguard: the fleet database is at schema {version}; its roles are ready (owner {owner})")
+    readers = {roles.WEB: reader}
+    for item in made:
+        path = roles.passfile(directory, item.role)
+        if item.password is not None:
+            roles.write_passfile(path, item.role, item.password, readers.get(item.role, "root"))
+        how = (f"new password in {path} (readable by {readers.get(item.role, 'root')} only)" if item.password else
+               "kept its password")
+        if item.role.startswith(roles.NODE_PREFIX):
+            node = item.role.removeprefix(roles.NODE_PREFIX)
+            print(f"  node {node}: {how}; on {node}, with that file there: [fleet] database = "
+                  f"\"{roles.conninfo_as(conninfo, item.role, roles.passfile(roles.CREDENTIALS, item.role))}\"")
+        else:
+            uses = "gpuguard fleet remove" if item.role == roles.ADMIN else "gpuguard web"
+            print(f"  {item.role}: {how}; {uses} uses it from {roles.passfile(roles.CREDENTIALS, item.role)}")
     return EXIT_OK
 
 

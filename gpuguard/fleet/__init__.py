@@ -8,6 +8,7 @@ fleet quota rows that grant-time checks lock. A database outage never opens or c
 - fleetdb.py: the SQL edge (psycopg): heartbeat, reserve, the views; every call one round trip;
 - outbox.py: the SQLite outbox of ended grants (the usage ledger) kept until the database has them;
 - node.py: the node's side in the daemon: the ordered worker, bounded waits, offline policy, caches;
+- roles.py: one database role per node, the admin's and the web's (`gpuguard fleet init`);
 - ranking.py: pure: which server `gpuguard where` recommends, data locality included;
 - ops.py: the socket operations `fleet_status` and `where`; wiring.py builds them (called by
   gpuguard.services.wiring.build, from the database edge that `database` makes).

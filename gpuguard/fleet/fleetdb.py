@@ -17,6 +17,8 @@ client, statement_timeout and lock_timeout on the server.
 Each new connection is fenced before anything is written (fencing.py): a standby, another
 database or an old leader is refused. A schema dropped under a running node is made again by
 its next connection.
+A node may log in under its own role (roles.py): every write is then one of the schema's
+functions that check the caller writes only its own rows, and the migrations are the owner's.
 """
 from __future__ import annotations
 
@@ -88,7 +90,40 @@ def fence(conn: psycopg.Connection, memory: LineageMemory) -> Lineage:
 
 def migrate(conn: psycopg.Connection, node: str) -> int:
     """Bring the database to this node's schema (what is missing of it), under an advisory lock;
-    returns the database's version. Raises FleetError when an applied migration needs a newer node."""
+    returns the database's version. Raises FleetError when an applied migration needs a newer node,
+    or when one is missing and this connection's role may not apply it (a node's own role,
+    roles.py: the owner applies migrations, with `gpuguard fleet init`). A database that has them
+    all is only read."""
+    applied = _applied(conn)
+    if applied is None or any(migration.version not in applied for migration in MIGRATIONS):
+        try:
+            applied = _apply(conn, node)
+        except psycopg.errors.InsufficientPrivilege:
+            missing = [m.version for m in MIGRATIONS if applied is None or m.version not in applied]
+            role = conn.info.user
+            raise FleetError(f"the fleet database lacks schema {missing[0]}, and this node's role {role} may not "
+                             f"create it: run `sudo gpuguard fleet init --database OWNER` once with the schema "
+                             f"owner's connection string (it migrates), then restart") from None
+    needed = max(applied.values())
+    if needed > CURRENT:
+        raise FleetError(f"the fleet database needs gpuguard schema {needed} or newer; this node has {CURRENT}: "
+                           "upgrade gpuguard on this node")
+    return max(applied)
+
+
+def _applied(conn: psycopg.Connection) -> dict[int, int] | None:
+    """The migrations applied (version: min_node); None when there is no migrations table (or this
+    role may not see the schema)."""
+    try:
+        row = conn.execute(f"SELECT to_regclass('{NAMESPACE}.migrations') IS NOT NULL").fetchone()
+        if row is None or not row[0]:
+            return None
+        return dict(conn.execute(f"SELECT version, min_node FROM {NAMESPACE}.migrations").fetchall())
+    except psycopg.errors.InsufficientPrivilege:
+        return None
+
+
+def _apply(conn: psycopg.Connection, node: str) -> dict[int, int]:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
         conn.execute(f"CREATE SCHEMA IF NOT EXISTS {NAMESPACE}")
@@ -101,11 +136,7 @@ def migrate(conn: psycopg.Connection, node: str) -> int:
                 conn.execute(f"INSERT INTO {NAMESPACE}.migrations (version, min_node, node) VALUES (%s, %s, %s)",
                              (migration.version, migration.min_node, node))
                 applied[migration.version] = migration.min_node
-    needed = max(applied.values())
-    if needed > CURRENT:
-        raise FleetError(f"the fleet database needs gpuguard schema {needed} or newer; this node has {CURRENT}: "
-                           "upgrade gpuguard on this node")
-    return max(applied)
+    return applied
 
 
 class FleetDb:
@@ -163,7 +194,7 @@ class FleetDb:
     def heartbeat(self, doc: dict[str, Any], kept_from: int | None = None) -> dict[str, Any]:
         """The heartbeat's answer; the first on a connection adds `ledger_present`, the seqs from
         `kept_from` on of this node's outbox (doc's incarnation) that the database has (none kept: not asked)."""
-        answer = self.call("heartbeat_v3", doc)
+        answer = self.call("heartbeat_v4", doc)
         if not self._ledger_checked:
             if kept_from is not None:
                 answer["ledger_present"] = self._ledger_seqs(doc["incarnation"], kept_from)
@@ -176,12 +207,11 @@ class FleetDb:
         return [seq for (seq,) in rows]
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return self.call("reserve_v2", doc, flushed=False)
+        return self.call("reserve_v3", doc, flushed=False)
 
     def release(self, pairs: list[tuple[int, str]]) -> None:
         """Grants of this node taken back: (minor, user) each; raises psycopg.Error."""
-        self._execute(f"WITH gone AS (DELETE FROM {NAMESPACE}.grants WHERE node = %s AND (minor, username) IN"
-                      f" (SELECT * FROM unnest(%s::integer[], %s::text[])) RETURNING 1) SELECT {UNFLUSHED}",
+        self._execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.release_v1(%s, %s::integer[], %s::text[])",
                       (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
 
     def close(self) -> None:

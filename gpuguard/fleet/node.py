@@ -266,7 +266,10 @@ class FleetNode:
                   for place in self.free if place["free"] > 0]
         if not places:
             return ""
-        return f"; GPUs free now on {', '.join(places)}: ssh {printable(self.free[0]['ssh'] or self.free[0]['node'])}"
+        # the ssh line is the node's own (only its role may set it): said so, not given as gpuguard's
+        first = printable(self.free[0]["node"])
+        return (f"; GPUs free now on {', '.join(places)}: ssh {printable(self.free[0]['ssh'] or self.free[0]['node'])} "
+                f"({first}'s own ssh line)")
 
     def close(self) -> None:
         self._worker.submit(self.db.close)  # on its own thread, after what it is doing

@@ -144,6 +144,19 @@ _HEARTBEAT_V1 = """    -- One heartbeat, one round trip: the node's truth replac
 """
 
 
+def _checked(function: str, inner: str) -> str:
+    """SQL: gpuguard.<function>(doc), the owner's, calling gpuguard.<inner>(doc) once writes_for
+    says the caller may write as doc's node (migration 5)."""
+    return f"""
+    CREATE FUNCTION gpuguard.{function}(doc jsonb) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER
+        SET search_path = pg_catalog, pg_temp AS $$
+    BEGIN
+        PERFORM gpuguard.writes_for(doc->>'node');
+        RETURN gpuguard.{inner}(doc);
+    END $$;
+"""
+
+
 # Times are epoch seconds (double precision): last_seen and first_seen by the database's clock,
 # so that nodes with skewed clocks agree on who is lost; grant and ledger times by the node's.
 MIGRATIONS: tuple[Migration, ...] = (
@@ -332,6 +345,39 @@ MIGRATIONS: tuple[Migration, ...] = (
         END IF;
         RETURN gpuguard.reserve_v1(doc);
     END $$;
+    """),
+    # One role per node (gpuguard.fleet.roles, `gpuguard fleet init`): a node's login role writes
+    # only its own rows. What a node writes goes through SECURITY DEFINER functions of the schema's
+    # owner, which first check the caller (writes_for): the node's own role (gpuguard_node_ and
+    # its name) or a member of the owner (the single role of a fleet set up before roles, which
+    # may write anything, as it could); their search_path is pinned, so that nothing a caller
+    # creates is found in their place. EXECUTE on every function of the schema is taken from
+    # PUBLIC (PostgreSQL grants it by default), for those made later by the owner too; `gpuguard
+    # fleet init` grants each role what it may call and read. Nodes of schema 4 go on calling
+    # heartbeat_v3 and reserve_v2 under the owner's role (a node's role may not).
+    Migration(5, 1, """
+    CREATE FUNCTION gpuguard.writes_for(node text) RETURNS void LANGUAGE plpgsql STABLE
+        SET search_path = pg_catalog, pg_temp AS $$
+    BEGIN
+        IF session_user = 'gpuguard_node_' || node
+           OR pg_has_role(session_user, (SELECT nspowner FROM pg_namespace WHERE nspname = 'gpuguard'), 'USAGE') THEN
+            RETURN;
+        END IF;
+        RAISE EXCEPTION 'role % may not write the rows of node %', session_user, coalesce(node, '(none)')
+            USING ERRCODE = 'insufficient_privilege';
+    END $$;
+""" + _checked("heartbeat_v4", "heartbeat_v3") + _checked("reserve_v3", "reserve_v2") + """
+    -- grants of node `of_node` taken back: (minors[i], users[i]) each
+    CREATE FUNCTION gpuguard.release_v1(of_node text, minors integer[], users text[]) RETURNS void
+        LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    BEGIN
+        PERFORM gpuguard.writes_for(of_node);
+        DELETE FROM gpuguard.grants g WHERE g.node = of_node AND (g.minor, g.username) IN (
+            SELECT * FROM unnest(minors, users));
+    END $$;
+
+    REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA gpuguard FROM PUBLIC;
+    ALTER DEFAULT PRIVILEGES IN SCHEMA gpuguard REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
     """),
 )
 CURRENT = MIGRATIONS[-1].version

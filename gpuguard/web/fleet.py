@@ -6,15 +6,17 @@ granted per user, GPU, node and day from the usage ledger plus the grants still 
 database knows no processes, memory or utilisation (a node keeps those), so the grid shows them
 as unknown, never as idle; nor busy hours (the ledger records grants): the usage charts then
 show granted hours alone. Nor fair share (each node's decayed usage, shares and half-life stay
-on the node): the Me page says so. A node silent past its lease is shown with what it last sent, marked
-lost. Read-only: each question is one short autocommit connection in a worker thread (the web's
-memo asks at most once a second per question), with libpq's and the server's timeouts.
+on the node): the Me page says so. A node silent past its lease is shown with what it last sent,
+marked lost. Read-only (as the web's own role where there is one, FleetSource): each question is
+one short autocommit connection in a worker thread (the web's memo asks at most once a second per
+question), with libpq's and the server's timeouts.
 """
 from __future__ import annotations
 
 import asyncio
 import datetime
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.messages import clock
@@ -38,10 +40,15 @@ WHERE started < %(until)s AND ended > %(since)s AND (%(user)s::text IS NULL OR u
 
 
 class FleetSource:
-    """A `Source` over the fleet's PostgreSQL (conninfo: [fleet] database)."""
+    """A `Source` over the fleet's PostgreSQL (conninfo: [fleet] database). Where `gpuguard fleet
+    init` wrote the web's passfile (fleet-web.pgpass in `credentials`, readable by the web's
+    account only), the web logs in as gpuguard_web, which may read what the web shows and write
+    nothing; otherwise as `conninfo` says (a fleet set up before roles: root's passfile, which the
+    web's account cannot read, is no use to it)."""
 
-    def __init__(self, conninfo: str):
-        self.conninfo = conninfo
+    def __init__(self, conninfo: str, credentials: Path | None = None):
+        from gpuguard.fleet import roles  # psycopg's: loaded only where [fleet] is configured
+        self.conninfo = roles.derived(conninfo, roles.WEB, credentials or roles.CREDENTIALS) or conninfo
 
     def _query(self, *statements: tuple[str, Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
         import psycopg  # the fleet's dependency: loaded only where [fleet] is configured
