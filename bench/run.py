@@ -7,6 +7,8 @@ the tests' gate lock), real users and PAM stacks, and up to 5,000 sleeping proce
 `ggt-bench-*` and removed afterwards. The rows and their baselines:
 
 - micro.py: the allocator, the watcher's rules, the store;
+- fraction_bench.py: fraction placement (FGD, best-fit, first-fit) replayed on generated fractional
+  workloads, against best-fit and first-fit and against fractions off in the same run;
 - pam_bench.py: the daemon's socket, the PAM module and the pam_exec hook (bench/pamloop.c),
   a login storm; at ~100 and at 5,000 host processes;
 - watcher_bench.py: the daemon's CPU per tick at 500 and 5,000 processes, its own part of a
@@ -39,7 +41,7 @@ from rows import ROWS, format_row, table
 from devtools.harness import bpffs_restored
 from gpuguard import config as configuration
 
-SECTIONS = ("micro", "cli", "pam", "watcher", "floods", "logout", "gate", "fleet", "web")
+SECTIONS = ("micro", "fractions", "cli", "pam", "watcher", "floods", "logout", "gate", "fleet", "web")
 
 
 def machine() -> str:
@@ -76,6 +78,9 @@ def main() -> int:
         if "micro" in sections:
             import micro
             micro.run(bench)
+        if "fractions" in sections:
+            import fraction_bench
+            fraction_bench.run()  # replays in this process: no daemon, gate or user
         stack.enter_context(bpffs_restored())
         if "cli" in sections:
             import cli_bench

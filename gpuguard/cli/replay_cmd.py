@@ -34,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--baselines", action="store_true",
                         help="also a Slurm-like multifactor priority with backfill and a clairvoyant "
                              "shortest-job-first on the same pool (docs/scheduling.md)")
+    parser.add_argument("--fractions", action="store_true",
+                        help="also the policy with fractional requests: a 1-GPU job whose gpu_memory is under a "
+                             "GPU's (80 GiB) asks for that much of one GPU, placed by FGD, best-fit and first-fit "
+                             "in turn, beside the policy with every job on whole GPUs (docs/scheduling.md)")
     parser.set_defaults(func=run_replay)
 
     tracing = subparsers.add_parser("trace", help="make trace files for gpuguard replay")
@@ -49,12 +53,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     generate.add_argument("--jobs", type=int, default=1000, metavar="N")
     generate.add_argument("--users", type=int, default=20, metavar="N")
     generate.add_argument("--seed", type=int, default=1, metavar="N")
-    generate.add_argument("--profile", choices=("interactive", "batch"), default="interactive",
+    generate.add_argument("--profile", choices=("interactive", "batch", "fractional"), default="interactive",
                           help="interactive: logins with bursts (default); batch: a cluster's 1/4/8-GPU jobs with "
-                               "heavy-tailed durations, each waiting as long as it takes")
+                               "heavy-tailed durations, each waiting as long as it takes; fractional: batch jobs, "
+                               "some asking for part of one GPU (--fractional, --mix)")
     generate.add_argument("--days", type=float, default=30.0, metavar="N", help="batch: the span of arrivals")
     generate.add_argument("--assign", choices=("zipf", "round-robin"), default="zipf",
                           help="batch: users Zipf-skewed (default) or in turn")
+    generate.add_argument("--fractional", type=float, default=0.44, metavar="SHARE",
+                          help="fractional: the share of jobs that ask for part of one GPU (default 0.44)")
+    generate.add_argument("--mix", choices=("spread", "small"), default="spread",
+                          help="fractional: their sizes, 10-90%% of a GPU alike (spread, default) or mostly small")
     generate.set_defaults(func=run_generate)
 
 
@@ -76,7 +85,7 @@ def run_replay(args: argparse.Namespace) -> int:
     if not 1 <= gpus <= engine.MAX_POOL:
         raise CommandError(f"--gpus must be between 1 and {engine.MAX_POOL}, got {gpus}", EXIT_USAGE)
     notes: Counter[str] = Counter()
-    report = engine.compare(lambda: trace.read(args.trace, notes), config, gpus)
+    report = engine.compare(lambda: trace.read(args.trace, notes), config, gpus, args.fractions)
     if args.baselines:
         report["slurm"] = baselines.multifactor(trace.read(args.trace), gpus).summary(gpus)
         report["shortest_first"] = baselines.shortest_first(trace.read(args.trace), gpus).summary(gpus)
@@ -118,6 +127,14 @@ ROWS = [
     ("jobs killed", "kills", "count"),
     ("most jobs on one GPU", "most_sharers", "count"),
 ]
+# With --fractions (engine's text): whole-GPU jobs apart, and the GPUs a waiting fraction could not use
+FRACTION_ROWS = [
+    ("time to GPU p95, whole-GPU jobs", "whole_wait_p95", "duration"),
+    ("time to GPU p95, fractional jobs", "fraction_wait_p95", "duration"),
+    ("time a fraction waits, of the span", "fraction_waiting_of_span", "percent"),
+    ("GPUs unallocatable while a fraction waits", "unallocatable_gpus", "ratio"),
+    ("  GPUs stranding that memory", "stranding_gpus", "ratio"),
+]
 
 
 def _cell(value: float | int | None, unit: str) -> str:
@@ -137,11 +154,13 @@ def _cell(value: float | int | None, unit: str) -> str:
 def print_report(report: dict[str, Any]) -> None:
     print(f"{report['trace']['sessions']} sessions, {report['trace']['jobs']} jobs, "
           f"{report['trace']['hours']:.1f} hours, on {report['gpus']} GPUs; replayed in {report['seconds']:.1f}s")
-    columns = {"policy": "gpuguard (configured)", "static": "static reservation", "slurm": "Slurm-like",
-               "shortest_first": "shortest first (clairvoyant)"}
+    fractions = "fgd" in report
+    columns = {"policy": "gpuguard, whole GPUs" if fractions else "gpuguard (configured)",
+               "fgd": "fractions, FGD", "best-fit": "fractions, best-fit", "first-fit": "fractions, first-fit",
+               "static": "static reservation", "slurm": "Slurm-like", "shortest_first": "shortest first (clairvoyant)"}
     shown = [key for key in columns if key in report]
     rows = [["", *(columns[key] for key in shown)]]
-    for label, key, unit in ROWS:
+    for label, key, unit in ROWS + (FRACTION_ROWS if fractions else []):
         rows.append([label, *(_cell(report[column][key], unit) for column in shown)])
     print_rows(rows)
 
@@ -170,8 +189,13 @@ def run_generate(args: argparse.Namespace) -> int:
         raise CommandError("--jobs and --users must be at least 1", EXIT_USAGE)
     if not 0 < args.days < math.inf:
         raise CommandError(f"--days must be a number more than 0, got {args.days:g}", EXIT_USAGE)
+    if not 0 <= args.fractional <= 1:
+        raise CommandError(f"--fractional must be a share from 0 to 1, got {args.fractional:g}", EXIT_USAGE)
     if args.profile == "batch":
         sessions = trace.generate_batch(args.jobs, args.users, args.seed, args.days, args.assign)
+    elif args.profile == "fractional":
+        sessions = trace.generate_fractional(args.jobs, args.users, args.seed, args.days, args.assign,
+                                             args.fractional, args.mix)
     else:
         sessions = trace.generate(args.jobs, args.users, args.seed)
     trace.write_csv(sessions, sys.stdout)

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from gpuguard.replay.engine import Result
+from gpuguard.replay.engine import Result, fractional
 from gpuguard.replay.trace import Session
 
 DAY = 86400.0
@@ -124,7 +124,7 @@ def _schedule(sessions: Iterable[Session], gpus: int, order: Order, backfill: bo
             result.never_ran += len(session.jobs)
             result.over_quota += len(session.jobs)
             for job in session.jobs:
-                result.count(session.user, 0.0, job.duration, None)
+                result.count(session.user, 0.0, job.duration, None, not fractional(job))
             continue
         arrivals.append(_Allocation(index, session, need, session.last - session.start))
     arrivals.sort(key=lambda a: (a.session.start, a.order))
@@ -146,7 +146,7 @@ def _schedule(sessions: Iterable[Session], gpus: int, order: Order, backfill: bo
         result.per_user[a.session.user][0] += a.gpus * a.length
         result.busy += sum(job.gpus * job.duration for job in a.session.jobs)
         for job in a.session.jobs:
-            result.count(a.session.user, delay, job.duration, job.duration)
+            result.count(a.session.user, delay, job.duration, job.duration, not fractional(job))
             result.stretch.append(1.0)
         result.releases += 1
         last_end = max(last_end, now + a.length)

@@ -35,6 +35,23 @@ gave GPUs to jobs that run on them at once, just adds the moments of the grants 
 When a job ends, the watcher's memory of when it saw the job last is set to that moment, as the
 daemon's tick just before it would have left it.
 
+Fractions (replay(fractions=True), `gpuguard replay --fractions`): a job on one GPU whose
+gpu_memory is more than 0 and less than a replayed GPU's (GPU_MEMORY) asks for that much of one
+GPU (Ask.memory, as `gpuguard request --memory` does) instead of a whole one, and runs on it at
+its trace duration: a fraction's duration is the task's on its share of the GPU, so fractions
+whose promises fit the GPU together do not slow each other (whole jobs sharing a GPU still do).
+It runs on an idle fraction of its user's that promises at least its memory, where there is one,
+as a script's second step in one allocation would. While a fraction waits in the queue, the
+replay counts the GPUs left unallocatable (Result.unallocatable), FGD's measure of
+fragmentation for the waiting demand: the memory not promised on each GPU that holds only
+fractions and has less of it left than the smallest waiting fraction, in GPUs' worth (a GPU with
+a tenth of its memory stranded so is 0.1), time-averaged over the moments a fraction waits; and
+how many GPUs strand it. Free GPUs and GPUs held whole strand nothing. (The count alone would
+call a GPU packed to its last GiB unallocatable, and punish the placements that pack best.)
+Whole-GPU jobs (every job but those a fraction could serve: more than one GPU, or memory unknown
+or a whole GPU's) have their wait kept apart, with fractions on and off alike, so that the two
+runs compare the same jobs.
+
 Beside it, in the same run, static reservation: each session holds the GPUs of its largest job
 from its start to its end (an open one to its last job's end), sessions served first come first
 served, a session that waits is shifted by its wait (its jobs then wait as long).
@@ -63,6 +80,7 @@ from gpuguard.core.model import (
     GpuProcess,
     Grant,
     Origin,
+    Placement,
     ProcessIdentity,
     Quota,
     Rule,
@@ -77,6 +95,12 @@ from gpuguard.services.asks import Ask, Outcome, Waits
 from gpuguard.services.store import GrantChanges, Queued, Store, grant_key
 
 FIRST_UID = 100000
+GPU_MEMORY = 80 << 30  # each replayed GPU's memory (an 80 GiB H100 or A100)
+
+
+def fractional(job: Job) -> bool:
+    """Whether a fraction of one replayed GPU could serve the job: one GPU, part of its memory."""
+    return job.gpus == 1 and 0 < job.memory < GPU_MEMORY
 
 
 
@@ -143,11 +167,21 @@ class Result:
     per_user: dict[str, list[float]] = field(default_factory=dict)  # user -> [granted, demanded]
     user_waits: dict[str, list[float]] = field(default_factory=dict)     # user -> every job's (censored) wait
     user_slowdown: dict[str, list[float]] = field(default_factory=dict)  # user -> [sum of slowdowns, jobs]
+    # Fractions (the module's text): every (censored) wait of whole-GPU jobs and of those a
+    # fraction could serve; while a fraction waited: seconds (None: not measured, fractions off),
+    # GPU-seconds unallocatable (GPUs' worth of memory stranded) and GPUs stranding it, by seconds
+    whole_waits: list[float] = field(default_factory=list)
+    fraction_waits: list[float] = field(default_factory=list)
+    fraction_waiting: float | None = None
+    unallocatable: float = 0.0
+    stranding: float = 0.0
 
-    def count(self, user: str, wait: float, duration: float, ran: float | None) -> None:
+    def count(self, user: str, wait: float, duration: float, ran: float | None, whole: bool = True) -> None:
         """One job's outcome: waited `wait`, then ran `ran` seconds of wall time (None: never ran,
         so its wait is censored). Its slowdown is (wait + run) / duration, where a job that never
-        ran or was stopped still needs its whole duration (it runs again from scratch)."""
+        ran or was stopped still needs its whole duration (it runs again from scratch). whole:
+        a whole-GPU job (not one a fraction could serve: fractional())."""
+        (self.whole_waits if whole else self.fraction_waits).append(wait)
         if ran is None:
             self.censored.append(wait)
         else:
@@ -167,6 +201,7 @@ class Result:
         shares = [g / d for g, d in self.per_user.values() if d > 0]
         slowdowns = [total / jobs for total, jobs in self.user_slowdown.values() if jobs]
         user_p95 = sorted(percentile(sorted(w), 0.95) or 0.0 for w in self.user_waits.values())
+        waited = self.fraction_waiting
         return {
             "gpu_seconds_granted": round(self.granted, 1),
             "gpu_seconds_busy": round(self.busy, 1),
@@ -200,7 +235,19 @@ class Result:
             "revokes": self.revokes,
             "kills": self.kills,
             "most_sharers": self.most_sharers,
+            "whole_wait_p95": percentile(sorted(self.whole_waits), 0.95),
+            "fraction_wait_p95": percentile(sorted(self.fraction_waits), 0.95),
+            "fraction_waiting_of_span": round(waited / self.span, 4) if waited is not None and self.span else None,
+            "unallocatable_gpus": self._while_waiting(self.unallocatable),
+            "stranding_gpus": self._while_waiting(self.stranding),
         }
+
+    def _while_waiting(self, total: float) -> float | None:
+        """A time integral over the moments a fraction waited, as its mean over them."""
+        waited = self.fraction_waiting
+        if waited is None:
+            return None
+        return round(total / waited, 4) if waited else 0.0
 
 
 def percentile(ordered: list[float], q: float) -> float | None:
@@ -314,6 +361,7 @@ class _Running:
     rate: float = 1.0
     since: float = 0.0
     version: int = 0     # its end event is for this version; an older one is stale
+    fraction: bool = False  # on a fraction of its GPU: at its own pace, whoever else is there
 
 
 @dataclass
@@ -326,11 +374,13 @@ class _Session:
 
 
 class Replay:
-    """One replay of the configured policy on a pool of `gpus` GPUs (use it once)."""
+    """One replay of the configured policy on a pool of `gpus` GPUs (use it once); fractions:
+    a job a fraction could serve asks for one (the module's text)."""
 
-    def __init__(self, config: Config, gpus: int, scratch: Path):
+    def __init__(self, config: Config, gpus: int, scratch: Path, fractions: bool = False):
         self.config = config
-        inventory = {m: Gpu(m, m, f"GPU-replay-{m}", "replay", f"replay:{m}", 80 << 30, 0, None, None)
+        self.fractions = fractions
+        inventory = {m: Gpu(m, m, f"GPU-replay-{m}", "replay", f"replay:{m}", GPU_MEMORY, 0, None, None)
                      for m in range(gpus)}
         nowhere = _Nowhere()
         # No event history: nobody reads a replay's (recording it was a sixth of the month's time).
@@ -370,6 +420,11 @@ class Replay:
         self._sample: Sample | None = None        # the sample of the running jobs, until one starts or ends
         self._taken_back = 0                      # grants taken back (released or revoked), for the counts
         self._seen = _GrantsSeen(self.store)      # the store's grants after the last batch of events
+        # Since when the queue and the grants stood as measured last (a fraction waiting, the GPUs
+        # unallocatable and stranded for it then), while fractions are replayed
+        self._measured: tuple[float, bool, float, int] = (0.0, False, 0.0, 0)
+        if fractions:
+            self.result.fraction_waiting = 0.0
 
     # --- the event loop
 
@@ -399,6 +454,8 @@ class Replay:
                 self._wake_at(self.watch.next_moment_of(self._went_idle, self.now) if self._went_idle else None)
             self._wanted = self.queue.demand()  # as the batch left it (and the tick's releases served)
             self._count_granted()
+            if self.fractions:
+                self._measure()
         self._finish()
         return self.result
 
@@ -433,12 +490,19 @@ class Replay:
         # (Asks.ask), but whole (a job cannot start on part of its GPUs) and with a place of its own
         # (each job of a batch waits for itself): counting the user's idle granted GPUs that no
         # waiting job of theirs counts on already.
-        mine = self._uncounted_idle(uid)
+        # A fraction counts on no GPU of its user's: it asks for one more (Ask.memory), or runs
+        # on an idle fraction of theirs with room for it.
+        fraction = self.fractions and fractional(job)
+        mine = self._uncounted_idle(uid, job.memory if fraction else None)
+        if fraction and mine:
+            self._start(job, session, (mine[0],))
+            return
         self._joining = (job, session)
         try:
-            answer = self.asks.ask(Ask(self.account(self.names[uid]), job.gpus, Origin.SESSION, Waits.YES,
-                                       "a replayed job", keeps=tuple(mine), whole=True, one_place=False, pid=session),
-                                   self.now)
+            ask = Ask(self.account(self.names[uid]), None if fraction else job.gpus, Origin.SESSION, Waits.YES,
+                      "a replayed job", keeps=() if fraction else tuple(mine), whole=True, one_place=False,
+                      pid=session, memory=job.memory if fraction else None)
+            answer = self.asks.ask(ask, self.now)
         finally:
             self._joining = None
         if answer.outcome == Outcome.REFUSED:  # over the quota's count, or more than the pool has
@@ -458,7 +522,7 @@ class Replay:
         self._stop(running)
         self._batch_gives_back(running)
         self.result.count(running.user, running.started - running.arrived, running.job.duration,
-                          self.now - running.started)
+                          self.now - running.started, not fractional(running.job))
         self.result.stretch.append((self.now - running.started) / running.job.duration)
         self._job_done(running.session)
 
@@ -512,7 +576,7 @@ class Replay:
         identity = ProcessIdentity(pid, owner.uid, start_time=pid)  # unique, as a real start time is with its pid
         running = _Running(job, owner.user, owner.uid, session, units, pid, job.start, self.now, job.duration,
                            since=self.now, processes=tuple(GpuProcess(pid, m, job.memory or None) for m in units),
-                           identity=identity)
+                           identity=identity, fraction=self.fractions and fractional(job))
         self.running[pid] = running
         # A check now only if a rule may act on the process at once, or may act already (its
         # time came, its tick has not).
@@ -570,7 +634,7 @@ class Replay:
                 jobs.discard(remove)
         for pid in set().union(*(self.on_gpu[m] for m in units)):
             running = self.running[pid]
-            rate = 1.0 / max(len(self.on_gpu[m]) for m in running.units)
+            rate = 1.0 if running.fraction else 1.0 / max(len(self.on_gpu[m]) for m in running.units)
             if pid != add and rate == running.rate:
                 continue
             running.left -= running.rate * (self.now - running.since)
@@ -593,13 +657,16 @@ class Replay:
 
     def _never_ran(self, job: Job, session: int) -> None:
         self.result.never_ran += 1
-        self.result.count(self.sessions[session].user, self.now - job.start, job.duration, None)
+        self.result.count(self.sessions[session].user, self.now - job.start, job.duration, None,
+                          not fractional(job))
         self._job_done(session)
 
-    def _uncounted_idle(self, uid: int) -> list[int]:
-        """The user's granted GPUs with no job on them that no waiting job of theirs counts on, in order."""
+    def _uncounted_idle(self, uid: int, fraction: int | None = None) -> list[int]:
+        """The user's granted GPUs with no job on them that no waiting job of theirs counts on, in
+        order: whole ones, or (fraction: bytes) fractions that promise at least that much."""
         busy = self.busy_of.get(uid, ())
-        idle = {g.unit for g in self.store.grants(uid) if g.unit not in busy}
+        idle = {g.unit for g in self.store.grants(uid) if g.unit not in busy
+                and (g.fraction is None if fraction is None else (g.fraction or 0) >= fraction)}
         if idle and self.pending.get(uid):
             idle.difference_update(*(q.counted for q in self.store.queue(uid)))
         return sorted(idle)
@@ -645,11 +712,35 @@ class Replay:
         ran = self.now - running.started
         self.result.work_lost += len(running.units) * ran
         self.result.count(running.user, running.started - running.arrived, running.job.duration,
-                          ran + running.job.duration)  # it needs its whole duration again
+                          ran + running.job.duration, not fractional(running.job))  # it needs its whole duration again
         self.result.kills += 1
         self._job_done(running.session)
 
     # --- bookkeeping
+
+    def _measure(self) -> None:
+        """Count the time since the last batch of events as the queue and grants stood then (a
+        fraction waiting: its seconds, and the GPUs unallocatable and stranded for it), and measure
+        them as this batch left them: over the fractions waiting now, the smallest; over the GPUs
+        that hold only fractions, those whose memory not promised is less than it."""
+        since, waiting, stranded, stranding = self._measured
+        if waiting and self.result.fraction_waiting is not None:
+            elapsed = self.now - since
+            self.result.fraction_waiting += elapsed
+            self.result.unallocatable += stranded * elapsed
+            self.result.stranding += stranding * elapsed
+        smallest = min((q.quota.fraction for q in self.store.queue() if q.quota.fraction is not None), default=None)
+        stranded, stranding = 0.0, 0
+        if smallest is not None:
+            promised: dict[int, int | None] = {}
+            for grant in self.store.grants_read():
+                taken = promised.get(grant.unit, 0)
+                promised[grant.unit] = None if taken is None or grant.fraction is None else taken + grant.fraction
+            for taken in promised.values():
+                if taken is not None and GPU_MEMORY - taken < smallest:
+                    stranded += (GPU_MEMORY - taken) / GPU_MEMORY
+                    stranding += 1
+        self._measured = (self.now, smallest is not None, stranded, stranding)
 
     def _count_granted(self, end: bool = False) -> None:
         """Count the GPU-seconds of the grants that ended in the last batch of events (all, at the end)."""
@@ -715,7 +806,7 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
             result.never_ran += len(session.jobs)
             result.over_quota += len(session.jobs)
             for job in session.jobs:
-                result.count(session.user, 0.0, job.duration, None)
+                result.count(session.user, 0.0, job.duration, None, not fractional(job))
             continue
         at = max(session.start, last_grant)  # nobody overtakes an earlier session
         while holding and holding[0][0] <= at:
@@ -734,7 +825,7 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
         totals[0] += need * (end - session.start)
         result.busy += demanded  # each job alone on its GPUs, at full speed
         for job in session.jobs:
-            result.count(session.user, delay, job.duration, job.duration)
+            result.count(session.user, delay, job.duration, job.duration, not fractional(job))
             result.stretch.append(1.0)
         result.releases += 1
         result.most_sharers = 1
@@ -742,14 +833,15 @@ def static_reservation(sessions: Iterable[Session], gpus: int) -> Result:
     return result
 
 
-def replay(sessions: Iterable[Session], config: Config, gpus: int) -> Result:
-    """The configured policy on `gpuguard replay`'s pool of `gpus` GPUs. The services' event
-    log (a line per grant, release and warning, as the daemon logs them) is silenced meanwhile:
-    a replay reports counts."""
+def replay(sessions: Iterable[Session], config: Config, gpus: int, fractions: bool = False) -> Result:
+    """The configured policy on `gpuguard replay`'s pool of `gpus` GPUs (fractions: the jobs a
+    fraction could serve ask for one, placed as config.scheduler.fraction_placement says). The
+    services' event log (a line per grant, release and warning, as the daemon logs them) is
+    silenced meanwhile: a replay reports counts."""
     quiet, logs.logger.disabled = logs.logger.disabled, True
     try:
         with tempfile.TemporaryDirectory(prefix="gpuguard-replay-") as scratch:
-            return asyncio.run(Replay(config, gpus, Path(scratch)).run(sessions))
+            return asyncio.run(Replay(config, gpus, Path(scratch), fractions).run(sessions))
     finally:
         logs.logger.disabled = quiet
 
@@ -764,12 +856,25 @@ def describe(sessions: Iterable[Session]) -> dict[str, float | int]:
     return {"sessions": count, "jobs": jobs, "hours": (last - first) / 3600 if count else 0.0}
 
 
-def compare(open_trace: Callable[[], Iterable[Session]], config: Config, gpus: int) -> dict[str, Any]:
+def with_placement(config: Config, placement: Placement) -> Config:
+    """The config with fractions placed by `placement` ([scheduler] fraction_placement)."""
+    return replace(config, scheduler=replace(config.scheduler, fraction_placement=placement))
+
+
+def compare(open_trace: Callable[[], Iterable[Session]], config: Config, gpus: int,
+            fractions: bool = False) -> dict[str, Any]:
     """The configured policy and static reservation on the same pool, in one run (the trace is
-    read once per pass, never held whole)."""
+    read once per pass, never held whole). fractions: also the configured policy with fractions
+    on, placed by each placement in turn (keyed by Placement's value: "fgd", "best-fit",
+    "first-fit"); "policy" is then fractions off, every job on whole GPUs."""
     started = time.perf_counter()
     ours = replay(open_trace(), config, gpus)
     elapsed = time.perf_counter() - started
     static = static_reservation(open_trace(), gpus)
-    return {"gpus": gpus, "trace": describe(open_trace()), "seconds": elapsed,
-            "policy": ours.summary(gpus), "static": static.summary(gpus)}
+    report = {"gpus": gpus, "trace": describe(open_trace()), "seconds": elapsed,
+              "policy": ours.summary(gpus), "static": static.summary(gpus)}
+    if fractions:
+        for placement in Placement:
+            report[placement.value] = replay(open_trace(), with_placement(config, placement), gpus, True).summary(gpus)
+        report["seconds"] = time.perf_counter() - started
+    return report

@@ -360,6 +360,16 @@ def generate_batch(jobs: int, users: int = 60, seed: int = 1, days: float = 30.0
     the defaults the p99 is about 17 hours, the longest of 30,000 about three weeks, and jobs over
     4 hours hold about 70 % of the GPU-time); users Zipf-skewed (user k submits in proportion to
     1/k) or in turn ("round-robin"). The same arguments always give the same trace."""
+    for rng, user, clock, duration in _arrivals(jobs, users, seed, days, assign, median, sigma):
+        gpus = rng.choices((1, 4, 8), (75, 15, 10))[0]
+        start = float(round(clock))
+        yield Session(user, start, None, (Job(start, duration, gpus, rng.randrange(1, 80) * GB),))
+
+
+def _arrivals(jobs: int, users: int, seed: int, days: float, assign: str, median: float,
+              sigma: float) -> Iterator[tuple[random.Random, str, float, float]]:
+    """A batch generator's jobs as they arrive: (its random numbers, to draw the rest of the job
+    from before the next, the user, the arrival, the duration)."""
     rng = random.Random(seed)
     weights = [1 / k for k in range(1, users + 1)]
     rate = jobs / (days * 86400.0)
@@ -367,10 +377,7 @@ def generate_batch(jobs: int, users: int = 60, seed: int = 1, days: float = 30.0
     for number in range(jobs):
         clock += rng.expovariate(rate)
         who = number % users if assign == "round-robin" else rng.choices(range(users), weights)[0]
-        duration = float(max(30, round(rng.lognormvariate(math.log(median), sigma))))
-        gpus = rng.choices((1, 4, 8), (75, 15, 10))[0]
-        start = float(round(clock))
-        yield Session(f"u{who:03d}", start, None, (Job(start, duration, gpus, rng.randrange(1, 80) * GB),))
+        yield rng, f"u{who:03d}", clock, float(max(30, round(rng.lognormvariate(math.log(median), sigma))))
 
 
 def generate_mixed(jobs: int, users: int = 60, seed: int = 1, days: float = 30.0, assign: str = "zipf",
@@ -407,3 +414,37 @@ def _notebooks(jobs: int, users: int, seed: int, days: float, assign: str) -> It
             t += duration + rng.randrange(60, 1800)
         made += len(batch)
         yield Session(f"i{who:03d}", start, float(t + rng.randrange(60, 1800)), tuple(batch))
+
+
+GIB = 1 << 30
+FRACTION_GPU = 80 * GIB  # the memory of the GPU the fractional generator's sizes are parts of (the replay's)
+# Fraction sizes, percent of a GPU's memory -> weight: "spread" draws every size from 10 to 90 %
+# alike; "small" is a notebook-heavy mix (most asks 10-25 %, some half a GPU, few larger).
+FRACTION_MIXES: dict[str, dict[int, float]] = {
+    "spread": {p: 1.0 for p in range(10, 91, 5)},
+    "small": {10: 20, 15: 10, 20: 15, 25: 15, 30: 8, 40: 7, 50: 12, 60: 4, 75: 6, 90: 3},
+}
+
+
+def generate_fractional(jobs: int, users: int = 60, seed: int = 1, days: float = 30.0, assign: str = "zipf",
+                        fractional: float = 0.44, mix: str = "spread", median: float = 600.0,
+                        sigma: float = 1.5) -> Iterator[Session]:
+    """A synthetic batch cluster with fractional GPU requests, to tune fraction placement on
+    (never a published production trace: those are for evaluation). `fractional` of the jobs
+    ask for part of one GPU: gpu_memory of a percent drawn from FRACTION_MIXES[mix] of an 80 GiB
+    GPU, to the GiB; the rest are whole-GPU jobs of 1, 2, 4 or 8 GPUs (60/20/12/8 %) with
+    gpu_memory a whole GPU's (so no replay takes them as fractions). Each job is its own open
+    session, arriving as a Poisson stream over `days`; lognormal durations (median `median`
+    seconds, shape `sigma`: heavy-tailed, with the defaults the p99 is about 5.5 hours);
+    users Zipf-skewed or in turn ("round-robin"), as generate_batch's. The same arguments
+    always give the same trace."""
+    if mix not in FRACTION_MIXES:
+        raise UsageError(f"unknown fraction mix {mix!r}: one of {', '.join(FRACTION_MIXES)}")
+    sizes, weights = zip(*FRACTION_MIXES[mix].items(), strict=True)
+    for rng, user, clock, duration in _arrivals(jobs, users, seed, days, assign, median, sigma):
+        if rng.random() < fractional:
+            gpus, memory = 1, round(rng.choices(sizes, weights)[0] * FRACTION_GPU / 100 / GIB) * GIB
+        else:
+            gpus, memory = rng.choices((1, 2, 4, 8), (60, 20, 12, 8))[0], FRACTION_GPU
+        start = float(round(clock))
+        yield Session(user, start, None, (Job(start, duration, gpus, memory),))
