@@ -5,25 +5,26 @@ layout survive and only the keys being changed differ. Values are parsed and che
 the loader's own parsers (config.QUOTA_KEYS) and written as an admin would write them:
 `gpus = 2`, `gpu_memory = "40GiB"`, `sharing = true`. `replace_file` then puts the new
 text in place atomically, and only after the caller's check accepted the whole file.
+
+tomlkit and tempfile are loaded by the edit itself: `quota show` prints with show_fields, and
+tomlkit alone costs it more than Python's own start.
 """
 from __future__ import annotations
 
 import json
 import os
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import tomlkit
-from tomlkit.exceptions import TOMLKitError
-from tomlkit.items import Null, Whitespace
+from typing import TYPE_CHECKING, Any
 
 from gpuguard.config import QUOTA_KEYS
 from gpuguard.core.compat import tomllib
 from gpuguard.core.errors import UsageError
 from gpuguard.core.quantities import format_duration, format_size
+
+if TYPE_CHECKING:
+    import tomlkit
 
 DEFAULTS = ("defaults",)  # the [defaults] table of gpuguard.toml; ("users"|"groups", NAME) in quotas.toml
 NEW_FILE_MODE = 0o644      # quota files are world-readable: anyone may run `gpuguard quota show`
@@ -106,6 +107,8 @@ def edit(text: str, table: tuple[str, ...], changes: dict[str, Any]) -> str:
     is None. Everything else stays byte for byte. A table that does not exist yet is added at
     the end of the file (for groups: after every other group, so it ranks last), and a user or
     group table left with nothing in it (no keys, no comments) is removed."""
+    import tomlkit
+    from tomlkit.exceptions import TOMLKitError
     try:
         doc = tomlkit.parse(text)
     except TOMLKitError as exc:  # tomllib took it, so this is rare: still one line
@@ -143,6 +146,7 @@ def _is_blank(entry: Any) -> bool:
     # Comments in a table's body (tomlkit also files there the comments above the next header)
     # or on its header line are the admin's words: keep such a table, even with no keys left.
     # (Null: what tomlkit leaves where a key was deleted.)
+    from tomlkit.items import Null, Whitespace
     return (len(entry) == 0 and not entry.trivia.comment
             and all(isinstance(item, (Whitespace, Null)) for _, item in entry.value.body))
 
@@ -150,6 +154,7 @@ def _is_blank(entry: Any) -> bool:
 def _append_table(text: str, table: tuple[str, ...], values: dict[str, Any]) -> str:
     # Appended as text rather than through tomlkit: tomlkit would insert it right after the
     # last sibling table, below comments that belong to whatever table follows.
+    import tomlkit
     nested: dict[str, Any] = values
     for part in reversed(table):
         nested = {part: nested}
@@ -162,6 +167,7 @@ def replace_file(path: Path, text: str, check: Callable[[Path], None]) -> None:
     owner as the file it replaces), fsync, `check(temporary path)`, then rename over the file.
     When check raises, the file is untouched and the temporary file gone. A symlinked file is
     written where the link points, so the link (e.g. to a config-management checkout) stays."""
+    import tempfile
     target = Path(os.path.realpath(path))
     try:
         old = target.stat()

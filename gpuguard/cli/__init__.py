@@ -111,23 +111,53 @@ def print_rows(rows: list[list[str]]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
 
 
-# Each command and the module that registers it: a command loads only its own module. The full
-# parser (help, a typo, completion, the man page) loads every `*_cmd` module, so a test
-# (tests/system/test_cli_startup.py) sees any command missing here.
-COMMANDS = {
-    "grant": "admin_cmd", "revoke": "admin_cmd", "reload": "admin_cmd", "drain": "admin_cmd", "resume": "admin_cmd",
-    "hold": "admin_cmd",
-    "completion": "completion_cmd", "config": "config_cmd", "daemon": "daemon_cmd",
-    "gate": "gate_cmd", "acl": "gate_cmd", "gpus": "gpus_cmd", "quota": "quota_cmd",
-    "report": "report_cmd", "events": "report_cmd", "sim": "sim_cmd", "status": "status_cmd",
-    "replay": "replay_cmd", "simulate": "replay_cmd", "trace": "replay_cmd",
-    "whoami": "user_cmd", "env": "user_cmd", "request": "user_cmd", "release": "user_cmd", "cancel": "user_cmd",
-    "fairshare": "user_cmd", "run": "run_cmd", "jupyter": "jupyter_cmd",
-    "doctor": "doctor_cmd", "enable": "enable_cmd", "disable": "enable_cmd", "web": "web_cmd",
-    "where": "fleet_cmd", "fleet": "fleet_cmd", "prefs": "prefs_cmd", "backup": "backup_cmd", "restore": "backup_cmd",
-}
-# Help lists the commands users run first (in this order), then the admins' and the tools, by module.
-USER_MODULES = ("run_cmd", "jupyter_cmd", "user_cmd", "status_cmd", "report_cmd", "quota_cmd", "prefs_cmd")
+# Every command, in the order `gpuguard --help` lists them (the users' first), with the module
+# that registers it, its other names and its line of help. A command loads only its own module;
+# `gpuguard --help` and `gpuguard` alone print the table itself (cli.top_help), loading no module
+# and not argparse. The full parser (a command's help, a typo, completion, the man page) loads
+# every `*_cmd` module, in this order, and their add_parser(help=...) must say what this table
+# says: tests/unit/test_cli_fast_help.py sees any difference, tests/system/test_cli_startup.py a
+# command missing here.
+TABLE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("run", "run_cmd", (), "run a command on GPUs taken for it, given back when it ends (like srun)"),
+    ("jupyter", "jupyter_cmd", (), "notebook kernels that start with your GPUs"),
+    ("whoami", "user_cmd", (), "your GPUs, quota, sessions and recent events"),
+    ("env", "user_cmd", (), "the export CUDA_VISIBLE_DEVICES=... line for your GPUs now"),
+    ("request", "user_cmd", (), "get GPUs now, up to your quota (--wait: queue for them)"),
+    ("cancel", "user_cmd", (), "leave the queue (your GPUs stay yours)"),
+    ("fairshare", "user_cmd", (), "every user's recent GPU usage and share, in queue order (like sshare)"),
+    ("release", "user_cmd", (), "give GPUs back (the ones your processes still use stay)"),
+    ("status", "status_cmd", (), "who holds which GPU, memory, utilisation and processes"),
+    ("report", "report_cmd", (), "GPU-hours granted, busy and idle, and processes stopped, per user, GPU or day"),
+    ("events", "report_cmd", (), "warnings, kills, grants and releases, newest last"),
+    ("quota", "quota_cmd", (), "show or change per-user, per-group and default quotas"),
+    ("prefs", "prefs_cmd", (), "your own settings: whether VS Code Remote-SSH and ssh -T sessions take GPUs"),
+    ("grant", "admin_cmd", (), "give a user GPUs (beyond login grants; root)"),
+    ("revoke", "admin_cmd", (), "take GPUs back from a user (root)"),
+    ("reload", "admin_cmd", (), "make the daemon read its config again (root)"),
+    ("drain", "admin_cmd", (), "give GPUs to nobody new, for maintenance (root)"),
+    ("hold", "admin_cmd", (), "hold a user's queued request, or let it go on (root)"),
+    ("resume", "admin_cmd", (), "give drained GPUs out again (root)"),
+    ("backup", "backup_cmd", (), "copy the daemon's state into a file, while it runs (root)"),
+    ("restore", "backup_cmd", (), "replace the daemon's state by a backup (root, daemon stopped)"),
+    ("completion", "completion_cmd", (), "print the shell completion script"),
+    ("config", "config_cmd", (), "check configuration files"),
+    ("daemon", "daemon_cmd", (), "run the gpuguard agent (root, foreground)"),
+    ("doctor", "doctor_cmd", (), "check this machine's gpuguard setup (root)"),
+    ("enable", "enable_cmd", (), "make gpuguard take effect: modprobe.d option, udev rule, PAM profile, daemon (root)"),
+    ("disable", "enable_cmd", (),
+     "undo enable: daemon stopped, gate detached, GPU nodes open as the driver makes them (root)"),
+    ("where", "fleet_cmd", (), "which server of the fleet has GPUs for you now, near your data"),
+    ("fleet", "fleet_cmd", (), "the fleet database: its roles, and taking a decommissioned server out (root)"),
+    ("gate", "gate_cmd", (), "the kernel gate: status, attach, detach (root)"),
+    ("acl", "gate_cmd", (), "device nodes and their ACLs (root; run by udev)"),
+    ("gpus", "gpus_cmd", (), "list GPUs, their use and topology"),
+    ("replay", "replay_cmd", ("simulate",), "replay a workload trace: the configured policy beside static reservation"),
+    ("trace", "replay_cmd", (), "make trace files for gpuguard replay"),
+    ("sim", "sim_cmd", (), 'programs for simulated GPUs (gpu.backend = "simulated")'),
+    ("web", "web_cmd", (), "serve the read-only web view of the GPUs, the queue and usage"),
+)
+COMMANDS = {name: module for command, module, aliases, _ in TABLE for name in (command, *aliases)}
 DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 
 for users:   run, jupyter, whoami, status, request, release, cancel, env, fairshare, report, events, quota show,
@@ -148,6 +178,7 @@ EPILOG = """examples:
 exit codes: 0 ok, 1 refused or failed, 2 bad usage or input, 3 daemon unreachable (tell your admin)"""
 PAM_HOOK = "pam-hook"
 PAM_HOOK_HELP = "pam_exec session hook (fallback for pam_gpuguard.so; always exits 0; see pam/README)"
+CONFIG_HELP = "config file (default: $GPUGUARD_CONFIG or {})"  # the default: daemon_socket.DEFAULT_CONFIG
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -162,13 +193,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = _parser_class()(prog="gpuguard", description=DESCRIPTION, epilog=EPILOG,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
-    parser.add_argument("--config", metavar="PATH",
-                        help=f"config file (default: $GPUGUARD_CONFIG or {DEFAULT_CONFIG})")
+    parser.add_argument("--config", metavar="PATH", help=CONFIG_HELP.format(DEFAULT_CONFIG))
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    order = list(dict.fromkeys(module for _, module, _, _ in TABLE))  # the table's
     modules = ([COMMANDS[command]] if command in COMMANDS
                else sorted(_every_command_module(),
-                           key=lambda name: (name not in USER_MODULES, USER_MODULES.index(name)
-                                             if name in USER_MODULES else 0, name)))
+                           key=lambda name: (order.index(name) if name in order else len(order), name)))
     for module in modules:
         importlib.import_module(f"{__name__}.{module}").register(subparsers)
     if command not in COMMANDS:  # listed for help; main runs it before any parser
@@ -250,8 +280,9 @@ def split_command(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
 
 # Commands users run at every prompt, with the only options that skip argparse (importing and
 # building it is a third of their start-up): (function, flags, options taking a value, defaults).
-# Anything else (--help, a typo, another option) goes through the full parser, which a test
-# (tests/system/test_cli_startup.py) checks reads every argv accepted here the same way.
+# Anything else (--help, a typo, another option) goes through the full parser, which tests
+# (tests/system/test_cli_startup.py; for quota show, tests/unit/test_cli_fast_help.py) check
+# reads every argv accepted here the same way.
 QUICK: dict[str, tuple[str, dict[str, str], dict[str, str], dict[str, object]]] = {
     "whoami": ("show_whoami", {"--json": "json"}, {"--user": "user"}, {"json": False, "user": None}),
     "env": ("show_env", {"--json": "json"}, {}, {"json": False}),
@@ -268,7 +299,12 @@ QUICK: dict[str, tuple[str, dict[str, str], dict[str, str], dict[str, object]]] 
                                                                  "--user": "user"},
                {"json": False, "csv": False, "since": None, "until": None, "user": None, "by": "user"}),
     "gpus": ("show_gpus", {"--json": "json", "--csv": "csv"}, {}, {"json": False, "csv": False}),
+    "quota": ("run_show", {"--json": "json"}, {"--user": "user", "--group": "group"},
+              {"action": "show", "json": False, "user": None, "group": None}),
 }
+# The word after the command that its QUICK entry is for (`quota show`; `quota set` edits files: argparse).
+QUICK_ACTIONS = {"quota": "show"}
+EXCLUSIVE = (("json", "csv"), ("user", "group"))  # argparse's mutually exclusive groups (for quota: show's)
 
 
 def quick_arguments(config_path: str | None, command: str | None, rest: list[str]) -> SimpleNamespace | None:
@@ -277,6 +313,10 @@ def quick_arguments(config_path: str | None, command: str | None, rest: list[str
     if command not in QUICK:
         return None
     function, flags, valued, defaults = QUICK[command]
+    if command in QUICK_ACTIONS:
+        if rest[:1] != [QUICK_ACTIONS[command]]:
+            return None
+        rest = rest[1:]
     values = dict(defaults)
     words = iter(rest)
     for word in words:
@@ -287,12 +327,12 @@ def quick_arguments(config_path: str | None, command: str | None, rest: list[str
             values[valued[name]] = value
         else:
             return None
-    if values.get("json") and values.get("csv"):
+    if any(values.get(one) and values.get(other) for one, other in EXCLUSIVE):
         return None  # argparse's mutually exclusive group says why
-    import importlib
-    from types import SimpleNamespace
-    module = importlib.import_module(f"{__name__}.{COMMANDS[command]}")
-    return SimpleNamespace(config=config_path, command=command, func=getattr(module, function), **values)
+    from types import SimpleNamespace  # loaded already (by enum, dataclasses); importlib is not
+    name = f"{__name__}.{COMMANDS[command]}"
+    __import__(name)
+    return SimpleNamespace(config=config_path, command=command, func=getattr(sys.modules[name], function), **values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,6 +353,10 @@ def _main(argv: list[str]) -> int:
         print(f"gpuguard {__version__}")
         return EXIT_OK
     config_path, command, rest = split_command(arranged)
+    if command is None:  # --help, or nothing: the table's, without argparse (or argparse's, see top_help)
+        from gpuguard.cli import top_help
+        if (code := top_help.answer(arranged)) is not None:
+            return code
     if command == PAM_HOOK:
         from gpuguard import pam_hook
         return pam_hook.main(rest, config_path)

@@ -4,23 +4,26 @@
 keeping the admin's comments and layout (gpuguard.quota_file), refuses any edit after which
 the configuration would not load, and asks the daemon to reload. `show` reads the files
 themselves, so it needs no daemon and shows what the daemon will use after its next reload.
+
+A plain `quota show` skips argparse (cli.QUICK) and loads what it prints with: the config loader,
+most of its start-up. The accounts, the policy, the daemon's client and tomlkit are imported
+where `--user` and `set` use them.
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
-from typing import Any
+from dataclasses import asdict  # the config's dataclasses loaded it already
 
 from gpuguard import config, quota_file
-from gpuguard.backends import accounts
 from gpuguard.cli import CommandError, load_config, no_such_user, print_json, print_rows, require_root
-from gpuguard.cli.calls import ask
-from gpuguard.client import DaemonUnreachable, Refused
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UnknownUser
-from gpuguard.core.policy import quota_for, quota_sources
+
+TYPE_CHECKING = False  # argparse for the annotations only: a plain `quota show` skips it
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+    from pathlib import Path
+    from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -108,6 +111,7 @@ def _changes(assignments: list[str], unset: list[str]) -> dict[str, Any]:
 
 
 def _warn_if_unknown(kind: str, name: str) -> None:
+    from gpuguard.backends import accounts
     # A warning, not a refusal: admins set quotas ahead of creating accounts (or LDAP is slow to show them).
     if not (accounts.user_exists if kind == "users" else accounts.group_exists)(name):
         print(f"gpuguard: warning: no {kind[:-1]} named {name} on this host (yet); "
@@ -129,6 +133,8 @@ def _write(path: Path, text: str, load: Callable[[Path], object]) -> None:
 
 
 def _reload(args: argparse.Namespace, path: Path) -> str:
+    from gpuguard.cli.calls import ask
+    from gpuguard.client import DaemonUnreachable, Refused
     try:
         ask(args, "reload")
     except DaemonUnreachable:
@@ -143,6 +149,7 @@ def _summary(args: argparse.Namespace, loaded: config.Config) -> str:
         return f"defaults: {quota_file.show_fields(asdict(loaded.defaults))}"
     if args.group is not None:
         return f"group {args.group}: {_entry_text(loaded.quotas.groups.get(args.group))}"
+    from gpuguard.core.policy import quota_for
     quota = quota_for(args.user, _groups_of(args.user), loaded)
     return f"{args.user}: {quota_file.show_fields(asdict(quota))}"
 
@@ -173,6 +180,8 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def _show_user(args: argparse.Namespace, loaded: config.Config) -> None:
+    from gpuguard.backends import accounts
+    from gpuguard.core.policy import quota_for, quota_sources
     if args.user not in loaded.quotas.users and not accounts.user_exists(args.user):
         # no account and no entry set ahead of one: most likely a typo, not a quota to show
         raise no_such_user(args.user, "--user")
@@ -202,6 +211,7 @@ def _entry_text(entry: dict[str, Any] | None) -> str:
 
 def _groups_of(user: str, warn: bool = False) -> frozenset[str]:
     """The user's groups, as the daemon resolves them; none for an account that does not exist (yet)."""
+    from gpuguard.backends import accounts
     try:
         return accounts.by_name(user).groups
     except UnknownUser:

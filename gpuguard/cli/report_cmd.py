@@ -9,12 +9,10 @@ from __future__ import annotations
 import re
 import sys
 import time
-from datetime import datetime, timedelta
 
 from gpuguard.cli import CommandError, print_json, print_rows
 from gpuguard.cli.calls import ask
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
-from gpuguard.core.quantities import UnitError, parse_duration
 from gpuguard.core.unit_numbers import unit_label
 
 TYPE_CHECKING = False  # not typing's, nor the model's: events and report start light
@@ -82,6 +80,9 @@ def _output_options(parser: argparse.ArgumentParser, csv_help: str) -> None:
 def parse_when(text: str, now: float) -> float:
     """Epoch seconds of a local date, date and time, month, a duration back from now, or the
     start of `today`, `yesterday` or the last `monday` ... `sunday` (today if it is that day)."""
+    from datetime import datetime, timedelta  # here: a plain `events` reads no time (issue 38: its start)
+
+    from gpuguard.core.quantities import UnitError, parse_duration
     midnight = datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0)
     word = text.strip().lower()
     if word in _DAYS:
@@ -102,6 +103,7 @@ def parse_when(text: str, now: float) -> float:
 
 
 def month_start(now: float) -> float:
+    from datetime import datetime
     return datetime.fromtimestamp(now).replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
 
 
