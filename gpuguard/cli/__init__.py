@@ -158,6 +158,13 @@ TABLE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("web", "web_cmd", (), "serve the read-only web view of the GPUs, the queue and usage"),
 )
 COMMANDS = {name: module for command, module, aliases, _ in TABLE for name in (command, *aliases)}
+_SUMMARIES = {command: text for command, _, _, text in TABLE}
+
+
+def summary(command: str) -> str:
+    """A command's one-line help as TABLE says it: the full parser's (each module's add_parser) and
+    the fast --help's alike, written once."""
+    return _SUMMARIES[command]
 DESCRIPTION = """Fair, kernel-enforced GPU sharing.
 
 for users:   run, jupyter, whoami, status, request, release, cancel, env, fairshare, report, events, quota show,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpuguard.cli import print_json, unit_arg
+from gpuguard.cli import print_json, summary, unit_arg
 from gpuguard.cli.calls import ask
 from gpuguard.core.errors import EXIT_OK
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    grant = subparsers.add_parser("grant", help="give a user GPUs (beyond login grants; root)",
+    grant = subparsers.add_parser("grant", help=summary("grant"),
                                   description="Give a user GPUs, kept until released, revoked or expired. "
                                               "Examples: sudo gpuguard grant alice --gpus 2 --for 8h; "
                                               "sudo gpuguard grant alice --gpu 3")
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     grant.add_argument("--json", action="store_true", help="print JSON")
     grant.set_defaults(func=run_grant)
 
-    revoke = subparsers.add_parser("revoke", help="take GPUs back from a user (root)",
+    revoke = subparsers.add_parser("revoke", help=summary("revoke"),
                                    description="Take GPUs back; processes still on them are ended (warned first "
                                                "when NVML sees them). Examples: sudo gpuguard revoke alice; "
                                                "sudo gpuguard revoke alice --gpu 3")
@@ -38,13 +38,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     revoke.add_argument("--json", action="store_true", help="print JSON")
     revoke.set_defaults(func=run_revoke)
 
-    reload = subparsers.add_parser("reload", help="make the daemon read its config again (root)",
+    reload = subparsers.add_parser("reload", help=summary("reload"),
                                    description="Re-read gpuguard.toml and quotas.toml; a broken file is refused and "
                                                "the running config stays. Example: sudo gpuguard reload")
     reload.set_defaults(func=run_reload)
 
     drain = subparsers.add_parser(
-        "drain", help="give GPUs to nobody new, for maintenance (root)",
+        "drain", help=summary("drain"),
         description="Give these GPUs to nobody new (logins, requests and the queue skip them) until resumed; "
                     "their holders keep them and are told. Kept across restarts. "
                     "Example: sudo gpuguard drain 3 --reason 'ECC errors, RMA on Monday'")
@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     drain.set_defaults(func=run_drain)
 
     hold = subparsers.add_parser(
-        "hold", help="hold a user's queued request, or let it go on (root)",
+        "hold", help=summary("hold"),
         description="A held request keeps its place in the queue but is not served, and holds no GPUs "
                     "free for itself, until released (like Slurm's scontrol hold). Kept across restarts. "
                     "Examples: sudo gpuguard hold bob; sudo gpuguard hold bob --off")
@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     hold.add_argument("--off", action="store_true", help="release the hold")
     hold.set_defaults(func=run_hold)
 
-    resume = subparsers.add_parser("resume", help="give drained GPUs out again (root)",
+    resume = subparsers.add_parser("resume", help=summary("resume"),
                                    description="End a drain; the queue is served first. Example: sudo gpuguard resume 3")
     resume.add_argument("units", type=unit_arg, nargs="+", metavar="GPU")
     resume.set_defaults(func=run_resume)

@@ -8,13 +8,13 @@ import socket
 import time
 from pathlib import Path
 
-from gpuguard.cli import CommandError, load_config, require_root
+from gpuguard.cli import CommandError, load_config, require_root, summary
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     backup = subparsers.add_parser(
-        "backup", help="copy the daemon's state into a file, while it runs (root)",
+        "backup", help=summary("backup"),
         description="Write the state (the grants, the queue, sessions, usage and events in state.db, with the "
                     "drains and held requests) into FILE, a tar.gz, replaced whole if it exists. The daemon "
                     "goes on serving: SQLite's online backup copies one consistent snapshot. "
@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     backup.set_defaults(func=run_backup)
 
     restore = subparsers.add_parser(
-        "restore", help="replace the daemon's state by a backup (root, daemon stopped)",
+        "restore", help=summary("restore"),
         description="Check FILE whole, then replace state.db, the drains and the held requests by its copies. "
                     "Refused, changing nothing, while the daemon runs or for a backup from a newer gpuguard "
                     "(exit 1), and for a file that is no gpuguard backup or is damaged (exit 2). "

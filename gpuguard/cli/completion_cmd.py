@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from gpuguard.cli import summary
 from gpuguard.core.errors import EXIT_OK
 
 SHELLS = ("bash", "zsh", "tcsh", "fish")
@@ -22,7 +23,7 @@ SHELLS = ("bash", "zsh", "tcsh", "fish")
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
-        "completion", help="print the shell completion script",
+        "completion", help=summary("completion"),
         description="Print the completion script for SHELL. Example (try it): eval \"$(gpuguard completion bash)\"; "
                     "install it with: gpuguard completion bash > /usr/share/bash-completion/completions/gpuguard; "
                     "fish: gpuguard completion fish > ~/.config/fish/completions/gpuguard.fish")

@@ -8,11 +8,12 @@ import sys
 
 from gpuguard import config
 from gpuguard.backends import accounts, driver_minors, slurm
+from gpuguard.cli import summary
 from gpuguard.core import config_warnings
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("config", help="check configuration files")
+    parser = subparsers.add_parser("config", help=summary("config"))
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = actions.add_parser(
         "check", help="validate a config file and its quotas file",

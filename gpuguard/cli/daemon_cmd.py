@@ -6,12 +6,12 @@ import logging
 import os
 
 from gpuguard import logs
-from gpuguard.cli import CommandError, load_config
+from gpuguard.cli import CommandError, load_config, summary
 from gpuguard.core.errors import EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("daemon", help="run the gpuguard agent (root, foreground)",
+    parser = subparsers.add_parser("daemon", help=summary("daemon"),
                                    description="Hand out GPUs at login and enforce them. Logs go to stderr. Run by "
                                                "systemd (gpuguard.service); by hand for a trial: "
                                                "Example: sudo gpuguard --config ./gpuguard.toml daemon")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gpuguard import client
 from gpuguard.backends import GateError, GpuError, accounts, driver_minors, open_gate, open_gpu_backend, slurm
-from gpuguard.cli import load_config, print_json, require_root
+from gpuguard.cli import load_config, print_json, require_root, summary
 from gpuguard.config import AccessMode, Config
 from gpuguard.core import doctor
 from gpuguard.core.coexist import CoexistError, Ownership
@@ -36,7 +36,7 @@ _PAM_SESSION = re.compile(r"^-?session\s+(?:\[[^]]*\]|\S+)\s+(\S+)")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("doctor", help="check this machine's gpuguard setup (root)",
+    parser = subparsers.add_parser("doctor", help=summary("doctor"),
                                    description="One line per check; exit 1 if any fails. "
                                                "Examples: sudo gpuguard doctor; sudo gpuguard doctor --json")
     parser.add_argument("--pam-service", default="sshd", metavar="NAME",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gpuguard import activation
 from gpuguard import config as configuration
-from gpuguard.cli import CommandError, load_config, require_root
+from gpuguard.cli import CommandError, load_config, require_root, summary
 from gpuguard.core import readiness
 from gpuguard.core.doctor import FAIL, Finding
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK
@@ -38,7 +38,7 @@ MODULE_LINE = "session optional pam_gpuguard.so"
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     enable = subparsers.add_parser(
-        "enable", help="make gpuguard take effect: modprobe.d option, udev rule, PAM profile, daemon (root)",
+        "enable", help=summary("enable"),
         description="Make an installed gpuguard take effect, once /etc/gpuguard is configured: the modprobe.d "
                     "option and the udev rule linked into /etc, the PAM profile on, the daemon enabled and started "
                     "(and the web view's unit, where [web] listen is set). "
@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                              "logins go on without GPUs until it starts")
     enable.set_defaults(func=enable_command)
     disable = subparsers.add_parser(
-        "disable", help="undo enable: daemon stopped, gate detached, GPU nodes open as the driver makes them (root)",
+        "disable", help=summary("disable"),
         description="Undo enable: the web view and the daemon stopped and disabled, the gate detached, the links "
                     "and the PAM profile removed, the GPU nodes open as the driver makes them. Example: sudo gpuguard disable")
     disable.add_argument("--quiet", action="store_true", help="print failures only (the package's prerm)")

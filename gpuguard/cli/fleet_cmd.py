@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root
+from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root, summary
 from gpuguard.cli.calls import ask
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from gpuguard.core.messages import clock
@@ -22,7 +22,7 @@ from gpuguard.core.quantities import format_duration
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     where = subparsers.add_parser(
-        "where", help="which server of the fleet has GPUs for you now, near your data",
+        "where", help=summary("where"),
         description="The servers of the fleet, best first for you: free GPUs you may take now (within your "
                     "fleet quota), data locality (same node, same rack, another rack), queue depth; and the ssh line. "
                     "Example: gpuguard where --gpus 2 --data /data/imagenet")
@@ -31,8 +31,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--json", action="store_true", help="print JSON")
     where.set_defaults(func=show_where)
 
-    fleet = subparsers.add_parser("fleet", help="the fleet database: its roles, and taking a decommissioned server out "
-                                                "(root)")
+    fleet = subparsers.add_parser("fleet", help=summary("fleet"))
     actions = fleet.add_subparsers(dest="action", metavar="ACTION", required=True)
     remove = actions.add_parser(
         "remove", help="take a decommissioned node out of the fleet database",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from gpuguard import client
 from gpuguard import config as configuration
 from gpuguard.backends import accounts, devnodes, slurm
-from gpuguard.cli import CommandError, load_config, print_json, require_root
+from gpuguard.cli import CommandError, load_config, print_json, require_root, summary
 from gpuguard.core.errors import EXIT_OK, UnknownUser
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    gate = subparsers.add_parser("gate", help="the kernel gate: status, attach, detach (root)")
+    gate = subparsers.add_parser("gate", help=summary("gate"))
     actions = gate.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, func, text in (
             ("status", gate_status, "is the gate attached, and who may open which GPU"),
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action.set_defaults(func=func)
     actions.choices["status"].add_argument("--json", action="store_true", help="print JSON")
 
-    acl = subparsers.add_parser("acl", help="device nodes and their ACLs (root; run by udev)")
+    acl = subparsers.add_parser("acl", help=summary("acl"))
     acl_actions = acl.add_subparsers(dest="action", metavar="ACTION", required=True)
     acl_actions.add_parser("apply", help="have the daemon create missing driver nodes and re-apply ACLs",
                            description="Have the daemon create missing driver nodes and re-apply their ACLs (the "

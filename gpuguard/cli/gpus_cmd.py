@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from gpuguard.cli import load_config, print_json, print_rows
+from gpuguard.cli import load_config, print_json, print_rows, summary
 from gpuguard.cli.calls import ask
 from gpuguard.core.errors import EXIT_OK
 from gpuguard.core.quantities import format_size
@@ -35,7 +35,7 @@ _LEGEND = "NV = NVLink, PIX = same PCIe switch, NODE = same NUMA node, SYS = acr
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("gpus", help="list GPUs, their use and topology",
+    parser = subparsers.add_parser("gpus", help=summary("gpus"),
                                    description="Every GPU (and MIG slice): its minor and NVML index, model, memory, "
                                                "who holds it and how it is linked to the others. "
                                                "Examples: gpuguard gpus; gpuguard gpus --csv",

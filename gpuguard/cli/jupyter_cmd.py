@@ -22,7 +22,7 @@ import re
 import subprocess
 import sys
 
-from gpuguard.cli import CommandError, gpu_count
+from gpuguard.cli import CommandError, gpu_count, summary
 from gpuguard.cli.calls import held_devices, held_path
 from gpuguard.cli.child import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, RESTORED
 from gpuguard.cli.run_cmd import DEFAULT_GPUS, run_then_give_back, take_into
@@ -66,7 +66,7 @@ EXIT_NO_SUCH_KERNEL = 3  # HELPER's
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     import argparse
-    jupyter = subparsers.add_parser("jupyter", help="notebook kernels that start with your GPUs",
+    jupyter = subparsers.add_parser("jupyter", help=summary("jupyter"),
                                     description="Jupyter kernels that start with CUDA_VISIBLE_DEVICES set to your "
                                                 "GPUs, taking one when you hold none.")
     commands = jupyter.add_subparsers(dest="jupyter_command", metavar="COMMAND", required=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gpuguard.cli import CommandError
+from gpuguard.cli import CommandError, summary
 from gpuguard.core.errors import EXIT_FAILED
 
 TYPE_CHECKING = False  # not typing's: the CLI's start-up imports no more than a command needs
@@ -37,7 +37,7 @@ def prefs_dir() -> Path:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prefs = subparsers.add_parser(
-        "prefs", help="your own settings: whether VS Code Remote-SSH and ssh -T sessions take GPUs",
+        "prefs", help=summary("prefs"),
         description="Show your settings, or change one. request-without-terminal on: a login shell over SSH "
                     "without a terminal (VS Code Remote-SSH's server, ssh -T host) asks for GPUs when you hold "
                     "none, so VS Code's terminals and notebooks see them; scp, sftp and rsync still take none. "

@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict  # the config's dataclasses loaded it already
 
 from gpuguard import config, quota_file
-from gpuguard.cli import CommandError, load_config, no_such_user, print_json, print_rows, require_root
+from gpuguard.cli import CommandError, load_config, no_such_user, print_json, print_rows, require_root, summary
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UnknownUser
 
 TYPE_CHECKING = False  # argparse for the annotations only: a plain `quota show` skips it
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("quota", help="show or change per-user, per-group and default quotas")
+    parser = subparsers.add_parser("quota", help=summary("quota"))
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     change = actions.add_parser(

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from gpuguard import config as configuration
-from gpuguard.cli import CommandError, print_json, print_rows
+from gpuguard.cli import CommandError, print_json, print_rows, summary
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.core.quantities import format_duration
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # "simulate", the command's name before, is kept for one release (scripts and notes use it).
     parser = subparsers.add_parser("replay", aliases=["simulate"],
-                                   help="replay a workload trace: the configured policy beside static reservation",
+                                   help=summary("replay"),
                                    description="Replay a trace through the daemon's own services on a virtual clock, "
                                                "beside static reservation on the same pool. "
                                                "Example: gpuguard replay trace.csv --gpus 48 --config policy.toml")
@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                              "in turn, beside the policy with every job on whole GPUs (docs/scheduling.md)")
     parser.set_defaults(func=run_replay)
 
-    tracing = subparsers.add_parser("trace", help="make trace files for gpuguard replay")
+    tracing = subparsers.add_parser("trace", help=summary("trace"))
     actions = tracing.add_subparsers(dest="action", metavar="ACTION", required=True)
     convert = actions.add_parser("convert", help="write a trace (e.g. the Adobe JSON) as trace CSV on stdout",
                                  description="Write a trace (the Adobe notebook JSON, or Slurm's sacct -P output) as "

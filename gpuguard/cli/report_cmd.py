@@ -10,7 +10,7 @@ import re
 import sys
 import time
 
-from gpuguard.cli import CommandError, print_json, print_rows
+from gpuguard.cli import CommandError, print_json, print_rows, summary
 from gpuguard.cli.calls import ask
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
 from gpuguard.core.unit_numbers import unit_label
@@ -29,7 +29,7 @@ _DAYS = {"today": -1, "yesterday": -1,
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     report = subparsers.add_parser(
-        "report", help="GPU-hours granted, busy and idle, and processes stopped, per user, GPU or day",
+        "report", help=summary("report"),
         description="GPU-hours granted, busy and idle, the busy share and processes stopped by each rule, "
                     "counted by the hour. Root sees everyone; a user sees their own. "
                     "Examples: gpuguard report --since 2026-11 --until 2026-12; gpuguard report --by gpu --csv")
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _output_options(report, csv_help="print CSV with a header row (hours as decimals)")
     report.set_defaults(func=show_report)
 
-    events = subparsers.add_parser("events", help="warnings, kills, grants and releases, newest last",
+    events = subparsers.add_parser("events", help=summary("events"),
                                    description="The event history: root sees everyone's, a user their own. "
                                                "Examples: gpuguard events --since today; "
                                                "sudo gpuguard events --user alice --rule memory")

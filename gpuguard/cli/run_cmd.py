@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from gpuguard.cli import CommandError, fraction_size, gpu_count
+from gpuguard.cli import CommandError, fraction_size, gpu_count, summary
 from gpuguard.cli.calls import ask
 from gpuguard.cli.child import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, Blocked
 from gpuguard.cli.requesting import give_back, take, timeout_of
@@ -24,7 +24,7 @@ DEFAULT_GPUS = 1
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     import argparse
     run = subparsers.add_parser(
-        "run", help="run a command on GPUs taken for it, given back when it ends (like srun)",
+        "run", help=summary("run"),
         description="Take GPUs (up to --gpus in all, the ones you hold counted), run the command with "
                     "CUDA_VISIBLE_DEVICES set to your GPUs, pass signals sent to gpuguard run on to it, and "
                     "when it ends give back what was taken for it (GPUs you held before stay yours). The exit "

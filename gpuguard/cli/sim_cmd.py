@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuguard.backends.devnodes import caps_node, gpu_node
-from gpuguard.cli import CommandError, load_config
+from gpuguard.cli import CommandError, load_config, summary
 from gpuguard.core.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gpuguard.core.model import slice_unit, unit_label
 from gpuguard.core.quantities import UnitError, format_size, parse_duration, parse_size
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("sim", help="programs for simulated GPUs (gpu.backend = \"simulated\")")
+    parser = subparsers.add_parser("sim", help=summary("sim"))
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     burn = actions.add_parser("burn", help="act like a CUDA program using a GPU or a MIG slice",
                               description="A stand-in for a CUDA program on simulated GPUs: it opens the GPU's node "

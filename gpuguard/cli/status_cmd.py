@@ -14,7 +14,7 @@ import os
 import sys
 from collections import namedtuple
 
-from gpuguard.cli import CommandError, no_such_user, print_json, print_rows
+from gpuguard.cli import CommandError, no_such_user, print_json, print_rows, summary
 from gpuguard.cli.calls import ask
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE, GpuguardError
 from gpuguard.core.messages import clock, gpu_label, number_list
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     from argparse import SUPPRESS  # only when the full parser is built: `status` itself skips argparse
 
     status = subparsers.add_parser(
-        "status", help="who holds which GPU, memory, utilisation and processes",
+        "status", help=summary("status"),
         description="Each GPU with its holders, their memory against their quota, time left and processes, "
                     "then the queue with the time waited and why each request waits. "
                     "Examples: gpuguard status; gpuguard status -u alice; gpuguard status --csv",

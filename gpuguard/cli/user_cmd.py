@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from gpuguard.cli import CommandError, fraction_size, gpu_count, print_json, print_rows, unit_arg
+from gpuguard.cli import CommandError, fraction_size, gpu_count, print_json, print_rows, summary, unit_arg
 from gpuguard.cli.calls import ask, held_devices, held_path
 from gpuguard.cli.requesting import take, timeout_of
 from gpuguard.client import DaemonUnreachable
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    whoami = subparsers.add_parser("whoami", help="your GPUs, quota, sessions and recent events",
+    whoami = subparsers.add_parser("whoami", help=summary("whoami"),
                                    description="Your GPUs (with CUDA_VISIBLE_DEVICES), quota, place in the queue "
                                                "and why you wait, sessions and recent events. "
                                                "Example: gpuguard whoami")
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     whoami.add_argument("--json", action="store_true", help="print JSON")
     whoami.set_defaults(func=show_whoami)
 
-    env = subparsers.add_parser("env", help="the export CUDA_VISIBLE_DEVICES=... line for your GPUs now",
+    env = subparsers.add_parser("env", help=summary("env"),
                                 description='The line that sets CUDA_VISIBLE_DEVICES to your GPUs now, for a shell '
                                             'older than your grant (tmux, screen). Example: eval "$(gpuguard env)"')
     env.add_argument("--json", action="store_true",
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           '"exempt", "daemon": "up" or "down"}')
     env.set_defaults(func=show_env)
 
-    request = subparsers.add_parser("request", help="get GPUs now, up to your quota (--wait: queue for them)",
+    request = subparsers.add_parser("request", help=summary("request"),
                                     description="Get GPUs now, up to your quota; with --wait, wait in the queue "
                                                 "until they are yours (^C leaves it). Examples: gpuguard request "
                                                 "--gpus 2; gpuguard request --wait --timeout 1h30m")
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     request.add_argument("--json", action="store_true", help="print JSON")
     request.set_defaults(func=run_request)
 
-    cancel = subparsers.add_parser("cancel", help="leave the queue (your GPUs stay yours)",
+    cancel = subparsers.add_parser("cancel", help=summary("cancel"),
                                    description="Take your waiting requests out of the queue, a login's place "
                                                "included, like Slurm's scancel; root: another user's, who is "
                                                "told. Examples: gpuguard cancel; sudo gpuguard cancel --user bob")
@@ -62,14 +62,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     cancel.set_defaults(func=run_cancel)
 
     fairshare = subparsers.add_parser(
-        "fairshare", help="every user's recent GPU usage and share, in queue order (like sshare)",
+        "fairshare", help=summary("fairshare"),
         description="Each user's recent usage (GPU-hours, halving every scheduler.half_life), share and usage "
                     "divided by share, in the order the queue serves them after priority: lower usage per share "
                     "goes first. Example: gpuguard fairshare")
     fairshare.add_argument("--json", action="store_true", help="print JSON (usage in GPU-seconds)")
     fairshare.set_defaults(func=show_fairshare)
 
-    release = subparsers.add_parser("release", help="give GPUs back (the ones your processes still use stay)",
+    release = subparsers.add_parser("release", help=summary("release"),
                                     description="Give GPUs back and leave the queue. Without --gpu the idle ones "
                                                 "go and each one a process of yours still uses stays (named with "
                                                 "the pids); with --gpu, all named or none. Examples: gpuguard "

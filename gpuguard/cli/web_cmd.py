@@ -6,13 +6,13 @@ import logging
 import os
 
 from gpuguard import logs
-from gpuguard.cli import CommandError, load_config
+from gpuguard.cli import CommandError, load_config, summary
 from gpuguard.core.errors import EXIT_OK, EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
-        "web", help="serve the read-only web view of the GPUs, the queue and usage",
+        "web", help=summary("web"),
         description="Serve the web view on [web] listen (off unless set). Runs as its own account "
                     "([web] user), not root. Example: gpuguard web --listen 127.0.0.1:9448 (as [web] user)")
     parser.add_argument("--listen", metavar="ADDRESS:PORT", help="serve here instead of [web] listen")

@@ -39,8 +39,8 @@ def main_says(argv: list[str]) -> tuple[int, str, str]:
 
 
 def test_the_table_is_the_full_parsers_commands_in_its_order() -> None:
-    """Each module's add_parser(help=...) says what the table says (the table wins nowhere: a
-    difference is a mistake in one of the two)."""
+    """The full parser registers the table's commands in its order, each with the table's help
+    (each module's add_parser reads it: cli.summary)."""
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     registered = [(choice.dest, choice.metavar, choice.help) for choice in commands._choices_actions]
