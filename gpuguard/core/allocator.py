@@ -254,7 +254,9 @@ def place_fraction(gpus: Iterable[Gpu], grants: Iterable[Grant], uid: int, quota
     one whose leftover the coming asks could least use anyway. It breaks into a free GPU only
     when none of those has room, whatever the mix: a free GPU serves every ask, a whole-GPU one
     included, and the mix of a quiet hour (fractions only, say) is no reason to spend one. Ties
-    go to the best fit (least memory left), then the lowest unit.
+    go to the best fit (least memory left), then to the NUMA node with the fewest free GPUs (so
+    another node's stay whole together, for a multi-GPU job: FGD's point about servers of several
+    GPUs, within one server), then the lowest unit.
     Baselines, for the replay to compare: best-fit (the least memory left after it, a free GPU
     counting as the most) and first-fit (the lowest unit with room)."""
     memory = quota.fraction
@@ -287,7 +289,13 @@ def place_fraction(gpus: Iterable[Gpu], grants: Iterable[Grant], uid: int, quota
         return (fragmentation(left(unit) / total, total, sizes)
                 - fragmentation((total - room[unit]) / total, total, sizes))
 
-    return (min(room, key=lambda unit: (room[unit] == 0, growth(unit), left(unit), unit)),)
+    # A server's GPUs are not interchangeable for a multi-GPU job, which wants them on one NUMA node
+    # (the whole GPUs' order above): a fraction that must break into a free GPU takes one where
+    # the fewest stay free, keeping another node's GPUs whole together.
+    held = mine.union(others)
+    intact = Counter(gpu.numa_node for unit, gpu in by_unit.items() if unit not in held)
+    return (min(room, key=lambda unit: (room[unit] == 0, growth(unit), left(unit),
+                                         intact[by_unit[unit].numa_node], unit)),)
 
 
 def fragmentation(free: float, total: int, demand: Demand) -> float:

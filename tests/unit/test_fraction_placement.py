@@ -111,3 +111,15 @@ def test_the_watcher_holds_a_fraction_to_its_promise_and_a_quota_to_the_smaller(
     assert rules.memory_limit(grant, Quota(gpu_memory=16 * GIB)) == 16 * GIB
     assert rules.memory_limit(whole(1, 0), Quota()) is None
     assert rules.memory_limit(whole(1, 0), Quota(gpu_memory=16 * GIB)) == 16 * GIB
+
+
+def test_a_fraction_that_breaks_into_a_free_gpu_keeps_another_numa_nodes_gpus_whole():
+    """8 GPUs on two NUMA nodes, GPU 5 held whole: a fraction takes a free GPU of node 1, where 3
+    stay free, not of node 0, whose 4 GPUs stay free together for a 4-GPU job. The baselines
+    know nothing of nodes."""
+    gpus = [replace(gpu(unit), numa_node=unit // 4) for unit in range(8)]
+    grants = [whole(1, 5)]
+    assert place(gpus, grants, 20) == (4,)
+    assert place(gpus, grants, 20, Placement.FIRST_FIT) == (0,)
+    assert allocator.choose(gpus, {}, [*grants, fraction(2, 4, 20)], {}, 7, 4, False, quota=Quota(gpus=4)) == \
+        (0, 1, 2, 3)
