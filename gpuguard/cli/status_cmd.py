@@ -203,10 +203,10 @@ def gpu_lines(gpu: dict[str, Any], now: float, style: Style) -> list[str]:
     if line := fractions_line(gpu):
         lines.append(f"    {line}")
     for h in gpu["holders"]:
-        fraction = h.get("memory") if h["shared"] else None  # a sharer's promise bounds it, not the quota
-        quota = fraction or h["gpu_memory"]
+        fraction = h.get("memory") if h["shared"] else None
+        quota = h.get("memory_limit")  # the watcher's: a sharer's promise, or the quota if that is less
         mine = "?" if h["memory_used"] is None else format_size(h["memory_used"])
-        against = (f"{mine} of {format_size(quota)} {'fraction' if fraction else 'quota'}" if quota else
+        against = (f"{mine} of {format_size(quota)} {'fraction' if fraction == quota else 'quota'}" if quota else
                    f"{mine}, MIG slice (bounded in hardware)" if gpu["profile"] else f"{mine}, no memory quota")
         if quota and h["memory_used"] is not None and h["memory_used"] > quota:
             against += " " + style.paint("OVER", "bold", "red")

@@ -111,7 +111,7 @@ def show_whoami(args: argparse.Namespace) -> int:
         print("GPUs:")
         print_rows([["  GPU", "NAME", "UUID", "MEMORY", "SINCE", "UNTIL", "HOW"]] + [
             [f"  {gpu_label(g['minor'], g.get('index'))}", g["name"] or "?", g["uuid"] or "?",
-             memory_against(g.get("memory_used"), _limit(g, quota)), clock(g["granted_at"]),
+             memory_against(g.get("memory_used"), g.get("memory_limit")), clock(g["granted_at"]),
              clock(g["expires_at"]) if g["expires_at"] else "-",
              g["origin"] + (", shared" if g["shared"] else "")] for g in reply["grants"]])
         print(cuda_export(_uuids(reply)))
@@ -174,12 +174,6 @@ def _print_env(args: argparse.Namespace, uuids: list[str], exempt: bool, daemon:
     else:  # exempt users see every GPU: no variable to narrow them down
         print("unset CUDA_VISIBLE_DEVICES" if exempt else cuda_export(uuids))
     return EXIT_OK
-
-
-def _limit(grant: dict[str, Any], quota: dict[str, Any]) -> int | None:
-    """What bounds a grant's memory: a fraction's promise (a shared grant's memory), else the quota."""
-    limit: int | None = (grant.get("memory") if grant["shared"] else None) or quota["gpu_memory"]
-    return limit
 
 
 def fraction_line(grant: dict[str, Any]) -> str:

@@ -294,7 +294,8 @@ def place_fraction(gpus: Iterable[Gpu], grants: Iterable[Grant], uid: int, quota
     # the fewest stay free, keeping another node's GPUs whole together.
     held = mine.union(others)
     intact = Counter(gpu.numa_node for unit, gpu in by_unit.items() if unit not in held)
-    return (min(room, key=lambda unit: (room[unit] == 0, growth(unit), left(unit),
+    # (growth rounded: equal growths differ in floating point, and equal ones go to the best fit)
+    return (min(room, key=lambda unit: (room[unit] == 0, round(growth(unit), 9), left(unit),
                                          intact[by_unit[unit].numa_node], unit)),)
 
 

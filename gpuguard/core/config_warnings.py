@@ -7,10 +7,14 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from gpuguard.config import DRIVER_ACCOUNTS, Config, FleetConfig, MetricsConfig, WebConfig
+from gpuguard.core import policy
+from gpuguard.core.model import Quota
+from gpuguard.core.quantities import format_size
 
 # Where etc/gpuguard.service (ProtectSystem=strict) lets the daemon write files: its
 # RuntimeDirectory= and StateDirectory=.
@@ -41,7 +45,25 @@ def warnings(config: Config, user_exists: Callable[[str], bool], group_exists: C
         found += [f"{config.paths.quotas}: {kind}.{name}.sharing: has no effect without a gpu_memory limit"
                   for name, table in tables.items()
                   if table.get("sharing") and table.get("gpu_memory", memory) is None]
+        found += [line for name, table in tables.items()
+                  for line in _fractions(f"{config.paths.quotas}: {kind}.{name}", replace(config.defaults, **table))]
+    found += _fractions("defaults", config.defaults)
     return [*config.renamed, *found, *_under_the_unit(config.metrics), *_fleet(config.fleet), *_web(config.web)]
+
+
+def _fractions(where: str, quota: Quota) -> list[str]:
+    """A fraction_memory that the same quota refuses: every login and plain request of its users
+    would ask for it and be refused (their logins go on, without a GPU)."""
+    if (memory := quota.fraction_memory) is None:
+        return []
+    low, high = policy.fraction_bounds(quota, memory)  # (the GPUs' own memory is not known here)
+    if policy.fraction_limit(quota) == 0:
+        return [f"{where}.fraction_memory: asks for fractions the same quota allows none of (max_fractions, "
+                "gpus or whole_gpus): their logins get no GPU"]
+    if not low <= memory <= high:
+        return [f"{where}.fraction_memory: {format_size(memory)} is outside {format_size(low)} to "
+                f"{format_size(high)} (min_fraction_memory, max_fraction_memory, gpu_memory): their logins get no GPU"]
+    return []
 
 
 def _web(web: WebConfig) -> list[str]:

@@ -18,12 +18,14 @@ WHOAMI_HINT = " - run gpuguard whoami for details"
 
 
 def grant_message(gpus: list[Gpu], expires_at: float | None, shared: bool, wanted: int | None = None,
-                  ending: str = WHOAMI_HINT) -> str:
+                  ending: str = WHOAMI_HINT, fraction: int | None = None) -> str:
     """`gpuguard: GPU 3 (NVIDIA H100 80GB HBM3) is yours until 20:00 - run gpuguard whoami for details`
-    (`ending` replaces the part after "yours ...")."""
+    (`ending` replaces the part after "yours ..."); fraction: the memory of the one GPU promised
+    (`GPU 3 (NVIDIA H100 80GB HBM3, 20GiB of it, shared)`)."""
     names = ", ".join(sorted({gpu.name for gpu in gpus}))
     if any(smi_differs(gpu.unit, gpu.index) for gpu in gpus):
         names += f", nvidia-smi {','.join(str(gpu.index) for gpu in sorted(gpus, key=lambda g: g.unit))}"
+    names += f", {format_size(fraction)} of it" if fraction is not None else ""
     names += ", shared" if shared else ""
     several = len(gpus) > 1
     subject = f"GPU{'s' if several else ''} {unit_list(gpu.unit for gpu in gpus)} ({names})"
@@ -50,7 +52,7 @@ def grant_reply(gpus: Mapping[int, Gpu], held: Sequence[Grant], wanted: int | No
     return {"gpus": [gpu.unit for gpu in mine],
             "cuda_visible_devices": ",".join(gpu.uuid for gpu in mine),
             "message": grant_message(told_gpus, min(expiries, default=None), any(g.shared for g in told), wanted,
-                                     ending)}
+                                     ending, told[0].fraction if len(told) == 1 else None)}
 
 
 def smi_differs(unit: int, index: int | None) -> bool:

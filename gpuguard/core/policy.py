@@ -124,7 +124,10 @@ def fraction_bounds(quota: Quota, largest_gpu: int) -> tuple[int, int]:
 
 
 def fraction_limit(quota: Quota) -> int:
-    """How many fractions a user on `quota` may hold at once: max_fractions, never more than gpus."""
+    """How many fractions a user on `quota` may hold at once: max_fractions, never more than gpus;
+    none when the quota takes no whole GPUs (a fraction is of one)."""
+    if not quota.whole_gpus:
+        return 0
     return quota.gpus if quota.max_fractions is None else min(quota.max_fractions, quota.gpus)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.core.model import Gpu, Grant, Quota, Rule, unit_label
-from gpuguard.core.rules import WATCHER_RULES
+from gpuguard.core.rules import WATCHER_RULES, memory_limit
 
 if TYPE_CHECKING:  # the type only: sampling reads /proc, and this module stays pure
     from gpuguard.core.sample import Sample
@@ -82,6 +82,8 @@ def status_gpus(gpus: Mapping[int, Gpu], grants: Iterable[Grant], sample: Sample
                                 "granted_at": g.granted_at, "expires_at": g.expires_at, "last_active": g.last_active,
                                 # a slice's memory is bounded by the hardware, not by the quota
                                 "gpu_memory": None if gpu.slice else account_of(g.uid)[1].gpu_memory,
+                                # what the watcher holds them to here: the fraction or the quota, the smaller
+                                "memory_limit": memory_limit(g, account_of(g.uid)[1]),
                                 "memory_used": sum(used) if read else None})
         view.append({
             "minor": unit, "label": unit_label(unit), "profile": gpu.slice.profile if gpu.slice else None,

@@ -18,7 +18,7 @@ from typing import Any
 from gpuguard import config as configuration
 from gpuguard import protocol
 from gpuguard.config import Config
-from gpuguard.core import allocator, inventory, policy, reporting
+from gpuguard.core import allocator, inventory, policy, reporting, rules
 from gpuguard.core.errors import GpuguardError, Refusal, UnknownUser
 from gpuguard.core.messages import (
     WHOAMI_HINT,
@@ -156,7 +156,7 @@ class Api:
             member=policy.is_member(account.groups, access),
             exempt=self.asks.eligibility(account) == policy.Eligibility.EXEMPT,
             quota=asdict(quota),
-            grants=[self._grant_info(g) for g in store.grants(account.uid)],
+            grants=[self._grant_info(g, quota) for g in store.grants(account.uid)],
             sessions=[asdict(s) for s in store.sessions(account.uid)],
             events=[protocol.record(e) for e in store.events(account.uid, WHOAMI_EVENTS)],
             usage=store.usage(account.uid),
@@ -332,7 +332,8 @@ class Api:
             return (f"a fraction here is {format_size(low)} to {format_size(high)} of one GPU's memory "
                     f"(your quota and the largest GPU; gpuguard whoami)")
         if why == Why.MAX_FRACTIONS:
-            most = policy.fraction_limit(quota)
+            if not (most := policy.fraction_limit(quota)):
+                return "your quota takes no fractions of a GPU (gpuguard whoami shows it; ask your admin)"
             return (f"you hold {most} fraction{'s' if most != 1 else ''} of a GPU already, your most "
                     f"(gpuguard release gives one back)")
         if why == Why.ALREADY_WAITING:
@@ -560,7 +561,7 @@ class Api:
             raise Refusal(f"no GPU {unit_list(unknown)} on this machine (GPUs: {unit_list(gpus)})", 2)
         return sorted(units)
 
-    def _grant_info(self, grant: Grant) -> dict[str, Any]:
+    def _grant_info(self, grant: Grant, quota: Quota) -> dict[str, Any]:
         gpu = self.grants.gpus.get(grant.unit)
         # a shared grant is a fraction of its GPU: the GPU's memory, the others' fractions, what is left to promise
         shares = reporting.fractions(gpu, self.store.grants()) if gpu and grant.shared else None
@@ -568,6 +569,7 @@ class Api:
                 "index": gpu.index if gpu else None,
                 "drained": asdict(drain) if (drain := self.drains.get(unit_parent(grant.unit))) else None,
                 "memory_used": self._memory_used(grant), "memory_total": gpu.memory_total if gpu else None,
+                "memory_limit": rules.memory_limit(grant, quota),  # what the watcher holds it to
                 "shared_with": [f for f in shares["fractions"] if f["uid"] != grant.uid] if shares else [],
                 "memory_left": shares["memory_left"] if shares else None}
 

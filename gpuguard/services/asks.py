@@ -139,15 +139,19 @@ class Asks:
         if ask.one_place and (mine := self.store.queue(uid)):
             return Answer(Outcome.WAITING if ask.waits == Waits.YES else Outcome.REFUSED, quota, wanted,
                           place=mine[0], why=None if ask.waits == Waits.YES else Why.ALREADY_WAITING)
-        self.grants.note_asked(memory)  # the mix of sizes that fractions are placed for (allocator.place_fraction)
         granted: tuple[int, ...] = ()
         if not ask.whole and not self.store.queue():  # with others waiting, it takes its turn like them
             origin = policy.grant_origin(ask.origin, self.store.logged_in(uid))
             granted = self.grants.allocate(uid, account.name, quota, more, now, origin, ask.message)
             more -= len(granted)
+        if granted or (more > 0 and (ask.waits == Waits.YES or not self.store.grants(uid))):
+            self.grants.note_asked(uid, memory)  # the sizes fractions are placed for (allocator.place_fraction)
         if more > 0 and (ask.waits == Waits.YES or not self.store.grants(uid)):
+            # A fraction is a unit of its own, not a top-up of what its user holds: it counts on none
+            # of theirs (Queue.keep_total would grow it past the one unit a fraction is).
+            counted = () if quota.fraction is not None else (*ask.keeps, *granted)
             place, served = self.queue.join(uid, account.name, more, quota, now, ask.origin, ask.pid, ask.pid_start,
-                                            counted=(*ask.keeps, *granted))
+                                            counted=counted)
             if served is not None:
                 return Answer(Outcome.GRANTED, quota, wanted, (*granted, *served))
             if ask.waits != Waits.NEVER:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -63,7 +63,7 @@ class Admit(Protocol):
                  expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]: ...
 
 
-ASKS_KEPT = 512  # the asks whose sizes fractions are placed for: the lab's mix of late, not of all time
+ASKS_KEPT = 512  # the users whose latest asks fractions are placed for: the lab's mix of late
 GIB = 1 << 30
 
 # (uid, unit) -> when a process of that user was last seen on it (the watcher's memory), None: not lately
@@ -112,8 +112,9 @@ class Grants:
         self.admit = admit
         self.last_seen = last_seen
         self.placement = placement
-        # The sizes of the last ASKS_KEPT asks (note_asked): the mix fractions are placed for
-        self._asked: deque[int | None] = deque(maxlen=ASKS_KEPT)
+        # uid -> the size of that user's latest ask (note_asked), the last ASKS_KEPT users': the mix
+        # fractions are placed for, one ask a user, so nobody's flood of asks outweighs the others
+        self._asked: OrderedDict[int, int | None] = OrderedDict()
 
     def write_visible_devices(self, uid: int) -> None:
         """The user's held-devices file as the store now says (after every grant given or taken
@@ -174,12 +175,20 @@ class Grants:
         return allocator.choose(self.pool(), self.topology, self.store.grants_read(),
                                 self.store.last_released(), uid, count, policy.may_share(quota),
                                 self.store.last_held(uid), quota, self.placement(),
-                                Counter(self._asked) if quota.fraction is not None else None)
+                                self.demand_mix() if quota.fraction is not None else None)
 
-    def note_asked(self, memory: int | None) -> None:
-        """One more ask seen, of a fraction of `memory` bytes (None: whole GPUs): what fractions
-        are placed for (allocator.place_fraction). Sizes are kept to the GiB, so the mix has few."""
-        self._asked.append(None if memory is None else -(-memory // GIB) * GIB)
+    def demand_mix(self) -> Counter[int | None]:
+        """The asks fractions are placed for: how many users' latest asked each size (bytes; None: whole GPUs)."""
+        return Counter(self._asked.values())
+
+    def note_asked(self, uid: int, memory: int | None) -> None:
+        """An ask of uid's granted or queued, of a fraction of `memory` bytes (None: whole GPUs):
+        the mix fractions are placed for (allocator.place_fraction). Sizes are kept to the GiB, so
+        the mix has few."""
+        self._asked.pop(uid, None)
+        self._asked[uid] = None if memory is None else -(-memory // GIB) * GIB
+        if len(self._asked) > ASKS_KEPT:
+            self._asked.popitem(last=False)
 
     def largest_whole(self) -> int:
         """The memory of the largest whole GPU that may be handed out (0: none)."""
@@ -212,7 +221,10 @@ class Grants:
         slices = sum(allocator.suits(gpu, quota) for gpu in pool.slices)
         if quota.slices is not None:
             slices = min(slices, quota.slices)
-        return (len(pool.whole.by_unit) if quota.whole_gpus else 0) + slices
+        whole = pool.whole.by_unit.values() if quota.whole_gpus else ()
+        if quota.fraction is not None:  # a fraction fits only a GPU with at least its memory (a drain may leave none)
+            return sum(gpu.memory_total >= quota.fraction for gpu in whole)
+        return len(whole) + slices
 
     def room(self, uid: int, quota: Quota) -> int:
         """How many more units uid could get at once on the terms of `quota`, were nobody else's

@@ -141,8 +141,8 @@ def cell(server: str, gpu: Mapping[str, Any], now: float, viewer: Viewer, show_u
 
 def _holder(h: Mapping[str, Any], busy_uids: set[int], read: bool, now: float, viewer: Viewer,
             show_users: bool) -> Opener:
-    fraction = bool(h.get("shared") and h.get("memory"))  # its promise bounds it, not the quota
-    used, quota = h.get("memory_used"), h.get("memory") if fraction else h.get("gpu_memory")
+    fraction = bool(h.get("shared") and h.get("memory"))
+    used, quota = h.get("memory_used"), h.get("memory_limit")  # the watcher's: the promise or the quota, the smaller
     idle = None
     if read and h["uid"] not in busy_uids:  # idle only when NVML said so: an unread GPU is not idle
         idle = max(0.0, now - (h.get("last_active") or h["granted_at"]))

@@ -46,8 +46,10 @@ def test_a_fraction_never_joins_a_whole_grant_nor_the_askers_own_gpu():
 
 def test_a_whole_request_never_lands_on_a_gpu_with_fractions():
     gpus = [gpu(0), gpu(1)]
-    grants = [fraction(1, 0, 20)]
-    assert allocator.choose(gpus, {}, grants, {}, 5, 2, False, quota=Quota(gpus=2)) == (1,)
+    grants = [fraction(1, 0, 20), whole(2, 1)]
+    assert place(gpus, grants, 20) == (0,)  # room beside the fraction, for a fraction
+    assert allocator.choose(gpus, {}, grants, {}, 5, 1, False, quota=Quota(gpus=2)) == ()  # none for a whole GPU
+    assert allocator.choose(gpus, {}, grants[:1], {}, 5, 2, False, quota=Quota(gpus=2)) == (1,)
 
 
 @pytest.mark.parametrize("placement", list(Placement))
@@ -123,3 +125,30 @@ def test_a_fraction_that_breaks_into_a_free_gpu_keeps_another_numa_nodes_gpus_wh
     assert place(gpus, grants, 20, Placement.FIRST_FIT) == (0,)
     assert allocator.choose(gpus, {}, [*grants, fraction(2, 4, 20)], {}, 7, 4, False, quota=Quota(gpus=4)) == \
         (0, 1, 2, 3)
+
+
+def test_equal_growths_go_to_the_best_fit_whatever_floating_point_says():
+    """18 and 73 GiB promised, a 5 GiB ask, only whole-GPU asks seen: both GPUs lose the same
+    (5/80 of a GPU), which floating point puts a hair apart; the best fit takes it."""
+    gpus = [gpu(0), gpu(1)]
+    grants = [fraction(1, 0, 18), fraction(2, 1, 73)]
+    assert place(gpus, grants, 5, demand={None: 10}) == (1,)
+    assert place(gpus, grants, 5) == (1,)
+
+
+def test_config_check_warns_of_a_fraction_the_same_quota_refuses():
+    from gpuguard.config import Config
+    from gpuguard.core import config_warnings
+
+    def warned(quota: Quota) -> list[str]:
+        found = config_warnings.warnings(Config(defaults=quota), lambda name: True, lambda name: True,
+                                         lambda path: True)
+        return [line for line in found if "fraction_memory" in line]
+
+    assert warned(Quota(fraction_memory=20 * GIB)) == []
+    assert warned(Quota(fraction_memory=20 * GIB, gpu_memory=16 * GIB)) == [
+        "defaults.fraction_memory: 20GiB is outside 256MiB to 16GiB (min_fraction_memory, max_fraction_memory, "
+        "gpu_memory): their logins get no GPU"]
+    assert warned(Quota(fraction_memory=20 * GIB, max_fractions=0)) == [
+        "defaults.fraction_memory: asks for fractions the same quota allows none of (max_fractions, gpus or "
+        "whole_gpus): their logins get no GPU"]

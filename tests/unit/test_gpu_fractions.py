@@ -37,7 +37,8 @@ def test_an_unknown_promise_leaves_the_memory_left_unknown_and_overpromising_lea
 def test_the_grid_cell_counts_fractions_and_hides_names_it_may_not_show():
     def sharer(user: str, uid: int, memory: int) -> dict:
         return {"user": user, "uid": uid, "shared": True, "memory": memory, "origin": "request", "granted_at": 0.0,
-                "expires_at": None, "last_active": 0.0, "gpu_memory": 80 * GiB, "memory_used": 35 * GiB}
+                "expires_at": None, "last_active": 0.0, "gpu_memory": 80 * GiB, "memory_limit": memory,
+                "memory_used": 35 * GiB}
 
     status = {"minor": 0, "label": "0", "name": "NVIDIA H100 80GB HBM3", "memory_total": 80 * GiB, "memory_used": 0,
               "utilization": 0, "process_list": [], "holders": [sharer("alice", 1001, 30 * GiB), sharer("bob", 1002, 40 * GiB)],

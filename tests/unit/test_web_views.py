@@ -24,7 +24,7 @@ def gpu(minor=0, holders=(), processes=(), **extra):
 def holder(user="alice", uid=1001, quota=20 * GiB, used=0, granted=NOW - 3600, last_active=None, expires=None):
     return {"user": user, "uid": uid, "shared": False, "origin": "session", "granted_at": granted,
             "expires_at": expires, "last_active": last_active if last_active is not None else granted,
-            "gpu_memory": quota, "memory_used": used}
+            "gpu_memory": quota, "memory_limit": quota, "memory_used": used}
 
 
 def process(uid=1001, user="alice", memory=GiB, command="python"):
