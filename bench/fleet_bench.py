@@ -8,8 +8,10 @@
   against a bare SELECT of the same rows;
 - heartbeat load: the node's own heartbeat (FleetNode.snapshot of a real store, sent by
   FleetDb.heartbeat) under 50, 500 and 2,000 identities at their fleet's rate (one per node
-  every 10 s): the database's CPU and transactions per second, printed as a table, and a row
-  for the database CPU per heartbeat at 2,000 nodes against 500.
+  every 10 s), one heartbeat in 6 with a change: the database's CPU and transactions per second,
+  printed as a table; rows for the database CPU per heartbeat at 2,000 nodes against a `SELECT 1`
+  sent the same way at the same rate and against 500 nodes, and for the database CPU of 2,000
+  nodes' heartbeats against one core.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -43,6 +46,7 @@ HEARTBEAT = 10.0
 FLEETS = (50, 500, 2000)
 LOAD_SECONDS = 10.0
 USERS = 500  # the researchers of a 2,000-node fleet's labs
+CHANGED = 6  # one heartbeat in 6 carries a change: what a node sends whole once a minute (FULL_EVERY) at least
 
 
 def run(bench: Bench) -> None:
@@ -95,7 +99,7 @@ def login_rows(bench: Bench, db: Postgres) -> None:
             each()
     first = max(firsts)
     local_median = statistics.median(samples["local"])
-    row("login with [fleet], database up", statistics.median(samples["up"]), local_median, 1.5,
+    row("login with [fleet], database up", statistics.median(samples["up"]), local_median, 1.2,
         "the same login, no [fleet]")
     row("login with [fleet], database down (after the first)", statistics.median(samples["down"]), local_median,
         1.1, "the same login, no [fleet]")
@@ -185,46 +189,94 @@ def _snapshot(bench: Bench) -> dict:
     return doc
 
 
+def _load(db: Postgres, pool: concurrent.futures.Executor, rate: float,
+          send: Callable[[int], float]) -> tuple[int, float, float, list[float]]:
+    """send(i) at `rate` a second for LOAD_SECONDS on the pool: (sent, seconds, the database's CPU
+    seconds meanwhile, each call's latency)."""
+    cpu, started = _postgres_cpu(db), time.monotonic()
+    sent, pending = 0, []
+    while (elapsed := time.monotonic() - started) < LOAD_SECONDS:
+        due = int(elapsed * rate) + 1
+        while sent < due:
+            pending.append(pool.submit(send, sent))
+            sent += 1
+        time.sleep(0.002)
+    latencies = [f.result() for f in pending]
+    seconds = time.monotonic() - started
+    return sent, seconds, _postgres_cpu(db) - cpu, latencies  # the senders' backends still live: counted
+
+
 def heartbeat_rows(bench: Bench, db: Postgres) -> None:
     template = _snapshot(bench)
     per_beat: dict[int, float] = {}
+    load: dict[int, float] = {}
     lines = ["| nodes | heartbeats/s wanted | sent | p99 latency | database CPU | transactions/s |",
              "|---:|---:|---:|---:|---:|---:|"]
     local = threading.local()  # each sending thread's own connection, as each node has its own
+    # What each simulated node's FleetDb keeps of what it last sent whole (fleetdb.py: a node sends
+    # its digest alone while its truth is unchanged), kept per node whichever thread sends for it.
+    sent_whole: dict[str, tuple[str, float]] = {}
+
+    def connection() -> FleetDb:
+        if not hasattr(local, "db"):
+            local.db = FleetDb(db.conninfo, "bench")
+            local.db._connection()
+            local.db._sent = sent_whole  # the bench's nodes share 8 connections
+        return local.db
+
     with connect(db.conninfo, "bench") as stats, concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         for nodes in FLEETS:
             rate = nodes / HEARTBEAT
 
             def beat(i: int, nodes: int = nodes) -> float:
-                if not hasattr(local, "db"):
-                    local.db = FleetDb(db.conninfo, "bench")
-                node = i % nodes
-                # each node's users differ: 4 of a lab population of USERS, as many grants each as chance gives
-                held = [{**g, "username": f"user{(node * 4 + n) % USERS}"} for n, g in enumerate(template["grants"])]
+                node, turn = i % nodes, i // nodes
+                # each node's users differ: 4 of a lab population of USERS, as many grants each as chance gives;
+                # one heartbeat in CHANGED carries a change (a grant made or ended since the last), each
+                # node's at another turn
+                version = (turn + node % CHANGED) // CHANGED
+                held = [{**g, "username": f"user{(node * 4 + n) % USERS}", "granted_at": g["granted_at"] + version}
+                        for n, g in enumerate(template["grants"])]
                 doc = {**template, "node": f"hb{nodes}-{node:04d}", "ssh": f"hb{node}", "taken_at": time.time(),
-                       "grants": held, "users": sorted(g["username"] for g in held)}
+                       # as under offline_policy = "budget", the dearer: every local user's grants elsewhere asked
+                       "grants": held, "budget_users": sorted(g["username"] for g in held)}
                 start = time.perf_counter()
-                local.db.heartbeat(doc)
+                connection().heartbeat(doc)
                 return time.perf_counter() - start
 
             for i in range(nodes):  # every node registered once, as at the fleet's start
                 beat(i)
-            cpu, commits, started = _postgres_cpu(db), _commits(stats), time.monotonic()
-            sent = 0
-            pending = []
-            while (elapsed := time.monotonic() - started) < LOAD_SECONDS:
-                due = int(elapsed * rate) + 1
-                while sent < due:
-                    pending.append(pool.submit(beat, sent))
-                    sent += 1
-                time.sleep(0.002)
-            latencies = [f.result() for f in pending]
-            seconds = time.monotonic() - started
-            used = _postgres_cpu(db) - cpu  # the senders' backends still live: their CPU is counted
-            per_beat[nodes] = used / sent
+            commits = _commits(stats)
+            sent, seconds, used, latencies = _load(db, pool, rate, lambda i, nodes=nodes: beat(i + nodes, nodes))
+            per_beat[nodes], load[nodes] = used / sent, used / seconds
             lines.append(f"| {nodes} | {rate:.0f} | {sent / seconds:.0f} | {p99(latencies) * 1000:.1f} ms | "
                          f"{used / seconds * 100:.1f}% of a core | {(_commits(stats) - commits) / seconds:.0f} |")
+
+        def select_1(i: int) -> float:
+            start = time.perf_counter()
+            connection()._execute("SELECT 1", ()).fetchone()
+            return time.perf_counter() - start
+
+        def seen(i: int) -> float:  # what any heartbeat must write: the node's row, seen now
+            start = time.perf_counter()
+            connection()._execute("UPDATE gpuguard.nodes SET last_seen = extract(epoch FROM clock_timestamp())"
+                                  " WHERE name = %s", (f"hb{FLEETS[-1]}-{i % FLEETS[-1]:04d}",))
+            return time.perf_counter() - start
+
+        rate = FLEETS[-1] / HEARTBEAT
+        per_call = {}
+        for name, send in (("SELECT 1", select_1), ("one-row UPDATE", seen)):
+            sent, seconds, used, latencies = _load(db, pool, rate, send)
+            per_call[name] = used / sent
+            lines.append(f"| {name} | {rate:.0f} | {sent / seconds:.0f} | {p99(latencies) * 1000:.1f} ms | "
+                         f"{used / seconds * 100:.1f}% of a core | |")
     print("\n".join(["bench: heartbeat load (one PostgreSQL, heartbeat every 10 s)", *lines]), flush=True)
+    row(f"database CPU per heartbeat, {FLEETS[-1]} nodes", per_beat[FLEETS[-1]], per_call["SELECT 1"], 3,
+        f"a SELECT 1 at the same rate, {rate:.0f}/s")
+    # the floor: a heartbeat records that its node was seen, one row written (several-servers.md)
+    row(f"database CPU per heartbeat, {FLEETS[-1]} nodes, vs the row it must write", per_beat[FLEETS[-1]],
+        per_call["one-row UPDATE"], 2, f"an UPDATE of one node's last_seen at the same rate, {rate:.0f}/s")
     # 50 nodes send few heartbeats in LOAD_SECONDS: 500 is the steadier baseline
     row(f"database CPU per heartbeat, {FLEETS[-1]} vs {FLEETS[1]} nodes", per_beat[FLEETS[-1]], per_beat[FLEETS[1]],
         2, f"the same at {FLEETS[1]} nodes")
+    row(f"database CPU of {FLEETS[-1]} nodes' heartbeats, per second", load[FLEETS[-1]], 1.0, 0.25,
+        "one core: 1 s of CPU a second")

@@ -244,13 +244,24 @@ def show_fairshare(args: argparse.Namespace) -> int:
         print_json(reply)
         return EXIT_OK
     print(f"recent GPU usage, halving every {format_duration(reply['half_life'])}; the queue serves higher "
-          "priority first, then lower usage per share")
+          "priority first, then lower usage per share" + (" (here plus on the other servers)" if reply.get("fleet") else ""))
+    if reply.get("fleet"):
+        at = reply.get("elsewhere_at")
+        print("usage on the other servers: " + (f"as of {clock(at)}" if at is not None else
+                                                "not known yet (the fleet database has not answered)"))
     if not reply["users"]:
         print("no usage yet")
         return EXIT_OK
-    print_rows([["USER", "PRIORITY", "SHARE", "GPU-HOURS", "PER SHARE"]] + [
-        [u["user"], str(u["priority"]), f"{u['share']:g}", f"{u['usage'] / 3600:.2f}",
-         f"{u['normalized'] / 3600:.2f}"] for u in reply["users"]])
+    if not reply.get("fleet"):
+        print_rows([["USER", "PRIORITY", "SHARE", "GPU-HOURS", "PER SHARE"]] + [
+            [u["user"], str(u["priority"]), f"{u['share']:g}", f"{u['usage'] / 3600:.2f}",
+             f"{u['normalized'] / 3600:.2f}"] for u in reply["users"]])
+        return EXIT_OK
+    # the per-share numbers with as many decimals as it takes for those that differ to read differently
+    per_share = format_gpu_hours(*(u["normalized"] for u in reply["users"]))
+    print_rows([["USER", "PRIORITY", "SHARE", "HERE", "ELSEWHERE", "GPU-HOURS", "PER SHARE"]] + [
+        [u["user"], str(u["priority"]), f"{u['share']:g}", f"{u['here'] / 3600:.2f}", f"{u['elsewhere'] / 3600:.2f}",
+         f"{u['usage'] / 3600:.2f}", shown] for u, shown in zip(reply["users"], per_share, strict=True)])
     return EXIT_OK
 
 

@@ -196,23 +196,39 @@ class Api:
         return reply
 
     async def fairshare(self, request: rq.Fairshare, peer: Peer) -> dict[str, Any]:
-        """Every user's fair-share standing, like Slurm's sshare: recent usage (decayed GPU-seconds),
-        share, and usage / share, which orders the queue after priority (lower first). Anyone may look."""
+        """Every user's fair-share standing, like Slurm's sshare: recent usage (decayed GPU-seconds)
+        here and, in a fleet, on the other servers (as of the heartbeat that last brought it:
+        FleetUsage.everyone, at most one database read a minute however often this is asked), their
+        sum, share, and sum / share, which orders the queue after priority (lower first). Users with
+        usage only elsewhere are listed when this server knows their name. Anyone may look."""
         now, config = self.clock(), self.config()
         uids = set(self.store.fairshare()) | {g.uid for g in self.store.grants()} | {
             q.waiter.uid for q in self.store.queue()}
-        usage = self.queue.usage(now, uids)
-        users: list[dict[str, Any]] = []
-        for uid in sorted(uids):
+        here = self.queue.usage(now, uids)
+        fleet = await self.queue.usage_elsewhere()
+        elsewhere, elsewhere_at = fleet if fleet is not None else ({}, None)
+        found: dict[int, tuple[str, Quota]] = {}
+        for uid in uids:
             try:
                 account = await self.lookup.by_uid(uid)
-                name, quota = account.name, policy.quota_for(account.name, account.groups, config)
+                found[uid] = account.name, policy.quota_for(account.name, account.groups, config)
             except UnknownUser:  # deleted since: its usage still counts until it decays
-                name, quota = str(uid), config.defaults
-            users.append({"user": name, "uid": uid, "usage": usage[uid], "share": quota.share,
-                          "priority": quota.priority, "normalized": usage[uid] / quota.share})
+                found[uid] = str(uid), config.defaults
+        for name in sorted(set(elsewhere) - {name for name, _ in found.values()}):
+            try:
+                account = await self.lookup.by_name(name)
+            except UnknownUser:  # a user this server cannot name cannot wait here
+                continue
+            if account.uid not in found:
+                found[account.uid] = account.name, policy.quota_for(account.name, account.groups, config)
+        users: list[dict[str, Any]] = []
+        for uid, (name, quota) in found.items():
+            mine, theirs = here.get(uid, 0.0), float(elsewhere.get(name, 0.0))
+            users.append({"user": name, "uid": uid, "usage": mine + theirs, "here": mine, "elsewhere": theirs,
+                          "share": quota.share, "priority": quota.priority, "normalized": (mine + theirs) / quota.share})
         users.sort(key=lambda u: (-u["priority"], u["normalized"], u["user"]))
-        return protocol.ok(users=users, half_life=config.scheduler.half_life, now=now)
+        return protocol.ok(users=users, half_life=config.scheduler.half_life, now=now, fleet=fleet is not None,
+                           elsewhere_at=elsewhere_at)
 
     async def gpus(self, request: rq.Gpus, peer: Peer) -> dict[str, Any]:
         """`gpuguard gpus` for anyone: from what the daemon read already (no NVML call of its own)."""

@@ -19,9 +19,18 @@ database or an old leader is refused. A schema dropped under a running node is m
 its next connection.
 A node may log in under its own role (roles.py): every write is then one of the schema's
 functions that check the caller writes only its own rows, and the migrations are the owner's.
+A heartbeat sends only the parts of the node's truth (its GPUs, grants, queue) that changed
+since this connection's last, with the digest the database then has (schema.py, migration 6):
+it writes the node's last_seen and those parts, and nothing else. The grants go after this
+node's own grant-time check or release too; the whole truth on each new connection, once
+FULL_EVERY, and when the database asks for it (the digest it has is not the one the node says).
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -37,6 +46,25 @@ CONNECT_TIMEOUT_S = 2        # libpq's minimum that means something (it rounds s
 # Selected in a statement, its transaction commits without waiting for the WAL flush (is_local:
 # for this transaction only; the commit reads the setting before it is undone).
 UNFLUSHED = "set_config('synchronous_commit', 'off', true)"
+FULL_EVERY = 60.0  # seconds: a heartbeat sends the node's whole truth at least this often
+# What a heartbeat mirrors, which its digest covers: the node row's fields, and its GPUs, grants and queue.
+FIELDS = ("node", "host", "install", "rack", "ssh", "version", "schema", "incarnation", "heartbeat", "lease", "grace")
+PARTS = ("gpus", "grants", "queue")
+# What a heartbeat that sends only what changed sends besides (schema.py, heartbeat_v5)
+ALWAYS = ("node", "incarnation", "taken_at", "half_life", "ledger", "usage_for", "users", "want_free", "usage_all")
+
+
+def _hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class Sent:
+    """What a connection's last heartbeat for a node left in the database: its digest, each part's
+    (None: to be sent again), and when the whole truth last went."""
+    digest: str
+    parts: dict[str, str | None]
+    whole_at: float
 
 
 def connection_options(node: str) -> dict[str, Any]:
@@ -153,6 +181,9 @@ class FleetDb:
         self._conn: psycopg.Connection | None = None
         self._migrated = False
         self._ledger_checked = False  # on this connection: the heartbeat asked which ledger rows it has
+        # On this connection, by node (a daemon sends for its own; the bench for many): what its
+        # last heartbeat left in the database.
+        self._sent: dict[str, Sent] = {}
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
@@ -165,7 +196,7 @@ class FleetDb:
             except BaseException:
                 conn.close()
                 raise
-            self._conn, self._ledger_checked = conn, False
+            self._conn, self._ledger_checked, self._sent = conn, False, {}
         return self._conn
 
     def _failed(self, exc: psycopg.Error) -> None:
@@ -193,8 +224,27 @@ class FleetDb:
 
     def heartbeat(self, doc: dict[str, Any], kept_from: int | None = None) -> dict[str, Any]:
         """The heartbeat's answer; the first on a connection adds `ledger_present`, the seqs from
-        `kept_from` on of this node's outbox (doc's incarnation) that the database has (none kept: not asked)."""
-        answer = self.call("heartbeat_v4", doc)
+        `kept_from` on of this node's outbox (doc's incarnation) that the database has (none kept: not asked).
+        Only the parts that changed since this connection's last heartbeat (the module's docstring)."""
+        parts: dict[str, str | None] = {"fields": _hash([doc.get(key) for key in FIELDS]),
+                                        **{part: _hash(doc[part]) for part in PARTS}}
+        digest, node, now = _hash(parts), doc["node"], time.monotonic()
+        answer, sent = None, self._sent.get(node)
+        if sent is not None and sent.parts["fields"] == parts["fields"] and now < sent.whole_at + FULL_EVERY:
+            changed = {part: doc[part] for part in PARTS if sent.parts[part] != parts[part]}
+            answer = self.call("heartbeat_v5", {**{k: doc[k] for k in ALWAYS if k in doc}, **changed,
+                                                "since": sent.digest, "digest": digest})
+            if not answer.get("resend"):
+                self._sent[node] = Sent(digest, parts, sent.whole_at)
+        if answer is None or answer.get("resend"):
+            # whole: the offline budget's users are asked about too (FleetNode.snapshot)
+            whole = {k: v for k, v in doc.items() if k != "budget_users"}
+            whole["users"] = sorted({*doc.get("users", ()), *doc.get("budget_users", ())})
+            answer = self.call("heartbeat_v5", {**whole, "digest": digest})
+            if "refused" in answer:
+                self._sent.pop(node, None)
+            else:
+                self._sent[node] = Sent(digest, parts, now)
         if not self._ledger_checked:
             if kept_from is not None:
                 answer["ledger_present"] = self._ledger_seqs(doc["incarnation"], kept_from)
@@ -207,12 +257,20 @@ class FleetDb:
         return [seq for (seq,) in rows]
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
+        self._grants_changed()
         return self.call("reserve_v3", doc, flushed=False)
 
     def release(self, pairs: list[tuple[int, str]]) -> None:
         """Grants of this node taken back: (minor, user) each; raises psycopg.Error."""
+        self._grants_changed()
         self._execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.release_v1(%s, %s::integer[], %s::text[])",
                       (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
+
+    def _grants_changed(self) -> None:
+        """This node's grants in the database change (or may, when the call fails): the next
+        heartbeat sends them, whatever the node's own say."""
+        for sent in self._sent.values():
+            sent.parts["grants"] = None
 
     def close(self) -> None:
         if self._conn is not None:

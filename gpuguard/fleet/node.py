@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,6 +39,38 @@ from gpuguard.services.edges import FleetDatabase
 from gpuguard.services.store import Store
 
 MIN_GAP = 0.5  # seconds between two heartbeats that grants taken back ask for: a request/release loop sends 2 a second
+USAGE_FRESH = 60.0  # seconds: `fairshare` asks the heartbeat for every user's usage elsewhere at most this often
+USAGE_WAIT = 3.0    # seconds `fairshare` waits for that heartbeat, then answers what it has
+
+
+class RemoteUsage:
+    """A user's recent usage (decayed GPU-seconds) on the fleet's other servers, as the queue
+    orders by it (`node(user)`: the last heartbeat's, for the users waiting here), and every
+    user's with any there (`everyone`, for `gpuguard fairshare`)."""
+
+    def __init__(self, node: FleetNode):
+        self.node = node
+
+    def __call__(self, user: str) -> float:
+        return float(self.node.usage.get(user, 0.0))
+
+    async def everyone(self) -> tuple[dict[str, float], float | None]:
+        """user -> usage elsewhere of every user with any there, and when the database said so
+        (None: not yet). The heartbeat brings it (usage_all), asked at most once per USAGE_FRESH
+        whoever calls and however often: a call that finds it older kicks a heartbeat and waits
+        for it USAGE_WAIT at most. The users waiting here have their own heartbeat's number, the
+        one the queue orders by."""
+        node, now = self.node, time.time()
+        if node.online and now - node.usage_all_asked >= USAGE_FRESH and (
+                node.usage_all_at is None or now - node.usage_all_at >= USAGE_FRESH):
+            node.usage_all_asked, node.usage_all_wanted = now, True
+            node.kick()
+        if node.usage_all_wanted and node.online:
+            try:
+                await asyncio.wait_for(node.usage_all_came.wait(), USAGE_WAIT)
+            except asyncio.TimeoutError:  # not the builtin on Python 3.10
+                pass
+        return {**node.usage_all, **{user: float(value) for user, value in node.usage.items()}}, node.usage_all_at
 
 
 class FleetNode:
@@ -63,6 +96,13 @@ class FleetNode:
         self.usage: dict[str, float] = {}   # recent usage elsewhere (fair share) of the users waiting here
         self.held: dict[str, int] = {}      # grants elsewhere of the users here, as last seen
         self.free: list[dict[str, Any]] = []  # where GPUs are free elsewhere, when this node is full
+        # every user's usage elsewhere, for `fairshare` (RemoteUsage.everyone): as of usage_all_at
+        self.usage_all: dict[str, float] = {}
+        self.usage_all_at: float | None = None
+        self.usage_all_asked = -math.inf  # when `fairshare` last asked the heartbeat for it
+        self.usage_all_wanted = False     # the next heartbeat asks for it
+        self.usage_all_came = asyncio.Event()  # set (and replaced) when a heartbeat brings it
+        self.remote_usage = RemoteUsage(self)
         self.name_clash: str | None = None  # another install tried to use this node's name lately (the line)
         self._refused_by: str | None = None  # the install holding this node's name, while it refuses this one
         self._kick = asyncio.Event()
@@ -72,7 +112,9 @@ class FleetNode:
     def admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...], now: float,
               expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]:
         """The part of `chosen` the fleet quota allows (all of it without one), recorded in the
-        database in the same transaction. Waits `timeout` at most; offline: offline_policy."""
+        database in the same transaction. Waits `timeout` at most; offline: offline_policy.
+        Without a fleet quota there is nothing to wait for: the grant is recorded on the worker,
+        in order (before any later check or heartbeat of this node), and the login goes on."""
         if self.online:
             doc = {"node": self.config.node, "install": self.identity.install, "incarnation": self.outbox.incarnation,
                    "user": user, "uid": uid,
@@ -81,13 +123,13 @@ class FleetNode:
                    "minors": list(chosen), "granted_at": now, "expires_at": expires_at, "shared": shared,
                    "origin": str(origin)}
             future = self._worker.submit(self.db.reserve, doc)
+            if quota.fleet_gpus is None and (loop := _running_loop()) is not None:
+                future.add_done_callback(lambda done: _on_loop(loop, self._recorded, done, user, chosen))
+                return chosen
             try:
                 result = future.result(timeout=self.config.timeout)
             except psycopg.errors.UniqueViolation:
-                event(logging.ERROR, "fleet_double_grant", user=user, gpus=list(chosen), node=self.config.node,
-                      action="refused: the database has these GPUs granted (is another server named the same?); "
-                             "this node's truth goes with the next heartbeat")
-                self._kick.set()
+                self._conflict(user, chosen)
                 return ()
             except concurrent.futures.TimeoutError:
                 self._offline(f"no answer within {self.config.timeout:g}s")
@@ -99,6 +141,25 @@ class FleetNode:
                     return tuple(result["granted"])
                 self._refused(result["refused"])
         return self._offline_admit(uid, user, quota, chosen)
+
+    def _recorded(self, done: concurrent.futures.Future[dict[str, Any]], user: str, chosen: tuple[int, ...]) -> None:
+        """On the loop: how the database took a grant made without waiting for it (no fleet quota).
+        The grant stands whatever it says, as it would offline; what differs goes with the next heartbeat."""
+        try:
+            result = done.result()
+        except psycopg.errors.UniqueViolation:
+            self._conflict(user, chosen)
+        except (psycopg.Error, FleetError) as exc:
+            self._offline(_first_line(exc))
+        else:
+            if "refused" in result:
+                self._refused(result["refused"])
+
+    def _conflict(self, user: str, chosen: tuple[int, ...]) -> None:
+        event(logging.ERROR, "fleet_double_grant", user=user, gpus=list(chosen), node=self.config.node,
+              action="refused: the database has these GPUs granted (is another server named the same?); "
+                     "this node's truth goes with the next heartbeat")
+        self._kick.set()
 
     def _offline_admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...]) -> tuple[int, ...]:
         if self.config.offline_policy == OfflinePolicy.LOCAL:
@@ -114,10 +175,12 @@ class FleetNode:
         queue = self.store.queue()
         waiting = {q.waiter.user for q in queue}
         # Whose grants elsewhere to bring back (each costs the database that user's grant rows): the
-        # offline budget needs every local user's; otherwise only the waiters' (the hint of `elsewhere`).
-        users = waiting
+        # waiters' at every heartbeat (the hint of `elsewhere`, the FleetQuota reason); the offline
+        # budget's, every local user's, with the heartbeats that send the whole truth (FleetDb.heartbeat:
+        # once a minute at least, and after a change here).
+        budget: set[str] = set()
         if self.config.offline_policy == OfflinePolicy.BUDGET:
-            users = users | {g.user for g in grants} | {s.user for s in self.store.sessions()}
+            budget = ({g.user for g in grants} | {s.user for s in self.store.sessions()}) - waiting
         units = self.units()
         free = len(set(units) - {g.unit for g in grants})
         return {
@@ -138,8 +201,10 @@ class FleetNode:
                        "priority": q.waiter.priority} for q in queue],
             "ledger": self.outbox.pending(),
             "usage_for": sorted(waiting),
-            "users": sorted(users),
+            "users": sorted(waiting),
+            "budget_users": sorted(budget),
             "want_free": bool(queue) or free <= 1,
+            "usage_all": self.usage_all_wanted,
         }
 
     async def beat(self) -> bool:
@@ -161,7 +226,14 @@ class FleetNode:
             # a database reached anew lacks rows another one confirmed (a failover: outbox.py)
             event(logging.WARNING, "fleet_ledger_resent", node=self.config.node, rows=again)
             self._kick.set()
-        self.usage, self.held, self.free = result["usage"], result["held"], result["free"]
+        # the budget's users as last asked, unless this heartbeat asked again
+        held = {user: self.held[user] for user in doc["budget_users"] if user in self.held}
+        self.usage, self.held, self.free = result["usage"], {**held, **result["held"]}, result["free"]
+        if "usage_all" in result:
+            self.usage_all, self.usage_all_at = result["usage_all"], result["at"]
+            self.usage_all_wanted = False
+            self.usage_all_came.set()
+            self.usage_all_came = asyncio.Event()
         self.last_beat = time.time()
         if not self.online:
             event(logging.INFO, "fleet_online", node=self.config.node,
@@ -246,9 +318,9 @@ class FleetNode:
 
     # --- what the other services read
 
-    def remote_usage(self, user: str) -> float:
-        """Recent usage (decayed GPU-seconds) of `user` on the other servers, as of the last heartbeat."""
-        return float(self.usage.get(user, 0.0))
+    def kick(self) -> None:
+        """A heartbeat soon (MIN_GAP after the last at the earliest)."""
+        self._kick.set()
 
     def held_elsewhere(self, user: str) -> int | None:
         """The GPUs `user` holds on the other servers, as last seen (a grant-time check or a
@@ -275,6 +347,20 @@ class FleetNode:
         self._worker.submit(self.db.close)  # on its own thread, after what it is doing
         self._worker.stop()
         self.outbox.close()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # called off the loop (a tool, a test): the check is waited for
+        return None
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: the daemon is stopping
+        pass
 
 
 def _ago(seconds: float) -> str:

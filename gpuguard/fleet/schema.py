@@ -51,6 +51,48 @@ def _decay_as_released(elapsed: str) -> str:
     return f"power(0.5, greatest(0, {elapsed}) / half)"
 
 
+# heartbeat_v1's statements for each part of the node's truth (heartbeat_v5 runs those that changed)
+_GPUS = """        DELETE FROM gpuguard.gpus g WHERE g.node = me AND NOT EXISTS (
+            SELECT 1 FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer) WHERE x.minor = g.minor);
+        -- unchanged rows are not touched (an upsert would lock each, writing to its page every beat)
+        UPDATE gpuguard.gpus g SET uuid = x.uuid, name = x.name, memory_total = x.memory_total, owner = x.owner
+            FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer, uuid text, name text, memory_total bigint, owner text)
+            WHERE g.node = me AND g.minor = x.minor
+              AND (g.uuid, g.name, g.memory_total, g.owner) IS DISTINCT FROM (x.uuid, x.name, x.memory_total, x.owner);
+        INSERT INTO gpuguard.gpus (node, minor, uuid, name, memory_total, owner)
+            SELECT me, x.minor, x.uuid, x.name, x.memory_total, x.owner
+            FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer, uuid text, name text, memory_total bigint, owner text)
+            WHERE NOT EXISTS (SELECT 1 FROM gpuguard.gpus g WHERE g.node = me AND g.minor = x.minor)
+        ON CONFLICT DO NOTHING;
+
+"""
+_GRANTS = """        -- grants made after the snapshot was taken are not in it, and stay
+        DELETE FROM gpuguard.grants g WHERE g.node = me AND g.granted_at < taken AND NOT EXISTS (
+            SELECT 1 FROM jsonb_to_recordset(doc->'grants') AS x(minor integer, username text)
+            WHERE x.minor = g.minor AND x.username = g.username);
+        INSERT INTO gpuguard.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
+            SELECT me, x.minor, x.username, x.uid, x.granted_at, x.expires_at, x.shared, x.origin
+            FROM jsonb_to_recordset(doc->'grants') AS x(minor integer, username text, uid integer,
+                 granted_at double precision, expires_at double precision, shared boolean, origin text)
+        ON CONFLICT DO NOTHING;
+
+"""
+_QUEUE = """        DELETE FROM gpuguard.queue q WHERE q.node = me AND NOT EXISTS (
+            SELECT 1 FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer) WHERE x.ticket = q.ticket);
+        INSERT INTO gpuguard.queue (node, ticket, username, gpus, since, priority)
+            SELECT me, x.ticket, x.username, x.gpus, x.since, x.priority
+            FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer, username text, gpus integer,
+                 since double precision, priority integer)
+        ON CONFLICT DO NOTHING;
+
+"""
+_LEDGER = """        INSERT INTO gpuguard.ledger (node, incarnation, seq, username, minor, started, ended)
+            SELECT me, doc->>'incarnation', x.seq, x.username, x.minor, x.started, x.ended
+            FROM jsonb_to_recordset(doc->'ledger') AS x(seq bigint, username text, minor integer,
+                 started double precision, ended double precision)
+        ON CONFLICT DO NOTHING;
+
+"""
 _HEARTBEAT_V1 = """    -- One heartbeat, one round trip: the node's truth replaces its mirror, the ledger rows of
     -- its outbox are added (a replay adds nothing twice), and it gets back what it caches:
     -- the recent usage elsewhere of the users it asks about (fair share), their grants
@@ -75,44 +117,7 @@ _HEARTBEAT_V1 = """    -- One heartbeat, one round trip: the node's truth replac
             heartbeat = excluded.heartbeat, lease = excluded.lease, grace = excluded.grace,
             last_seen = excluded.last_seen;
 
-        DELETE FROM gpuguard.gpus g WHERE g.node = me AND NOT EXISTS (
-            SELECT 1 FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer) WHERE x.minor = g.minor);
-        -- unchanged rows are not touched (an upsert would lock each, writing to its page every beat)
-        UPDATE gpuguard.gpus g SET uuid = x.uuid, name = x.name, memory_total = x.memory_total, owner = x.owner
-            FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer, uuid text, name text, memory_total bigint, owner text)
-            WHERE g.node = me AND g.minor = x.minor
-              AND (g.uuid, g.name, g.memory_total, g.owner) IS DISTINCT FROM (x.uuid, x.name, x.memory_total, x.owner);
-        INSERT INTO gpuguard.gpus (node, minor, uuid, name, memory_total, owner)
-            SELECT me, x.minor, x.uuid, x.name, x.memory_total, x.owner
-            FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer, uuid text, name text, memory_total bigint, owner text)
-            WHERE NOT EXISTS (SELECT 1 FROM gpuguard.gpus g WHERE g.node = me AND g.minor = x.minor)
-        ON CONFLICT DO NOTHING;
-
-        -- grants made after the snapshot was taken are not in it, and stay
-        DELETE FROM gpuguard.grants g WHERE g.node = me AND g.granted_at < taken AND NOT EXISTS (
-            SELECT 1 FROM jsonb_to_recordset(doc->'grants') AS x(minor integer, username text)
-            WHERE x.minor = g.minor AND x.username = g.username);
-        INSERT INTO gpuguard.grants (node, minor, username, uid, granted_at, expires_at, shared, origin)
-            SELECT me, x.minor, x.username, x.uid, x.granted_at, x.expires_at, x.shared, x.origin
-            FROM jsonb_to_recordset(doc->'grants') AS x(minor integer, username text, uid integer,
-                 granted_at double precision, expires_at double precision, shared boolean, origin text)
-        ON CONFLICT DO NOTHING;
-
-        DELETE FROM gpuguard.queue q WHERE q.node = me AND NOT EXISTS (
-            SELECT 1 FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer) WHERE x.ticket = q.ticket);
-        INSERT INTO gpuguard.queue (node, ticket, username, gpus, since, priority)
-            SELECT me, x.ticket, x.username, x.gpus, x.since, x.priority
-            FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer, username text, gpus integer,
-                 since double precision, priority integer)
-        ON CONFLICT DO NOTHING;
-
-        INSERT INTO gpuguard.ledger (node, incarnation, seq, username, minor, started, ended)
-            SELECT me, doc->>'incarnation', x.seq, x.username, x.minor, x.started, x.ended
-            FROM jsonb_to_recordset(doc->'ledger') AS x(seq bigint, username text, minor integer,
-                 started double precision, ended double precision)
-        ON CONFLICT DO NOTHING;
-
-        IF jsonb_array_length(doc->'usage_for') > 0 THEN
+""" + _GPUS + _GRANTS + _QUEUE + _LEDGER + """        IF jsonb_array_length(doc->'usage_for') > 0 THEN
             SELECT coalesce(jsonb_object_agg(u.name, u.value), '{{}}') INTO usage FROM (
                 SELECT w.name, coalesce((
                     SELECT sum(half / ln(2) * ({ended}
@@ -378,6 +383,118 @@ MIGRATIONS: tuple[Migration, ...] = (
 
     REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA gpuguard FROM PUBLIC;
     ALTER DEFAULT PRIVILEGES IN SCHEMA gpuguard REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC;
+    """),
+    # A heartbeat writes what changed (gpuguard.fleet.fleetdb.FleetDb.heartbeat). heartbeat_v5
+    # without `since` is heartbeat_v4 (checked, then v3), which also stores the `digest` the node
+    # sends of what it mirrors (its row's fields, GPUs, grants and queue), unless refused. With
+    # `since`, the digest stored by the node's last heartbeat: where the row still has it (this
+    # install's, since the digest covers the install), last_seen and the new digest are written,
+    # and of the GPUs, grants and queue those the document has (the parts that changed) as v1
+    # writes them; then the ledger rows and the answers, as before. Where it has not (the node
+    # removed, another install), the answer is `resend` and the node sends everything. Only the
+    # node writes its rows (migration 5); it sends its grants after its own grant-time check or
+    # release, and everything on a new connection and once a minute. `usage_all` also answers
+    # the usage elsewhere of every user who has any (`gpuguard fairshare`, at most once a minute).
+    # Nodes of schema 5 go on calling heartbeat_v4, which leaves the digest alone: a node of
+    # schema 6 sends everything first on each connection.
+    Migration(6, 1, """
+    ALTER TABLE gpuguard.nodes ADD COLUMN digest text;
+
+    -- the heartbeat's usage elsewhere of the users named (decayed GPU-seconds; 0 for those with
+    -- none), as heartbeat_v1 works it out; plpgsql, whose plans a connection keeps (a SQL function's
+    -- are made again at each call)
+    CREATE FUNCTION gpuguard.usage_elsewhere(names text[], me text, at double precision, half double precision)
+        RETURNS jsonb LANGUAGE plpgsql STABLE AS $$
+    BEGIN
+        IF cardinality(names) = 0 THEN
+            RETURN '{}';
+        END IF;
+        RETURN (SELECT coalesce(jsonb_object_agg(w.name, coalesce(u.value, 0)), '{}') FROM unnest(names) AS w(name)
+            LEFT JOIN (
+            SELECT x.username, sum(x.value) AS value FROM (
+                SELECT l.username, half / ln(2) * (gpuguard.decay(at - l.ended, half)
+                                                   - gpuguard.decay(at - l.started, half)) AS value
+                FROM gpuguard.ledger l  -- 30 half-lives back: what is older counts less than 1e-9
+                WHERE l.username = ANY (names) AND l.ended >= at - 30 * half AND l.node <> me
+                UNION ALL
+                SELECT g.username, half / ln(2) * (1 - gpuguard.decay(at - g.granted_at, half))
+                FROM gpuguard.grants g WHERE g.username = ANY (names) AND g.node <> me AND (
+                    SELECT gpuguard.counts(n, at) FROM gpuguard.nodes n WHERE n.name = g.node)) x
+            GROUP BY x.username) u ON u.username = w.name);
+    END $$;
+
+    CREATE FUNCTION gpuguard.heartbeat_v5(doc jsonb) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER
+        SET search_path = pg_catalog, pg_temp AS $$
+    DECLARE
+        me text := doc->>'node';
+        at double precision := extract(epoch FROM clock_timestamp());
+        taken double precision := (doc->>'taken_at')::double precision;
+        half double precision := (doc->>'half_life')::double precision;
+        clash jsonb;
+        clash_for double precision;  -- how long a clash is told (lease + grace)
+        answer jsonb;
+    BEGIN
+        IF NOT doc ? 'since' THEN
+            PERFORM gpuguard.writes_for(me);
+            answer := gpuguard.heartbeat_v3(doc);
+            IF NOT answer ? 'refused' THEN
+                UPDATE gpuguard.nodes SET digest = doc->>'digest' WHERE name = me AND digest IS DISTINCT FROM doc->>'digest';
+            END IF;
+        ELSE
+            -- writes_for's check, in the statement: a caller it would refuse is asked to resend, and refused then
+            UPDATE gpuguard.nodes n SET last_seen = at, digest = doc->>'digest'
+                WHERE n.name = me AND n.digest = doc->>'since' AND (
+                    session_user = 'gpuguard_node_' || me OR pg_has_role(session_user, (
+                        SELECT nspowner FROM pg_namespace WHERE nspname = 'gpuguard'), 'USAGE'))
+                RETURNING n.clash, n.lease + n.grace INTO clash, clash_for;
+            IF NOT FOUND THEN
+                RETURN jsonb_build_object('at', at, 'resend', true);
+            END IF;
+            IF doc ? 'gpus' THEN
+""" + _GPUS + """
+            END IF;
+            IF doc ? 'grants' THEN
+""" + _GRANTS + """
+            END IF;
+            IF doc ? 'queue' THEN
+""" + _QUEUE + """
+                UPDATE gpuguard.queue q SET gpus = x.gpus
+                    FROM jsonb_to_recordset(doc->'queue') AS x(ticket integer, gpus integer)
+                    WHERE q.node = me AND q.ticket = x.ticket AND q.gpus <> x.gpus;
+            END IF;
+            IF jsonb_array_length(doc->'ledger') > 0 THEN
+""" + _LEDGER + """
+            END IF;
+            answer := jsonb_build_object('at', at, 'free', '[]'::jsonb, 'held', '{}'::jsonb, 'usage', '{}'::jsonb);
+            IF jsonb_array_length(doc->'usage_for') > 0 THEN
+                answer := answer || jsonb_build_object('usage', gpuguard.usage_elsewhere(
+                    ARRAY(SELECT jsonb_array_elements_text(doc->'usage_for')), me, at, half));
+            END IF;
+            IF jsonb_array_length(doc->'users') > 0 THEN
+                answer := answer || jsonb_build_object('held', (SELECT coalesce(jsonb_object_agg(w.name, (
+                    SELECT count(*) FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
+                        SELECT gpuguard.counts(o, at) FROM gpuguard.nodes o WHERE o.name = g.node))), '{}')
+                    FROM jsonb_array_elements_text(doc->'users') AS w(name)));
+            END IF;
+            IF (doc->>'want_free')::boolean THEN
+                answer := answer || jsonb_build_object('free', (SELECT coalesce(jsonb_agg(f), '[]') FROM (
+                    SELECT o.name AS node, o.rack, o.ssh, count(*) AS free
+                    FROM gpuguard.gpus g JOIN gpuguard.nodes o ON o.name = g.node
+                    WHERE g.owner = 'gpuguard' AND o.name <> me AND o.last_seen >= at - o.lease
+                      AND NOT EXISTS (SELECT 1 FROM gpuguard.grants r WHERE r.node = g.node AND r.minor = g.minor)
+                    GROUP BY o.name, o.rack, o.ssh ORDER BY count(*) DESC, o.name LIMIT 5) f));
+            END IF;
+            IF clash IS NOT NULL AND at - (clash->>'at')::double precision <= clash_for THEN
+                answer := answer || jsonb_build_object('clash', clash);  -- another install tried this name lately
+            END IF;
+        END IF;
+        IF coalesce((doc->>'usage_all')::boolean, false) AND NOT answer ? 'refused' THEN
+            answer := answer || jsonb_build_object('usage_all', gpuguard.usage_elsewhere(ARRAY(
+                SELECT l.username FROM gpuguard.ledger l WHERE l.ended >= at - 30 * half AND l.node <> me
+                UNION SELECT g.username FROM gpuguard.grants g WHERE g.node <> me), me, at, half));
+        END IF;
+        RETURN answer;
+    END $$;
     """),
 )
 CURRENT = MIGRATIONS[-1].version

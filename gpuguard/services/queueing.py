@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Protocol, runtime_checkable
 
 from gpuguard.config import Config
 from gpuguard.core import allocator, policy, rules, scheduler
@@ -53,6 +54,16 @@ def reason(ahead: Sequence[scheduler.Waiter], mine: scheduler.Waiter, usage: Map
     if usage.get(nearest.uid, 0.0) / nearest.share != usage.get(mine.uid, 0.0) / mine.share:
         return FAIRSHARE
     return RESOURCES
+
+
+@runtime_checkable
+class FleetUsage(Protocol):
+    """A fleet's usage elsewhere (gpuguard.fleet.node.RemoteUsage): a user's, as the queue orders
+    by it, and every user's with any, as `fairshare` shows it."""
+
+    def __call__(self, user: str) -> float: ...
+
+    async def everyone(self) -> tuple[dict[str, float], float | None]: ...
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,12 @@ class Queue:
         """uid -> recent usage (decayed GPU-seconds) of these users."""
         usage_of = self._usage_of(now)
         return {uid: usage_of(uid) for uid in uids}
+
+    async def usage_elsewhere(self) -> tuple[dict[str, float], float | None] | None:
+        """user -> recent usage on a fleet's other servers of every user with any there, and when
+        the fleet database said so (FleetUsage.everyone); None on a lone server."""
+        remote = self.remote_usage
+        return await remote.everyone() if isinstance(remote, FleetUsage) else None
 
     def _usage_of(self, now: float) -> Callable[[int], float]:
         """A user's recent usage at `now` (fair share as charged read once, for every user asked)."""

@@ -1,4 +1,4 @@
-"""One role per node, least privilege (gpuguard.fleet.roles, `gpuguard fleet init`, schema 5) on a
+"""One role per node, least privilege (gpuguard.fleet.roles, `gpuguard fleet init`, schemas 5 and 6) on a
 real PostgreSQL that asks every TCP login for its password (SCRAM): the roles log in with the
 passfiles fleet init wrote. Node gpu1's role writes its own rows and nothing of gpu2's, nor a node
 of another name, nor any table directly; the web's role, from its own passfile that only the web
@@ -93,7 +93,7 @@ def grant(minor: int, user: str) -> dict:
 def test_a_nodes_role_writes_its_own_rows_only(fleet):
     made = fleet.init("--node", "gpu1", "--node", "gpu2")
     assert made.returncode == 0, made
-    assert made.stdout.startswith("gpuguard: the fleet database is at schema 5; its roles are ready (owner gpuguard)")
+    assert made.stdout.startswith("gpuguard: the fleet database is at schema 6; its roles are ready (owner gpuguard)")
     for role, reader in (("gpuguard_node_gpu1", "root"), ("gpuguard_node_gpu2", "root"), (roles.ADMIN, "root"),
                          (roles.WEB, fleet.web.name)):
         path = roles.passfile(fleet.credentials, role)
@@ -112,6 +112,7 @@ def test_a_nodes_role_writes_its_own_rows_only(fleet):
 
     # gpu1's role: nothing of gpu2's, no node of another name, through the functions or around them
     for function, doc in (("heartbeat_v4", {**heartbeat_doc("gpu2"), "ssh": "evil.example.org"}),
+                          ("heartbeat_v5", {**heartbeat_doc("gpu2"), "ssh": "evil.example.org"}),
                           ("heartbeat_v4", heartbeat_doc("gpu9")), ("reserve_v3", reserve_doc("gpu2", "u1", [1], None)),
                           ("heartbeat_v3", heartbeat_doc("gpu1")), ("heartbeat_v1", heartbeat_doc("gpu1")),
                           ("reserve_v2", reserve_doc("gpu1", "u1", [1], None))):
@@ -119,6 +120,10 @@ def test_a_nodes_role_writes_its_own_rows_only(fleet):
             FleetDb(fleet.as_role("gpuguard_node_gpu1"), "gpu1").call(function, doc)
     with pytest.raises(DENIED, match="role gpuguard_node_gpu1 may not write the rows of node gpu2"):
         FleetDb(fleet.as_role("gpuguard_node_gpu1"), "gpu2").release([(0, "u2")])
+    # nor with gpu2's digest, as a heartbeat that sends only what changed: asked to send it all, nothing written
+    (digest,) = rows(fleet.owner, "SELECT digest FROM gpuguard.nodes WHERE name = 'gpu2'")[0]
+    sneaky = {**heartbeat_doc("gpu2"), "since": digest, "digest": "forged"}
+    assert FleetDb(fleet.as_role("gpuguard_node_gpu1"), "gpu1").call("heartbeat_v5", sneaky)["resend"] is True
     node = fleet.as_role("gpuguard_node_gpu1")
     for statement in ("UPDATE gpuguard.nodes SET ssh = 'evil.example.org' WHERE name = 'gpu2'",
                       "DELETE FROM gpuguard.grants WHERE node = 'gpu2'",
@@ -184,7 +189,8 @@ def test_the_web_reads_with_its_own_role_and_writes_nothing(fleet, make_user):
     assert denied(web, "INSERT INTO gpuguard.nodes (name, heartbeat, lease, grace, first_seen, last_seen)"
                        " VALUES ('gpu9', 10, 30, 60, 0, 0)")
     assert denied(web, "SELECT * FROM gpuguard.fleet_quotas")  # nothing the web does not show
-    for call, doc in (("heartbeat_v4", heartbeat_doc("gpu1")), ("reserve_v3", reserve_doc("gpu1", "u1", [1], None)),
+    for call, doc in (("heartbeat_v4", heartbeat_doc("gpu1")), ("heartbeat_v5", heartbeat_doc("gpu1")),
+                      ("reserve_v3", reserve_doc("gpu1", "u1", [1], None)),
                       ("heartbeat_v1", heartbeat_doc("gpu1")), ("reserve_v1", reserve_doc("gpu1", "u1", [1], None))):
         assert denied(web, f"SELECT gpuguard.{call}(%s)", json.dumps(doc)), call
     assert denied(web, "SELECT gpuguard.release_v1('gpu1', ARRAY[0], ARRAY['u1'])")

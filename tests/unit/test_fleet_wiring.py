@@ -5,6 +5,7 @@ mirror of the GPUs with their owners ([coexist]). The real database: tests/syste
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -12,16 +13,18 @@ from pathlib import Path
 import pytest
 from fakes import GROUP, FakeFleetDb, World, gpu
 
+from devtools.harness import wait_for
 from gpuguard.config import AccessConfig, Config, FleetConfig, PathsConfig
 from gpuguard.core import coexist
 from gpuguard.core.coexist import Owner, Ownership
 from gpuguard.core.model import Quota
 
 
-def fleet_world(tmp_path: Path, foreign: list[dict] | None = None) -> World:
-    config = Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=4), paths=PathsConfig(state_dir=tmp_path),
-                    fleet=FleetConfig(database="host=/nonexistent", node="n1"))
-    return World(tmp_path, config=config, fleet_db=FakeFleetDb(), foreign=foreign or [])
+def fleet_world(tmp_path: Path, foreign: list[dict] | None = None, fleet_gpus: int | None = None,
+                db: FakeFleetDb | None = None) -> World:
+    config = Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=4, fleet_gpus=fleet_gpus),
+                    paths=PathsConfig(state_dir=tmp_path), fleet=FleetConfig(database="host=/nonexistent", node="n1"))
+    return World(tmp_path, config=config, fleet_db=db or FakeFleetDb(), foreign=foreign or [])
 
 
 @pytest.fixture
@@ -41,12 +44,44 @@ def test_a_single_server_has_no_fleet(world):
     assert world.services.fleet is None and world.grants.admit is None
 
 
-def test_the_fleet_quota_makes_a_login_grant_smaller(fleet):
-    db = online(fleet)
-    db.allow["alice"] = 1
-    alice = fleet.lookup.add("alice", 1001, GROUP)
-    assert fleet.login(alice)["gpus"] == [0]  # the local quota allows 4
-    assert db.calls[-1] == ("reserve", ("alice", (0, 1, 2, 3)))
+def test_the_fleet_quota_makes_a_login_grant_smaller(tmp_path):
+    fleet = fleet_world(tmp_path, fleet_gpus=2)
+    try:
+        db = online(fleet)
+        db.allow["alice"] = 1  # she holds 1 of her 2 elsewhere
+        alice = fleet.lookup.add("alice", 1001, GROUP)
+        assert fleet.login(alice)["gpus"] == [0]  # the local quota allows 4
+        assert db.calls[-1] == ("reserve", ("alice", (0, 1, 2, 3)))
+    finally:
+        fleet.services.close()
+
+
+class SlowFleetDb(FakeFleetDb):
+    """A database whose grant-time check answers only once `answer` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = threading.Event()
+
+    def reserve(self, doc: dict) -> dict:
+        assert self.answer.wait(30)
+        return super().reserve(doc)
+
+
+def test_a_login_without_a_fleet_quota_does_not_wait_for_the_database_which_records_it_in_order(tmp_path):
+    fleet = fleet_world(tmp_path, db=SlowFleetDb())
+    try:
+        db = online(fleet)
+        assert isinstance(db, SlowFleetDb)
+        alice = fleet.lookup.add("alice", 1001, GROUP)
+        assert fleet.login(alice)["gpus"] == [0, 1, 2, 3]  # the check has not answered yet
+        assert [kind for kind, _ in db.calls] == ["heartbeat"]
+        assert fleet.services.fleet is not None and fleet.services.fleet.node.online  # not timed out
+        assert fleet.call("release", uid=1001)["ok"]
+        db.answer.set()  # the check, then the release, in the order they were asked
+        assert wait_for(lambda: [kind for kind, _ in db.calls] == ["heartbeat", "reserve", "release"]), db.calls
+    finally:
+        fleet.services.close()
 
 
 def test_a_release_leaves_the_fleet_database_before_the_queue_hands_the_gpus_on(fleet):

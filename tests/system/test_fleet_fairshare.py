@@ -1,0 +1,100 @@
+"""Fair share across servers as `gpuguard fairshare` shows it, and the heartbeat that sends only
+what changed (schema 6): real PostgreSQL, real daemons (test_fleet_daemons.DaemonFleet) where the
+daemon is what is tested."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from test_fleet_daemons import DaemonFleet, daemon_fleet, member
+from test_fleet_db import GPUS, heartbeat_doc, reserve_doc, rows
+
+from devtools.harness import wait_for
+from gpuguard.fleet.fleetdb import FleetDb
+
+
+@pytest.fixture
+def fleet(postgres, make_group, make_user) -> Iterator[DaemonFleet]:
+    with daemon_fleet(postgres, make_group(), make_user) as nodes:
+        yield nodes
+
+
+def test_fairshare_shows_usage_here_elsewhere_and_the_sum_the_queue_orders_by(fleet):
+    heavy, light, holder = member(fleet), member(fleet), member(fleet)
+    fleet.start(quotas={"users": {}}, defaults={"gpus": 1})
+    assert fleet.login("gpu2", heavy)["gpus"]  # heavy's usage grows on gpu2 only
+    gpu1 = fleet.nodes["gpu1"]
+    assert fleet.login("gpu1", light)["gpus"]  # light's grows here
+    # gpu1 knows heavy from the fleet's usage only: listed, with nothing here
+
+    def standing(name: str) -> dict | None:
+        return next((u for u in gpu1.call("fairshare")["users"] if u["user"] == name), None)
+    assert wait_for(lambda: (found := standing(heavy.name)) and found["elsewhere"] > 0), gpu1.call("fairshare")
+    found = standing(heavy.name)
+    assert found["here"] == 0 and found["usage"] == found["elsewhere"] and found["normalized"] == found["usage"]
+    mine = standing(light.name)
+    assert mine["here"] > 0 and mine["elsewhere"] == 0
+    reply = gpu1.call("fairshare")
+    assert reply["fleet"] is True and reply["elsewhere_at"] is not None
+    shown = gpu1.cli_as(light, "fairshare")
+    assert shown.returncode == 0, shown.stderr
+    assert "HERE" in shown.stdout and "ELSEWHERE" in shown.stdout and heavy.name in shown.stdout, shown.stdout
+    assert "usage on the other servers: as of" in shown.stdout
+    # once heavy waits here, the number fairshare shows is the one the queue orders by
+    assert fleet.login("gpu1", holder)["gpus"]  # gpu1 is full
+    assert "queue" in fleet.login("gpu1", heavy)["message"]
+
+    def same() -> bool:
+        queued = gpu1.whoami(heavy)["queue"]
+        return queued is not None and abs(queued["usage"] - standing(heavy.name)["normalized"]) < 1e-6
+    assert wait_for(same, timeout=15), (gpu1.whoami(heavy)["queue"], standing(heavy.name))
+
+
+def test_a_heartbeat_sends_what_changed_and_the_database_asks_for_the_rest_when_it_lacks_it(postgres):
+    db = FleetDb(postgres.conninfo, "gpu1")
+    doc = heartbeat_doc("gpu1", grants=[{"minor": 0, "username": "u1", "uid": 1001, "granted_at": time.time() - 5,
+                                         "expires_at": None, "shared": False, "origin": "session"}])
+    first = db.heartbeat(doc)
+    assert "refused" not in first
+    (digest,) = rows(postgres.conninfo, "SELECT digest FROM gpuguard.nodes WHERE name = 'gpu1'")[0]
+    assert digest
+    # a row changed behind the node's back stays while the node's truth is the same: nothing but
+    # last_seen was written
+    with psycopg.connect(postgres.conninfo, autocommit=True) as conn:
+        conn.execute("DELETE FROM gpuguard.gpus WHERE node = 'gpu1' AND minor = 1")
+    seen = rows(postgres.conninfo, "SELECT last_seen FROM gpuguard.nodes")[0][0]
+    answer = db.heartbeat({**doc, "taken_at": time.time()})
+    assert set(answer) >= {"at", "usage", "held", "free"} and "resend" not in answer
+    assert rows(postgres.conninfo, "SELECT last_seen > %s FROM gpuguard.nodes", seen) == [(True,)]
+    assert rows(postgres.conninfo, "SELECT count(*) FROM gpuguard.gpus") == [(GPUS - 1,)]
+    # a grant more: the grants are written, the rest is not sent
+    doc["grants"] = [*doc["grants"], {**doc["grants"][0], "minor": 2, "username": "u3"}]
+    assert "resend" not in db.heartbeat({**doc, "taken_at": time.time()})
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants ORDER BY 1") == [(0, "u1"), (2, "u3")]
+    assert rows(postgres.conninfo, "SELECT count(*) FROM gpuguard.gpus") == [(GPUS - 1,)]
+    # the node removed (`fleet remove --force`): the database asks, and has the whole truth again
+    with psycopg.connect(postgres.conninfo, autocommit=True) as conn:
+        conn.execute("DELETE FROM gpuguard.nodes WHERE name = 'gpu1'")
+    assert "resend" not in db.heartbeat({**doc, "taken_at": time.time()})
+    assert rows(postgres.conninfo, "SELECT count(*) FROM gpuguard.gpus") == [(GPUS,)]
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants ORDER BY 1") == [(0, "u1"), (2, "u3")]
+    # after the node's own grant-time check the whole truth goes: a grant the node did not make is gone
+    db.reserve(reserve_doc("gpu1", "u2", [1], None))
+    assert "resend" not in db.heartbeat({**doc, "taken_at": time.time() + 1})
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants ORDER BY 1") == [(0, "u1"), (2, "u3")]
+    db.close()
+
+
+def test_usage_all_brings_every_users_usage_elsewhere(postgres):
+    gpu1, gpu2 = FleetDb(postgres.conninfo, "gpu1"), FleetDb(postgres.conninfo, "gpu2")
+    now = time.time()
+    gpu2.heartbeat(heartbeat_doc("gpu2", ledger=[{"seq": 1, "username": "u7", "minor": 0, "started": now - 7200,
+                                                  "ended": now - 3600}]))
+    gpu1.heartbeat(heartbeat_doc("gpu1"))
+    answer = gpu1.heartbeat({**heartbeat_doc("gpu1"), "usage_all": True})
+    assert answer["usage_all"].keys() == {"u7"} and 3500 < answer["usage_all"]["u7"] < 3600, answer
+    assert gpu2.heartbeat({**heartbeat_doc("gpu2"), "usage_all": True})["usage_all"] == {}  # its own: not elsewhere
+    gpu1.close()
+    gpu2.close()
