@@ -24,6 +24,8 @@ since this connection's last, with the digest the database then has (schema.py, 
 it writes the node's last_seen and those parts, and nothing else. The grants go after this
 node's own grant-time check or release too; the whole truth on each new connection, once
 FULL_EVERY, and when the database asks for it (the digest it has is not the one the node says).
+A release that fails is sent again first thing on the next connection, before any check: a
+check of the GPU it freed would otherwise find it still granted there.
 """
 from __future__ import annotations
 
@@ -184,6 +186,7 @@ class FleetDb:
         # On this connection, by node (a daemon sends for its own; the bench for many): what its
         # last heartbeat left in the database.
         self._sent: dict[str, Sent] = {}
+        self._unsent: list[tuple[int, str]] = []  # releases that failed: sent first on the next connection
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
@@ -197,7 +200,18 @@ class FleetDb:
                 conn.close()
                 raise
             self._conn, self._ledger_checked, self._sent = conn, False, {}
+            if self._unsent:
+                self._release_on(conn, self._unsent)
+                self._unsent = []
         return self._conn
+
+    def _release_on(self, conn: psycopg.Connection, pairs: list[tuple[int, str]]) -> None:
+        try:
+            conn.execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.release_v1(%s, %s::integer[], %s::text[])",
+                         (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
+        except BaseException:
+            conn.close()
+            raise
 
     def _failed(self, exc: psycopg.Error) -> None:
         """After any error the connection is dropped; a schema gone is made again by the next."""
@@ -261,10 +275,15 @@ class FleetDb:
         return self.call("reserve_v3", doc, flushed=False)
 
     def release(self, pairs: list[tuple[int, str]]) -> None:
-        """Grants of this node taken back: (minor, user) each; raises psycopg.Error."""
+        """Grants of this node taken back: (minor, user) each; raises psycopg.Error, and then sends
+        them again first thing on the next connection."""
         self._grants_changed()
-        self._execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.release_v1(%s, %s::integer[], %s::text[])",
-                      (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
+        try:
+            self._release_on(self._connection(), pairs)
+        except psycopg.Error as exc:
+            self._unsent.extend(pairs)
+            self._failed(exc)
+            raise
 
     def _grants_changed(self) -> None:
         """This node's grants in the database change (or may, when the call fails): the next

@@ -156,9 +156,15 @@ class FleetNode:
                 self._refused(result["refused"])
 
     def _conflict(self, user: str, chosen: tuple[int, ...]) -> None:
-        event(logging.ERROR, "fleet_double_grant", user=user, gpus=list(chosen), node=self.config.node,
-              action="refused: the database has these GPUs granted (is another server named the same?); "
-                     "this node's truth goes with the next heartbeat")
+        """The database has GPUs of this node granted that this node does not hold (its allocator
+        chose them free). Another install under this node's name is refused before it writes
+        (identity.py), so what it has is this node's own past: a release or a truth it has not
+        received yet, after a reconnect (a switchover) or lost in a failover."""
+        event(logging.ERROR, "fleet_grant_conflict", user=user, gpus=list(chosen), node=self.config.node,
+              error="the fleet database still has these GPUs of this node granted, which this node no longer "
+                    "holds: a release or heartbeat it has not received yet (a reconnect, or a failover that lost "
+                    "the last commits)",
+              action="refused here; this node's truth goes with the next heartbeat, soon")
         self._kick.set()
 
     def _offline_admit(self, uid: int, user: str, quota: Quota, chosen: tuple[int, ...]) -> tuple[int, ...]:

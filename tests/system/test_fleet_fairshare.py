@@ -1,6 +1,6 @@
-"""Fair share across servers as `gpuguard fairshare` shows it, and the heartbeat that sends only
-what changed (schema 6): real PostgreSQL, real daemons (test_fleet_daemons.DaemonFleet) where the
-daemon is what is tested."""
+"""Fair share across servers as `gpuguard fairshare` shows it, the heartbeat that sends only its
+digest while the node's truth is unchanged (schema 6), and a release lost to a reconnect: real
+PostgreSQL, real daemons (test_fleet_daemons.DaemonFleet) where the daemon is what is tested."""
 from __future__ import annotations
 
 import time
@@ -98,3 +98,34 @@ def test_usage_all_brings_every_users_usage_elsewhere(postgres):
     assert gpu2.heartbeat({**heartbeat_doc("gpu2"), "usage_all": True})["usage_all"] == {}  # its own: not elsewhere
     gpu1.close()
     gpu2.close()
+
+
+def test_a_release_cut_off_by_a_reconnect_goes_before_the_next_check(postgres):
+    db = FleetDb(postgres.conninfo, "gpu1")
+    db.heartbeat(heartbeat_doc("gpu1"))
+    assert db.reserve(reserve_doc("gpu1", "u1", [0], 1))["granted"] == [0]
+    # the node's connection dropped under it (a switchover): the release fails
+    with psycopg.connect(postgres.conninfo, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'gpuguard gpu1'")
+    with pytest.raises(psycopg.Error):
+        db.release([(0, "u1")])
+    # the next check, on a new connection, finds GPU 0 free there: the release went first
+    assert db.reserve(reserve_doc("gpu1", "u1", [0], 1))["granted"] == [0]
+    assert rows(postgres.conninfo, "SELECT node, minor, username FROM gpuguard.grants") == [("gpu1", 0, "u1")]
+    db.close()
+
+
+def test_a_grant_the_database_still_has_is_logged_as_what_it_is_not_as_a_second_node_name(fleet):
+    alice = member(fleet)
+    fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 2}}})
+    # a grant of gpu1's GPUs the database kept after gpu1 took it back (a release it lost in a
+    # failover); made to look newer than gpu1's heartbeats, which would otherwise take it out
+    with psycopg.connect(fleet.postgres.conninfo, autocommit=True) as conn:
+        for minor in (0, 1):
+            conn.execute("INSERT INTO gpuguard.grants (node, minor, username, uid, granted_at, shared, origin)"
+                         " VALUES ('gpu1', %s, 'ggt-gone', 1, %s, false, 'session')", (minor, time.time() + 3600))
+    gpu1 = fleet.nodes["gpu1"]
+    assert fleet.login("gpu1", alice)["gpus"] == []
+    assert wait_for(lambda: "fleet_grant_conflict" in gpu1.log())
+    assert "a release or heartbeat it has not received yet" in gpu1.log()
+    assert "named the same" not in gpu1.log()
