@@ -136,6 +136,7 @@ class FleetNode:
             except (psycopg.Error, FleetError) as exc:
                 self._offline(_first_line(exc))
             else:
+                self._skipped(result)
                 if "refused" not in result:
                     self.held[user] = result["held"] - len(self.store.grants(uid))
                     return tuple(result["granted"])
@@ -152,8 +153,17 @@ class FleetNode:
         except (psycopg.Error, FleetError) as exc:
             self._offline(_first_line(exc))
         else:
+            self._skipped(result)
             if "refused" in result:
                 self._refused(result["refused"])
+
+    def _skipped(self, result: Mapping[str, Any]) -> None:
+        """The rows the database refused from this node's role (schema.py, migration 7: a grant on a
+        GPU it does not list or past the grants one GPU may have, a ledger row ending in the future
+        or starting before the node joined): logged, the rest written."""
+        if skipped := result.get("skipped"):
+            event(logging.WARNING, "fleet_rows_refused", node=self.config.node, rows=skipped,
+                  action="left out of the fleet database (check this server's clock and GPUs)")
 
     def _conflict(self, user: str, chosen: tuple[int, ...]) -> None:
         """The database has GPUs of this node granted that this node does not hold (its allocator
@@ -226,6 +236,7 @@ class FleetNode:
             self._refused(result["refused"])
             return False
         self._names(result)
+        self._skipped(result)
         if doc["ledger"]:
             self.outbox.confirm(doc["ledger"][-1]["seq"], time.time())
         if "ledger_present" in result and (again := self.outbox.resend_absent(result["ledger_present"])):

@@ -5,10 +5,11 @@
   run with its rights);
 - gpuguard_node_<name>, one login role per node, a member of gpuguard_nodes: it may read the
   fleet's tables and call heartbeat_v4, heartbeat_v5, reserve_v3 and release_v1, which write only
-  the rows of the node its role is named for (schema.py, migrations 5 and 6); no table may it write directly;
+  the rows of the node its role is named for, within bounds (schema.py, migrations 5 to 7); no table
+  may it write directly, no other function may it call;
 - gpuguard_admin: reads everything, removes nodes (`gpuguard fleet remove`) and may edit the
   fleet_quotas rows; it writes nothing of a node's (its ssh line included);
-- gpuguard_web: reads the tables the web view shows, nothing else.
+- gpuguard_web: reads the tables the web view shows, nothing else (no function either).
 
 Each login role's password is drawn here, sent to the server only as a SCRAM verifier, and
 written to a passfile (libpq's .pgpass format) that only its reader may read: root for the
@@ -117,6 +118,9 @@ def setup(conn: psycopg.Connection, nodes: Iterable[str], keep: Callable[[str], 
             conn.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(schema, sql.Identifier(role)))
         conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(
             sql.SQL(", ").join(sql.Identifier(NAMESPACE, table) for table in WEB_TABLES), sql.Identifier(WEB)))
+        # what a role may call is only what is granted here (migration 7): a function made since the
+        # last run, or granted by hand, is taken back from PUBLIC and from the roles first
+        conn.execute(sql.SQL("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {} FROM PUBLIC, {}").format(schema, every))
         conn.execute(sql.SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(
             sql.SQL(", ").join(sql.SQL(f"{NAMESPACE}.{function}") for function in NODE_FUNCTIONS),
             sql.Identifier(NODES)))

@@ -30,6 +30,11 @@ class Migration:
     sql: str
 
 
+# What a node's own role may write (migration 7): grants on one GPU, at most those it may share it
+# among (gpuguard.core.policy.FRACTIONS_PER_GPU, which a released migration copies: never edited);
+# how far a node's clock may run ahead of the database's for its ledger rows.
+GRANTS_PER_GPU = 48
+SKEW = 300.0
 TIME_MAX = 1e11  # seconds: the largest epoch time (the year 5138) or duration a row may hold
 
 
@@ -158,6 +163,30 @@ def _checked(function: str, inner: str) -> str:
     BEGIN
         PERFORM gpuguard.writes_for(doc->>'node');
         RETURN gpuguard.{inner}(doc);
+    END $$;
+"""
+
+
+def _kept(part: str) -> str:
+    """SQL of gpuguard.bounded: doc's `part` is what was kept, and what was not goes under `skipped`."""
+    return f"""            doc := jsonb_set(doc, '{{{part}}}', kept);
+            IF dropped IS NOT NULL THEN
+                skipped := skipped || jsonb_build_object('{part}', dropped);
+            END IF;
+"""
+
+
+def _bounded_checked(function: str, inner: str) -> str:
+    """SQL: gpuguard.<function>(doc) made again (migration 7): writes_for's check, then
+    gpuguard.<inner> on what gpuguard.bounded leaves of doc, its answer saying what was left out."""
+    return f"""    CREATE OR REPLACE FUNCTION gpuguard.{function}(doc jsonb) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER
+        SET search_path = pg_catalog, pg_temp AS $$
+    DECLARE
+        kept jsonb;
+    BEGIN
+        PERFORM gpuguard.writes_for(doc->>'node');
+        kept := gpuguard.bounded(doc);
+        RETURN gpuguard.with_skipped(gpuguard.{inner}(kept - 'skipped'), kept);
     END $$;
 """
 
@@ -494,6 +523,119 @@ MIGRATIONS: tuple[Migration, ...] = (
                 UNION SELECT g.username FROM gpuguard.grants g WHERE g.node <> me), me, at, half));
         END IF;
         RETURN answer;
+    END $$;
+    """),
+    # Least privilege, mended. Migration 5's per-schema default could not take EXECUTE from PUBLIC
+    # (the global default grants it, which a per-schema one can only add to): heartbeat_v5 and
+    # usage_elsewhere were callable by every role. Now every function of the schema is taken from
+    # PUBLIC again, the global default of the schema's owner (and of the role migrating, when
+    # another) no longer grants EXECUTE to PUBLIC, and the node functions are granted back to
+    # gpuguard_nodes where fleet init made it (fleet init grants them again on every run).
+    # A node's own role writes its own rows only, but those rows could still harm users of every
+    # server: grants of any minor in any number, ledger rows of any length ending in any future
+    # (a user's usage inflated for good: last in every queue). What the node functions write for
+    # a node's role is now bounded by gpuguard.bounded (a member of the owner's role may write the
+    # tables anyway, and is not): a grant only on a minor the node's GPUs list (the document's
+    # when it sends them), at most GRANTS_PER_GPU on one, counting those it already has there;
+    # a ledger row only when it ends by now + SKEW, starts no earlier than the node's first_seen
+    # - SKEW and ends no earlier than it starts. What is refused is left out, never failing the
+    # rest, and said: the answer's `skipped` (the node logs it) and a WARNING in the server's log.
+    # heartbeat_v4 and reserve_v3 are made again bounded, and heartbeat_v5 becomes a bounded
+    # wrapper of what it was (heartbeat_v5_unbounded, which no role but the owner may call), so
+    # that nodes of schema 5 and 6 keep working, bounded too.
+    Migration(7, 1, f"""
+    DO $$
+    DECLARE
+        owner text := (SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = 'gpuguard');
+    BEGIN
+        EXECUTE format('ALTER DEFAULT PRIVILEGES FOR ROLE %I REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC', owner);
+        IF current_user <> owner THEN
+            EXECUTE format('ALTER DEFAULT PRIVILEGES FOR ROLE %I REVOKE EXECUTE ON FUNCTIONS FROM PUBLIC', current_user);
+        END IF;
+    END $$;
+
+    -- doc, with what a node's own role may not write taken out and put under `skipped`
+    CREATE FUNCTION gpuguard.bounded(doc jsonb) RETURNS jsonb LANGUAGE plpgsql STABLE
+        SET search_path = pg_catalog, pg_temp AS $$
+    DECLARE
+        me text := doc->>'node';
+        at double precision := extract(epoch FROM clock_timestamp());
+        since double precision;
+        minors integer[];
+        skipped jsonb := '{{}}';
+        kept jsonb;
+        dropped jsonb;
+    BEGIN
+        IF pg_has_role(session_user, (SELECT nspowner FROM pg_namespace WHERE nspname = 'gpuguard'), 'USAGE') THEN
+            RETURN doc;
+        END IF;
+        since := coalesce((SELECT n.first_seen FROM gpuguard.nodes n WHERE n.name = me), at) - {SKEW:.0f};
+        minors := CASE WHEN jsonb_typeof(doc->'gpus') = 'array'
+                       THEN ARRAY(SELECT x.minor FROM jsonb_to_recordset(doc->'gpus') AS x(minor integer))
+                       ELSE ARRAY(SELECT g.minor FROM gpuguard.gpus g WHERE g.node = me) END;
+        IF jsonb_typeof(doc->'grants') = 'array' THEN
+            -- those of the node's grants on a GPU that the document does not name stay (granted after it was taken)
+            SELECT coalesce(jsonb_agg(y.e ORDER BY y.i) FILTER (WHERE y.ok), '[]'),
+                   jsonb_agg(y.e ORDER BY y.i) FILTER (WHERE NOT y.ok) INTO kept, dropped FROM (
+                SELECT x.e, x.i, coalesce(x.minor = ANY (minors) AND x.k + (
+                    SELECT count(*) FROM gpuguard.grants g WHERE g.node = me AND g.minor = x.minor AND NOT EXISTS (
+                        SELECT 1 FROM jsonb_array_elements(doc->'grants') AS d(e)
+                        WHERE (d.e->>'minor')::integer = g.minor AND d.e->>'username' = g.username))
+                    <= {GRANTS_PER_GPU}, false) AS ok
+                FROM (SELECT d.e, d.i, (d.e->>'minor')::integer AS minor,
+                             row_number() OVER (PARTITION BY d.e->>'minor'
+                                                ORDER BY (d.e->>'granted_at')::double precision, d.e->>'username') AS k
+                      FROM jsonb_array_elements(doc->'grants') WITH ORDINALITY AS d(e, i)) x) y;
+{_kept("grants")}        END IF;
+        IF jsonb_typeof(doc->'minors') = 'array' THEN  -- a grant-time check's
+            SELECT coalesce(jsonb_agg(y.m ORDER BY y.i) FILTER (WHERE y.ok), '[]'),
+                   jsonb_agg(y.m ORDER BY y.i) FILTER (WHERE NOT y.ok) INTO kept, dropped FROM (
+                SELECT x.m, x.i, coalesce(x.m = ANY (minors) AND x.k + (
+                    SELECT count(*) FROM gpuguard.grants g WHERE g.node = me AND g.minor = x.m)
+                    <= {GRANTS_PER_GPU}, false) AS ok
+                FROM (SELECT d.m::integer AS m, d.i, row_number() OVER (PARTITION BY d.m ORDER BY d.i) AS k
+                      FROM jsonb_array_elements_text(doc->'minors') WITH ORDINALITY AS d(m, i)) x) y;
+{_kept("minors")}        END IF;
+        IF jsonb_typeof(doc->'ledger') = 'array' THEN
+            SELECT coalesce(jsonb_agg(x.e ORDER BY x.i) FILTER (WHERE x.ok), '[]'),
+                   jsonb_agg(x.e ORDER BY x.i) FILTER (WHERE NOT x.ok) INTO kept, dropped FROM (
+                SELECT d.e, d.i, coalesce((d.e->>'ended')::double precision <= at + {SKEW:.0f}
+                                     AND (d.e->>'started')::double precision >= since
+                                     AND (d.e->>'started')::double precision <= (d.e->>'ended')::double precision,
+                                     false) AS ok
+                FROM jsonb_array_elements(doc->'ledger') WITH ORDINALITY AS d(e, i)) x;
+{_kept("ledger")}        END IF;
+        IF skipped <> '{{}}' THEN
+            RAISE WARNING 'gpuguard: rows of node % refused from role %: %', me, session_user, left(skipped::text, 2000);
+            doc := doc || jsonb_build_object('skipped', skipped);
+        END IF;
+        RETURN doc;
+    END $$;
+
+    -- answer, with what bounded(doc) took out of doc
+    CREATE FUNCTION gpuguard.with_skipped(answer jsonb, bounded jsonb) RETURNS jsonb LANGUAGE sql IMMUTABLE
+        SET search_path = pg_catalog, pg_temp AS $$
+        SELECT CASE WHEN bounded ? 'skipped' THEN answer || jsonb_build_object('skipped', bounded->'skipped')
+                    ELSE answer END $$;
+
+""" + _bounded_checked("heartbeat_v4", "heartbeat_v3") + "\n" + _bounded_checked("reserve_v3", "reserve_v2") + """
+    ALTER FUNCTION gpuguard.heartbeat_v5(jsonb) RENAME TO heartbeat_v5_unbounded;
+    CREATE FUNCTION gpuguard.heartbeat_v5(doc jsonb) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER
+        SET search_path = pg_catalog, pg_temp AS $$
+    DECLARE
+        kept jsonb := gpuguard.bounded(doc);
+    BEGIN
+        RETURN gpuguard.with_skipped(gpuguard.heartbeat_v5_unbounded(kept - 'skipped'), kept);
+    END $$;
+
+    REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA gpuguard FROM PUBLIC;
+    DO $$
+    BEGIN
+        IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'gpuguard_nodes') THEN
+            REVOKE EXECUTE ON FUNCTION gpuguard.heartbeat_v5_unbounded(jsonb) FROM gpuguard_nodes;
+            GRANT EXECUTE ON FUNCTION gpuguard.heartbeat_v4(jsonb), gpuguard.heartbeat_v5(jsonb),
+                gpuguard.reserve_v3(jsonb), gpuguard.release_v1(text, integer[], text[]) TO gpuguard_nodes;
+        END IF;
     END $$;
     """),
 )

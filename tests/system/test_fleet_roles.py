@@ -1,4 +1,4 @@
-"""One role per node, least privilege (gpuguard.fleet.roles, `gpuguard fleet init`, schemas 5 and 6) on a
+"""One role per node, least privilege (gpuguard.fleet.roles, `gpuguard fleet init`, schemas 5 to 7) on a
 real PostgreSQL that asks every TCP login for its password (SCRAM): the roles log in with the
 passfiles fleet init wrote. Node gpu1's role writes its own rows and nothing of gpu2's, nor a node
 of another name, nor any table directly; the web's role, from its own passfile that only the web
@@ -93,7 +93,7 @@ def grant(minor: int, user: str) -> dict:
 def test_a_nodes_role_writes_its_own_rows_only(fleet):
     made = fleet.init("--node", "gpu1", "--node", "gpu2")
     assert made.returncode == 0, made
-    assert made.stdout.startswith("gpuguard: the fleet database is at schema 6; its roles are ready (owner gpuguard)")
+    assert made.stdout.startswith("gpuguard: the fleet database is at schema 7; its roles are ready (owner gpuguard)")
     for role, reader in (("gpuguard_node_gpu1", "root"), ("gpuguard_node_gpu2", "root"), (roles.ADMIN, "root"),
                          (roles.WEB, fleet.web.name)):
         path = roles.passfile(fleet.credentials, role)
@@ -160,6 +160,82 @@ def test_a_nodes_role_writes_its_own_rows_only(fleet):
     again = fleet.init("--node", "gpu1")
     assert again.returncode == 0 and "node gpu1: kept its password" in again.stdout, again
     assert gpu1.heartbeat(heartbeat_doc("gpu1"))
+
+
+# every function of the schema, and whether PUBLIC may call it (no ACL: the default, which grants it to PUBLIC)
+FUNCTIONS = ("SELECT p.oid::regprocedure::text, p.proacl IS NULL OR EXISTS ("
+             " SELECT 1 FROM aclexplode(p.proacl) a WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')"
+             " FROM pg_proc p JOIN pg_namespace s ON s.oid = p.pronamespace WHERE s.nspname = 'gpuguard' ORDER BY 1")
+CALLABLE = ("SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace s ON s.oid = p.pronamespace"
+            " WHERE s.nspname = 'gpuguard' AND has_function_privilege(%s, p.oid, 'EXECUTE') ORDER BY 1")
+
+
+def catalog(fleet: Fleet, query: str, *params) -> list[tuple]:
+    """rows(), as the owner with nothing but pg_catalog on its search_path (regprocedure names their schema)."""
+    return rows(f"{fleet.owner} options='-c search_path=pg_catalog'", query, *params)
+
+
+def owner_runs(fleet: Fleet, statement: str) -> None:
+    with psycopg.connect(fleet.owner, autocommit=True) as conn:
+        conn.execute(statement)
+
+
+def test_no_role_calls_a_function_it_is_not_granted_later_ones_included(fleet):
+    assert fleet.init("--node", "gpu1").returncode == 0
+    # a function the owner makes after fleet init (a later migration's): PUBLIC may not call it either
+    owner_runs(fleet, "CREATE FUNCTION gpuguard.ggt_later() RETURNS integer LANGUAGE sql SECURITY DEFINER"
+                      " AS 'SELECT 1'")
+    functions = catalog(fleet, FUNCTIONS)
+    assert len(functions) > 15 and [name for name, public in functions if public] == [], functions
+    web, admin = fleet.as_role(roles.WEB), fleet.as_role(roles.ADMIN)
+    nodes = sorted(f"gpuguard.{function}".replace(", ", ",") for function in roles.NODE_FUNCTIONS)
+    for role, may in ((roles.WEB, []), (roles.ADMIN, []), ("gpuguard_node_gpu1", nodes)):
+        assert catalog(fleet, CALLABLE, role) == [(name,) for name in may], role
+    for name, _ in functions:
+        call = f"SELECT {name.split('(')[0]}({', '.join(['NULL'] * (name.count(',') + ('()' not in name)))})"
+        assert denied(web, call) and denied(admin, call), call
+    # fleet init again grants what is the nodes' now, and takes back what was granted by hand
+    owner_runs(fleet, "GRANT EXECUTE ON FUNCTION gpuguard.ggt_later(), gpuguard.heartbeat_v3(jsonb) TO PUBLIC,"
+                      " gpuguard_nodes")
+    assert fleet.init("--node", "gpu1").returncode == 0
+    assert [name for name, public in catalog(fleet, FUNCTIONS) if public] == []
+    assert catalog(fleet, CALLABLE, "gpuguard_node_gpu1") == [(name,) for name in nodes]
+    assert catalog(fleet, CALLABLE, roles.WEB) == []
+
+
+def test_a_nodes_role_writes_rows_within_bounds_and_the_rest_of_its_heartbeat(fleet):
+    assert fleet.init("--node", "gpu1").returncode == 0
+    node = fleet.as_role("gpuguard_node_gpu1")
+    gpu1 = FleetDb(node, "gpu1")
+    assert "skipped" not in gpu1.heartbeat(heartbeat_doc("gpu1"))
+    (first_seen,) = rows(fleet.owner, "SELECT first_seen FROM gpuguard.nodes WHERE name = 'gpu1'")[0]
+    now = time.time()
+    sharers = [{**grant(1, f"u{i}"), "shared": True} for i in range(49)]  # one past what a GPU may have
+    elsewhere = grant(99, "u2")  # a GPU gpu1 does not list
+    ledger = [{"seq": 1, "username": "u1", "minor": 0, "started": now - 100, "ended": now - 10},
+              {"seq": 2, "username": "victim", "minor": 0, "started": now - 100, "ended": 1e11},
+              {"seq": 3, "username": "victim", "minor": 0, "started": first_seen - 86400, "ended": now - 10},
+              {"seq": 4, "username": "victim", "minor": 0, "started": now - 10, "ended": now - 100}]
+    answer = gpu1.heartbeat(heartbeat_doc("gpu1", grants=[grant(0, "u1"), *sharers, elsewhere], ledger=ledger))
+    assert answer["skipped"]["grants"] == [sharers[-1], elsewhere], answer
+    assert [row["seq"] for row in answer["skipped"]["ledger"]] == [2, 3, 4]
+    assert rows(fleet.owner, "SELECT minor, count(*) FROM gpuguard.grants GROUP BY minor ORDER BY minor") == [
+        (0, 1), (1, 48)]
+    assert rows(fleet.owner, "SELECT seq, username FROM gpuguard.ledger") == [(1, "u1")]
+    assert rows(fleet.owner, "SELECT last_seen > %s FROM gpuguard.nodes", first_seen) == [(True,)]
+    # what changed only (heartbeat_v5 with `since`), the grant-time check, and a node of schema 5 (heartbeat_v4)
+    stray = grant(98, "u3")
+    again = gpu1.heartbeat(heartbeat_doc("gpu1", grants=[grant(0, "u1"), *sharers[:48], stray]))
+    assert again["skipped"] == {"grants": [stray]}, again
+    reserved = gpu1.reserve(reserve_doc("gpu1", "u4", [2, 97, 1], None, shared=True))
+    assert reserved["granted"] == [2] and reserved["skipped"] == {"minors": [97, 1]}, reserved
+    old = gpu1.call("heartbeat_v4", heartbeat_doc("gpu1", grants=[grant(96, "u5")],
+                                                  ledger=[{**ledger[1], "seq": 5}]))
+    assert old["skipped"]["grants"][0]["minor"] == 96 and old["skipped"]["ledger"][0]["seq"] == 5, old
+    assert rows(fleet.owner, "SELECT count(*) FROM gpuguard.grants WHERE minor > 90 OR username = 'u5'") == [(0,)]
+    assert rows(fleet.owner, "SELECT count(*) FROM gpuguard.ledger WHERE username = 'victim'") == [(0,)]
+    # the owner's role (a fleet before roles) may write the tables anyway: not bounded
+    assert "skipped" not in FleetDb(fleet.owner, "gpu1").call("heartbeat_v5", heartbeat_doc("gpu1", grants=[elsewhere]))
 
 
 READ = """

@@ -175,7 +175,8 @@ RELEASED = {1: "732edad6267a2444be99e0fe901fe494d811e62a02a93cb7ae41ba0ff65eb575
             3: "0c75624256e5b104072c93a81b7e6a05cc5116f4ffd08dddd69741c7720bcf50",
             4: "c385a5147c4138db0ab628874fe78e192c814521718592be0fb93cccfa4c21f0",
             5: "418dbb35e4236f35be909504bb3cd954a8ef17e71520f8c35edb2c5ec5fe3501",
-            6: "2aede6af531d752c9d2b44dcc89022bbe9aa9b09cc6b88138823f83dafd2601a"}
+            6: "2aede6af531d752c9d2b44dcc89022bbe9aa9b09cc6b88138823f83dafd2601a",
+            7: "95482496b0428350b98b130bf19fee30229d1c1d623d751b561595d9f4154ee1"}
 
 
 def test_released_migrations_are_never_edited():
