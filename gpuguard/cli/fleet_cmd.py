@@ -220,7 +220,10 @@ def init_roles(args: argparse.Namespace) -> int:
         if item.password is not None:
             roles.write_passfile(path, item.role, item.password, readers.get(item.role, "root"))
         how = (f"new password in {path} (readable by {readers.get(item.role, 'root')} only)" if item.password else
-               "kept its password")
+               "kept its password" if path.exists() else
+               f"kept its password, but its passfile is not in {directory}: copy {path.name} there from the host "
+               "where fleet init wrote it (or run again with --new-passwords, which draws new ones for every role: "
+               "each then needs its new file)")
         if item.role.startswith(roles.NODE_PREFIX):
             node = item.role.removeprefix(roles.NODE_PREFIX)
             print(f"  node {node}: {how}; on {node}, with that file there: [fleet] database = "

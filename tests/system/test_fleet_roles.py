@@ -238,6 +238,23 @@ def test_a_nodes_role_writes_rows_within_bounds_and_the_rest_of_its_heartbeat(fl
     assert "skipped" not in FleetDb(fleet.owner, "gpu1").call("heartbeat_v5", heartbeat_doc("gpu1", grants=[elsewhere]))
 
 
+def test_fleet_init_on_another_host_says_the_passfiles_are_not_there(fleet):
+    assert fleet.init("--node", "gpu1").returncode == 0
+    elsewhere = Path(tempfile.mkdtemp(prefix="ggt-"))
+    try:
+        again = cli(fleet.config, "fleet", "init", "--database", fleet.owner, "--credentials", str(elsewhere),
+                    "--web-account", fleet.web.name, "--node", "gpu1")
+        assert again.returncode == 0, again
+        for role in ("gpuguard_node_gpu1", roles.ADMIN, roles.WEB):
+            name = roles.passfile(elsewhere, role).name
+            assert f"kept its password, but its passfile is not in {elsewhere}: copy {name} there" in again.stdout
+        assert not any(elsewhere.iterdir())
+        here = fleet.init("--node", "gpu1")  # where the files are: nothing to say
+        assert here.returncode == 0 and "not in" not in here.stdout and here.stdout.count("kept its password") == 3
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
 READ = """
 import asyncio, json, sys
 from pathlib import Path
