@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter, OrderedDict
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -63,7 +63,8 @@ class Admit(Protocol):
                  expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]: ...
 
 
-ASKS_KEPT = 512  # the users whose latest asks fractions are placed for: the lab's mix of late
+ASKS_KEPT = 512  # the asks fractions are placed for: the lab's mix of late, not of all time
+ASKS_PER_USER = 32  # of those, one user's at most: a flood of one user's asks moves the mix by 1/16 at most
 GIB = 1 << 30
 
 # (uid, unit) -> when a process of that user was last seen on it (the watcher's memory), None: not lately
@@ -112,9 +113,10 @@ class Grants:
         self.admit = admit
         self.last_seen = last_seen
         self.placement = placement
-        # uid -> the size of that user's latest ask (note_asked), the last ASKS_KEPT users': the mix
-        # fractions are placed for, one ask a user, so nobody's flood of asks outweighs the others
-        self._asked: OrderedDict[int, int | None] = OrderedDict()
+        # (uid, size) of the last ASKS_KEPT asks granted or queued (note_asked), ASKS_PER_USER a user
+        # at most: the mix fractions are placed for
+        self._asked: deque[tuple[int, int | None]] = deque()
+        self._asks_of: Counter[int] = Counter()  # uid -> how many of theirs _asked holds
 
     def write_visible_devices(self, uid: int) -> None:
         """The user's held-devices file as the store now says (after every grant given or taken
@@ -178,17 +180,20 @@ class Grants:
                                 self.demand_mix() if quota.fraction is not None else None)
 
     def demand_mix(self) -> Counter[int | None]:
-        """The asks fractions are placed for: how many users' latest asked each size (bytes; None: whole GPUs)."""
-        return Counter(self._asked.values())
+        """The asks fractions are placed for: how many asked each size (bytes; None: whole GPUs)."""
+        return Counter(size for _, size in self._asked)
 
     def note_asked(self, uid: int, memory: int | None) -> None:
         """An ask of uid's granted or queued, of a fraction of `memory` bytes (None: whole GPUs):
         the mix fractions are placed for (allocator.place_fraction). Sizes are kept to the GiB, so
         the mix has few."""
-        self._asked.pop(uid, None)
-        self._asked[uid] = None if memory is None else -(-memory // GIB) * GIB
+        if self._asks_of[uid] >= ASKS_PER_USER:  # their oldest goes instead of someone else's
+            self._asked.remove(next(ask for ask in self._asked if ask[0] == uid))
+            self._asks_of[uid] -= 1
+        self._asked.append((uid, None if memory is None else -(-memory // GIB) * GIB))
+        self._asks_of[uid] += 1
         if len(self._asked) > ASKS_KEPT:
-            self._asked.popitem(last=False)
+            self._asks_of[self._asked.popleft()[0]] -= 1
 
     def largest_whole(self) -> int:
         """The memory of the largest whole GPU that may be handed out (0: none)."""

@@ -9,6 +9,7 @@ from dataclasses import replace
 from fakes import GROUP, World
 
 from gpuguard.core.model import EventKind, Rule
+from gpuguard.services import grants
 
 GIB = 1 << 30
 
@@ -38,7 +39,7 @@ def test_a_queued_fraction_stays_one_fraction_when_a_rule_takes_what_its_user_he
     assert world.store.queue() == []
 
 
-def test_the_mix_of_asks_is_each_users_latest_granted_or_queued(tmp_path):
+def test_the_mix_of_asks_counts_those_granted_or_queued(tmp_path):
     world = World(tmp_path)
     world.quota(gpus=1)
     flood, other = world.lookup.add("ggt-flood", 1001, GROUP), world.lookup.add("ggt-other", 1002, GROUP)
@@ -48,7 +49,16 @@ def test_the_mix_of_asks_is_each_users_latest_granted_or_queued(tmp_path):
         assert world.call("request", uid=flood.uid, memory=33 * GIB)["ok"] is False
     world.call("release", uid=flood.uid)
     assert world.call("request", uid=flood.uid, memory=7 * GIB)["granted"]
-    assert dict(world.grants.demand_mix()) == {30 * GIB: 1, 7 * GIB: 1}
+    assert dict(world.grants.demand_mix()) == {30 * GIB: 1, 5 * GIB: 1, 7 * GIB: 1}
+
+
+def test_one_users_asks_are_at_most_a_sixteenth_of_the_mix(tmp_path):
+    world = World(tmp_path)
+    for uid in range(1000, 1100):  # a lab's asks, one each
+        world.grants.note_asked(uid, 40 * GIB)
+    for _ in range(1000):  # one user's flood of 1 GiB asks
+        world.grants.note_asked(7, GIB)
+    assert world.grants.demand_mix() == {40 * GIB: 100, GIB: grants.ASKS_PER_USER}
 
 
 def test_a_quota_without_whole_gpus_takes_no_fractions(tmp_path):
