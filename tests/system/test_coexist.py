@@ -116,8 +116,9 @@ def test_slurm_and_k8s_gpus_are_left_open_and_gpuguards_stay_closed(start_daemon
     assert gate.returncode == 0 and "problem" not in gate.stdout, gate.stdout
     assert opens(bob, {0: bare[0], 2: bare[2]}) == {0: ALLOWED, 2: GATE_DENIED}
     listed = d.cli("gpus").stdout
-    assert re.search(r"^1 .* slurm\s*$", listed, re.MULTILINE) and re.search(r"^2 .* gpuguard\s*$", listed,
-                                                                              re.MULTILINE), listed
+    # OWNER, then SHARED (each fraction's holder: none here)
+    assert re.search(r"^1 .* slurm\s+-\s*$", listed, re.MULTILINE) and re.search(r"^2 .* gpuguard\s+-\s*$", listed,
+                                                                                  re.MULTILINE), listed
 
 
 def test_the_mig_slices_of_slurms_gpu_stay_open_and_gpuguards_closed(start_daemon, sandbox):
