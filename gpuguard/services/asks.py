@@ -144,9 +144,10 @@ class Asks:
             origin = policy.grant_origin(ask.origin, self.store.logged_in(uid))
             granted = self.grants.allocate(uid, account.name, quota, more, now, origin, ask.message)
             more -= len(granted)
-        if granted or (more > 0 and (ask.waits == Waits.YES or not self.store.grants(uid))):
+        joins = more > 0 and (ask.waits == Waits.YES or not self.store.grants(uid))
+        if granted or joins:
             self.grants.note_asked(uid, memory)  # the sizes fractions are placed for (allocator.place_fraction)
-        if more > 0 and (ask.waits == Waits.YES or not self.store.grants(uid)):
+        if joins:
             # A fraction is a unit of its own, not a top-up of what its user holds: it counts on none
             # of theirs (Queue.keep_total would grow it past the one unit a fraction is).
             counted = () if quota.fraction is not None else (*ask.keeps, *granted)
