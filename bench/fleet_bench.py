@@ -2,7 +2,8 @@
 (devtools/postgres.py) of the same run:
 
 - socket login with [fleet] against the same login on a daemon without it: the database up
-  (the grant-time check is one round trip); the database down (the first login waits the
+  (no fleet quota: the grant goes with a heartbeat), the same with a fleet quota (each login
+  waits for the grant-time check, one round trip); the database down (the first login waits the
   bounded timeout once, then the node decides locally at local speed);
 - `status --fleet` for 50 nodes x 8 GPUs (the daemon's query and its grouping into nodes)
   against a bare SELECT of the same rows;
@@ -76,7 +77,10 @@ def login_rows(bench: Bench, db: Postgres) -> None:
     local = bench.write_config("cluster-local")
     fleet = bench.write_config("cluster-node", extra=f'[fleet]\ndatabase = "{db.conninfo}"\nnode = "bench1"\n'
                                                      f'timeout = "{TIMEOUT}s"\n')
-    samples: dict[str, list[float]] = {"local": [], "up": [], "down": []}
+    # every user of a fleet quota (of more than they take): each login waits for the grant-time check
+    checked = bench.write_config("cluster-quota", extra=f'[fleet]\ndatabase = "{db.conninfo}"\nnode = "bench2"\n'
+                                                         f'timeout = "{TIMEOUT}s"\n[defaults]\nfleet_gpus = 8\n')
+    samples: dict[str, list[float]] = {"local": [], "up": [], "down": [], "checked": []}
     sock = str(configuration.load(fleet).paths.socket)
     firsts = []
 
@@ -94,13 +98,23 @@ def login_rows(bench: Bench, db: Postgres) -> None:
             samples["down"] += _logins(sock, bench, caller.pid, LOGINS)
             db.start()
 
+    def checked_round() -> None:
+        checked_sock = str(configuration.load(checked).paths.socket)
+        with bench.daemon(checked):
+            while not client.call(checked_sock, "fleet_status")["online"]:
+                time.sleep(0.1)
+            samples["checked"] += _logins(checked_sock, bench, caller.pid, LOGINS)
+
+    rounds = (local_round, fleet_round, checked_round)
     for turn in range(ROUNDS):
-        for each in (local_round, fleet_round) if turn % 2 == 0 else (fleet_round, local_round):
+        for each in rounds if turn % 2 == 0 else rounds[::-1]:
             each()
     first = max(firsts)
     local_median = statistics.median(samples["local"])
     row("login with [fleet], database up", statistics.median(samples["up"]), local_median, 1.2,
         "the same login, no [fleet]")
+    row("login with [fleet] and a fleet quota (the grant-time check)", statistics.median(samples["checked"]),
+        local_median, 1.2, "the same login, no [fleet]")
     row("login with [fleet], database down (after the first)", statistics.median(samples["down"]), local_median,
         1.1, "the same login, no [fleet]")
     row("first login after the database went down", first, local_median * 1.1 + TIMEOUT, 1.0,

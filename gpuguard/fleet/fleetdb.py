@@ -3,15 +3,15 @@
 Every call is one round trip: the heartbeat and the grant-time check are server-side
 functions (schema.py) taking one JSON document, the view one SELECT. Connections run in
 autocommit, so a call is its own transaction without BEGIN and COMMIT round trips.
-The grant-time check and the release commit without waiting for the WAL to reach disk
-(synchronous_commit off for their transaction only): a login then waits for no disk flush on
-the database server. Others see them at once all the same; what a crash of the database
-server can lose of them (its last fraction of a second) the nodes send again before they
+The grant-time check (with the releases sent before it) commits without waiting for the WAL
+to reach disk (synchronous_commit off for its transaction only): a login then waits for no disk
+flush on the database server. Others see it at once all the same; what a crash of the database
+server can lose of it (its last fraction of a second) the nodes send again before they
 check anything there, since a crash drops every connection, puts each node offline, and only
-a heartbeat, which carries the node's whole truth, brings it back online. The heartbeat keeps
-the default, and the first heartbeat on each new connection asks which of the node's kept
-ledger rows the database has (outbox.py: a promoted replica may lack what the lost leader
-confirmed).
+a heartbeat, which carries the node's whole truth, brings it back online. A heartbeat that
+writes more than last_seen keeps the default, and the first heartbeat on each new connection
+asks which of the node's kept ledger rows the database has (outbox.py: a promoted replica may
+lack what the lost leader confirmed).
 Waits are bounded on both sides: libpq's connect_timeout and tcp_user_timeout on the
 client, statement_timeout and lock_timeout on the server.
 Each new connection is fenced before anything is written (fencing.py): a standby, another
@@ -24,8 +24,8 @@ since this connection's last, with the digest the database then has (schema.py, 
 it writes the node's last_seen and those parts, and nothing else. The grants go after this
 node's own grant-time check or release too; the whole truth on each new connection, once
 FULL_EVERY, and when the database asks for it (the digest it has is not the one the node says).
-A release that fails is sent again first thing on the next connection, before any check: a
-check of the GPU it freed would otherwise find it still granted there.
+Grants taken back go with the next heartbeat's grants, or, when a grant-time check comes first,
+in a release just before it: the check would otherwise find their GPUs still granted there.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ FULL_EVERY = 60.0  # seconds: a heartbeat sends the node's whole truth at least 
 # What a heartbeat mirrors, which its digest covers: the node row's fields, and its GPUs, grants and queue.
 FIELDS = ("node", "host", "install", "rack", "ssh", "version", "schema", "incarnation", "heartbeat", "lease", "grace")
 PARTS = ("gpus", "grants", "queue")
-# What a heartbeat that sends only what changed sends besides (schema.py, heartbeat_v5)
+# What a heartbeat that sends only what changed sends besides (schema.py, heartbeat_v5 and heartbeat_v6)
 ALWAYS = ("node", "incarnation", "taken_at", "half_life", "ledger", "usage_for", "users", "want_free", "usage_all")
 
 
@@ -169,6 +169,14 @@ def _apply(conn: psycopg.Connection, node: str) -> dict[int, int]:
     return applied
 
 
+def _answer(cursor: psycopg.Cursor[Any]) -> dict[str, Any]:
+    """The jsonb a node function returned (the row's last column), which psycopg loads as a dict."""
+    row = cursor.fetchone()
+    assert row is not None
+    answer: dict[str, Any] = row[-1]
+    return answer
+
+
 class FleetDb:
     """The node's own connection, used from one thread at a time (the service's worker): opened
     and migrated on first use, dropped after any error and opened again by the next call, so a
@@ -186,7 +194,9 @@ class FleetDb:
         # On this connection, by node (a daemon sends for its own; the bench for many): what its
         # last heartbeat left in the database.
         self._sent: dict[str, Sent] = {}
-        self._unsent: list[tuple[int, str]] = []  # releases that failed: sent first on the next connection
+        # Grants taken back that the database may still have (release): they go with the next
+        # heartbeat's grants, or first thing before a grant-time check.
+        self._unreleased: list[tuple[int, str]] = []
 
     def _connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
@@ -200,18 +210,7 @@ class FleetDb:
                 conn.close()
                 raise
             self._conn, self._ledger_checked, self._sent = conn, False, {}
-            if self._unsent:
-                self._release_on(conn, self._unsent)
-                self._unsent = []
         return self._conn
-
-    def _release_on(self, conn: psycopg.Connection, pairs: list[tuple[int, str]]) -> None:
-        try:
-            conn.execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.release_v1(%s, %s::integer[], %s::text[])",
-                         (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
-        except BaseException:
-            conn.close()
-            raise
 
     def _failed(self, exc: psycopg.Error) -> None:
         """After any error the connection is dropped; a schema gone is made again by the next."""
@@ -231,10 +230,7 @@ class FleetDb:
         """SELECT gpuguard.<function>(doc): one round trip; raises psycopg.Error (the connection is
         dropped). flushed=False: the commit does not wait for the WAL flush (the module's docstring)."""
         query = f"SELECT {NAMESPACE}.{function}(%s)" if flushed else f"SELECT {UNFLUSHED}, {NAMESPACE}.{function}(%s)"
-        row = self._execute(query, (Jsonb(doc),)).fetchone()
-        assert row is not None
-        answer: dict[str, Any] = row[-1]  # the function returns jsonb, which psycopg loads as a dict
-        return answer
+        return _answer(self._execute(query, (Jsonb(doc),)))
 
     def heartbeat(self, doc: dict[str, Any], kept_from: int | None = None) -> dict[str, Any]:
         """The heartbeat's answer; the first on a connection adds `ledger_present`, the seqs from
@@ -243,13 +239,16 @@ class FleetDb:
         parts: dict[str, str | None] = {"fields": _hash([doc.get(key) for key in FIELDS]),
                                         **{part: _hash(doc[part]) for part in PARTS}}
         digest, node, now = _hash(parts), doc["node"], time.monotonic()
-        answer, sent = None, self._sent.get(node)
+        answer, sent, replaced = None, self._sent.get(node), False
         if sent is not None and sent.parts["fields"] == parts["fields"] and now < sent.whole_at + FULL_EVERY:
             changed = {part: doc[part] for part in PARTS if sent.parts[part] != parts[part]}
-            answer = self.call("heartbeat_v5", {**{k: doc[k] for k in ALWAYS if k in doc}, **changed,
-                                                "since": sent.digest, "digest": digest})
+            # one that only says "still here" need not reach disk: a crash loses a last_seen the next rewrites
+            answer = self.call("heartbeat_v6", {**{k: doc[k] for k in ALWAYS if k in doc}, **changed,
+                                                "since": sent.digest, "digest": digest},
+                               flushed=bool(changed or doc.get("ledger")))
             if not answer.get("resend"):
                 self._sent[node] = Sent(digest, parts, sent.whole_at)
+                replaced = "grants" in changed
         if answer is None or answer.get("resend"):
             # whole: the offline budget's users are asked about too (FleetNode.snapshot)
             whole = {k: v for k, v in doc.items() if k != "budget_users"}
@@ -259,6 +258,9 @@ class FleetDb:
                 self._sent.pop(node, None)
             else:
                 self._sent[node] = Sent(digest, parts, now)
+                replaced = True
+        if replaced:  # the grants it sent replaced the node's in the database: those taken back too
+            self._unreleased = []
         if not self._ledger_checked:
             if kept_from is not None:
                 answer["ledger_present"] = self._ledger_seqs(doc["incarnation"], kept_from)
@@ -271,19 +273,29 @@ class FleetDb:
         return [seq for (seq,) in rows]
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """The grant-time check; the grants taken back since the last heartbeat go first, in the
+        same round trip (pipelined), so that it finds their GPUs free and their users' counts down."""
         self._grants_changed()
-        return self.call("reserve_v3", doc, flushed=False)
-
-    def release(self, pairs: list[tuple[int, str]]) -> None:
-        """Grants of this node taken back: (minor, user) each; raises psycopg.Error, and then sends
-        them again first thing on the next connection."""
-        self._grants_changed()
+        pairs = self._unreleased
         try:
-            self._release_on(self._connection(), pairs)
+            conn = self._connection()
+            with conn.pipeline():
+                if pairs:
+                    conn.execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.release_v1(%s, %s::integer[], %s::text[])",
+                                 (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
+                checked = conn.execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.reserve_v3(%s)", (Jsonb(doc),))
+            answer = _answer(checked)
         except psycopg.Error as exc:
-            self._unsent.extend(pairs)
             self._failed(exc)
             raise
+        self._unreleased = []
+        return answer
+
+    def release(self, pairs: list[tuple[int, str]]) -> None:
+        """Grants of this node taken back: (minor, user) each, kept for the next heartbeat (which
+        sends the node's grants without them) or check, whichever comes first."""
+        self._grants_changed()
+        self._unreleased.extend(pairs)
 
     def _grants_changed(self) -> None:
         """This node's grants in the database change (or may, when the call fails): the next

@@ -113,8 +113,12 @@ class FleetNode:
               expires_at: float | None, shared: bool, origin: Origin) -> tuple[int, ...]:
         """The part of `chosen` the fleet quota allows (all of it without one), recorded in the
         database in the same transaction. Waits `timeout` at most; offline: offline_policy.
-        Without a fleet quota there is nothing to wait for: the grant is recorded on the worker,
-        in order (before any later check or heartbeat of this node), and the login goes on."""
+        Without a fleet quota there is nothing to check: the grant goes to the database with the
+        heartbeat it asks for (at most MIN_GAP after the last), so that a login storm costs the
+        database a few heartbeats, not a round trip each, and a login no work on the worker."""
+        if self.online and quota.fleet_gpus is None:
+            self._kick.set()
+            return chosen
         if self.online:
             doc = {"node": self.config.node, "install": self.identity.install, "incarnation": self.outbox.incarnation,
                    "user": user, "uid": uid,
@@ -123,9 +127,6 @@ class FleetNode:
                    "minors": list(chosen), "granted_at": now, "expires_at": expires_at, "shared": shared,
                    "origin": str(origin)}
             future = self._worker.submit(self.db.reserve, doc)
-            if quota.fleet_gpus is None and (loop := _running_loop()) is not None:
-                future.add_done_callback(lambda done: _on_loop(loop, self._recorded, done, user, chosen))
-                return chosen
             try:
                 result = future.result(timeout=self.config.timeout)
             except psycopg.errors.UniqueViolation:
@@ -142,20 +143,6 @@ class FleetNode:
                     return tuple(result["granted"])
                 self._refused(result["refused"])
         return self._offline_admit(uid, user, quota, chosen)
-
-    def _recorded(self, done: concurrent.futures.Future[dict[str, Any]], user: str, chosen: tuple[int, ...]) -> None:
-        """On the loop: how the database took a grant made without waiting for it (no fleet quota).
-        The grant stands whatever it says, as it would offline; what differs goes with the next heartbeat."""
-        try:
-            result = done.result()
-        except psycopg.errors.UniqueViolation:
-            self._conflict(user, chosen)
-        except (psycopg.Error, FleetError) as exc:
-            self._offline(_first_line(exc))
-        else:
-            self._skipped(result)
-            if "refused" in result:
-                self._refused(result["refused"])
 
     def _skipped(self, result: Mapping[str, Any]) -> None:
         """The rows the database refused from this node's role (schema.py, migration 7: a grant on a
@@ -275,20 +262,14 @@ class FleetNode:
             await asyncio.sleep(max(0.0, started + MIN_GAP - time.monotonic()))
 
     def ended(self, removed: list[Grant], now: float) -> None:
-        """Grants taken back here (release.Releases.take_back): gone from the database before any later check (the worker keeps
-        the order, so the next grant of the same GPU finds it free there too), and their usage to
-        the ledger through the outbox, with a heartbeat soon when online."""
+        """Grants taken back here (release.Releases.take_back): gone from the database with the
+        heartbeat they ask for, or before any later check (FleetDb.release; the worker keeps the
+        order, so the next grant of the same GPU finds it free there too), and their usage to the
+        ledger through the outbox with that heartbeat."""
         self.outbox.add(removed, now)
+        self._worker.submit(self.db.release, [(g.unit, g.user) for g in removed])
         if self.online:  # offline, the regular heartbeats try again: no point sending sooner
-            self._worker.submit(self._release, [(g.unit, g.user) for g in removed])
             self._kick.set()
-
-    def _release(self, pairs: list[tuple[int, str]]) -> None:
-        """On the worker: a failure here is mended by the next heartbeat, which sends the whole truth."""
-        try:
-            self.db.release(pairs)
-        except psycopg.Error as exc:
-            event(logging.WARNING, "fleet_release_failed", error=_first_line(exc), action="sent with the next heartbeat")
 
     # --- the node's name (identity.py)
 
@@ -364,20 +345,6 @@ class FleetNode:
         self._worker.submit(self.db.close)  # on its own thread, after what it is doing
         self._worker.stop()
         self.outbox.close()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:  # called off the loop (a tool, a test): the check is waited for
-        return None
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: the daemon is stopping
-        pass
 
 
 def _ago(seconds: float) -> str:

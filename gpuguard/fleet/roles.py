@@ -4,8 +4,8 @@
   applies its migrations; it needs CREATEROLE and must not be a superuser (the nodes' functions
   run with its rights);
 - gpuguard_node_<name>, one login role per node, a member of gpuguard_nodes: it may read the
-  fleet's tables and call heartbeat_v4, heartbeat_v5, reserve_v3 and release_v1, which write only
-  the rows of the node its role is named for, within bounds (schema.py, migrations 5 to 7); no table
+  fleet's tables and call heartbeat_v4 to v6, reserve_v3 and release_v1, which write only the
+  rows of the node its role is named for, within bounds (schema.py, migrations 5 to 8); no table
   may it write directly, no other function may it call;
 - gpuguard_admin: reads everything, removes nodes (`gpuguard fleet remove`) and may edit the
   fleet_quotas rows; it writes nothing of a node's (its ssh line included);
@@ -41,7 +41,7 @@ CREDENTIALS = Path("/etc/gpuguard")  # where `fleet init` writes the passfiles, 
 # A node name a role may carry: PostgreSQL cuts names at 63 bytes, silently; nothing to quote.
 NODE_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{62 - len(NODE_PREFIX)}}}")
 WEB_TABLES = ("nodes", "gpus", "grants", "queue", "ledger")  # what gpuguard.web.fleet reads
-NODE_FUNCTIONS = ("heartbeat_v4(jsonb)", "heartbeat_v5(jsonb)", "reserve_v3(jsonb)",
+NODE_FUNCTIONS = ("heartbeat_v4(jsonb)", "heartbeat_v5(jsonb)", "heartbeat_v6(jsonb)", "reserve_v3(jsonb)",
                   "release_v1(text, integer[], text[])")
 
 

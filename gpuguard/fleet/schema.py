@@ -38,6 +38,52 @@ SKEW = 300.0
 TIME_MAX = 1e11  # seconds: the largest epoch time (the year 5138) or duration a row may hold
 
 
+# A heartbeat that says where the database has what the node last sent (its digest, `since`):
+# the node seen now, and the new digest; writes_for's check in the statement (a caller it would
+# refuse is asked to resend, and refused then), as is the digest's (none: asked to resend).
+_SEEN = """            UPDATE gpuguard.nodes n SET last_seen = at, digest = doc->>'digest'
+                WHERE n.name = me AND n.digest = doc->>'since' AND (
+                    session_user = 'gpuguard_node_' || me OR pg_has_role(session_user, (
+                        SELECT nspowner FROM pg_namespace WHERE nspname = 'gpuguard'), 'USAGE'))
+                RETURNING n.clash, n.lease + n.grace INTO clash, clash_for;
+            IF NOT FOUND THEN
+                RETURN jsonb_build_object('at', at, 'resend', true);
+            END IF;
+"""
+# What a heartbeat answers (heartbeat_v5, and heartbeat_v6's short way): the usage elsewhere of
+# the users it waits for, their grants elsewhere, where GPUs are free, a clash on its name; and
+# when asked, every user's usage elsewhere (`gpuguard fairshare`).
+_ANSWERS = """            answer := jsonb_build_object('at', at, 'free', '[]'::jsonb, 'held', '{}'::jsonb, 'usage', '{}'::jsonb);
+            IF jsonb_array_length(doc->'usage_for') > 0 THEN
+                answer := answer || jsonb_build_object('usage', gpuguard.usage_elsewhere(
+                    ARRAY(SELECT jsonb_array_elements_text(doc->'usage_for')), me, at, half));
+            END IF;
+            IF jsonb_array_length(doc->'users') > 0 THEN
+                answer := answer || jsonb_build_object('held', (SELECT coalesce(jsonb_object_agg(w.name, (
+                    SELECT count(*) FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
+                        SELECT gpuguard.counts(o, at) FROM gpuguard.nodes o WHERE o.name = g.node))), '{}')
+                    FROM jsonb_array_elements_text(doc->'users') AS w(name)));
+            END IF;
+            IF (doc->>'want_free')::boolean THEN
+                answer := answer || jsonb_build_object('free', (SELECT coalesce(jsonb_agg(f), '[]') FROM (
+                    SELECT o.name AS node, o.rack, o.ssh, count(*) AS free
+                    FROM gpuguard.gpus g JOIN gpuguard.nodes o ON o.name = g.node
+                    WHERE g.owner = 'gpuguard' AND o.name <> me AND o.last_seen >= at - o.lease
+                      AND NOT EXISTS (SELECT 1 FROM gpuguard.grants r WHERE r.node = g.node AND r.minor = g.minor)
+                    GROUP BY o.name, o.rack, o.ssh ORDER BY count(*) DESC, o.name LIMIT 5) f));
+            END IF;
+            IF clash IS NOT NULL AND at - (clash->>'at')::double precision <= clash_for THEN
+                answer := answer || jsonb_build_object('clash', clash);  -- another install tried this name lately
+            END IF;
+"""
+_USAGE_ALL = """        IF coalesce((doc->>'usage_all')::boolean, false) AND NOT answer ? 'refused' THEN
+            answer := answer || jsonb_build_object('usage_all', gpuguard.usage_elsewhere(ARRAY(
+                SELECT l.username FROM gpuguard.ledger l WHERE l.ended >= at - 30 * half AND l.node <> me
+                UNION SELECT g.username FROM gpuguard.grants g WHERE g.node <> me), me, at, half));
+        END IF;
+"""
+
+
 def _times(*columns: str) -> str:
     """SQL: every column a number from 0 to TIME_MAX (BETWEEN is false for NaN and the infinities)."""
     return " AND ".join(f"{column} BETWEEN 0 AND {TIME_MAX:.0f}" for column in columns)
@@ -471,15 +517,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             END IF;
         ELSE
             -- writes_for's check, in the statement: a caller it would refuse is asked to resend, and refused then
-            UPDATE gpuguard.nodes n SET last_seen = at, digest = doc->>'digest'
-                WHERE n.name = me AND n.digest = doc->>'since' AND (
-                    session_user = 'gpuguard_node_' || me OR pg_has_role(session_user, (
-                        SELECT nspowner FROM pg_namespace WHERE nspname = 'gpuguard'), 'USAGE'))
-                RETURNING n.clash, n.lease + n.grace INTO clash, clash_for;
-            IF NOT FOUND THEN
-                RETURN jsonb_build_object('at', at, 'resend', true);
-            END IF;
-            IF doc ? 'gpus' THEN
+""" + _SEEN + """            IF doc ? 'gpus' THEN
 """ + _GPUS + """
             END IF;
             IF doc ? 'grants' THEN
@@ -494,35 +532,8 @@ MIGRATIONS: tuple[Migration, ...] = (
             IF jsonb_array_length(doc->'ledger') > 0 THEN
 """ + _LEDGER + """
             END IF;
-            answer := jsonb_build_object('at', at, 'free', '[]'::jsonb, 'held', '{}'::jsonb, 'usage', '{}'::jsonb);
-            IF jsonb_array_length(doc->'usage_for') > 0 THEN
-                answer := answer || jsonb_build_object('usage', gpuguard.usage_elsewhere(
-                    ARRAY(SELECT jsonb_array_elements_text(doc->'usage_for')), me, at, half));
-            END IF;
-            IF jsonb_array_length(doc->'users') > 0 THEN
-                answer := answer || jsonb_build_object('held', (SELECT coalesce(jsonb_object_agg(w.name, (
-                    SELECT count(*) FROM gpuguard.grants g WHERE g.username = w.name AND g.node <> me AND (
-                        SELECT gpuguard.counts(o, at) FROM gpuguard.nodes o WHERE o.name = g.node))), '{}')
-                    FROM jsonb_array_elements_text(doc->'users') AS w(name)));
-            END IF;
-            IF (doc->>'want_free')::boolean THEN
-                answer := answer || jsonb_build_object('free', (SELECT coalesce(jsonb_agg(f), '[]') FROM (
-                    SELECT o.name AS node, o.rack, o.ssh, count(*) AS free
-                    FROM gpuguard.gpus g JOIN gpuguard.nodes o ON o.name = g.node
-                    WHERE g.owner = 'gpuguard' AND o.name <> me AND o.last_seen >= at - o.lease
-                      AND NOT EXISTS (SELECT 1 FROM gpuguard.grants r WHERE r.node = g.node AND r.minor = g.minor)
-                    GROUP BY o.name, o.rack, o.ssh ORDER BY count(*) DESC, o.name LIMIT 5) f));
-            END IF;
-            IF clash IS NOT NULL AND at - (clash->>'at')::double precision <= clash_for THEN
-                answer := answer || jsonb_build_object('clash', clash);  -- another install tried this name lately
-            END IF;
-        END IF;
-        IF coalesce((doc->>'usage_all')::boolean, false) AND NOT answer ? 'refused' THEN
-            answer := answer || jsonb_build_object('usage_all', gpuguard.usage_elsewhere(ARRAY(
-                SELECT l.username FROM gpuguard.ledger l WHERE l.ended >= at - 30 * half AND l.node <> me
-                UNION SELECT g.username FROM gpuguard.grants g WHERE g.node <> me), me, at, half));
-        END IF;
-        RETURN answer;
+""" + _ANSWERS + """        END IF;
+""" + _USAGE_ALL + """        RETURN answer;
     END $$;
     """),
     # Least privilege, mended. Migration 5's per-schema default could not take EXECUTE from PUBLIC
@@ -635,6 +646,50 @@ MIGRATIONS: tuple[Migration, ...] = (
             REVOKE EXECUTE ON FUNCTION gpuguard.heartbeat_v5_unbounded(jsonb) FROM gpuguard_nodes;
             GRANT EXECUTE ON FUNCTION gpuguard.heartbeat_v4(jsonb), gpuguard.heartbeat_v5(jsonb),
                 gpuguard.reserve_v3(jsonb), gpuguard.release_v1(text, integer[], text[]) TO gpuguard_nodes;
+        END IF;
+    END $$;
+    """),
+    # A heartbeat that only says "still here" takes the short way (most of a node's heartbeats:
+    # nothing it mirrors changed, no ledger row to add): heartbeat_v6 writes last_seen in one
+    # UPDATE and answers, without the checks and bounds of what a heartbeat writes besides
+    # (gpuguard.bounded, with_skipped, heartbeat_v5_unbounded: three function calls, each
+    # setting search_path, which cost a heartbeat more database CPU than its write). The UPDATE
+    # keeps writes_for's check and the digest's (the row still has what the node last sent).
+    # Every other heartbeat is heartbeat_v5, bounded as before. with_skipped, which every bounded
+    # call (a grant-time check too) ends with, is made again in plpgsql: a SQL function with a
+    # SET clause is planned again at each call, plpgsql keeps its plan for the connection.
+    Migration(8, 1, """
+    CREATE OR REPLACE FUNCTION gpuguard.with_skipped(answer jsonb, bounded jsonb) RETURNS jsonb
+        LANGUAGE plpgsql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $$
+    BEGIN
+        IF bounded ? 'skipped' THEN
+            RETURN answer || jsonb_build_object('skipped', bounded->'skipped');
+        END IF;
+        RETURN answer;
+    END $$;
+
+    CREATE FUNCTION gpuguard.heartbeat_v6(doc jsonb) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER
+        SET search_path = pg_catalog, pg_temp AS $$
+    DECLARE
+        me text := doc->>'node';
+        at double precision := extract(epoch FROM clock_timestamp());
+        half double precision := (doc->>'half_life')::double precision;
+        clash jsonb;
+        clash_for double precision;  -- how long a clash is told (lease + grace)
+        answer jsonb;
+    BEGIN
+        IF NOT doc ? 'since' OR doc ?| ARRAY['gpus', 'grants', 'queue']
+           OR coalesce(jsonb_array_length(doc->'ledger'), 0) > 0 THEN
+            RETURN gpuguard.heartbeat_v5(doc);
+        END IF;
+""" + _SEEN + _ANSWERS + _USAGE_ALL + """        RETURN answer;
+    END $$;
+
+    REVOKE EXECUTE ON FUNCTION gpuguard.heartbeat_v6(jsonb) FROM PUBLIC;
+    DO $$
+    BEGIN
+        IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'gpuguard_nodes') THEN
+            GRANT EXECUTE ON FUNCTION gpuguard.heartbeat_v6(jsonb) TO gpuguard_nodes;
         END IF;
     END $$;
     """),

@@ -127,7 +127,8 @@ class FleetDatabase(Protocol):
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]: ...
 
-    def release(self, pairs: list[tuple[int, str]]) -> None: ...
+    def release(self, pairs: list[tuple[int, str]]) -> None:
+        """No round trip: kept for the next heartbeat, or sent just before the next reserve."""
 
     def close(self) -> None: ...
 

@@ -120,8 +120,9 @@ def test_a_fleet_quota_holds_across_servers_and_the_queue_follows_a_release_else
     assert fleet.nodes["gpu2"].grants(alice) == []
     # bob has no fleet quota: gpu2 gives him what is free there
     assert len(fleet.login("gpu2", bob)["gpus"]) == 2
-    assert sorted(fleet.held_in_database()) == sorted(
-        [("gpu1", alice.name, 0), ("gpu1", alice.name, 1), ("gpu2", bob.name, 0), ("gpu2", bob.name, 1)])
+    # his grant with the heartbeat it asked for, hers with her check
+    assert wait_for(lambda: sorted(fleet.held_in_database()) == sorted(
+        [("gpu1", alice.name, 0), ("gpu1", alice.name, 1), ("gpu2", bob.name, 0), ("gpu2", bob.name, 1)]))
     # alice logs out of gpu1 and bob of gpu2: her place in gpu2's queue is served, within her fleet quota
     fleet.nodes["gpu1"].close_session(alice, first["pid"])
     bob_session = fleet.nodes["gpu2"].whoami(bob)["sessions"][0]
@@ -293,8 +294,9 @@ def test_nodes_follow_the_standby_promoted_under_them(fleet):
     assert len(fleet.login("gpu3", bob)["gpus"]) == 2
     with psycopg.connect(both, autocommit=True) as conn:
         assert conn.execute("SELECT current_setting('port')").fetchone() == (str(standby.port),)
-        assert conn.execute("SELECT node, username FROM gpuguard.grants ORDER BY 1, 2").fetchall() == [
-            ("gpu1", alice.name), ("gpu1", alice.name), ("gpu3", bob.name), ("gpu3", bob.name)]
+        # bob's, of no fleet quota, with the heartbeat it asked for
+        assert wait_for(lambda: conn.execute("SELECT node, username FROM gpuguard.grants ORDER BY 1, 2").fetchall() == [
+            ("gpu1", alice.name), ("gpu1", alice.name), ("gpu3", bob.name), ("gpu3", bob.name)])
 
 
 def test_a_database_link_that_swallows_packets_costs_a_login_the_timeout_at_most(fleet):

@@ -263,12 +263,49 @@ def test_the_grant_check_and_the_release_do_not_wait_for_the_wal_flush_and_the_h
             return conn.execute("SHOW synchronous_commit").fetchone()[0]
     assert commit_mode(lambda: db.reserve(reserve_doc("node0", "u1", [1], 2))) == "off"
     assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants") == [(1, "u1")]
-    assert commit_mode(lambda: db.release([(1, "u1")])) == "off"
-    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants") == []
+    db.release([(1, "u1")])  # sent with the next check (test_a_release_goes_with_the_next_heartbeat_or_check)
+    assert commit_mode(lambda: db.reserve(reserve_doc("node0", "u2", [1], 2))) == "off"
+    assert rows(postgres.conninfo, "SELECT minor, username FROM gpuguard.grants") == [(1, "u2")]
     # for their own transaction only: the heartbeat after them, whose ledger rows the node then
     # deletes, commits once its WAL is flushed
-    assert commit_mode(lambda: db.heartbeat(heartbeat_doc("node0"))) == "on"
+    ledger = [{"seq": 1, "username": "u1", "minor": 1, "started": time.time() - 60, "ended": time.time()}]
+    assert commit_mode(lambda: db.heartbeat(heartbeat_doc("node0", ledger=ledger))) == "on"
     assert conn.execute("SHOW synchronous_commit").fetchone()[0] == "on"
+    # one that only says "still here" need not (test_a_heartbeat_that_changes_nothing_takes_the_short_way)
+    assert commit_mode(lambda: db.heartbeat(heartbeat_doc("node0"))) == "off"
+    db.close()
+
+
+def test_a_heartbeat_that_changes_nothing_takes_the_short_way_and_answers_as_the_long_one(postgres):
+    t0 = time.time()
+    grant = {"minor": 3, "username": "u1", "uid": 1001, "granted_at": t0 - 100, "expires_at": None, "shared": False,
+             "origin": "session"}
+    FleetDb(postgres.conninfo, "node1").heartbeat(heartbeat_doc("node1", grants=[grant], ledger=[
+        {"seq": 1, "username": "u1", "minor": 3, "started": t0 - 300, "ended": t0 - 200}]))
+    db = FleetDb(postgres.conninfo, "node0")
+    doc = {**heartbeat_doc("node0", usage_for=["u1"], users=["u1", "u2"]), "want_free": True}
+    whole = db.heartbeat(doc)
+    conn = db._connection()
+    conn.execute("SET track_functions = 'all'")  # pg_stat_xact_user_functions: what this transaction called
+
+    def beat(sent: dict) -> tuple[dict, set[str], str]:
+        with conn.transaction():
+            answer = db.heartbeat({**sent, "taken_at": time.time()})
+            called = {name for (name,) in conn.execute("SELECT funcname FROM pg_stat_xact_user_functions")}
+            return answer, called, conn.execute("SHOW synchronous_commit").fetchone()[0]
+    (before,), = rows(postgres.conninfo, "SELECT last_seen FROM gpuguard.nodes WHERE name = 'node0'")
+    short, called, commit = beat(doc)
+    assert "heartbeat_v6" in called and not called & {"heartbeat_v5", "bounded"} and commit == "off"
+    assert rows(postgres.conninfo, "SELECT last_seen FROM gpuguard.nodes WHERE name = 'node0'")[0][0] > before
+    # 100 s granted, 100 ended; the grant grows by the time between the two
+    assert short["usage"] == pytest.approx(whole["usage"], abs=1) and short["usage"]["u1"] > 199
+    assert (short["held"], short["free"]) == (whole["held"], whole["free"]) == (
+        {"u1": 1, "u2": 0}, [{"node": "node1", "rack": "r1", "ssh": "node1", "free": GPUS - 1}])
+    assert set(short) == set(whole)
+    # a change goes the long way, bounded and flushed
+    changed, called, commit = beat({**doc, "grants": [{**grant, "minor": 0}]})
+    assert {"heartbeat_v5", "bounded"} <= called and commit == "on" and "resend" not in changed
+    assert rows(postgres.conninfo, "SELECT minor FROM gpuguard.grants WHERE node = 'node0'") == [(0,)]
     db.close()
 
 

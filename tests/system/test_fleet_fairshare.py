@@ -100,18 +100,25 @@ def test_usage_all_brings_every_users_usage_elsewhere(postgres):
     gpu2.close()
 
 
-def test_a_release_cut_off_by_a_reconnect_goes_before_the_next_check(postgres):
+def test_a_release_goes_with_the_next_heartbeat_or_before_the_next_check(postgres):
     db = FleetDb(postgres.conninfo, "gpu1")
     db.heartbeat(heartbeat_doc("gpu1"))
     assert db.reserve(reserve_doc("gpu1", "u1", [0], 1))["granted"] == [0]
-    # the node's connection dropped under it (a switchover): the release fails
+    db.release([(0, "u1")])  # kept for what comes next: no round trip of its own
+    assert rows(postgres.conninfo, "SELECT node, minor, username FROM gpuguard.grants") == [("gpu1", 0, "u1")]
+    # the node's connection dropped under it (a switchover) meanwhile
     with psycopg.connect(postgres.conninfo, autocommit=True) as conn:
         conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'gpuguard gpu1'")
-    with pytest.raises(psycopg.Error):
-        db.release([(0, "u1")])
-    # the next check, on a new connection, finds GPU 0 free there: the release went first
+    with pytest.raises(psycopg.Error):  # the call that finds it dropped fails (the node goes offline)...
+        db.reserve(reserve_doc("gpu1", "u1", [0], 1))
+    # ...and the next, on a new connection, finds GPU 0 free there and u1 under quota: the release went first
     assert db.reserve(reserve_doc("gpu1", "u1", [0], 1))["granted"] == [0]
     assert rows(postgres.conninfo, "SELECT node, minor, username FROM gpuguard.grants") == [("gpu1", 0, "u1")]
+    # taken back again, then a heartbeat whose grants no longer have it: gone, and nothing left to send
+    db.release([(0, "u1")])
+    db.heartbeat(heartbeat_doc("gpu1"))
+    assert rows(postgres.conninfo, "SELECT node, minor, username FROM gpuguard.grants") == []
+    assert db._unreleased == []
     db.close()
 
 

@@ -56,6 +56,7 @@ def test_a_decommissioned_node_is_removed_and_its_ledger_stays_a_live_one_only_w
 
     # a live node: refused, unless --force; it registers again at its next heartbeat, with its truth
     assert fleet.login("gpu2", alice)["gpus"]
+    assert wait_for(lambda: counts(fleet, "gpu2")["grants"] == 1)  # with the heartbeat the grant asked for
     live = gpu1.cli("fleet", "remove", "gpu2")
     assert live.returncode == 1 and "is live (seen" in live.stderr, live
     assert counts(fleet, "gpu2")["grants"] == 1

@@ -27,7 +27,7 @@ from test_fleet_db import heartbeat_doc, reserve_doc, rows
 
 from devtools.harness import wait_for
 from gpuguard.core.errors import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE
-from gpuguard.fleet import roles
+from gpuguard.fleet import roles, schema
 from gpuguard.fleet.fleetdb import FleetDb, connect, remove_node
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ def grant(minor: int, user: str) -> dict:
 def test_a_nodes_role_writes_its_own_rows_only(fleet):
     made = fleet.init("--node", "gpu1", "--node", "gpu2")
     assert made.returncode == 0, made
-    assert made.stdout.startswith("gpuguard: the fleet database is at schema 7; its roles are ready (owner gpuguard)")
+    assert made.stdout.startswith(f"gpuguard: the fleet database is at schema {schema.CURRENT}; its roles are ready "
+                                  "(owner gpuguard)")
     for role, reader in (("gpuguard_node_gpu1", "root"), ("gpuguard_node_gpu2", "root"), (roles.ADMIN, "root"),
                          (roles.WEB, fleet.web.name)):
         path = roles.passfile(fleet.credentials, role)
@@ -106,6 +107,7 @@ def test_a_nodes_role_writes_its_own_rows_only(fleet):
                                                                    "ssh": "gpu2.lab"})
     assert gpu1.reserve(reserve_doc("gpu1", "u1", [1], 4))["granted"] == [1]
     gpu1.release([(1, "u1")])
+    assert gpu1.heartbeat(heartbeat_doc("gpu1"))  # which takes it out
     assert rows(fleet.owner, "SELECT count(*) FROM gpuguard.grants WHERE node = 'gpu1'") == [(0,)]
     before = rows(fleet.owner, "SELECT * FROM gpuguard.nodes ORDER BY name"), rows(
         fleet.owner, "SELECT * FROM gpuguard.grants ORDER BY node, minor")
@@ -113,17 +115,25 @@ def test_a_nodes_role_writes_its_own_rows_only(fleet):
     # gpu1's role: nothing of gpu2's, no node of another name, through the functions or around them
     for function, doc in (("heartbeat_v4", {**heartbeat_doc("gpu2"), "ssh": "evil.example.org"}),
                           ("heartbeat_v5", {**heartbeat_doc("gpu2"), "ssh": "evil.example.org"}),
+                          ("heartbeat_v6", {**heartbeat_doc("gpu2"), "ssh": "evil.example.org"}),
                           ("heartbeat_v4", heartbeat_doc("gpu9")), ("reserve_v3", reserve_doc("gpu2", "u1", [1], None)),
                           ("heartbeat_v3", heartbeat_doc("gpu1")), ("heartbeat_v1", heartbeat_doc("gpu1")),
                           ("reserve_v2", reserve_doc("gpu1", "u1", [1], None))):
         with pytest.raises(DENIED):
             FleetDb(fleet.as_role("gpuguard_node_gpu1"), "gpu1").call(function, doc)
+    posing = FleetDb(fleet.as_role("gpuguard_node_gpu1"), "gpu2")
+    posing.release([(0, "u2")])  # sent before its next check
     with pytest.raises(DENIED, match="role gpuguard_node_gpu1 may not write the rows of node gpu2"):
-        FleetDb(fleet.as_role("gpuguard_node_gpu1"), "gpu2").release([(0, "u2")])
+        posing.reserve(reserve_doc("gpu2", "u1", [1], None))
     # nor with gpu2's digest, as a heartbeat that sends only what changed: asked to send it all, nothing written
     (digest,) = rows(fleet.owner, "SELECT digest FROM gpuguard.nodes WHERE name = 'gpu2'")[0]
     sneaky = {**heartbeat_doc("gpu2"), "since": digest, "digest": "forged"}
     assert FleetDb(fleet.as_role("gpuguard_node_gpu1"), "gpu1").call("heartbeat_v5", sneaky)["resend"] is True
+    # nor as one that only says "still here" (heartbeat_v6's short way: no part, no ledger row)
+    seen = {key: sneaky[key] for key in ("node", "incarnation", "taken_at", "half_life", "ledger", "usage_for",
+                                         "users", "want_free")}
+    short = {**seen, "since": digest, "digest": digest}
+    assert FleetDb(fleet.as_role("gpuguard_node_gpu1"), "gpu1").call("heartbeat_v6", short)["resend"] is True
     node = fleet.as_role("gpuguard_node_gpu1")
     for statement in ("UPDATE gpuguard.nodes SET ssh = 'evil.example.org' WHERE name = 'gpu2'",
                       "DELETE FROM gpuguard.grants WHERE node = 'gpu2'",

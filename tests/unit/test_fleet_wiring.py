@@ -5,7 +5,6 @@ mirror of the GPUs with their owners ([coexist]). The real database: tests/syste
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +12,6 @@ from pathlib import Path
 import pytest
 from fakes import GROUP, FakeFleetDb, World, gpu
 
-from devtools.harness import wait_for
 from gpuguard.config import AccessConfig, Config, FleetConfig, PathsConfig
 from gpuguard.core import coexist
 from gpuguard.core.coexist import Owner, Ownership
@@ -56,50 +54,38 @@ def test_the_fleet_quota_makes_a_login_grant_smaller(tmp_path):
         fleet.services.close()
 
 
-class SlowFleetDb(FakeFleetDb):
-    """A database whose grant-time check answers only once `answer` is set."""
+def test_a_login_without_a_fleet_quota_asks_the_database_nothing_its_grant_goes_with_a_heartbeat(fleet):
+    db = online(fleet)
+    node = fleet.services.fleet.node if fleet.services.fleet else None
+    assert node is not None
+    alice = fleet.lookup.add("alice", 1001, GROUP)
+    assert fleet.login(alice)["gpus"] == [0, 1, 2, 3]
+    assert [kind for kind, _ in db.calls] == ["heartbeat"] and node.online  # no round trip of its own
+    assert node._kick.is_set()  # the heartbeat loop sends one soon (FleetNode.run: MIN_GAP after the last)
+    assert asyncio.run(node.beat())
+    assert [(g["minor"], g["username"]) for g in db.calls[-1][1]["grants"]] == [(m, "alice") for m in range(4)]
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.answer = threading.Event()
 
-    def reserve(self, doc: dict) -> dict:
-        assert self.answer.wait(30)
-        return super().reserve(doc)
-
-
-def test_a_login_without_a_fleet_quota_does_not_wait_for_the_database_which_records_it_in_order(tmp_path):
-    fleet = fleet_world(tmp_path, db=SlowFleetDb())
+def test_a_release_leaves_the_fleet_database_before_the_queue_hands_the_gpus_on(tmp_path):
+    """Releases.take_back tells the fleet after the charge and before the queue is served: the
+    database forgets alice's GPUs before bob's grant-time check asks for them (FleetDb.reserve
+    sends the releases it keeps first), and her usage waits in the outbox for the next heartbeat."""
+    fleet = fleet_world(tmp_path, fleet_gpus=4)
     try:
         db = online(fleet)
-        assert isinstance(db, SlowFleetDb)
-        alice = fleet.lookup.add("alice", 1001, GROUP)
-        assert fleet.login(alice)["gpus"] == [0, 1, 2, 3]  # the check has not answered yet
-        assert [kind for kind, _ in db.calls] == ["heartbeat"]
-        assert fleet.services.fleet is not None and fleet.services.fleet.node.online  # not timed out
+        alice, bob = fleet.lookup.add("alice", 1001, GROUP), fleet.lookup.add("bob", 1002, GROUP)
+        assert fleet.login(alice)["gpus"] == [0, 1, 2, 3]
+        assert fleet.login(bob, pid=4343)["gpus"] == []  # queued
         assert fleet.call("release", uid=1001)["ok"]
-        db.answer.set()  # the check, then the release, in the order they were asked
-        assert wait_for(lambda: [kind for kind, _ in db.calls] == ["heartbeat", "reserve", "release"]), db.calls
+        assert fleet.held(1002) == [0, 1, 2, 3]
+        assert [kind for kind, _ in db.calls] == ["heartbeat", "reserve", "release", "reserve"]
+        assert db.calls[2] == ("release", [(m, "alice") for m in range(4)])
+        assert db.calls[3] == ("reserve", ("bob", (0, 1, 2, 3)))
+        assert fleet.services.fleet is not None
+        pending = fleet.services.fleet.node.outbox.pending()
+        assert sorted((row["username"], row["minor"]) for row in pending) == [("alice", m) for m in range(4)]
     finally:
         fleet.services.close()
-
-
-def test_a_release_leaves_the_fleet_database_before_the_queue_hands_the_gpus_on(fleet):
-    """Releases.take_back tells the fleet after the charge and before the queue is served: the
-    database forgets alice's GPUs before bob's grant-time check asks for them, and her usage waits
-    in the outbox for the next heartbeat."""
-    db = online(fleet)
-    alice, bob = fleet.lookup.add("alice", 1001, GROUP), fleet.lookup.add("bob", 1002, GROUP)
-    assert fleet.login(alice)["gpus"] == [0, 1, 2, 3]
-    assert fleet.login(bob, pid=4343)["gpus"] == []  # queued
-    assert fleet.call("release", uid=1001)["ok"]
-    assert fleet.held(1002) == [0, 1, 2, 3]
-    assert [kind for kind, _ in db.calls] == ["heartbeat", "reserve", "release", "reserve"]
-    assert db.calls[2] == ("release", [(m, "alice") for m in range(4)])
-    assert db.calls[3] == ("reserve", ("bob", (0, 1, 2, 3)))
-    assert fleet.services.fleet is not None
-    pending = fleet.services.fleet.node.outbox.pending()
-    assert sorted((row["username"], row["minor"]) for row in pending) == [("alice", m) for m in range(4)]
 
 
 def test_the_heartbeat_mirrors_slurms_gpu_with_its_owner(tmp_path):
