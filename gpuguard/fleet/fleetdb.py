@@ -24,11 +24,13 @@ since this connection's last, with the digest the database then has (schema.py, 
 it writes the node's last_seen and those parts, and nothing else. The grants go after this
 node's own grant-time check or release too; the whole truth on each new connection, once
 FULL_EVERY, and when the database asks for it (the digest it has is not the one the node says).
-Grants taken back go with the next heartbeat's grants, or, when a grant-time check comes first,
-in a release just before it: the check would otherwise find their GPUs still granted there.
+Grants taken back are released in front of the next call (the heartbeat they ask for, or a
+grant-time check that comes first), pipelined into its round trip: the check would otherwise
+find their GPUs still granted there. A release kept survives a dropped connection.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -194,8 +196,8 @@ class FleetDb:
         # On this connection, by node (a daemon sends for its own; the bench for many): what its
         # last heartbeat left in the database.
         self._sent: dict[str, Sent] = {}
-        # Grants taken back that the database may still have (release): they go with the next
-        # heartbeat's grants, or first thing before a grant-time check.
+        # Grants taken back that the database may still have (release): sent in front of the next
+        # call, in its round trip.
         self._unreleased: list[tuple[int, str]] = []
 
     def _connection(self) -> psycopg.Connection:
@@ -230,7 +232,21 @@ class FleetDb:
         """SELECT gpuguard.<function>(doc): one round trip; raises psycopg.Error (the connection is
         dropped). flushed=False: the commit does not wait for the WAL flush (the module's docstring)."""
         query = f"SELECT {NAMESPACE}.{function}(%s)" if flushed else f"SELECT {UNFLUSHED}, {NAMESPACE}.{function}(%s)"
-        return _answer(self._execute(query, (Jsonb(doc),)))
+        pairs = self._unreleased
+        try:
+            conn = self._connection()
+            # the releases kept first, pipelined: one round trip; a check then finds their GPUs free
+            with conn.pipeline() if pairs else contextlib.nullcontext():
+                if pairs:
+                    conn.execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.release_v1(%s, %s::integer[], %s::text[])",
+                                 (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
+                called = conn.execute(query, (Jsonb(doc),))
+            answer = _answer(called)
+        except psycopg.Error as exc:
+            self._failed(exc)
+            raise
+        self._unreleased = []
+        return answer
 
     def heartbeat(self, doc: dict[str, Any], kept_from: int | None = None) -> dict[str, Any]:
         """The heartbeat's answer; the first on a connection adds `ledger_present`, the seqs from
@@ -239,7 +255,7 @@ class FleetDb:
         parts: dict[str, str | None] = {"fields": _hash([doc.get(key) for key in FIELDS]),
                                         **{part: _hash(doc[part]) for part in PARTS}}
         digest, node, now = _hash(parts), doc["node"], time.monotonic()
-        answer, sent, replaced = None, self._sent.get(node), False
+        answer, sent = None, self._sent.get(node)
         if sent is not None and sent.parts["fields"] == parts["fields"] and now < sent.whole_at + FULL_EVERY:
             changed = {part: doc[part] for part in PARTS if sent.parts[part] != parts[part]}
             # one that only says "still here" need not reach disk: a crash loses a last_seen the next rewrites
@@ -248,7 +264,6 @@ class FleetDb:
                                flushed=bool(changed or doc.get("ledger")))
             if not answer.get("resend"):
                 self._sent[node] = Sent(digest, parts, sent.whole_at)
-                replaced = "grants" in changed
         if answer is None or answer.get("resend"):
             # whole: the offline budget's users are asked about too (FleetNode.snapshot)
             whole = {k: v for k, v in doc.items() if k != "budget_users"}
@@ -258,9 +273,6 @@ class FleetDb:
                 self._sent.pop(node, None)
             else:
                 self._sent[node] = Sent(digest, parts, now)
-                replaced = True
-        if replaced:  # the grants it sent replaced the node's in the database: those taken back too
-            self._unreleased = []
         if not self._ledger_checked:
             if kept_from is not None:
                 answer["ledger_present"] = self._ledger_seqs(doc["incarnation"], kept_from)
@@ -273,27 +285,12 @@ class FleetDb:
         return [seq for (seq,) in rows]
 
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]:
-        """The grant-time check; the grants taken back since the last heartbeat go first, in the
-        same round trip (pipelined), so that it finds their GPUs free and their users' counts down."""
         self._grants_changed()
-        pairs = self._unreleased
-        try:
-            conn = self._connection()
-            with conn.pipeline():
-                if pairs:
-                    conn.execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.release_v1(%s, %s::integer[], %s::text[])",
-                                 (self.node, [minor for minor, _ in pairs], [user for _, user in pairs]))
-                checked = conn.execute(f"SELECT {UNFLUSHED}, {NAMESPACE}.reserve_v3(%s)", (Jsonb(doc),))
-            answer = _answer(checked)
-        except psycopg.Error as exc:
-            self._failed(exc)
-            raise
-        self._unreleased = []
-        return answer
+        return self.call("reserve_v3", doc, flushed=False)
 
     def release(self, pairs: list[tuple[int, str]]) -> None:
-        """Grants of this node taken back: (minor, user) each, kept for the next heartbeat (which
-        sends the node's grants without them) or check, whichever comes first."""
+        """Grants of this node taken back: (minor, user) each, sent in front of the next call,
+        heartbeat or check, in its round trip (call)."""
         self._grants_changed()
         self._unreleased.extend(pairs)
 
