@@ -246,15 +246,17 @@ class FleetNode:
         return True
 
     async def run(self) -> None:
-        """A heartbeat every `heartbeat` seconds, and soon after grants are taken back (their
-        release counts at once against the fleet quota on the other servers)."""
+        """A heartbeat every `heartbeat` seconds, and soon after grants are made without a check
+        or taken back (they count at once against the fleet quota on the other servers)."""
         while True:
             started = time.monotonic()
+            # cleared before the snapshot (beat takes it before its first await): a kick that comes
+            # while this heartbeat is on its way is for what its snapshot lacks, and asks for the next
+            self._kick.clear()
             try:
                 await self.beat()
             except Exception:  # a bug of ours must not end the heartbeats: the next one tries again
                 event(logging.ERROR, "fleet_heartbeat_failed", exc_info=True)
-            self._kick.clear()
             try:
                 await asyncio.wait_for(self._kick.wait(), self.config.heartbeat)
             except asyncio.TimeoutError:  # not the builtin on Python 3.10
@@ -342,7 +344,16 @@ class FleetNode:
                 f"({first}'s own ssh line)")
 
     def close(self) -> None:
-        self._worker.submit(self.db.close)  # on its own thread, after what it is doing
+        """A last heartbeat when online, waited for `timeout` at most: what was granted without a
+        check or taken back since the last would otherwise reach the database only with this
+        node's next start. Then the connection goes, on its own thread after what it is doing."""
+        if self.online:
+            last = self._worker.submit(self.db.heartbeat, self.snapshot(time.time()))
+            try:
+                last.result(timeout=self.config.timeout)
+            except (psycopg.Error, FleetError, concurrent.futures.TimeoutError):
+                pass  # the next start sends this node's whole truth
+        self._worker.submit(self.db.close)
         self._worker.stop()
         self.outbox.close()
 

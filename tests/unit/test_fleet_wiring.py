@@ -5,6 +5,7 @@ mirror of the GPUs with their owners ([coexist]). The real database: tests/syste
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 from fakes import GROUP, FakeFleetDb, World, gpu
 
+from devtools.harness import wait_for
 from gpuguard.config import AccessConfig, Config, FleetConfig, PathsConfig
 from gpuguard.core import coexist
 from gpuguard.core.coexist import Owner, Ownership
 from gpuguard.core.model import Quota
+from gpuguard.daemon.server import Peer
 
 
 def fleet_world(tmp_path: Path, foreign: list[dict] | None = None, fleet_gpus: int | None = None,
@@ -64,6 +67,59 @@ def test_a_login_without_a_fleet_quota_asks_the_database_nothing_its_grant_goes_
     assert node._kick.is_set()  # the heartbeat loop sends one soon (FleetNode.run: MIN_GAP after the last)
     assert asyncio.run(node.beat())
     assert [(g["minor"], g["username"]) for g in db.calls[-1][1]["grants"]] == [(m, "alice") for m in range(4)]
+
+
+class GatedFleetDb(FakeFleetDb):
+    """A database whose heartbeats after the first wait for `go`: one on its way, for as long as a test needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_its_way, self.go = threading.Event(), threading.Event()
+
+    def heartbeat(self, doc: dict, kept_from: int | None = None) -> dict:
+        if any(kind == "heartbeat" for kind, _ in self.calls):
+            self.on_its_way.set()
+            assert self.go.wait(30)
+        return super().heartbeat(doc, kept_from)
+
+
+def test_a_grant_made_while_a_heartbeat_is_on_its_way_goes_with_the_next_one_soon(tmp_path):
+    db = GatedFleetDb()
+    config = Config(access=AccessConfig(group=GROUP), defaults=Quota(gpus=4), paths=PathsConfig(state_dir=tmp_path),
+                    fleet=FleetConfig(database="host=/nonexistent", node="n1", heartbeat=60.0, lease=180.0))
+    fleet = World(tmp_path, config=config, fleet_db=db)
+    node = fleet.services.fleet.node if fleet.services.fleet else None
+    assert node is not None
+    alice = fleet.lookup.add("alice", 1001, GROUP)
+
+    async def scenario() -> list[list[str]]:
+        beating = asyncio.create_task(node.run())
+        await asyncio.to_thread(wait_for, lambda: db.calls)  # online: the first heartbeat
+        node.kick()  # a second, whose snapshot has no grant yet...
+        assert await asyncio.to_thread(db.on_its_way.wait, 30)
+        # ...when alice logs in (no fleet quota: no check), asking for a heartbeat
+        login = {"op": "session_open", "user": "alice", "pid": 4242, "service": "sshd", "tty": "pts/1"}
+        assert (await fleet.api.handle(login, Peer(pid=1, uid=0, gid=0)))["gpus"] == [0, 1, 2, 3]
+        db.go.set()
+        # the next heartbeat comes MIN_GAP later, not a whole `heartbeat` (60 s) later
+        assert await asyncio.to_thread(wait_for, lambda: len(db.calls) >= 3, 20), db.calls
+        beating.cancel()
+        return [[g["username"] for g in doc["grants"]] for kind, doc in db.calls if kind == "heartbeat"]
+    try:
+        assert asyncio.run(scenario()) == [[], [], [alice.name] * 4]
+    finally:
+        fleet.services.close()
+
+
+def test_a_stopping_node_sends_what_its_last_heartbeat_lacked(tmp_path):
+    fleet = fleet_world(tmp_path)
+    db = online(fleet)
+    alice = fleet.lookup.add("alice", 1001, GROUP)
+    assert fleet.login(alice)["gpus"] == [0, 1, 2, 3]  # no check: its grant waits for a heartbeat
+    fleet.services.close()
+    assert wait_for(lambda: db.calls[-1] == ("close", None))
+    kind, last = db.calls[-2]
+    assert kind == "heartbeat" and [g["username"] for g in last["grants"]] == ["alice"] * 4
 
 
 def test_a_release_leaves_the_fleet_database_before_the_queue_hands_the_gpus_on(tmp_path):
