@@ -128,6 +128,25 @@ def test_a_release_goes_in_front_of_the_next_heartbeat_or_check(postgres):
     db.close()
 
 
+def test_a_gpu_given_again_to_its_user_before_the_heartbeat_is_mirrored_as_the_new_grant(postgres):
+    gpu1, other = FleetDb(postgres.conninfo, "gpu1"), FleetDb(postgres.conninfo, "gpu2")
+    gpu1.heartbeat(heartbeat_doc("gpu1"))
+    other.heartbeat(heartbeat_doc("gpu2"))
+    t = time.time()
+    assert gpu1.reserve({**reserve_doc("gpu1", "u1", [0], None), "granted_at": t - 1000})["granted"] == [0]
+    gpu1.release([(0, "u1")])  # she logs out 500 s later...
+    again = {"minor": 0, "username": "u1", "uid": 1001, "granted_at": t - 10, "expires_at": None, "shared": True,
+             "origin": "session"}  # ...and in again on the same GPU, with no check to wait for
+    gpu1.heartbeat(heartbeat_doc("gpu1", grants=[again], ledger=[
+        {"seq": 1, "username": "u1", "minor": 0, "started": t - 1000, "ended": t - 500}]))
+    (granted_at, shared), = rows(postgres.conninfo, "SELECT granted_at, shared FROM gpuguard.grants")
+    assert (granted_at, shared) == (pytest.approx(t - 10), True)  # the new grant, not the old one kept
+    # her usage counted once: 500 s ended, 10 s of the grant now (not again from the old grant's start)
+    assert other.heartbeat(heartbeat_doc("gpu2", usage_for=["u1"]))["usage"]["u1"] == pytest.approx(510, abs=5)
+    gpu1.close()
+    other.close()
+
+
 def test_a_grant_the_database_still_has_is_logged_as_what_it_is_not_as_a_second_node_name(fleet):
     alice = member(fleet)
     fleet.start(quotas={"users": {alice.name: {"fleet_gpus": 2}}})
