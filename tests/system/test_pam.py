@@ -439,16 +439,18 @@ def test_non_member_gets_nothing(gg_daemon, stacks, make_user, path):
 def test_second_session_reuses_the_grant(gg_daemon, stacks, path):
     alice = gg_daemon.add_member()
     service = stacks.make(session_line(gg_daemon, path))
+    def held() -> list[tuple]:  # the grant itself, not what the watcher samples on it meanwhile (memory_used)
+        return [(g["minor"], g["uuid"], g["granted_at"]) for g in gg_daemon.grants(alice)]
     with PamSession(service, alice.name) as first:
-        (grant,) = gg_daemon.grants(alice)
+        (grant,) = held()
         with PamSession(service, alice.name) as second:
-            assert gg_daemon.grants(alice) == [grant]
+            assert held() == [grant]
             assert first.env.get("CUDA_VISIBLE_DEVICES") == second.env.get("CUDA_VISIBLE_DEVICES")
             pids = {s["pid"] for s in gg_daemon.whoami(alice)["sessions"]}
             assert pids == {first.pid, second.pid}
         # one session still open: the grant stays
-        assert gg_daemon.grants(alice) == [grant]
-        assert usable_gpus(gg_daemon, alice) == [grant["minor"]]
+        assert held() == [grant]
+        assert usable_gpus(gg_daemon, alice) == [grant[0]]
     assert gg_daemon.grants(alice) == []
 
 
