@@ -116,7 +116,6 @@ class Grants:
         # (uid, size) of the last ASKS_KEPT asks granted or queued (note_asked), ASKS_PER_USER a user
         # at most: the mix fractions are placed for
         self._asked: deque[tuple[int, int | None]] = deque()
-        self._asks_of: Counter[int] = Counter()  # uid -> how many of theirs _asked holds
 
     def write_visible_devices(self, uid: int) -> None:
         """The user's held-devices file as the store now says (after every grant given or taken
@@ -187,13 +186,12 @@ class Grants:
         """An ask of uid's granted or queued, of a fraction of `memory` bytes (None: whole GPUs):
         the mix fractions are placed for (allocator.place_fraction). Sizes are kept to the GiB, so
         the mix has few."""
-        if self._asks_of[uid] >= ASKS_PER_USER:  # their oldest goes instead of someone else's
-            self._asked.remove(next(ask for ask in self._asked if ask[0] == uid))
-            self._asks_of[uid] -= 1
+        theirs = [ask for ask in self._asked if ask[0] == uid]
+        if len(theirs) >= ASKS_PER_USER:  # their oldest goes instead of someone else's
+            self._asked.remove(theirs[0])
         self._asked.append((uid, None if memory is None else -(-memory // GIB) * GIB))
-        self._asks_of[uid] += 1
         if len(self._asked) > ASKS_KEPT:
-            self._asks_of[self._asked.popleft()[0]] -= 1
+            self._asked.popleft()
 
     def largest_whole(self) -> int:
         """The memory of the largest whole GPU that may be handed out (0: none)."""
