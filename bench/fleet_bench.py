@@ -74,12 +74,18 @@ def login_rows(bench: Bench, db: Postgres) -> None:
     caller = subprocess.Popen(["sleep", "600"])  # stands in for sshd's [priv] process
     bench.stack.callback(caller.wait)
     bench.stack.callback(caller.kill)
+    def node_config(name: str, node: str, extra: str = "") -> Path:
+        return bench.write_config(name, extra=f'[fleet]\ndatabase = "{db.conninfo}"\nnode = "{node}"\n'
+                                              f'timeout = "{TIMEOUT}s"\n{extra}')
+
+    def online(sock: str) -> None:
+        while not client.call(sock, "fleet_status")["online"]:
+            time.sleep(0.1)
+
     local = bench.write_config("cluster-local")
-    fleet = bench.write_config("cluster-node", extra=f'[fleet]\ndatabase = "{db.conninfo}"\nnode = "bench1"\n'
-                                                     f'timeout = "{TIMEOUT}s"\n')
+    fleet = node_config("cluster-node", "bench1")
     # every user of a fleet quota (of more than they take): each login waits for the grant-time check
-    checked = bench.write_config("cluster-quota", extra=f'[fleet]\ndatabase = "{db.conninfo}"\nnode = "bench2"\n'
-                                                         f'timeout = "{TIMEOUT}s"\n[defaults]\nfleet_gpus = 8\n')
+    checked = node_config("cluster-quota", "bench2", "[defaults]\nfleet_gpus = 8\n")
     samples: dict[str, list[float]] = {"local": [], "up": [], "down": [], "checked": []}
     sock = str(configuration.load(fleet).paths.socket)
     firsts = []
@@ -90,8 +96,7 @@ def login_rows(bench: Bench, db: Postgres) -> None:
 
     def fleet_round() -> None:
         with bench.daemon(fleet):
-            while not client.call(sock, "fleet_status")["online"]:
-                time.sleep(0.1)
+            online(sock)
             samples["up"] += _logins(sock, bench, caller.pid, LOGINS)
             db.stop("immediate")
             firsts.extend(_logins(sock, bench, caller.pid, 1))
@@ -101,8 +106,7 @@ def login_rows(bench: Bench, db: Postgres) -> None:
     def checked_round() -> None:
         checked_sock = str(configuration.load(checked).paths.socket)
         with bench.daemon(checked):
-            while not client.call(checked_sock, "fleet_status")["online"]:
-                time.sleep(0.1)
+            online(checked_sock)
             samples["checked"] += _logins(checked_sock, bench, caller.pid, LOGINS)
 
     rounds = (local_round, fleet_round, checked_round)

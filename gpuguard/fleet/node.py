@@ -117,7 +117,7 @@ class FleetNode:
         heartbeat it asks for (at most MIN_GAP after the last), so that a login storm costs the
         database a few heartbeats, not a round trip each, and a login no work on the worker."""
         if self.online and quota.fleet_gpus is None:
-            self._kick.set()
+            self.kick()
             return chosen
         if self.online:
             doc = {"node": self.config.node, "install": self.identity.install, "incarnation": self.outbox.incarnation,
@@ -271,7 +271,7 @@ class FleetNode:
         self.outbox.add(removed, now)
         self._worker.submit(self.db.release, [(g.unit, g.user) for g in removed])
         if self.online:  # offline, the regular heartbeats try again: no point sending sooner
-            self._kick.set()
+            self.kick()
 
     # --- the node's name (identity.py)
 

@@ -128,7 +128,7 @@ class FleetDatabase(Protocol):
     def reserve(self, doc: dict[str, Any]) -> dict[str, Any]: ...
 
     def release(self, pairs: list[tuple[int, str]]) -> None:
-        """No round trip: kept for the next heartbeat, or sent just before the next reserve."""
+        """No round trip of its own: sent in front of the next call, heartbeat or reserve."""
 
     def close(self) -> None: ...
 
