@@ -22,12 +22,16 @@ the runner starts it in a session of its own).
                             get into the listen queue (a connect flood of the kernel's queue)
     subconnects SOCKET PROCS N  the same, run as root of a user namespace: each process as
                             another uid of the namespace (a subuid to the daemon)
+    newuids SOCKET PROCS N  the same, run as root of a user namespace, each connection made as
+                            a uid of the namespace not used before (seteuid): a subuid the
+                            daemon has never seen, 65,536 of them before one comes again
     spin PROCS              PROCS processes burning CPU and touching nothing else: what a
                             flood's processes cost the machine, without the flood
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import select
@@ -35,6 +39,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 
 def _ready() -> None:
@@ -134,15 +139,21 @@ def forks(loops: int) -> None:
     _forever(loops)
 
 
-def _keep_connecting(path: str, count: int) -> None:
+def _keep_connecting(path: str, count: int, uids: Iterator[int] | None = None) -> None:
     """Hold `count` non-blocking connections to path, each opened again as soon as it is refused
-    (the daemon closed it or wrote its refusal) or the listen queue had no room for it."""
+    (the daemon closed it or wrote its refusal) or the listen queue had no room for it; each as
+    the next of `uids` when given (the peer credentials are the euid at connect)."""
     poller = select.poll()
     held: dict[int, socket.socket] = {}
 
     def connect() -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-        if sock.connect_ex(path) == 0:
+        if uids is not None:
+            os.seteuid(next(uids))
+        connected = sock.connect_ex(path)
+        if uids is not None:
+            os.seteuid(0)
+        if connected == 0:
             held[sock.fileno()] = sock
             poller.register(sock, select.POLLIN)
         else:  # EAGAIN (queue full) or ECONNREFUSED: again next round
@@ -156,13 +167,14 @@ def _keep_connecting(path: str, count: int) -> None:
             held.pop(fd).close()
 
 
-def connects(path: str, procs: int, count: int, as_subuids: bool = False) -> None:
+def connects(path: str, procs: int, count: int, as_subuids: bool = False, new_uids: bool = False) -> None:
     for uid in range(1, procs + 1):
         if os.fork() == 0:
             if as_subuids:
                 os.setgid(uid)
                 os.setuid(uid)
-            _keep_connecting(path, count)
+            # process i connects as uids i, i + procs, ...: no two connections of the flood share one
+            _keep_connecting(path, count, itertools.cycle(range(uid, 65536, procs)) if new_uids else None)
     time.sleep(2)  # every child has opened its first connections
     _ready()
     _forever(procs)
@@ -191,8 +203,8 @@ def main(argv: list[str]) -> int:
         forks(int(args[0]))
     elif kind == "spin":
         spin(int(args[0]))
-    elif kind in ("connects", "subconnects"):
-        connects(args[0], int(args[1]), int(args[2]), as_subuids=kind == "subconnects")
+    elif kind in ("connects", "subconnects", "newuids"):
+        connects(args[0], int(args[1]), int(args[2]), as_subuids=kind == "subconnects", new_uids=kind == "newuids")
     else:
         print(f"unknown flood {kind}", file=sys.stderr)
         return 2

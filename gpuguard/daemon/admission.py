@@ -9,9 +9,13 @@ in bounds that no local user, nor all of them together, can pass:
   which leaves a reserve of descriptors (a quarter, at least RESERVE_MIN) for root's connections
   (the PAM module's logins and closes, admin commands) and the daemon's own files;
 - one uid holds at most `per_uid` of them at once;
-- uids without a passwd entry (the subuids of a user namespace: one user may own 65,536 of
-  them) share `no_account` between all of them, so that all of a namespace's uids count as one
-  small user; a uid not yet looked up counts in `pending` until NSS has answered for it;
+- the subuids of a user's ranges in /etc/subuid (those a user namespace of theirs may use:
+  65,536 each) hold at most `no_account` together, per owner, and are known without asking NSS:
+  a namespace's root could otherwise connect as a new uid each time and keep the one NSS thread
+  and the `pending` slots full, so that members not looked up yet were refused;
+- other uids without a passwd entry (a namespace root made, ranges NSS gives) share
+  `no_account` between all of them; a uid not yet looked up counts in `pending` until NSS has
+  answered for it;
 - the metrics endpoint (TCP: the kernel names no peer uid) holds at most `metrics`.
 
 Budget's decisions are pure; AccountKinds asks NSS, once per uid for a while, off the loop.
@@ -42,6 +46,11 @@ Key = tuple[object, ...]  # ("uid", 1000), ("root",): who a connection counts ag
 
 def uid_key(uid: int) -> Key:
     return ("uid", uid)
+
+
+def subuids_key(owner: str) -> Key:
+    """A connection from one of owner's subuid ranges (their user namespaces)."""
+    return ("subuids of", owner)
 
 
 def pending_key(uid: int) -> Key:
@@ -106,6 +115,8 @@ class Budget:
             return self.metrics, "to the metrics endpoint"
         if key == NO_ACCOUNT_KEY:
             return self.no_account, "from uids without an account (user namespaces)"
+        if key[0] == "subuids of":
+            return self.no_account, "from your user namespaces' uids"
         return self.per_uid, "from your user"
 
 

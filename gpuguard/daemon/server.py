@@ -16,8 +16,9 @@ at the read deadline) is refused with code 2 and one log line, and those lines a
 throttled per uid (logs.Throttle), so no client can flood the log. A traceback is logged
 only for a fault of the daemon's own, and that too is throttled per uid.
 
-Who may hold a connection is admission.py's: root always, each other uid up to its cap, all uids
-without an account (a user namespace's) one small cap together, and all non-root connections
+Who may hold a connection is admission.py's: root always, each other uid up to its cap, the
+subuids of each user's /etc/subuid ranges (their user namespaces') one small cap per user, all
+other uids without an account one small cap together, and all non-root connections
 below a limit that keeps descriptors for root and the daemon. A connection over a cap gets a
 one-line refusal at once.
 """
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard import daemon_socket, protocol
+from gpuguard.backends import subids
 from gpuguard.core.errors import GpuguardError
 from gpuguard.daemon import admission
 from gpuguard.logs import Throttle, event
@@ -79,7 +81,8 @@ Handler = Callable[[dict[str, Any], Peer], Awaitable[dict[str, Any]]]
 class Server:
     def __init__(self, path: Path, handler: Handler, read_timeout: float = READ_TIMEOUT,
                  abandoned_on_hangup: frozenset[str] = frozenset(), budget: admission.Budget | None = None,
-                 kinds: admission.AccountKinds | None = None):
+                 kinds: admission.AccountKinds | None = None,
+                 subuid_owner: Callable[[int], str | None] | None = None):
         self.path = Path(path)
         self.handler = handler
         # Ops that only wait for something (a queued GPU): a client that hangs up cancels them.
@@ -89,6 +92,7 @@ class Server:
         # Connections held, shared with the metrics endpoint (admission.py); the daemon passes its own.
         self.budget = budget or admission.Budget.for_descriptors(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self.kinds = kinds or admission.AccountKinds()
+        self.subuid_owner = subuid_owner or subids.SubuidOwners().owner
         self.root_path = Path(daemon_socket.root_door(str(self.path)))
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task[None]] = set()  # the connections being served
@@ -245,6 +249,8 @@ class Server:
         has_account = self.kinds.remembered(peer.uid)
         if has_account is not None:
             return self._take(peer, _account_key(peer.uid, has_account))
+        if (owner := self.subuid_owner(peer.uid)) is not None:
+            return self._take(peer, admission.subuids_key(owner))
         waiting = admission.pending_key(peer.uid)
         if refusal := self.budget.take(waiting):
             return self._refuse(peer, waiting, refusal)
@@ -401,8 +407,11 @@ def _account_key(uid: int, has_account: bool) -> admission.Key:
 
 
 def _log_key(key: admission.Key, peer: Peer) -> object:
-    """Whose log lines these are: a user's own, or one shared key for all uids without an account
-    and all not looked up yet (each subuid its own would let one namespace log 65,536 times as much)."""
+    """Whose log lines these are: a user's own, one per owner of subuid ranges, or one shared key
+    for all other uids without an account and all not looked up yet (each subuid its own would
+    let one namespace log 65,536 times as much)."""
+    if key[0] == "subuids of":
+        return f"subuids of {key[1]}"
     return key[0] if key[0] in ("no account", "pending") else peer.uid
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from gpuguard.daemon import admission
-from gpuguard.daemon.admission import METRICS_KEY, NO_ACCOUNT_KEY, ROOT, AccountKinds, Budget, pending_key, uid_key
+from gpuguard.daemon.admission import METRICS_KEY, NO_ACCOUNT_KEY, ROOT, AccountKinds, Budget, pending_key, subuids_key, uid_key
 
 
 def test_a_uid_is_capped_whether_its_connections_wait_for_nss_or_not():
@@ -23,6 +23,16 @@ def test_uids_without_an_account_share_one_cap():
     assert "without an account" in budget.take(NO_ACCOUNT_KEY)
     budget.give_back(NO_ACCOUNT_KEY)
     assert budget.take(NO_ACCOUNT_KEY) is None
+
+
+def test_each_owners_subuids_have_a_cap_of_their_own():
+    budget = Budget(limit=1000, no_account=2)
+    assert budget.take(subuids_key("mallory")) is None and budget.take(subuids_key("mallory")) is None
+    assert budget.take(subuids_key("mallory")) == "more than 2 connections at once from your user namespaces' uids"
+    assert budget.take(subuids_key("alice")) is None  # another owner's namespace is not
+    assert budget.take(NO_ACCOUNT_KEY) is None  # nor uids in no range
+    budget.give_back(subuids_key("mallory"))
+    assert budget.take(subuids_key("mallory")) is None
 
 
 def test_the_global_limit_binds_everyone_but_root():
