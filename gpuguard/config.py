@@ -255,6 +255,18 @@ def _string(value: Any) -> str:
     return value
 
 
+# The longest text a node may write to the fleet database (its rack, its ssh line): the schema's
+# TEXT_MAX, which a released migration copies (gpuguard.fleet.schema); longer, every heartbeat fails.
+FLEET_TEXT_MAX = 255
+
+
+def _fleet_text(value: Any) -> str:
+    text = _string(value)
+    if len(text) > FLEET_TEXT_MAX:
+        raise ValueError(f"at most {FLEET_TEXT_MAX} characters (the fleet database keeps no longer), got {len(text)}")
+    return text
+
+
 def _names(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"expected a list of names, got {value!r}")
@@ -531,7 +543,7 @@ SCHEMA: dict[str, dict[str, Callable[[Any], Any]]] = {
             "secure_cookies": _bool, "trusted_proxies": _networks,
             "contact": _string, "tls_cert": _absolute_path, "tls_key": _absolute_path},
     "coexist": {"slurm": _slurm, "gres_conf": _absolute_path, "slurm_node": _string, "k8s_gpus": _minors},
-    "fleet": {"database": _string, "node": _string, "rack": _string, "ssh": _string,
+    "fleet": {"database": _string, "node": _string, "rack": _fleet_text, "ssh": _fleet_text,
                 "heartbeat": _positive_duration(1), "lease": _positive_duration(1), "grace": _positive_duration(0),
                 "timeout": _positive_duration(0.05), "offline_policy": _member(OfflinePolicy), "data": _data_map},
     "gpu.simulated": {"count": _count(1, MAX_GPUS), "memory": _positive_size, "name": _string,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 from typing import Any
 
 from gpuguard.cli import CommandError, load_config, print_json, print_rows, require_root, summary
@@ -211,9 +212,12 @@ def init_roles(args: argparse.Namespace) -> int:
             owner = roles.check_owner(conn)
             version = fleetdb.migrate(conn, "fleet init")
             made = roles.setup(conn, nodes, keep=lambda role: not args.new_passwords)
+            left, database = roles.restrict_public(conn), conn.info.dbname
     except (psycopg.Error, FleetError) as exc:
         raise CommandError(f"fleet init: {_first_line(exc)}", EXIT_FAILED) from None
     print(f"gpuguard: the fleet database is at schema {version}; its roles are ready (owner {owner})")
+    for what, statement in left:
+        print(f"  to do as a superuser: {what}: sudo -u postgres psql -d {shlex.quote(database)} -c {shlex.quote(statement)}")
     readers = {roles.WEB: reader}
     for item in made:
         path = roles.passfile(directory, item.role)

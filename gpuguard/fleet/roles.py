@@ -5,11 +5,17 @@
   run with its rights);
 - gpuguard_node_<name>, one login role per node, a member of gpuguard_nodes: it may read the
   fleet's tables and call heartbeat_v4 to v6, reserve_v3 and release_v1, which write only the
-  rows of the node its role is named for, within bounds (schema.py, migrations 5 to 8); no table
+  rows of the node its role is named for, within bounds (schema.py, migrations 5 to 9); no table
   may it write directly, no other function may it call;
 - gpuguard_admin: reads everything, removes nodes (`gpuguard fleet remove`) and may edit the
   fleet_quotas rows; it writes nothing of a node's (its ssh line included);
 - gpuguard_web: reads the tables the web view shows, nothing else (no function either).
+
+Each login role holds at most a few connections at once (CONNECTION_LIMITS): root on one node
+could otherwise take every one of the server's and put every other node offline. And none may
+write outside the schema where the database's owner can stop it: `fleet init` takes TEMPORARY on
+the database from PUBLIC, and says what only a superuser can take (creating in schema public,
+large objects, which outlive their session).
 
 Each login role's password is drawn here, sent to the server only as a SCRAM verifier, and
 written to a passfile (libpq's .pgpass format) that only its reader may read: root for the
@@ -41,6 +47,11 @@ CREDENTIALS = Path("/etc/gpuguard")  # where `fleet init` writes the passfiles, 
 # A node name a role may carry: PostgreSQL cuts names at 63 bytes, silently; nothing to quote.
 NODE_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{62 - len(NODE_PREFIX)}}}")
 WEB_TABLES = ("nodes", "gpus", "grants", "queue", "ledger")  # what gpuguard.web.fleet reads
+# Connections a login role may hold at once: a node's daemon holds one for its heartbeats (and a
+# second while it reconnects) and up to two for the fleet's view (ops.POOL_SIZE), `fleet remove`
+# one, the web one per page being drawn. Size the server's max_connections past their sum
+# (docs/several-servers.md).
+CONNECTION_LIMITS = {"node": 6, ADMIN: 4, WEB: 16}
 NODE_FUNCTIONS = ("heartbeat_v4(jsonb)", "heartbeat_v5(jsonb)", "heartbeat_v6(jsonb)", "reserve_v3(jsonb)",
                   "release_v1(text, integer[], text[])")
 
@@ -144,13 +155,46 @@ def _login(conn: psycopg.Connection, role: str, keep: Callable[[str], bool]) -> 
     if row is not None and row[0]:
         raise RoleError(f"role {role} exists with more rights than it should have (superuser, createrole, createdb, "
                         f"replication or bypassrls): drop it (DROP ROLE {role}) and run gpuguard fleet init again")
+    limit = CONNECTION_LIMITS["node" if role.startswith(NODE_PREFIX) else role]
     if row is not None and keep(role):
+        conn.execute(sql.SQL("ALTER ROLE {} CONNECTION LIMIT {}").format(sql.Identifier(role), sql.Literal(limit)))
         return Made(role, None)
     password = secrets.token_urlsafe(24)  # letters, digits, '-' and '_': nothing to escape in a passfile
     verifier = conn.pgconn.encrypt_password(password.encode(), role.encode(), b"scram-sha-256").decode()
-    conn.execute(sql.SQL("{} ROLE {} LOGIN PASSWORD {}").format(
-        sql.SQL("CREATE" if row is None else "ALTER"), sql.Identifier(role), sql.Literal(verifier)))
+    conn.execute(sql.SQL("{} ROLE {} LOGIN CONNECTION LIMIT {} PASSWORD {}").format(
+        sql.SQL("CREATE" if row is None else "ALTER"), sql.Identifier(role), sql.Literal(limit), sql.Literal(verifier)))
     return Made(role, password)
+
+
+# What PUBLIC (every role, the nodes' and the web's included) may still do outside the schema
+# that lets one role harm the others, each with the superuser's statement that stops it.
+_PUBLIC_RIGHTS = (
+    ("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'public')"
+     " AND has_schema_privilege('public', 'public', 'CREATE')",
+     "every role may create in schema public (PostgreSQL 14 and older): a node's role could put functions there "
+     "that other sessions run", "REVOKE CREATE ON SCHEMA public FROM PUBLIC"),
+    ("SELECT has_database_privilege('public', current_database(), 'TEMPORARY')",
+     "every role may make temporary tables", "REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC"),
+    ("SELECT has_function_privilege('public', 'lo_create(oid)', 'EXECUTE')",
+     "every role may make large objects, which outlive its session (a disk to fill)",
+     "REVOKE EXECUTE ON FUNCTION lo_create(oid), lo_creat(integer), lo_from_bytea(oid, bytea) FROM PUBLIC"),
+)
+
+
+def restrict_public(conn: psycopg.Connection) -> list[tuple[str, str]]:
+    """Take from PUBLIC what the connecting role may (TEMPORARY, when it owns the database);
+    what is left, as (what PUBLIC may do, the superuser's statement to stop it)."""
+    database = conn.info.dbname
+    owns = conn.execute("SELECT pg_get_userbyid(datdba) = current_user FROM pg_database"
+                        " WHERE datname = current_database()").fetchone()
+    if owns is not None and owns[0]:
+        conn.execute(sql.SQL("REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC").format(sql.Identifier(database)))
+    left = []
+    for question, what, statement in _PUBLIC_RIGHTS:
+        answer = conn.execute(question).fetchone()
+        if answer is not None and answer[0]:
+            left.append((what, statement.format(database=sql.Identifier(database).as_string(conn))))
+    return left
 
 
 def write_passfile(path: Path, role: str, password: str, reader: str = "root") -> None:

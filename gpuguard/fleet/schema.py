@@ -36,6 +36,11 @@ class Migration:
 GRANTS_PER_GPU = 48
 SKEW = 300.0
 TIME_MAX = 1e11  # seconds: the largest epoch time (the year 5138) or duration a row may hold
+# What one node's rows may make every node read (migration 9): a text a node writes (an ssh line,
+# a GPU's name, a user name) is at most TEXT_MAX characters, and a heartbeat lists at most
+# GPUS_PER_NODE GPUs (16 GPUs in MIG mode, 7 slices each, are 128 units).
+TEXT_MAX = 255
+GPUS_PER_NODE = 512
 
 
 # A heartbeat that says where the database has what the node last sent (its digest, `since`):
@@ -87,6 +92,11 @@ _USAGE_ALL = """        IF coalesce((doc->>'usage_all')::boolean, false) AND NOT
 def _times(*columns: str) -> str:
     """SQL: every column a number from 0 to TIME_MAX (BETWEEN is false for NaN and the infinities)."""
     return " AND ".join(f"{column} BETWEEN 0 AND {TIME_MAX:.0f}" for column in columns)
+
+
+def _short(*columns: str) -> str:
+    """SQL: every text column at most TEXT_MAX characters (a NULL passes, as in any CHECK)."""
+    return " AND ".join(f"length({column}) <= {TEXT_MAX}" for column in columns)
 
 
 def _heartbeat_v1(create: str, decay: Callable[[str], str]) -> str:
@@ -222,16 +232,17 @@ def _kept(part: str) -> str:
 """
 
 
-def _bounded_checked(function: str, inner: str) -> str:
+def _bounded_checked(function: str, inner: str, ignored: str = "") -> str:
     """SQL: gpuguard.<function>(doc) made again (migration 7): writes_for's check, then
-    gpuguard.<inner> on what gpuguard.bounded leaves of doc, its answer saying what was left out."""
+    gpuguard.<inner> on what gpuguard.bounded leaves of doc, its answer saying what was left out;
+    `ignored`: an SQL operator taking out of doc what bounded must not read (migration 9)."""
     return f"""    CREATE OR REPLACE FUNCTION gpuguard.{function}(doc jsonb) RETURNS jsonb LANGUAGE plpgsql SECURITY DEFINER
         SET search_path = pg_catalog, pg_temp AS $$
     DECLARE
         kept jsonb;
     BEGIN
         PERFORM gpuguard.writes_for(doc->>'node');
-        kept := gpuguard.bounded(doc);
+        kept := gpuguard.bounded(doc{ignored});
         RETURN gpuguard.with_skipped(gpuguard.{inner}(kept - 'skipped'), kept);
     END $$;
 """
@@ -692,6 +703,45 @@ MIGRATIONS: tuple[Migration, ...] = (
             GRANT EXECUTE ON FUNCTION gpuguard.heartbeat_v6(jsonb) TO gpuguard_nodes;
         END IF;
     END $$;
+    """),
+    # What one node's role writes, every node reads: bounded in size now too. A 40 MB ssh line
+    # (repeated on each GPU's row of the view) made every node's `status --fleet` and `where`
+    # time out. Texts a node writes are at most TEXT_MAX characters (CHECKs, NOT VALID: rows
+    # already there stay until their node writes them again, a heartbeat over it fails whole, as
+    # for a bad time), and a heartbeat's GPUs past GPUS_PER_NODE are left out (`skipped`):
+    # gpuguard.bounded is made again as that cap around the old one (bounded_v1). A grant-time
+    # check may grant only on GPUs the node's rows list: bounded read a `gpus` list from its
+    # document too, which reserve_v2 never writes, and one check planted 300 grants on GPUs no
+    # view shows (a user then "held 300" on every node); reserve_v3 now hides it from bounded.
+    Migration(9, 1, f"""
+    ALTER TABLE gpuguard.nodes ADD CONSTRAINT nodes_texts
+        CHECK ({_short("rack", "ssh", "version", "incarnation", "host", "identity", "digest")}) NOT VALID;
+    ALTER TABLE gpuguard.gpus ADD CONSTRAINT gpus_texts CHECK ({_short("uuid", "name", "owner")}) NOT VALID;
+    ALTER TABLE gpuguard.grants ADD CONSTRAINT grants_texts CHECK ({_short("username", "origin")}) NOT VALID;
+    ALTER TABLE gpuguard.queue ADD CONSTRAINT queue_texts CHECK ({_short("username")}) NOT VALID;
+    ALTER TABLE gpuguard.ledger ADD CONSTRAINT ledger_texts CHECK ({_short("incarnation", "username")}) NOT VALID;
+
+    ALTER FUNCTION gpuguard.bounded(jsonb) RENAME TO bounded_v1;
+    CREATE FUNCTION gpuguard.bounded(doc jsonb) RETURNS jsonb LANGUAGE plpgsql STABLE
+        SET search_path = pg_catalog, pg_temp AS $$
+    DECLARE
+        dropped jsonb;
+    BEGIN
+        IF jsonb_typeof(doc->'gpus') = 'array' AND jsonb_array_length(doc->'gpus') > {GPUS_PER_NODE}
+           AND NOT pg_has_role(session_user, (SELECT nspowner FROM pg_namespace WHERE nspname = 'gpuguard'), 'USAGE') THEN
+            dropped := jsonb_path_query_array(doc->'gpus', '$[{GPUS_PER_NODE} to last]');
+            doc := jsonb_set(doc, '{{gpus}}', jsonb_path_query_array(doc->'gpus', '$[0 to {GPUS_PER_NODE - 1}]'));
+            RAISE WARNING 'gpuguard: % GPUs of node % refused from role %: more than {GPUS_PER_NODE}',
+                jsonb_array_length(dropped), doc->>'node', session_user;
+        END IF;
+        doc := gpuguard.bounded_v1(doc);
+        IF dropped IS NOT NULL THEN
+            doc := doc || jsonb_build_object('skipped', coalesce(doc->'skipped', '{{}}') || jsonb_build_object('gpus', dropped));
+        END IF;
+        RETURN doc;
+    END $$;
+    REVOKE EXECUTE ON FUNCTION gpuguard.bounded(jsonb) FROM PUBLIC;
+""" + _bounded_checked("reserve_v3", "reserve_v2", ignored=" - 'gpus'") + """
     """),
 )
 CURRENT = MIGRATIONS[-1].version

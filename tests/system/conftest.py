@@ -23,9 +23,11 @@ from devtools.harness import bpffs_restored, kill_processes_of, log_lines, searc
 
 # Shared fixtures: device_dir / backend, simulated GPUs (tests/sim_helpers.py, first: the others
 # import it); start_daemon / gg_daemon, a real daemon (tests/daemon_fixture.py); pam_module
-# (tests/ssh_harness.py); postgres, a private PostgreSQL (tests/pg_fixture.py); web / browser,
-# `gpuguard web` and a headless Chromium (tests/web_harness.py).
-pytest_plugins = ["sim_helpers", "daemon_fixture", "ssh_harness", "hostile_fixture", "pg_fixture", "web_harness"]
+# (tests/ssh_harness.py); postgres, a private PostgreSQL (tests/pg_fixture.py); fleet, its
+# database with the roles fleet init makes (tests/fleet_fixture.py); web / browser, `gpuguard web`
+# and a headless Chromium (tests/web_harness.py).
+pytest_plugins = ["sim_helpers", "daemon_fixture", "ssh_harness", "hostile_fixture", "pg_fixture", "fleet_fixture",
+                  "web_harness"]
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable  # the venv's interpreter; users run gpuguard with it too

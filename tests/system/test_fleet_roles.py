@@ -13,15 +13,13 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 from conftest import run_as
 from daemon_fixture import RunningDaemon
+from fleet_fixture import Fleet
 from sim_helpers import PYTHON, cli
 from test_fleet_db import heartbeat_doc, reserve_doc, rows
 
@@ -30,48 +28,8 @@ from gpuguard.core.errors import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE
 from gpuguard.fleet import roles, schema
 from gpuguard.fleet.fleetdb import FleetDb, connect, remove_node
 
-if TYPE_CHECKING:
-    from conftest import TestUser
-
 TABLES = ("nodes", "gpus", "grants", "queue", "ledger", "fleet_quotas", "migrations")
 DENIED = psycopg.errors.InsufficientPrivilege
-
-
-@dataclass
-class Fleet:
-    superuser: str  # the instance's superuser, over its Unix socket (trust)
-    owner: str      # the schema's owner, over the Unix socket (trust)
-    tcp: str        # the database over TCP, where every role needs its password
-    credentials: Path
-    config: Path
-    web: TestUser
-
-    def init(self, *args: str) -> object:
-        return cli(self.config, "fleet", "init", "--database", self.owner, "--credentials", str(self.credentials),
-                   "--web-account", self.web.name, *args)
-
-    def as_role(self, role: str) -> str:
-        return roles.conninfo_as(self.tcp, role, roles.passfile(self.credentials, role))
-
-
-@pytest.fixture
-def fleet(postgres, make_user) -> Iterator[Fleet]:
-    with psycopg.connect(postgres.conninfo, autocommit=True) as conn:
-        conn.execute("CREATE ROLE gpuguard LOGIN CREATEROLE")  # the owner, as the docs make it
-        conn.execute("CREATE DATABASE gpuguard OWNER gpuguard")
-    hba = postgres.data / "pg_hba.conf"
-    hba.write_text("host all all 127.0.0.1/32 scram-sha-256\n" + hba.read_text())  # first match: passwords on TCP
-    rows(postgres.conninfo, "SELECT pg_reload_conf()")
-    credentials = Path(tempfile.mkdtemp(prefix="ggt-"))
-    credentials.chmod(0o755)  # as /etc/gpuguard: the web's account reaches its file, and only that one
-    config = credentials / "gpuguard.toml"
-    config.write_text("")
-    (credentials / "quotas.toml").write_text("")
-    try:
-        yield Fleet(postgres.conninfo, f"host={postgres.root} port={postgres.port} user=gpuguard dbname=gpuguard",
-                    f"host=127.0.0.1 port={postgres.port} dbname=gpuguard", credentials, config, make_user())
-    finally:
-        shutil.rmtree(credentials, ignore_errors=True)
 
 
 def denied(conninfo: str, statement: str, *params) -> bool:

@@ -66,10 +66,17 @@ def test_an_old_and_a_new_name_together_are_refused(tmp_path):
     ('[fleet]\ndatabase = "x"\noffline_policy = "open"\n', "fleet.offline_policy: must be one of local, budget"),
     ('[fleet]\ndatabase = "x"\n[fleet.data]\n"relative" = ["a"]\n', "fleet.data: expected an absolute path"),
     ('[fleet]\ndatabase = "x"\ntimeout = "10ms"\n', "fleet.timeout"),
+    # the database keeps no longer a text (schema 9): every heartbeat would fail
+    (f'[fleet]\ndatabase = "x"\nssh = "{"h" * 256}"\n', "fleet.ssh: at most 255 characters"),
+    (f'[fleet]\ndatabase = "x"\nrack = "{"r" * 300}"\n', "fleet.rack: at most 255 characters"),
 ])
 def test_bad_fleet_settings_are_refused_with_one_line(tmp_path, text, problem):
     with pytest.raises(config.ConfigError, match=problem):
         load(tmp_path, text)
+
+
+def test_the_configs_bound_on_a_fleet_text_is_the_schemas():
+    assert config.FLEET_TEXT_MAX == schema.TEXT_MAX
 
 
 def test_a_negative_fleet_quota_is_refused(tmp_path):
