@@ -49,9 +49,9 @@ NODE_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{62 - len(NODE_PREFIX)}}}
 WEB_TABLES = ("nodes", "gpus", "grants", "queue", "ledger")  # what gpuguard.web.fleet reads
 # Connections a login role may hold at once: a node's daemon holds one for its heartbeats (and a
 # second while it reconnects) and up to two for the fleet's view (ops.POOL_SIZE), `fleet remove`
-# one, the web one per page being drawn. Size the server's max_connections past their sum
-# (docs/several-servers.md).
-CONNECTION_LIMITS = {"node": 6, ADMIN: 4, WEB: 16}
+# one, the web one per read in flight (asyncio.to_thread, whose default pool has at most 32
+# threads). Size the server's max_connections past their sum (docs/several-servers.md).
+CONNECTION_LIMITS = {"node": 6, ADMIN: 4, WEB: 32}
 NODE_FUNCTIONS = ("heartbeat_v4(jsonb)", "heartbeat_v5(jsonb)", "heartbeat_v6(jsonb)", "reserve_v3(jsonb)",
                   "release_v1(text, integer[], text[])")
 
