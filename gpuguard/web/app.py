@@ -4,9 +4,10 @@ Read-only: the only forms are the login and the logout, both POST with a CSRF to
 changes anything outside the browser's cookie. Every response carries a Content-Security-Policy
 that allows nothing from elsewhere and no inline script. What one client can make it cost is
 bounded: the daemon is asked at most once per second and key however many browsers poll (Memo),
-PAM runs at most LOGINS_AT_ONCE logins at a time, failed logins delay further tries of that name
-from that client (sessions.LoginDelay; the client behind `trusted_proxies` from X-Forwarded-For),
-and request bodies are small.
+PAM runs at most LOGINS_AT_ONCE logins at a time, one client at most its share of them, a client
+of many failures behind the others (slots.LoginSlots), failed logins delay further tries of that
+name from that client (sessions.LoginDelay; the client behind `trusted_proxies` from
+X-Forwarded-For), and request bodies are small.
 """
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ from gpuguard.web.assets import ICON, SCRIPT, STYLE
 from gpuguard.web.connections import Guard, total_for
 from gpuguard.web.counted import Counted
 from gpuguard.web.sessions import Login, LoginDelay, Sessions, Signer
+from gpuguard.web.slots import Busy, LoginSlots, client_key, group_of
 from gpuguard.web.sources import Memo, Source
 from gpuguard.web.svg import Sorting, usage_chart
 
 LOGINS_AT_ONCE = 2          # PAM conversations in flight (each a thread; a failure sleeps ~2 s in pam_faildelay)
+LOGINS_PER_CLIENT = 1       # of them, one client's (an address, an IPv6 /64, all of loopback)
 MAX_BODY = 8 * 1024         # a login form is a few hundred bytes
 MAX_REASONS = 50            # queue places whose reasons are asked for, per server
 MEMO_AGE = 1.0             # seconds a daemon's answer (and the grid made of it) is kept for every browser
@@ -89,7 +92,8 @@ class Web:
     delay: LoginDelay = field(default_factory=LoginDelay)
     delayed: Counted = field(default_factory=lambda: Counted("web_login_delayed"))
     implausible: Counted = field(default_factory=lambda: Counted("web_login_malformed"))
-    logins: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOGINS_AT_ONCE))
+    busy: Counted = field(default_factory=lambda: Counted("web_login_busy"))
+    logins: LoginSlots = field(default_factory=lambda: LoginSlots(LOGINS_AT_ONCE, LOGINS_PER_CLIENT))
 
     @property
     def cookie(self) -> str:
@@ -376,7 +380,7 @@ class Web:
             return self.page(request, viewer, "Log in", pages.message_page(
                 "Log in", "The form expired or came from another site: load the login page again."), status=403)
         client = client_address(request.remote, request.headers.get("X-Forwarded-For"), self.config.trusted_proxies)
-        now = self.clock()
+        counted = client_key(client)  # the login delay's client: an IPv6 /64 is one
 
         def again(message: str, status: int) -> web.Response:
             body = pages.login_page(self.signer.csrf("login:" + str(seed)), message, user)
@@ -385,22 +389,32 @@ class Web:
         if not _plausible(user, password):  # no PAM conversation, so nothing guessed and nothing kept
             self.implausible.add(client=client)
             return again("Wrong user name or password.", 401)
-        wait = self.delay.wait(user, client, now)
-        if wait > 0:
+
+        def still_delayed() -> web.Response | None:
+            wait = self.delay.wait(user, counted, self.clock())
+            if wait <= 0:
+                return None
             self.delayed.add(user=user, client=client, wait=math.ceil(wait))
             refused = again(f"Too many failed logins as {user} from here: try again in {math.ceil(wait)} s.", 429)
             refused.headers["Retry-After"] = str(math.ceil(wait))
             return refused
-        if self.logins.locked():
+
+        if (refused := still_delayed()) is not None:
+            return refused
+        try:
+            async with self.logins.slot(group_of(client), self.delay.standing(counted, self.clock())):
+                if (refused := still_delayed()) is not None:  # a try of the same pair failed while this one waited
+                    return refused
+                accepted = await asyncio.to_thread(self.authenticate, user, password, client)
+        except Busy as exc:
+            self.busy.add(client=client, why=str(exc))
             return again("Too many logins at once: try again in a moment.", 503)
-        async with self.logins:
-            accepted = await asyncio.to_thread(self.authenticate, user, password, client)
         if not accepted:
-            failures = self.delay.failed(user, client, self.clock())
+            failures = self.delay.failed(user, counted, self.clock())
             event(logging.WARNING, "web_login_failed", user=user, client=client, failures=failures.count,
                   delay=math.ceil(failures.until - failures.last))
             return again("Wrong user name or password.", 401)
-        self.delay.succeeded(user, client)
+        self.delay.succeeded(user, counted)
         admin = await self.is_admin(user)
         if not admin and await self.membership(user) is False:  # None: no server can say now; the sweep judges later
             event(logging.WARNING, "web_login_refused", user=user, client=client, why="not in the GPU group")
@@ -408,7 +422,7 @@ class Web:
                 user, await self.gpu_group(user), self.config.contact, self.config.admin_group), status=403)
             self.forget(refused, self.pre_cookie)
             return refused
-        login = self.sessions.open(user, admin, now + self.config.session_time)
+        login = self.sessions.open(user, admin, self.clock() + self.config.session_time)
         response = web.HTTPSeeOther("/me")
         response.set_cookie(self.cookie, login.id, max_age=int(self.config.session_time), **self.cookie_options())
         self.forget(response, self.pre_cookie)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import itertools
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuguard.core.errors import GpuguardError
 
@@ -117,7 +119,7 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-OVERFLOW = ""  # the shared record of a user's (or a client's) clients (names) past its bound
+OVERFLOW = ""  # the shared record of a client's names past its bound
 
 
 @dataclass
@@ -128,37 +130,52 @@ class Failures:
 
 
 class LoginDelay:
-    """Failed logins counted per (user name, client address): after `free` failures each further
-    one makes that pair wait `base` seconds, doubled at each failure up to `most`; forgotten
-    `forget` seconds after its last failure, and at a success. No lock anyone could trigger for
-    another: alice's failures from one client do not delay alice from another, nor bob from it.
+    """Failed logins counted per (user name, client): after `free` failures each further one
+    makes that pair wait `base` seconds, doubled at each failure up to `most`; forgotten `forget`
+    seconds after its last failure, and at a success. No lock anyone could trigger for another:
+    alice's failures from one client do not delay alice from another, nor bob from it. The client
+    is what the caller names (the web: slots.client_key, an IPv6 /64 as one).
 
-    State is bounded without evicting anyone: at most `per_user` clients per name and
-    `per_client` names per client, `total` pairs in all; a pair past a bound shares one record
-    with the others past it (the name's, the client's, or everyone's), so a flood of new names
-    or addresses delays itself, not a record already kept."""
+    State is bounded: at most `per_user` clients per name, `per_client` names per client and
+    `total` pairs in all. Past a name's bound, or the total, the record whose last failure is the
+    oldest gives way: an attacker's failures from many addresses never delay the name from
+    another address (a shared record would: the named user locked out from everywhere), and the
+    guessing they buy is bounded by the PAM conversations at once (slots.LoginSlots), not here.
+    Past a client's bound its further names share one record of that client's, so a flood of
+    made-up names from one client delays that client only.
+
+    Each client's failures across all names are counted too (`standing`, forgotten alike): the
+    order in which waiting logins get a PAM conversation, never a delay of its own (a lock one
+    user behind a shared address could set off for the others)."""
 
     def __init__(self, free: int = 3, base: float = 1.0, most: float = 300.0, forget: float = 900.0,
                  per_user: int = 64, per_client: int = 64, total: int = 10_000):
         self.free, self.base, self.most, self.forget = free, base, most, forget
         self.per_user, self.per_client, self.total = per_user, per_client, total
-        self._kept: dict[tuple[str, str], Failures] = {}
-        self._users: dict[str, int] = {}
-        self._clients: dict[str, int] = {}
-        self._swept = float("-inf")
+        self._kept: dict[tuple[str, str], Failures] = {}  # in the order of their last failure
+        self._by_user: dict[str, dict[str, None]] = {}    # a name's clients, alike
+        self._clients: dict[str, int] = {}                # how many names each client has kept
+        self._standing: dict[str, Failures] = {}          # a client's failures, all names; alike
 
     def wait(self, user: str, client: str, now: float) -> float:
         """Seconds until this name may be tried from this client (0: now)."""
-        record = self._fresh(self._key(user, client, now), now)
+        record = self._fresh(self._kept, self._key(user, client), now)
         return max(0.0, record.until - now) if record else 0.0
 
     def failed(self, user: str, client: str, now: float) -> Failures:
-        key = self._key(user, client, now)
-        record = self._fresh(key, now)
+        self._count(client, now)
+        key = self._key(user, client)
+        record = self._fresh(self._kept, key, now)
         if record is None:
-            record = self._kept[key] = Failures(0, now, now)
-            self._users[key[0]] = self._users.get(key[0], 0) + 1
+            self._make_room(key, now)
+            record = Failures(0, now, now)
             self._clients[key[1]] = self._clients.get(key[1], 0) + 1
+        self._kept.pop(key, None)
+        self._kept[key] = record  # the newest last
+        if key[0] != OVERFLOW:
+            clients = self._by_user.setdefault(key[0], {})
+            clients.pop(key[1], None)
+            clients[key[1]] = None
         record.count += 1
         record.last = now
         over = record.count - self.free
@@ -169,36 +186,65 @@ class LoginDelay:
         if (user, client) in self._kept:
             self._drop((user, client))
 
+    def standing(self, client: str, now: float) -> int:
+        """The client's failures, every name's, in the last `forget` seconds."""
+        record = self._fresh(self._standing, client, now)
+        return record.count if record else 0
+
     def __len__(self) -> int:
         return len(self._kept)
 
-    def _key(self, user: str, client: str, now: float) -> tuple[str, str]:
-        if (user, client) in self._kept:
+    def _key(self, user: str, client: str) -> tuple[str, str]:
+        if (user, client) in self._kept or self._clients.get(client, 0) < self.per_client:
             return user, client
-        if len(self._kept) >= self.total and now - self._swept >= self.forget / 10:
-            self._forget_old(now)  # a walk of the table, at most ten times per `forget` however many ask
-        if self._users.get(user, 0) >= self.per_user:
-            return user, OVERFLOW
-        if self._clients.get(client, 0) >= self.per_client:
-            return OVERFLOW, client
-        return (user, client) if len(self._kept) < self.total else (OVERFLOW, OVERFLOW)
+        return OVERFLOW, client
 
-    def _fresh(self, key: tuple[str, str], now: float) -> Failures | None:
+    def _count(self, client: str, now: float) -> None:
+        record = self._fresh(self._standing, client, now) or Failures(0, now, now)
+        self._standing.pop(client, None)
+        self._expire(self._standing, now)
+        if len(self._standing) >= self.total:
+            del self._standing[next(iter(self._standing))]
+        record.count += 1
+        record.last = record.until = now
+        self._standing[client] = record
+
+    def _make_room(self, key: tuple[str, str], now: float) -> None:
+        """Room for a new record of `key`: the oldest of its name's past `per_user`, the oldest
+        of all past `total` (the forgotten first)."""
+        clients = self._by_user.get(key[0], {})
+        if key[0] != OVERFLOW and len(clients) >= self.per_user:
+            self._drop((key[0], next(iter(clients))))
+        self._expire(self._kept, now)
+        if len(self._kept) >= self.total:
+            self._drop(next(iter(self._kept)))
+
+    def _expire(self, table: dict[Any, Failures], now: float) -> None:
+        """Forget the records at the front of `table` (the oldest first) that are `forget` old."""
+        for key in list(itertools.takewhile(lambda key: now - table[key].last >= self.forget, table)):
+            self._forget(table, key)
+
+    def _fresh(self, table: dict[Any, Failures], key: Any, now: float) -> Failures | None:
         """The record of `key`, None (and forgotten) when its last failure is `forget` old."""
-        record = self._kept.get(key)
+        record = table.get(key)
         if record is not None and now - record.last >= self.forget:
-            self._drop(key)
+            self._forget(table, key)
             return None
         return record
 
-    def _forget_old(self, now: float) -> None:
-        self._swept = now
-        for key in [key for key, record in self._kept.items() if now - record.last >= self.forget]:
+    def _forget(self, table: dict[Any, Failures], key: Any) -> None:
+        if table is self._kept:
             self._drop(key)
+        else:
+            del table[key]
 
     def _drop(self, key: tuple[str, str]) -> None:
         del self._kept[key]
-        for counts, name in ((self._users, key[0]), (self._clients, key[1])):
-            counts[name] -= 1
-            if not counts[name]:
-                del counts[name]
+        clients = self._by_user.get(key[0])
+        if clients is not None:
+            del clients[key[1]]
+            if not clients:
+                del self._by_user[key[0]]
+        self._clients[key[1]] -= 1
+        if not self._clients[key[1]]:
+            del self._clients[key[1]]

@@ -39,6 +39,7 @@ WEB_PAM = """\
 auth     required pam_unix.so
 account  required pam_unix.so
 """
+WEB_PAM_NO_DELAY = WEB_PAM.replace("auth     required pam_unix.so", "auth     required pam_unix.so nodelay")
 
 
 @dataclass
@@ -74,9 +75,10 @@ class WebStarter:
         self.account: TestUser | None = None
         self.pam_env: Path | None = None
 
-    def prepare(self, pam_env_log: bool = False, **table) -> dict:
+    def prepare(self, pam_env_log: bool = False, fail_delay: bool = True, **table) -> dict:
         """pam_env_log: the PAM stack also writes its environment (PAM_RHOST, PAM_USER...) at
-        each authentication to self.pam_env, through pam_exec."""
+        each authentication to self.pam_env, through pam_exec. fail_delay=False: pam_unix
+        `nodelay`, no 2 s sleep after a wrong password (for tests of many failures, not of time)."""
         self.account = self.make_user(groups=["shadow"])
         key_dir = self.sandbox / "web"
         key_dir.mkdir(mode=0o700)
@@ -85,8 +87,8 @@ class WebStarter:
         if pam_env_log:
             self.pam_env = key_dir / "pam-env.log"
             lines.append(f"auth optional pam_exec.so quiet log={self.pam_env} /usr/bin/env")
-        return {"user": self.account.name, "pam_service": self.stacks.make(*lines, base=WEB_PAM),
-                "key_file": str(key_dir / "session.key"), **table}
+        service = self.stacks.make(*lines, base=WEB_PAM if fail_delay else WEB_PAM_NO_DELAY)
+        return {"user": self.account.name, "pam_service": service, "key_file": str(key_dir / "session.key"), **table}
 
     def start(self, daemon, descriptors: int | None = None, host: str = "127.0.0.1", scheme: str = "http") -> RunningWeb:
         """descriptors: its RLIMIT_NOFILE (prlimit), as a unit's LimitNOFILE sets it; host: where

@@ -139,6 +139,15 @@ def test_forwarded_for_names_the_client_only_from_a_trusted_proxy():
     flood_then_log_in((), 429)  # without trusted_proxies both are 127.0.0.1, whatever the header says
 
 
+def test_an_ipv6_64_is_one_client_for_the_delay():
+    async def scenario(client, source):
+        for host in range(4):  # a new address of one /64 for each guess
+            assert (await log_in(client, "alice", "wrong", headers={"X-Forwarded-For": f"2001:db8::{host + 1}"})).status == 401
+        assert (await log_in(client, "alice", headers={"X-Forwarded-For": "2001:db8::99"})).status == 429
+        assert (await log_in(client, "alice", headers={"X-Forwarded-For": "2001:db8:0:1::1"})).status == 303
+    run(scenario, trusted_proxies=(ipaddress.ip_network("127.0.0.0/8"),))
+
+
 def test_the_client_address_from_forwarded_for():
     proxies = (ipaddress.ip_network("10.1.0.0/16"), ipaddress.ip_network("::1"))
     assert client_address("10.1.0.5", "1.2.3.4", proxies) == "1.2.3.4"

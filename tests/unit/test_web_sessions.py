@@ -60,20 +60,59 @@ def test_failures_delay_that_name_from_that_client_only_growing_and_forgotten():
     assert len(delay) == 0
 
 
-def test_a_flood_of_new_names_or_clients_evicts_no_record_and_delays_itself():
-    delay = LoginDelay(free=0, per_user=4, per_client=4, total=20)
+def test_failures_from_many_addresses_never_delay_the_name_from_a_new_one():
+    """The finding: after 64 addresses had failed for bob, every new address shared one record, so
+    65 addresses locked bob out from everywhere. Now the oldest of bob's records gives way."""
+    delay = LoginDelay(free=3, per_user=4, per_client=4, total=100)
+    for i in range(40):  # 40 addresses, each past its free tries
+        for _ in range(6):
+            delay.failed("bob", f"10.7.0.{i}", 1.0)
+    assert delay.wait("bob", "10.7.0.39", 1.0) > 0   # the newest attacker's address still waits
+    assert delay.wait("bob", "10.7.0.0", 1.0) == 0   # the oldest gave way
+    assert delay.wait("bob", "192.0.2.9", 1.0) == 0  # bob, from anywhere else
+    assert delay.failed("bob", "192.0.2.9", 1.0).count == 1  # a record of its own, no shared one
+    assert len(delay) == 4
+
+
+def test_a_clients_names_past_its_bound_share_that_clients_record_only():
+    delay = LoginDelay(free=3, per_user=4, per_client=4, total=100)
+    for i in range(50):  # made-up names from one address
+        delay.failed(f"junk{i}", "127.9.9.9", 1.0)
+    assert delay.wait("newname", "127.9.9.9", 1.0) > 0   # that address's next made-up name waits
+    assert delay.wait("junk49", "10.0.0.1", 1.0) == 0    # the same name from elsewhere does not
+    assert delay.wait("alice", "10.0.0.1", 1.0) == 0
+    assert len(delay) == 4 + 1  # its four names and its shared record
+
+
+def test_a_full_table_gives_way_oldest_first_and_no_new_pair_waits():
+    delay = LoginDelay(free=0, per_user=4, per_client=4, total=20, forget=600.0)
     for _ in range(5):
-        delay.failed("alice", "10.0.0.1", 0.0)  # the guesser's record (16 s to wait), to be kept
-    for i in range(500):  # new addresses for alice, new names from one address, new pairs
-        delay.failed("alice", f"127.0.{i // 256}.{i % 256}", 1.0)
-        delay.failed(f"junk{i}" * 20, "127.9.9.9", 1.0)
-        delay.failed(f"n{i}", f"10.1.{i // 256}.{i % 256}", 1.0)
-    assert len(delay) <= 20 + 3  # the bound, and the three shared records past it
-    assert delay.wait("alice", "10.0.0.1", 1.0) == 15.0
-    assert delay.wait("alice", "127.200.0.1", 1.0) > 0       # a new client for alice: alice's shared record
-    assert delay.wait("junkX", "127.9.9.9", 1.0) > 0          # a new name from that client: its shared record
-    assert delay.wait("bob", "10.0.0.1", 1.0) > 0             # the table is full: the everyone's record
-    assert delay.wait("bob", "10.0.0.1", 1.0 + 3600.0) == 0   # until the flood is forgotten
+        delay.failed("alice", "10.0.0.1", 0.0)  # the guesser's record (16 s to wait)
+    for i in range(10):  # pairs of a later failure fill the table past its bound
+        delay.failed(f"n{i}", f"10.1.0.{i}", 1.0)
+    assert delay.wait("alice", "10.0.0.1", 1.0) == 15.0  # room enough: kept
+    for i in range(500):
+        delay.failed(f"n{i}", f"10.1.{i // 256}.{i % 256}", 2.0)
+    assert len(delay) == 20
+    assert delay.wait("bob", "10.0.0.1", 2.0) == 0   # no everyone's record that would delay bob
+    assert delay.wait("n499", "10.1.1.243", 2.0) > 0  # the newest kept
+    assert delay.wait("alice", "10.0.0.1", 2.0) == 0  # the oldest gave way
+    assert delay.wait("n499", "10.1.1.243", 602.0) == 0  # forgotten
+
+
+def test_a_clients_failures_over_all_names_are_its_standing_and_forgotten():
+    delay = LoginDelay(free=3, forget=600.0, total=3)
+    for i in range(7):
+        delay.failed(f"made-up-{i}", "127.0.0.2", float(i))
+    delay.failed("alice", "127.0.0.1", 7.0)
+    assert delay.standing("127.0.0.2", 7.0) == 7 and delay.standing("127.0.0.1", 7.0) == 1
+    assert delay.standing("10.0.0.1", 7.0) == 0
+    delay.succeeded("alice", "127.0.0.1")  # a success forgives the pair, not the client's standing
+    assert delay.standing("127.0.0.1", 7.0) == 1
+    assert delay.standing("127.0.0.2", 607.0) == 0  # forgotten
+    for i in range(5):  # bounded: the oldest client gives way
+        delay.failed("x", f"10.0.0.{i}", 700.0 + i)
+    assert delay.standing("10.0.0.0", 704.0) == 0 and delay.standing("10.0.0.4", 704.0) == 1
 
 
 def test_the_key_file_is_made_once_private_and_checked(tmp_path):
