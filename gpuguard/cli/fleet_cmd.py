@@ -217,7 +217,8 @@ def init_roles(args: argparse.Namespace) -> int:
         raise CommandError(f"fleet init: {_first_line(exc)}", EXIT_FAILED) from None
     print(f"gpuguard: the fleet database is at schema {version}; its roles are ready (owner {owner})")
     for what, statement in left:
-        print(f"  to do as a superuser: {what}: sudo -u postgres psql -d {shlex.quote(database)} -c {shlex.quote(statement)}")
+        print(f"  to do as a superuser, on the database's primary: {what}: "
+              f"sudo -u postgres psql -d {shlex.quote(database)} -c {shlex.quote(statement)}")
     readers = {roles.WEB: reader}
     for item in made:
         path = roles.passfile(directory, item.role)

@@ -54,12 +54,12 @@ class FleetSource:
         import psycopg  # the fleet's dependency: loaded only where [fleet] is configured
         from psycopg.rows import dict_row
 
-        from gpuguard.fleet.fleetdb import SEARCH_PATH
+        from gpuguard.fleet.fleetdb import SESSION_OPTIONS
 
         with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
                              application_name="gpuguard web",
                              options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS} -c default_transaction_read_only=on "
-                                     f"{SEARCH_PATH}",
+                                     f"{SESSION_OPTIONS}",
                              row_factory=dict_row) as conn:
             return [conn.execute(sql, params).fetchall() for sql, params in statements]
 
