@@ -99,6 +99,20 @@ def _short(*columns: str) -> str:
     return " AND ".join(f"length({column}) <= {TEXT_MAX}" for column in columns)
 
 
+# The texts a node writes, by table (migration 9 bounds them).
+_TEXTS = {"nodes": ("rack", "ssh", "version", "incarnation", "host", "identity", "digest"),
+          "gpus": ("uuid", "name", "owner"), "grants": ("username", "origin"), "queue": ("username",),
+          "ledger": ("incarnation", "username")}
+
+
+def _texts_bounded() -> str:
+    """SQL of migration 9: the rows with a text past TEXT_MAX taken out, then each table's CHECK."""
+    return "".join([f"    DELETE FROM gpuguard.{table} WHERE NOT ({_short(*columns)});\n"
+                    for table, columns in _TEXTS.items()] +
+                   [f"    ALTER TABLE gpuguard.{table} ADD CONSTRAINT {table}_texts CHECK ({_short(*columns)});\n"
+                    for table, columns in _TEXTS.items()])
+
+
 def _heartbeat_v1(create: str, decay: Callable[[str], str]) -> str:
     """heartbeat_v1 as a migration creates it: `decay(elapsed)` is the SQL of 0.5 ** (elapsed /
     half), the weight of usage `elapsed` seconds ago. Migration 1 made it with power(), which
@@ -706,21 +720,16 @@ MIGRATIONS: tuple[Migration, ...] = (
     """),
     # What one node's role writes, every node reads: bounded in size now too. A 40 MB ssh line
     # (repeated on each GPU's row of the view) made every node's `status --fleet` and `where`
-    # time out. Texts a node writes are at most TEXT_MAX characters (CHECKs, NOT VALID: rows
-    # already there stay until their node writes them again, a heartbeat over it fails whole, as
-    # for a bad time), and a heartbeat's GPUs past GPUS_PER_NODE are left out (`skipped`):
+    # time out. Texts a node writes are at most TEXT_MAX characters (CHECKs: a heartbeat over it
+    # fails whole, as for a bad time; rows over it from before are taken out first, as schema 3
+    # did, and a node's own come back with its next heartbeat), and a heartbeat's GPUs past
+    # GPUS_PER_NODE are left out (`skipped`):
     # gpuguard.bounded is made again as that cap around the old one (bounded_v1). A grant-time
     # check may grant only on GPUs the node's rows list: bounded read a `gpus` list from its
     # document too, which reserve_v2 never writes, and one check planted 300 grants on GPUs no
     # view shows (a user then "held 300" on every node); reserve_v3 now hides it from bounded.
     Migration(9, 1, f"""
-    ALTER TABLE gpuguard.nodes ADD CONSTRAINT nodes_texts
-        CHECK ({_short("rack", "ssh", "version", "incarnation", "host", "identity", "digest")}) NOT VALID;
-    ALTER TABLE gpuguard.gpus ADD CONSTRAINT gpus_texts CHECK ({_short("uuid", "name", "owner")}) NOT VALID;
-    ALTER TABLE gpuguard.grants ADD CONSTRAINT grants_texts CHECK ({_short("username", "origin")}) NOT VALID;
-    ALTER TABLE gpuguard.queue ADD CONSTRAINT queue_texts CHECK ({_short("username")}) NOT VALID;
-    ALTER TABLE gpuguard.ledger ADD CONSTRAINT ledger_texts CHECK ({_short("incarnation", "username")}) NOT VALID;
-
+{_texts_bounded()}
     ALTER FUNCTION gpuguard.bounded(jsonb) RENAME TO bounded_v1;
     CREATE FUNCTION gpuguard.bounded(doc jsonb) RETURNS jsonb LANGUAGE plpgsql STABLE
         SET search_path = pg_catalog, pg_temp AS $$

