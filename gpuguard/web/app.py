@@ -5,9 +5,10 @@ changes anything outside the browser's cookie. Every response carries a Content-
 that allows nothing from elsewhere and no inline script. What one client can make it cost is
 bounded: the daemon is asked at most once per second and key however many browsers poll (Memo),
 PAM runs at most LOGINS_AT_ONCE logins at a time, one client at most its share of them, a client
-of many failures behind the others (slots.LoginSlots), failed logins delay further tries of that
-name from that client (sessions.LoginDelay; the client behind `trusted_proxies` from
-X-Forwarded-For), and request bodies are small.
+of many failures behind the others and a browser's device cookie of an earlier login ahead of all
+(slots.LoginSlots), failed logins delay further tries of that name from that address
+(sessions.LoginDelay; the client behind `trusted_proxies` from X-Forwarded-For), and request
+bodies are small.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ from gpuguard.web.svg import Sorting, usage_chart
 
 LOGINS_AT_ONCE = 2          # PAM conversations in flight (each a thread; a failure sleeps ~2 s in pam_faildelay)
 LOGINS_PER_CLIENT = 1       # of them, one client's (an address, an IPv6 /64, all of loopback)
+DEVICE_AGE = 365 * 86400    # seconds a browser keeps the device cookie of its last login's name
+DEVICE = "device"           # LoginDelay's "client" of a name's failures with its device cookie
 MAX_BODY = 8 * 1024         # a login form is a few hundred bytes
 MAX_REASONS = 50            # queue places whose reasons are asked for, per server
 MEMO_AGE = 1.0             # seconds a daemon's answer (and the grid made of it) is kept for every browser
@@ -89,7 +92,14 @@ class Web:
     standings: Memo = field(default_factory=lambda: Memo(REASONS_AGE, max_entries=1024))
     sessions: Sessions = field(default_factory=Sessions)
     connections: Guard = field(default_factory=lambda: Guard(total_for(1024)))
-    delay: LoginDelay = field(default_factory=LoginDelay)
+    # The delay by the exact address (a campus's /64 is hundreds of hosts: one failing as bob
+    # must not delay bob on the others); the standing, the slots' order, by the /64 (one host's
+    # 2^64 addresses would otherwise each stand at 0).
+    delay: LoginDelay = field(default_factory=lambda: LoginDelay(standing_of=client_key))
+    # A name's failures with its device cookie (whoever holds it): past LoginDelay's free ones
+    # the cookie is not trusted until its delay passes, so a holder (mallory, of her own name's)
+    # cannot flood ahead of everyone.
+    device_failures: LoginDelay = field(default_factory=LoginDelay)
     delayed: Counted = field(default_factory=lambda: Counted("web_login_delayed"))
     implausible: Counted = field(default_factory=lambda: Counted("web_login_malformed"))
     busy: Counted = field(default_factory=lambda: Counted("web_login_busy"))
@@ -103,6 +113,10 @@ class Web:
     @property
     def pre_cookie(self) -> str:
         return "__Host-gpuguard-login" if self.config.secure_cookies else "gpuguard-login"
+
+    @property
+    def device_cookie(self) -> str:
+        return "__Host-gpuguard-device" if self.config.secure_cookies else "gpuguard-device"
 
     # --- who looks
 
@@ -380,7 +394,6 @@ class Web:
             return self.page(request, viewer, "Log in", pages.message_page(
                 "Log in", "The form expired or came from another site: load the login page again."), status=403)
         client = client_address(request.remote, request.headers.get("X-Forwarded-For"), self.config.trusted_proxies)
-        counted = client_key(client)  # the login delay's client: an IPv6 /64 is one
 
         def again(message: str, status: int) -> web.Response:
             body = pages.login_page(self.signer.csrf("login:" + str(seed)), message, user)
@@ -390,8 +403,16 @@ class Web:
             self.implausible.add(client=client)
             return again("Wrong user name or password.", 401)
 
+        # The browser's device cookie for this name (set by its last login that succeeded): no
+        # flood of fresh addresses can forge it, so that login goes ahead of them (LoginSlots) and
+        # its address's delay (a NAT's other hosts') does not hold it: its own is device_failures'.
+        device = self.signer.device_ok(request.cookies.get(self.device_cookie), user)
+
+        def trusted() -> bool:
+            return device and self.device_failures.wait(user, DEVICE, self.clock()) <= 0
+
         def still_delayed() -> web.Response | None:
-            wait = self.delay.wait(user, counted, self.clock())
+            wait = 0.0 if trusted() else self.delay.wait(user, client, self.clock())
             if wait <= 0:
                 return None
             self.delayed.add(user=user, client=client, wait=math.ceil(wait))
@@ -402,7 +423,7 @@ class Web:
         if (refused := still_delayed()) is not None:
             return refused
         try:
-            async with self.logins.slot(group_of(client), self.delay.standing(counted, self.clock())):
+            async with self.logins.slot(group_of(client), self.delay.standing(client, self.clock()), trusted()):
                 if (refused := still_delayed()) is not None:  # a try of the same pair failed while this one waited
                     return refused
                 accepted = await asyncio.to_thread(self.authenticate, user, password, client)
@@ -410,11 +431,13 @@ class Web:
             self.busy.add(client=client, why=str(exc))
             return again("Too many logins at once: try again in a moment.", 503)
         if not accepted:
-            failures = self.delay.failed(user, counted, self.clock())
+            failures = self.delay.failed(user, client, self.clock())
+            if device:
+                self.device_failures.failed(user, DEVICE, self.clock())
             event(logging.WARNING, "web_login_failed", user=user, client=client, failures=failures.count,
                   delay=math.ceil(failures.until - failures.last))
             return again("Wrong user name or password.", 401)
-        self.delay.succeeded(user, counted)
+        self.delay.succeeded(user, client)  # not device_failures: a success buys no more failures trusted
         admin = await self.is_admin(user)
         if not admin and await self.membership(user) is False:  # None: no server can say now; the sweep judges later
             event(logging.WARNING, "web_login_refused", user=user, client=client, why="not in the GPU group")
@@ -425,6 +448,7 @@ class Web:
         login = self.sessions.open(user, admin, self.clock() + self.config.session_time)
         response = web.HTTPSeeOther("/me")
         response.set_cookie(self.cookie, login.id, max_age=int(self.config.session_time), **self.cookie_options())
+        response.set_cookie(self.device_cookie, self.signer.device(user), max_age=DEVICE_AGE, **self.cookie_options())
         self.forget(response, self.pre_cookie)
         raise response
 

@@ -14,6 +14,7 @@ import hmac
 import itertools
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,15 @@ class Signer:
     def csrf_ok(self, token: str | None, bound_to: str | None) -> bool:
         return bool(token and bound_to) and hmac.compare_digest(str(token), self.csrf(str(bound_to)))
 
+    def device(self, user: str) -> str:
+        """The device cookie of `user` (OWASP's defence against lockout): set at a login that
+        succeeded, it tells a later login of that name from that browser, which no flood can
+        forge, from the rest (slots.LoginSlots' trusted)."""
+        return _b64(self._mac("device", user.encode()))
+
+    def device_ok(self, cookie: str | None, user: str) -> bool:
+        return bool(cookie) and hmac.compare_digest(str(cookie), self.device(user))
+
 
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
@@ -134,7 +144,8 @@ class LoginDelay:
     makes that pair wait `base` seconds, doubled at each failure up to `most`; forgotten `forget`
     seconds after its last failure, and at a success. No lock anyone could trigger for another:
     alice's failures from one client do not delay alice from another, nor bob from it. The client
-    is what the caller names (the web: slots.client_key, an IPv6 /64 as one).
+    is what the caller names (the web: the exact address; not its IPv6 /64, which on a campus or
+    office LAN is hundreds of hosts: one host's failures as bob would delay bob on all of them).
 
     State is bounded: at most `per_user` clients per name, `per_client` names per client and
     `total` pairs in all. Past a name's bound, or the total, the record whose last failure is the
@@ -144,13 +155,17 @@ class LoginDelay:
     Past a client's bound its further names share one record of that client's, so a flood of
     made-up names from one client delays that client only.
 
-    Each client's failures across all names are counted too (`standing`, forgotten alike): the
-    order in which waiting logins get a PAM conversation, never a delay of its own (a lock one
-    user behind a shared address could set off for the others)."""
+    Each client's failures across all names are counted too (`standing`, forgotten alike), under
+    `standing_of(client)` (the web: slots.client_key, an IPv6 /64 as one, so that one host's
+    2^64 addresses are not 2^64 fresh standings): the order in which waiting logins get a PAM
+    conversation, never a delay of its own (a lock one user behind a shared address could set
+    off for the others)."""
 
     def __init__(self, free: int = 3, base: float = 1.0, most: float = 300.0, forget: float = 900.0,
-                 per_user: int = 64, per_client: int = 64, total: int = 10_000):
+                 per_user: int = 64, per_client: int = 64, total: int = 10_000,
+                 standing_of: Callable[[str], str] = str):
         self.free, self.base, self.most, self.forget = free, base, most, forget
+        self.standing_of = standing_of
         self.per_user, self.per_client, self.total = per_user, per_client, total
         self._kept: dict[tuple[str, str], Failures] = {}  # in the order of their last failure
         self._by_user: dict[str, dict[str, None]] = {}    # a name's clients, alike
@@ -163,7 +178,7 @@ class LoginDelay:
         return max(0.0, record.until - now) if record else 0.0
 
     def failed(self, user: str, client: str, now: float) -> Failures:
-        self._count(client, now)
+        self._count(self.standing_of(client), now)
         key = self._key(user, client)
         record = self._fresh(self._kept, key, now)
         if record is None:
@@ -187,8 +202,8 @@ class LoginDelay:
             self._drop((user, client))
 
     def standing(self, client: str, now: float) -> int:
-        """The client's failures, every name's, in the last `forget` seconds."""
-        record = self._fresh(self._standing, client, now)
+        """The failures of the client's standing_of, every name's, in the last `forget` seconds."""
+        record = self._fresh(self._standing, self.standing_of(client), now)
         return record.count if record else 0
 
     def __len__(self) -> int:

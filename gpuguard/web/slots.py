@@ -7,8 +7,12 @@ it, one client (`group_of`: an IPv4 address, an IPv6 /64, the whole loopback) ho
 refused at once, taking nobody's place. The waiters get a free conversation by their standing,
 the client's failed logins across all names (sessions.LoginDelay.standing), fewest first, then in
 the order they came: a flood of failures from one address waits behind anyone else, however many
-names it makes up. When the queue is full a newcomer of a better standing takes the place of the
-worst waiter (refused in its stead); a waiter is refused after `wait_most` seconds.
+names it makes up. A `trusted` login (the web: its browser's device cookie for the name, which
+only an earlier login of that name from that browser set) goes ahead of every other waiter, in
+the order they came, whatever its client's standing: a flood from fresh addresses (standing 0
+each, an IPv6 /56 is 256 clients) fills the queue but never keeps out a user who has logged in
+from that browser before. When the queue is full a newcomer of a better rank takes the place of
+the worst waiter (refused in its stead); a waiter is refused after `wait_most` seconds.
 """
 from __future__ import annotations
 
@@ -27,8 +31,9 @@ class Busy(Exception):
 
 
 def client_key(address: str) -> str:
-    """The client as the login delay counts it: an IPv4 address, an IPv6 address's /64 (what one
-    household or host is given: its 2^64 addresses are one client), anything else as it is."""
+    """The client as a login's standing counts it (sessions.LoginDelay.standing_of): an IPv4
+    address, an IPv6 address's /64 (what one household or host is given: its 2^64 addresses are
+    one client), anything else as it is. Not the delay's: a campus's /64 is hundreds of hosts."""
     try:
         parsed = ipaddress.ip_address(address)
     except ValueError:
@@ -57,8 +62,14 @@ def group_of(address: str) -> str:
 class _Waiter:
     group: str
     standing: int
+    trusted: bool
     order: int
     granted: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def rank(self) -> tuple[bool, int]:
+        """Lower goes first: the trusted, in the order they came; then the fewest failures."""
+        return (not self.trusted, 0 if self.trusted else self.standing)
 
 
 class LoginSlots:
@@ -78,9 +89,9 @@ class LoginSlots:
         return sum(1 for w in self._queue if group is None or w.group == group)
 
     @contextlib.asynccontextmanager
-    async def slot(self, group: str, standing: int) -> AsyncIterator[None]:
-        """A conversation for a login of `group` with `standing` failures (Busy: none)."""
-        waiter = self._ask(group, standing)
+    async def slot(self, group: str, standing: int, trusted: bool = False) -> AsyncIterator[None]:
+        """A conversation for a login of `group` with `standing` failures, `trusted` or not (Busy: none)."""
+        waiter = self._ask(_Waiter(group, standing, trusted, next(self._order)))
         if waiter is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(waiter.granted), self.wait_most)
@@ -100,24 +111,24 @@ class LoginSlots:
         finally:
             self._release(group)
 
-    def _ask(self, group: str, standing: int) -> _Waiter | None:
+    def _ask(self, waiter: _Waiter) -> _Waiter | None:
         """None: the conversation is the caller's now; else its place in the queue."""
+        group = waiter.group
         if self.running < self.at_once and self._running.get(group, 0) < self.per_group:
             self._running[group] = self._running.get(group, 0) + 1  # no waiter may have it (see _dispatch)
             return None
         if self._running.get(group, 0) + self.queued(group) >= self.per_group + self.per_group_waiting:
-            self._displace([w for w in self._queue if w.group == group], standing, "its client holds its share")
+            self._displace([w for w in self._queue if w.group == group], waiter, "its client holds its share")
         elif len(self._queue) >= self.waiting:
-            self._displace(self._queue, standing, "the queue is full")
-        waiter = _Waiter(group, standing, next(self._order))
+            self._displace(self._queue, waiter, "the queue is full")
         self._queue.append(waiter)
         return waiter
 
-    def _displace(self, among: list[_Waiter], standing: int, why: str) -> None:
-        """Make room among `among` for a newcomer of `standing`: the worst waiter goes if it stands
-        worse (Busy otherwise: the newcomer is refused)."""
-        worst = max(among, key=lambda w: (w.standing, w.order), default=None)
-        if worst is None or worst.standing <= standing:
+    def _displace(self, among: list[_Waiter], newcomer: _Waiter, why: str) -> None:
+        """Make room among `among` for `newcomer`: the worst waiter goes if it ranks worse (Busy
+        otherwise: the newcomer is refused)."""
+        worst = max(among, key=lambda w: (w.rank, w.order), default=None)
+        if worst is None or worst.rank <= newcomer.rank:
             raise Busy(why)
         self._queue.remove(worst)
         worst.granted.set_result(False)
@@ -139,7 +150,7 @@ class LoginSlots:
             ready = [w for w in self._queue if self._running.get(w.group, 0) < self.per_group]
             if not ready:
                 return
-            best = min(ready, key=lambda w: (w.standing, w.order))
+            best = min(ready, key=lambda w: (w.rank, w.order))
             self._queue.remove(best)
             self._running[best.group] = self._running.get(best.group, 0) + 1
             best.granted.set_result(True)

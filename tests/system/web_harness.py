@@ -9,7 +9,7 @@
   a screenshot and the page's HTML in build/test-artefacts/.
 - `set_password(user, password)`: chpasswd.
 - `FormClient(url, source)`: the login form posted from another loopback address (any user can
-  bind 127.x.y.z), for the login delay's tests.
+  bind 127.x.y.z), for the login delay's tests; `set_cookie(response, name)`: a cookie it set.
 """
 from __future__ import annotations
 
@@ -138,13 +138,23 @@ class FormClient:
         connection.close()
         return response
 
-    def log_in(self, user: str, password: str, headers: dict | None = None) -> http.client.HTTPResponse:
+    def log_in(self, user: str, password: str, headers: dict | None = None, cookies: str = "") -> http.client.HTTPResponse:
+        """cookies: more for the POST ("name=value; ..."), as a browser keeps them (a device cookie)."""
         form = self.request("GET", "/login")
         cookie = form.getheader("Set-Cookie").split(";")[0]  # the pre-login cookie the token is bound to
         token = re.search(r'name=csrf value="([^"]+)"', form.text).group(1)
         body = urllib.parse.urlencode({"user": user, "password": password, "csrf": token})
+        cookie = f"{cookie}; {cookies}" if cookies else cookie
         return self.request("POST", "/login", body, {"Cookie": cookie, **(headers or {}),
                                                      "Content-Type": "application/x-www-form-urlencoded"})
+
+
+def set_cookie(response: http.client.HTTPResponse, name: str) -> str:
+    """The `name=value` of the cookie `name` a response sets (AssertionError: none)."""
+    for header in response.headers.get_all("Set-Cookie") or []:
+        if header.startswith(name + "="):
+            return header.split(";")[0]
+    raise AssertionError(f"no cookie {name} set: {response.headers.get_all('Set-Cookie')}")
 
 
 @pytest.fixture

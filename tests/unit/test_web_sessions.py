@@ -8,6 +8,7 @@ import stat
 import pytest
 
 from gpuguard.web.sessions import LoginDelay, SessionKeyError, Sessions, Signer, load_key
+from gpuguard.web.slots import client_key
 from gpuguard.web.sources import Memo
 
 KEY = b"k" * 32
@@ -113,6 +114,28 @@ def test_a_clients_failures_over_all_names_are_its_standing_and_forgotten():
     for i in range(5):  # bounded: the oldest client gives way
         delay.failed("x", f"10.0.0.{i}", 700.0 + i)
     assert delay.standing("10.0.0.0", 704.0) == 0 and delay.standing("10.0.0.4", 704.0) == 1
+
+
+def test_the_delay_is_the_addresss_and_the_standing_its_groups():
+    """The finding: keyed by the /64, 6 failures as bob from ::66 made bob wait from ::10, a
+    host of the same campus LAN. The delay is the exact address's; the standing is the /64's."""
+    delay = LoginDelay(free=3, standing_of=client_key)
+    for i in range(6):
+        delay.failed("bob", "2001:db8::66", float(i))
+    assert delay.wait("bob", "2001:db8::66", 5.0) == 4.0
+    assert delay.wait("bob", "2001:db8::10", 5.0) == 0  # another host of the /64
+    assert delay.standing("2001:db8::10", 5.0) == 6     # but it stands with its /64
+    assert delay.standing("2001:db8:0:1::10", 5.0) == 0
+    assert LoginDelay().standing_of("2001:db8::66") == "2001:db8::66"  # by default the client as named
+
+
+def test_a_device_cookie_is_the_names_and_the_keys_only():
+    signer = Signer(KEY)
+    cookie = signer.device("bob")
+    assert signer.device_ok(cookie, "bob") and cookie == Signer(KEY).device("bob")
+    assert not signer.device_ok(cookie, "alice") and not signer.device_ok(None, "bob")
+    assert not signer.device_ok("", "bob") and not Signer(b"j" * 32).device_ok(cookie, "bob")
+    assert cookie != signer.csrf("bob")  # a purpose of its own: no CSRF token is a device cookie
 
 
 def test_the_key_file_is_made_once_private_and_checked(tmp_path):

@@ -29,12 +29,12 @@ class Logins:
         self.outcome: dict[str, str] = {}
         self._release: dict[str, asyncio.Event] = {}
 
-    def start(self, name: str, group: str, standing: int = 0) -> asyncio.Task:
+    def start(self, name: str, group: str, standing: int = 0, trusted: bool = False) -> asyncio.Task:
         self._release[name] = asyncio.Event()
 
         async def login():
             try:
-                async with self.slots.slot(group, standing):
+                async with self.slots.slot(group, standing, trusted):
                     self.running.append(name)
                     await self._release[name].wait()
                 self.outcome[name] = "ran"
@@ -90,6 +90,52 @@ def test_waiters_of_fewer_failures_go_first_and_take_a_worse_ones_place():
             await logins.release(name)
         await asyncio.gather(*tasks)
         assert logins.running == ["first", "alice", "junk0", "junk1"] and slots.running == 0
+    asyncio.run(scenario())
+
+
+def test_a_trusted_login_goes_ahead_of_a_full_queue_of_fresh_addresses():
+    """The finding: fresh addresses (an IPv6 /56's 256 /64s) stand at 0 each and fill the queue;
+    alice at 1 and carol at 0 were refused. A trusted login (its device cookie) takes the place
+    of the last untrusted waiter and goes first; trusted ones among themselves in their order."""
+    async def scenario():
+        slots = LoginSlots(at_once=1, per_group=1, per_group_waiting=4, waiting=4)
+        logins = Logins(slots)
+        tasks = [logins.start("junk0", "2001:db8:0:100::/64")]
+        tasks += [logins.start(f"junk{i}", f"2001:db8:0:1{i:02x}::/64") for i in range(1, 5)]
+        await settle()
+        assert slots.queued() == 4
+        tasks.append(logins.start("carol", "192.0.2.3"))               # standing 0: no better than the flood
+        tasks.append(logins.start("alice", "192.0.2.1", standing=1))   # worse still
+        tasks.append(logins.start("bob", "192.0.2.2", standing=9, trusted=True))  # junk4, the last, goes
+        tasks.append(logins.start("dave", "192.0.2.4", standing=50, trusted=True))  # junk3
+        await settle()
+        assert logins.outcome == {"carol": "busy", "alice": "busy", "junk4": "busy", "junk3": "busy"}
+        tasks.append(logins.start("eve", "192.0.2.5", trusted=True))    # junk2
+        tasks.append(logins.start("frank", "192.0.2.6", trusted=True))  # junk1
+        tasks.append(logins.start("gina", "192.0.2.7", trusted=True))   # only trusted waiters left: refused
+        await settle()
+        assert {name for name, got in logins.outcome.items() if got == "busy"} == {
+            "carol", "alice", "junk1", "junk2", "junk3", "junk4", "gina"}
+        assert slots.queued() == 4
+        for name in ("junk0", "bob", "dave", "eve", "frank"):
+            await logins.release(name)
+        await asyncio.gather(*tasks)
+        assert logins.running == ["junk0", "bob", "dave", "eve", "frank"] and slots.running == 0
+    asyncio.run(scenario())
+
+
+def test_a_trusted_login_takes_an_untrusted_place_of_its_own_client():
+    async def scenario():
+        slots = LoginSlots(at_once=1, per_group=1, per_group_waiting=1, waiting=10)
+        logins = Logins(slots)
+        tasks = [logins.start("junk0", "2001:db8::/64"), logins.start("junk1", "2001:db8::/64")]
+        tasks.append(logins.start("bob", "2001:db8::/64", standing=40, trusted=True))  # the LAN's flood is his /64's
+        await settle()
+        assert logins.outcome == {"junk1": "busy"}
+        await logins.release("junk0")
+        await logins.release("bob")
+        await asyncio.gather(*tasks)
+        assert logins.running == ["junk0", "bob"]
     asyncio.run(scenario())
 
 
