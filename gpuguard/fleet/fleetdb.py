@@ -75,20 +75,21 @@ class Sent:
 # name of gpuguard's is written with its schema; anything else found first in schema public (which
 # PUBLIC may create in up to PostgreSQL 14) would run with the session's rights: a node's role made
 # the owner run its own format() in a migration and the admin its to_jsonb() in `fleet remove`.
-# And the server's side of a connection that a cut network left behind goes as the client's does
-# (keepalives and tcp_user_timeout, as connection_options gives libpq): left to the kernel's
-# default it stays two hours, counting against the role's CONNECTION LIMIT (roles.py), and two
-# cuts would keep a node out.
-SESSION_OPTIONS = ("-c search_path=pg_catalog,pg_temp -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2"
-                   " -c tcp_keepalives_count=2 -c tcp_user_timeout=5000")
+# And a connection that a cut network broke is given up on both sides alike, libpq's (in
+# connection_options) and the server's: left to the kernel's default the server's side stays two
+# hours, counting against the role's CONNECTION LIMIT (roles.py), and two cuts would keep a node out.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT, USER_TIMEOUT_MS = 5, 2, 2, 5000
+SESSION_OPTIONS = (f"-c search_path=pg_catalog,pg_temp -c tcp_keepalives_idle={KEEPALIVE_IDLE_S}"
+                   f" -c tcp_keepalives_interval={KEEPALIVE_INTERVAL_S} -c tcp_keepalives_count={KEEPALIVE_COUNT}"
+                   f" -c tcp_user_timeout={USER_TIMEOUT_MS}")
 
 
 def connection_options(node: str) -> dict[str, Any]:
     """libpq keywords added to the admin's connection string: bounded waits on both sides, the
     system's names only, and a name in pg_stat_activity."""
     return {"connect_timeout": CONNECT_TIMEOUT_S, "application_name": f"gpuguard {node}"[:63],
-            "tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
-            "keepalives_count": 2,
+            "tcp_user_timeout": USER_TIMEOUT_MS, "keepalives": 1, "keepalives_idle": KEEPALIVE_IDLE_S,
+            "keepalives_interval": KEEPALIVE_INTERVAL_S, "keepalives_count": KEEPALIVE_COUNT,
             "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS} -c lock_timeout={LOCK_TIMEOUT_MS} {SESSION_OPTIONS}"}
 
 
