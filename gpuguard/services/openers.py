@@ -23,8 +23,8 @@ way unless their own user holds a grant that opens that node (a shared GPU, a sl
 GPU instance: `Grants.reaches`). A member's opener ended so is recorded in both users' events
 (`gpuguard whoami`); a non-member's in the grantee's only (a user namespace has 65,536 uids). An
 opener whose user NSS cannot look up is reported, not ended. Each is listed in a revoke's reply.
-After a user's own release or a logout, the walk of /proc runs in the users' pool (scans.py): its
-cost follows the user.
+After a user's own release or a logout, the walk of /proc runs in the users' pool (scans.py), one
+at a time, each shared by the releases and logouts that came while the one before ran.
 """
 from __future__ import annotations
 
@@ -173,9 +173,9 @@ class OpenerEnder:
             return ()
         holding: dict[ProcessIdentity, set[int]] = {}
         # every process: a walk of all of /proc; after a user's own release or logout, in the users'
-        # pool (one per user at a time), so that releases and logins cannot queue host-sized walks
-        # ahead of the tick's scans
-        walk = (self.scans.for_user(uid, units, everyone=True) if why in (Rule.USER, Rule.LOGOUT)
+        # pool (one such walk at a time, shared by those asked for meanwhile), so that releases and
+        # logins cannot queue host-sized walks ahead of the tick's scans
+        walk = (self.scans.for_everyone(units) if why in (Rule.USER, Rule.LOGOUT)
                 else self.scans.for_daemon(units, None))
         for opener in await walk:
             if opener.uid in (uid, 0) or opener.uid in self.exempt.uids:
