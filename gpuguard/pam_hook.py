@@ -1,7 +1,12 @@
 """The pam_exec fallback for sites that cannot build pam_gpuguard.so.
 
-    session optional pam_exec.so quiet stdout /opt/gpuguard/bin/gpuguard pam-hook
-    session optional pam_exec.so quiet stdout /opt/gpuguard/bin/python3 -I -m gpuguard.pam_hook
+    session optional pam_exec.so type=open_session quiet stdout /opt/gpuguard/bin/gpuguard pam-hook
+    session optional pam_exec.so type=open_session quiet stdout /opt/gpuguard/bin/python3 -I -m gpuguard.pam_hook
+
+type=open_session, and before any `pam_env.so user_readenv=1`: pam_exec runs this as root with
+the PAM environment, which at close_session holds the user's ~/.pam_environment on Debian's
+sshd stack (LD_PRELOAD, PYTHONPATH: the user's code as root, before any line of ours runs). The
+daemon drops a session whose PAM caller is gone, so a close that never comes still releases.
 
 pam_exec runs this as a child of the PAM application with PAM_TYPE, PAM_USER,
 PAM_SERVICE, PAM_RHOST and PAM_TTY in the environment. It sends the daemon the same

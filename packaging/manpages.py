@@ -369,8 +369,10 @@ def pam_page() -> list[str]:
                     "pam_systemd:"),
         *example("session    optional     pam_gpuguard.so"),
         *paragraphs("Without a C compiler, the pam_exec fallback makes the same grants but cannot set "
-                    "CUDA_VISIBLE_DEVICES (users run eval \"$(gpuguard env)\"):"),
-        *example("session    optional     pam_exec.so quiet stdout /usr/bin/gpuguard pam-hook"),
+                    "CUDA_VISIBLE_DEVICES (users run eval \"$(gpuguard env)\"); at open_session only, before any "
+                    "pam_env user_readenv=1 line (pam_exec gives root's child the PAM environment, which the "
+                    "user's ~/.pam_environment fills):"),
+        *example("session    optional     pam_exec.so type=open_session quiet stdout /usr/bin/gpuguard pam-hook"),
         ".SH SEE ALSO", "\\fBgpuguard\\fR(8), \\fBgpuguard\\fR(1), \\fBpam\\fR(8), \\fBpam_exec\\fR(8), "
         "\\fBpam\\-auth\\-update\\fR(8)",
     ]

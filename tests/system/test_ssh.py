@@ -7,8 +7,11 @@ yes), inside a private mount namespace in which the test stack is bind-mounted o
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
+from conftest import BIN, REPO
 from sim_helpers import gpuguard
 from ssh_harness import MESSAGE, PERMIT, UUIDS, Sshd, StubDaemon, hook_line, module_line, reply_json
 
@@ -169,3 +172,51 @@ def test_ssh_login_through_the_pam_exec_hook(gg_daemon, start_sshd):
     assert [s["service"] for s in whoami["sessions"]] == ["sshd"]
     assert burns == {n: 0 if n == grant["minor"] else 1 for n in _gpus(gg_daemon)}
     assert wait_for(lambda: _released(gg_daemon, alice), 30), sshd.log
+
+
+# Built into the user's own library: it leaves a file only when root runs it.
+PRELOAD = r"""#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void proof(void) {
+    FILE *file;
+    if (getuid() == 0 && (file = fopen(PROOF, "a")) != NULL) {
+        fputs("root ran the user's library\n", file);
+        fclose(file);
+    }
+}
+"""
+
+
+def _documented_hook_line(config) -> str:
+    """pam/README's pam_exec line, run from the tests' venv with the test daemon's config."""
+    (line,) = [line.strip() for line in (REPO / "pam" / "README").read_text().splitlines()
+               if line.strip().startswith("session") and "pam_exec.so" in line]
+    return line.replace("/usr/bin/gpuguard pam-hook", f"{BIN / 'gpuguard'} pam-hook --config {config}")
+
+
+@pytest.mark.gate
+def test_documented_pam_exec_hook_never_runs_with_the_users_pam_environment(gg_daemon, start_sshd, sandbox):
+    """Debian's /etc/pam.d/sshd reads ~/.pam_environment (pam_env user_readenv=1) after
+    common-session; pam_exec gives its child the PAM environment, which at close_session holds
+    the user's variables. The hook as pam/README installs it must not run then: with
+    LD_PRELOAD (or PYTHONPATH) there, root would run the user's code at every logout."""
+    alice = gg_daemon.add_member()
+    proof = sandbox / "ggt-root-ran-alice-code"
+    source = sandbox / "ggt-preload.c"
+    source.write_text(PRELOAD.replace("PROOF", json.dumps(str(proof))))
+    library = alice.home / "ggt-preload.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    pam_environment = alice.home / ".pam_environment"
+    pam_environment.write_text(f"LD_PRELOAD DEFAULT={library}\nPYTHONPATH DEFAULT={alice.home}\n")
+    (alice.home / "sitecustomize.py").write_text(
+        f"import os\nif os.getuid() == 0:\n    open({str(proof)!r}, 'a').write('root ran sitecustomize')\n")
+    for path in (library, pam_environment, alice.home / "sitecustomize.py"):
+        os.chown(path, alice.uid, alice.gid)
+    sshd = start_sshd([_documented_hook_line(gg_daemon.config_path),
+                       "session required pam_env.so user_readenv=1 envfile=/etc/default/locale"], [alice])
+    seen, whoami, _ = _run_session(sshd, gg_daemon, alice)
+    assert len(whoami["grants"]) == 1  # granted at open_session, as before
+    assert seen["cvd"] == "<unset>"
+    assert wait_for(lambda: _released(gg_daemon, alice), 30), (sshd.log, gg_daemon.log())  # the caller gone
+    sshd.stop()  # every close_session done
+    assert not proof.exists(), proof.read_text()
