@@ -11,6 +11,7 @@ import pytest
 from conftest import PYTHON, run_as
 
 from gpuguard import protocol
+from gpuguard.daemon import requests as rq
 
 pytestmark = pytest.mark.gate
 
@@ -65,6 +66,42 @@ def test_wrong_types_in_every_field_get_one_line_replies_and_no_traceback(start_
     # And the daemon goes on serving logins.
     alice = d.add_member()
     assert len(d.open_session(alice)["gpus"]) == 1
+
+
+# Raw lines (json.dumps cannot write what json.loads only just takes), one connection each.
+SEND_LINES = SEND_ALL.replace('json.dumps(request).encode() + b"\\n"', "request.encode()")
+# json.loads takes a value nested up to about 1,000 levels, less the stack beneath it: the depths
+# around that bound, where a repr of the value a few frames deeper ran out of stack (the finding).
+DEPTHS = range(940, 1000)
+
+
+def nested_requests() -> list[str]:
+    """Every operation of the daemon's own (a fleet's answer "not in a fleet" here) with every field
+    a list nested DEPTHS deep, as raw lines."""
+    lines = []
+    for op, depth in product(sorted(set(rq.KINDS) - {"reload"}), DEPTHS):
+        fields = ", ".join(f'"{field}": {"[" * depth}{"]" * depth}' for field in FIELDS)
+        lines.append(f'{{"v": {protocol.VERSION}, "op": "{op}", {fields}}}\n')
+    return lines
+
+
+def test_fields_nested_as_deep_as_json_takes_are_refused_without_a_traceback(start_daemon):
+    d = start_daemon(defaults={"gpus": 1})
+    mallory = d.add_member()
+    lines = nested_requests()
+    for user in (mallory, None):  # a member, then root (who may call every operation)
+        argv = [PYTHON, "-c", SEND_LINES, d.socket]
+        result = (run_as(user, argv, input=json.dumps(lines), timeout=300) if user else
+                  __import__("subprocess").run(argv, input=json.dumps(lines), capture_output=True, text=True,
+                                               timeout=300))
+        assert result.returncode == 0, result.stderr
+        replies = json.loads(result.stdout)
+        assert len(replies) == len(lines)
+        for line, reply in zip(lines, replies, strict=True):
+            assert reply.endswith("\n") and reply.count("\n") == 1, (line[:80], reply)
+            message = json.loads(reply)
+            assert message["ok"] or not message["error"].startswith("internal error"), (line[:80], message)
+    assert "internal_error" not in d.log(), re.findall(r"exception=\"[^\"]*\"", d.log())[:3]
 
 
 def test_looping_request_and_release_keeps_the_event_history_bounded(start_daemon):
