@@ -13,10 +13,12 @@ Its other readers: the login shells' snippets (etc/profile.d/gpuguard.sh and its
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,15 +45,24 @@ def held(directory: Path, uid: int) -> list[str] | None:
 
 
 class VisibleDevicesFiles:
-    """The files (the real edges.VisibleDevices): Grants.write_visible_devices says what each one holds."""
+    """The files (the real edges.VisibleDevices): Grants.write_visible_devices says what each one holds.
+
+    Every step goes through the directory's descriptor, opened without following a link and
+    refused unless it is root's and only root may change it: the socket may be where users write
+    (an admin's `socket = "/tmp/gpuguard.sock"`), and a `held` another user made there first, or
+    a link to /etc/sudoers.d, would have root create and remove files wherever it points (or
+    set a read ACL on the file a name was swapped for)."""
 
     def __init__(self, directory: Path):
         self.directory = directory
 
     def users(self) -> set[int]:
         try:
-            self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-            return {int(name) for name in os.listdir(self.directory) if name.isdigit()}
+            directory = self._open()
+            try:
+                return {int(name) for name in os.listdir(directory) if name.isdigit()}
+            finally:
+                os.close(directory)
         except OSError as exc:
             event(logging.WARNING, "visible_devices_failed", path=self.directory, error=exc.strerror or str(exc))
             return set()
@@ -59,29 +70,50 @@ class VisibleDevicesFiles:
     def write(self, uid: int, uuids: Sequence[str]) -> None:
         path = self.directory / str(uid)
         try:
-            if uuids:
-                self._write(path, uid, ",".join(uuids))
-            else:
-                path.unlink(missing_ok=True)
+            directory = self._open()
+            try:
+                if uuids:
+                    self._write(directory, uid, ",".join(uuids))
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(str(uid), dir_fd=directory)
+            finally:
+                os.close(directory)
         except OSError as exc:
             event(logging.WARNING, "visible_devices_failed", uid=uid, path=path, error=exc.strerror or str(exc))
 
-    def _write(self, path: Path, uid: int, devices: str) -> None:
-        fd, temporary = tempfile.mkstemp(prefix=f".{uid}.", dir=self.directory)
+    def _open(self) -> int:
+        """The directory's descriptor (made 0755 if missing); OSError unless it is root's alone."""
+        try:
+            self.directory.mkdir(mode=0o755, parents=True)
+            os.chmod(self.directory, 0o755)  # mkdir applied the umask
+        except FileExistsError:
+            pass
+        directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        info = os.fstat(directory)
+        if info.st_uid != 0 or info.st_mode & 0o002 or (info.st_mode & 0o020 and info.st_gid != 0):
+            os.close(directory)
+            raise OSError(errno.EPERM, f"not root's alone (owner uid {info.st_uid}, mode "
+                                       f"{stat.S_IMODE(info.st_mode):04o}): no file written there")
+        return directory
+
+    def _write(self, directory: int, uid: int, devices: str) -> None:
+        temporary = f".{uid}.{secrets.token_hex(8)}"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400,
+                     dir_fd=directory)
         try:
             os.write(fd, f"{devices}\n".encode())
             os.fchmod(fd, 0o400)
-            os.close(fd)
-            fd = -1
             try:
-                posix_acl.apply_acls(temporary, [uid], perm=READ)
+                posix_acl.apply_acls(f"/proc/self/fd/{fd}", [uid], perm=READ)  # this file, whatever its name is now
             except OSError as exc:
                 if exc.errno != errno.EOPNOTSUPP:
                     raise
                 # a file system without ACLs: root's only, which is all the PAM module needs
-            os.replace(temporary, path)
+            os.replace(temporary, str(uid), src_dir_fd=directory, dst_dir_fd=directory)
         except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            Path(temporary).unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary, dir_fd=directory)
             raise
+        finally:
+            os.close(fd)
