@@ -4,7 +4,7 @@ The daemon and `gpuguard replay` both run it. Every grant taken back (release.Re
 idle release, reclaim, logout, expiry, revoke) is charged to its user's fair share (charge) and
 then offered to the waiters first (dispatch), so a freed GPU never goes to whoever asks next
 outside the queue. Listeners (the daemon: terminals and blocked `request --wait` clients) hear of
-each grant it makes.
+each grant it makes, and departure listeners (those clients) of each row that leaves unserved.
 All calls come from the event-loop thread, as the store requires.
 """
 from __future__ import annotations
@@ -96,6 +96,8 @@ class Queue:
         self.grants = grants
         self.holds = holds  # the rows an admin holds: kept in place, never served (`gpuguard hold`)
         self.listeners: list[Listener] = []
+        # ... and of each row that leaves unserved (a login's last session ended, a client gone, a cancel)
+        self.departures: list[Callable[[Collection[int]], None]] = []
         # The last demand() and the versions it was worked out from (the waiters, the grants, the
         # pool): the watcher asks at every view, the queue and the grants change far less often.
         self._demand: tuple[tuple[object, ...], rules.Demand] | None = None
@@ -208,7 +210,12 @@ class Queue:
         return queued, next((units for q, units in served if q.waiter.id == queued.waiter.id), None)
 
     def leave(self, ids: Iterable[int]) -> int:
-        return self.store.leave_queue(ids)
+        """Take these rows out unserved; the departure listeners hear of them. How many there were."""
+        ids = list(ids)
+        left = self.store.leave_queue(ids)
+        for departed in self.departures:
+            departed(ids)
+        return left
 
     def keep_total(self, uid: int, taken: Iterable[int]) -> None:
         """A rule (release.KEEPS_TOTAL: idle, reclaim, a time limit, a last logout, ...) took back

@@ -1,5 +1,7 @@
 """The clients blocked in `gpuguard request --wait` (the `wait` operation), by queue row: woken
-when the queue serves their row (a queue listener), or when the row leaves the queue.
+when the queue serves their row (a queue listener), or refused when the row leaves the queue
+unserved, however it leaves (a departure listener): a login's place that ended with its last
+session left a `wait` outside that session (tmux, nohup) blocked for good.
 
 A grant from the queue is also told to its user on their terminals, with the line a shell
 evaluates to see it. Rows served before their client's `wait` call arrives are kept for it (a
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 
 from gpuguard.core.errors import Refusal
 from gpuguard.core.messages import cuda_export, grant_reply
@@ -47,6 +50,16 @@ class Tickets:
                             new=units)
         text = f"{reply['message']}\r\n{cuda_export(reply['cuda_visible_devices'].split(','))}"
         self.terminals.tell(waiter.user, waiter.uid, text, self.store.ttys(waiter.uid))
+
+    def departed(self, tickets: Collection[int]) -> None:
+        """These rows left the queue unserved (a Queue departure listener): their blocked clients
+        are refused, never left waiting for a row nothing will serve."""
+        for ticket in tickets:
+            future = self._waiting.get(ticket)
+            if future is not None and not future.done():
+                future.set_exception(Refusal("your request left the queue (its login's last session ended, or "
+                                             "its client is gone); gpuguard request --wait asks again"))
+                future.exception()  # retrieved: a wait that left it itself (timed out, hung up) awaits it no more
 
     def collect(self, ticket: int, uid: int) -> tuple[int, ...] | None:
         """What the queue served this ticket of uid's before anyone waited for it (None: nothing yet;
@@ -91,11 +104,11 @@ class Tickets:
         """Take every queued request of uid out of the queue, and wake their waiting clients with a
         refusal; how many there were."""
         ids = [q.waiter.id for q in self.store.queue(uid)]
-        left = self.queue.leave(ids) if ids else 0
-        for ticket in ids:
+        for ticket in ids:  # before they leave: said as a cancel, not as departed() says it
             future = self._waiting.get(ticket)
             if future is not None and not future.done():
                 future.set_exception(Refusal("you left the queue (gpuguard cancel)"))
+        left = self.queue.leave(ids) if ids else 0
         if left:
             event(logging.INFO, "queue_left", uid=uid, reason="cancel")
         return left

@@ -184,6 +184,7 @@ def build(edges: Edges) -> Services:
     asks = Asks(config, store, grants, queue)
     tickets = Tickets(store, queue, grants, edges.terminals, edges.clock)
     queue.listeners.append(tickets.served)
+    queue.departures.append(tickets.departed)
 
     def tell(uid: int, user: str, message: str) -> None:
         if uid not in exempt.uids:

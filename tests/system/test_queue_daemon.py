@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +72,30 @@ def test_request_wait_times_out_with_exit_1_and_leaves(start_daemon):
     assert queue_users(d) == []
     bad = d.cli_as(bob, "request", "--wait", "--timeout", "-1")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_a_wait_on_a_place_that_leaves_the_queue_ends_with_it(start_daemon):
+    d = start_daemon(count=1, gate=False)
+    alice, bob = d.add_member(), d.add_member()
+    d.open_session(alice)
+    login = d.open_session(bob)  # queued at login: `request --wait` then waits on the login's place
+    assert queue_users(d) == [bob.name]
+    # Outside the session (tmux, nohup): the wait goes on after its last session ends.
+    waiting = popen_as(bob, gpuguard(d.config_path, "request", "--wait"), stdout=-1, stderr=-1, text=True)
+    try:
+        assert "in the queue" in waiting.stderr.readline()  # said just before its `wait` call
+        time.sleep(1)  # for that call to arrive
+        d.close_session(bob, login["pid"])  # the login's place leaves the queue with its last session
+        assert queue_users(d) == []
+        # Before: nothing would ever serve or refuse it, and the client waited for good.
+        assert waiting.wait(timeout=30) == 1
+        assert "left the queue" in waiting.stderr.read()
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+        waiting.stdout.close()
+        waiting.stderr.close()
 
 
 def test_request_wait_returns_the_grant_when_a_gpu_is_released(start_daemon):
