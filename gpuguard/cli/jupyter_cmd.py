@@ -41,8 +41,13 @@ WHAT = "jupyter kernel"  # how the wrapper names itself on stderr
 # Run by the Jupyter's Python: `find NAME` prints the kernel's spec, its directory and that
 # Python's own executable and version; `install DIR NAME WHERE [PREFIX]` installs DIR as NAME
 # and prints where it went. A failure is one line on stderr, exit 3 for a kernel not found.
+# `-c` puts the working directory first on sys.path (unless -P or PYTHONSAFEPATH, 3.11+): in /tmp or
+# a shared project, another user's json.py would run as whoever installs. sys is built in.
 HELPER = """
-import json, sys
+import sys
+if sys.path[:1] == [""]:
+    del sys.path[0]
+import json
 try:
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 except ImportError as exc:

@@ -13,8 +13,8 @@ import signal
 import subprocess
 
 import pytest
+from conftest import BIN, popen_as, run_as, unique
 from conftest import TestUser as Member  # not collected as a test class
-from conftest import popen_as, run_as, unique
 from sim_helpers import gpuguard
 from test_queue_daemon import queue_users
 
@@ -244,3 +244,25 @@ def test_an_interrupt_while_waiting_leaves_the_queue_and_starts_the_kernel_witho
     assert err.splitlines()[-1] == ("gpuguard: interrupted: you left the queue; this kernel starts with no GPU "
                                     "(restart it to ask again)")
     assert queue_users(d) == [] and d.granted_minors(alice) == []
+
+
+def test_install_kernel_in_a_shared_directory_runs_none_of_another_users_modules(start_daemon, make_user, sandbox):
+    """`-c` puts the working directory first on sys.path: alice installing from /tmp (here a
+    sticky directory like it) must not import the json.py mallory left there."""
+    d = start_daemon(count=1, gate=False)
+    alice, mallory = d.add_member(), make_user()
+    shared = sandbox / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    proof = shared / "ggt-ran"
+    planted = run_as(mallory, ["sh", "-c", f"printf '%s\\n' \"open('{proof}', 'w').write('ran')\" "
+                                           f"'from json_real import *' > {shared}/json.py"])
+    assert planted.returncode == 0, planted.stderr
+    name = unique("ggt-kernel")
+    command = [str(BIN / "gpuguard"), "--config", str(d.config_path)]  # as users run it: `python -m` reads the cwd too
+    done = subprocess.run([*command, "jupyter", "install-kernel", "--python", JUPYTER_PYTHON, "--name", name],
+                          user=alice.uid, group=alice.gid, cwd=shared, env=_env(alice),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not proof.exists()
+    assert json.loads((alice.home / ".local/share/jupyter/kernels" / name / "kernel.json").read_text())["argv"]
