@@ -86,11 +86,14 @@ class VisibleDevicesFiles:
         """The directory's descriptor (made 0755 if missing); OSError unless it is root's alone."""
         try:
             self.directory.mkdir(mode=0o755, parents=True)
-            os.chmod(self.directory, 0o755)  # mkdir applied the umask
+            made = True
         except FileExistsError:
-            pass
+            made = False
         directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         info = os.fstat(directory)
+        if made and info.st_uid == 0:
+            os.fchmod(directory, 0o755)  # mkdir applied the umask
+            info = os.fstat(directory)
         if info.st_uid != 0 or info.st_mode & 0o002 or (info.st_mode & 0o020 and info.st_gid != 0):
             os.close(directory)
             raise OSError(errno.EPERM, f"not root's alone (owner uid {info.st_uid}, mode "

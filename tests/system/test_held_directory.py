@@ -56,7 +56,8 @@ def test_a_users_own_held_directory_gets_no_file(sandbox, make_user):
 def test_in_roots_directory_each_user_reads_their_own_file_alone(sandbox, make_user):
     alice, bob = make_user(), make_user()
     socket_dir = sandbox / "run"
-    socket_dir.mkdir(mode=0o755)
+    socket_dir.mkdir()
+    socket_dir.chmod(0o755)
     files = VisibleDevicesFiles(directory_for(socket_dir / "gpuguard.sock"))
     assert files.users() == set()  # the daemon's start: the directory made
     files.write(alice.uid, UUIDS)
