@@ -207,13 +207,11 @@ class Api:
         here = self.queue.usage(now, uids)
         fleet = await self.queue.usage_elsewhere()
         elsewhere, elsewhere_at = fleet if fleet is not None else ({}, None)
-        found: dict[int, tuple[str, Quota]] = {}
-        for uid in uids:
-            try:
-                account = await self.lookup.by_uid(uid)
-                found[uid] = account.name, policy.quota_for(account.name, account.groups, config)
-            except UnknownUser:  # deleted since: its usage still counts until it decays
-                found[uid] = str(uid), config.defaults
+        # Names and quotas as the watcher keeps them (deleted since: the uid and the defaults, its
+        # usage counting until it decays): NSS asked once a minute per user, not once per call
+        # for every user ever charged, for anyone who asks.
+        await self.accounts.resolve(uids)
+        found: dict[int, tuple[str, Quota]] = {uid: self.accounts.of(uid) for uid in uids}
         for name in sorted(set(elsewhere) - {name for name, _ in found.values()}):
             try:
                 account = await self.lookup.by_name(name)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import re
 import signal
+import sqlite3
+import time
+from pathlib import Path
 
 from conftest import popen_as
 from sim_helpers import gpuguard, start_burn, stop_burn
@@ -232,3 +235,30 @@ def test_root_holds_a_request_it_keeps_its_place_is_not_served_and_survives_a_re
     assert [q["reason"] for q in d.call("status")["queue"]] == ["Resources"]
     refused = d.cli_as(carol, "hold", bob.name)
     assert (refused.returncode, refused.stderr) == (1, "gpuguard: hold is for root only\n")
+
+
+def read_bytes(d) -> int:
+    """What the daemon has read so far (its /proc/PID/io rchar): NSS's files included."""
+    with open(f"/proc/{d.proc.pid}/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+
+
+def test_fairshare_asks_nss_for_a_user_once_a_minute_not_at_every_call(start_daemon, make_user):
+    d = start_daemon(count=1, gate=False)
+    d.stop()
+    charged = 1000  # users charged once, deleted since (their usage counts until it decays)
+    with sqlite3.connect(d.config.paths.state_dir / "state.db") as db:
+        db.executemany("INSERT INTO fairshare (uid, value, at) VALUES (?, 3600.0, ?)",
+                       [(5_000_000 + i, time.time()) for i in range(charged)])
+    db.close()
+    d.restart()
+    stranger = make_user()  # anyone may ask, no membership needed
+    assert len(d.call_as(stranger, "fairshare")["users"]) == charged
+    one_pass = charged * Path("/etc/passwd").stat().st_size  # each lookup of a uid reads it all, at least
+    before = read_bytes(d)
+    for _ in range(3):
+        listed = d.call_as(stranger, "fairshare")["users"]
+        assert len(listed) == charged and listed[0]["user"] == str(listed[0]["uid"])
+    # Before: each call looked up every user again, 7.8 MB of NSS's files read per call for 1,000
+    # users (the daemon read none of it for the calls after the first).
+    assert read_bytes(d) - before < one_pass, read_bytes(d) - before
