@@ -32,7 +32,7 @@ MODPROBE_DIRS = ("etc/modprobe.d", "run/modprobe.d", "usr/lib/modprobe.d", "lib/
                  "usr/local/lib/modprobe.d")
 MODIFY_DEVICE_FILES = "sys/module/nvidia/parameters/ModifyDeviceFiles"
 _PAM_INCLUDE = re.compile(r"^-?session\s+(?:include|substack)\s+(\S+)|^@include\s+(\S+)")
-_PAM_SESSION = re.compile(r"^-?session\s+(?:\[[^]]*\]|\S+)\s+(\S+)")
+_PAM_SESSION = re.compile(r"^-?session\s+(?:\[[^]]*\]|\S+)\s+(\S.*)")  # the module and its arguments
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -151,7 +151,8 @@ def _node(path: Path) -> doctor.Node:
 
 
 def _pam_session(pam_dir: Path, service: str, seen: frozenset[str] = frozenset()) -> list[str] | None:
-    """The service's session modules in order, includes followed; None when it has no file."""
+    """The service's session lines in order (the module, then its arguments), includes followed;
+    None when it has no file."""
     path = pam_dir / service
     if service in seen or not path.is_file():
         return None
@@ -166,7 +167,7 @@ def _pam_session(pam_dir: Path, service: str, seen: frozenset[str] = frozenset()
 
 
 def _module_found(root: Path, session: list[str]) -> bool:
-    named = [module for module in session if module.split("/")[-1] == doctor.MODULE]
+    named = [module for module in (line.split()[0] for line in session) if module.split("/")[-1] == doctor.MODULE]
     if not named:
         return False
     if named[0].startswith("/"):

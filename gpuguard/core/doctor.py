@@ -55,7 +55,8 @@ class Facts:
     modify_device_files: str | None                  # /sys/module/nvidia/parameters/ModifyDeviceFiles
     modprobe_option: bool                            # a modprobe.d file sets NVreg_ModifyDeviceFiles=0
     pam_service: str
-    pam_session: Sequence[str] | None                # the service's session modules in order; None: no file
+    pam_session: Sequence[str] | None                # the service's session lines in order (module, then its
+                                                     # arguments), includes followed; None: no file
     pam_module_found: bool                           # pam_gpuguard.so exists where the stack names it
     udev_rules: Sequence[str]                        # rule files that RUN gpuguard acl apply
     persistenced_uid: int | None                     # None: no such account
@@ -196,20 +197,43 @@ def check_modprobe(f: Facts) -> Finding:
                    "gpuguard enable (it links /etc/modprobe.d/gpuguard.conf), then reboot")
 
 
+def _is_hook(line: str) -> bool:
+    """A pam_exec line that runs gpuguard's hook (`gpuguard pam-hook`, `python3 -m gpuguard.pam_hook`)."""
+    module, *arguments = line.split()
+    return module.split("/")[-1] == "pam_exec.so" and bool({"pam-hook", "gpuguard.pam_hook"} & set(arguments))
+
+
+def _reads_user_env(line: str) -> bool:
+    module, *arguments = line.split()
+    return module.split("/")[-1] == "pam_env.so" and "user_readenv=1" in arguments
+
+
 def check_pam(f: Facts) -> Finding:
     where = f"/etc/pam.d/{f.pam_service}"
     if f.pam_session is None:
         return Finding("pam", FAIL, f"{where} does not exist", "pass --pam-service NAME for the login service")
-    modules = [line.split("/")[-1] for line in f.pam_session]
-    if MODULE not in modules:
+    modules = [line.split()[0].split("/")[-1] for line in f.pam_session]
+    hooks = [i for i, line in enumerate(f.pam_session) if _is_hook(line)]
+    # pam_exec runs the hook as root with the PAM environment, which pam_env's user_readenv fills
+    # from the user's ~/.pam_environment (LD_PRELOAD, PYTHONPATH): only before that, and only at
+    # open_session (at close it is always there), is it root's own (pam/README)
+    user_env = next((i for i, line in enumerate(f.pam_session) if _reads_user_env(line)), len(modules))
+    if any("type=open_session" not in f.pam_session[i].split() or i > user_env for i in hooks):
+        return Finding("pam", FAIL, f"{where}: gpuguard's pam_exec hook may run with the user's PAM environment "
+                                    "(~/.pam_environment), as root",
+                       "give its line type=open_session and put it before any pam_env.so user_readenv=1 line "
+                       "(pam/README)")
+    if MODULE not in modules and not hooks:
         return Finding("pam", FAIL, f"{where}: no {MODULE} in the session stack",
                        "pam-auth-update --enable gpuguard (Debian/Ubuntu), else pam/README")
-    if not f.pam_module_found:
+    if MODULE in modules and not f.pam_module_found:
         return Finding("pam", FAIL, f"{where} names {MODULE}, which is not installed", "reinstall the package")
-    if "pam_systemd.so" in modules and modules.index("pam_systemd.so") > modules.index(MODULE):
-        return Finding("pam", FAIL, f"{where}: {MODULE} runs before pam_systemd.so",
+    first = modules.index(MODULE) if MODULE in modules else hooks[0]
+    what = MODULE if MODULE in modules else "gpuguard's pam_exec hook"
+    if "pam_systemd.so" in modules and modules.index("pam_systemd.so") > first:
+        return Finding("pam", FAIL, f"{where}: {what} runs before pam_systemd.so",
                        "put it after pam_systemd (pam-auth-update does)")
-    return Finding("pam", OK, f"{where}: {MODULE} in the session stack"
+    return Finding("pam", OK, f"{where}: {what} in the session stack"
                               + (", after pam_systemd.so" if "pam_systemd.so" in modules else ""))
 
 

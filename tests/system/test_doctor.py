@@ -77,3 +77,22 @@ def test_broken_setups_fail_with_a_fix(gg_daemon, files_root) -> None:
     assert result.returncode == 1
     assert found["daemon"].startswith("FAIL") and "-> systemctl enable --now gpuguard" in found["daemon"]
     assert found["nodes"].startswith("FAIL") and f"nvidia{minor} is 0o666 0:0 (want 0660 root:root)" in found["nodes"]
+
+
+def test_the_pam_exec_hook_without_type_open_session_fails(gg_daemon, files_root) -> None:
+    """pam/README's fallback line before it said type=open_session: at close_session pam_exec runs
+    the hook as root with what pam_env read from the user's ~/.pam_environment (Debian's sshd
+    file reads it after common-session), so LD_PRELOAD there ran the user's code as root."""
+    d = gg_daemon
+    hook = f"session optional pam_exec.so quiet stdout {REPO}/.venv/bin/gpuguard pam-hook\n"
+    reads_env = "session required pam_env.so user_readenv=1 envfile=/etc/default/locale\n"
+    common = files_root / "etc/pam.d/common-session"
+    common.write_text("session required pam_unix.so\nsession optional pam_systemd.so\n" + hook)
+    (files_root / "etc/pam.d/sshd").write_text("auth required pam_permit.so\n@include common-session\n" + reads_env)
+    found = lines(d.cli("doctor", "--files-root", str(files_root)))
+    assert found["pam"].startswith("FAIL") and "user's PAM environment" in found["pam"], found["pam"]
+    assert "-> give its line type=open_session" in found["pam"]
+
+    common.write_text(common.read_text().replace("pam_exec.so quiet", "pam_exec.so type=open_session quiet"))
+    found = lines(d.cli("doctor", "--files-root", str(files_root)))
+    assert found["pam"].startswith("ok ") and "pam_exec hook" in found["pam"], found["pam"]

@@ -9,6 +9,7 @@ from gpuguard.core import doctor
 from gpuguard.core.doctor import FAIL, OK, WARN, Facts, Node
 
 ALICE = 1001
+HOOK = "pam_exec.so type=open_session quiet stdout /usr/bin/gpuguard pam-hook"  # pam/README's line
 
 
 def healthy() -> Facts:
@@ -68,6 +69,11 @@ def node(minor: int, **changes) -> dict[int, Node]:
     ({"pam_session": ["pam_unix.so", "pam_systemd.so"]}, "pam", FAIL),
     ({"pam_session": ["pam_gpuguard.so", "pam_systemd.so"]}, "pam", FAIL),
     ({"pam_module_found": False}, "pam", FAIL),
+    # the pam_exec hook as pam/README gave it before it said type=open_session: at close_session it
+    # runs as root with what pam_env read from the user's ~/.pam_environment
+    ({"pam_session": ["pam_unix.so", "pam_systemd.so", HOOK.replace(" type=open_session", "")]}, "pam", FAIL),
+    ({"pam_session": ["pam_unix.so", "pam_systemd.so", "pam_env.so user_readenv=1", HOOK]}, "pam", FAIL),
+    ({"pam_session": ["pam_unix.so", HOOK, "pam_systemd.so"]}, "pam", FAIL),
     ({"udev_rules": []}, "udev", FAIL),
     ({"persistenced_uid": 105}, "persistenced", FAIL),
     ({"daemon": None, "daemon_error": "not reachable"}, "daemon", FAIL),
@@ -88,6 +94,9 @@ def test_what_is_fine_stays_fine() -> None:
                                  driver_minors=[]))
     assert simulated["modprobe"] == OK and simulated["minors"] == OK
     assert verdicts(replace(healthy(), pam_session=["/opt/x/pam_gpuguard.so"]))["pam"] == OK  # no pam_systemd
+    # the fallback without the module, as pam/README gives it, before pam_env reads the user's file
+    hooked = ["pam_unix.so", "pam_systemd.so", HOOK, "pam_env.so user_readenv=1 envfile=/etc/default/locale"]
+    assert verdicts(replace(healthy(), pam_session=hooked, pam_module_found=False))["pam"] == OK
     # Without the daemon the node check still judges modes, and does not fail on ACLs it cannot judge.
     assert verdicts(replace(healthy(), daemon=None, daemon_error="down"))["nodes"] == OK
 
