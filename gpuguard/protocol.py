@@ -9,6 +9,7 @@ message: the server takes it from SO_PEERCRED. JSON only, never pickle.
 from __future__ import annotations
 
 import json
+import reprlib
 
 from gpuguard.core.errors import UsageError
 from gpuguard.core.escape import printable
@@ -72,9 +73,23 @@ def decode_request(line: bytes) -> dict[str, Any]:
     return message
 
 
+def _bounded_repr() -> reprlib.Repr:
+    bounded = reprlib.Repr()
+    # 4 levels deep at most: json.loads takes a value nested nearly as deep as the stack allows,
+    # and a plain repr of it, a few frames deeper, ran out of stack (RecursionError: "internal error")
+    bounded.maxlevel = 4
+    # and as long as anything shown is cut to (`limit`) anyway, so that short values read as repr() has them
+    bounded.maxstring = bounded.maxother = bounded.maxlong = 200
+    bounded.maxlist = bounded.maxtuple = bounded.maxdict = bounded.maxset = bounded.maxfrozenset = 30
+    return bounded
+
+
+_BOUNDED = _bounded_repr()
+
+
 def shown(value: Any, limit: int = 60) -> str:
-    """A client's value in an error message: its repr, cut short (the client chose its size)."""
-    text = repr(value)
+    """A client's value in an error message: its repr, cut short (the client chose its size and depth)."""
+    text = _BOUNDED.repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -415,7 +415,4 @@ def kind_of(message: dict[str, Any]) -> type[Op]:
 def parse(message: dict[str, Any]) -> Op:
     """The typed request a decoded message (protocol.decode_request) asks for, or a Refusal
     with one line and code 2 saying what is wrong with it."""
-    try:
-        return kind_of(message).read(Fields(message))
-    except RecursionError:  # a value nested as deep as json.loads took, repr'd (shown) a few frames deeper
-        raise _bad("a field is nested too deeply") from None
+    return kind_of(message).read(Fields(message))

@@ -1,4 +1,6 @@
 """The wire format: what the daemon accepts, and that hostile input is a ProtocolError, never a crash."""
+import json
+
 import pytest
 
 from gpuguard import protocol
@@ -34,6 +36,24 @@ def test_request_round_trip():
 def test_bad_requests_are_protocol_errors(line, fragment):
     with pytest.raises(ProtocolError, match=fragment):
         protocol.decode_request(line)
+
+
+def test_a_value_nested_as_deep_as_json_takes_is_shown_without_running_out_of_stack():
+    """json.loads takes a value nested nearly as deep as the stack allows; the daemon repr'd it in
+    a refusal some frames deeper, which raised RecursionError (its "internal error")."""
+    value = next(value for depth in range(999, 0, -1) if (value := _loaded("[" * depth + "]" * depth)) is not None)
+
+    def deeper(frames: int) -> str:  # the request's way from the socket to the refusal, and more
+        return deeper(frames - 1) if frames else protocol.shown(value)
+
+    assert deeper(200) == "[[[[[...]]]]]"
+
+
+def _loaded(text: str) -> object:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return None
 
 
 def test_a_grants_and_an_events_unit_travel_under_the_wires_key_minor():
