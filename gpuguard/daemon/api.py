@@ -212,13 +212,9 @@ class Api:
         # for every user ever charged, for anyone who asks.
         await self.accounts.resolve(uids)
         found: dict[int, tuple[str, Quota]] = {uid: self.accounts.of(uid) for uid in uids}
-        for name in sorted(set(elsewhere) - {name for name, _ in found.values()}):
-            try:
-                account = await self.lookup.by_name(name)
-            except UnknownUser:  # a user this server cannot name cannot wait here
-                continue
-            if account.uid not in found:
-                found[account.uid] = account.name, policy.quota_for(account.name, account.groups, config)
+        # those known only elsewhere, by name (one this server cannot name cannot wait here)
+        named = await self.accounts.by_names(sorted(set(elsewhere) - {name for name, _ in found.values()}))
+        found = {**named, **found}
         users: list[dict[str, Any]] = []
         for uid, (name, quota) in found.items():
             mine, theirs = here.get(uid, 0.0), float(elsewhere.get(name, 0.0))

@@ -14,6 +14,7 @@ from gpuguard.core.model import Quota
 from gpuguard.services.edges import Lookup
 
 ACCOUNT_CACHE = 60.0  # seconds a user's groups (hence quota) are reused; a reload clears it
+NAMES_KEPT = 4096     # names looked up by name (a fleet's other servers' users) kept at most
 
 
 
@@ -25,6 +26,8 @@ class KnownAccounts:
         self.lookup = lookup
         self.config = config
         self._accounts: dict[int, tuple[float, Config, str, Quota]] = {}  # uid -> (when, config, name, quota)
+        # name -> (when, config, its uid; None: NSS knows no such name), oldest first
+        self._names: dict[str, tuple[float, Config, int | None]] = {}
 
     def _stale(self, uids: Iterable[int]) -> list[int]:
         """Those of uids not cached, or cached under another config or longer than ACCOUNT_CACHE ago."""
@@ -46,6 +49,30 @@ class KnownAccounts:
                 cached = self._accounts.get(uid)
                 entry = (cached[2], cached[3]) if cached and cached[1] is config else (str(uid), config.defaults)
             self._accounts[uid] = (time.monotonic(), config, *entry)
+
+    async def by_names(self, names: Iterable[str]) -> dict[int, tuple[str, Quota]]:
+        """uid -> name and quota of those of `names` NSS knows (the users a fleet's other servers
+        report), each asked at most once per ACCOUNT_CACHE, a name it does not know too: anyone may
+        ask `fairshare` as often as they like, and these names are the other servers' users."""
+        found: dict[int, tuple[str, Quota]] = {}
+        for name in names:
+            config, cached = self.config(), self._names.get(name)
+            if cached is None or cached[1] is not config or cached[0] <= time.monotonic() - ACCOUNT_CACHE:
+                try:
+                    account = await self.lookup.by_name(name)
+                except UnknownUser:  # a user this server cannot name
+                    cached = (time.monotonic(), config, None)
+                else:
+                    cached = (time.monotonic(), config, account.uid)
+                    self._accounts[account.uid] = (*cached[:2], account.name,
+                                                   policy.quota_for(account.name, account.groups, config))
+                self._names.pop(name, None)  # to the end: the oldest go first past NAMES_KEPT
+                self._names[name] = cached
+                while len(self._names) > NAMES_KEPT:
+                    del self._names[next(iter(self._names))]
+            if cached[2] is not None and cached[2] in self._accounts:
+                found[cached[2]] = self.of(cached[2])
+        return found
 
     def of(self, uid: int) -> tuple[str, Quota]:
         """Name and resolved quota of uid as resolve left them; a uid it never saw (granted during
