@@ -3,7 +3,10 @@
 aiohttp keeps an idle connection 75 s and one that never finishes its request headers for ever,
 so 1,100 idle connections from one local account took the web's 1,024 descriptors. `Guard`
 stands between the listener and aiohttp's protocol (`Guarded`): at most `per_client` connections
-per client address (a trusted proxy's excepted), at most `total` in all; a connection must have
+per client address (a trusted proxy's excepted; all of loopback one client, since any local user
+can bind each of 127/8's addresses: as several, a flood of served connections from them took all
+`total` and refused everyone else; a client at its bound pushes out its own oldest that has not
+sent a request yet), at most `total` in all; a connection must have
 sent a whole request within `first_request` seconds, and one that sends nothing for `idle`
 seconds is closed. When all `total` are taken, a new connection pushes out the oldest that has
 not sent a request yet (a browser's sends its own at once), else it is refused. A malformed
@@ -12,6 +15,7 @@ request is one counted log line (`malformed`), not aiohttp's traceback.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +25,7 @@ from typing import Any
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gpuguard.web.counted import Counted
+from gpuguard.web.slots import LOOPBACK
 
 PER_CLIENT = 64         # a browser opens 6 per host; a lab PC's few users fit
 FIRST_REQUEST = 10.0    # seconds from connect to a whole request
@@ -58,10 +63,17 @@ class Guard:
 
     def admit(self, transport: asyncio.BaseTransport) -> bool:
         peername = transport.get_extra_info("peername")
-        peer = str(peername[0]) if isinstance(peername, tuple) else "?"
-        if self._per_peer.get(peer, 0) >= self.per_client and not self.exempt(peer):
-            self.refused.add(client=peer, why="per_client")
-            return False
+        address = str(peername[0]) if isinstance(peername, tuple) else "?"
+        exempt = self.exempt(address)
+        peer = address if exempt else client_of(address)
+        if self._per_peer.get(peer, 0) >= self.per_client and not exempt:
+            # its own oldest that has not sent a request gives way (idlers from its other
+            # addresses must not keep a browser of the same host out), else it is refused
+            oldest = next((t for t, c in self._open.items() if c.peer == peer and not c.served), None)
+            if oldest is None:
+                self.refused.add(client=peer, why="per_client")
+                return False
+            self._close(oldest, "pushed_out")
         if len(self._open) >= self.total:
             oldest = next((t for t, c in self._open.items() if not c.served), None)
             if oldest is None:
@@ -114,6 +126,18 @@ class Guard:
     def factory(self, make: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         """The listener's protocol factory: aiohttp's (`make`) behind this guard."""
         return lambda: Guarded(self, make())
+
+
+def client_of(address: str) -> str:
+    """Whose share of `per_client` a connection from `address` takes: the address, but all of
+    loopback (127/8, ::1 and the IPv4-mapped 127/8) is one client (slots.LOOPBACK)."""
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        parsed = parsed.ipv4_mapped
+    return LOOPBACK if parsed.is_loopback else address
 
 
 def _abort(transport: asyncio.BaseTransport) -> None:

@@ -25,9 +25,28 @@ class Transport:
 
 def test_per_client_cap_with_trusted_proxies_excepted():
     guard = Guard(total=100, per_client=2, exempt=lambda peer: peer == "10.0.0.9")
-    assert [guard.admit(Transport("127.0.0.2")) for _ in range(3)] == [True, True, False]
-    assert guard.admit(Transport("127.0.0.3"))
+    served = []
+    for _ in range(2):
+        served.append(Transport("192.0.2.2"))
+        assert guard.admit(served[-1])
+        guard.served(served[-1])
+    assert not guard.admit(Transport("192.0.2.2"))  # its two have sent requests: refused
+    assert guard.admit(Transport("192.0.2.3"))
     assert all(guard.admit(Transport("10.0.0.9")) for _ in range(5))
+    assert guard.refused.total == 1
+
+
+def test_all_of_loopback_is_one_client_but_a_trusted_proxy_there_is_not_counted_in_it():
+    guard = Guard(total=100, per_client=2, exempt=lambda peer: peer == "127.0.0.1")
+    assert all(guard.admit(Transport("127.0.0.1")) for _ in range(5))  # the proxy: no cap, not loopback's
+    idler, browser = Transport("127.0.0.2"), Transport("::1")
+    assert guard.admit(idler) and guard.admit(browser)
+    guard.served(browser)
+    late = Transport("::ffff:127.9.9.9")
+    assert guard.admit(late) and idler.closed == "abort"  # its own idler gave way
+    guard.served(late)
+    assert not guard.admit(Transport("127.0.0.3"))  # loopback's two have sent requests: refused
+    assert guard.admit(Transport("192.0.2.2"))
     assert guard.refused.total == 1
 
 
