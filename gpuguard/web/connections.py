@@ -15,7 +15,6 @@ request is one counted log line (`malformed`), not aiohttp's traceback.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from typing import Any
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gpuguard.web.counted import Counted
-from gpuguard.web.slots import LOOPBACK
+from gpuguard.web.slots import LOOPBACK, is_loopback
 
 PER_CLIENT = 64         # a browser opens 6 per host; a lab PC's few users fit
 FIRST_REQUEST = 10.0    # seconds from connect to a whole request
@@ -130,14 +129,8 @@ class Guard:
 
 def client_of(address: str) -> str:
     """Whose share of `per_client` a connection from `address` takes: the address, but all of
-    loopback (127/8, ::1 and the IPv4-mapped 127/8) is one client (slots.LOOPBACK)."""
-    try:
-        parsed = ipaddress.ip_address(address)
-    except ValueError:
-        return address
-    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
-        parsed = parsed.ipv4_mapped
-    return LOOPBACK if parsed.is_loopback else address
+    loopback is one client (slots.is_loopback)."""
+    return LOOPBACK if is_loopback(address) else address
 
 
 def _abort(transport: asyncio.BaseTransport) -> None:

@@ -45,17 +45,20 @@ def client_key(address: str) -> str:
     return str(parsed)
 
 
-def group_of(address: str) -> str:
-    """Whose share of the conversations a login takes: its client_key, but all of loopback (127/8
-    and ::1) is one: any local user can bind any of those addresses, so they are one host."""
+def is_loopback(address: str) -> bool:
+    """127/8, ::1 or an IPv4-mapped 127/8: any local user can bind each of them, so all are one host."""
     try:
         parsed = ipaddress.ip_address(address)
     except ValueError:
-        return address
-    if parsed.is_loopback or (isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None
-                              and parsed.ipv4_mapped.is_loopback):
-        return LOOPBACK
-    return client_key(address)
+        return False
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        return parsed.ipv4_mapped.is_loopback
+    return parsed.is_loopback
+
+
+def group_of(address: str) -> str:
+    """Whose share of the conversations a login takes: its client_key, but all of loopback is one."""
+    return LOOPBACK if is_loopback(address) else client_key(address)
 
 
 @dataclass(eq=False)
