@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from gpuguard.config import AccessConfig, Config
 from gpuguard.core import policy
 from gpuguard.core.errors import LookupTimeout, NssFailure, UnknownUser
-from gpuguard.core.model import Quota
+from gpuguard.core.model import Account, Quota
 from gpuguard.services.edges import Lookup
 
 ACCOUNT_CACHE = 60.0  # seconds a user's groups (hence quota) are reused; a reload clears it
@@ -29,12 +29,13 @@ class KnownAccounts:
         # name -> (when, config, its uid; None: NSS knows no such name), oldest first
         self._names: dict[str, tuple[float, Config, int | None]] = {}
 
+    def _fresh(self, entry: tuple[float, Config, object] | tuple[float, Config, str, Quota]) -> bool:
+        """Whether a cached (when, config, ...) still holds: asked under this config, within ACCOUNT_CACHE."""
+        return entry[1] is self.config() and entry[0] > time.monotonic() - ACCOUNT_CACHE
+
     def _stale(self, uids: Iterable[int]) -> list[int]:
         """Those of uids not cached, or cached under another config or longer than ACCOUNT_CACHE ago."""
-        config, oldest = self.config(), time.monotonic() - ACCOUNT_CACHE
-        cached = self._accounts
-        return sorted(uid for uid in set(uids)
-                      if (entry := cached.get(uid)) is None or entry[1] is not config or entry[0] <= oldest)
+        return sorted(uid for uid in set(uids) if (entry := self._accounts.get(uid)) is None or not self._fresh(entry))
 
     async def resolve(self, uids: Iterable[int]) -> None:
         """Look up (off the loop) the users whose name and quota are not cached or are stale."""
@@ -44,7 +45,7 @@ class KnownAccounts:
             config = self.config()
             try:
                 account = await self.lookup.by_uid(uid)
-                entry = (account.name, policy.quota_for(account.name, account.groups, config))
+                entry = _named(account, config)
             except UnknownUser:  # deleted, or NSS too slow: the defaults still bound it
                 cached = self._accounts.get(uid)
                 entry = (cached[2], cached[3]) if cached and cached[1] is config else (str(uid), config.defaults)
@@ -56,16 +57,16 @@ class KnownAccounts:
         ask `fairshare` as often as they like, and these names are the other servers' users."""
         found: dict[int, tuple[str, Quota]] = {}
         for name in names:
-            config, cached = self.config(), self._names.get(name)
-            if cached is None or cached[1] is not config or cached[0] <= time.monotonic() - ACCOUNT_CACHE:
+            cached = self._names.get(name)
+            if cached is None or not self._fresh(cached):
+                config = self.config()
                 try:
                     account = await self.lookup.by_name(name)
                 except UnknownUser:  # a user this server cannot name
                     cached = (time.monotonic(), config, None)
                 else:
                     cached = (time.monotonic(), config, account.uid)
-                    self._accounts[account.uid] = (*cached[:2], account.name,
-                                                   policy.quota_for(account.name, account.groups, config))
+                    self._accounts[account.uid] = (*cached[:2], *_named(account, config))
                 self._names.pop(name, None)  # to the end: the oldest go first past NAMES_KEPT
                 self._names[name] = cached
                 while len(self._names) > NAMES_KEPT:
@@ -84,6 +85,11 @@ class KnownAccounts:
 
     def name_of(self, uid: int) -> str:
         return self.of(uid)[0]
+
+
+def _named(account: Account, config: Config) -> tuple[str, Quota]:
+    """What the cache keeps of an account NSS answered: its name and its quota under `config`."""
+    return account.name, policy.quota_for(account.name, account.groups, config)
 
 
 async def membership(lookup: Lookup, access: AccessConfig, uid: int) -> bool | None:
