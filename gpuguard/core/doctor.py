@@ -197,28 +197,34 @@ def check_modprobe(f: Facts) -> Finding:
                    "gpuguard enable (it links /etc/modprobe.d/gpuguard.conf), then reboot")
 
 
+def _module(line: str) -> tuple[str, list[str]]:
+    """A session line's module, by its file name (a path or not), and its arguments."""
+    module, *arguments = line.split()
+    return module.split("/")[-1], arguments
+
+
 def _is_hook(line: str) -> bool:
     """A pam_exec line that runs gpuguard's hook (`gpuguard pam-hook`, `python3 -m gpuguard.pam_hook`)."""
-    module, *arguments = line.split()
-    return module.split("/")[-1] == "pam_exec.so" and bool({"pam-hook", "gpuguard.pam_hook"} & set(arguments))
+    module, arguments = _module(line)
+    return module == "pam_exec.so" and bool({"pam-hook", "gpuguard.pam_hook"} & set(arguments))
 
 
 def _reads_user_env(line: str) -> bool:
-    module, *arguments = line.split()
-    return module.split("/")[-1] == "pam_env.so" and "user_readenv=1" in arguments
+    module, arguments = _module(line)
+    return module == "pam_env.so" and "user_readenv=1" in arguments
 
 
 def check_pam(f: Facts) -> Finding:
     where = f"/etc/pam.d/{f.pam_service}"
     if f.pam_session is None:
         return Finding("pam", FAIL, f"{where} does not exist", "pass --pam-service NAME for the login service")
-    modules = [line.split()[0].split("/")[-1] for line in f.pam_session]
+    modules = [_module(line)[0] for line in f.pam_session]
     hooks = [i for i, line in enumerate(f.pam_session) if _is_hook(line)]
     # pam_exec runs the hook as root with the PAM environment, which pam_env's user_readenv fills
     # from the user's ~/.pam_environment (LD_PRELOAD, PYTHONPATH): only before that, and only at
     # open_session (at close it is always there), is it root's own (pam/README)
     user_env = next((i for i, line in enumerate(f.pam_session) if _reads_user_env(line)), len(modules))
-    if any("type=open_session" not in f.pam_session[i].split() or i > user_env for i in hooks):
+    if any("type=open_session" not in _module(f.pam_session[i])[1] or i > user_env for i in hooks):
         return Finding("pam", FAIL, f"{where}: gpuguard's pam_exec hook may run with the user's PAM environment "
                                     "(~/.pam_environment), as root",
                        "give its line type=open_session and put it before any pam_env.so user_readenv=1 line "
