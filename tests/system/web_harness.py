@@ -53,9 +53,10 @@ class RunningWeb:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free where the web will listen: one free on 127.0.0.1 may be taken on another address."""
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         return probe.getsockname()[1]
 
 
@@ -94,7 +95,7 @@ class WebStarter:
         """descriptors: its RLIMIT_NOFILE (prlimit), as a unit's LimitNOFILE sets it; host: where
         it listens (the url names it too); scheme https when [web] tls_cert is set."""
         assert self.account is not None, "prepare() first"
-        port = free_port()
+        port = free_port(host)
         log_path = self.sandbox / "web.log"
         limit = ["prlimit", f"--nofile={descriptors}", "--"] if descriptors else []
         with open(log_path, "ab") as log:
